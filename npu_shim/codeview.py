@@ -1,0 +1,194 @@
+"""Read the running sglang's code from its source files, without importing it.
+
+Probes and target checks ask questions of a ``SourceView`` ("does Scheduler.init_zbal_on_npu
+exist?", "what are the parameters of ModelRunner.initialize?").  Answering from the ``.py`` files
+means the shim can decide everything about a patch before the first target module executes (all
+or nothing), ``python -m npu_shim status`` can answer without importing sglang, and the test suite
+can ask the same questions of every released wheel.  Files are parsed lazily, once each.
+
+``live_params`` answers the signature question for an already imported function (cheap: it reads
+``__code__``), so the shim can check the loaded code matches what it decided on.
+"""
+
+import ast
+import hashlib
+import os
+import re
+
+
+class FunctionInfo:
+    """A function or method as written in the source."""
+
+    __slots__ = ("qualname", "params", "fingerprint")
+
+    def __init__(self, qualname, params, fingerprint):
+        self.qualname = qualname
+        self.params = params            # parameter names, ``self``/``cls`` left out for methods
+        self.fingerprint = fingerprint  # short hash of the normalised AST of the whole def
+
+    def __repr__(self):
+        return "FunctionInfo(%s(%s))" % (self.qualname, ", ".join(self.params))
+
+
+def _params(args, drop_first):
+    names = [a.arg for a in args.posonlyargs + args.args]
+    if drop_first and names:
+        names = names[1:]
+    if args.vararg:
+        names.append("*" + args.vararg.arg)
+    names += [a.arg for a in args.kwonlyargs]
+    if args.kwarg:
+        names.append("**" + args.kwarg.arg)
+    return tuple(names)
+
+
+def fingerprint_node(node):
+    """Hash of a def's AST: insensitive to comments and formatting, sensitive to any code change."""
+    dump = ast.dump(node, annotate_fields=False, include_attributes=False)
+    return hashlib.sha256(dump.encode()).hexdigest()[:16]
+
+
+def _is_static(node):
+    return any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in node.decorator_list)
+
+
+def _walk_block(body):
+    """Top-level statements, looking through if/try blocks (guarded imports, platform branches)."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.If):
+            yield from _walk_block(node.body)
+            yield from _walk_block(node.orelse)
+        elif isinstance(node, ast.Try):
+            yield from _walk_block(node.body)
+            for handler in node.handlers:
+                yield from _walk_block(handler.body)
+            yield from _walk_block(node.orelse)
+            yield from _walk_block(node.finalbody)
+
+
+class ModuleSource:
+    """Functions, methods and global names of one module, from its parsed source."""
+
+    def __init__(self, path, text):
+        self.path = path
+        self.text = text
+        tree = ast.parse(text, filename=path)
+        self.functions = {}
+        self.globals = set()
+        for node in _walk_block(tree.body):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                self.functions[node.name] = FunctionInfo(
+                    node.name, _params(node.args, False), fingerprint_node(node))
+                self.globals.add(node.name)
+            elif isinstance(node, ast.ClassDef):
+                self.globals.add(node.name)
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        qualname = node.name + "." + item.name
+                        self.functions[qualname] = FunctionInfo(
+                            qualname, _params(item.args, not _is_static(item)), fingerprint_node(item))
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if isinstance(target, ast.Name):
+                        self.globals.add(target.id)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    self.globals.add((alias.asname or alias.name).split(".")[0])
+
+    def contains(self, pattern):
+        """True when the source text matches a regular expression (for probes on code, not names)."""
+        return re.search(pattern, self.text) is not None
+
+
+class SourceView:
+    """The sglang source tree rooted at ``package_dir`` (the directory of ``sglang/__init__.py``)."""
+
+    def __init__(self, package_dir, version=None):
+        self.package_dir = package_dir
+        self.version = version if version is not None else read_version(package_dir)
+        self._modules = {}
+
+    def module(self, dotted):
+        """ModuleSource for ``sglang.x.y`` or None when the release has no such file."""
+        if dotted not in self._modules:
+            self._modules[dotted] = self._load(dotted)
+        return self._modules[dotted]
+
+    def _load(self, dotted):
+        parts = dotted.split(".")
+        if parts[0] != "sglang":
+            raise ValueError("not an sglang module: %s" % dotted)
+        base = os.path.join(self.package_dir, *parts[1:])
+        for path in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as handle:
+                    return ModuleSource(path, handle.read())
+        return None
+
+    def function(self, dotted, qualname):
+        module = self.module(dotted)
+        return module.functions.get(qualname) if module else None
+
+    def has(self, dotted, qualname):
+        """A function, method or module-level name exists."""
+        module = self.module(dotted)
+        if module is None:
+            return False
+        return qualname in module.functions or qualname in module.globals
+
+
+_VERSION = re.compile(r"""__version__\s*=\s*["']([^"']+)["']""")
+
+
+def read_version(package_dir):
+    """sglang's version from ``sglang/version.py`` (text only), or None."""
+    try:
+        with open(os.path.join(package_dir, "version.py"), encoding="utf-8") as handle:
+            match = _VERSION.search(handle.read())
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+def version_tuple(text):
+    """'0.5.10.post1' -> (0, 5, 10); unknown text -> ()."""
+    numbers = []
+    for part in (text or "").split("."):
+        if not part.isdigit():
+            break
+        numbers.append(int(part))
+    return tuple(numbers)
+
+
+def unwrap(func):
+    """Follow ``__wrapped__`` (functools.wraps decorators, wrapt wrappers) to the defining function."""
+    seen = set()
+    while hasattr(func, "__wrapped__") and id(func) not in seen:
+        seen.add(id(func))
+        func = func.__wrapped__
+    return func
+
+
+def live_params(func, is_method):
+    """Parameter names of an imported function, in the form ``FunctionInfo.params`` uses."""
+    func = unwrap(func)
+    if isinstance(func, (staticmethod, classmethod)):
+        is_method = isinstance(func, classmethod)
+        func = func.__func__
+    code = func.__code__
+    count = code.co_argcount  # includes positional-only parameters
+    names = list(code.co_varnames[:count])
+    index = count
+    kwonly = list(code.co_varnames[index:index + code.co_kwonlyargcount])
+    index += code.co_kwonlyargcount
+    if is_method and names:
+        names = names[1:]
+    if code.co_flags & 0x04:  # CO_VARARGS
+        names.append("*" + code.co_varnames[index])
+        index += 1
+    names += kwonly
+    if code.co_flags & 0x08:  # CO_VARKEYWORDS
+        names.append("**" + code.co_varnames[index])
+    return tuple(names)

@@ -1,0 +1,72 @@
+"""The shim's one logger, ``npu_shim``; lines read ``[npu-shim] <message>``.
+
+If the application has configured no handler for it (or for the root logger) by the time the shim
+first logs, a stderr handler is attached so the per-patch lines are seen in every process.
+"""
+
+import logging
+import os
+import sys
+
+LOGGER_NAME = "npu_shim"
+logger = logging.getLogger(LOGGER_NAME)
+_reported = set()
+_configured = False
+
+
+def _configure():
+    global _configured
+    if _configured:
+        return
+    _configured = True
+    from npu_shim import config
+
+    try:
+        level = config.LOG_LEVEL.read()
+    except config.ConfigError as exc:
+        level = "INFO"
+        _reported.add("log-level")
+        _emit(logging.ERROR, "%s (using INFO)" % exc)
+    logger.setLevel(level)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[npu-shim] %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+def _emit(level, message):
+    logger.log(level, message)
+
+
+def log(level, message):
+    _configure()
+    _emit(level, message)
+
+
+def info(message):
+    log(logging.INFO, message)
+
+
+def warning(message):
+    log(logging.WARNING, message)
+
+
+def error(message):
+    log(logging.ERROR, message)
+
+
+def debug(message):
+    log(logging.DEBUG, message)
+
+
+def error_once(key, message):
+    """Log an error only the first time ``key`` is seen in this process."""
+    if key in _reported:
+        return
+    _reported.add(key)
+    error(message)
+
+
+def process_tag():
+    return "pid %d" % os.getpid()

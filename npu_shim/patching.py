@@ -1,0 +1,245 @@
+"""The patch model: what a patch declares, how it is decided, applied and reverted.
+
+A feature module under ``npu_shim/patches/`` defines one ``Patch`` subclass that says, in one
+place: the upstream PR it backports and the release that has it, its switch and the variables it
+reads, a ``probe`` that recognises upstream's own implementation in the running code, and its
+``targets``.  ``decide`` turns that into one of the states below using the sglang *source*
+(``codeview.SourceView``), before anything is changed; the runtime then applies the targets module
+by module as sglang imports them, checking each against the loaded code first.
+"""
+
+from npu_shim import config
+from npu_shim.codeview import live_params
+
+APPLIED = "applied"          # backported into the running sglang
+UPSTREAM = "upstream"        # stood down: the running sglang has the feature itself
+DISABLED = "disabled"        # switched off by its NPU_SHIM_* switch
+INACTIVE = "inactive"        # its trigger is not set (e.g. zbal without a size) or no NPU
+UNSUPPORTED = "unsupported"  # a target is missing or has a signature the shim does not know
+FAILED = "failed"            # an error (bad configuration, or an exception while applying)
+STATES = (APPLIED, UPSTREAM, DISABLED, INACTIVE, UNSUPPORTED, FAILED)
+
+_MISSING = object()
+
+
+class ShimError(RuntimeError):
+    """Raised to the application only in strict mode, or when a feature the user explicitly
+    configured cannot be honoured (running without it would be silently wrong)."""
+
+
+class Change:
+    """One attribute replaced by a target; knows how to put everything back."""
+
+    def __init__(self, owner, attr, original, replacement):
+        self.owner = owner
+        self.attr = attr
+        self.original = original          # _MISSING when the attribute did not exist
+        self.replacement = replacement
+
+    def apply(self, rebind_copies):
+        setattr(self.owner, self.attr, self.replacement)
+        if rebind_copies and self.original is not _MISSING and _is_module(self.owner):
+            rebind(self.original, self.replacement, skip=self.owner)
+
+    def revert(self):
+        if self.owner.__dict__.get(self.attr, _MISSING) is self.replacement:
+            if self.original is _MISSING:
+                delattr(self.owner, self.attr)
+            else:
+                setattr(self.owner, self.attr, self.original)
+        if self.original is not _MISSING and _is_module(self.owner):
+            # Modules imported after the patch took copies of the replacement (from-imports).
+            rebind(self.replacement, self.original, skip=self.owner)
+
+
+def _is_module(obj):
+    return type(obj).__name__ == "module"
+
+
+def rebind(original, replacement, skip=None):
+    """Point every module-level copy of ``original`` (``from m import f``, star imports, aliases)
+    at ``replacement``: when the shim arrives after sglang was imported, and when it leaves."""
+    import sys
+
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if module is skip or not isinstance(namespace, dict):
+            continue
+        for key, value in list(namespace.items()):
+            if value is original:
+                namespace[key] = replacement
+
+
+def resolve(module, qualname):
+    """(owner, attribute name, current value or _MISSING) for 'name' or 'Class.name' in module."""
+    owner = module
+    parts = qualname.split(".")
+    for part in parts[:-1]:
+        owner = getattr(owner, part)
+    return owner, parts[-1], owner.__dict__.get(parts[-1], _MISSING)
+
+
+class Wrap:
+    """Wrap a function or method with a wrapt wrapper ``wrapper(wrapped, instance, args, kwargs)``.
+
+    ``signatures`` lists the parameter tuples (``self`` left out) the wrapper was written for;
+    any other signature leaves the whole patch ``unsupported``.
+    """
+
+    def __init__(self, module, qualname, wrapper, signatures):
+        self.module = module
+        self.qualname = qualname
+        self.wrapper = wrapper
+        self.signatures = tuple(tuple(s) for s in signatures)
+
+    @property
+    def is_method(self):
+        return "." in self.qualname
+
+    def describe(self):
+        return "%s:%s" % (self.module, self.qualname)
+
+    def _signature_problem(self, params):
+        if params in self.signatures:
+            return None
+        return "%s has signature (%s), known: %s" % (
+            self.describe(), ", ".join(params),
+            " or ".join("(%s)" % ", ".join(s) for s in self.signatures))
+
+    def check_source(self, view):
+        info = view.function(self.module, self.qualname)
+        if info is None:
+            return "%s not found" % self.describe()
+        return self._signature_problem(info.params)
+
+    def prepare(self, module):
+        """Build the Change for the loaded module, or raise LookupError with the reason."""
+        owner, attr, original = resolve(module, self.qualname)
+        if original is _MISSING:
+            raise LookupError("%s not found in the loaded module" % self.describe())
+        problem = self._signature_problem(live_params(original, self.is_method))
+        if problem:
+            raise LookupError(problem + " (loaded code differs from its source)")
+        import wrapt
+
+        return Change(owner, attr, original, wrapt.FunctionWrapper(original, self.wrapper))
+
+
+class Replace:
+    """Replace a module-level name with ``factory(original)`` (``original`` is None when absent).
+
+    For objects rather than functions: a class imported from another package, a dict entry.
+    """
+
+    def __init__(self, module, qualname, factory, must_exist=True):
+        self.module = module
+        self.qualname = qualname
+        self.factory = factory
+        self.must_exist = must_exist
+
+    def describe(self):
+        return "%s:%s" % (self.module, self.qualname)
+
+    def check_source(self, view):
+        if view.module(self.module) is None:
+            return "module %s not found" % self.module
+        if self.must_exist and not view.has(self.module, self.qualname):
+            return "%s not found" % self.describe()
+        return None
+
+    def prepare(self, module):
+        owner, attr, original = resolve(module, self.qualname)
+        if original is _MISSING and self.must_exist:
+            raise LookupError("%s not found in the loaded module" % self.describe())
+        current = None if original is _MISSING else original
+        return Change(owner, attr, original, self.factory(current))
+
+
+class Patch:
+    """Base class: a feature module subclasses it and fills in the class attributes."""
+
+    name = ""              # short id used in logs, status and env switches
+    title = ""             # one line: what it does
+    upstream_pr = ""       # e.g. "sgl-project/sglang#19246"
+    upstream_release = ""  # first sglang release that has it, e.g. "0.5.10"
+    backport_range = ""    # releases the shim backports it to, e.g. "0.5.7 - 0.5.9"
+    remove_when = ""       # when this patch can be deleted
+    switch = None          # config.EnvVar that turns it off
+    reads = ()             # other config.EnvVar it depends on; a bad value fails the patch
+    modules = ()           # every module its targets can live in (hooks are put on these)
+    needs_npu = True
+
+    def probe(self, view):
+        """Evidence (a short string) that the running sglang already has the feature, else None."""
+        raise NotImplementedError
+
+    def trigger(self, environ):
+        """Why the patch has nothing to do in this job (inactive), else None."""
+        return None
+
+    def targets(self, view):
+        """The Wrap/Replace targets for this release."""
+        raise NotImplementedError
+
+    def must_honour(self, environ):
+        """True when the user explicitly asked for the feature, so that failing to apply it must
+        stop the process rather than run silently without it."""
+        return False
+
+    def on_revert(self):
+        """Reset per-process state the wrappers keep (called by uninstall)."""
+
+    def origin(self):
+        return "backport of %s; upstream since %s" % (self.upstream_pr, self.upstream_release)
+
+
+class Decision:
+    def __init__(self, state, reason, targets=()):
+        self.state = state
+        self.reason = reason
+        self.targets = list(targets)
+
+    def __repr__(self):
+        return "Decision(%s: %s)" % (self.state, self.reason)
+
+
+def decide(patch, view, environ=None, on_npu=None, assume_triggered=False):
+    """The patch's state for this sglang source and environment; changes nothing.
+
+    ``on_npu`` None means "not known" (static use: the status command, the release matrix);
+    ``assume_triggered`` skips the env trigger (to ask "would it apply if switched on?").
+    """
+    try:
+        if not patch.switch.read(environ):
+            return Decision(DISABLED, "%s=0" % patch.switch.name)
+        for var in patch.reads:
+            var.read(environ)
+    except config.ConfigError as exc:
+        return Decision(FAILED, str(exc))
+    if view is None:
+        return Decision(UNSUPPORTED, "sglang not found")
+    evidence = patch.probe(view)
+    if evidence:
+        return Decision(UPSTREAM, "sglang %s has it: %s" % (view.version or "?", evidence))
+    if not assume_triggered:
+        reason = patch.trigger(environ)
+        if reason:
+            return Decision(INACTIVE, reason)
+    if patch.needs_npu and on_npu is False:
+        return Decision(INACTIVE, "not running on an NPU (torch.npu is unavailable)")
+    targets = patch.targets(view)
+    problems = [p for p in (t.check_source(view) for t in targets) if p]
+    if problems:
+        return Decision(UNSUPPORTED, "; ".join(problems))
+    return Decision(APPLIED, patch.origin(), targets)
+
+
+def bind_arguments(params, args, kwargs):
+    """Map a call's ``args``/``kwargs`` onto a known parameter tuple (as in ``Wrap.signatures``).
+
+    Wrappers use it to read arguments by name without ``inspect``; parameters not passed (left
+    to their defaults) are absent from the result.
+    """
+    bound = dict(zip([p for p in params if not p.startswith("*")], args))
+    bound.update(kwargs)
+    return bound

@@ -1,0 +1,252 @@
+"""The shim inside a process that imports sglang: hooks, decisions, applying and reverting.
+
+Timeline in a process:
+1. ``activate`` (first ``import sglang``, or ``install()``): wrapt is loaded and a post-import
+   hook is registered on every module any patch may touch.
+2. The first of those hooks decides every patch at once (``patching.decide``) from the sglang
+   source on disk and logs one line per patch: everything is validated before anything changes.
+3. Each hook then applies the targets that live in its module; a target whose loaded code does
+   not match fails its whole patch, which is reverted everywhere.
+No exception leaves a hook unless strict mode is on or a patch the user explicitly asked for
+(``Patch.must_honour``) cannot be applied.
+"""
+
+import os
+import sys
+import threading
+
+from npu_shim import config, log, patching
+from npu_shim.patching import APPLIED, FAILED, UNSUPPORTED, ShimError
+
+
+class PatchRecord:
+    """What happened to one patch in this process."""
+
+    def __init__(self, patch, decision):
+        self.patch = patch
+        self.state = decision.state
+        self.reason = decision.reason
+        self.targets = decision.targets
+        self.changes = []        # patching.Change, in the order applied
+        self.applied = set()     # describe() of targets applied so far
+        self.details = {}        # feature-specific facts for status (e.g. MiB released)
+
+    def as_dict(self):
+        return {
+            "name": self.patch.name,
+            "state": self.state,
+            "reason": self.reason,
+            "targets": {t.describe(): t.describe() in self.applied for t in self.targets},
+            "details": dict(self.details),
+        }
+
+
+class Runtime:
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.installed = False
+        self.generation = 0
+        self.patches = None      # loaded Patch instances
+        self.records = None      # {name: PatchRecord} once decided
+        self.view = None
+        self.late_modules = set()  # target modules already imported when the shim activated
+
+
+_RT = Runtime()
+
+
+def strict():
+    try:
+        return config.STRICT.read()
+    except config.ConfigError as exc:
+        log.error_once("strict", "%s (strict mode off)" % exc)
+        return False
+
+
+def load_patches():
+    from npu_shim.patches import load_all
+
+    return load_all()
+
+
+def activate_guarded():
+    """``activate`` for the import watcher: errors are logged once, raised only in strict mode."""
+    try:
+        activate()
+    except ShimError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        log.error_once("activate", "shim off: activation failed: %r" % (exc,))
+        if strict():
+            raise ShimError("npu-shim activation failed: %r" % (exc,)) from exc
+
+
+def activate():
+    """Register the post-import hooks (idempotent within one install)."""
+    with _RT.lock:
+        if _RT.installed:
+            return
+        _RT.installed = True
+        _RT.generation += 1
+        generation = _RT.generation
+        _RT.patches = load_patches()
+        _RT.records = None
+        modules = []
+        for patch in _RT.patches:
+            modules += [m for m in patch.modules if m not in modules]
+        _RT.late_modules = {m for m in modules if m in sys.modules}
+        import wrapt
+
+    for name in modules:
+        # Fires at once for a module that is already imported (install() after sglang).
+        wrapt.register_post_import_hook(_make_hook(generation), name)
+
+
+def _make_hook(generation):
+    def on_import(module):
+        if generation != _RT.generation or not _RT.installed:
+            return  # an earlier install, since uninstalled
+        try:
+            with _RT.lock:
+                if _RT.records is None:
+                    decide_all()
+                apply_module(module)
+        except ShimError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - never break the application's import
+            log.error_once("hook:" + module.__name__, "hook on %s failed: %r" % (module.__name__, exc))
+            if strict():
+                raise ShimError("npu-shim hook on %s failed: %r" % (module.__name__, exc)) from exc
+
+    return on_import
+
+
+def sglang_view():
+    from npu_shim.codeview import SourceView
+
+    package = sys.modules.get("sglang")
+    path = getattr(package, "__file__", None)
+    if not path:
+        return None
+    return SourceView(os.path.dirname(path))
+
+
+def running_on_npu():
+    """The same test sglang's ``is_npu()`` makes; torch is loaded by the time a target imports."""
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and hasattr(torch, "npu") and torch.npu.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def decide_all():
+    _RT.view = sglang_view()
+    on_npu = running_on_npu()
+    records = {}
+    for patch in _RT.patches:
+        try:
+            decision = patching.decide(patch, _RT.view, on_npu=on_npu)
+        except Exception as exc:  # noqa: BLE001
+            decision = patching.Decision(FAILED, "probe raised %r" % (exc,))
+        records[patch.name] = PatchRecord(patch, decision)
+    _RT.records = records
+    for record in records.values():
+        report(record)
+    for record in records.values():
+        enforce(record)
+
+
+def report(record):
+    line = "%s: %s (%s)" % (record.patch.name, record.state, record.reason)
+    if record.state == FAILED:
+        log.error(line)
+    elif record.state == UNSUPPORTED:
+        log.warning(line)
+    else:
+        log.info(line)
+
+
+def enforce(record):
+    """Raise when a patch that did not apply must not be silently skipped."""
+    if record.state not in (FAILED, UNSUPPORTED):
+        return
+    if record.patch.must_honour(os.environ):
+        raise ShimError("npu-shim: %s was requested but is %s: %s"
+                        % (record.patch.name, record.state, record.reason))
+    if strict():
+        raise ShimError("npu-shim (strict): %s is %s: %s"
+                        % (record.patch.name, record.state, record.reason))
+
+
+def apply_module(module):
+    name = module.__name__
+    rebind_copies = name in _RT.late_modules
+    for record in _RT.records.values():
+        if record.state != APPLIED:
+            continue
+        targets = [t for t in record.targets if t.module == name]
+        try:
+            # All of this module's targets are checked against the loaded code before any is set.
+            changes = [t.prepare(module) for t in targets]
+            for target, change in zip(targets, changes):
+                change.apply(rebind_copies)
+                record.changes.append(change)
+                record.applied.add(target.describe())
+        except Exception as exc:  # noqa: BLE001
+            revert_record(record)
+            record.state, record.reason = FAILED, "while patching %s: %s" % (name, exc)
+            report(record)
+            enforce(record)
+
+
+def revert_record(record):
+    for change in reversed(record.changes):
+        change.revert()
+    record.changes = []
+    record.applied = set()
+    try:
+        record.patch.on_revert()
+    except Exception as exc:  # noqa: BLE001
+        log.error("%s: reverting its state failed: %r" % (record.patch.name, exc))
+
+
+def install():
+    """Arm the shim in this process; patches already imported sglang modules in place."""
+    from npu_shim import _bootstrap
+
+    with _RT.lock:
+        if _RT.installed or _bootstrap.is_armed():
+            return False
+        if "sglang" in sys.modules:
+            activate()
+        else:
+            _bootstrap.arm()
+    return True
+
+
+def uninstall():
+    """Restore every original (and every rebound copy); the shim is then off in this process."""
+    from npu_shim import _bootstrap
+
+    with _RT.lock:
+        _bootstrap.disarm()
+        if _RT.records:
+            for record in _RT.records.values():
+                revert_record(record)
+        _RT.installed = False
+        _RT.generation += 1
+        _RT.records = None
+        _RT.patches = None
+
+
+def record(name):
+    """The PatchRecord of a decided patch (for feature modules that report details), or None."""
+    records = _RT.records
+    return records.get(name) if records else None
+
+
+def states():
+    """{patch name: record dict} for this process; empty before sglang's targets are imported."""
+    records = _RT.records
+    return {name: r.as_dict() for name, r in (records or {}).items()}

@@ -148,7 +148,7 @@ def decide_all():
         try:
             decision = patching.decide(patch, _RT.view, on_npu=on_npu)
         except Exception as exc:  # noqa: BLE001
-            decision = patching.Decision(FAILED, "probe raised %r" % (exc,))
+            decision = patching.Decision(FAILED, "deciding raised %r" % (exc,))
         records[patch.name] = PatchRecord(patch, decision)
     _RT.records = records
     for record in records.values():

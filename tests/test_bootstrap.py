@@ -1,0 +1,360 @@
+"""The bootstrap and the patch framework, each case in a fresh interpreter.
+
+These tests exercise the mechanism (start-up, hooks, switches, install/uninstall, spawn children)
+against a minimal package named ``sglang`` written to a temporary directory, with a small test
+patch.  The real releases are exercised by tests/test_real_sglang_import.py and tests/patches/.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FAKE_COMMON = '''
+def get_npu_memory_capacity():
+    return 1000
+
+class Scheduler:
+    def __init__(self, server_args, gpu_id):
+        self.gpu_id = gpu_id
+
+__all__ = ["get_npu_memory_capacity", "Scheduler"]
+'''
+
+DEMO_PATCH = '''
+import os
+from npu_shim import config, patching
+
+def add_one(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs) + 1
+
+def mark_init(wrapped, instance, args, kwargs):
+    wrapped(*args, **kwargs)
+    instance.patched = True
+
+class DemoPatch(patching.Patch):
+    name = "demo"
+    title = "test patch"
+    upstream_pr = "sgl-project/sglang#1"
+    upstream_release = "0.5.99"
+    switch = config.DUAL_STREAM          # any declared switch will do for the mechanism
+    reads = (config.ZBAL_LOCAL_MEM_SIZE,)
+    modules = ("sglang.srt.utils.common",)
+    needs_npu = False
+
+    def probe(self, view):
+        if view.has("sglang.srt.utils.common", "upstream_has_it"):
+            return "upstream_has_it"
+        return None
+
+    def targets(self, view):
+        if os.environ.get("DEMO_PATCH_TARGETS_RAISE"):
+            raise RuntimeError("boom while listing targets")
+        return [
+            patching.Wrap("sglang.srt.utils.common", "get_npu_memory_capacity", add_one, [()]),
+            patching.Wrap("sglang.srt.utils.common", "Scheduler.__init__", mark_init,
+                          [("server_args", "gpu_id")]),
+        ]
+
+PATCH = DemoPatch()
+'''
+
+# The "image's own" sitecustomize: chained by ours; registers the demo patch in every process.
+IMAGE_SITECUSTOMIZE = '''
+import os
+with open(os.environ["CHAIN_MARKER"], "a") as f:
+    f.write("ran\\n")
+import npu_shim.patches
+npu_shim.patches.PATCH_MODULES[:] = ["demo_patch"]
+'''
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """tmp/sglang (fake package), tmp/image (the image's own sitecustomize + demo patch)."""
+    sg = tmp_path / "pkgs" / "sglang"
+    (sg / "srt" / "utils").mkdir(parents=True)
+    (sg / "__init__.py").write_text("")
+    (sg / "version.py").write_text('__version__ = "0.5.9"\n')
+    (sg / "srt" / "__init__.py").write_text("")
+    (sg / "srt" / "utils" / "__init__.py").write_text("from .common import *\n")
+    (sg / "srt" / "utils" / "common.py").write_text(FAKE_COMMON)
+    image = tmp_path / "image"
+    image.mkdir()
+    (image / "sitecustomize.py").write_text(IMAGE_SITECUSTOMIZE)
+    (image / "demo_patch.py").write_text(DEMO_PATCH)
+    return tmp_path
+
+
+def run(tree, code, env=None, shim=True, check=True):
+    """Run ``code`` in a fresh interpreter.  PYTHONPATH: repo, image dir, fake sglang -- or, with
+    ``shim=False``, the repo last (npu_shim importable, its sitecustomize shadowed by the image's)."""
+    paths = [str(tree / "image"), str(tree / "pkgs")]
+    paths = [REPO] + paths if shim else paths + [REPO]
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("NPU_SHIM_", "SGLANG_", "DEMO_PATCH_"))}
+    full_env.update({"PYTHONPATH": os.pathsep.join(paths), "CHAIN_MARKER": str(tree / "marker"),
+                     "PYTHONDONTWRITEBYTECODE": "1"})
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=str(tree), env=full_env,
+                          capture_output=True, text=True, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError("exit %d\nstdout:\n%s\nstderr:\n%s" % (proc.returncode, proc.stdout, proc.stderr))
+    return proc
+
+
+def last_json(proc):
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_image_sitecustomize_is_chained_exactly_once(tree):
+    proc = run(tree, """
+        import sys, json
+        print(json.dumps({"armed": any(type(f).__name__ == "SglangImportWatcher" for f in sys.meta_path),
+                          "ours": sys.modules["sitecustomize"].__file__,
+                          "chained": sys.modules["npu_shim.chained_sitecustomize"].__file__}))
+    """)
+    out = last_json(proc)
+    assert out["armed"]
+    assert out["ours"] == os.path.join(REPO, "sitecustomize.py")
+    assert out["chained"] == str(tree / "image" / "sitecustomize.py")
+    assert (tree / "marker").read_text() == "ran\n"
+
+
+def test_failing_image_sitecustomize_is_reported_like_site_py_and_does_not_stop_start_up(tree):
+    (tree / "image" / "sitecustomize.py").write_text("raise ValueError('image bug')\n")
+    proc = run(tree, "print('alive')")
+    assert proc.stdout.strip() == "alive"
+    assert "Error in sitecustomize" in proc.stderr and "ValueError: image bug" in proc.stderr
+
+
+def test_process_that_never_imports_sglang_loads_nothing_heavy(tree):
+    proc = run(tree, """
+        import sys, json
+        print(json.dumps(sorted(m for m in sys.modules
+                                if m.split(".")[0] in ("wrapt", "torch", "sglang", "logging", "ast"))))
+    """)
+    assert last_json(proc) == []
+
+
+def test_hooks_fire_on_sglang_import_and_log_one_line_per_patch(tree):
+    proc = run(tree, """
+        import json
+        from sglang.srt.utils import get_npu_memory_capacity, Scheduler
+        from sglang.srt.utils import common
+        import npu_shim
+        print(json.dumps({"value": get_npu_memory_capacity(), "patched": Scheduler(None, 0).patched,
+                          "common": common.get_npu_memory_capacity(), "states": npu_shim.states()}))
+    """)
+    out = last_json(proc)
+    assert out["value"] == 1001 and out["common"] == 1001 and out["patched"] is True
+    assert out["states"]["demo"]["state"] == "applied"
+    assert all(out["states"]["demo"]["targets"].values())
+    assert proc.stderr.strip() == (
+        "[npu-shim] demo: applied (backport of sgl-project/sglang#1; upstream since 0.5.99)")
+
+
+def test_upstream_probe_stands_down_and_touches_nothing(tree):
+    common = tree / "pkgs" / "sglang" / "srt" / "utils" / "common.py"
+    common.write_text(FAKE_COMMON + "\ndef upstream_has_it():\n    pass\n")
+    proc = run(tree, """
+        import json, npu_shim
+        from sglang.srt.utils import get_npu_memory_capacity
+        print(json.dumps({"value": get_npu_memory_capacity(), "states": npu_shim.states()}))
+    """)
+    out = last_json(proc)
+    assert out["value"] == 1000
+    assert out["states"]["demo"]["state"] == "upstream"
+    assert "sglang 0.5.9 has it: upstream_has_it" in out["states"]["demo"]["reason"]
+
+
+def test_unknown_signature_is_unsupported_and_nothing_is_changed(tree):
+    common = tree / "pkgs" / "sglang" / "srt" / "utils" / "common.py"
+    common.write_text(FAKE_COMMON.replace("def __init__(self, server_args, gpu_id)",
+                                          "def __init__(self, server_args, port_args, gpu_id)"))
+    proc = run(tree, """
+        import json, npu_shim
+        from sglang.srt.utils import get_npu_memory_capacity
+        print(json.dumps({"value": get_npu_memory_capacity(), "states": npu_shim.states()}))
+    """)
+    out = last_json(proc)
+    assert out["value"] == 1000  # the valid target was not applied either: all or nothing
+    assert out["states"]["demo"]["state"] == "unsupported"
+    assert "Scheduler.__init__ has signature (server_args, port_args, gpu_id)" in out["states"]["demo"]["reason"]
+    assert "[npu-shim] demo: unsupported" in proc.stderr
+
+
+def test_exception_inside_a_patch_does_not_break_the_import(tree):
+    proc = run(tree, """
+        import json, npu_shim
+        from sglang.srt.utils import get_npu_memory_capacity
+        print(json.dumps({"value": get_npu_memory_capacity(), "states": npu_shim.states()}))
+    """, env={"DEMO_PATCH_TARGETS_RAISE": "1"})
+    out = last_json(proc)
+    assert out["value"] == 1000
+    assert out["states"]["demo"]["state"] == "failed"
+    assert "boom while listing targets" in out["states"]["demo"]["reason"]
+    assert proc.stderr.strip().count("\n") == 0  # one line
+    assert "[npu-shim] demo: failed (deciding raised RuntimeError('boom while listing targets'))" in proc.stderr
+
+
+def test_strict_mode_raises_on_a_failed_patch(tree):
+    proc = run(tree, "import sglang.srt.utils", env={"DEMO_PATCH_TARGETS_RAISE": "1",
+                                                     "NPU_SHIM_STRICT": "1"}, check=False)
+    assert proc.returncode != 0
+    assert "ShimError: npu-shim (strict): demo is failed" in proc.stderr
+
+
+def test_master_switch_off_leaves_sglang_untouched(tree):
+    proc = run(tree, """
+        import sys, json
+        from sglang.srt.utils import get_npu_memory_capacity
+        print(json.dumps({"value": get_npu_memory_capacity(), "wrapt": "wrapt" in sys.modules}))
+    """, env={"NPU_SHIM_ENABLED": "0"})
+    assert last_json(proc) == {"value": 1000, "wrapt": False}
+    assert proc.stderr == ""
+
+
+def test_per_patch_switch_disables_only_that_patch(tree):
+    proc = run(tree, """
+        import json, npu_shim
+        from sglang.srt.utils import get_npu_memory_capacity
+        print(json.dumps({"value": get_npu_memory_capacity(), "states": npu_shim.states()}))
+    """, env={"NPU_SHIM_DUAL_STREAM": "off"})
+    out = last_json(proc)
+    assert out["value"] == 1000
+    assert out["states"]["demo"]["state"] == "disabled"
+    assert out["states"]["demo"]["reason"] == "NPU_SHIM_DUAL_STREAM=0"
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("NPU_SHIM_ENABLED", "maybe",
+     "shim off: NPU_SHIM_ENABLED='maybe' is invalid: expected a boolean: one of 1/0, true/false, yes/no, on/off"),
+    ("NPU_SHIM_DUAL_STREAM", "maybe",
+     "demo: failed (NPU_SHIM_DUAL_STREAM='maybe' is invalid: expected a boolean"),
+    ("SGLANG_ZBAL_LOCAL_MEM_SIZE", "12GB",
+     "demo: failed (SGLANG_ZBAL_LOCAL_MEM_SIZE='12GB' is invalid: expected a whole number of MiB, "
+     "e.g. 12288 for 12 GiB (no unit suffix))"),
+    ("SGLANG_ZBAL_LOCAL_MEM_SIZE", "-5",
+     "demo: failed (SGLANG_ZBAL_LOCAL_MEM_SIZE='-5' is invalid: expected a whole number of MiB >= 0"),
+    ("NPU_SHIM_LOG_LEVEL", "LOUD",
+     "NPU_SHIM_LOG_LEVEL='LOUD' is invalid: expected one of DEBUG, INFO, WARNING, ERROR (using INFO)"),
+])
+def test_bad_env_values_give_one_clear_message(tree, name, value, message):
+    proc = run(tree, "import sglang.srt.utils; print('imported')", env={name: value})
+    assert proc.stdout.strip() == "imported"
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count(message.split(":")[0]) == 1
+
+
+def test_bad_bootstrap_url_message():
+    from npu_shim import config
+
+    with pytest.raises(config.ConfigError) as info:
+        config.ZBAL_BOOTSTRAP_URL.read({"SGLANG_ZBAL_BOOTSTRAP_URL": "10.0.0.1:6789"})
+    assert str(info.value) == ("SGLANG_ZBAL_BOOTSTRAP_URL='10.0.0.1:6789' is invalid: expected "
+                               "tcp://HOST:PORT with a port in 1..65535, e.g. tcp://10.0.0.1:6789")
+    assert config.ZBAL_BOOTSTRAP_URL.read({"SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://10.0.0.1:6789"}) == \
+        "tcp://10.0.0.1:6789"
+
+
+def test_install_twice_is_a_no_op_and_uninstall_restores_originals_and_copies(tree):
+    proc = run(tree, """
+        import json, npu_shim
+        from sglang.srt.utils import common, Scheduler
+        from sglang.srt.utils import get_npu_memory_capacity as copy
+        original_init = Scheduler.__dict__["__init__"]
+        before = (common.get_npu_memory_capacity(), copy())
+        again = npu_shim.install()
+        npu_shim.uninstall()
+        after = (common.get_npu_memory_capacity(), copy(), Scheduler.__dict__["__init__"] is original_init,
+                 type(Scheduler.__dict__["__init__"]).__name__)
+        print(json.dumps({"before": before, "again": again, "after": after, "states": npu_shim.states()}))
+    """)
+    out = last_json(proc)
+    assert out["before"] == [1001, 1001]
+    assert out["again"] is False
+    assert out["after"] == [1000, 1000, False, "function"]
+    assert out["states"] == {}
+
+
+def test_programmatic_install_after_import_rebinds_from_import_copies(tree):
+    proc = run(tree, """
+        import json
+        from sglang.srt.utils import get_npu_memory_capacity as early_copy
+        import sglang.srt.utils as utils_pkg
+        before = early_copy()
+        import npu_shim
+        first = npu_shim.install()
+        second = npu_shim.install()
+        from sglang.srt.utils import get_npu_memory_capacity as late_copy
+        result = {"before": before, "first": first, "second": second,
+                  "early": early_copy(), "pkg": utils_pkg.get_npu_memory_capacity(), "late": late_copy()}
+        npu_shim.uninstall()
+        result["restored"] = [early_copy(), utils_pkg.get_npu_memory_capacity(), late_copy()]
+        print(json.dumps(result))
+    """, shim=False)
+    out = last_json(proc)
+    assert out == {"before": 1000, "first": True, "second": False, "early": 1001, "pkg": 1001,
+                   "late": 1001, "restored": [1000, 1000, 1000]}
+
+
+def test_multiprocessing_spawn_child_is_patched(tree):
+    script = tree / "image" / "spawn_main.py"
+    script.write_text(textwrap.dedent("""
+        import json, multiprocessing as mp
+
+        def child(queue):
+            from sglang.srt.utils import get_npu_memory_capacity
+            import npu_shim
+            queue.put((get_npu_memory_capacity(), npu_shim.states()["demo"]["state"]))
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            proc = ctx.Process(target=child, args=(queue,))
+            proc.start()
+            print(json.dumps(queue.get(timeout=60)))
+            proc.join()
+    """))
+    proc = run(tree, "import runpy; runpy.run_path(%r, run_name='__main__')" % str(script))
+    assert last_json(proc) == [1001, "applied"]
+
+
+def test_status_without_sglang(tree):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_"))}
+    env["PYTHONPATH"] = REPO
+    proc = subprocess.run([sys.executable, "-m", "npu_shim", "status", "--json"], cwd=str(tree),
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["sglang"] == {"path": None, "version": None}
+    assert info["sitecustomize_active"] is True and info["master_switch"] is True
+    assert {p["name"]: p["state"] for p in info["patches"]} == {
+        "zbal": "unsupported", "mla_weight_release": "unsupported", "dual_stream_experts": "unsupported"}
+    assert all(p["reason"] == "sglang not found" for p in info["patches"])
+
+
+def test_status_reports_invalid_env_with_exit_code_2(tree):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_"))}
+    env.update(PYTHONPATH=REPO, SGLANG_ZBAL_LOCAL_MEM_SIZE="12GB")
+    proc = subprocess.run([sys.executable, "-m", "npu_shim", "status"], cwd=str(tree), env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "SGLANG_ZBAL_LOCAL_MEM_SIZE     INVALID: SGLANG_ZBAL_LOCAL_MEM_SIZE='12GB' is invalid" in proc.stdout
+
+
+def test_env_command_lists_every_variable():
+    from npu_shim import config
+
+    proc = subprocess.run([sys.executable, "-m", "npu_shim", "env"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0
+    for var in config.ALL:
+        assert var.name in proc.stdout and var.doc in proc.stdout

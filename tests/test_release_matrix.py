@@ -1,0 +1,89 @@
+"""Static matrix: every supported sglang release, every patch, decided from the wheel's real source.
+
+For each release the wheel is downloaded once (cached), its ``sglang/`` tree extracted, and each
+patch is decided exactly as the runtime decides it (probe, then every target resolved with a known
+signature), with the patch switched on and its trigger assumed set.  The expected table below is the
+one README.md shows users; test_readme_table_matches keeps the two identical.
+
+Adding a release: one line in scripts/sglang_envs.py RELEASES and its row here.
+"""
+
+import os
+import re
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+import sglang_envs  # noqa: E402
+
+from npu_shim import patching  # noqa: E402
+from npu_shim.codeview import SourceView  # noqa: E402
+from npu_shim.patches import load_all  # noqa: E402
+
+PATCH_ORDER = ("zbal", "mla_weight_release", "dual_stream_experts")
+
+# release: states of (zbal, mla_weight_release, dual_stream_experts)
+EXPECTED = {
+    "0.5.7": ("applied", "unsupported", "applied"),
+    "0.5.8": ("applied", "unsupported", "applied"),
+    "0.5.9": ("applied", "applied", "applied"),
+    "0.5.10": ("applied", "applied", "upstream"),
+    "0.5.11": ("applied", "applied", "upstream"),
+    "0.5.12": ("upstream", "applied", "upstream"),
+    "0.5.13": ("upstream", "applied", "upstream"),
+    "0.5.14": ("upstream", "applied", "upstream"),
+    "0.5.15": ("upstream", "applied", "upstream"),
+    "0.5.16": ("upstream", "applied", "upstream"),
+    "0.5.17": ("upstream", "applied", "upstream"),
+    "0.5.18": ("upstream", "applied", "upstream"),
+    "0.5.19": ("upstream", "applied", "upstream"),
+    "0.5.20": ("upstream", "upstream", "upstream"),
+    "0.5.21": ("upstream", "upstream", "upstream"),
+    "0.5.22": ("upstream", "upstream", "upstream"),
+    "0.5.23": ("upstream", "upstream", "upstream"),
+}
+
+
+def test_expected_table_covers_exactly_the_supported_releases():
+    assert tuple(EXPECTED) == tuple(sglang_envs.RELEASES)
+
+
+def static_states(version):
+    view = SourceView(os.path.join(str(sglang_envs.ensure_sources(version)), "sglang"))
+    assert view.version == version, "wheel of %s reports version %s" % (version, view.version)
+    states = {}
+    for patch in load_all():
+        decision = patching.decide(patch, view, environ={}, on_npu=None, assume_triggered=True)
+        states[patch.name] = (decision.state, decision.reason)
+    return states
+
+
+@pytest.mark.parametrize("version", list(EXPECTED))
+def test_release(version):
+    states = static_states(version)
+    assert tuple(states) == PATCH_ORDER
+    got = tuple(states[name][0] for name in PATCH_ORDER)
+    assert got == EXPECTED[version], "\n".join(
+        "%s: %s (%s)" % (name, state, reason) for name, (state, reason) in states.items())
+    for name, (state, reason) in states.items():
+        if state == "upstream":
+            assert reason.startswith("sglang %s has it: " % version)
+
+
+def readme_table():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as handle:
+        text = handle.read()
+    block = text.split("<!-- release-table -->")[1]
+    rows = {}
+    for line in block.strip().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if re.fullmatch(r"0\.5\.\d+", cells[0]):
+            rows[cells[0]] = tuple(cells[1:4])
+    return rows
+
+
+def test_readme_table_matches():
+    assert readme_table() == EXPECTED

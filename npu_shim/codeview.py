@@ -139,17 +139,22 @@ class SourceView:
         return qualname in module.functions or qualname in module.globals
 
 
-_VERSION = re.compile(r"""__version__\s*=\s*["']([^"']+)["']""")
+_VERSION = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?["']([^"']+)["']""", re.M)
 
 
 def read_version(package_dir):
-    """sglang's version from ``sglang/version.py`` (text only), or None."""
-    try:
-        with open(os.path.join(package_dir, "version.py"), encoding="utf-8") as handle:
-            match = _VERSION.search(handle.read())
-    except OSError:
-        return None
-    return match.group(1) if match else None
+    """sglang's version from its source text, or None.  Wheels built by setuptools-scm write it
+    to ``_version.py``; ``version.py`` only holds a fallback (``0.0.0.dev0``) or, in older trees,
+    the literal version."""
+    for name in ("_version.py", "version.py"):
+        try:
+            with open(os.path.join(package_dir, name), encoding="utf-8") as handle:
+                match = _VERSION.search(handle.read())
+        except OSError:
+            continue
+        if match:
+            return match.group(1)
+    return None
 
 
 def version_tuple(text):

@@ -1,0 +1,18 @@
+"""The one ordered event log shared by the simulated NPU and the fake zbal."""
+from __future__ import annotations
+
+import threading
+
+#: Ordered list of tuples; the first item names the event (see simnpu/__init__.py).
+EVENTS: list[tuple] = []
+_lock = threading.Lock()
+
+
+def log(*event) -> None:
+    with _lock:
+        EVENTS.append(tuple(event))
+
+
+def clear_events() -> None:
+    with _lock:
+        EVENTS.clear()

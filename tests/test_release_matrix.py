@@ -10,18 +10,15 @@ Adding a release: one line in scripts/sglang_envs.py RELEASES and its row here.
 
 import os
 import re
-import sys
 
 import pytest
+from realsglang import sglang_envs
+
+from npu_shim import patching
+from npu_shim.codeview import SourceView
+from npu_shim.patches import load_all
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-
-import sglang_envs  # noqa: E402
-
-from npu_shim import patching  # noqa: E402
-from npu_shim.codeview import SourceView  # noqa: E402
-from npu_shim.patches import load_all  # noqa: E402
 
 PATCH_ORDER = ("zbal", "mla_weight_release", "dual_stream_experts")
 

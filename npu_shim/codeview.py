@@ -19,12 +19,20 @@ import re
 class FunctionInfo:
     """A function or method as written in the source."""
 
-    __slots__ = ("qualname", "params", "fingerprint")
+    __slots__ = ("qualname", "params", "_node", "_fingerprint")
 
-    def __init__(self, qualname, params, fingerprint):
+    def __init__(self, qualname, params, node):
         self.qualname = qualname
         self.params = params            # parameter names, ``self``/``cls`` left out for methods
-        self.fingerprint = fingerprint  # short hash of the normalised AST of the whole def
+        self._node = node
+        self._fingerprint = None
+
+    @property
+    def fingerprint(self):
+        """Short hash of the normalised AST of the whole def (computed on first use)."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint_node(self._node)
+        return self._fingerprint
 
     def __repr__(self):
         return "FunctionInfo(%s(%s))" % (self.qualname, ", ".join(self.params))
@@ -42,10 +50,34 @@ def _params(args, drop_first):
     return tuple(names)
 
 
+def _canonical(node):
+    """A text form of an AST that is the same on every Python 3.9+: ``ast.dump`` is not (3.12 added
+    ``type_params``, 3.13 changed how empty fields print), so empty fields are left out."""
+    if isinstance(node, ast.AST):
+        parts = [type(node).__name__]
+        for name, value in ast.iter_fields(node):
+            if value is None or value == [] or name in ("type_comment", "kind"):
+                continue
+            parts.append("%s=%s" % (name, _canonical(value)))
+        return "(%s)" % " ".join(parts)
+    if isinstance(node, list):
+        return "[%s]" % ",".join(_canonical(item) for item in node)
+    return repr(node)
+
+
 def fingerprint_node(node):
-    """Hash of a def's AST: insensitive to comments and formatting, sensitive to any code change."""
-    dump = ast.dump(node, annotate_fields=False, include_attributes=False)
-    return hashlib.sha256(dump.encode()).hexdigest()[:16]
+    """Hash of a def's AST: insensitive to comments, formatting and the Python version that
+    parses it; sensitive to any change of the code (docstrings included)."""
+    return hashlib.sha256(_canonical(node).encode()).hexdigest()[:16]
+
+
+def live_fingerprint(func):
+    """``fingerprint_node`` of an imported function, from the source file it was loaded from."""
+    import inspect
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(unwrap(func)))
+    return fingerprint_node(ast.parse(source).body[0])
 
 
 def _is_static(node):
@@ -78,8 +110,7 @@ class ModuleSource:
         self.globals = set()
         for node in _walk_block(tree.body):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                self.functions[node.name] = FunctionInfo(
-                    node.name, _params(node.args, False), fingerprint_node(node))
+                self.functions[node.name] = FunctionInfo(node.name, _params(node.args, False), node)
                 self.globals.add(node.name)
             elif isinstance(node, ast.ClassDef):
                 self.globals.add(node.name)
@@ -87,7 +118,7 @@ class ModuleSource:
                     if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                         qualname = node.name + "." + item.name
                         self.functions[qualname] = FunctionInfo(
-                            qualname, _params(item.args, not _is_static(item)), fingerprint_node(item))
+                            qualname, _params(item.args, not _is_static(item)), item)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 for target in targets:

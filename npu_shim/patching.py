@@ -9,7 +9,7 @@ by module as sglang imports them, checking each against the loaded code first.
 """
 
 from npu_shim import config
-from npu_shim.codeview import live_params
+from npu_shim.codeview import live_fingerprint, live_params
 
 APPLIED = "applied"          # backported into the running sglang
 UPSTREAM = "upstream"        # stood down: the running sglang has the feature itself
@@ -30,15 +30,19 @@ class ShimError(RuntimeError):
 class Change:
     """One attribute replaced by a target; knows how to put everything back."""
 
-    def __init__(self, owner, attr, original, replacement):
+    def __init__(self, owner, attr, original, replacement, rebind_copies=True):
         self.owner = owner
         self.attr = attr
         self.original = original          # _MISSING when the attribute did not exist
         self.replacement = replacement
+        # Copies are found by identity: right for functions, wrong for shared values such as
+        # True/False or a dict other code also holds, which must be replaced in place only.
+        self.rebind_copies = rebind_copies and original is not _MISSING and _is_module(owner)
 
-    def apply(self, rebind_copies):
+    def apply(self, late):
+        """``late``: the module was imported before the shim, so copies of it may exist."""
         setattr(self.owner, self.attr, self.replacement)
-        if rebind_copies and self.original is not _MISSING and _is_module(self.owner):
+        if late and self.rebind_copies:
             rebind(self.original, self.replacement, skip=self.owner)
 
     def revert(self):
@@ -47,7 +51,7 @@ class Change:
                 delattr(self.owner, self.attr)
             else:
                 setattr(self.owner, self.attr, self.original)
-        if self.original is not _MISSING and _is_module(self.owner):
+        if self.rebind_copies:
             # Modules imported after the patch took copies of the replacement (from-imports).
             rebind(self.replacement, self.original, skip=self.owner)
 
@@ -83,14 +87,17 @@ class Wrap:
     """Wrap a function or method with a wrapt wrapper ``wrapper(wrapped, instance, args, kwargs)``.
 
     ``signatures`` lists the parameter tuples (``self`` left out) the wrapper was written for;
-    any other signature leaves the whole patch ``unsupported``.
+    any other signature leaves the whole patch ``unsupported``.  A wrapper that re-implements
+    (part of) the body also gives ``fingerprints`` ({codeview fingerprint: which releases}): the
+    body must then be one of those, in the source and in the loaded code.
     """
 
-    def __init__(self, module, qualname, wrapper, signatures):
+    def __init__(self, module, qualname, wrapper, signatures, fingerprints=None):
         self.module = module
         self.qualname = qualname
         self.wrapper = wrapper
         self.signatures = tuple(tuple(s) for s in signatures)
+        self.fingerprints = dict(fingerprints) if fingerprints else None
 
     @property
     def is_method(self):
@@ -106,11 +113,18 @@ class Wrap:
             self.describe(), ", ".join(params),
             " or ".join("(%s)" % ", ".join(s) for s in self.signatures))
 
+    def _fingerprint_problem(self, fingerprint, where):
+        if self.fingerprints is None or fingerprint in self.fingerprints:
+            return None
+        return "%s differs from the code the shim stands in for (%s fingerprint %s, known: %s)" % (
+            self.describe(), where, fingerprint,
+            ", ".join("%s (%s)" % item for item in self.fingerprints.items()))
+
     def check_source(self, view):
         info = view.function(self.module, self.qualname)
         if info is None:
             return "%s not found" % self.describe()
-        return self._signature_problem(info.params)
+        return self._signature_problem(info.params) or self._fingerprint_problem(info.fingerprint, "source")
 
     def prepare(self, module):
         """Build the Change for the loaded module, or raise LookupError with the reason."""
@@ -120,6 +134,14 @@ class Wrap:
         problem = self._signature_problem(live_params(original, self.is_method))
         if problem:
             raise LookupError(problem + " (loaded code differs from its source)")
+        if self.fingerprints is not None:
+            try:
+                fingerprint = live_fingerprint(original)
+            except (OSError, TypeError, SyntaxError, IndexError) as exc:
+                raise LookupError("%s: cannot read the loaded code (%r)" % (self.describe(), exc))
+            problem = self._fingerprint_problem(fingerprint, "loaded")
+            if problem:
+                raise LookupError(problem)
         import wrapt
 
         return Change(owner, attr, original, wrapt.FunctionWrapper(original, self.wrapper))
@@ -129,13 +151,16 @@ class Replace:
     """Replace a module-level name with ``factory(original)`` (``original`` is None when absent).
 
     For objects rather than functions: a class imported from another package, a dict entry.
+    Only the name in its own module is replaced unless ``rebind_copies`` (then every module-level
+    reference to the same object is, as for wrapped functions).
     """
 
-    def __init__(self, module, qualname, factory, must_exist=True):
+    def __init__(self, module, qualname, factory, must_exist=True, rebind_copies=False):
         self.module = module
         self.qualname = qualname
         self.factory = factory
         self.must_exist = must_exist
+        self.rebind_copies = rebind_copies
 
     def describe(self):
         return "%s:%s" % (self.module, self.qualname)
@@ -152,7 +177,7 @@ class Replace:
         if original is _MISSING and self.must_exist:
             raise LookupError("%s not found in the loaded module" % self.describe())
         current = None if original is _MISSING else original
-        return Change(owner, attr, original, self.factory(current))
+        return Change(owner, attr, original, self.factory(current), self.rebind_copies)
 
 
 class Patch:

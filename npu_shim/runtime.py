@@ -181,7 +181,7 @@ def enforce(record):
 
 def apply_module(module):
     name = module.__name__
-    rebind_copies = name in _RT.late_modules
+    late = name in _RT.late_modules
     for record in _RT.records.values():
         if record.state != APPLIED:
             continue
@@ -190,7 +190,7 @@ def apply_module(module):
             # All of this module's targets are checked against the loaded code before any is set.
             changes = [t.prepare(module) for t in targets]
             for target, change in zip(targets, changes):
-                change.apply(rebind_copies)
+                change.apply(late)
                 record.changes.append(change)
                 record.applied.add(target.describe())
         except Exception as exc:  # noqa: BLE001

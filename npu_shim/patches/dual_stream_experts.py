@@ -1,8 +1,342 @@
-"""GLM-4.x MoE dual-stream experts + fused qkv-rmsnorm-rope (placeholder, being written)."""
+"""GLM-4.x MoE on NPU: shared experts on a side stream, fused qkv-rmsnorm-rope in decode.
+
+Why: in a GLM-4.5/4.6/4.7 MoE layer the shared experts and the routed experts read the same
+hidden states and are independent until their outputs are added, so on an NPU the shared experts
+can run on a second stream while gate -> topk -> routed experts run on the main one.  In decode,
+one Triton kernel of ``sgl_kernel_npu`` (``norm.split_qkv_rmsnorm_rope``) replaces the three
+launches split -> q/k RMSNorm -> rope of every attention layer.
+
+How (two sub-features, gated as upstream 0.5.10 gates them):
+
+* dual-stream experts -- ``Glm4MoeSparseMoeBlock.forward_deepep`` is wrapped when
+  ``SGLANG_NPU_USE_MULTI_STREAM=1`` (upstream's variable).  For extend/target-verify batches the
+  wrapper runs shared+routed experts itself: the side stream waits for the main stream, the shared
+  experts are queued on it; gate, topk and routed experts are queued on the main stream; the main
+  stream waits for the side stream *before* the two outputs are added.  Decode, and empty batches,
+  go to the original method.  One side stream per process, created on first use.
+* fused decode path -- ``Glm4MoeAttention.forward_prepare`` is wrapped when the image's
+  ``sgl_kernel_npu`` has ``norm.split_qkv_rmsnorm_rope``.  Outside extend/draft-extend/mixed (as
+  upstream: decode, target-verify) it calls the kernel instead of split -> qk-norm -> rope, with
+  cos/sin computed once per step at the first layer.  Layers the kernel would compute differently
+  (no qk-norm, q/k eps differ, non-neox rope, 2-D positions, a kernel without partial-rotary
+  support) keep the original path, and the reason is put into the patch's status details.
+
+Both wrappers re-implement part of a method body, so each target carries the AST fingerprint of
+the body it stands in for (0.5.7, 0.5.8 and 0.5.9 share one): any other code is ``unsupported``.
+States: ``applied`` when at least one sub-feature applies (the reason says which, and why the
+other does not); ``unsupported`` when the kernel is missing and the streams are not asked for
+(nothing left to do), or a fingerprint differs; ``upstream`` from 0.5.10.
+``NPU_SHIM_DUAL_STREAM=0`` switches all of it off.
+
+Upstream: sgl-project/sglang#19246 ("[NPU] optimize glm4.7"), sglang 0.5.10
+(``hardware_backend/npu/utils.py``: ``process_shared_expert``, ``wait_share_stream``).
+Remove when every supported image runs sglang >= 0.5.10.
+"""
+
+import importlib
+import importlib.util
+import os
+import re
+import threading
 
 from npu_shim import config
-from npu_shim.patching import Patch
+from npu_shim.codeview import unwrap
+from npu_shim.patching import Patch, Wrap, bind_arguments
 
+GLM4_MOE = "sglang.srt.models.glm4_moe"
+NPU_UTILS = "sglang.srt.hardware_backend.npu.utils"
+KERNEL_MODULE = "sgl_kernel_npu.norm.split_qkv_rmsnorm_rope"
+KERNEL_NAME = "split_qkv_rmsnorm_rope"
+
+DEEPEP = "Glm4MoeSparseMoeBlock.forward_deepep"
+PREPARE = "Glm4MoeAttention.forward_prepare"
+DEEPEP_PARAMS = ("hidden_states", "forward_batch")
+PREPARE_PARAMS = ("positions", "hidden_states", "forward_batch")
+
+# Fingerprints (codeview.fingerprint_node: the same on every Python) of the bodies the wrappers
+# stand in for, measured on the 0.5.7, 0.5.8 and 0.5.9 wheels (one body in all three).
+DEEPEP_FINGERPRINTS = {"12fa6dbf452e9ddf": "0.5.7-0.5.9"}
+PREPARE_FINGERPRINTS = {"e70a3adaa34177b5": "0.5.7-0.5.9"}
+
+# A kernel file that knows partial rotary (GLM-4.x rotates half of each head) sizes the rope
+# from ``sin.shape[-1]`` (``rope_dim``); older ones rotate the whole head and would be wrong.
+_PARTIAL_ROPE = re.compile(r"\brope_dim\b", re.IGNORECASE)
+
+
+class _State:
+    """Per-process state of the wrappers (reset by ``on_revert``)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.side_stream = None
+        self.kernel = None          # the imported split_qkv_rmsnorm_rope
+        self.kernel_error = None    # why it could not be imported/used
+        self.kernel_partial = None  # True/False once its source was read
+        self.layer_plans = {}       # layer-config key -> None (fused) or reason (original path)
+        self.counts = {"dual_stream_calls": 0, "fused_calls": 0}
+        self.details = None         # the patch record's details, once looked up
+
+
+_STATE = _State()
+
+
+# -- stream helpers: device-agnostic like upstream's hardware_backend/npu/utils.py -------------
+
+def get_share_stream():
+    return _STATE.side_stream
+
+
+def _device_module():
+    import torch
+
+    return torch.get_device_module()
+
+
+def process_shared_expert(hidden_states, forward_func):
+    """Queue ``forward_func(hidden_states)`` on the side stream, after all the main stream has
+    queued so far (the side stream waits for it), and return its output."""
+    device = _device_module()
+    stream = _STATE.side_stream
+    if stream is None:
+        with _STATE.lock:
+            if _STATE.side_stream is None:
+                _STATE.side_stream = device.Stream()
+                _note("side_stream", repr(_STATE.side_stream))
+            stream = _STATE.side_stream
+    stream.wait_stream(device.current_stream())
+    with device.stream(stream):
+        return forward_func(hidden_states)
+
+
+def wait_share_stream():
+    """The current (main) stream waits for everything queued on the side stream."""
+    stream = _STATE.side_stream
+    if stream is not None:
+        _device_module().current_stream().wait_stream(stream)
+
+
+# -- the dual-stream forward_deepep --------------------------------------------------------------
+
+def _dual_stream_wanted(forward_batch):
+    # As upstream 0.5.10: extend (which includes mixed/draft-extend) or target-verify; decode stays
+    # single-stream (its launches are too small to gain, and it runs in captured graphs).
+    mode = forward_batch.forward_mode
+    return mode.is_extend() or mode.is_target_verify()
+
+
+def forward_deepep_wrapper(wrapped, instance, args, kwargs):
+    if _STATE.details is None:
+        _attach_details()
+    bound = bind_arguments(DEEPEP_PARAMS, args, kwargs)
+    hidden_states = bound["hidden_states"]
+    forward_batch = bound["forward_batch"]
+    if hidden_states.shape[0] == 0 or not _dual_stream_wanted(forward_batch):
+        return wrapped(*args, **kwargs)
+    return _forward_deepep_dual_stream(wrapped, instance, hidden_states, forward_batch)
+
+
+def _forward_deepep_dual_stream(wrapped, self, hidden_states, forward_batch):
+    """0.5.7-0.5.9's forward_deepep (fingerprinted) for a non-empty batch, streams added.
+
+    Data dependencies: both streams only read ``hidden_states`` until the main stream has waited
+    for the side stream, and only then is the shared output written (``add_``).  The shared output
+    and the side stream's temporaries come from the side stream's memory pool; the next allocation
+    there happens after the next ``wait_stream(main)``, so no block is reused while the main stream
+    may still read it (hence no ``record_stream``).
+    """
+    dispatch_info = unwrap(wrapped).__globals__["ExpertLocationDispatchInfo"]
+    shared_output = process_shared_expert(hidden_states, self._forward_shared_experts)
+    # router_logits: (num_tokens, n_experts)
+    router_logits = self.gate(hidden_states)
+    topk_output = self.topk(
+        hidden_states,
+        router_logits,
+        num_token_non_padded=forward_batch.num_token_non_padded,
+        expert_location_dispatch_info=dispatch_info.init_new(layer_id=self.layer_id),
+    )
+    final_hidden_states = self.experts(hidden_states=hidden_states, topk_output=topk_output)
+    wait_share_stream()
+    _STATE.counts["dual_stream_calls"] += 1
+
+    if shared_output is not None:
+        x = shared_output
+        if self.experts.should_fuse_routed_scaling_factor_in_topk:
+            x.add_(final_hidden_states)
+        else:
+            x.add_(final_hidden_states, alpha=self.routed_scaling_factor)
+        final_hidden_states = x
+    else:
+        if not self.experts.should_fuse_routed_scaling_factor_in_topk:
+            final_hidden_states *= self.routed_scaling_factor
+    return final_hidden_states
+
+
+# -- the fused forward_prepare -------------------------------------------------------------------
+
+def forward_prepare_wrapper(wrapped, instance, args, kwargs):
+    if _STATE.details is None:
+        _attach_details()
+    bound = bind_arguments(PREPARE_PARAMS, args, kwargs)
+    hidden_states = bound["hidden_states"]
+    forward_batch = bound["forward_batch"]
+    positions = bound["positions"]
+    # Upstream 0.5.10 takes the fused path in every mode but extend/draft-extend/mixed.
+    if hidden_states.shape[0] == 0 or forward_batch.forward_mode.is_extend_or_draft_extend_or_mixed():
+        return wrapped(*args, **kwargs)
+    kernel = _fused_kernel_for(instance, positions)
+    if kernel is None:
+        return wrapped(*args, **kwargs)
+    return _forward_prepare_fused(instance, kernel, positions, hidden_states, forward_batch)
+
+
+def _forward_prepare_fused(self, kernel, positions, hidden_states, forward_batch):
+    """0.5.7-0.5.9's forward_prepare (fingerprinted) for a non-empty batch, split -> qk-norm ->
+    rope done by one kernel."""
+    qkv, _ = self.qkv_proj(hidden_states)
+    rotary = self.rotary_emb
+    # cos/sin once per step, at the first layer (get_rope shares one rotary object between the
+    # layers); also when this object has none of this batch's size yet.
+    cos = rotary.position_cos
+    if (self.attn.layer_id == forward_batch.token_to_kv_pool.start_layer
+            or cos is None or cos.shape[0] != qkv.shape[0]):
+        rotary.get_cos_sin_with_position(positions)
+    q, k, v = kernel(
+        qkv,
+        rotary.position_sin,
+        rotary.position_cos,
+        self.q_size,
+        self.kv_size,
+        self.head_dim,
+        eps=self.q_norm.variance_epsilon,
+        q_weight=self.q_norm.weight,
+        k_weight=self.k_norm.weight,
+        q_bias=getattr(self.q_norm, "bias", None),
+        k_bias=getattr(self.k_norm, "bias", None),
+    )
+    _STATE.counts["fused_calls"] += 1
+    inner_state = q, k, v, forward_batch
+    return None, forward_batch, inner_state
+
+
+def _layer_key(attn):
+    rotary = attn.rotary_emb
+    q_norm = getattr(attn, "q_norm", None)
+    k_norm = getattr(attn, "k_norm", None)
+    return (
+        type(rotary), attn.head_dim, getattr(rotary, "rotary_dim", None),
+        getattr(rotary, "is_neox_style", None), bool(getattr(attn, "use_qk_norm", False)),
+        getattr(q_norm, "variance_epsilon", None), getattr(k_norm, "variance_epsilon", None),
+    )
+
+
+def _fused_kernel_for(attn, positions):
+    """The kernel when it computes exactly what this layer's original path computes, else None
+    (the reason goes into the status details once)."""
+    if positions.ndim != 1:
+        return None  # multimodal rope (2-D positions): upstream's get_cos_sin rejects it too
+    key = _layer_key(attn)
+    plans = _STATE.layer_plans
+    if key not in plans:
+        with _STATE.lock:
+            if key not in plans:
+                plans[key] = _plan_layer(attn)
+                if plans[key] is not None:
+                    _note("fused_fallback", plans[key])
+    if plans[key] is not None:
+        return None
+    return _STATE.kernel
+
+
+def _plan_layer(attn):
+    """None when the fused kernel fits this layer, else why the original path is kept."""
+    kernel = _load_kernel()
+    if kernel is None:
+        return _STATE.kernel_error
+    rotary = attn.rotary_emb
+    if not getattr(attn, "use_qk_norm", False):
+        return "layer has no q/k RMSNorm (the kernel always normalises)"
+    if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
+        return "q_norm and k_norm use different eps (the kernel takes one)"
+    if not hasattr(rotary, "get_cos_sin_with_position") or getattr(rotary, "is_neox_style", True) is not True:
+        return "%s is not a neox-style RotaryEmbedding with get_cos_sin_with_position" % type(rotary).__name__
+    rotary_dim = getattr(rotary, "rotary_dim", attn.head_dim)
+    if rotary_dim != attn.head_dim and not _STATE.kernel_partial:
+        return ("rope rotates %d of %d head dims and this %s has no partial-rotary support"
+                % (rotary_dim, attn.head_dim, KERNEL_NAME))
+    return None
+
+
+def _load_kernel():
+    if _STATE.kernel is None and _STATE.kernel_error is None:
+        try:
+            kernel = getattr(importlib.import_module(KERNEL_MODULE), KERNEL_NAME)
+        except Exception as exc:  # noqa: BLE001 - an image without it keeps the original path
+            _STATE.kernel_error = "cannot import %s.%s: %r" % (KERNEL_MODULE, KERNEL_NAME, exc)
+            return None
+        _STATE.kernel_partial = _source_has_partial_rope(kernel)
+        _STATE.kernel = kernel
+    return _STATE.kernel
+
+
+def _source_has_partial_rope(func):
+    import inspect
+
+    try:
+        return bool(_PARTIAL_ROPE.search(inspect.getsource(unwrap(func))))
+    except (OSError, TypeError):
+        return False  # cannot be verified: treat as the old kernel
+
+
+def _attach_details():
+    """The patch record's details (status), with the live call counts in them."""
+    if _STATE.details is None:
+        from npu_shim import runtime
+
+        record = runtime.record(PATCH.name)
+        details = record.details if record is not None else {}
+        details["counts"] = _STATE.counts  # live: status shows how often each path ran
+        _STATE.details = details
+    return _STATE.details
+
+
+def _note(key, value):
+    _attach_details()[key] = value
+
+
+# -- kernel availability, decided before anything is patched -------------------------------------
+
+def kernel_problem():
+    """None when the image's sgl_kernel_npu provides a usable ``norm.split_qkv_rmsnorm_rope``,
+    else why not.  A package on disk is read as text (nothing is imported: ``status`` runs it)."""
+    try:
+        top = importlib.util.find_spec("sgl_kernel_npu")
+    except (ImportError, ValueError) as exc:
+        return "sgl_kernel_npu cannot be located: %r" % (exc,)
+    if top is None:
+        return "sgl_kernel_npu is not installed"
+    for location in list(top.submodule_search_locations or []):
+        if not os.path.isdir(location):
+            continue
+        path = os.path.join(location, "norm", KERNEL_NAME + ".py")
+        if not os.path.isfile(path):
+            return "sgl_kernel_npu at %s has no norm/%s.py (an older sgl-kernel-npu)" % (location, KERNEL_NAME)
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+        if not re.search(r"^def %s\(" % KERNEL_NAME, text, re.MULTILINE):
+            return "%s defines no %s()" % (path, KERNEL_NAME)
+        if not _PARTIAL_ROPE.search(text):
+            return ("%s has no partial-rotary support (GLM-4.x rotates half of each head; "
+                    "this kernel would rotate all of it)" % path)
+        return None
+    # Not a directory package (zip, or a finder of its own): ask the import system.
+    try:
+        spec = importlib.util.find_spec(KERNEL_MODULE)
+    except (ImportError, ValueError, AttributeError):
+        spec = None
+    return None if spec is not None else "sgl_kernel_npu has no norm.%s" % KERNEL_NAME
+
+
+# -- targets --------------------------------------------------------------------------------------
 
 class DualStreamExperts(Patch):
     name = "dual_stream_experts"
@@ -13,16 +347,77 @@ class DualStreamExperts(Patch):
     remove_when = "every supported image runs sglang >= 0.5.10"
     switch = config.DUAL_STREAM
     reads = (config.NPU_USE_MULTI_STREAM,)
-    modules = ("sglang.srt.models.glm4_moe",)
+    modules = (GLM4_MOE,)
+
+    def __init__(self):
+        self._streams_asked = None  # set by trigger(), read by the targets() of the same decide()
+        self._summary = ""
 
     def probe(self, view):
+        self._streams_asked = None  # decide() calls probe() first: forget an earlier decide()
+        self._summary = ""
+        module = view.module(GLM4_MOE)
+        if (module is not None and module.contains(r"process_shared_expert\(")
+                and view.has(NPU_UTILS, "process_shared_expert")):
+            return "glm4_moe runs shared experts through hardware_backend.npu.utils.process_shared_expert"
         return None
 
     def trigger(self, environ):
-        return "not implemented yet"
+        # Nothing makes the whole patch inactive: the fused path is on by default on an NPU, as
+        # upstream.  Remember whether this job asks for the streams (targets() depends on it).
+        self._streams_asked = config.NPU_USE_MULTI_STREAM.read(environ)
+        return None
+
+    def kernel_problem(self):
+        return kernel_problem()
 
     def targets(self, view):
-        return []
+        # decide() calls trigger() just before; without it (assume_triggered) the question is
+        # "would it apply if switched on", so the streams count as asked for.
+        streams = True if self._streams_asked is None else self._streams_asked
+        self._streams_asked = None
+        kernel = self.kernel_problem()
+        deepep = Wrap(GLM4_MOE, DEEPEP, forward_deepep_wrapper, [DEEPEP_PARAMS],
+                      fingerprints=DEEPEP_FINGERPRINTS)
+        prepare = Wrap(GLM4_MOE, PREPARE, forward_prepare_wrapper, [PREPARE_PARAMS],
+                       fingerprints=PREPARE_FINGERPRINTS)
+        parts, chosen = [], []
+        if streams:
+            chosen.append(deepep)
+            parts.append("dual-stream experts on")
+        else:
+            parts.append("dual-stream experts off (%s is not on)" % config.NPU_USE_MULTI_STREAM.name)
+        if kernel is None:
+            chosen.append(prepare)
+            parts.append("fused qkv-rmsnorm-rope decode path on")
+        else:
+            parts.append("fused qkv-rmsnorm-rope decode path unsupported: " + kernel)
+        self._summary = "; ".join(parts)
+        if not chosen:
+            return [_Nothing(self._summary)]
+        return chosen
+
+    def origin(self):
+        text = Patch.origin(self)
+        return text + " (" + self._summary + ")" if self._summary else text
+
+    def on_revert(self):
+        global _STATE
+        _STATE = _State()
+
+
+class _Nothing:
+    """Stands for 'no sub-feature can apply': its check makes decide() report unsupported."""
+
+    def __init__(self, reason):
+        self.reason = reason
+        self.module = GLM4_MOE
+
+    def describe(self):
+        return "%s (no applicable part)" % GLM4_MOE
+
+    def check_source(self, view):
+        return self.reason
 
 
 PATCH = DualStreamExperts()

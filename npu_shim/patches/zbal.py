@@ -1,28 +1,485 @@
-"""zbal backport (work in progress: minimal placeholder so the registry loads)."""
+"""zbal: memfabric's zero-buffer allocator on Ascend NPUs (backport of sglang 0.5.12's integration).
 
-from npu_shim import config
-from npu_shim.patching import Patch
+Why
+    zbal (``pip install memfabric-zbal``) takes over NPU memory with a global virtual address (GVA)
+    heap shared by all ranks; DeepEP-style MoE dispatch/combine then moves tokens without staging
+    buffers (upstream reports 30 %+ faster DSv3-like MoE, 1.2 GB+ less memory).  sglang 0.5.12
+    integrates it in seven places; images built on 0.5.7 - 0.5.11 do not have it.
+
+How (the seven upstream touch points, same trigger: ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` MiB > 0 on an NPU)
+    1. ``Scheduler.__init__`` is wrapped: before its body allocates anything, zbal is set up for the
+       rank -- mix mode (``zbal.is_mix_alloc()``): ``switch_to_allocator()`` only; full mode:
+       ``zbal_init(world_size=tp_size, device_id=gpu_id, rank_id=tp_rank, device_mem_size=MiB<<20,
+       [ip_port=SGLANG_ZBAL_BOOTSTRAP_URL])``.  Upstream calls it right after ``init_ipc_channels``;
+       nothing before that point touches the device, so running it first is equivalent.
+    2. ``ModelRunner.initialize`` marks its scope and ``ModelRunner.init_device_graphs`` (called by
+       the NPU branch right after ``init_attention_backend()``; the source is checked for exactly that
+       order) initialises the GVA heap in mix mode, once per process, never in a draft worker, i.e.
+       after weights, KV cache and attention backend and before graph capture.  Should a release
+       not call ``init_device_graphs`` there, the heap is initialised when ``initialize`` returns.
+    3. ``get_available_gpu_memory(device="npu")``: full mode reads free memory from
+       ``zbal.mem_get_info()``; same checks, ``empty_cache``, ``distributed`` MIN all-reduce over
+       ``cpu_group`` and GiB result as the original's NPU branch (the source is checked to still be
+       that branch).  Mix mode, and every other device: the original.
+    4. ``get_npu_memory_capacity()``: the configured MiB.
+    5. ``token_dispatcher.deepep``: ``Buffer``/``Config`` become ``zbal.zbal_buffer.Buffer`` /
+       ``zbal.zbal.deepep_adaptor.Config`` and ``use_deepep`` True (upstream's import succeeded).
+    6. ``parallel_state``: ``_DEVICE_TO_DISTRIBUTED_BACKEND["npu"]`` is ``"zbal"`` (0.5.10 - 0.5.11);
+       0.5.7 - 0.5.9 have no map (``ModelRunner.init_torch_distributed`` hard-codes ``"hccl"``), so
+       ``init_distributed_environment`` maps ``backend="hccl"`` to ``"zbal"`` there.  On every
+       release it imports zbal first, which is what registers the ``"zbal"`` backend with torch.
+    7. Nothing is touched while the patch is not ``applied`` (size unset/0, ``NPU_SHIM_ZBAL=0``,
+       no NPU, or a release that has it: ``Scheduler.init_zbal_on_npu`` /
+       ``hardware_backend.npu.utils.init_zbal`` present -> ``upstream``).
+
+Deliberate differences from upstream 0.5.12 (each a weakness seen in its code):
+    * GVA size in mix mode: upstream takes "in use" as a hard-coded 61.2 GB minus free memory (right
+      only on a 64 GB card).  Here in use = device total - free, both from ``torch.npu.mem_get_info()``
+      after emptying the cache, rounded up to whole MiB, and the MAX over the world group's
+      ``cpu_group`` -- so every rank asks ``zbal_init`` (which ends in a world barrier) for the same
+      size.  Size = configured - in use, aligned down to 128 MiB; <= 0 raises ``ZbalError`` with the
+      numbers instead of passing a negative size to zbal.
+    * ``zbal_init`` returning False raises ``ZbalInitError`` (rank, device, size) instead of a bare log
+      line plus ``sys.exit(-1)``: sglang's ``run_scheduler_process`` catches ``Exception``, logs the
+      traceback and SIGQUITs the parent, so the whole server stops and says why; ``SystemExit``
+      escapes that handler and the launcher only learns that a scheduler died.
+    * ``pp_size > 1`` in full mode raises (upstream logs "only zbal mix mode support pp_size > 1!"
+      -- even in mix mode -- and carries on into an unsupported set-up).
+    * zbal missing while the size is set: ``ZbalError`` naming memfabric-zbal and the variable when
+      the first target module is patched (before sglang allocates anything; the launcher fails too),
+      instead of an ``ImportError`` deep in the scheduler -- or, for DeepEP, a silent
+      ``use_deepep = False``.  (Checked with ``find_spec`` when patching, not when deciding: the
+      static ``python -m npu_shim status`` and release matrix do not depend on zbal being installed.)
+    * A malformed ``SGLANG_ZBAL_BOOTSTRAP_URL`` or size fails at decision time (the framework reads
+      ``reads`` before probing, so this holds on upstream releases too); upstream passes any string.
+    * The lazy init runs once per process (upstream asserts); a second runner is skipped.
+
+Upstream: sglang 0.5.12 (``hardware_backend/npu/utils.py: init_zbal, lazy_init_zbal_gva_mem``).
+Remove when every supported image runs sglang >= 0.5.12.
+"""
+
+import importlib.util
+
+from npu_shim import config, log
+from npu_shim.patching import Patch, Replace, ShimError, Wrap, bind_arguments
+
+SCHEDULER = "sglang.srt.managers.scheduler"
+MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
+COMMON = "sglang.srt.utils.common"
+DEEPEP = "sglang.srt.layers.moe.token_dispatcher.deepep"
+PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
+NPU_UTILS = "sglang.srt.hardware_backend.npu.utils"
+
+MIB = 1 << 20
+ALIGN_MIB = 128
+PACKAGE = "memfabric-zbal"
+
+SCHEDULER_INIT_SIGS = (
+    ("server_args", "port_args", "gpu_id", "tp_rank", "moe_ep_rank", "pp_rank", "dp_rank"),
+    ("server_args", "port_args", "gpu_id", "tp_rank", "moe_ep_rank", "pp_rank", "attn_cp_rank",
+     "moe_dp_rank", "dp_rank"),
+)
+INITIALIZE_SIGS = (("min_per_gpu_memory",), ("pre_model_load_memory",))
+AVAILABLE_SIG = ("device", "gpu_id", "distributed", "empty_cache", "cpu_group")
+INIT_DIST_SIGS = (
+    ("world_size", "rank", "distributed_init_method", "local_rank", "backend", "timeout"),
+    ("world_size", "rank", "distributed_init_method", "local_rank", "backend", "timeout",
+     "moe_a2a_backend"),
+    ("world_size", "rank", "distributed_init_method", "local_rank", "backend", "timeout",
+     "moe_a2a_backend", "recovered_rank"),
+)
+
+# The NPU branch of ModelRunner.initialize the lazy init relies on (attention backend, then graphs).
+_NPU_BRANCH = (r'elif self\.device in \["npu", "cpu"\]:\s*\n\s*self\.init_attention_backend\(\)'
+               r'\s*\n\s*self\.init_device_graphs\(\)')
+# The NPU branch of get_available_gpu_memory the full-mode query re-states (0.5.7 - 0.5.11).
+_AVAILABLE_NPU_BRANCH = (
+    r'elif device == "npu":\s*num_gpus = torch\.npu\.device_count\(\)\s*assert gpu_id < num_gpus\s*'
+    r'if torch\.npu\.current_device\(\) != gpu_id:\s*print\([\s\S]*?torch NPU context\.",\s*\)\s*'
+    r'if empty_cache:\s*torch\.npu\.empty_cache\(\)\s*'
+    r'free_gpu_memory, total_gpu_memory = torch\.npu\.mem_get_info\(\)[\s\S]*?'
+    r'if distributed:\s*tensor = torch\.tensor\(free_gpu_memory, dtype=torch\.float32\)\s*'
+    r'torch\.distributed\.all_reduce\(\s*tensor, op=torch\.distributed\.ReduceOp\.MIN, group=cpu_group\s*\)'
+    r'\s*free_gpu_memory = tensor\.item\(\)\s*return free_gpu_memory / \(1 << 30\)')
+
+
+class ZbalError(ShimError):
+    """zbal was asked for (SGLANG_ZBAL_LOCAL_MEM_SIZE > 0) but cannot be set up as configured."""
+
+
+class ZbalInitError(ZbalError):
+    """``zbal_init`` returned False."""
+
+    def __init__(self, message, rank, device, size_mib):
+        super().__init__(message)
+        self.rank = rank
+        self.device = device
+        self.size_mib = size_mib
+
+
+class _State:
+    """Per-process facts (a process runs one scheduler; tests reset it through on_revert)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.mode = None            # "mix" / "full" once Scheduler.__init__ set zbal up
+        self.gva_mib = None         # size the GVA heap was initialised with
+        self.initializing = set()   # id() of ModelRunners inside initialize()
+
+
+STATE = _State()
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+def missing_message():
+    return ("SGLANG_ZBAL_LOCAL_MEM_SIZE=%s asks for the zbal allocator, but the Python package "
+            "'zbal' is not importable: install %s (pip install %s) into this image, or unset "
+            "SGLANG_ZBAL_LOCAL_MEM_SIZE to run on torch_npu's native allocator"
+            % (_raw_size(), PACKAGE, PACKAGE))
+
+
+def _raw_size():
+    import os
+
+    return os.environ.get(config.ZBAL_LOCAL_MEM_SIZE.name, "")
+
+
+def require_zbal():
+    """Raise ZbalError unless ``zbal`` can be found (cheap: no import)."""
+    try:
+        found = importlib.util.find_spec("zbal") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ZbalError(missing_message())
+
+
+def zbal_module():
+    """The imported zbal package; ZbalError (naming the package and variable) if it cannot load."""
+    try:
+        import zbal
+    except ImportError as exc:
+        raise ZbalError("%s (import failed: %s)" % (missing_message(), exc)) from exc
+    return zbal
+
+
+def configured_mib():
+    return config.ZBAL_LOCAL_MEM_SIZE.read()
+
+
+def _ip_port_kwargs():
+    """``ip_port`` only when SGLANG_ZBAL_BOOTSTRAP_URL is set (else zbal derives it), as upstream."""
+    url = config.ZBAL_BOOTSTRAP_URL.read()
+    return {"ip_port": url} if url else {}
+
+
+def _details(**facts):
+    from npu_shim import runtime
+
+    record = runtime.record("zbal")
+    if record is not None:
+        record.details.update(facts)
+
+
+def _call_zbal_init(zbal, world_size, device_id, rank_id, size_mib, what):
+    kwargs = _ip_port_kwargs()
+    ok = zbal.zbal_init(world_size=world_size, device_id=device_id, rank_id=rank_id,
+                        device_mem_size=size_mib * MIB, **kwargs)
+    if not ok:
+        raise ZbalInitError(
+            "zbal_init failed (%s): rank %s of %s, device %s, %d MiB%s; see zbal's log above "
+            "(memfabric library path, bootstrap server reachable, device memory free)"
+            % (what, rank_id, world_size, device_id, size_mib,
+               ", bootstrap %s" % kwargs["ip_port"] if kwargs else ""),
+            rank=rank_id, device=device_id, size_mib=size_mib)
+
+
+# -- 1. Scheduler.__init__ -----------------------------------------------------------------------
+
+def init_for_rank(tp_size, pp_size, gpu_id, tp_rank):
+    """upstream init_zbal: mix mode switches the allocator only, full mode initialises the heap."""
+    if STATE.mode is not None:
+        log.debug("zbal: already set up in this process (%s mode)" % STATE.mode)
+        return
+    size = configured_mib()
+    zbal = zbal_module()
+    if zbal.is_mix_alloc():
+        zbal.switch_to_allocator()
+        STATE.mode = "mix"
+        _details(mode="mix", allocator="zbal (GVA heap after the KV cache)")
+        return
+    if pp_size > 1:
+        raise ZbalError("only zbal mix mode supports pp_size > 1 (got pp_size=%d with "
+                        "SGLANG_ZBAL_LOCAL_MEM_SIZE=%d in full mode); enable zbal's mix mode or "
+                        "use pp_size 1" % (pp_size, size))
+    _call_zbal_init(zbal, tp_size, gpu_id, tp_rank, size, "full mode, Scheduler start-up")
+    STATE.mode = "full"
+    STATE.gva_mib = size
+    _details(mode="full", gva_mib=size)
+
+
+def make_scheduler_init_wrapper(params):
+    def scheduler_init(wrapped, instance, args, kwargs):
+        bound = bind_arguments(params, args, kwargs)
+        server_args = bound["server_args"]
+        init_for_rank(server_args.tp_size, server_args.pp_size, bound["gpu_id"], bound["tp_rank"])
+        return wrapped(*args, **kwargs)
+
+    return scheduler_init
+
+
+# -- 2. ModelRunner.initialize / init_device_graphs ----------------------------------------------
+
+def gva_size_mib(configured, world_size, cpu_group):
+    """(GVA MiB, in-use MiB, device total MiB): configured - in use, aligned down to 128 MiB."""
+    import torch
+
+    torch.npu.empty_cache()
+    free, total = torch.npu.mem_get_info()
+    in_use = int(total) - int(free)
+    if world_size > 1:
+        # zbal_init ends in a world barrier: every rank must ask for the same size.
+        tensor = torch.tensor(in_use, dtype=torch.int64)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=cpu_group)
+        in_use = int(tensor.item())
+    in_use_mib = -(-in_use // MIB)
+    total_mib = int(total) // MIB
+    size = configured - in_use_mib
+    if size > 0:
+        size -= size % ALIGN_MIB
+    if size <= 0:
+        raise ZbalError(
+            "no room for the zbal GVA heap: SGLANG_ZBAL_LOCAL_MEM_SIZE=%d MiB configured, %d MiB "
+            "already in use (weights, KV cache, workspace) of the device's %d MiB total -> %d MiB "
+            "left (%d after aligning down to %d MiB); raise SGLANG_ZBAL_LOCAL_MEM_SIZE to at least "
+            "%d or lower --mem-fraction-static"
+            % (configured, in_use_mib, total_mib, configured - in_use_mib, size, ALIGN_MIB,
+               in_use_mib + ALIGN_MIB))
+    return size, in_use_mib, total_mib
+
+
+def _world_group():
+    from sglang.srt.distributed import get_world_group
+
+    return get_world_group()
+
+
+def lazy_init_due(runner):
+    """Mix mode, NPU, not a draft worker, heap not yet initialised in this process."""
+    if getattr(runner, "device", None) != "npu" or STATE.gva_mib is not None:
+        return False
+    if getattr(runner, "is_draft_worker", False):
+        _details(draft_worker_skipped=True)
+        return False
+    return bool(zbal_module().is_mix_alloc())
+
+
+def lazy_init(runner, when):
+    zbal = zbal_module()
+    group = _world_group()
+    size, in_use, total = gva_size_mib(configured_mib(), group.world_size, group.cpu_group)
+    _call_zbal_init(zbal, group.world_size, runner.gpu_id, group.rank_in_group, size,
+                    "mix mode, lazy GVA heap %s" % when)
+    STATE.gva_mib = size
+    _details(gva_mib=size, in_use_mib=in_use, device_total_mib=total, gva_init=when)
+    log.info("zbal: rank %d initialised a %d MiB GVA heap (%d MiB configured, %d of %d MiB in use)"
+             % (group.rank_in_group, size, configured_mib(), in_use, total))
+
+
+def model_runner_initialize(wrapped, instance, args, kwargs):
+    key = id(instance)
+    STATE.initializing.add(key)
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        STATE.initializing.discard(key)
+    if lazy_init_due(instance):
+        log.warning("zbal: ModelRunner.initialize did not reach init_device_graphs; "
+                    "initialising the GVA heap after it instead")
+        lazy_init(instance, "after ModelRunner.initialize")
+    return result
+
+
+def model_runner_init_device_graphs(wrapped, instance, args, kwargs):
+    if id(instance) in STATE.initializing and lazy_init_due(instance):
+        lazy_init(instance, "before device-graph capture")
+    return wrapped(*args, **kwargs)
+
+
+# -- 3./4. memory queries ------------------------------------------------------------------------
+
+def get_available_gpu_memory(wrapped, instance, args, kwargs):
+    bound = bind_arguments(AVAILABLE_SIG, args, kwargs)
+    if bound.get("device") != "npu":
+        return wrapped(*args, **kwargs)
+    zbal = zbal_module()
+    if zbal.is_mix_alloc():
+        return wrapped(*args, **kwargs)  # the GVA heap may not exist yet: device figures
+    import torch
+
+    gpu_id = bound["gpu_id"]
+    # The original's NPU branch, with zbal's heap as the source of the free figure.
+    num_gpus = torch.npu.device_count()
+    assert gpu_id < num_gpus
+    if torch.npu.current_device() != gpu_id:
+        print(
+            f"WARNING: current device is not {gpu_id}, but {torch.npu.current_device()}, ",
+            "which may cause useless memory allocation for torch NPU context.",
+        )
+    if bound.get("empty_cache", True):
+        torch.npu.empty_cache()
+    free_gpu_memory, _total = zbal.mem_get_info()
+    if bound.get("distributed", False):
+        tensor = torch.tensor(free_gpu_memory, dtype=torch.float32)
+        torch.distributed.all_reduce(
+            tensor, op=torch.distributed.ReduceOp.MIN, group=bound.get("cpu_group"))
+        free_gpu_memory = tensor.item()
+    return free_gpu_memory / (1 << 30)
+
+
+def get_npu_memory_capacity(wrapped, instance, args, kwargs):
+    try:
+        import torch_npu  # noqa: F401  (the original's contract)
+    except ImportError:
+        raise ImportError("torch_npu is required when run on npu device.")
+    return configured_mib()  # unit: MB, as upstream
+
+
+# -- 5./6. DeepEP and the distributed backend -----------------------------------------------------
+
+def _zbal_deepep(name):
+    def factory(original):
+        zbal_module()
+        if name == "Buffer":
+            from zbal.zbal_buffer import Buffer
+
+            return Buffer
+        from zbal.zbal.deepep_adaptor import Config
+
+        return Config
+
+    return factory
+
+
+def _backend_map(original):
+    mapping = dict(original)
+    mapping["npu"] = "zbal"
+    return mapping
+
+
+def make_init_dist_wrapper(params, hccl_means_npu):
+    index = params.index("backend")
+
+    def init_distributed_environment(wrapped, instance, args, kwargs):
+        backend = bind_arguments(params, args, kwargs).get("backend")
+        if hccl_means_npu and backend == "hccl":
+            backend = "zbal"
+            if len(args) > index:
+                args = args[:index] + (backend,) + args[index + 1:]
+            else:
+                kwargs = dict(kwargs, backend=backend)
+        if backend == "zbal":
+            zbal_module()  # importing zbal registers the "zbal" torch.distributed backend
+            _details(dist_backend="zbal")
+        return wrapped(*args, **kwargs)
+
+    return init_distributed_environment
+
+
+# -- the patch -----------------------------------------------------------------------------------
+
+class _NeedsZbal:
+    """Mixin for targets: the loaded module is patched only when zbal can be found."""
+
+    def prepare(self, module):
+        require_zbal()
+        return super().prepare(module)
+
+
+class ZbalWrap(_NeedsZbal, Wrap):
+    def __init__(self, module, qualname, wrapper, signatures, source_pattern=None, what=""):
+        super().__init__(module, qualname, wrapper, signatures)
+        self.source_pattern = source_pattern
+        self.what = what
+
+    def check_source(self, view):
+        problem = super().check_source(view)
+        if problem is None and self.source_pattern:
+            source = view.module(self.module)
+            if not source.contains(self.source_pattern):
+                problem = "%s: %s not found in the source" % (self.describe(), self.what)
+        return problem
+
+
+class ZbalReplace(_NeedsZbal, Replace):
+    """Replaces the name in its own module only (the default): the originals are shared objects
+    -- deep_ep's ``Buffer``, ``use_deepep`` is ``False`` -- read through ``deepep``'s globals."""
 
 
 class ZbalPatch(Patch):
     name = "zbal"
-    title = "memfabric zbal allocator (backport of sglang 0.5.12)"
-    upstream_pr = "sglang 0.5.12"
+    title = "memfabric zbal allocator: init, lazy GVA heap, memory queries, DeepEP, dist backend"
+    upstream_pr = "sglang 0.5.12 zbal integration (init_zbal / lazy_init_zbal_gva_mem)"
     upstream_release = "0.5.12"
     backport_range = "0.5.7 - 0.5.11"
     remove_when = "every supported image runs sglang >= 0.5.12"
     switch = config.ZBAL
     reads = (config.ZBAL_LOCAL_MEM_SIZE, config.ZBAL_BOOTSTRAP_URL)
-    modules = ()
+    modules = (COMMON, PARALLEL_STATE, DEEPEP, MODEL_RUNNER, SCHEDULER)
 
     def probe(self, view):
+        if view.has(SCHEDULER, "Scheduler.init_zbal_on_npu"):
+            return "Scheduler.init_zbal_on_npu"
+        if view.has(NPU_UTILS, "init_zbal"):
+            return "hardware_backend.npu.utils.init_zbal"
         return None
 
     def trigger(self, environ):
-        return "SGLANG_ZBAL_LOCAL_MEM_SIZE is not set (placeholder)"
+        if config.ZBAL_LOCAL_MEM_SIZE.read(environ) <= 0:
+            return "SGLANG_ZBAL_LOCAL_MEM_SIZE is unset or 0"
+        return None
+
+    def must_honour(self, environ):
+        if not config.ZBAL_LOCAL_MEM_SIZE.is_set(environ):
+            return False
+        try:
+            return config.ZBAL_LOCAL_MEM_SIZE.read(environ) > 0
+        except config.ConfigError:
+            return True  # an invalid size is a request we cannot read, not a request for nothing
 
     def targets(self, view):
-        return []
+        sched = view.function(SCHEDULER, "Scheduler.__init__")
+        sched_params = sched.params if sched else SCHEDULER_INIT_SIGS[-1]
+        dist = view.function(PARALLEL_STATE, "init_distributed_environment")
+        dist_params = dist.params if dist and "backend" in dist.params else INIT_DIST_SIGS[0]
+        has_map = view.has(PARALLEL_STATE, "_DEVICE_TO_DISTRIBUTED_BACKEND")
+        targets = [
+            ZbalWrap(COMMON, "get_available_gpu_memory", get_available_gpu_memory, (AVAILABLE_SIG,),
+                     _AVAILABLE_NPU_BRANCH, "the NPU branch the full-mode query re-states"),
+            ZbalWrap(COMMON, "get_npu_memory_capacity", get_npu_memory_capacity, ((),)),
+            ZbalWrap(PARALLEL_STATE, "init_distributed_environment",
+                     make_init_dist_wrapper(dist_params, hccl_means_npu=not has_map), INIT_DIST_SIGS),
+        ]
+        if has_map:
+            targets.append(ZbalReplace(PARALLEL_STATE, "_DEVICE_TO_DISTRIBUTED_BACKEND", _backend_map))
+        targets += [
+            ZbalReplace(DEEPEP, "Buffer", _zbal_deepep("Buffer"), must_exist=False),
+            ZbalReplace(DEEPEP, "Config", _zbal_deepep("Config"), must_exist=False),
+            ZbalReplace(DEEPEP, "use_deepep", lambda original: True),
+            ZbalWrap(MODEL_RUNNER, "ModelRunner.initialize", model_runner_initialize, INITIALIZE_SIGS),
+            ZbalWrap(MODEL_RUNNER, "ModelRunner.init_device_graphs", model_runner_init_device_graphs,
+                     ((),), _NPU_BRANCH,
+                     "the NPU branch 'init_attention_backend(); init_device_graphs()' of initialize"),
+            ZbalWrap(SCHEDULER, "Scheduler.__init__", make_scheduler_init_wrapper(sched_params),
+                     SCHEDULER_INIT_SIGS),
+        ]
+        return targets
+
+    def on_revert(self):
+        STATE.reset()
 
 
 PATCH = ZbalPatch()

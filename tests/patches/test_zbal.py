@@ -1,0 +1,640 @@
+"""zbal backport, unit level: decisions from the real release sources, and every wrapper driven on
+the simulated NPU with the fake zbal (tests/support/fake_zbal).  The sglang objects the wrappers
+receive are small stand-ins here; tests/patches/test_zbal_real.py drives the real classes."""
+from __future__ import annotations
+
+import ast
+import os
+import sys
+import types
+
+import pytest
+import torch
+import wrapt
+
+from npu_shim import config, patching, runtime
+from npu_shim.codeview import SourceView
+from npu_shim.patches import zbal as zp
+
+import realsglang
+
+MIB = 1 << 20
+GIB = 1 << 30
+BACKPORTED = ("0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11")
+UPSTREAM = ("0.5.12", "0.5.19", "0.5.23")
+
+
+# -- fixtures --------------------------------------------------------------------------------------
+
+_VIEWS = {}
+
+
+def view(version):
+    if version not in _VIEWS:
+        root = realsglang.sglang_envs.ensure_sources(version)
+        _VIEWS[version] = SourceView(os.path.join(str(root), "sglang"))
+    return _VIEWS[version]
+
+
+@pytest.fixture
+def zb(simnpu_clean, fake_zbal, monkeypatch):
+    """Fake zbal reset, shim state reset, size 61440 MiB set, no bootstrap URL."""
+    fake_zbal.reset_fake()
+    zp.STATE.reset()
+    monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", "61440")
+    monkeypatch.delenv("SGLANG_ZBAL_BOOTSTRAP_URL", raising=False)
+    monkeypatch.setattr(zp, "_world_group", lambda: types.SimpleNamespace(
+        world_size=1, rank_in_group=0, cpu_group=None))
+    yield fake_zbal
+    zp.STATE.reset()
+
+
+def calls(zbal, name=None):
+    return [c for c in zbal.CALLS if name is None or c[0] == name]
+
+
+def wrap_method(cls, name, wrapper):
+    setattr(cls, name, wrapt.FunctionWrapper(cls.__dict__[name], wrapper))
+
+
+# -- decisions ---------------------------------------------------------------------------------------
+
+ON = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": "61440"}
+
+
+@pytest.mark.parametrize("version", BACKPORTED)
+def test_applied_on_backport_range_with_every_target(version):
+    d = patching.decide(zp.PATCH, view(version), environ=ON, on_npu=True)
+    assert d.state == patching.APPLIED, d.reason
+    described = {t.describe() for t in d.targets}
+    expected = {
+        "sglang.srt.utils.common:get_available_gpu_memory",
+        "sglang.srt.utils.common:get_npu_memory_capacity",
+        "sglang.srt.distributed.parallel_state:init_distributed_environment",
+        "sglang.srt.layers.moe.token_dispatcher.deepep:Buffer",
+        "sglang.srt.layers.moe.token_dispatcher.deepep:Config",
+        "sglang.srt.layers.moe.token_dispatcher.deepep:use_deepep",
+        "sglang.srt.model_executor.model_runner:ModelRunner.initialize",
+        "sglang.srt.model_executor.model_runner:ModelRunner.init_device_graphs",
+        "sglang.srt.managers.scheduler:Scheduler.__init__",
+    }
+    if version in ("0.5.10", "0.5.11"):
+        expected.add("sglang.srt.distributed.parallel_state:_DEVICE_TO_DISTRIBUTED_BACKEND")
+    assert described == expected
+    assert set(zp.PATCH.modules) == {t.module for t in d.targets}
+
+
+@pytest.mark.parametrize("version", UPSTREAM)
+def test_upstream_releases_stand_down(version):
+    d = patching.decide(zp.PATCH, view(version), environ=ON, on_npu=True)
+    assert d.state == patching.UPSTREAM
+    assert "init_zbal_on_npu" in d.reason and d.targets == []
+
+
+@pytest.mark.parametrize("environ, state, words", [
+    ({}, patching.INACTIVE, "SGLANG_ZBAL_LOCAL_MEM_SIZE is unset or 0"),
+    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "0"}, patching.INACTIVE, "unset or 0"),
+    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "  "}, patching.INACTIVE, "unset or 0"),
+    (dict(ON, NPU_SHIM_ZBAL="0"), patching.DISABLED, "NPU_SHIM_ZBAL=0"),
+    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "12G"}, patching.FAILED,
+     "SGLANG_ZBAL_LOCAL_MEM_SIZE='12G' is invalid: expected a whole number of MiB"),
+    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "-5"}, patching.FAILED,
+     "SGLANG_ZBAL_LOCAL_MEM_SIZE='-5' is invalid: expected a whole number of MiB >= 0"),
+    (dict(ON, SGLANG_ZBAL_BOOTSTRAP_URL="10.0.0.1:6789"), patching.FAILED,
+     "SGLANG_ZBAL_BOOTSTRAP_URL='10.0.0.1:6789' is invalid: expected tcp://HOST:PORT"),
+    (dict(ON, SGLANG_ZBAL_BOOTSTRAP_URL="tcp://10.0.0.1:70000"), patching.FAILED,
+     "port in 1..65535"),
+])
+def test_trigger_and_settings(environ, state, words):
+    d = patching.decide(zp.PATCH, view("0.5.11"), environ=environ, on_npu=True)
+    assert d.state == state
+    assert words in d.reason
+
+
+def test_not_on_an_npu_is_inactive():
+    d = patching.decide(zp.PATCH, view("0.5.9"), environ=ON, on_npu=False)
+    assert d.state == patching.INACTIVE and "not running on an NPU" in d.reason
+
+
+@pytest.mark.parametrize("environ, honour", [
+    ({}, False), ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "0"}, False), (ON, True),
+    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "lots"}, True),
+    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "0", "SGLANG_ZBAL_BOOTSTRAP_URL": "bad"}, False),
+])
+def test_must_honour_when_the_size_asks_for_zbal(environ, honour):
+    assert zp.PATCH.must_honour(environ) is honour
+
+
+def test_a_bad_url_with_zbal_requested_raises_at_decision(monkeypatch):
+    # runtime.enforce is what the first import hook runs after deciding.
+    monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", "61440")
+    monkeypatch.setenv("SGLANG_ZBAL_BOOTSTRAP_URL", "http://10.0.0.1:6789")
+    d = patching.decide(zp.PATCH, view("0.5.11"), environ=dict(os.environ), on_npu=True)
+    record = runtime.PatchRecord(zp.PATCH, d)
+    with pytest.raises(patching.ShimError) as exc:
+        runtime.enforce(record)
+    assert "SGLANG_ZBAL_BOOTSTRAP_URL='http://10.0.0.1:6789' is invalid" in str(exc.value)
+
+
+def test_source_checks_guard_what_the_wrappers_rely_on():
+    # The NPU branch order (attention backend, then graphs) and the query's NPU branch are checked.
+    v = view("0.5.11")
+    for target in zp.PATCH.targets(v):
+        assert target.check_source(v) is None, target.describe()
+    broken = types.SimpleNamespace(
+        function=v.function, has=v.has,
+        module=lambda name: types.SimpleNamespace(contains=lambda pattern: False))
+    problems = [t.check_source(broken) for t in zp.PATCH.targets(v) if isinstance(t, zp.ZbalWrap)]
+    assert any("init_attention_backend(); init_device_graphs()" in (p or "") for p in problems)
+    assert any("NPU branch the full-mode query re-states" in (p or "") for p in problems)
+
+
+# -- zbal missing -------------------------------------------------------------------------------------
+
+def test_zbal_missing_fails_before_anything_is_patched(zb, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "zbal", None)  # find_spec -> None, import fails
+    target = zp.PATCH.targets(view("0.5.11"))[0]
+    module = types.ModuleType("sglang.srt.utils.common")
+    module.get_available_gpu_memory = lambda device, gpu_id, distributed=False, empty_cache=True, cpu_group=None: 0
+    with pytest.raises(zp.ZbalError) as exc:
+        target.prepare(module)
+    msg = str(exc.value)
+    assert "memfabric-zbal" in msg and "SGLANG_ZBAL_LOCAL_MEM_SIZE=61440" in msg
+    assert "not importable" in msg
+    with pytest.raises(zp.ZbalError) as exc:
+        zp.zbal_module()
+    assert "memfabric-zbal" in str(exc.value) and "import failed" in str(exc.value)
+
+
+# -- 1. Scheduler.__init__ ----------------------------------------------------------------------------
+
+class FakeScheduler:
+    """Body allocates on the NPU first thing, like the real one does somewhere after its start."""
+
+    def __init__(self, server_args, port_args, gpu_id, tp_rank, moe_ep_rank, pp_rank, attn_cp_rank,
+                 moe_dp_rank, dp_rank):
+        import simnpu
+
+        simnpu.log("body_start")
+        self.buffer = torch.empty(4, device="npu")
+
+
+wrap_method(FakeScheduler, "__init__", zp.make_scheduler_init_wrapper(zp.SCHEDULER_INIT_SIGS[1]))
+
+
+def server_args(tp=4, pp=1):
+    return types.SimpleNamespace(tp_size=tp, pp_size=pp)
+
+
+def make_scheduler(sim, tp=4, pp=1, gpu_id=2, tp_rank=3, positional=True):
+    with sim.record_allocations():
+        if positional:
+            return FakeScheduler(server_args(tp, pp), None, gpu_id, tp_rank, 0, 0, 0, 0, None)
+        return FakeScheduler(server_args=server_args(tp, pp), port_args=None, gpu_id=gpu_id,
+                             tp_rank=tp_rank, moe_ep_rank=0, pp_rank=0, attn_cp_rank=0,
+                             moe_dp_rank=0, dp_rank=None)
+
+
+def kinds(sim):
+    return [(e[0], e[1]) if e[0] == "zbal" else (e[0],) for e in sim.EVENTS]
+
+
+@pytest.mark.parametrize("positional", [True, False])
+def test_full_mode_zbal_init_before_the_first_allocation(zb, simnpu_clean, positional):
+    make_scheduler(simnpu_clean, positional=positional)
+    order = kinds(simnpu_clean)
+    assert order.index(("zbal", "zbal_init")) < order.index(("body_start",)) < order.index(("alloc",))
+    (name, args), = calls(zb, "zbal_init")
+    assert (args["world_size"], args["device_id"], args["rank_id"]) == (4, 2, 3)
+    assert args["device_mem_size"] == 61440 * MIB
+    assert args["ip_port"] == ""  # not passed: zbal derives it from MASTER_ADDR/PORT
+    assert simnpu_clean.allocator_backend() == "pluggable"  # zbal_init switched it (native before)
+    assert zp.STATE.mode == "full" and zp.STATE.gva_mib == 61440
+
+
+def test_bootstrap_url_is_passed_as_ip_port(zb, simnpu_clean, monkeypatch):
+    monkeypatch.setenv("SGLANG_ZBAL_BOOTSTRAP_URL", "tcp://10.0.0.1:6789")
+    make_scheduler(simnpu_clean)
+    (_, args), = calls(zb, "zbal_init")
+    assert args["ip_port"] == "tcp://10.0.0.1:6789" and zb.FAKE.ip_port == "tcp://10.0.0.1:6789"
+
+
+def test_mix_mode_only_switches_the_allocator_first(zb, simnpu_clean):
+    zb.FAKE.mix = True
+    make_scheduler(simnpu_clean, pp=2)  # pp_size > 1 is fine in mix mode
+    order = kinds(simnpu_clean)
+    assert order.index(("zbal", "switch_to_allocator")) < order.index(("change_allocator",)) \
+        < order.index(("body_start",)) < order.index(("alloc",))
+    assert calls(zb, "zbal_init") == []
+    assert zp.STATE.mode == "mix" and zp.STATE.gva_mib is None
+
+
+def test_switch_after_an_allocation_would_be_refused(zb, simnpu_clean):
+    # Why the order matters: torch_npu refuses to swap the allocator once it allocated.
+    zb.FAKE.mix = True
+    with simnpu_clean.record_allocations():
+        torch.empty(1, device="npu")
+        with pytest.raises(RuntimeError, match="already initialized allocator"):
+            zb.switch_to_allocator()
+
+
+def test_pp_without_mix_mode_is_a_clear_error(zb, simnpu_clean):
+    with pytest.raises(zp.ZbalError) as exc:
+        make_scheduler(simnpu_clean, pp=2)
+    assert "only zbal mix mode supports pp_size > 1" in str(exc.value)
+    assert "pp_size=2" in str(exc.value)
+    assert calls(zb, "zbal_init") == [] and simnpu_clean.events("body_start") == []
+
+
+def test_init_failure_stops_with_rank_device_size(zb, simnpu_clean, monkeypatch):
+    monkeypatch.setenv("SGLANG_ZBAL_BOOTSTRAP_URL", "tcp://10.0.0.1:6789")
+    zb.FAKE.init_result = False
+    with pytest.raises(zp.ZbalInitError) as exc:
+        make_scheduler(simnpu_clean)
+    err = exc.value
+    assert isinstance(err, patching.ShimError)  # an Exception: run_scheduler_process reports it
+    assert (err.rank, err.device, err.size_mib) == (3, 2, 61440)
+    assert str(err) == ("zbal_init failed (full mode, Scheduler start-up): rank 3 of 4, device 2, "
+                        "61440 MiB, bootstrap tcp://10.0.0.1:6789; see zbal's log above (memfabric "
+                        "library path, bootstrap server reachable, device memory free)")
+    assert simnpu_clean.events("body_start") == []
+
+
+def test_scheduler_setup_once_per_process(zb, simnpu_clean):
+    make_scheduler(simnpu_clean)
+    make_scheduler(simnpu_clean)
+    assert len(calls(zb, "zbal_init")) == 1
+
+
+# -- 2. ModelRunner: lazy GVA heap --------------------------------------------------------------------
+
+class FakeRunner:
+    """initialize() in the order of the real NPU branch: weights, KV cache, attention, graphs."""
+
+    def __init__(self, draft=False, device="npu", weights_mib=0, kv_mib=0, call_graphs=True):
+        self.device, self.gpu_id, self.is_draft_worker = device, 0, draft
+        self.weights_mib, self.kv_mib, self.call_graphs = weights_mib, kv_mib, call_graphs
+
+    def _use(self, mib):
+        import simnpu
+
+        simnpu.set_memory(free_mib=simnpu.STATE.free_mib - mib)
+
+    def initialize(self, pre_model_load_memory):
+        import simnpu
+
+        self._use(self.weights_mib)
+        simnpu.log("weights")
+        self._use(self.kv_mib)
+        simnpu.log("kv_cache")
+        self.init_attention_backend()
+        if self.call_graphs:
+            self.init_device_graphs()
+
+    def init_attention_backend(self):
+        import simnpu
+
+        simnpu.log("attention_backend")
+
+    def init_device_graphs(self):
+        import simnpu
+
+        simnpu.log("graph_capture")
+
+
+wrap_method(FakeRunner, "initialize", zp.model_runner_initialize)
+wrap_method(FakeRunner, "init_device_graphs", zp.model_runner_init_device_graphs)
+
+
+def test_lazy_init_after_attention_backend_before_graph_capture(zb, simnpu_clean):
+    zb.FAKE.mix = True
+    simnpu_clean.set_memory(total_mib=65536, free_mib=62000)  # 3.5 GB taken before the model
+    FakeRunner(weights_mib=20000, kv_mib=25000).initialize(1.0)
+    order = kinds(simnpu_clean)
+    assert order.index(("kv_cache",)) < order.index(("attention_backend",)) \
+        < order.index(("zbal", "zbal_init")) < order.index(("graph_capture",))
+    assert ("empty_cache",) in order[order.index(("attention_backend",)):order.index(("zbal", "zbal_init"))]
+    (_, args), = calls(zb, "zbal_init")
+    in_use = 65536 - (62000 - 45000)
+    expected = (61440 - in_use) // 128 * 128
+    assert args["device_mem_size"] == expected * MIB
+    assert (args["world_size"], args["device_id"], args["rank_id"]) == (1, 0, 0)
+    assert zp.STATE.gva_mib == expected
+
+
+@pytest.mark.parametrize("total, free, configured, expected", [
+    (32768, 9000, 30000, 6144),    # in use 23768 -> 6232 -> 6144
+    (65536, 20050, 61440, 15872),  # in use 45486 -> 15954 -> 15872
+    (98304, 40000, 92160, 33792),  # in use 58304 -> 33856 -> 33792
+])
+def test_gva_size_from_the_device_total(zb, simnpu_clean, monkeypatch, total, free, configured, expected):
+    zb.FAKE.mix = True
+    monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", str(configured))
+    simnpu_clean.set_memory(total_mib=total, free_mib=free)
+    FakeRunner().initialize(1.0)
+    (_, args), = calls(zb, "zbal_init")
+    assert args["device_mem_size"] == expected * MIB
+    assert expected % 128 == 0 and 0 <= configured - (total - free) - expected < 128
+    # upstream's fixed 61.2 (GiB) total asks for something else: 2.8 GiB more on a 64 GiB card,
+    # a negative size on 32 GiB, 34.8 GiB too little on 96 GiB
+    upstream = configured - int((61.2 - free / 1024) * 1024)
+    upstream -= upstream % 128
+    assert upstream != expected
+
+
+def test_in_use_rounds_up_partial_mib(zb, simnpu_clean, monkeypatch):
+    monkeypatch.setattr(torch.npu, "mem_get_info", lambda device=None: (20000 * MIB - 1, 65536 * MIB))
+    size, in_use, total = zp.gva_size_mib(61440, 1, None)
+    assert (in_use, total) == (45537, 65536) and size == (61440 - 45537) // 128 * 128
+
+
+def test_gva_size_uses_the_largest_in_use_across_ranks(zb, simnpu_clean, monkeypatch):
+    seen = {}
+
+    def all_reduce(tensor, op=None, group=None):
+        seen["op"], seen["group"] = op, group
+        tensor.fill_(50000 * MIB)  # another rank has more in use
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    simnpu_clean.set_memory(total_mib=65536, free_mib=30000)
+    size, in_use, _ = zp.gva_size_mib(61440, 2, "cpu-group")
+    assert seen == {"op": torch.distributed.ReduceOp.MAX, "group": "cpu-group"}
+    assert in_use == 50000 and size == 11392
+
+
+def test_gva_size_not_positive_is_a_clear_error(zb, simnpu_clean, monkeypatch):
+    zb.FAKE.mix = True
+    monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", "40000")
+    simnpu_clean.set_memory(total_mib=65536, free_mib=25600)
+    with pytest.raises(zp.ZbalError) as exc:
+        FakeRunner().initialize(1.0)
+    assert str(exc.value).startswith(
+        "no room for the zbal GVA heap: SGLANG_ZBAL_LOCAL_MEM_SIZE=40000 MiB configured, 39936 MiB "
+        "already in use (weights, KV cache, workspace) of the device's 65536 MiB total -> 64 MiB "
+        "left (0 after aligning down to 128 MiB)")
+    assert calls(zb, "zbal_init") == [] and simnpu_clean.events("graph_capture") == []
+
+
+def test_lazy_init_once_per_process_and_never_in_a_draft_worker(zb, simnpu_clean):
+    zb.FAKE.mix = True
+    runtime_record = runtime.PatchRecord(zp.PATCH, patching.Decision(patching.APPLIED, "t"))
+    old = runtime._RT.records
+    runtime._RT.records = {"zbal": runtime_record}
+    try:
+        FakeRunner(draft=True).initialize(1.0)
+        assert calls(zb, "zbal_init") == []
+        assert runtime_record.details.get("draft_worker_skipped") is True
+        FakeRunner().initialize(1.0)
+        FakeRunner().initialize(1.0)
+        FakeRunner(draft=True).initialize(1.0)
+    finally:
+        runtime._RT.records = old
+    assert len(calls(zb, "zbal_init")) == 1
+    assert len(simnpu_clean.events("graph_capture")) == 4
+    assert runtime_record.details["gva_init"] == "before device-graph capture"
+
+
+def test_full_mode_and_other_devices_do_no_lazy_init(zb, simnpu_clean):
+    FakeRunner().initialize(1.0)  # full mode (FAKE.mix False)
+    zb.FAKE.mix = True
+    FakeRunner(device="cpu").initialize(1.0)
+    assert calls(zb, "zbal_init") == []
+
+
+def test_graphs_outside_initialize_do_not_init(zb, simnpu_clean):
+    zb.FAKE.mix = True
+    FakeRunner().init_device_graphs()  # e.g. a later re-capture
+    assert calls(zb, "zbal_init") == []
+
+
+def test_initialize_without_graphs_inits_after_it(zb, simnpu_clean):
+    zb.FAKE.mix = True
+    FakeRunner(call_graphs=False).initialize(1.0)
+    order = kinds(simnpu_clean)
+    assert order.index(("attention_backend",)) < order.index(("zbal", "zbal_init"))
+
+
+def test_lazy_init_failure(zb, simnpu_clean):
+    zb.FAKE.mix = True
+    zb.FAKE.init_result = False
+    with pytest.raises(zp.ZbalInitError) as exc:
+        FakeRunner().initialize(1.0)
+    assert "zbal_init failed (mix mode, lazy GVA heap before device-graph capture): rank 0 of 1, " \
+           "device 0, 61440 MiB" in str(exc.value)
+    assert simnpu_clean.events("graph_capture") == []
+
+
+# -- 3./4. memory queries, against the original's own code ------------------------------------------
+
+def original_function(version, name):
+    """The release's function, compiled from its source (needs only torch for the npu path)."""
+    path = os.path.join(view(version).package_dir, "srt", "utils", "common.py")
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    namespace = {"torch": torch}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), path, "exec"), namespace)
+    return namespace[name]
+
+
+@pytest.fixture
+def cpu_group():
+    """A one-rank gloo group (zbal_init must not see it: it would barrier on it)."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("version", ["0.5.7", "0.5.11"])
+@pytest.mark.parametrize("kwargs", [
+    {}, {"empty_cache": False}, {"distributed": True, "empty_cache": True},
+])
+def test_available_memory_full_mode_matches_the_original_contract(zb, simnpu_clean, cpu_group, version,
+                                                                   kwargs):
+    original = original_function(version, "get_available_gpu_memory")
+    wrapped = wrapt.FunctionWrapper(original, zp.get_available_gpu_memory)
+    if kwargs.get("distributed"):
+        kwargs = dict(kwargs, cpu_group=cpu_group)
+    heap_free = 12345 * MIB + 777
+    zb.FAKE.heap_free, zb.FAKE.heap_total = heap_free, 60 * GIB
+    simnpu_clean.set_memory(total_mib=65536, free_mib=1000)  # device figure must NOT be used
+    got = wrapped("npu", 0, **kwargs)
+    empties = len(simnpu_clean.events("empty_cache"))
+    # the original, fed the same free bytes by the device, is the reference
+    simnpu_clean.reset()
+    orig_free = torch.npu.mem_get_info
+
+    try:
+        torch.npu.mem_get_info = lambda device=None: (heap_free, 60 * GIB)
+        expected = original("npu", 0, **kwargs)
+    finally:
+        torch.npu.mem_get_info = orig_free
+    assert got == expected and type(got) is type(expected)
+    assert empties == len(simnpu_clean.events("empty_cache")) == (0 if kwargs.get("empty_cache") is False else 1)
+    assert [c[0] for c in calls(zb, "mem_get_info")] == ["mem_get_info"]
+
+
+def test_available_memory_positional_arguments(zb, simnpu_clean, cpu_group):
+    original = original_function("0.5.11", "get_available_gpu_memory")
+    wrapped = wrapt.FunctionWrapper(original, zp.get_available_gpu_memory)
+    zb.FAKE.heap_free = 3 * GIB
+    assert wrapped("npu", 0, True, False, cpu_group) == 3.0
+    assert simnpu_clean.events("empty_cache") == []
+
+
+def test_available_memory_mix_mode_and_other_devices_are_the_original(zb, simnpu_clean):
+    original = original_function("0.5.11", "get_available_gpu_memory")
+    wrapped = wrapt.FunctionWrapper(original, zp.get_available_gpu_memory)
+    zb.FAKE.mix = True
+    simnpu_clean.set_memory(total_mib=65536, free_mib=4096)
+    assert wrapped("npu", 0) == original("npu", 0) == 4.0
+    assert calls(zb, "mem_get_info") == []
+    seen = []
+    passthrough = wrapt.FunctionWrapper(lambda *a, **k: seen.append((a, k)) or 7.0,
+                                        zp.get_available_gpu_memory)
+    assert passthrough("cuda", 1, distributed=True) == 7.0
+    assert seen == [(("cuda", 1), {"distributed": True})]
+
+
+def test_available_memory_asserts_the_gpu_id_like_the_original(zb, simnpu_clean):
+    wrapped = wrapt.FunctionWrapper(original_function("0.5.11", "get_available_gpu_memory"),
+                                    zp.get_available_gpu_memory)
+    with pytest.raises(AssertionError):
+        wrapped("npu", 5)
+
+
+def test_npu_memory_capacity_is_the_configured_size(zb, simnpu_clean, monkeypatch):
+    original = original_function("0.5.11", "get_npu_memory_capacity")
+    wrapped = wrapt.FunctionWrapper(original, zp.get_npu_memory_capacity)
+    simnpu_clean.set_memory(total_mib=65536)
+    assert original() == 65536
+    assert wrapped() == 61440
+    zb.FAKE.mix = True
+    assert wrapped() == 61440  # upstream: whatever the mode
+    monkeypatch.setitem(__import__("sys").modules, "torch_npu", None)
+    with pytest.raises(ImportError, match="torch_npu is required when run on npu device."):
+        wrapped()
+
+
+# -- 5./6. DeepEP and the distributed backend --------------------------------------------------------
+
+def test_deepep_uses_zbal_buffer_and_config(zb, monkeypatch):
+    deepep = types.ModuleType(zp.DEEPEP)
+    deepep.Buffer, deepep.Config, deepep.use_deepep = object, dict, False
+    targets = [t for t in zp.PATCH.targets(view("0.5.9")) if t.module == zp.DEEPEP]
+    bystander = types.ModuleType("npu_shim_test_bystander")
+    bystander.flag, bystander.Buffer = False, object  # same objects, must not be rebound
+    monkeypatch.setitem(sys.modules, bystander.__name__, bystander)
+    changes = [t.prepare(deepep) for t in targets]
+    for change in changes:
+        change.apply(late=True)  # as if the shim arrived after sglang was imported
+    import zbal.zbal.deepep_adaptor
+    import zbal.zbal_buffer
+
+    assert deepep.Buffer is zbal.zbal_buffer.Buffer
+    assert deepep.Config is zbal.zbal.deepep_adaptor.Config
+    assert deepep.use_deepep is True
+    assert (bystander.flag, bystander.Buffer) == (False, object)
+    for change in reversed(changes):
+        change.revert()
+    assert (deepep.Buffer, deepep.Config, deepep.use_deepep) == (object, dict, False)
+    assert (bystander.flag, bystander.Buffer) == (False, object)
+
+
+def test_deepep_without_deep_ep_installed(zb):
+    # deep_ep missing: the module has no Buffer/Config and use_deepep False; zbal supplies them.
+    deepep = types.ModuleType(zp.DEEPEP)
+    deepep.use_deepep = False
+    for t in [t for t in zp.PATCH.targets(view("0.5.11")) if t.module == zp.DEEPEP]:
+        t.prepare(deepep).apply(late=False)
+    assert deepep.Buffer.__module__ == "zbal.zbal_buffer" and deepep.use_deepep is True
+
+
+def test_backend_map_gives_zbal_for_npu(zb):
+    ps = types.ModuleType(zp.PARALLEL_STATE)
+    original = {"cuda": "nccl", "hpu": "hccl", "cpu": "gloo", "npu": "hccl"}
+    ps._DEVICE_TO_DISTRIBUTED_BACKEND = original
+    target = next(t for t in zp.PATCH.targets(view("0.5.11"))
+                  if t.describe().endswith("_DEVICE_TO_DISTRIBUTED_BACKEND"))
+    change = target.prepare(ps)
+    change.apply(late=False)
+    assert ps._DEVICE_TO_DISTRIBUTED_BACKEND == {"cuda": "nccl", "hpu": "hccl", "cpu": "gloo", "npu": "zbal"}
+    assert original["npu"] == "hccl"  # a copy: the original is restored on revert
+    change.revert()
+    assert ps._DEVICE_TO_DISTRIBUTED_BACKEND is original
+
+
+def _recorder():
+    seen = []
+
+    def init_distributed_environment(world_size=-1, rank=-1, distributed_init_method="env://",
+                                     local_rank=-1, backend="nccl", timeout=None):
+        seen.append(backend)
+
+    return seen, init_distributed_environment
+
+
+def test_hccl_becomes_zbal_where_the_release_has_no_map(zb):
+    seen, body = _recorder()
+    wrapper = zp.make_init_dist_wrapper(zp.INIT_DIST_SIGS[0], hccl_means_npu=True)
+    wrapped = wrapt.FunctionWrapper(body, wrapper)
+    wrapped(backend="hccl", world_size=2, rank=0, local_rank=0, distributed_init_method="tcp://x:1")
+    wrapped(2, 0, "tcp://x:1", 0, "hccl", None)
+    wrapped(backend="gloo")
+    assert seen == ["zbal", "zbal", "gloo"]
+    import torch.distributed as dist
+
+    assert "zbal" in dist.Backend.backend_list  # zbal imported -> backend registered
+
+
+def test_with_a_map_hccl_is_left_alone(zb):
+    seen, body = _recorder()
+    wrapper = zp.make_init_dist_wrapper(zp.INIT_DIST_SIGS[0], hccl_means_npu=False)
+    wrapped = wrapt.FunctionWrapper(body, wrapper)
+    wrapped(backend="hccl")
+    wrapped(backend="zbal")
+    assert seen == ["hccl", "zbal"]
+
+
+def test_on_revert_resets_process_state(zb, simnpu_clean):
+    make_scheduler(simnpu_clean)
+    assert zp.STATE.mode == "full"
+    zp.PATCH.on_revert()
+    assert (zp.STATE.mode, zp.STATE.gva_mib, zp.STATE.initializing) == (None, None, set())
+
+
+def test_module_imports_nothing_heavy():
+    import subprocess
+    import sys
+
+    code = ("import sys; import npu_shim.patches.zbal as m; "
+            "print(sorted(n for n in ('torch','wrapt','sglang','zbal') if n in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=realsglang.REPO, env=dict(os.environ, PYTHONPATH=str(realsglang.REPO)))
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_env_vars_are_declared_in_config():
+    names = {v.name for v in (zp.PATCH.switch,) + tuple(zp.PATCH.reads)}
+    assert names == {"NPU_SHIM_ZBAL", "SGLANG_ZBAL_LOCAL_MEM_SIZE", "SGLANG_ZBAL_BOOTSTRAP_URL"}
+    assert names <= set(config.BY_NAME)
+
+
+class FakeScheduler057:
+    """0.5.7/0.5.8 signature: no attn_cp_rank / moe_dp_rank."""
+
+    def __init__(self, server_args, port_args, gpu_id, tp_rank, moe_ep_rank, pp_rank, dp_rank):
+        self.args = (gpu_id, tp_rank)
+
+
+def test_scheduler_signature_of_0_5_7(zb, simnpu_clean):
+    params = view("0.5.7").function(zp.SCHEDULER, "Scheduler.__init__").params
+    assert params == zp.SCHEDULER_INIT_SIGS[0]
+    wrap_method(FakeScheduler057, "__init__", zp.make_scheduler_init_wrapper(params))
+    FakeScheduler057(server_args(tp=8), None, 5, 6, 0, 0, None)
+    (_, args), = calls(zb, "zbal_init")
+    assert (args["world_size"], args["device_id"], args["rank_id"]) == (8, 5, 6)

@@ -1,0 +1,380 @@
+"""zbal backport inside the real sglang releases (their venvs, simulated NPU, fake zbal).
+
+0.5.9 and 0.5.11 (backported): one subprocess each drives the real wrapped objects --
+``Scheduler.__init__`` with its body replaced by a recording stub (the real one needs a model and
+ports), the *real* ``ModelRunner.initialize`` body on a runner whose heavy steps (load_model,
+init_memory_pool, ...) are stubs that take simulated device memory, the real memory queries, the real
+DeepEP module and backend map -- then re-decides in the same process (uninstall/install) for the
+"off" and bad-setting cases.  zbal missing gets a fresh process (the error must come at import).
+0.5.19 and 0.5.23 (upstream): the patch reports ``upstream`` and nothing is wrapped.
+"""
+from __future__ import annotations
+
+import pytest
+
+import realsglang
+
+ENV = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": "61440", "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://10.0.0.1:6789",
+       "NPU_SHIM_STRICT": None, "NPU_SHIM_ZBAL": None}
+
+BACKPORT_SNIPPET = r'''
+import os, sys, types, torch, wrapt, zbal, simnpu
+import sglang.srt.utils as u
+import sglang.srt.utils.common as common
+import sglang.srt.managers.scheduler as sch
+import sglang.srt.model_executor.model_runner as mr
+import sglang.srt.layers.moe.token_dispatcher.deepep as dp
+import sglang.srt.distributed.parallel_state as ps
+from npu_shim import runtime
+from npu_shim.patching import ShimError
+from npu_shim.patches import zbal as zp
+
+GIB, MIB = 1 << 30, 1 << 20
+out = {"state": runtime.states()["zbal"]}
+
+def fresh(mix=False):
+    zp.STATE.reset(); simnpu.reset(); zbal.reset_fake(); zbal.FAKE.mix = mix
+
+def order():
+    return [e[1] if e[0] == "zbal" else e[0] for e in simnpu.EVENTS]
+
+def is_wrapper(obj):
+    return isinstance(obj, wrapt.FunctionWrapper)
+
+out["wrapped"] = {
+    "Scheduler.__init__": is_wrapper(sch.Scheduler.__dict__["__init__"]),
+    "ModelRunner.initialize": is_wrapper(mr.ModelRunner.__dict__["initialize"]),
+    "ModelRunner.init_device_graphs": is_wrapper(mr.ModelRunner.__dict__["init_device_graphs"]),
+    "utils.get_available_gpu_memory": u.get_available_gpu_memory is common.get_available_gpu_memory
+        and is_wrapper(u.get_available_gpu_memory),
+    "model_runner.get_available_gpu_memory": mr.get_available_gpu_memory is common.get_available_gpu_memory,
+    "utils.get_npu_memory_capacity": is_wrapper(u.get_npu_memory_capacity),
+}
+
+# -- 3./4. memory queries ---------------------------------------------------------------------------
+fresh()
+simnpu.set_memory(total_mib=65536, free_mib=1024)
+zbal.FAKE.heap_free, zbal.FAKE.heap_total = 10 * GIB + 5 * MIB, 60 * GIB
+native = common.get_available_gpu_memory.__wrapped__
+mem = {"full": u.get_available_gpu_memory("npu", 0), "native": native("npu", 0),
+       "full_no_empty_cache_events": None}
+simnpu.clear_events()
+u.get_available_gpu_memory("npu", 0, empty_cache=False)
+mem["full_no_empty_cache_events"] = len(simnpu.events("empty_cache"))
+import torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mem["full_distributed"] = u.get_available_gpu_memory("npu", 0, distributed=True, cpu_group=dist.group.WORLD)
+dist.destroy_process_group()
+zbal.FAKE.mix = True
+mem["mix"] = u.get_available_gpu_memory("npu", 0)
+mem["capacity"] = u.get_npu_memory_capacity()
+mem["capacity_native"] = common.get_npu_memory_capacity.__wrapped__()
+out["mem"] = mem
+
+# -- 5./6. DeepEP and the backend ------------------------------------------------------------------
+import zbal.zbal_buffer, zbal.zbal.deepep_adaptor
+out["deepep"] = {"Buffer": dp.Buffer is zbal.zbal_buffer.Buffer,
+                 "Config": dp.Config is zbal.zbal.deepep_adaptor.Config, "use_deepep": dp.use_deepep}
+seen = []
+def dist_body(*args, **kwargs):
+    seen.append(kwargs.get("backend", args[4] if len(args) > 4 else None))
+init_dist = ps.__dict__["init_distributed_environment"]
+real_body = init_dist.__wrapped__
+init_dist.__wrapped__ = dist_body
+try:
+    if hasattr(ps, "get_default_distributed_backend"):
+        npu_backend = ps.get_default_distributed_backend("npu")
+        cuda_backend = ps.get_default_distributed_backend("cuda")
+    else:  # 0.5.9: ModelRunner.init_torch_distributed passes "hccl" for npu
+        npu_backend, cuda_backend = "hccl", "nccl"
+    mr.init_distributed_environment(backend=npu_backend, world_size=1, rank=0, local_rank=0,
+                                    distributed_init_method="tcp://127.0.0.1:1")
+    mr.init_distributed_environment(1, 0, "tcp://127.0.0.1:1", 0, cuda_backend)
+finally:
+    init_dist.__wrapped__ = real_body
+out["backend"] = {"seen": seen, "map_npu": getattr(ps, "_DEVICE_TO_DISTRIBUTED_BACKEND", {}).get("npu"),
+                  "same_function": mr.init_distributed_environment is ps.init_distributed_environment,
+                  "registered": "zbal" in dist.Backend.backend_list}
+
+# -- 1. Scheduler.__init__ (body: a recording stub that allocates at once) -------------------------
+def scheduler_body(self, server_args, port_args, gpu_id, tp_rank, *rest):
+    simnpu.log("body_start")
+    self.t = torch.empty(4, device="npu")
+
+def make_scheduler(tp=4, pp=1, gpu_id=0, tp_rank=3):
+    init = sch.Scheduler.__dict__["__init__"]
+    real = init.__wrapped__
+    init.__wrapped__ = scheduler_body
+    try:
+        with simnpu.record_allocations():
+            sch.Scheduler(types.SimpleNamespace(tp_size=tp, pp_size=pp), None, gpu_id, tp_rank,
+                          0, 0, 0, 0, None)
+    finally:
+        init.__wrapped__ = real
+
+sched = {}
+fresh()
+make_scheduler()
+sched["full_order"] = order()
+sched["full_init"] = [c[1] for c in zbal.CALLS if c[0] == "zbal_init"]
+fresh(mix=True)
+make_scheduler(pp=2)
+sched["mix_order"] = order()
+sched["mix_allocator"] = simnpu.allocator_backend()
+for name, knobs in (("pp", dict(pp=2)), ("init_false", {})):
+    fresh()
+    zbal.FAKE.init_result = name != "init_false"
+    try:
+        make_scheduler(**knobs)
+        sched[name] = None
+    except ShimError as exc:
+        sched[name] = [type(exc).__name__, str(exc), "body_start" in order()]
+out["scheduler"] = sched
+
+# -- 2. the real ModelRunner.initialize body -------------------------------------------------------
+zp._world_group = lambda: types.SimpleNamespace(world_size=1, rank_in_group=0, cpu_group=None)
+
+class Falsy:
+    def __bool__(self): return False
+    def __call__(self, *a, **k): return Falsy()
+    def __getattr__(self, name):
+        if name.startswith("__"): raise AttributeError(name)
+        return Falsy()
+
+class Args(Falsy):
+    disable_cuda_graph = True
+    model_impl = "auto"
+    forward_hooks = None
+    torchao_config = ""
+    max_running_requests = None
+
+def noop(*a, **k): return None
+for name in ("set_global_expert_location_metadata", "compute_initial_expert_location_metadata",
+             "set_global_expert_distribution_recorder", "apply_torchao_config_to_model",
+             "register_forward_hooks", "get_global_expert_location_metadata", "create_sampler"):
+    if name in vars(mr): setattr(mr, name, noop)
+mr.get_global_server_args = lambda: Args()
+mr.ExpertDistributionRecorder = types.SimpleNamespace(init_new=noop)
+
+class Runner(mr.ModelRunner):
+    """Everything initialize() calls that needs a model is a stub; initialize() itself is real."""
+    def __init__(self, draft=False, weights=0, kv=0):
+        self.server_args = Args(); self.device = "npu"; self.gpu_id = 0; self.tp_rank = 0
+        self.tp_size = 1; self.dp_size = 1; self.moe_ep_rank = 0; self.is_draft_worker = draft
+        self.enable_hisparse = False; self.spec_algorithm = Falsy()
+        self.eagle_use_aux_hidden_state = False; self.max_total_num_tokens = 64
+        self.req_to_token_pool = types.SimpleNamespace(size=8)
+        self.model_config = types.SimpleNamespace(num_nextn_predict_layers=None, num_hidden_layers=2,
+            num_attention_layers=2, hf_config=types.SimpleNamespace(architectures=["LlamaForCausalLM"]))
+        self._w, self._kv = weights, kv
+    def _take(self, mib, what):
+        simnpu.set_memory(free_mib=simnpu.STATE.free_mib - mib); simnpu.log(what)
+    def load_model(self):
+        self.model = types.SimpleNamespace(); self._take(self._w, "weights")
+    def init_memory_pool(self, *a, **k): self._take(self._kv, "kv_cache")
+    def init_attention_backend(self): simnpu.log("attention_backend")
+    @property
+    def is_generation(self):  # first thing the real init_device_graphs reads
+        simnpu.log("device_graphs_body"); return False
+    remote_instance_init_transfer_engine = configure_kv_cache_dtype = noop
+    maybe_init_ngram_embedding = init_routed_experts_capturer = init_aux_hidden_state_capture = noop
+    init_piecewise_cuda_graphs = prealloc_symmetric_memory_pool = init_indexer_capturer = noop
+    init_lora_manager = apply_torch_tp = kernel_warmup = init_cublas = noop
+
+runner = {}
+fresh(mix=True)
+runner["draft_calls"] = None
+simnpu.set_memory(total_mib=65536, free_mib=62000)
+Runner(draft=True).initialize(1.0)
+runner["draft_calls"] = [c[0] for c in zbal.CALLS if c[0] == "zbal_init"]
+runner["draft_order"] = order()
+simnpu.clear_events()
+Runner(weights=20000, kv=25000).initialize(1.0)
+runner["order"] = order()
+runner["init"] = [c[1] for c in zbal.CALLS if c[0] == "zbal_init"]
+Runner().initialize(1.0)  # a second runner in the process: no second heap
+runner["inits_after_second"] = len([c for c in zbal.CALLS if c[0] == "zbal_init"])
+fresh(mix=False)
+Runner(weights=20000, kv=25000).initialize(1.0)
+runner["full_mode_inits"] = len([c for c in zbal.CALLS if c[0] == "zbal_init"])
+fresh(mix=True)
+os.environ["SGLANG_ZBAL_LOCAL_MEM_SIZE"] = "40000"
+simnpu.set_memory(total_mib=65536, free_mib=62000)
+try:
+    Runner(weights=20000, kv=18000).initialize(1.0)
+    runner["too_small"] = None
+except ShimError as exc:
+    runner["too_small"] = [type(exc).__name__, str(exc), "device_graphs_body" in order()]
+os.environ["SGLANG_ZBAL_LOCAL_MEM_SIZE"] = "61440"
+out["runner"] = runner
+
+# -- 7./settings: re-decide in this process ---------------------------------------------------------
+def redecide(env, hide_zbal=False):
+    runtime.uninstall()
+    saved = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        if v is None: os.environ.pop(k, None)
+        else: os.environ[k] = v
+    if hide_zbal:
+        saved_zbal = {n: m for n, m in sys.modules.items() if n == "zbal" or n.startswith("zbal.")}
+        for n in saved_zbal: del sys.modules[n]
+        sys.modules["zbal"] = None
+    try:
+        runtime.install()
+        result = {"state": runtime.states()["zbal"]["state"], "error": None}
+    except ShimError as exc:
+        result = {"state": runtime.states()["zbal"]["state"], "error": str(exc)}
+    finally:
+        for k, v in saved.items():
+            if v is None: os.environ.pop(k, None)
+            else: os.environ[k] = v
+        if hide_zbal:
+            del sys.modules["zbal"]; sys.modules.update(saved_zbal)
+    result["untouched"] = not any((
+        is_wrapper(sch.Scheduler.__dict__["__init__"]), is_wrapper(mr.ModelRunner.__dict__["initialize"]),
+        is_wrapper(mr.ModelRunner.__dict__["init_device_graphs"]), is_wrapper(u.get_available_gpu_memory),
+        is_wrapper(mr.get_available_gpu_memory), is_wrapper(u.get_npu_memory_capacity),
+        is_wrapper(ps.init_distributed_environment), getattr(dp, "Buffer", None) is zbal.zbal_buffer.Buffer,
+        getattr(ps, "_DEVICE_TO_DISTRIBUTED_BACKEND", {}).get("npu") == "zbal", dp.use_deepep is True))
+    return result
+
+out["off"] = redecide({"SGLANG_ZBAL_LOCAL_MEM_SIZE": None})
+out["zero"] = redecide({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "0"})
+out["switched_off"] = redecide({"NPU_SHIM_ZBAL": "0"})
+out["bad_url"] = redecide({"SGLANG_ZBAL_BOOTSTRAP_URL": "10.0.0.1:6789"})
+out["bad_size"] = redecide({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "60G"})
+out["missing"] = redecide({}, hide_zbal=True)
+out["again"] = redecide({})
+emit(out)
+'''
+
+
+def check_backport(version, out):
+    state = out["state"]
+    assert state["state"] == "applied", state
+    assert state["targets"] and all(state["targets"].values()), state["targets"]
+    assert all(out["wrapped"].values()), out["wrapped"]
+
+    mem = out["mem"]
+    assert mem["full"] == (10 * (1 << 30) + 5 * (1 << 20)) / (1 << 30)  # zbal heap, GiB
+    assert mem["native"] == 1.0                                         # the device says 1 GiB free
+    assert mem["full_no_empty_cache_events"] == 0
+    assert abs(mem["full_distributed"] - mem["full"]) < 1e-6            # float32 MIN all-reduce
+    assert mem["mix"] == mem["native"] == 1.0
+    assert (mem["capacity"], mem["capacity_native"]) == (61440, 65536)
+
+    assert out["deepep"] == {"Buffer": True, "Config": True, "use_deepep": True}
+    backend = out["backend"]
+    assert backend["seen"] == ["zbal", "nccl"] and backend["same_function"] and backend["registered"]
+    assert backend["map_npu"] == ("zbal" if version == "0.5.11" else None)
+
+    sched = out["scheduler"]
+    full = sched["full_order"]
+    assert full.index("zbal_init") < full.index("body_start") < full.index("alloc")
+    (init,) = sched["full_init"]
+    assert (init["world_size"], init["device_id"], init["rank_id"]) == (4, 0, 3)
+    assert init["device_mem_size"] == 61440 << 20 and init["ip_port"] == "tcp://10.0.0.1:6789"
+    mix = sched["mix_order"]
+    assert "zbal_init" not in mix and sched["mix_allocator"] == "pluggable"
+    assert mix.index("switch_to_allocator") < mix.index("body_start") < mix.index("alloc")
+    assert sched["pp"][0] == "ZbalError" and "only zbal mix mode supports pp_size > 1" in sched["pp"][1]
+    assert sched["pp"][2] is False
+    name, message, body_ran = sched["init_false"]
+    assert name == "ZbalInitError" and body_ran is False
+    assert message.startswith("zbal_init failed (full mode, Scheduler start-up): rank 3 of 4, device 0, "
+                              "61440 MiB, bootstrap tcp://10.0.0.1:6789")
+
+    runner = out["runner"]
+    assert runner["draft_calls"] == []
+    assert runner["draft_order"] == ["weights", "kv_cache", "attention_backend", "device_graphs_body"]
+    o = runner["order"]
+    assert o.index("weights") < o.index("kv_cache") < o.index("attention_backend") \
+        < o.index("zbal_init") < o.index("device_graphs_body")
+    (init,) = runner["init"]
+    in_use = 65536 - (62000 - 45000)
+    assert init["device_mem_size"] == (61440 - in_use) // 128 * 128 << 20 == 12800 << 20
+    assert (init["world_size"], init["rank_id"], init["device_id"]) == (1, 0, 0)
+    assert init["ip_port"] == "tcp://10.0.0.1:6789"
+    assert runner["inits_after_second"] == 1 and runner["full_mode_inits"] == 0
+    name, message, graphs = runner["too_small"]
+    assert name == "ZbalError" and graphs is False
+    assert "SGLANG_ZBAL_LOCAL_MEM_SIZE=40000 MiB configured, 41536 MiB already in use" in message
+    assert "of the device's 65536 MiB total" in message
+
+    assert out["off"] == {"state": "inactive", "error": None, "untouched": True}
+    assert out["zero"] == {"state": "inactive", "error": None, "untouched": True}
+    assert out["switched_off"] == {"state": "disabled", "error": None, "untouched": True}
+    for key, words in (("bad_url", "SGLANG_ZBAL_BOOTSTRAP_URL='10.0.0.1:6789' is invalid: expected "
+                                   "tcp://HOST:PORT"),
+                       ("bad_size", "SGLANG_ZBAL_LOCAL_MEM_SIZE='60G' is invalid: expected a whole "
+                                    "number of MiB")):
+        assert out[key]["state"] == "failed" and out[key]["untouched"], out[key]
+        assert words in out[key]["error"]
+    missing = out["missing"]
+    assert missing["state"] == "failed" and missing["untouched"], missing
+    assert "memfabric-zbal" in missing["error"] and "SGLANG_ZBAL_LOCAL_MEM_SIZE=61440" in missing["error"]
+    assert out["again"] == {"state": "applied", "error": None, "untouched": False}
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.11"])
+def test_backport_in_real_release(version, release_venv):
+    release_venv(version)
+    out = realsglang.run_in_release(version, BACKPORT_SNIPPET, env=ENV, zbal=True)
+    check_backport(version, out)
+
+
+MISSING_SNIPPET = r'''
+from npu_shim.patching import ShimError
+try:
+    import sglang.srt.utils  # its utils.common is the first target module
+    emit({"error": None})
+except ShimError as exc:
+    import sys
+    emit({"error": str(exc), "allocations": simnpu.STATE.npu_allocations,
+          "scheduler_imported": "sglang.srt.managers.scheduler" in sys.modules})
+'''
+
+
+def test_zbal_missing_stops_at_the_first_import(release_venv):
+    release_venv("0.5.11")
+    out = realsglang.run_in_release("0.5.11", MISSING_SNIPPET, env=ENV, zbal=False)
+    assert out["error"] is not None, "importing sglang without zbal must fail while the size is set"
+    assert out["error"].startswith("npu-shim: zbal was requested but is failed: while patching "
+                                   "sglang.srt.utils.common: SGLANG_ZBAL_LOCAL_MEM_SIZE=61440 asks for "
+                                   "the zbal allocator, but the Python package 'zbal' is not importable: "
+                                   "install memfabric-zbal")
+    assert out["allocations"] == 0 and out["scheduler_imported"] is False
+
+
+UPSTREAM_SNIPPET = r'''
+import wrapt, zbal
+import sglang.srt.utils as u
+import sglang.srt.managers.scheduler as sch
+import sglang.srt.model_executor.model_runner as mr
+import sglang.srt.distributed.parallel_state as ps
+import sglang.srt.layers.moe.token_dispatcher.deepep as dp
+import sglang.srt.hardware_backend.npu.utils as npu_utils
+from npu_shim import runtime
+w = lambda o: isinstance(o, wrapt.FunctionWrapper)
+emit({
+    "state": runtime.states()["zbal"],
+    "wrapped": [w(sch.Scheduler.__dict__["__init__"]), w(mr.ModelRunner.__dict__["initialize"]),
+                w(u.get_available_gpu_memory), w(u.get_npu_memory_capacity),
+                w(ps.init_distributed_environment)],
+    "own": [hasattr(sch.Scheduler, "init_zbal_on_npu"), hasattr(npu_utils, "init_zbal"),
+            hasattr(npu_utils, "lazy_init_zbal_gva_mem")],
+    "calls": list(zbal.CALLS),
+})
+'''
+
+
+@pytest.mark.parametrize("version", ["0.5.19", "0.5.23"])
+def test_upstream_release_is_left_alone(version, release_venv):
+    release_venv(version)
+    out = realsglang.run_in_release(version, UPSTREAM_SNIPPET, env=ENV, zbal=True)
+    state = out["state"]
+    assert state["state"] == "upstream" and state["targets"] == {}, state
+    assert state["reason"].endswith("has it: Scheduler.init_zbal_on_npu")
+    assert out["wrapped"] == [False] * 5
+    assert out["own"] == [True, True, True]
+    assert out["calls"] == []

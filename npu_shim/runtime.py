@@ -37,6 +37,8 @@ class PatchRecord:
             "state": self.state,
             "reason": self.reason,
             "targets": {t.describe(): t.describe() in self.applied for t in self.targets},
+            "wrappers": sorted(t.describe() for t in self.targets
+                               if isinstance(t, patching.Wrap) and t.describe() in self.applied),
             "details": dict(self.details),
         }
 

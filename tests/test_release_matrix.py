@@ -2,10 +2,11 @@
 
 For each release the wheel is downloaded once (cached), its ``sglang/`` tree extracted, and each
 patch is decided exactly as the runtime decides it (probe, then every target resolved with a known
-signature), with the patch switched on and its trigger assumed set.  The expected table below is the
-one README.md shows users; test_readme_table_matches keeps the two identical.
+signature), with the patch switched on and its trigger assumed set.  The expected table
+(tests/support/expected_states.py) is the one README.md shows users; test_readme_table_matches
+keeps the two identical.
 
-Adding a release: one line in scripts/sglang_envs.py RELEASES and its row here.
+Adding a release: one line in scripts/sglang_envs.py RELEASES and its row in expected_states.py.
 """
 
 import os
@@ -18,31 +19,9 @@ from npu_shim import patching
 from npu_shim.codeview import SourceView
 from npu_shim.patches import load_all
 
+from expected_states import EXPECTED, PATCH_ORDER
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-PATCH_ORDER = ("zbal", "mla_weight_release", "dual_stream_experts")
-
-# release: states of (zbal, mla_weight_release, dual_stream_experts)
-EXPECTED = {
-    "0.5.7": ("applied", "unsupported", "applied"),
-    "0.5.8": ("applied", "unsupported", "applied"),
-    "0.5.9": ("applied", "applied", "applied"),
-    "0.5.10": ("applied", "applied", "upstream"),
-    "0.5.11": ("applied", "applied", "upstream"),
-    "0.5.12": ("upstream", "applied", "upstream"),
-    "0.5.13": ("upstream", "applied", "upstream"),
-    "0.5.14": ("upstream", "applied", "upstream"),
-    "0.5.15": ("upstream", "applied", "upstream"),
-    "0.5.16": ("upstream", "applied", "upstream"),
-    "0.5.17": ("upstream", "applied", "upstream"),
-    "0.5.18": ("upstream", "applied", "upstream"),
-    "0.5.19": ("upstream", "applied", "upstream"),
-    "0.5.20": ("upstream", "upstream", "upstream"),
-    "0.5.21": ("upstream", "upstream", "upstream"),
-    "0.5.22": ("upstream", "upstream", "upstream"),
-    "0.5.23": ("upstream", "upstream", "upstream"),
-}
-
 
 def test_expected_table_covers_exactly_the_supported_releases():
     assert tuple(EXPECTED) == tuple(sglang_envs.RELEASES)

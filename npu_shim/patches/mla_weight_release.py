@@ -1,9 +1,491 @@
-"""MLA weight release backport (placeholder while being written)."""
+"""mla_weight_release: free the MLA weights sglang's mlaprolog path no longer reads (PD disaggregation).
 
-from npu_shim import config, patching
+Why
+    On Ascend, DeepSeek-V3.2 / GLM-5 style attention (DSA) decodes through ``npu_mla_preprocess`` ->
+    ``NPUFusedMLAPreprocess.forward_mlaprolog`` when the quantisation config leaves ``kv_b_proj``
+    unquantised (``quant_config.ignore`` has a name matching ``.*kv_b_proj``).  That path makes its
+    own copies of the q_a / kv_a halves of the fused ``qkv_a_proj`` weight
+    (``mlaprolog_preprocess_weight``) and its own contiguous copy of ``w_kc``: the originals are
+    dead weight.  sglang 0.5.20 (sgl-project/sglang#38807, "glm5.2 fp8 memory opt") frees them with
+    ``untyped_storage().resize_(0)`` when the server is a prefill/decode role of PD disaggregation.
+    Images built on 0.5.9 - 0.5.19 have the path but not the release.
+
+How
+    1. ``uses_mlaprolog(preprocess)`` -- one predicate, also installed as
+       ``NPUFusedMLAPreprocess.uses_mlaprolog`` like upstream -- restates the judgement the running
+       release's ``forward()`` makes to route to ``forward_mlaprolog``: not modelslim W8A8 (which
+       wins in 0.5.9 - 0.5.19, checked through ``quant_method.quant_config`` in 0.5.9 and
+       ``quant_method.quantization_config`` later) and the ``.*kv_b_proj`` ignore rule (no
+       0.5.9 - 0.5.19 release has upstream's later arch35-DSA rule).  ``forward()``,
+       ``forward_mlaprolog``, ``mlaprolog_preprocess_weight`` and ``npu_mla_preprocess`` must have
+       exactly the code this module was written against (codeview fingerprints; the two wrapped
+       ones are checked again in the loaded code); any other code leaves the patch ``unsupported``
+       -- nothing is freed on code the shim has not read.
+    2. Role: ``runtime_context.get_disagg().disaggregation_mode`` where it exists (0.5.17+), else
+       ``get_global_server_args().disaggregation_mode``; read when each layer decides.  Unknown
+       (not published yet, no such field, odd value): nothing is released and one warning says so.
+    3. ``mlaprolog_preprocess_weight`` is wrapped: after it made the q_a / kv_a copies, the fused
+       ``qkv_a_proj.weight`` is released when role != ``null``.
+    4. ``npu_mla_preprocess`` is wrapped: on the call that first constructed the layer's
+       ``mla_preprocess``, ``m.w_kc`` is released when role == ``decode``, ``uses_mlaprolog()`` and
+       ``w_kc is not None``.  Later calls only delegate (one dict lookup; see
+       ``scripts/bench_mla_release.py``).
+
+Deliberate differences from upstream 0.5.20
+    * A released weight is *guarded*: the tensor object itself (every reference to it) becomes a
+      subclass whose ``__torch_function__`` raises ``ReleasedWeightError`` naming the weight, the
+      layer and ``NPU_SHIM_MLA_WEIGHT_RELEASE=0``; its data is an empty tensor, so even code that
+      bypasses ``__torch_function__`` sees a 0-element tensor, never freed memory.  Upstream leaves
+      a tensor with its old shape on a 0-byte storage: reading it segfaults CPU torch 2.13 and reads
+      freed memory on a device.
+    * Nothing is released when the server can reload or adapt weights -- LoRA, memory saver /
+      weights CPU backup (RL refit), ``load_format=dummy``, checkpoint engine, custom weight loader,
+      serving as a remote-instance weight seed -- unless ``NPU_SHIM_MLA_RELEASE_FORCE=1``; the log
+      says which.  Nor with speculative decoding (not forcible): its target-verify / draft-extend
+      batches take the unfused path of ``forward_dsa_prepare_npu``, which reads both weights.
+    * Before releasing, the copies are checked not to share the original's memory, and the
+      original's storage to hold only that weight (else: kept, with a warning).
+    * Per process: MiB released and layers are logged (after the first full pass over the layers)
+      and put into the status details (``runtime.states()``).
+    * ``NPU_SHIM_MLA_WEIGHT_RELEASE=0`` turns it off; default on (upstream: always on under PD).
+    * 0.5.7 / 0.5.8 have no mlaprolog path: ``unsupported`` with that reason.
+
+Upstream: sglang 0.5.20 (``NPUFusedMLAPreprocess.uses_mlaprolog``).  Remove when every supported
+image runs sglang >= 0.5.20.
+"""
+
+import logging
+import re
+
+from npu_shim import config, log
+from npu_shim.patching import Patch, Replace, Wrap
+
+MLA_PRE = "sglang.srt.hardware_backend.npu.attention.mla_preprocess"
+MLA_NPU = "sglang.srt.hardware_backend.npu.modules.deepseek_v2_attention_mla_npu"
+RUNTIME_CONTEXT = "sglang.srt.runtime_context"
+
+CLASS = "NPUFusedMLAPreprocess"
+PREPROCESS_SIG = ("m", "hidden_states", "positions", "forward_batch", "zero_allocator")
+MIB = 1 << 20
+ROLES = ("null", "prefill", "decode")
+SWITCH_HINT = "set %s=0 to keep the MLA weights (turns the release off)" % (
+    config.MLA_WEIGHT_RELEASE.name)
+
+# codeview fingerprints of what the release relies on, as shipped in 0.5.9 - 0.5.19.
+# forward(): its code also says how it detects modelslim W8A8 (the attribute of quant_method).
+FORWARD_FINGERPRINTS = {
+    "d010fbeaf53c20ee": "quant_config",         # 0.5.9
+    "011dc459e9706bff": "quantization_config",  # 0.5.10 - 0.5.19
+}
+PINNED = {
+    # routes: modelslim W8A8 -> forward_mlapo, else the .*kv_b_proj ignore rule -> forward_mlaprolog
+    (MLA_PRE, CLASS + ".forward"): {fp: "0.5.9" if attr == "quant_config" else "0.5.10 - 0.5.19"
+                                    for fp, attr in FORWARD_FINGERPRINTS.items()},
+    # makes q_a / kv_a copies (clone + npu_format_cast) of the transposed fused weight
+    (MLA_PRE, CLASS + ".mlaprolog_preprocess_weight"): {"09fdb1454d8689bd": "0.5.9 - 0.5.19"},
+    # reads the copies and self.w_kc (its own contiguous copy), never qkv_a_proj.weight / m.w_kc
+    (MLA_PRE, CLASS + ".forward_mlaprolog"): {"96dc2446cff765c4": "0.5.9 - 0.5.19"},
+    # builds m.mla_preprocess lazily, routes on the ignore rule only
+    (MLA_NPU, "npu_mla_preprocess"): {"38ffc9242c8f71f7": "0.5.9 - 0.5.19"},
+}
+
+# Per-layer markers in the attention module's __dict__ (the hot-path check is one dict lookup).
+_DONE = "_npu_shim_mla_release_done"
+_FIRST = "_npu_shim_mla_release_first"
+_TAG = "_npu_shim_released"
 
 
-class MlaWeightRelease(patching.Patch):
+class ReleasedWeightError(RuntimeError):
+    """Something touched an MLA weight npu-shim released (the mlaprolog path no longer reads it)."""
+
+
+# --------------------------------------------------------------------------- source checks
+
+def fingerprint(view, dotted, qualname):
+    info = view.function(dotted, qualname)
+    return info.fingerprint if info is not None else None
+
+
+class PinnedWrap(Wrap):
+    """A Wrap whose function, and the other defs listed in ``pins``, must be code the shim has
+    read (``PINNED`` fingerprints); the wrapped one is checked again in the loaded code."""
+
+    def __init__(self, module, qualname, wrapper, signatures, pins=()):
+        super().__init__(module, qualname, wrapper, signatures,
+                         fingerprints=PINNED[(module, qualname)])
+        self.pins = pins
+
+    def check_source(self, view):
+        if view.function(self.module, self.qualname) is None:
+            return ("%s not found: this sglang has no mlaprolog path (it appears in 0.5.9), so there "
+                    "is nothing to release" % self.describe())
+        problem = super().check_source(view)
+        if problem:
+            return problem
+        for dotted, qualname in self.pins:
+            found = fingerprint(view, dotted, qualname)
+            if found not in PINNED[(dotted, qualname)]:
+                return ("%s:%s has code the shim was not written against (fingerprint %s); "
+                        "releasing weights is only safe on code it has read" % (dotted, qualname, found))
+        return None
+
+
+# --------------------------------------------------------------------------- per-process state
+
+class _State:
+    def __init__(self):
+        self.w8a8_attr = None        # "quant_config" (0.5.9) / "quantization_config" (0.5.10+)
+        self.role_source = None      # "get_disagg" / "server_args"
+        self.reset()
+
+    def reset(self):
+        self.released_bytes = {"qkv_a": 0, "w_kc": 0}
+        self.layers = set()
+        self.once = set()
+        self.summary_logged = False
+        self.first_marked = False
+
+
+_STATE = _State()
+
+
+def _once(key, level, message):
+    if key in _STATE.once:
+        return
+    _STATE.once.add(key)
+    log.log(level, "mla_weight_release: " + message)
+
+
+def _details(**facts):
+    try:
+        from npu_shim import runtime
+
+        record = runtime.record(PATCH.name)
+    except Exception:  # noqa: BLE001
+        record = None
+    if record is not None:
+        record.details.update(facts)
+
+
+# --------------------------------------------------------------------------- the predicate
+
+_KV_B_PROJ = re.compile(r".*kv_b_proj")
+
+
+def uses_mlaprolog(preprocess):
+    """True exactly when the running release's ``NPUFusedMLAPreprocess.forward()`` routes to
+    ``forward_mlaprolog`` (same expressions, same order as its source, pinned by code shape)."""
+    attr = _STATE.w8a8_attr or "quantization_config"
+    quant_method = preprocess.qkv_a_proj.quant_method
+    is_w8a8 = hasattr(quant_method, attr) and getattr(quant_method, attr).get_name() == "modelslim"
+    quant_config = preprocess.quant_config
+    is_mlaprolog = hasattr(quant_config, "ignore") and any(
+        _KV_B_PROJ.fullmatch(name) for name in quant_config.ignore)
+    return (not is_w8a8) and bool(is_mlaprolog)
+
+
+def _uses_mlaprolog_method(self):
+    """Whether this layer's forward() takes the mlaprolog path (npu-shim backport of 0.5.20)."""
+    return uses_mlaprolog(self)
+
+
+# --------------------------------------------------------------------------- role and guards
+
+def disagg_role():
+    """(role, None) with role in null/prefill/decode, or (None, why it cannot be known)."""
+    try:
+        if _STATE.role_source == "get_disagg":
+            from sglang.srt.runtime_context import get_disagg
+
+            role = get_disagg().disaggregation_mode
+            where = "runtime_context.get_disagg()"
+        else:
+            from sglang.srt.server_args import get_global_server_args
+
+            role = get_global_server_args().disaggregation_mode
+            where = "server_args.disaggregation_mode"
+    except Exception as exc:  # noqa: BLE001 - not published yet, missing field, ...
+        return None, "reading the disaggregation role failed: %r" % (exc,)
+    if role not in ROLES:
+        return None, "%s is %r" % (where, role)
+    return role, None
+
+
+def _server_args():
+    from sglang.srt.server_args import get_global_server_args
+
+    args = get_global_server_args()
+    if args is None:
+        raise ValueError("server args are not published")
+    return args
+
+
+def weight_update_reasons(args):
+    """What lets this server reload or adapt weights after start (forcible with
+    NPU_SHIM_MLA_RELEASE_FORCE)."""
+    reasons = []
+    if getattr(args, "enable_lora", None) or getattr(args, "lora_paths", None):
+        reasons.append("LoRA (enable_lora / lora_paths)")
+    if getattr(args, "enable_memory_saver", False):
+        reasons.append("enable_memory_saver (release/resume of weights for RL refit)")
+    if getattr(args, "enable_weights_cpu_backup", False):
+        reasons.append("enable_weights_cpu_backup (weights are restored in place)")
+    if getattr(args, "load_format", None) == "dummy":
+        reasons.append("load_format=dummy (weights arrive later through update_weights_*)")
+    if getattr(args, "checkpoint_engine_wait_weights_before_ready", False):
+        reasons.append("checkpoint engine pushes weights")
+    if getattr(args, "custom_weight_loader", None):
+        reasons.append("custom_weight_loader (update_weights_from_tensor)")
+    if getattr(args, "remote_instance_weight_loader_start_seed_via_transfer_engine", False):
+        reasons.append("this instance seeds other instances' weights")
+    return reasons
+
+
+def other_reader_reasons(args):
+    """Paths that read the weights after the release (not forcible)."""
+    algorithm = getattr(args, "speculative_algorithm", None)
+    if algorithm:
+        return ["speculative decoding (%s): target-verify / draft-extend batches take the unfused "
+                "path of forward_dsa_prepare_npu, which reads qkv_a_proj.weight and w_kc" % algorithm]
+    return []
+
+
+def _skip(key, message, detail, result):
+    """Log why nothing is released (once per process and reason) and put it into status."""
+    _once(key, logging.WARNING, "releasing nothing: " + message)
+    _details(skipped=detail)
+    return result
+
+
+def release_allowed(kind):
+    """(role, None) when ``kind`` ("qkv_a" / "w_kc") may be released in this process, else
+    (role or None, why not); every 'no' other than the role itself is logged once."""
+    role, why = disagg_role()
+    if role is None:
+        _details(role=None)
+        return _skip("role", "the disaggregation role is unknown when the layer decides (%s)" % why,
+                     "role unknown: %s" % why, (None, why))
+    _details(role=role)
+    if role == "null" or (kind == "w_kc" and role != "decode"):
+        return role, "role %s" % role
+    try:
+        args = _server_args()
+    except Exception as exc:  # noqa: BLE001
+        return _skip("args", "the server args cannot be read (%r), so LoRA / weight updates cannot "
+                             "be ruled out" % (exc,),
+                     "server args unknown", (role, "server args unknown"))
+    readers = other_reader_reasons(args)
+    if readers:
+        return _skip("readers", "; ".join(readers), "; ".join(readers), (role, "other readers"))
+    updates = ", ".join(weight_update_reasons(args))
+    if updates:
+        force = config.MLA_RELEASE_FORCE
+        if not force.read():
+            return _skip("updates", "the server can reload or adapt weights (%s); set %s=1 to release "
+                                    "anyway" % (updates, force.name),
+                         "weights can change: %s" % updates, (role, "weight updates"))
+        _once("forced", logging.WARNING, "releasing although the server can reload or adapt weights "
+                                         "(%s), because %s=1: a later update of these weights raises "
+                                         "ReleasedWeightError" % (updates, force.name))
+    return role, None
+
+
+# --------------------------------------------------------------------------- the guard
+
+_GUARDED = {}
+
+
+def _find_released(args, kwargs):
+    for value in list(args) + list((kwargs or {}).values()):
+        for item in (value if isinstance(value, (list, tuple)) else (value,)):
+            tag = getattr(type(item), "_npu_shim_guard", False) and item.__dict__.get(_TAG)
+            if tag:
+                return tag
+    return None
+
+
+def _guard_torch_function(cls, func, types, args=(), kwargs=None):
+    name = getattr(func, "__name__", None) or repr(func)
+    what = _find_released(args, kwargs) or "an MLA weight"
+    raise ReleasedWeightError(
+        "npu-shim released %s to free NPU memory (the mlaprolog path no longer reads it), but "
+        "`%s` touched it afterwards; %s" % (what, name, SWITCH_HINT))
+
+
+def _guard_repr(self):
+    return "<released by npu-shim: %s; %s>" % (self.__dict__.get(_TAG, "MLA weight"), SWITCH_HINT)
+
+
+def guarded_class(cls):
+    """The subclass of a tensor class (Tensor, Parameter, sglang's parameter classes) whose
+    every torch operation raises ReleasedWeightError."""
+    guarded = _GUARDED.get(cls)
+    if guarded is None:
+        guarded = type("Released" + cls.__name__, (cls,), {
+            "__torch_function__": classmethod(_guard_torch_function),
+            "__repr__": _guard_repr,
+            "__str__": _guard_repr,
+            "_npu_shim_guard": True,
+            "__module__": __name__,
+        })
+        _GUARDED[cls] = guarded
+    return guarded
+
+
+def is_released(tensor):
+    return bool(getattr(type(tensor), "_npu_shim_guard", False))
+
+
+def release(tensor, what):
+    """Free ``tensor``'s memory and guard the object; returns the bytes freed (0: not released)."""
+    import torch
+
+    if is_released(tensor):
+        return 0
+    dtype, device = tensor.dtype, tensor.device
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    old = tensor.data
+    # Code that bypasses __torch_function__ (C++) sees an empty tensor, never freed memory.
+    tensor.data = torch.empty(0, dtype=dtype, device=device)
+    try:
+        tensor.__class__ = guarded_class(type(tensor))
+    except TypeError as exc:
+        tensor.data = old
+        _once("guard:" + type(tensor).__name__, logging.WARNING,
+              "keeping %s: its class %s cannot be guarded (%s)" % (what, type(tensor).__name__, exc))
+        return 0
+    del old
+    tensor.__dict__[_TAG] = what
+    storage.resize_(0)  # freed even if a view elsewhere still holds the storage (as upstream)
+    return nbytes
+
+
+def _shares_storage(a, b):
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001
+        return True  # cannot tell: treat as shared (keep the weight)
+
+
+def _exclusive(tensor):
+    """The tensor's storage holds this tensor and nothing else."""
+    return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+def _account(kind, layer_id, nbytes, what):
+    _STATE.released_bytes[kind] += nbytes
+    _STATE.layers.add(layer_id)
+    total = sum(_STATE.released_bytes.values())
+    _details(released_mib=round(total / MIB, 3), layers=len(_STATE.layers),
+             qkv_a_mib=round(_STATE.released_bytes["qkv_a"] / MIB, 3),
+             w_kc_mib=round(_STATE.released_bytes["w_kc"] / MIB, 3))
+    log.debug("mla_weight_release: released %s (%.2f MiB)" % (what, nbytes / MIB))
+    if _STATE.summary_logged:
+        _log_summary("more layers released")
+
+
+def _log_summary(prefix="released"):
+    _STATE.summary_logged = True
+    total = sum(_STATE.released_bytes.values())
+    log.info("mla_weight_release: %s: %.1f MiB in %d layers (qkv_a %.1f MiB, w_kc %.1f MiB) in %s"
+             % (prefix, total / MIB, len(_STATE.layers), _STATE.released_bytes["qkv_a"] / MIB,
+                _STATE.released_bytes["w_kc"] / MIB, log.process_tag()))
+
+
+# --------------------------------------------------------------------------- wrappers
+
+def release_qkv_a(preprocess):
+    """After ``mlaprolog_preprocess_weight``: free the fused qkv_a weight (role != null)."""
+    layer = getattr(preprocess, "layer_id", "?")
+    what = "qkv_a_proj.weight of layer %s" % layer
+    weight = preprocess.qkv_a_proj.weight
+    if weight is None or is_released(weight):
+        return 0
+    if not uses_mlaprolog(preprocess):
+        _once("disagree", logging.WARNING, "keeping %s: mlaprolog_preprocess_weight ran although "
+                                           "forward() would not route to mlaprolog" % what)
+        return 0
+    role, no = release_allowed("qkv_a")
+    if no:
+        return 0
+    copies = [getattr(preprocess, name, None) for name in ("q_a_proj_weight", "kv_a_proj_weight")]
+    if any(c is None or _shares_storage(c, weight) for c in copies) or not _exclusive(weight):
+        _once("qkv-shared", logging.WARNING, "keeping %s: its q_a/kv_a copies share its memory, or "
+                                             "its storage holds more than this weight" % what)
+        return 0
+    nbytes = release(weight, what)
+    if nbytes:
+        _account("qkv_a", layer, nbytes, what)
+    return nbytes
+
+
+def release_w_kc(m):
+    """After ``npu_mla_preprocess`` first built ``m.mla_preprocess``: free ``m.w_kc`` (decode)."""
+    layer = getattr(m, "layer_id", "?")
+    what = "w_kc of layer %s" % layer
+    w_kc = m.__dict__.get("w_kc", getattr(m, "w_kc", None))
+    if w_kc is None or is_released(w_kc):
+        return 0
+    preprocess = m.mla_preprocess
+    if not uses_mlaprolog(preprocess):
+        return 0
+    role, no = release_allowed("w_kc")
+    if no:
+        return 0
+    own = getattr(preprocess, "w_kc", None)
+    if own is None or own is w_kc or _shares_storage(own, w_kc) or not _exclusive(w_kc):
+        _once("wkc-shared", logging.WARNING, "keeping %s: the preprocessor's w_kc shares its memory, "
+                                             "or its storage holds more than this weight" % what)
+        return 0
+    nbytes = release(w_kc, what)
+    if nbytes:
+        _account("w_kc", layer, nbytes, what)
+    return nbytes
+
+
+def _wrap_npu_mla_preprocess(wrapped, instance, args, kwargs):
+    m = args[0] if args else kwargs["m"]
+    if _DONE in m.__dict__:
+        return wrapped(*args, **kwargs)  # hot path: every call after a layer's first
+    return _first_calls(wrapped, m, args, kwargs)
+
+
+def _first_calls(wrapped, m, args, kwargs):
+    if _FIRST in m.__dict__:
+        # The first layer seen comes round again: one pass over all layers is done.
+        m.__dict__[_DONE] = True
+        if not _STATE.summary_logged and _STATE.layers:
+            _log_summary()
+        return wrapped(*args, **kwargs)
+    had = hasattr(m, "mla_preprocess")
+    result = wrapped(*args, **kwargs)
+    try:
+        if not had and hasattr(m, "mla_preprocess"):
+            release_w_kc(m)
+    except Exception as exc:  # noqa: BLE001 - never break the forward pass over an optimisation
+        _once("error", logging.ERROR, "keeping w_kc: deciding the release raised %r" % (exc,))
+    if _STATE.first_marked:
+        m.__dict__[_DONE] = True
+    else:
+        _STATE.first_marked = True
+        m.__dict__[_FIRST] = True
+    return result
+
+
+def _wrap_preprocess_weight(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    try:
+        release_qkv_a(instance)
+    except Exception as exc:  # noqa: BLE001
+        _once("error", logging.ERROR,
+              "keeping qkv_a_proj.weight: deciding the release raised %r" % (exc,))
+    return result
+
+
+# --------------------------------------------------------------------------- the patch
+
+class MlaWeightRelease(Patch):
     name = "mla_weight_release"
     title = "Free MLA weights the mlaprolog path no longer reads (PD disaggregation)"
     upstream_pr = "sgl-project/sglang#38807"
@@ -12,13 +494,30 @@ class MlaWeightRelease(patching.Patch):
     remove_when = "every supported image runs sglang >= 0.5.20"
     switch = config.MLA_WEIGHT_RELEASE
     reads = (config.MLA_RELEASE_FORCE,)
-    modules = ()
+    modules = (MLA_PRE, MLA_NPU)
 
     def probe(self, view):
+        if view.has(MLA_PRE, CLASS + ".uses_mlaprolog"):
+            return "%s.uses_mlaprolog exists (and the release with it)" % CLASS
         return None
 
     def targets(self, view):
-        return []
+        _STATE.w8a8_attr = FORWARD_FINGERPRINTS.get(fingerprint(view, MLA_PRE, CLASS + ".forward"))
+        _STATE.role_source = "get_disagg" if view.has(RUNTIME_CONTEXT, "get_disagg") else "server_args"
+        entry = PinnedWrap(MLA_NPU, "npu_mla_preprocess", _wrap_npu_mla_preprocess, [PREPROCESS_SIG])
+        if not view.has(MLA_NPU, "npu_mla_preprocess"):
+            return [entry]  # 0.5.7 / 0.5.8: one reason (no mlaprolog path), not one per target
+        pre_pins = [(MLA_PRE, CLASS + ".forward"), (MLA_PRE, CLASS + ".forward_mlaprolog")]
+        return [
+            entry,
+            PinnedWrap(MLA_PRE, CLASS + ".mlaprolog_preprocess_weight", _wrap_preprocess_weight,
+                       [()], pins=pre_pins),
+            Replace(MLA_PRE, CLASS + ".uses_mlaprolog", lambda _original: _uses_mlaprolog_method,
+                    must_exist=False),
+        ]
+
+    def on_revert(self):
+        _STATE.reset()
 
 
 PATCH = MlaWeightRelease()

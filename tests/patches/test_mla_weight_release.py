@@ -1,0 +1,444 @@
+"""mla_weight_release, unit level: decisions from every release's source, the guard, the predicate,
+the role / weight-update gates and the wrappers' first-call / hot-path logic (CPU torch, fakes where
+sglang would be; the real-release behaviour is in test_mla_weight_release_real.py)."""
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+import wrapt
+
+from npu_shim import config, patching
+from npu_shim.codeview import SourceView
+from npu_shim.patches import mla_weight_release as R
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+import sglang_envs  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    saved = (R._STATE.w8a8_attr, R._STATE.role_source)
+    R.PATCH.on_revert()
+    R._STATE.w8a8_attr = "quantization_config"
+    yield
+    R.PATCH.on_revert()
+    R._STATE.w8a8_attr, R._STATE.role_source = saved
+
+
+@pytest.fixture
+def logs():
+    records = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Capture()
+    logger = logging.getLogger("npu_shim")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.DEBUG)
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(old)
+
+
+def view_of(version):
+    return SourceView(os.path.join(str(sglang_envs.ensure_sources(version)), "sglang"))
+
+
+# --------------------------------------------------------------------------- decisions per release
+
+def test_states_across_every_release():
+    states = {}
+    for version in sglang_envs.RELEASES:
+        decision = patching.decide(R.PATCH, view_of(version), environ={}, on_npu=True)
+        states[version] = decision.state
+        if decision.state == patching.APPLIED:
+            attr = "quant_config" if version == "0.5.9" else "quantization_config"
+            assert R._STATE.w8a8_attr == attr, version
+            newer = sglang_envs.RELEASES.index(version) >= sglang_envs.RELEASES.index("0.5.17")
+            assert R._STATE.role_source == ("get_disagg" if newer else "server_args"), version
+            assert sorted(t.describe().split(":")[1] for t in decision.targets) == [
+                "NPUFusedMLAPreprocess.mlaprolog_preprocess_weight",
+                "NPUFusedMLAPreprocess.uses_mlaprolog", "npu_mla_preprocess"]
+        elif decision.state == patching.UNSUPPORTED:
+            assert "no mlaprolog path" in decision.reason and "0.5.9" in decision.reason
+        else:
+            assert "uses_mlaprolog exists" in decision.reason
+    assert [v for v, s in states.items() if s == "unsupported"] == ["0.5.7", "0.5.8"]
+    applied = [v for v, s in states.items() if s == "applied"]
+    assert applied[0] == "0.5.9" and applied[-1] == "0.5.19" and len(applied) == 11
+    assert [v for v, s in states.items() if s == "upstream"] == ["0.5.20", "0.5.21", "0.5.22", "0.5.23"]
+
+
+def test_switch_and_bad_force_value():
+    view = view_of("0.5.11")
+    off = patching.decide(R.PATCH, view, environ={"NPU_SHIM_MLA_WEIGHT_RELEASE": "0"}, on_npu=True)
+    assert off.state == patching.DISABLED and off.targets == []
+    bad = patching.decide(R.PATCH, view, environ={"NPU_SHIM_MLA_RELEASE_FORCE": "maybe"}, on_npu=True)
+    assert bad.state == patching.FAILED and "NPU_SHIM_MLA_RELEASE_FORCE" in bad.reason
+    assert patching.decide(R.PATCH, view, environ={}, on_npu=False).state == patching.INACTIVE
+
+
+@pytest.mark.parametrize("edit", [
+    # forward() routing changed (e.g. a vendor patch that reorders the branches)
+    ("attention/mla_preprocess.py", "if _is_w8a8:", "if _is_w8a8 and False:"),
+    # the preprocess weight step now keeps a view instead of a clone
+    ("attention/mla_preprocess.py",
+     "qkv_a_proj_weight_q = self.qkv_a_proj.weight.data[:, : self.q_lora_rank].clone()",
+     "qkv_a_proj_weight_q = self.qkv_a_proj.weight.data[:, : self.q_lora_rank]"),
+    # forward_mlaprolog reads the fused weight
+    ("attention/mla_preprocess.py", '"weight_dq": self.q_a_proj_weight,',
+     '"weight_dq": self.qkv_a_proj.weight,'),
+    ("modules/deepseek_v2_attention_mla_npu.py", "dynamic_scale = None\n    if not hasattr",
+     "dynamic_scale = 0\n    if not hasattr"),
+])
+def test_unknown_code_shape_is_unsupported(tmp_path, edit):
+    src = os.path.join(str(sglang_envs.ensure_sources("0.5.11")), "sglang")
+    dest = tmp_path / "sglang"
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.so", "*.pyc"))
+    path = dest / "srt" / "hardware_backend" / "npu" / edit[0]
+    text = path.read_text()
+    assert edit[1] in text
+    path.write_text(text.replace(edit[1], edit[2], 1))
+    decision = patching.decide(R.PATCH, SourceView(str(dest)), environ={}, on_npu=True)
+    assert decision.state == patching.UNSUPPORTED
+    assert "fingerprint" in decision.reason and edit[0].split("/")[-1][:-3] in decision.reason
+
+
+def test_fingerprints_ignore_comments_and_formatting(tmp_path):
+    src = os.path.join(str(sglang_envs.ensure_sources("0.5.19")), "sglang")
+    dest = tmp_path / "sglang"
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.so", "*.pyc"))
+    path = dest / "srt" / "hardware_backend" / "npu" / "attention" / "mla_preprocess.py"
+    text = path.read_text().replace("        _is_w8a8 = (\n", "        # a comment\n        _is_w8a8 = (  \n")
+    path.write_text(text)
+    assert patching.decide(R.PATCH, SourceView(str(dest)), environ={}, on_npu=True).state == "applied"
+
+
+# --------------------------------------------------------------------------- the guard
+
+class SglangLikeParameter(torch.nn.Parameter):
+    """Like sglang's ModelWeightParameter: a Parameter subclass with a weight_loader."""
+
+    def __new__(cls, data, weight_loader=None):
+        param = super().__new__(cls, data, requires_grad=False)
+        param._weight_loader = weight_loader
+        return param
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.nn.Parameter(torch.randn(32, 16, dtype=torch.bfloat16), requires_grad=False),
+    lambda: torch.randn(4, 16, 8).transpose(1, 2).contiguous().transpose(1, 2),
+    lambda: SglangLikeParameter(torch.randn(8, 8), weight_loader="loader"),
+])
+def test_release_frees_the_storage_and_guards_every_reference(make):
+    tensor = make()
+    cls = type(tensor)
+    alias = tensor  # another holder of the same object (e.g. a module attribute)
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    assert R.release(tensor, "w_kc of layer 7") == nbytes > 0
+    assert storage.nbytes() == 0
+    assert isinstance(alias, cls) and R.is_released(alias)
+    for touch in (lambda: alias.sum(), lambda: alias + 1, lambda: alias.shape, lambda: alias.data,
+                  lambda: torch.nn.functional.linear(torch.ones(1, 8), alias), lambda: alias.copy_(alias),
+                  lambda: torch.ops.aten.add(alias, 1), lambda: alias.untyped_storage(),
+                  lambda: alias.to(torch.float16), lambda: alias[0]):
+        with pytest.raises(R.ReleasedWeightError) as info:
+            touch()
+        assert "w_kc of layer 7" in str(info.value)
+        assert "NPU_SHIM_MLA_WEIGHT_RELEASE=0" in str(info.value)
+    assert "released by npu-shim: w_kc of layer 7" in repr(alias)
+    assert R.release(alias, "again") == 0  # idempotent
+    if isinstance(tensor, SglangLikeParameter):
+        assert tensor._weight_loader == "loader"  # attributes survive
+
+
+def test_released_parameter_in_a_module_fails_state_dict_and_loading_clearly():
+    linear = torch.nn.Linear(8, 4, bias=False)
+    R.release(linear.weight, "qkv_a_proj.weight of layer 3")
+    assert [name for name, _ in linear.named_parameters()] == ["weight"]
+    with pytest.raises(R.ReleasedWeightError, match="qkv_a_proj.weight of layer 3"):
+        linear(torch.ones(2, 8))
+    with pytest.raises(R.ReleasedWeightError):
+        linear.state_dict()
+    with pytest.raises(R.ReleasedWeightError):
+        linear.weight.data.copy_(torch.ones(4, 8))  # what a weight loader does
+
+
+def _run(code):
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_touching_a_released_weight_exits_with_an_exception_not_a_signal():
+    shim = _run("""
+        import torch
+        from npu_shim.patches import mla_weight_release as R
+        t = torch.randn(64, 64)
+        R.release(t, "w_kc of layer 5")
+        print("released", flush=True)
+        t.sum()
+    """)
+    assert shim.returncode == 1, shim.stderr
+    assert "released" in shim.stdout
+    last = shim.stderr.strip().splitlines()[-1]
+    assert last.startswith("npu_shim.patches.mla_weight_release.ReleasedWeightError")
+    assert "w_kc of layer 5" in last and "NPU_SHIM_MLA_WEIGHT_RELEASE=0" in last
+    # What upstream leaves behind (storage resized to 0, shape kept) kills the process instead.
+    upstream = _run("""
+        import torch
+        t = torch.randn(64, 64)
+        t.untyped_storage().resize_(0)
+        print(float(t.sum()))
+    """)
+    assert upstream.returncode < 0, (upstream.returncode, upstream.stderr[-500:])
+
+
+# --------------------------------------------------------------------------- predicate
+
+def fake_preprocess(ignore=("model.layers.0.self_attn.kv_b_proj",), w8a8_attr=None, has_ignore=True):
+    quant_method = types.SimpleNamespace()
+    if w8a8_attr:
+        setattr(quant_method, w8a8_attr, types.SimpleNamespace(get_name=lambda: "modelslim"))
+    quant_config = types.SimpleNamespace(ignore=list(ignore)) if has_ignore else types.SimpleNamespace()
+    return types.SimpleNamespace(qkv_a_proj=types.SimpleNamespace(quant_method=quant_method),
+                                 quant_config=quant_config)
+
+
+@pytest.mark.parametrize("attr", ["quant_config", "quantization_config"])
+def test_predicate_is_forwards_routing(attr):
+    R._STATE.w8a8_attr = attr
+    other = "quantization_config" if attr == "quant_config" else "quant_config"
+    assert R.uses_mlaprolog(fake_preprocess()) is True
+    assert R.uses_mlaprolog(fake_preprocess(ignore=("kv_b_proj",))) is True  # fullmatch of .*kv_b_proj
+    assert R.uses_mlaprolog(fake_preprocess(ignore=("model.layers.0.self_attn.kv_b_proj.weight",))) is False
+    assert R.uses_mlaprolog(fake_preprocess(ignore=("model.layers.0.mlp.gate",))) is False
+    assert R.uses_mlaprolog(fake_preprocess(has_ignore=False)) is False
+    assert R.uses_mlaprolog(fake_preprocess(w8a8_attr=attr)) is False  # forward_mlapo wins
+    assert R.uses_mlaprolog(fake_preprocess(w8a8_attr=other)) is True
+
+
+# --------------------------------------------------------------------------- role and gates
+
+@pytest.fixture
+def server(monkeypatch):
+    """Drive the role and the server args the gates read."""
+    state = {"role": "decode", "args": types.SimpleNamespace(), "role_error": None}
+
+    def role():
+        if state["role_error"]:
+            return None, state["role_error"]
+        return state["role"], None
+
+    def args():
+        if isinstance(state["args"], Exception):
+            raise state["args"]
+        return state["args"]
+
+    monkeypatch.setattr(R, "disagg_role", role)
+    monkeypatch.setattr(R, "_server_args", args)
+    monkeypatch.delenv("NPU_SHIM_MLA_RELEASE_FORCE", raising=False)
+    return state
+
+
+def test_role_gates(server):
+    for role, qkv, wkc in (("null", False, False), ("prefill", True, False), ("decode", True, True)):
+        server["role"] = role
+        assert (R.release_allowed("qkv_a")[1] is None) is qkv, role
+        assert (R.release_allowed("w_kc")[1] is None) is wkc, role
+
+
+def test_unknown_role_warns_once(server, logs):
+    server["role_error"] = "ValueError('config namespace disagg not published')"
+    for _ in range(3):
+        assert R.release_allowed("qkv_a") == (None, server["role_error"])
+    warnings = [line for line in logs if "role is unknown" in line]
+    assert len(warnings) == 1 and "not published" in warnings[0]
+
+
+@pytest.mark.parametrize("field,value,word", [
+    ("enable_lora", True, "LoRA"), ("lora_paths", ["a=/x"], "LoRA"),
+    ("enable_memory_saver", True, "enable_memory_saver"),
+    ("enable_weights_cpu_backup", True, "enable_weights_cpu_backup"),
+    ("load_format", "dummy", "load_format=dummy"),
+    ("checkpoint_engine_wait_weights_before_ready", True, "checkpoint engine"),
+    ("custom_weight_loader", ["pkg.loader"], "custom_weight_loader"),
+    ("remote_instance_weight_loader_start_seed_via_transfer_engine", True, "seeds"),
+])
+def test_weight_updates_block_unless_forced(server, logs, monkeypatch, field, value, word):
+    setattr(server["args"], field, value)
+    assert R.release_allowed("w_kc")[1] == "weight updates"
+    assert any(word in line and "NPU_SHIM_MLA_RELEASE_FORCE=1" in line for line in logs)
+    monkeypatch.setenv("NPU_SHIM_MLA_RELEASE_FORCE", "1")
+    assert R.release_allowed("w_kc") == ("decode", None)
+    assert any("releasing although" in line for line in logs)
+
+
+def test_speculative_decoding_blocks_even_forced(server, logs, monkeypatch):
+    server["args"].speculative_algorithm = "EAGLE"
+    monkeypatch.setenv("NPU_SHIM_MLA_RELEASE_FORCE", "1")
+    assert R.release_allowed("qkv_a")[1] == "other readers"
+    assert any("speculative decoding (EAGLE)" in line for line in logs)
+
+
+def test_unreadable_server_args_release_nothing(server, logs):
+    server["args"] = ValueError("Global server args is not set yet!")
+    assert R.release_allowed("qkv_a")[1] == "server args unknown"
+    assert any("server args cannot be read" in line for line in logs)
+
+
+# --------------------------------------------------------------------------- the wrappers
+
+class FakePreprocess:
+    """The parts of NPUFusedMLAPreprocess the release reads, doing what 0.5.9 - 0.5.19 do."""
+
+    def __init__(self, m):
+        self.qkv_a_proj = m.fused_qkv_a_proj_with_mqa
+        self.w_kc = m.w_kc.contiguous()
+        self.layer_id = m.layer_id
+        self.quant_config = m.quant_config
+        self.q_lora_rank = 16
+        self.prepared = False
+
+    def mlaprolog_preprocess_weight(self):
+        self.qkv_a_proj.weight.data = self.qkv_a_proj.weight.data.transpose(0, 1)
+        self.q_a_proj_weight = self.qkv_a_proj.weight.data[:, : self.q_lora_rank].clone()
+        self.kv_a_proj_weight = self.qkv_a_proj.weight.data[:, self.q_lora_rank:].clone()
+
+
+FakePreprocess.mlaprolog_preprocess_weight = wrapt.FunctionWrapper(
+    FakePreprocess.mlaprolog_preprocess_weight, R._wrap_preprocess_weight)
+
+
+def npu_mla_preprocess(m, hidden_states, positions, forward_batch, zero_allocator):
+    if not hasattr(m, "mla_preprocess"):
+        m.mla_preprocess = FakePreprocess(m)
+    pre = m.mla_preprocess
+    if not pre.prepared:
+        pre.mlaprolog_preprocess_weight()
+        pre.prepared = True
+    return hidden_states @ pre.q_a_proj_weight, pre.w_kc.sum()
+
+
+WRAPPED = wrapt.FunctionWrapper(npu_mla_preprocess, R._wrap_npu_mla_preprocess)
+
+
+def layer(layer_id, contiguous_w_kc=False, mlaprolog=True):
+    m = torch.nn.Module()
+    m.layer_id = layer_id
+    m.fused_qkv_a_proj_with_mqa = torch.nn.Linear(32, 16 + 8, bias=False)
+    w = torch.randn(4, 8, 12)
+    m.w_kc = w.contiguous() if contiguous_w_kc else w.transpose(1, 2).contiguous().transpose(1, 2)
+    ignore = ["model.layers.%d.self_attn.kv_b_proj" % layer_id] if mlaprolog else []
+    m.quant_config = types.SimpleNamespace(ignore=ignore)
+    m.fused_qkv_a_proj_with_mqa.quant_method = types.SimpleNamespace()
+    return m
+
+
+def step(layers):
+    return [WRAPPED(m, torch.ones(2, 32), None, None, None) for m in layers]
+
+
+def test_decode_releases_once_per_layer_then_only_delegates(server, logs, monkeypatch):
+    layers = [layer(i) for i in range(3)]
+    qkv = [m.fused_qkv_a_proj_with_mqa.weight.untyped_storage() for m in layers]
+    wkc = [m.w_kc.untyped_storage() for m in layers]
+    expected = sum(s.nbytes() for s in qkv + wkc)
+    first = step(layers)
+    assert all(s.nbytes() == 0 for s in qkv + wkc)
+    assert sum(R._STATE.released_bytes.values()) == expected and len(R._STATE.layers) == 3
+    assert not [line for line in logs if "MiB in" in line]  # summary waits for a full pass
+
+    calls = []
+    monkeypatch.setattr(R, "release_w_kc", lambda m: calls.append(m))
+    monkeypatch.setattr(R, "_first_calls", lambda *a: calls.append(a))
+    second = step(layers[1:])
+    for a, b in zip(first[1:], second):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # forward unchanged after release
+    assert calls == []  # layers 1, 2: the hot path never reaches the decision code
+    step(layers[:1])
+    assert len(calls) == 1  # layer 0 comes round once more: that call closes the first pass
+
+
+def test_summary_logged_once_after_first_pass(server, logs):
+    layers = [layer(i) for i in range(2)]
+    step(layers)
+    step(layers)
+    step(layers)
+    summaries = [line for line in logs if "MiB in 2 layers" in line]
+    assert len(summaries) == 1 and "pid" in summaries[0]
+    assert all(R._DONE in m.__dict__ for m in layers)
+
+
+def test_prefill_releases_qkv_only_and_null_nothing(server):
+    server["role"] = "prefill"
+    m = layer(0)
+    wkc = m.w_kc.untyped_storage()
+    step([m])
+    assert R.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not R.is_released(m.w_kc)
+    assert wkc.nbytes() > 0
+    R.PATCH.on_revert()
+    server["role"] = "null"
+    m = layer(1)
+    step([m])
+    assert not R.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not R.is_released(m.w_kc)
+
+
+def test_not_mlaprolog_releases_nothing(server):
+    m = layer(0, mlaprolog=False)
+    step([m])
+    assert not R.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not R.is_released(m.w_kc)
+
+
+def test_shared_w_kc_is_kept(server, logs):
+    m = layer(0, contiguous_w_kc=True)  # .contiguous() returns the same tensor
+    out = step([m])[0]
+    assert R.is_released(m.fused_qkv_a_proj_with_mqa.weight)
+    assert not R.is_released(m.w_kc) and m.mla_preprocess.w_kc is m.w_kc
+    assert torch.equal(step([m])[0][1], out[1])
+    assert any("shares its memory" in line for line in logs)
+
+
+def test_w_kc_constructed_elsewhere_is_not_released(server):
+    m = layer(0)
+    m.mla_preprocess = FakePreprocess(m)  # built by forward_mla_prepare_npu, not here
+    step([m])
+    assert not R.is_released(m.w_kc)
+
+
+def test_decision_errors_never_break_the_forward(server, logs, monkeypatch):
+    def boom(*a):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(R, "release_allowed", boom)
+    m = layer(0)
+    out = step([m])[0]
+    assert out[0].shape == (2, 16)
+    assert not R.is_released(m.w_kc) and not R.is_released(m.fused_qkv_a_proj_with_mqa.weight)
+    assert any("boom" in line for line in logs)
+
+
+def test_status_details_and_revert(server, monkeypatch):
+    record = types.SimpleNamespace(details={})
+    from npu_shim import runtime
+
+    monkeypatch.setattr(runtime, "record", lambda name: record if name == R.PATCH.name else None)
+    m = layer(0)
+    step([m])
+    total = sum(R._STATE.released_bytes.values())
+    assert record.details["released_mib"] == round(total / R.MIB, 3)
+    assert record.details["layers"] == 1 and record.details["role"] == "decode"
+    R.PATCH.on_revert()
+    assert R._STATE.released_bytes == {"qkv_a": 0, "w_kc": 0} and not R._STATE.layers

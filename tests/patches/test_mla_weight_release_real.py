@@ -1,0 +1,260 @@
+"""mla_weight_release inside the real sglang releases (their venvs, simulated NPU kernels only).
+
+A synthetic MLA attention layer of GLM-5 / DeepSeek-V3 shape (real CPU tensors, tests/support/
+mla_kernels.py) goes through the release's own ``npu_mla_preprocess`` -> ``NPUFusedMLAPreprocess``
+-> ``forward_mlaprolog`` / ``mlaprolog_preprocess_weight`` (or the absorb path), with the
+disaggregation role published through real ``ServerArgs`` the way the scheduler does.  Freed memory
+is measured as ``untyped_storage().nbytes()`` before / after.  One subprocess per release holds all
+the role / guard cases (each case resets the patch's per-process state).
+"""
+import pytest
+
+import realsglang
+
+SCENARIOS = r'''
+import logging, os
+import torch
+import mla_kernels as K
+from npu_shim import runtime
+from npu_shim.patches import mla_weight_release as R
+from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P
+from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
+
+LOG = []
+class Capture(logging.Handler):
+    def emit(self, record):
+        LOG.append(record.getMessage())
+logging.getLogger("npu_shim").addHandler(Capture())
+
+def case(role, model="glm-5", tp=16, args=None, force=False, **build):
+    R.PATCH.on_revert()
+    del LOG[:]
+    K.publish_server_args(role, **(args or {}))
+    if force:
+        os.environ["NPU_SHIM_MLA_RELEASE_FORCE"] = "1"
+    try:
+        r = K.run_layer(model, tp, **build)
+    finally:
+        os.environ.pop("NPU_SHIM_MLA_RELEASE_FORCE", None)
+    m = r.pop("layer")
+    r["log"] = list(LOG)
+    r["details"] = dict(runtime.record("mla_weight_release").details)
+    return r, m
+
+def touch(fn):
+    try:
+        fn()
+    except R.ReleasedWeightError as exc:
+        return str(exc)
+    return "no error"
+
+out = {"state": runtime.states()["mla_weight_release"]["state"],
+       "wrapped": type(N.npu_mla_preprocess).__name__,
+       "method_is_predicate": P.NPUFusedMLAPreprocess.uses_mlaprolog is R._uses_mlaprolog_method}
+out["decode"], m = case("decode")
+c = K.CONFIGS["glm-5"]
+out["touch_qkv"] = touch(lambda: m.fused_qkv_a_proj_with_mqa(torch.zeros(1, c["hidden"], dtype=K.DTYPE)))
+out["touch_w_kc"] = touch(lambda: m.w_kc.sum())
+out["touch_shape"] = touch(lambda: m.w_kc.shape)
+out["isinstance_param"] = isinstance(m.fused_qkv_a_proj_with_mqa.weight, torch.nn.Parameter)
+out["decode_v3_tp8"] = case("decode", "deepseek-v3", 8)[0]
+out["prefill"] = case("prefill")[0]
+out["null"] = case("null")[0]
+out["non_mlaprolog"] = case("decode", mlaprolog=False)[0]
+out["unknown"] = case(None)[0]
+out["lora"] = case("decode", args={"enable_lora": True})[0]
+out["lora_forced"] = case("decode", args={"enable_lora": True}, force=True)[0]
+out["refit"] = case("decode", args={"load_format": "dummy"})[0]
+out["spec_forced"] = case("decode", args={"speculative_algorithm": "EAGLE"}, force=True)[0]
+out["shared_w_kc"] = case("decode", w_kc_contiguous=True)[0]
+
+def predicate(attr):
+    m = K.build_attention("glm-5", 16, w8a8_attr=attr)
+    pre = P.NPUFusedMLAPreprocess(m.fused_qkv_a_proj_with_mqa, m.q_a_layernorm, m.kv_a_layernorm,
+                                  m.q_b_proj, m.w_kc, m.rotary_emb, m.layer_id, m.num_local_heads,
+                                  m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
+                                  m.quant_config)
+    return pre.uses_mlaprolog()
+out["w8a8_attr"] = R._STATE.w8a8_attr
+out["predicate_w8a8"] = predicate(R._STATE.w8a8_attr)
+other = {"quant_config": "quantization_config", "quantization_config": "quant_config"}
+out["predicate_other_attr"] = predicate(other[R._STATE.w8a8_attr])
+for value in out.values():
+    if isinstance(value, dict):
+        value.pop("before", None)
+emit(out)
+'''
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module", params=["0.5.9", "0.5.11", "0.5.19"])
+def scenarios(request):
+    return request.param, realsglang.run_in_release(request.param, SCENARIOS)
+
+
+def freed(case):
+    return case["freed"]["qkv_a"], case["freed"]["w_kc"]
+
+
+def test_applied_and_predicate_installed(scenarios):
+    version, out = scenarios
+    assert out["state"] == "applied", version
+    assert out["wrapped"] == "FunctionWrapper"
+    assert out["method_is_predicate"] is True
+
+
+def test_decode_frees_exactly_qkv_a_and_w_kc_and_forward_keeps_working(scenarios):
+    version, out = scenarios
+    for key in ("decode", "decode_v3_tp8"):
+        case = out[key]
+        assert case["after"] == {"qkv_a": 0, "w_kc": 0}, (version, key)
+        assert case["freed"] == case["expected"], (version, key)
+        assert case["uses_mlaprolog"] is True
+        assert case["qkv_type"] == "ReleasedParameter" and case["w_kc_type"] == "ReleasedTensor"
+        # Both steps ran through mlaprolog on the copies, the second after the release.
+        assert case["kernels"] == ["npu_mla_prolog_v3", "npu_mla_prolog_v3"]
+        assert case["outputs"][0] == case["outputs"][1]
+    glm = out["decode"]
+    c_q_a, c_kv_a = [6144, 2048], [6144, 576]  # GLM-5: hidden x q_lora, hidden x (kv_lora + rope)
+    assert glm["prolog_weights"] == [{"weight_dq": c_q_a, "weight_dkv_kr": c_kv_a,
+                                      "weight_uk": [4, 192, 512]}] * 2
+    assert glm["expected"] == {"qkv_a": (2048 + 512 + 64) * 6144 * 2, "w_kc": 4 * 192 * 512 * 2}
+    assert glm["details"]["released_mib"] == round(sum(glm["expected"].values()) / MIB, 3)
+    assert glm["details"]["layers"] == 1 and glm["details"]["role"] == "decode"
+    assert any("31.5 MiB in 1 layers" in line for line in glm["log"]), glm["log"]
+
+
+def test_released_weight_raises_a_clear_error(scenarios):
+    version, out = scenarios
+    for key in ("touch_qkv", "touch_w_kc", "touch_shape"):
+        message = out[key]
+        assert "layer 0" in message and "NPU_SHIM_MLA_WEIGHT_RELEASE=0" in message, (version, message)
+    assert "qkv_a_proj.weight of layer 0" in out["touch_qkv"]
+    assert "w_kc of layer 0" in out["touch_w_kc"]
+    assert out["isinstance_param"] is True
+
+
+def test_prefill_frees_only_qkv_a_and_null_frees_nothing(scenarios):
+    version, out = scenarios
+    prefill = out["prefill"]
+    assert freed(prefill) == (prefill["expected"]["qkv_a"], 0), version
+    assert prefill["w_kc_type"] == "Tensor"
+    assert freed(out["null"]) == (0, 0)
+    assert out["null"]["kernels"] == ["npu_mla_prolog_v3", "npu_mla_prolog_v3"]
+
+
+def test_non_mlaprolog_path_frees_nothing(scenarios):
+    version, out = scenarios
+    case = out["non_mlaprolog"]
+    assert freed(case) == (0, 0), version
+    assert case["uses_mlaprolog"] is False
+    assert "npu_kv_rmsnorm_rope_cache" in case["kernels"] and "npu_mla_prolog_v3" not in case["kernels"]
+
+
+def test_unknown_role_frees_nothing_and_warns_once(scenarios):
+    version, out = scenarios
+    case = out["unknown"]
+    assert freed(case) == (0, 0), version
+    warnings = [line for line in case["log"] if "role is unknown" in line]
+    assert len(warnings) == 1, case["log"]
+    assert case["details"]["role"] is None
+
+
+def test_weight_update_guard_and_force(scenarios):
+    version, out = scenarios
+    for key in ("lora", "refit"):
+        assert freed(out[key]) == (0, 0), (version, key)
+    assert any("LoRA" in line and "NPU_SHIM_MLA_RELEASE_FORCE=1" in line for line in out["lora"]["log"])
+    assert any("load_format=dummy" in line for line in out["refit"]["log"])
+    forced = out["lora_forced"]
+    assert freed(forced) == (forced["expected"]["qkv_a"], forced["expected"]["w_kc"])
+    assert any("releasing although" in line for line in forced["log"])
+
+
+def test_speculative_decoding_keeps_weights_even_forced(scenarios):
+    version, out = scenarios
+    case = out["spec_forced"]
+    assert freed(case) == (0, 0), version
+    assert any("speculative decoding" in line for line in case["log"])
+
+
+def test_w_kc_shared_with_preprocessor_is_kept(scenarios):
+    version, out = scenarios
+    case = out["shared_w_kc"]
+    assert freed(case) == (case["expected"]["qkv_a"], 0), version
+    assert any("shares its memory" in line for line in case["log"])
+    assert case["kernels"] == ["npu_mla_prolog_v3", "npu_mla_prolog_v3"]
+
+
+def test_predicate_follows_the_release_w8a8_routing(scenarios):
+    version, out = scenarios
+    assert out["w8a8_attr"] == ("quant_config" if version == "0.5.9" else "quantization_config")
+    assert out["predicate_w8a8"] is False  # forward() takes forward_mlapo first
+    assert out["predicate_other_attr"] is True  # the attribute this release does not read
+
+
+TOUCH = r'''
+import mla_kernels as K
+K.publish_server_args("decode")
+r = K.run_layer("glm-5", 16)
+assert r["freed"] == r["expected"], r
+m = r["layer"]
+print("released; touching", flush=True)
+{touch}
+emit({{"survived": True}})
+'''
+
+
+@pytest.mark.parametrize("version,touch", [
+    ("0.5.11", "m.fused_qkv_a_proj_with_mqa(K.torch.zeros(1, 6144, dtype=K.DTYPE))"),
+    ("0.5.19", "m.w_kc.sum()"),
+])
+def test_touching_a_released_weight_exits_with_the_error_not_a_signal(version, touch):
+    with pytest.raises(realsglang.ReleaseRunError) as info:
+        realsglang.run_in_release(version, TOUCH.format(touch=touch))
+    error = info.value
+    assert error.returncode == 1, (error.returncode, error.stderr[-2000:])  # < 0 would be a signal
+    assert "released; touching" in error.stdout
+    last = error.stderr.strip().splitlines()[-1]
+    assert last.startswith("npu_shim.patches.mla_weight_release.ReleasedWeightError: npu-shim released")
+    assert "layer 0" in last and "NPU_SHIM_MLA_WEIGHT_RELEASE=0" in last
+
+
+SWITCHED_OFF = r'''
+import mla_kernels as K
+from npu_shim import runtime
+from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P
+from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
+K.publish_server_args("decode")
+r = K.run_layer("glm-5", 16)
+emit({"state": runtime.states()["mla_weight_release"], "freed": r["freed"],
+      "wrapped": type(N.npu_mla_preprocess).__name__,
+      "has_method": hasattr(P.NPUFusedMLAPreprocess, "uses_mlaprolog")})
+'''
+
+
+def test_switch_off_touches_nothing():
+    out = realsglang.run_in_release("0.5.19", SWITCHED_OFF, env={"NPU_SHIM_MLA_WEIGHT_RELEASE": "0"})
+    assert out["state"]["state"] == "disabled"
+    assert out["freed"] == {"qkv_a": 0, "w_kc": 0}
+    assert out["wrapped"] == "function" and out["has_method"] is False
+
+
+UPSTREAM = r'''
+from npu_shim import runtime
+from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P
+from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
+emit({"state": runtime.states()["mla_weight_release"],
+      "wrapped": type(N.npu_mla_preprocess).__name__,
+      "weight_fn": type(P.NPUFusedMLAPreprocess.__dict__["mlaprolog_preprocess_weight"]).__name__,
+      "uses_module": P.NPUFusedMLAPreprocess.uses_mlaprolog.__module__})
+'''
+
+
+def test_upstream_release_stands_down():
+    out = realsglang.run_in_release("0.5.23", UPSTREAM)
+    assert out["state"]["state"] == "upstream"
+    assert out["state"]["targets"] == {}
+    assert out["wrapped"] == "function" and out["weight_fn"] == "function"
+    assert out["uses_module"] == "sglang.srt.hardware_backend.npu.attention.mla_preprocess"

@@ -1,0 +1,327 @@
+"""Simulated Ascend MLA kernels and a synthetic MLA attention layer, for the mla_weight_release tests.
+
+Only what sglang's NPU MLA path calls on the device is simulated, in pure torch on CPU, and every
+call is recorded in ``CALLS`` (name, {argument: shape or value}) so a test can see which tensors a
+kernel really read:
+
+* ``torch.ops.custom.npu_mla_prolog_v3`` (0.5.9 - 0.5.19 ``forward_mlaprolog``): q = rmsnorm(x @ W_dq)
+  @ dequant(W_uq_qr); q_nope absorbed through ``weight_uk``; ckv = x @ W_dkv_kr, normed and written
+  to the caches at ``cache_index``.  Returns (q_nope, q_pe, dequant_scale_q_nope, qr, dequant_q_norm).
+* ``torch_npu.npu_format_cast`` (ND -> NZ): a copy with its own memory, as on a device;
+* ``torch.ops.npu.npu_interleave_rope`` and ``torch.ops.npu.npu_kv_rmsnorm_rope_cache`` (the
+  non-mlaprolog ``forward_absorb_prepare_npu_rms_norm_cache``).
+
+``build_attention`` makes a layer with every attribute ``npu_mla_preprocess`` /
+``NPUFusedMLAPreprocess`` read, shaped from the public model configs (``CONFIGS``) for a TP size, with
+``w_kc`` laid out as sglang's weight loader leaves it (``transpose(1, 2).contiguous().transpose(1, 2)``)
+and the fused qkv_a weight as a ``[q_lora + kv_lora + rope, hidden]`` Parameter.  ``make_batch`` gives
+hidden states, positions and a forward batch (with the attention backend / KV pool each release reads).
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+CALLS: list = []
+
+#: Public model configs (transformers' DeepseekV3Config / GlmMoeDsaConfig defaults; DeepSeek-V3.2
+#: has DeepSeek-V3's attention shapes).
+CONFIGS = {
+    "deepseek-v3": dict(hidden=7168, heads=128, q_lora=1536, kv_lora=512, nope=128, rope=64,
+                        v_head=128, layers=61),
+    "glm-5": dict(hidden=6144, heads=64, q_lora=2048, kv_lora=512, nope=192, rope=64,
+                  v_head=256, layers=78),
+}
+DTYPE = torch.bfloat16
+
+
+def _desc(value):
+    if isinstance(value, torch.Tensor):
+        return list(value.shape)
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+
+
+def _rms(x, gamma, eps):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * gamma.float()).to(x.dtype)
+
+
+def npu_mla_prolog_v3(**kw):
+    CALLS.append(("npu_mla_prolog_v3", {k: _desc(v) for k, v in kw.items()}))
+    x = kw["token_x"]
+    w_dq, w_uq, w_uk, w_dkv = kw["weight_dq"], kw["weight_uq_qr"], kw["weight_uk"], kw["weight_dkv_kr"]
+    heads, nope, kv_lora = w_uk.shape
+    rope = kw["rope_sin"].shape[-1]
+    cq = _rms(x @ w_dq, kw["rmsnorm_gamma_cq"], kw["rmsnorm_epsilon_cq"])
+    scale = kw.get("dequant_scale_w_uq_qr")
+    w_uq_f = w_uq.float() * (scale.float().view(1, -1) if scale is not None else 1.0)
+    q = (cq.float() @ w_uq_f).view(x.shape[0], heads, nope + rope)
+    q_nope = torch.einsum("thn,hnk->thk", q[..., :nope], w_uk.float()).to(x.dtype)
+    q_pe = q[..., nope:].to(x.dtype)
+    ckv = x @ w_dkv
+    kv = _rms(ckv[..., :kv_lora], kw["rmsnorm_gamma_ckv"], kw["rmsnorm_epsilon_ckv"])
+    k_cache, kr_cache, index = kw["kv_cache"], kw["kr_cache"], kw["cache_index"]
+    k_cache.view(-1, kv_lora)[index] = kv.to(k_cache.dtype)
+    kr_cache.view(-1, rope)[index] = ckv[..., kv_lora:].to(kr_cache.dtype)
+    tokens = x.shape[0]
+    return (q_nope, q_pe, torch.ones(tokens, heads, 1), cq, torch.ones(tokens, 1))
+
+
+def npu_interleave_rope(q_pe, cos, sin):
+    CALLS.append(("npu_interleave_rope", {"x": _desc(q_pe)}))
+    return q_pe.clone()
+
+
+def npu_kv_rmsnorm_rope_cache(latent, gamma, cos, sin, index, kr_cache, kv_cache, **kw):
+    CALLS.append(("npu_kv_rmsnorm_rope_cache", {"latent": _desc(latent), "gamma": _desc(gamma)}))
+    kv_lora = gamma.shape[0]
+    flat = latent.reshape(-1, latent.shape[-1])
+    kv = _rms(flat[:, :kv_lora], gamma, kw.get("epsilon", 1e-6))
+    kv_cache.view(-1, kv_lora)[index] = kv.to(kv_cache.dtype)
+    kr_cache.view(-1, flat.shape[-1] - kv_lora)[index] = flat[:, kv_lora:].to(kr_cache.dtype)
+    tokens = flat.shape[0]
+    return (flat[:, kv_lora:].view(tokens, 1, 1, -1), kv.view(tokens, 1, 1, -1), None, None)
+
+
+def npu_format_cast(tensor, acl_format=29, **kw):
+    """ND -> NZ cast: on a device a new tensor with its own memory (never a view of the input)."""
+    CALLS.append(("npu_format_cast", {"x": _desc(tensor), "format": acl_format}))
+    return tensor.clone()
+
+
+def install():
+    """Put the simulated kernels where sglang calls them (idempotent)."""
+    torch.ops.custom.npu_mla_prolog_v3 = npu_mla_prolog_v3
+    torch.ops.npu.npu_interleave_rope = npu_interleave_rope
+    torch.ops.npu.npu_kv_rmsnorm_rope_cache = npu_kv_rmsnorm_rope_cache
+    try:
+        import torch_npu  # the simnpu stub: give it real kernels too
+    except ImportError:
+        return
+    torch_npu.npu_interleave_rope = npu_interleave_rope
+    torch_npu.npu_kv_rmsnorm_rope_cache = npu_kv_rmsnorm_rope_cache
+    # 0.5.9 - 0.5.11 call it for any tensor; 0.5.19 returns a CPU tensor as it is.
+    torch_npu.npu_format_cast = npu_format_cast
+
+
+# ------------------------------------------------------------------------------- the layer
+
+class QuantMethod:
+    """``quant_method`` of a linear layer; ``modelslim`` under ``attr`` makes it W8A8."""
+
+    def __init__(self, modelslim_attr=None):
+        if modelslim_attr:
+            setattr(self, modelslim_attr, types.SimpleNamespace(get_name=lambda: "modelslim"))
+
+
+class Linear(torch.nn.Module):
+    """A replicated/column linear: ``weight`` [out, in]; returns (out, None) like sglang's."""
+
+    def __init__(self, in_features, out_features, dtype=DTYPE, quant_method=None):
+        super().__init__()
+        self.input_size = in_features
+        self.output_size = out_features
+        self.weight = torch.nn.Parameter(
+            (torch.randn(out_features, in_features) * 0.02).to(dtype), requires_grad=False)
+        self.quant_method = quant_method or QuantMethod()
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight), None
+
+
+class QBProj(torch.nn.Module):
+    """W8A8 q_b_proj as mlaprolog takes it: int8 ``weight`` [q_lora, out], per-channel scale."""
+
+    def __init__(self, q_lora, out_features):
+        super().__init__()
+        self.input_size = q_lora
+        self.weight = torch.nn.Parameter(torch.randint(-8, 8, (q_lora, out_features), dtype=torch.int8),
+                                         requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(torch.full((out_features, 1), 0.01), requires_grad=False)
+
+    def forward(self, x):
+        return (x.float() @ (self.weight.float() * self.weight_scale.view(1, -1))).to(x.dtype), None
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.variance_epsilon = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=DTYPE), requires_grad=False)
+
+    def forward(self, x):
+        return _rms(x, self.weight, self.variance_epsilon)
+
+
+class Rotary(torch.nn.Module):
+    def __init__(self, rope, max_positions=64):
+        super().__init__()
+        self.cos_sin_cache = torch.randn(max_positions, rope, dtype=DTYPE)
+
+
+class MLAAttention(torch.nn.Module):
+    """The attributes of ``DeepseekV2AttentionMLA`` the NPU MLA path reads."""
+
+
+def quant_config(mlaprolog=True, layers=(0,)):
+    """A modelslim-style config; kv_b_proj in ``ignore`` is what selects mlaprolog."""
+    ignore = ["model.layers.%d.mlp.gate" % i for i in layers]
+    if mlaprolog:
+        ignore += ["model.layers.%d.self_attn.kv_b_proj" % i for i in layers]
+    return types.SimpleNamespace(ignore=ignore, get_name=lambda: "modelslim")
+
+
+def build_attention(model="glm-5", tp=16, layer_id=0, mlaprolog=True, w8a8_attr=None,
+                    w_kc_contiguous=False):
+    """A synthetic MLA attention layer (real tensors) for ``model`` at attention TP size ``tp``."""
+    c = CONFIGS[model]
+    heads = c["heads"] // tp
+    m = MLAAttention()
+    m.layer_id = layer_id
+    m.num_local_heads = heads
+    m.q_lora_rank, m.kv_lora_rank = c["q_lora"], c["kv_lora"]
+    m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = c["nope"], c["rope"], c["v_head"]
+    m.qk_head_dim = c["nope"] + c["rope"]
+    m.fused_qkv_a_proj_with_mqa = Linear(
+        c["hidden"], c["q_lora"] + c["kv_lora"] + c["rope"],
+        quant_method=QuantMethod(modelslim_attr=w8a8_attr))
+    m.q_a_layernorm = RMSNorm(c["q_lora"])
+    m.kv_a_layernorm = RMSNorm(c["kv_lora"])
+    m.q_b_proj = QBProj(c["q_lora"], heads * m.qk_head_dim)
+    m.rotary_emb = Rotary(c["rope"])
+    # As DeepseekV2WeightLoaderMixin.post_load_weights leaves them (kv_b_proj split per head).
+    w = (torch.randn(heads * (c["nope"] + c["v_head"]), c["kv_lora"]) * 0.02).to(DTYPE)
+    w_kc, w_vc = w.unflatten(0, (-1, c["nope"] + c["v_head"])).split([c["nope"], c["v_head"]], dim=1)
+    if w_kc_contiguous:
+        m.w_kc = w_kc.contiguous()  # a layout where NPUFusedMLAPreprocess would share it
+    else:
+        m.w_kc = w_kc.transpose(1, 2).contiguous().transpose(1, 2)
+    m.w_vc = w_vc.contiguous().transpose(1, 2).contiguous()
+    m.quant_config = quant_config(mlaprolog, layers=(layer_id,))
+    m.alt_stream = None
+    return m
+
+
+class KVPool:
+    def __init__(self, kv_lora, rope, blocks=4, page=16):
+        self.k = torch.zeros(blocks, page, 1, kv_lora, dtype=DTYPE)
+        self.v = torch.zeros(blocks, page, 1, rope, dtype=DTYPE)
+        self.index_head_dim = None
+
+    def get_kv_buffer(self, layer_id):
+        return self.k, self.v
+
+
+def make_batch(model="glm-5", tokens=4):
+    """(hidden_states, positions, forward_batch, context manager to enter around the call)."""
+    c = CONFIGS[model]
+    pool = KVPool(c["kv_lora"], c["rope"])
+    backend = types.SimpleNamespace(token_to_kv_pool=pool, page_size=16, kv_lora_rank=c["kv_lora"],
+                                    qk_rope_head_dim=c["rope"])
+    batch = types.SimpleNamespace(out_cache_loc=torch.arange(tokens, dtype=torch.int64),
+                                  token_to_kv_pool=pool, attn_backend=backend)
+    hidden = (torch.randn(tokens, c["hidden"]) * 0.1).to(DTYPE)
+    positions = torch.arange(tokens)
+    return hidden, positions, batch, _forward_context(backend)
+
+
+@contextlib.contextmanager
+def _forward_context(backend):
+    """0.5.19 reads the pool / backend from sglang's forward context; older ones from the batch."""
+    try:
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    except ImportError:
+        yield
+        return
+    with forward_context(ForwardContext(attn_backend=backend)):
+        yield
+
+
+# ------------------------------------------------------------------------------- in a release
+
+MLA_NPU = "sglang.srt.hardware_backend.npu.modules.deepseek_v2_attention_mla_npu"
+_MODEL_DIR = None
+
+
+def _model_dir():
+    """A local HF config (DeepSeek-V3 shapes) so ServerArgs can be built offline."""
+    global _MODEL_DIR
+    if _MODEL_DIR is None:
+        import json
+        import os
+        import tempfile
+
+        _MODEL_DIR = tempfile.mkdtemp(prefix="mla-model-")
+        c = CONFIGS["deepseek-v3"]
+        with open(os.path.join(_MODEL_DIR, "config.json"), "w") as f:
+            json.dump({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                       "hidden_size": c["hidden"], "num_attention_heads": c["heads"],
+                       "num_key_value_heads": c["heads"], "num_hidden_layers": c["layers"],
+                       "q_lora_rank": c["q_lora"], "kv_lora_rank": c["kv_lora"],
+                       "qk_nope_head_dim": c["nope"], "qk_rope_head_dim": c["rope"],
+                       "v_head_dim": c["v_head"], "vocab_size": 129280,
+                       "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}, f)
+    return _MODEL_DIR
+
+
+def publish_server_args(role, **fields):
+    """Publish real ServerArgs with ``disaggregation_mode=role`` (and ``fields`` set on them) the
+    way the scheduler does; ``role=None`` unpublishes them (the role cannot be known)."""
+    from sglang.srt import server_args as S
+
+    if role is None:
+        try:
+            from sglang.srt.runtime_context import reset_context
+        except ImportError:
+            S._global_server_args = None
+        else:
+            reset_context()
+        return None
+    args = S.ServerArgs(model_path=_model_dir(), disaggregation_mode=role, device="npu",
+                        skip_tokenizer_init=True)
+    for key, value in fields.items():
+        setattr(args, key, value)
+    S.set_global_server_args_for_scheduler(args)
+    return args
+
+
+def run_layer(model="glm-5", tp=16, steps=2, layer_id=0, **build):
+    """Build a layer, call the real ``npu_mla_preprocess`` ``steps`` times; report the bytes of
+    the qkv_a / w_kc storages before and after, the kernels run and what they read."""
+    import importlib
+
+    install()
+    module = importlib.import_module(MLA_NPU)
+    m = build_attention(model, tp, layer_id=layer_id, **build)
+    storages = {"qkv_a": m.fused_qkv_a_proj_with_mqa.weight.untyped_storage(),
+                "w_kc": m.w_kc.untyped_storage()}
+    before = {k: s.nbytes() for k, s in storages.items()}
+    del CALLS[:]
+    outputs = []
+    for _ in range(steps):
+        hidden, positions, batch, context = make_batch(model)
+        with context:
+            out = module.npu_mla_preprocess(m, hidden, positions, batch, None)
+        outputs.append([list(t.shape) if isinstance(t, torch.Tensor) else None for t in out])
+    after = {k: s.nbytes() for k, s in storages.items()}
+    prolog = [args for name, args in CALLS if name == "npu_mla_prolog_v3"]
+    return {
+        "before": before, "after": after,
+        "freed": {k: before[k] - after[k] for k in before},
+        "expected": {"qkv_a": m.fused_qkv_a_proj_with_mqa.output_size * CONFIGS[model]["hidden"] * 2,
+                     "w_kc": (CONFIGS[model]["heads"] // tp) * CONFIGS[model]["nope"]
+                     * CONFIGS[model]["kv_lora"] * 2},
+        "kernels": [name for name, _ in CALLS if name != "npu_format_cast"],
+        "format_casts": [args["x"] for name, args in CALLS if name == "npu_format_cast"],
+        "prolog_weights": [{k: a[k] for k in ("weight_dq", "weight_dkv_kr", "weight_uk")}
+                           for a in prolog],
+        "outputs": outputs,
+        "uses_mlaprolog": (m.mla_preprocess.uses_mlaprolog()
+                           if hasattr(type(m.mla_preprocess), "uses_mlaprolog") else None),
+        "qkv_type": type(m.fused_qkv_a_proj_with_mqa.weight).__name__,
+        "w_kc_type": type(m.w_kc).__name__,
+        "layer": m,
+    }

@@ -202,8 +202,8 @@ class Patch:
         """Why the patch has nothing to do in this job (inactive), else None."""
         return None
 
-    def targets(self, view):
-        """The Wrap/Replace targets for this release."""
+    def targets(self, view, ctx):
+        """The Wrap/Replace targets for this release (``ctx``: a DecideContext)."""
         raise NotImplementedError
 
     def must_honour(self, environ):
@@ -216,6 +216,22 @@ class Patch:
 
     def origin(self):
         return "backport of %s; upstream since %s" % (self.upstream_pr, self.upstream_release)
+
+
+class DecideContext:
+    """What ``Patch.targets`` may consult and say while the patch is being decided."""
+
+    def __init__(self, environ, assume_triggered):
+        self.environ = environ                    # None: os.environ (as EnvVar.read takes it)
+        self.assume_triggered = assume_triggered  # "would it apply if switched on?"
+        self.notes = []                           # appended to the ``applied`` reason
+        self.refusal = None                       # set: the patch is ``unsupported`` for this
+
+    def note(self, text):
+        self.notes.append(text)
+
+    def refuse(self, reason):
+        self.refusal = reason
 
 
 class Decision:
@@ -252,11 +268,15 @@ def decide(patch, view, environ=None, on_npu=None, assume_triggered=False):
             return Decision(INACTIVE, reason)
     if patch.needs_npu and on_npu is False:
         return Decision(INACTIVE, "not running on an NPU (torch.npu is unavailable)")
-    targets = patch.targets(view)
+    ctx = DecideContext(environ, assume_triggered)
+    targets = patch.targets(view, ctx)
+    if ctx.refusal:
+        return Decision(UNSUPPORTED, ctx.refusal)
     problems = [p for p in (t.check_source(view) for t in targets) if p]
     if problems:
         return Decision(UNSUPPORTED, "; ".join(problems))
-    return Decision(APPLIED, patch.origin(), targets)
+    reason = patch.origin() + (" (%s)" % "; ".join(ctx.notes) if ctx.notes else "")
+    return Decision(APPLIED, reason, targets)
 
 
 def bind_arguments(params, args, kwargs):

@@ -52,7 +52,7 @@ class DemoPatch(patching.Patch):
             return "upstream_has_it"
         return None
 
-    def targets(self, view):
+    def targets(self, view, ctx):
         if os.environ.get("DEMO_PATCH_TARGETS_RAISE"):
             raise RuntimeError("boom while listing targets")
         return [

@@ -349,33 +349,20 @@ class DualStreamExperts(Patch):
     reads = (config.NPU_USE_MULTI_STREAM,)
     modules = (GLM4_MOE,)
 
-    def __init__(self):
-        self._streams_asked = None  # set by trigger(), read by the targets() of the same decide()
-        self._summary = ""
-
     def probe(self, view):
-        self._streams_asked = None  # decide() calls probe() first: forget an earlier decide()
-        self._summary = ""
         module = view.module(GLM4_MOE)
         if (module is not None and module.contains(r"process_shared_expert\(")
                 and view.has(NPU_UTILS, "process_shared_expert")):
             return "glm4_moe runs shared experts through hardware_backend.npu.utils.process_shared_expert"
         return None
 
-    def trigger(self, environ):
-        # Nothing makes the whole patch inactive: the fused path is on by default on an NPU, as
-        # upstream.  Remember whether this job asks for the streams (targets() depends on it).
-        self._streams_asked = config.NPU_USE_MULTI_STREAM.read(environ)
-        return None
-
     def kernel_problem(self):
         return kernel_problem()
 
-    def targets(self, view):
-        # decide() calls trigger() just before; without it (assume_triggered) the question is
-        # "would it apply if switched on", so the streams count as asked for.
-        streams = True if self._streams_asked is None else self._streams_asked
-        self._streams_asked = None
+    def targets(self, view, ctx):
+        # Nothing makes the whole patch inactive: the fused path is on by default on an NPU, as
+        # upstream; the streams only when the job asks (or when asked "would it apply if on?").
+        streams = ctx.assume_triggered or config.NPU_USE_MULTI_STREAM.read(ctx.environ)
         kernel = self.kernel_problem()
         deepep = Wrap(GLM4_MOE, DEEPEP, forward_deepep_wrapper, [DEEPEP_PARAMS],
                       fingerprints=DEEPEP_FINGERPRINTS)
@@ -392,32 +379,15 @@ class DualStreamExperts(Patch):
             parts.append("fused qkv-rmsnorm-rope decode path on")
         else:
             parts.append("fused qkv-rmsnorm-rope decode path unsupported: " + kernel)
-        self._summary = "; ".join(parts)
         if not chosen:
-            return [_Nothing(self._summary)]
+            ctx.refuse("; ".join(parts))
+        for part in parts:
+            ctx.note(part)
         return chosen
-
-    def origin(self):
-        text = Patch.origin(self)
-        return text + " (" + self._summary + ")" if self._summary else text
 
     def on_revert(self):
         global _STATE
         _STATE = _State()
-
-
-class _Nothing:
-    """Stands for 'no sub-feature can apply': its check makes decide() report unsupported."""
-
-    def __init__(self, reason):
-        self.reason = reason
-        self.module = GLM4_MOE
-
-    def describe(self):
-        return "%s (no applicable part)" % GLM4_MOE
-
-    def check_source(self, view):
-        return self.reason
 
 
 PATCH = DualStreamExperts()

@@ -501,7 +501,7 @@ class MlaWeightRelease(Patch):
             return "%s.uses_mlaprolog exists (and the release with it)" % CLASS
         return None
 
-    def targets(self, view):
+    def targets(self, view, ctx=None):
         _STATE.w8a8_attr = FORWARD_FINGERPRINTS.get(fingerprint(view, MLA_PRE, CLASS + ".forward"))
         _STATE.role_source = "get_disagg" if view.has(RUNTIME_CONTEXT, "get_disagg") else "server_args"
         entry = PinnedWrap(MLA_NPU, "npu_mla_preprocess", _wrap_npu_mla_preprocess, [PREPROCESS_SIG])

@@ -450,7 +450,7 @@ class ZbalPatch(Patch):
         except config.ConfigError:
             return True  # an invalid size is a request we cannot read, not a request for nothing
 
-    def targets(self, view):
+    def targets(self, view, ctx=None):
         sched = view.function(SCHEDULER, "Scheduler.__init__")
         sched_params = sched.params if sched else SCHEDULER_INIT_SIGS[-1]
         dist = view.function(PARALLEL_STATE, "init_distributed_environment")

@@ -32,11 +32,7 @@ from npu_shim.patches import zbal as zp
 GIB, MIB = 1 << 30, 1 << 20
 out = {"state": runtime.states()["zbal"]}
 
-def fresh(mix=False):
-    zp.STATE.reset(); simnpu.reset(); zbal.reset_fake(); zbal.FAKE.mix = mix
-
-def order():
-    return [e[1] if e[0] == "zbal" else e[0] for e in simnpu.EVENTS]
+from demo_features import zbal_fresh as fresh, event_order as order, make_scheduler, stub_model_runner
 
 def is_wrapper(obj):
     return isinstance(obj, wrapt.FunctionWrapper)
@@ -96,22 +92,7 @@ out["backend"] = {"seen": seen, "map_npu": getattr(ps, "_DEVICE_TO_DISTRIBUTED_B
                   "same_function": mr.init_distributed_environment is ps.init_distributed_environment,
                   "registered": "zbal" in dist.Backend.backend_list}
 
-# -- 1. Scheduler.__init__ (body: a recording stub that allocates at once) -------------------------
-def scheduler_body(self, server_args, port_args, gpu_id, tp_rank, *rest):
-    simnpu.log("body_start")
-    self.t = torch.empty(4, device="npu")
-
-def make_scheduler(tp=4, pp=1, gpu_id=0, tp_rank=3):
-    init = sch.Scheduler.__dict__["__init__"]
-    real = init.__wrapped__
-    init.__wrapped__ = scheduler_body
-    try:
-        with simnpu.record_allocations():
-            sch.Scheduler(types.SimpleNamespace(tp_size=tp, pp_size=pp), None, gpu_id, tp_rank,
-                          0, 0, 0, 0, None)
-    finally:
-        init.__wrapped__ = real
-
+# -- 1. Scheduler.__init__ (body: a recording stub that allocates at once) ---------------------
 sched = {}
 fresh()
 make_scheduler()
@@ -132,54 +113,7 @@ for name, knobs in (("pp", dict(pp=2)), ("init_false", {})):
 out["scheduler"] = sched
 
 # -- 2. the real ModelRunner.initialize body -------------------------------------------------------
-zp._world_group = lambda: types.SimpleNamespace(world_size=1, rank_in_group=0, cpu_group=None)
-
-class Falsy:
-    def __bool__(self): return False
-    def __call__(self, *a, **k): return Falsy()
-    def __getattr__(self, name):
-        if name.startswith("__"): raise AttributeError(name)
-        return Falsy()
-
-class Args(Falsy):
-    disable_cuda_graph = True
-    model_impl = "auto"
-    forward_hooks = None
-    torchao_config = ""
-    max_running_requests = None
-
-def noop(*a, **k): return None
-for name in ("set_global_expert_location_metadata", "compute_initial_expert_location_metadata",
-             "set_global_expert_distribution_recorder", "apply_torchao_config_to_model",
-             "register_forward_hooks", "get_global_expert_location_metadata", "create_sampler"):
-    if name in vars(mr): setattr(mr, name, noop)
-mr.get_global_server_args = lambda: Args()
-mr.ExpertDistributionRecorder = types.SimpleNamespace(init_new=noop)
-
-class Runner(mr.ModelRunner):
-    """Everything initialize() calls that needs a model is a stub; initialize() itself is real."""
-    def __init__(self, draft=False, weights=0, kv=0):
-        self.server_args = Args(); self.device = "npu"; self.gpu_id = 0; self.tp_rank = 0
-        self.tp_size = 1; self.dp_size = 1; self.moe_ep_rank = 0; self.is_draft_worker = draft
-        self.enable_hisparse = False; self.spec_algorithm = Falsy()
-        self.eagle_use_aux_hidden_state = False; self.max_total_num_tokens = 64
-        self.req_to_token_pool = types.SimpleNamespace(size=8)
-        self.model_config = types.SimpleNamespace(num_nextn_predict_layers=None, num_hidden_layers=2,
-            num_attention_layers=2, hf_config=types.SimpleNamespace(architectures=["LlamaForCausalLM"]))
-        self._w, self._kv = weights, kv
-    def _take(self, mib, what):
-        simnpu.set_memory(free_mib=simnpu.STATE.free_mib - mib); simnpu.log(what)
-    def load_model(self):
-        self.model = types.SimpleNamespace(); self._take(self._w, "weights")
-    def init_memory_pool(self, *a, **k): self._take(self._kv, "kv_cache")
-    def init_attention_backend(self): simnpu.log("attention_backend")
-    @property
-    def is_generation(self):  # first thing the real init_device_graphs reads
-        simnpu.log("device_graphs_body"); return False
-    remote_instance_init_transfer_engine = configure_kv_cache_dtype = noop
-    maybe_init_ngram_embedding = init_routed_experts_capturer = init_aux_hidden_state_capture = noop
-    init_piecewise_cuda_graphs = prealloc_symmetric_memory_pool = init_indexer_capturer = noop
-    init_lora_manager = apply_torch_tp = kernel_warmup = init_cublas = noop
+Runner = stub_model_runner()  # the real initialize(), stubbed heavy steps
 
 runner = {}
 fresh(mix=True)

@@ -10,7 +10,7 @@ Registry (what, why, how to switch it off, upstream, when it can be removed):
   Why: memfabric's zero-buffer allocator takes over NPU memory (faster MoE dispatch, less memory).
   How: ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` (MiB) > 0 turns it on (``SGLANG_ZBAL_BOOTSTRAP_URL`` optional);
   ``NPU_SHIM_ZBAL=0`` keeps it off.
-  Upstream: sglang 0.5.12.  Remove when every supported image runs sglang >= 0.5.12.
+  Upstream: sglang#24575, 0.5.12.  Remove when every supported image runs sglang >= 0.5.12.
 
 * ``mla_weight_release`` -- ``npu_shim/patches/mla_weight_release.py``
   Targets: ``npu_mla_preprocess``, ``NPUFusedMLAPreprocess.mlaprolog_preprocess_weight`` (wrapped),

@@ -54,7 +54,8 @@ Deliberate differences from upstream 0.5.12 (each a weakness seen in its code):
       ``reads`` before probing, so this holds on upstream releases too); upstream passes any string.
     * The lazy init runs once per process (upstream asserts); a second runner is skipped.
 
-Upstream: sglang 0.5.12 (``hardware_backend/npu/utils.py: init_zbal, lazy_init_zbal_gva_mem``).
+Upstream: sgl-project/sglang#24575, released in 0.5.12 (``hardware_backend/npu/utils.py: init_zbal,
+lazy_init_zbal_gva_mem``).
 Remove when every supported image runs sglang >= 0.5.12.
 """
 
@@ -422,7 +423,7 @@ class ZbalReplace(_NeedsZbal, Replace):
 class ZbalPatch(Patch):
     name = "zbal"
     title = "memfabric zbal allocator: init, lazy GVA heap, memory queries, DeepEP, dist backend"
-    upstream_pr = "sglang 0.5.12 zbal integration (init_zbal / lazy_init_zbal_gva_mem)"
+    upstream_pr = "sgl-project/sglang#24575"
     upstream_release = "0.5.12"
     backport_range = "0.5.7 - 0.5.11"
     remove_when = "every supported image runs sglang >= 0.5.12"

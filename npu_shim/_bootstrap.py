@@ -94,19 +94,15 @@ def chain_next_sitecustomize(our_file):
     """
     from importlib.machinery import PathFinder
 
-    ours = os.path.dirname(os.path.realpath(our_file))
-    after = []
-    seen_ours = False
-    for entry in sys.path:
-        try:
-            real = os.path.realpath(entry or os.getcwd())
-        except (OSError, ValueError):
-            continue
-        if real == ours:
-            seen_ours = True
-            continue
-        if seen_ours:
-            after.append(entry)
+    ours = os.path.dirname(our_file)
+    keys = sys.path
+    if ours not in keys:  # normally a string match: site.py stores PYTHONPATH entries as abspath
+        ours = os.path.realpath(ours)
+        keys = [os.path.realpath(entry or os.getcwd()) for entry in sys.path]
+    if ours not in keys:
+        return None
+    start = keys.index(ours) + 1
+    after = [entry for entry, key in zip(sys.path[start:], keys[start:]) if key != ours]
     spec = PathFinder.find_spec("sitecustomize", after)
     if spec is None or spec.loader is None:
         return None

@@ -13,17 +13,10 @@ import pytest
 import realsglang
 from expected_states import expected
 
-TARGETS = [
-    "sglang.srt.utils.common",
-    "sglang.srt.managers.scheduler",
-    "sglang.srt.model_executor.model_runner",
-    "sglang.srt.models.glm4_moe",
-    "sglang.srt.distributed.parallel_state",
-    "sglang.srt.layers.moe.token_dispatcher.deepep",
-    # npu_mla_preprocess / mlaprolog appear in 0.5.9; every release in the matrix is >= 0.5.9.
-    "sglang.srt.hardware_backend.npu.modules.deepseek_v2_attention_mla_npu",
-    "sglang.srt.hardware_backend.npu.attention.mla_preprocess",
-]
+from npu_shim.patches import load_all
+
+# Every module a patch hooks (all of them exist from 0.5.9, the oldest release of this matrix).
+TARGETS = sorted({module for patch in load_all() for module in patch.modules})
 
 SNIPPET = """
 import importlib, sys, traceback

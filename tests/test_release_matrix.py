@@ -63,3 +63,40 @@ def readme_table():
 
 def test_readme_table_matches():
     assert readme_table() == EXPECTED
+
+
+def spawn_targets(package_dir):
+    """Names sglang hands to multiprocessing as a process target (``Process(target=name)``)."""
+    import ast
+
+    names = set()
+    for sub in ("srt/entrypoints", "srt/managers"):
+        for root, _, files in os.walk(os.path.join(package_dir, sub)):
+            for name in files:
+                path = os.path.join(root, name)
+                if not name.endswith(".py"):
+                    continue
+                with open(path, encoding="utf-8") as handle:
+                    text = handle.read()
+                if "Process(" not in text:
+                    continue
+                for node in ast.walk(ast.parse(text)):
+                    if isinstance(node, ast.keyword) and node.arg == "target":
+                        value = node.value
+                        names.add(value.id if isinstance(value, ast.Name) else getattr(value, "attr", ""))
+    return names
+
+
+@pytest.mark.parametrize("version", ["0.5.7", "0.5.9", "0.5.11", "0.5.19"])
+def test_no_patch_wraps_a_multiprocessing_spawn_target(version):
+    # A wrapt FunctionWrapper cannot be pickled: wrapping what sglang passes to Process(target=...)
+    # would break the launch of its scheduler/detokenizer processes.
+    package_dir = os.path.join(str(sglang_envs.ensure_sources(version)), "sglang")
+    forbidden = spawn_targets(package_dir)
+    assert {"run_scheduler_process_func", "run_detokenizer_process_func"} & forbidden or \
+        "run_scheduler_process" in forbidden, forbidden
+    view = SourceView(package_dir)
+    for patch in load_all():
+        for target in patch.targets(view, patching.DecideContext({}, True)):
+            name = target.qualname.rsplit(".", 1)[-1]
+            assert name not in forbidden and not re.fullmatch(r"run_\w+_process", name), target.describe()

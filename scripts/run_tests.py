@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 import sglang_envs  # noqa: E402
 
 RUNNER_PINS = (sglang_envs.TORCH_PIN, "wrapt==2.5.2", "pytest==9.2.0", "pytest-mock==3.17.0",
-               "pytest-xdist==3.8.0")
+               "pytest-xdist==3.8.0", "numpy==2.4.6")  # numpy: torch warns at import without it
 PYTEST_NO_TESTS = 5
 
 

@@ -248,6 +248,13 @@ def record(name):
     return records.get(name) if records else None
 
 
+def details(name):
+    """The ``details`` dict of a decided patch (``states()`` and status show it), where feature code
+    records facts such as MiB released; a throwaway dict while the patch is not decided."""
+    found = record(name)
+    return found.details if found is not None else {}
+
+
 def states():
     """{patch name: record dict} for this process; empty before sglang's targets are imported."""
     records = _RT.records

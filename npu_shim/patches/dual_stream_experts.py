@@ -292,8 +292,7 @@ def _attach_details():
     if _STATE.details is None:
         from npu_shim import runtime
 
-        record = runtime.record(PATCH.name)
-        details = record.details if record is not None else {}
+        details = runtime.details(PATCH.name)
         details["counts"] = _STATE.counts  # live: status shows how often each path ran
         _STATE.details = details
     return _STATE.details

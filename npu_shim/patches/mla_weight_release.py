@@ -157,14 +157,9 @@ def _once(key, level, message):
 
 
 def _details(**facts):
-    try:
-        from npu_shim import runtime
+    from npu_shim import runtime
 
-        record = runtime.record(PATCH.name)
-    except Exception:  # noqa: BLE001
-        record = None
-    if record is not None:
-        record.details.update(facts)
+    runtime.details(PATCH.name).update(facts)
 
 
 # --------------------------------------------------------------------------- the predicate

@@ -180,9 +180,7 @@ def _ip_port_kwargs():
 def _details(**facts):
     from npu_shim import runtime
 
-    record = runtime.record("zbal")
-    if record is not None:
-        record.details.update(facts)
+    runtime.details("zbal").update(facts)
 
 
 def _call_zbal_init(zbal, world_size, device_id, rank_id, size_mib, what):

@@ -2,7 +2,7 @@
 
 * start-up of a process that never imports sglang: ``python -c pass`` with the shim on PYTHONPATH
   vs without, wall time and peak RSS of the child (from ``os.wait4``);
-* import of the real sglang target modules in the 0.5.11 release venv (simulated NPU in both
+* import of the real sglang target modules in the 0.5.11 release environment (simulated NPU in both
   arms), with the shim on PYTHONPATH vs without.
 
 Usage: python scripts/bench_shim_cost.py [--startup-runs N] [--import-runs N]
@@ -92,12 +92,13 @@ def import_rows(runs):
     from npu_shim.patches import load_all
 
     target_modules = sorted({module for patch in load_all() for module in patch.modules})
-    python = str(sglang_envs.ensure_venv(IMPORT_RELEASE))
+    rel, layers = sglang_envs.release_env_paths(IMPORT_RELEASE)  # wrapt layer + the release's layers
+    python = str(rel.python)
     code = "import simnpu; simnpu.install(release=%r)\n%s" % (
         IMPORT_RELEASE, "".join("import %s\n" % m for m in target_modules))
     arms = {
-        "without": ([python, "-c", code], clean_env([SUPPORT])),
-        "with": ([python, "-c", code], clean_env([REPO, SUPPORT])),
+        "without": ([python, "-c", code], clean_env([SUPPORT, *map(str, layers)])),
+        "with": ([python, "-c", code], clean_env([REPO, SUPPORT, *map(str, layers)])),
     }
     res = alternate(runs, arms)
     wall = {k: statistics.median(w for w, _ in v) for k, v in res.items()}

@@ -3,10 +3,11 @@
 
     python3 scripts/demo.py [--release 0.5.11]
 
-Builds (or reuses) the venv of a real sglang release (scripts/sglang_envs.py), then
+Builds (or reuses) the environment of a real sglang release (scripts/sglang_envs.py: a base venv
+with torch, the release's sglang and dependency layers, a wrapt layer), then
 
-1. runs ``python -m npu_shim status`` in that venv with the shim on PYTHONPATH;
-2. starts one Python process in that venv with the shim and the simulated NPU (tests/support/
+1. runs ``python -m npu_shim status`` there with the shim on PYTHONPATH;
+2. starts one Python process there with the shim and the simulated NPU (tests/support/
    simnpu: torch.npu on the CPU, a fake zbal, pure-torch stand-ins for the NPU kernels), imports
    the real sglang modules and drives each patch on a small synthetic model
    (tests/support/demo_features.py);
@@ -14,8 +15,8 @@ Builds (or reuses) the venv of a real sglang release (scripts/sglang_envs.py), t
    against what the release should do (tests/support/expected_states.py).
 
 Exit status: 0 when every check holds, 1 otherwise (with the reason), 2 on bad usage.
-Releases with a venv recipe: 0.5.9, 0.5.11, 0.5.19, 0.5.23 (0.5.11 by default: it needs backports
-of zbal and mla_weight_release and already has dual_stream_experts upstream).
+Any release of the import matrix (0.5.11 by default: it needs backports of zbal and
+mla_weight_release and already has dual_stream_experts upstream).
 """
 from __future__ import annotations
 
@@ -50,12 +51,12 @@ def say(line=""):
 
 
 def ensure_env(version):
-    """The release venv's python; progress lines while a cold venv builds."""
-    if realsglang.sglang_envs.venv_is_current(version):
+    """The python that runs the release; progress lines while its layers build."""
+    if realsglang.sglang_envs.release_is_built(version):
         python = realsglang.release_python(version)
-        say(f"[1/3] sglang {version} venv: reused ({python})")
+        say(f"[1/3] sglang {version} environment: reused ({python})")
         return python
-    say(f"[1/3] sglang {version} venv: not built yet -- building it (about 60-80 s, once)")
+    say(f"[1/3] sglang {version} environment: not built yet -- building it (about 2-3 min, once)")
     t0 = time.monotonic()
     done = threading.Event()
 
@@ -65,9 +66,9 @@ def ensure_env(version):
 
     threading.Thread(target=ticker, daemon=True).start()
     try:
-        python = realsglang.sglang_envs.ensure_venv(version, log=lambda s: say("      " + s))
+        python = realsglang.sglang_envs.ensure_release(version, log=lambda s: say("      " + s)).python
     except Exception as exc:  # EnvError and pip failures
-        raise DemoFailure(f"could not build the sglang {version} venv: {exc}") from None
+        raise DemoFailure(f"could not build the sglang {version} environment: {exc}") from None
     finally:
         done.set()
     say(f"      built in {time.monotonic() - t0:.0f} s: {python}")
@@ -75,11 +76,11 @@ def ensure_env(version):
 
 
 def show_status(python, version):
-    """Run ``python -m npu_shim status`` in the venv; print it; return {patch: state}."""
-    say(f"[2/3] python -m npu_shim status   (in the {version} venv, same PYTHONPATH and env)")
-    env = realsglang.release_env(demo_features.DEMO_ENV, zbal=True)
+    """Run ``python -m npu_shim status`` in the release; print it; return {patch: state}."""
+    say(f"[2/3] python -m npu_shim status   (in the {version} environment, same PYTHONPATH and env)")
+    argv, env = realsglang.release_command(version, demo_features.DEMO_ENV, zbal=True)
     with tempfile.TemporaryDirectory(prefix="npu-shim-demo-") as cwd:
-        p = subprocess.run([str(python), "-m", "npu_shim", "status"], cwd=cwd, env=env,
+        p = subprocess.run(argv + ["-m", "npu_shim", "status"], cwd=cwd, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
     if p.returncode != 0:
         raise DemoFailure(f"`python -m npu_shim status` exited {p.returncode}:\n{p.stdout}{p.stderr}")
@@ -210,7 +211,7 @@ def _show_dual_stream_experts(d, state, version, failures):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--release", default="0.5.11", choices=realsglang.IMPORT_MATRIX,
-                        help="sglang release whose venv to use (default 0.5.11)")
+                        help="sglang release to run (default 0.5.11)")
     args = parser.parse_args(argv)
     version = args.release
     t0 = time.monotonic()
@@ -224,7 +225,7 @@ def main(argv=None):
         for name, want in expected_states.expected(version).items():
             check(status.get(name) == want, f"status: {name} is {status.get(name)!r}, expected {want!r}",
                   failures)
-        say(f"[3/3] one process in the {version} venv: import the real sglang modules, drive each patch")
+        say(f"[3/3] one process in the {version} environment: import the real sglang modules, drive each patch")
         t1 = time.monotonic()
         try:
             out = realsglang.run_in_release(version, SNIPPET.format(v=version),

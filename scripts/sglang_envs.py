@@ -1,24 +1,39 @@
 #!/usr/bin/env python3
-"""Test bed: the sglang releases npu-shim supports, their wheels, sources and venvs.
+"""Test bed: the sglang releases npu-shim supports, their wheels, sources and layered environments.
 
 One place for:
 
 * ``CACHE`` -- ``$NPU_SHIM_CACHE`` or ``~/.cache/npu-shim``;
-* ``RELEASES`` -- every supported base release (add one line to support one more);
+* ``RELEASES`` / ``POST_RELEASES`` / ``ALL_RELEASES`` -- every supported release (add one line to
+  support one more); ``EDITABLE`` -- the release installed editable with a dev version string;
 * ``ensure_wheel(v)`` -- the sglang wheel in ``CACHE/wheels`` (``pip download --no-deps``);
 * ``ensure_sources(v)`` -- the wheel's ``sglang/`` tree extracted to ``CACHE/src/<v>/``;
-* ``ensure_venv(v)`` -- a venv at ``CACHE/venvs/sglang-<v>`` able to import the real sglang
-  on CPU (with the tests' simulated NPU); returns the path of its python.
+* ``ensure_release(v)`` -- what it takes to run release ``v`` on CPU (simulated NPU), as layers
+  under ``CACHE/layered/``:
+
+  - ONE base venv (``base-<hash>``): torch==2.13.0 (CPU) and the pins most releases share.  It has
+    no wrapt: a real Ascend image has none (shared/docs/real-images.md);
+  - per release, the sglang wheel unpacked with ``pip install --no-deps --target``
+    (``sglang-<v>``), and a dependency layer (``deps-<hash>``) holding exactly what that
+    release's pins change relative to the base (pip resolves them against the base with
+    ``--dry-run --report``; releases with the same pins share one layer);
+  - wrapt as its own layer (``wrapt-<version>``), chosen per run (``ensure_wrapt``);
+  - the editable release: a small venv on top of the base (its ``.pth`` adds the base's
+    site-packages) into which setuptools' own ``pip install -e`` installed an sdist tree whose
+    version is a setuptools-scm dev version.
+
+  ``ensure_release`` returns a ``ReleaseEnv`` (python, layer paths in ``PYTHONPATH`` order).
 
 Everything is reused when present, guarded by file locks (two processes may call the same
-function at once) and rebuilt when the pins of a venv change (a stamp file holds their hash).
+function at once), and content-addressed: a changed pin gives a new directory, so a build never
+replaces an environment another process is running in.
 
 CLI::
 
     python scripts/sglang_envs.py wheels              # download every release's wheel
     python scripts/sglang_envs.py sources [V ...]     # extract sources (default: all)
-    python scripts/sglang_envs.py venvs [V ...]       # build venvs (default: all in VENV_PINS)
-    python scripts/sglang_envs.py python V            # print the venv's python path
+    python scripts/sglang_envs.py envs [V ...]        # build release layers (default: all + editable)
+    python scripts/sglang_envs.py python V            # print the python that runs release V
 
 This file lives in ``scripts/`` without an ``__init__.py`` on purpose: the repo root is on
 users' PYTHONPATH and must not shadow an image's own ``scripts`` package.  Import it by path
@@ -28,16 +43,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import email.parser
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 import zipfile
 from pathlib import Path
+from typing import NamedTuple
 
 # --------------------------------------------------------------------------------------------
 # Configuration
@@ -64,10 +83,42 @@ RELEASES = (
     "0.5.23",
 )
 
+#: Every post release on PyPI of a supported base release (``pip index versions sglang``).
+POST_RELEASES = (
+    "0.5.8.post1",
+    "0.5.10.post1",
+    "0.5.12.post1",
+    "0.5.13.post1",
+    "0.5.15.post1",
+)
+
+_VERSION_RE = re.compile(r"^(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?(?:\.dev(\d+))?(?:\+[\w.]+)?$")
+
+
+def version_key(version: str) -> tuple:
+    """Sort key of an sglang version: 0.5.10 < 0.5.10.post1 < 0.5.11; a .devN sorts before the
+    release it leads to (PEP 440 for the forms sglang uses)."""
+    m = _VERSION_RE.match(version)
+    if not m:
+        raise ValueError(f"not an sglang version: {version!r}")
+    major, minor, micro, post, dev = m.groups()
+    post_key = int(post) if post is not None else -1
+    return (int(major), int(minor), int(micro), post_key, int(dev) if dev is not None else 1 << 30)
+
+
+#: Every release the test bed knows, oldest first (the expected table has one row per entry).
+ALL_RELEASES = tuple(sorted(RELEASES + POST_RELEASES, key=version_key))
+
+#: The editable install (upstream's NPU image: ``pip install -e`` of a source tree, version from
+#: setuptools-scm).  ``release``: the sdist whose tree is installed (PyPI has sdists up to
+#: 0.5.10.post1); ``version``: the dev version setuptools-scm is made to give it (what a checkout
+#: 3 commits after the 0.5.10.post1 tag reads).  Its expected states are those of ``release``.
+EDITABLE = {"release": "0.5.10.post1", "version": "0.5.10.post2.dev3+g5d1c3a7"}
+
 #: The only torch ever installed (a CPU build is on the local disk); also passed as constraint.
 TORCH_PIN = "torch==2.13.0"
-#: The shim's runtime dependency, and the test runner.
-SHIM_PINS = ("wrapt==2.5.2", "pytest")
+#: The shim's runtime dependency in normal runs (a layer of its own, never in the base).
+WRAPT_DEFAULT = "2.5.2"
 
 #: Packages every release needs to import its scheduler / model runner on CPU.
 COMMON_DEPS = (
@@ -76,35 +127,34 @@ COMMON_DEPS = (
     "dill", "sentencepiece", "gguf", "msgspec", "einops",
 )
 
-#: Per-release extra pins (see shared/docs/real-sglang-on-cpu.md).  ``deps`` are installed with
-#: dependency resolution, ``nodeps`` with ``--no-deps``.  A release gets a venv only if listed.
-VENV_PINS: dict[str, dict[str, tuple[str, ...]]] = {
-    "0.5.9": {
-        "deps": ("transformers==4.57.1", "openai==2.6.1", "compressed-tensors"),
-    },
-    "0.5.11": {
-        "deps": ("transformers==5.6.0", "openai==2.6.1", "compressed-tensors"),
-    },
-    "0.5.19": {
-        "deps": ("transformers==5.12.1", "tokenizers==0.22.2", "openai==2.6.1",
-                 "compressed-tensors==0.18.0", "uvicorn", "fastapi", "apache-tvm-ffi==0.1.11"),
-        # xgrammar's deps would pull a 1 GB triton.
-        "nodeps": ("xgrammar==0.2.1",),
-    },
-    "0.5.23": {
-        "deps": ("transformers==5.19.0", "tokenizers==0.23.2", "openai==2.8.0",
-                 "compressed-tensors==0.18.0", "uvicorn", "fastapi", "apache-tvm-ffi==0.1.11"),
-    },
-}
+#: What most releases pin alike (0.5.15-0.5.21), in the base; a release that pins otherwise gets
+#: the difference in its dependency layer.
+BASE_PINS = (
+    "transformers==5.12.1", "tokenizers==0.22.2", "openai==2.6.1", "compressed-tensors==0.18.0",
+    "apache-tvm-ffi==0.1.11", "uvicorn", "fastapi",
+)
 
-#: Bump to force every venv to be rebuilt (changes the stamp hash).
-VENV_LAYOUT = 1
+#: Requirements taken from each release's wheel metadata (``Requires-Dist``, as the release
+#: states them) into its dependency layer: the packages whose version decides whether the
+#: release imports (shared/docs/real-sglang-on-cpu.md).  The rest of sglang's requirements are
+#: GPU kernels or serving extras that importing the patched modules on CPU does not need.
+LAYER_REQUIREMENTS = ("transformers", "tokenizers", "openai", "compressed-tensors", "apache-tvm-ffi",
+                      "huggingface-hub", "uvicorn", "fastapi")
+#: Taken from the metadata too, but installed with ``--no-deps`` (xgrammar's would pull a 1 GB
+#: triton), and only from the release that first imports it unguarded.
+NODEPS_REQUIREMENTS = {"xgrammar": "0.5.15"}
+
+#: Packages that must never be in the base or a release layer (they come in their own layer).
+NEVER_IN_LAYERS = ("wrapt", "torch")
+
+#: Bump to build every layer anew (part of every layer's hash).
+LAYOUT = 1
 
 PIP_TIMEOUT_S = 1800
 
 
 class EnvError(RuntimeError):
-    """A wheel, source tree or venv could not be provided."""
+    """A wheel, source tree or environment could not be provided."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -117,9 +167,13 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "npu-shim"
 
 
-def _check_release(version: str) -> None:
-    if version not in RELEASES:
-        raise EnvError(f"sglang {version!r} is not a supported release; supported: {', '.join(RELEASES)}")
+def _check_release(version: str, strict: bool = True) -> None:
+    """A release of the table (``strict``), or at least an sglang version string."""
+    if strict and version not in ALL_RELEASES:
+        raise EnvError(f"sglang {version!r} is not a supported release; supported: "
+                       f"{', '.join(ALL_RELEASES)}")
+    if not _VERSION_RE.match(version):
+        raise EnvError(f"{version!r} is not an sglang version")
 
 
 @contextlib.contextmanager
@@ -176,9 +230,10 @@ def _find_wheel(d: Path, version: str) -> Path | None:
     return hits[0] if hits else None
 
 
-def ensure_wheel(version: str) -> Path:
-    """Path of sglang ``version``'s wheel in ``CACHE/wheels`` (downloaded once, with --no-deps)."""
-    _check_release(version)
+def ensure_wheel(version: str, *, strict: bool = True) -> Path:
+    """Path of sglang ``version``'s wheel in ``CACHE/wheels`` (downloaded once, with --no-deps).
+    ``strict=False`` accepts a release outside the table (scripts/release_report.py)."""
+    _check_release(version, strict)
     d = cache_dir() / "wheels"
     hit = _find_wheel(d, version)
     if hit:
@@ -197,9 +252,9 @@ def ensure_wheel(version: str) -> Path:
         return hit
 
 
-def ensure_sources(version: str) -> Path:
+def ensure_sources(version: str, *, strict: bool = True) -> Path:
     """``CACHE/src/<version>/`` holding the wheel's ``sglang/`` tree (extracted once)."""
-    wheel = ensure_wheel(version)
+    wheel = ensure_wheel(version, strict=strict)
     dest = cache_dir() / "src" / version
     stamp = dest / ".extracted"
     if stamp.exists() and stamp.read_text() == wheel.name:
@@ -249,101 +304,335 @@ def ensure_zbal_wheel() -> Path:
 
 
 # --------------------------------------------------------------------------------------------
-# Venvs
+# Layered environments
 # --------------------------------------------------------------------------------------------
 
-def venv_dir(version: str) -> Path:
-    return cache_dir() / "venvs" / f"sglang-{version}"
+def layered_dir() -> Path:
+    return cache_dir() / "layered"
 
 
-def venv_python(version: str) -> Path:
-    return venv_dir(version) / "bin" / "python"
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def venv_pins(version: str) -> dict:
-    """Everything that decides a venv's content (hashed into its stamp)."""
-    _check_release(version)
-    if version not in VENV_PINS:
-        raise EnvError(
-            f"no venv recipe for sglang {version}; releases with one: {', '.join(VENV_PINS)} "
-            "(add its pins to VENV_PINS in scripts/sglang_envs.py)")
-    extra = VENV_PINS[version]
-    return {
-        "layout": VENV_LAYOUT,
-        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
-        "torch": TORCH_PIN,
-        "sglang": version,
-        "common": list(COMMON_DEPS),
-        "shim": list(SHIM_PINS),
-        "deps": list(extra.get("deps", ())),
-        "nodeps": list(extra.get("nodeps", ())),
-    }
+def _python_tag() -> str:
+    return f"{sys.version_info[0]}.{sys.version_info[1]}"
 
 
-def _pins_hash(version: str) -> str:
-    blob = json.dumps(venv_pins(version), sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _stamp(version: str) -> Path:
-    return venv_dir(version) / "npu-shim-stamp.json"
-
-
-def venv_is_current(version: str) -> bool:
-    st = _stamp(version)
-    if not st.exists() or not venv_python(version).exists():
-        return False
+def _stamp_of(d: Path) -> dict | None:
     try:
-        return json.loads(st.read_text()).get("pins_hash") == _pins_hash(version)
+        return json.loads((d / "npu-shim-stamp.json").read_text())
     except (OSError, ValueError):
+        return None
+
+
+def _write_stamp(d: Path, info: dict) -> None:
+    (d / "npu-shim-stamp.json").write_text(json.dumps(info, indent=1, sort_keys=True))
+
+
+def _build_once(d: Path, lock: str, build) -> Path:
+    """``d`` when its stamp exists; else ``build(tmp_dir) -> stamp dict`` into a temporary sibling
+    that is renamed to ``d`` (a half-built layer is never visible under its final name)."""
+    if _stamp_of(d) is not None:
+        return d
+    with file_lock(lock):
+        if _stamp_of(d) is not None:
+            return d
+        tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(d, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        try:
+            info = build(tmp)
+            info["build_seconds"] = round(time.monotonic() - t0, 1)
+            _write_stamp(tmp, info)
+            tmp.replace(d)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return d
+
+
+# -- the base ---------------------------------------------------------------------------------
+
+def base_spec() -> dict:
+    return {"layout": LAYOUT, "python": _python_tag(), "torch": TORCH_PIN, "common": list(COMMON_DEPS),
+            "pins": list(BASE_PINS)}
+
+
+def base_dir() -> Path:
+    return layered_dir() / f"base-{_digest(base_spec())}"
+
+
+def base_python() -> Path:
+    return base_dir() / "bin" / "python"
+
+
+def _site_packages(prefix: Path) -> Path:
+    return prefix / "lib" / f"python{_python_tag()}" / "site-packages"
+
+
+def _check_no(python: Path, names, what: str, path: list[str] | None = None) -> None:
+    code = ("import importlib.util, sys; bad = [n for n in sys.argv[1:] if importlib.util.find_spec(n)]; "
+            "sys.exit('importable: ' + ', '.join(bad) if bad else 0)")
+    env = {"PYTHONPATH": os.pathsep.join(path)} if path else None
+    _run([str(python), "-c", code, *names], what, env=env)
+
+
+def ensure_base(*, log=None) -> Path:
+    """The base venv's python: torch (CPU), the common deps and BASE_PINS; never wrapt."""
+    log = log or (lambda s: None)
+
+    def build(d: Path) -> dict:
+        log(f"[base] creating {base_dir()}")
+        # The venv's own paths hold its final location: create it there, under the lock.
+        final = base_dir()
+        _run([sys.executable, "-m", "venv", str(final)], "creating the base venv")
+        py = final / "bin" / "python"
+        cons = str(_constraints_file())
+        log(f"[base] installing {TORCH_PIN}")
+        _run(_pip(py, "install", "-c", cons, TORCH_PIN), f"base venv: {TORCH_PIN}")
+        log(f"[base] installing {len(COMMON_DEPS) + len(BASE_PINS)} requirements")
+        _run(_pip(py, "install", "-c", cons, TORCH_PIN, *COMMON_DEPS, *BASE_PINS), "base venv: dependencies")
+        _run([str(py), "-c", "import torch, sys; v = torch.__version__; "
+              f"sys.exit(0 if v.split('+')[0] == {TORCH_PIN.split('==')[1]!r} else 'torch is ' + v)"],
+             "base venv: checking torch")
+        _check_no(py, ["wrapt"], "base venv: a dependency brought wrapt (the base must not have it)")
+        shutil.rmtree(d, ignore_errors=True)
+        final.replace(d)  # _build_once renames it back to final
+        return {"spec": base_spec()}
+
+    return _build_once(base_dir(), "layered-base", build) / "bin" / "python"
+
+
+# -- single-package layers (wrapt, sglang) --------------------------------------------------------
+
+def ensure_wrapt(version: str = WRAPT_DEFAULT) -> Path:
+    """``CACHE/layered/wrapt-<version>``: wrapt alone (``pip install --no-deps --target``)."""
+    if not re.fullmatch(r"[\w.]+", version):
+        raise EnvError(f"not a wrapt version: {version!r}")
+    d = layered_dir() / f"wrapt-{version}-py{_python_tag()}"
+
+    def build(tmp: Path) -> dict:
+        _run(_pip(sys.executable, "install", "--no-deps", "--only-binary=:all:", "--target", str(tmp),
+                  f"wrapt=={version}"), f"installing wrapt {version} as a layer")
+        return {"wrapt": version}
+
+    return _build_once(d, f"layered-wrapt-{version}", build)
+
+
+def ensure_sglang_layer(version: str, *, strict: bool = True) -> Path:
+    """``CACHE/layered/sglang-<version>``: the release's wheel, ``--no-deps --target``."""
+    wheel = ensure_wheel(version, strict=strict)
+    d = layered_dir() / f"sglang-{version}"
+
+    def build(tmp: Path) -> dict:
+        _run(_pip(sys.executable, "install", "--no-deps", "--target", str(tmp), str(wheel)),
+             f"installing the sglang {version} wheel as a layer")
+        return {"wheel": wheel.name}
+
+    return _build_once(d, f"layered-sglang-{version}", build)
+
+
+# -- dependency layers ---------------------------------------------------------------------------
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wheel_requirements(version: str, *, strict: bool = True) -> dict:
+    """{"deps": [...], "nodeps": [...]}: the LAYER_REQUIREMENTS / NODEPS_REQUIREMENTS lines of the
+    release's wheel metadata (markers for other platforms dropped)."""
+    wheel = ensure_wheel(version, strict=strict)
+    with zipfile.ZipFile(wheel) as zf:
+        (meta,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        msg = email.parser.Parser().parsestr(zf.read(meta).decode())
+    deps, nodeps = [], []
+    wanted = {_norm(n) for n in LAYER_REQUIREMENTS}
+    for line in msg.get_all("Requires-Dist") or []:
+        req, _, marker = line.partition(";")
+        if "extra ==" in marker or "sys_platform == \"darwin\"" in marker:
+            continue
+        name = _norm(re.match(r"[A-Za-z0-9_.\-]+", req.strip()).group(0))
+        req = re.sub(r"\[[^\]]*\]", "", req.strip()).replace(" ", "")
+        if name in wanted:
+            deps.append(req)
+        elif name in NODEPS_REQUIREMENTS and version_key(version) >= version_key(NODEPS_REQUIREMENTS[name]):
+            if "==" not in req:
+                raise EnvError(f"sglang {version}: {req} is installed --no-deps and must be pinned")
+            nodeps.append(req)
+    return {"deps": sorted(deps), "nodeps": sorted(nodeps)}
+
+
+def _deps_dir(key: dict) -> Path:
+    return layered_dir() / f"deps-{_digest(key)}"
+
+
+def ensure_deps_layer(requirements: dict, *, log=None) -> Path:
+    """``CACHE/layered/deps-<hash>``: what ``requirements`` change relative to the base.
+
+    pip resolves ``requirements["deps"]`` against the base venv (``--dry-run --report``: only what
+    the base lacks or has in another version is listed), then exactly those distributions and the
+    ``--no-deps`` pins are installed with ``--no-deps --target``.  Shared by every release with
+    the same requirements."""
+    log = log or (lambda s: None)
+    py = ensure_base(log=log)
+    key = {"base": base_dir().name, "requirements": requirements, "layout": LAYOUT}
+    d = _deps_dir(key)
+
+    def build(tmp: Path) -> dict:
+        cons = str(_constraints_file())
+        report = layered_dir() / f"report-{os.getpid()}.json"
+        delta: list[str] = []
+        if requirements["deps"]:
+            log(f"[deps] resolving {' '.join(requirements['deps'])} against the base")
+            _run(_pip(py, "install", "--dry-run", "--report", str(report), "-c", cons, TORCH_PIN,
+                      *requirements["deps"]), "resolving a dependency layer against the base")
+            try:
+                items = json.loads(report.read_text()).get("install", [])
+            finally:
+                report.unlink(missing_ok=True)
+            delta = sorted(f"{i['metadata']['name']}=={i['metadata']['version']}" for i in items)
+        banned = [r for r in delta + requirements["nodeps"]
+                  if _norm(r.split("==")[0]) in NEVER_IN_LAYERS]
+        if banned:
+            raise EnvError(f"a dependency layer would hold {', '.join(banned)} (requirements "
+                           f"{requirements}); those never go into a release layer")
+        tmp.mkdir(parents=True)
+        for group, what in ((delta, "the resolved delta"), (requirements["nodeps"], "--no-deps pins")):
+            if group:
+                log(f"[deps] installing {' '.join(group)}")
+                _run(_pip(py, "install", "--no-deps", "--target", str(tmp), *group),
+                     f"installing {what} of a dependency layer")
+        return {"key": key, "installed": delta + requirements["nodeps"]}
+
+    return _build_once(d, f"layered-deps-{d.name}", build)
+
+
+# -- a release, as its layers --------------------------------------------------------------------
+
+class ReleaseEnv(NamedTuple):
+    """How to run one release: ``python`` and the ``layers`` that go on ``PYTHONPATH`` (in that
+    order, after the shim/test paths and a wrapt layer)."""
+    version: str
+    python: Path
+    layers: tuple[Path, ...]
+    editable: bool = False
+
+
+def ensure_release(version: str, *, log=None, strict: bool = True) -> ReleaseEnv:
+    """Build (or reuse) the layers of ``version`` (``EDITABLE["version"]`` gives the editable
+    install); raises EnvError when one cannot be built."""
+    if version == EDITABLE["version"]:
+        return ensure_editable(log=log)
+    _check_release(version, strict)
+    python = ensure_base(log=log)
+    sglang = ensure_sglang_layer(version, strict=strict)
+    deps = ensure_deps_layer(wheel_requirements(version, strict=strict), log=log)
+    return ReleaseEnv(version, python, (sglang, deps))
+
+
+# -- the editable install --------------------------------------------------------------------------
+
+def ensure_sdist(version: str) -> Path:
+    """sglang ``version``'s sdist in ``CACHE/sdists`` (``pip download --no-binary``)."""
+    d = cache_dir() / "sdists"
+    pattern = f"sglang-{version}.tar.gz"
+    if (d / pattern).exists():
+        return d / pattern
+    with file_lock(f"sdist-{version}"):
+        if not (d / pattern).exists():
+            d.mkdir(parents=True, exist_ok=True)
+            _run(_pip(sys.executable, "download", "--no-deps", "--no-binary=:all:", "-d", str(d),
+                      f"sglang=={version}"), f"downloading the sglang {version} sdist")
+        if not (d / pattern).exists():
+            raise EnvError(f"pip download reported success but no {pattern} is in {d}")
+    return d / pattern
+
+
+def editable_dir() -> Path:
+    key = {"base": base_dir().name, "editable": EDITABLE, "layout": LAYOUT}
+    return layered_dir() / f"editable-{_digest(key)}"
+
+
+def ensure_editable(*, log=None) -> ReleaseEnv:
+    """The editable release: ``EDITABLE["release"]``'s sdist tree, its ``pyproject_npu.toml`` as
+    ``pyproject.toml`` (as upstream's NPU Dockerfile does), installed with setuptools' own
+    ``pip install -e`` (build isolation: setuptools, setuptools-scm, wheel from the index) into a
+    small venv whose ``.pth`` puts the base venv's site-packages on its path; the version comes
+    from setuptools-scm (``SETUPTOOLS_SCM_PRETEND_VERSION``, as a checkout after the tag would
+    give).  setuptools chooses the layout: for sglang's flat tree a meta-path finder
+    (``__editable___sglang_*_finder.py``) installed by a ``.pth``."""
+    log = log or (lambda s: None)
+    release, dev = EDITABLE["release"], EDITABLE["version"]
+    python = ensure_base(log=log)
+    deps = ensure_deps_layer(wheel_requirements(release, strict=False), log=log)
+    sdist = ensure_sdist(release)
+    final = editable_dir()
+
+    def build(tmp: Path) -> dict:
+        # pip records absolute paths (the finder's mapping, the venv's scripts): build in place.
+        shutil.rmtree(final, ignore_errors=True)
+        final.mkdir(parents=True)
+        src = final / "src"
+        with tarfile.open(sdist) as tf:
+            tf.extractall(final, filter="data")
+        (final / f"sglang-{release}").replace(src)
+        (src / "pyproject_npu.toml").replace(src / "pyproject.toml")
+        (src / "PKG-INFO").unlink()            # a checkout has none; the version comes from scm
+        (src / "sglang" / "_version.py").unlink()
+        venv = final / "venv"
+        log(f"[editable] venv {venv} on top of the base")
+        _run([str(python), "-m", "venv", str(venv)], "creating the editable venv")
+        (_site_packages(venv) / "npu_shim_base.pth").write_text(
+            f"import site; site.addsitedir({str(_site_packages(base_dir()))!r})\n")
+        log(f"[editable] pip install -e {src} (version {dev})")
+        _run(_pip(venv / "bin" / "python", "install", "--no-deps", "-e", str(src)),
+             f"pip install -e of the sglang {release} tree", env={"SETUPTOOLS_SCM_PRETEND_VERSION": dev})
+        finders = sorted(p.name for p in _site_packages(venv).glob("__editable___sglang_*_finder.py"))
+        pths = sorted(p.name for p in _site_packages(venv).glob("__editable__.sglang-*.pth"))
+        if not finders or not pths:
+            raise EnvError(f"pip install -e did not install setuptools' meta-path finder: "
+                           f"{sorted(p.name for p in _site_packages(venv).iterdir())}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        final.replace(tmp)  # _build_once renames it back to final
+        return {"release": release, "version": dev, "finder": finders, "pth": pths}
+
+    d = _build_once(final, "layered-editable", build)
+    return ReleaseEnv(dev, d / "venv" / "bin" / "python", (deps,), editable=True)
+
+
+def release_is_built(version: str) -> bool:
+    """Whether every layer ``version`` runs on (the default wrapt's included) is already built."""
+    if _stamp_of(base_dir()) is None or _stamp_of(layered_dir() / f"wrapt-{WRAPT_DEFAULT}-py{_python_tag()}") is None:
         return False
+    if version == EDITABLE["version"]:
+        if _stamp_of(editable_dir()) is None:
+            return False
+        version = EDITABLE["release"]
+    elif _stamp_of(layered_dir() / f"sglang-{version}") is None:
+        return False
+    if _find_wheel(cache_dir() / "wheels", version) is None:
+        return False
+    key = {"base": base_dir().name, "requirements": wheel_requirements(version, strict=False),
+           "layout": LAYOUT}
+    return _stamp_of(_deps_dir(key)) is not None
 
 
-def ensure_venv(version: str, *, log=None) -> Path:
-    """Path of the python of sglang ``version``'s venv, building it when missing or stale.
-
-    ``log`` (a callable taking one str) receives progress lines; default: silent.
-    """
-    pins = venv_pins(version)  # validates the release
-    if venv_is_current(version):
-        return venv_python(version)
-    with file_lock(f"venv-{version}"):
-        if venv_is_current(version):
-            return venv_python(version)
-        wheel = ensure_wheel(version)
-        _build_venv(version, wheel, pins, log or (lambda s: None))
-        return venv_python(version)
+def release_env_paths(version: str, *, wrapt: str | None = WRAPT_DEFAULT, log=None,
+                      strict: bool = False) -> tuple[ReleaseEnv, list[Path]]:
+    """(the release's ReleaseEnv, its PYTHONPATH entries after the shim: the wrapt layer when
+    ``wrapt`` is a version, then the release's layers)."""
+    rel = ensure_release(version, log=log, strict=strict)
+    wrapt_layer = [ensure_wrapt(wrapt)] if wrapt is not None else []
+    return rel, wrapt_layer + list(rel.layers)
 
 
-def _build_venv(version: str, wheel: Path, pins: dict, log) -> None:
-    d = venv_dir(version)
-    t0 = time.monotonic()
-    shutil.rmtree(d, ignore_errors=True)
-    d.parent.mkdir(parents=True, exist_ok=True)
-    log(f"[sglang {version}] creating venv {d}")
-    _run([sys.executable, "-m", "venv", str(d)], f"creating venv for sglang {version}")
-    py = venv_python(version)
-    cons = str(_constraints_file())
-    what = f"building the sglang {version} venv"
-    # torch first and alone, so nothing resolves against another torch.
-    log(f"[sglang {version}] installing {TORCH_PIN}")
-    _run(_pip(py, "install", "-c", cons, TORCH_PIN), f"{what}: {TORCH_PIN}")
-    log(f"[sglang {version}] installing {wheel.name} (--no-deps)")
-    _run(_pip(py, "install", "--no-deps", str(wheel)), f"{what}: sglang wheel")
-    reqs = [TORCH_PIN, *pins["common"], *pins["deps"], *pins["shim"]]
-    log(f"[sglang {version}] installing {len(reqs)} requirements")
-    _run(_pip(py, "install", "-c", cons, *reqs), f"{what}: dependencies")
-    if pins["nodeps"]:
-        _run(_pip(py, "install", "--no-deps", *pins["nodeps"]), f"{what}: --no-deps pins")
-    # Sanity: torch must still be the pinned CPU build.
-    _run([str(py), "-c", "import torch, sys; v = torch.__version__; "
-          f"sys.exit(0 if v.split('+')[0] == {TORCH_PIN.split('==')[1]!r} else 'torch is ' + v)"],
-         f"{what}: checking torch")
-    dt = time.monotonic() - t0
-    _stamp(version).write_text(json.dumps(
-        {"pins_hash": _pins_hash(version), "pins": pins, "build_seconds": round(dt, 1)},
-        indent=1, sort_keys=True))
-    log(f"[sglang {version}] venv ready in {dt:.0f}s")
+def ensure_all(*, log=None) -> list[ReleaseEnv]:
+    """Every release's layers, the editable install and the default wrapt layer (sequentially)."""
+    ensure_wrapt(WRAPT_DEFAULT)
+    return [ensure_release(v, log=log) for v in ALL_RELEASES] + [ensure_editable(log=log)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,7 +642,8 @@ def _build_venv(version: str, wheel: Path, pins: dict, log) -> None:
 def _versions(args: list[str], default) -> list[str]:
     vs = list(args) or list(default)
     for v in vs:
-        _check_release(v)
+        if v != EDITABLE["version"]:
+            _check_release(v)
     return vs
 
 
@@ -363,28 +653,28 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("wheels", help="download every supported release's wheel")
     p = sub.add_parser("sources", help="extract releases' sglang/ trees (default: all)")
     p.add_argument("versions", nargs="*")
-    p = sub.add_parser("venvs", help="build release venvs (default: all with a recipe)")
+    p = sub.add_parser("envs", help="build release layers (default: every release and the editable one)")
     p.add_argument("versions", nargs="*")
-    p = sub.add_parser("python", help="print a release venv's python (building it if needed)")
+    p = sub.add_parser("python", help="print the python that runs a release (building its layers)")
     p.add_argument("version")
     a = ap.parse_args(argv)
     err = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     try:
         if a.cmd == "wheels":
-            for v in RELEASES:
+            for v in ALL_RELEASES:
                 print(ensure_wheel(v))
         elif a.cmd == "sources":
-            for v in _versions(a.versions, RELEASES):
+            for v in _versions(a.versions, ALL_RELEASES):
                 print(ensure_sources(v))
-        elif a.cmd == "venvs":
-            for v in _versions(a.versions, VENV_PINS):
+        elif a.cmd == "envs":
+            ensure_wrapt(WRAPT_DEFAULT)
+            for v in _versions(a.versions, ALL_RELEASES + (EDITABLE["version"],)):
                 t0 = time.monotonic()
-                fresh = venv_is_current(v)
-                py = ensure_venv(v, log=err)
-                print(f"{v} {py} {'reused' if fresh else f'built in {time.monotonic() - t0:.0f}s'}",
+                rel = ensure_release(v, log=err)
+                print(f"{v} {rel.python} {' '.join(map(str, rel.layers))} ({time.monotonic() - t0:.0f}s)",
                       flush=True)
         elif a.cmd == "python":
-            print(ensure_venv(a.version, log=err))
+            print(ensure_release(a.version, log=err).python)
     except EnvError as e:
         err(f"sglang_envs: error: {e}")
         return 1

@@ -6,7 +6,9 @@ signature), with the patch switched on and its trigger assumed set.  The expecte
 (tests/support/expected_states.py) is the one README.md shows users; test_readme_table_matches
 keeps the two identical.
 
-Adding a release: one line in scripts/sglang_envs.py RELEASES and its row in expected_states.py.
+Adding a release: one line in scripts/sglang_envs.py RELEASES (or POST_RELEASES) and its row in
+expected_states.py (``python3 scripts/release_report.py VERSION`` prints it), then
+``python3 scripts/release_report.py --write-readme``.
 """
 
 import os
@@ -19,12 +21,20 @@ from npu_shim import patching
 from npu_shim.codeview import SourceView
 from npu_shim.patches import load_all
 
-from expected_states import EXPECTED, PATCH_ORDER
+from expected_states import EXPECTED, PATCH_ORDER, README_END, README_START, render_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_expected_table_covers_exactly_the_supported_releases():
-    assert tuple(EXPECTED) == tuple(sglang_envs.RELEASES)
+    assert tuple(EXPECTED) == tuple(sglang_envs.ALL_RELEASES)
+    assert set(sglang_envs.RELEASES) < set(EXPECTED)
+    # every post release is a post release of a base release of the table, right after it
+    for post in sglang_envs.POST_RELEASES:
+        base = post.rsplit(".post", 1)[0]
+        assert base in sglang_envs.RELEASES, post
+        assert sglang_envs.version_key(base) < sglang_envs.version_key(post) < min(
+            sglang_envs.version_key(v) for v in sglang_envs.RELEASES if sglang_envs.version_key(v) >
+            sglang_envs.version_key(base)), post
 
 
 def static_states(version):
@@ -49,20 +59,26 @@ def test_release(version):
             assert reason.startswith("sglang %s has it: " % version)
 
 
-def readme_table():
+def readme_block():
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as handle:
         text = handle.read()
-    block = text.split("<!-- release-table -->")[1]
+    return text.split(README_START)[1].split(README_END)[0]
+
+
+def readme_table():
     rows = {}
-    for line in block.strip().splitlines():
+    for line in readme_block().strip().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if re.fullmatch(r"0\.5\.\d+", cells[0]):
+        if re.fullmatch(r"0\.5\.\d+(\.post\d+)?", cells[0]):
             rows[cells[0]] = tuple(cells[1:4])
     return rows
 
 
 def test_readme_table_matches():
     assert readme_table() == EXPECTED
+    # generated from the table: `python3 scripts/release_report.py --write-readme`
+    assert readme_block().strip() == render_table()
+    assert [v for v in readme_table() if ".post" in v] == list(sglang_envs.POST_RELEASES)
 
 
 def spawn_targets(package_dir):

@@ -231,10 +231,12 @@ def mla_demo(model="glm-5", tp=16):
 
 # ----------------------------------------------------------------------- dual_stream_experts
 
-def glm4_moe_bed(kernel="partial"):
+def glm4_moe_bed(kernel="partial", head_dim=16):
     """A small synthetic GLM-4 MoE block and two attention layers over the release's real
     ``glm4_moe`` classes, with run helpers; returns every name as a namespace.  ``kernel`` is
-    "partial", "full_head" or None (see tests/support/dual_stream_kernels.py)."""
+    "partial", "full_head" or None (see tests/support/dual_stream_kernels.py).  ``head_dim``: 0.5.7
+    and 0.5.8 build their NPU rotary embedding only for head sizes 64/128/256/512 (others take a
+    vllm kernel)."""
     import torch
     import torch.nn.functional as F
     import simnpu
@@ -345,7 +347,7 @@ def glm4_moe_bed(kernel="partial"):
         ref = unwrap(m.Glm4MoeSparseMoeBlock.forward_deepep)(block, hidden, batch(mode))
         return out, ref, events
 
-    HD, NH, NKV = 16, 4, 2
+    HD, NH, NKV = head_dim, 4, 2
     rope = get_rope(HD, rotary_dim=HD, max_position=64, partial_rotary_factor=0.5, base=10000)
     cos_sin_calls = []
     _get_cos_sin = rope.get_cos_sin_with_position
@@ -408,7 +410,7 @@ def dual_stream_demo():
 
     import torch
 
-    b = glm4_moe_bed("partial")
+    b = glm4_moe_bed("partial", head_dim=64)  # a size every release's NPU rope takes
     h = torch.randn(5, b.H)
     out, ref, events = b.moe(h, b.ForwardMode.EXTEND)
     computes = {e[1]: e[2] for e in events if e[0] == "compute"}
@@ -433,43 +435,64 @@ def dual_stream_demo():
 
 # ------------------------------------------------------------------------------------ all
 
-def run_all(release):
-    """Every feature's facts for the demo (a feature whose patch is not applied is only run where
-    the release's own code can be driven the same way)."""
-    import traceback
+def import_targets():
+    """Install the fused decode kernel stand-in, then import every module a patch targets (the first
+    one decides every patch, each applies its own).  Must run before the first sglang import.
+    Returns {module: "ExcType: message"} for each module that failed to import."""
+    import importlib
 
     import dual_stream_kernels
     import simnpu
-
-    # Before the first sglang import: the shim decides every patch then (the fused decode kernel).
-    dual_stream_kernels.install(simnpu, kernel="partial")
-    import importlib
-
-    import sglang
-    from npu_shim import runtime
     from npu_shim.patches import load_all
 
-    # Import every module a patch targets: the first one decides every patch, each applies its own.
-    missing = []
+    dual_stream_kernels.install(simnpu, kernel="partial")
+    failed = {}
     for patch in load_all():
         for module in patch.modules:
             try:
                 importlib.import_module(module)
-            except ModuleNotFoundError:
-                missing.append(module)
+            except BaseException as exc:  # report every failing module, not only the first
+                failed.setdefault(module, "%s: %s" % (type(exc).__name__, exc))
+    return failed
 
-    out = {"release": release, "states": {}, "sglang_file": sglang.__file__, "missing_modules": missing}
-    for name, st in runtime.states().items():
-        out["states"][name] = {"state": st["state"], "reason": st["reason"]}
-    drivers = (("zbal", zbal_demo), ("mla_weight_release", mla_demo),
-               ("dual_stream_experts", dual_stream_demo))
-    for name, driver in drivers:
-        if name != "dual_stream_experts" and out["states"][name]["state"] != "applied":
-            out[name] = None  # upstream/off: the shim has nothing of its own to show
+
+#: One driver per feature: each runs the release's real (patched or own) code on a synthetic model.
+DRIVERS = (("zbal", zbal_demo), ("mla_weight_release", mla_demo),
+           ("dual_stream_experts", dual_stream_demo))
+
+
+def run_drivers(names):
+    """{feature: driver facts, or {"error", "traceback"}} for each feature in ``names``."""
+    import traceback
+
+    out = {}
+    for name, driver in DRIVERS:
+        if name not in names:
             continue
         try:
             out[name] = driver()
-        except Exception as exc:  # reported by the demo, which then exits non-zero
+        except Exception as exc:
             out[name] = {"error": "%s: %s" % (type(exc).__name__, exc),
                          "traceback": traceback.format_exc()[-3000:]}
+    return out
+
+
+def run_all(release):
+    """Every feature's facts for the demo (a feature whose patch is not applied is only run where
+    the release's own code can be driven the same way)."""
+    failed = import_targets()
+    broken = {m: e for m, e in failed.items() if not e.startswith("ModuleNotFoundError")}
+    if broken:
+        raise RuntimeError("target modules failed to import: %s" % broken)
+    import sglang
+    from npu_shim import runtime
+
+    out = {"release": release, "states": {}, "sglang_file": sglang.__file__, "missing_modules": sorted(failed)}
+    for name, st in runtime.states().items():
+        out["states"][name] = {"state": st["state"], "reason": st["reason"]}
+    # upstream/off: the shim has nothing of its own to show, except dual-stream (the release's own)
+    names = [name for name, _ in DRIVERS
+             if name == "dual_stream_experts" or out["states"][name]["state"] == "applied"]
+    out.update({name: None for name, _ in DRIVERS})
+    out.update(run_drivers(names))
     return out

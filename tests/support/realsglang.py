@@ -1,10 +1,17 @@
-"""Run code against a real sglang release, in that release's venv, with the simulated NPU.
+"""Run code against a real sglang release, in its layered environment, with the simulated NPU.
 
 ``run_in_release("0.5.11", "from sglang.srt.utils import is_npu\\nemit({'npu': is_npu()})")``
-builds/reuses the venv (scripts/sglang_envs.py), runs the snippet in a fresh interpreter with
-``PYTHONPATH=<repo root>:<tests/support>`` (repo root first, so the shim's sitecustomize.py is
-active exactly as for a user), ``simnpu.install(release=...)`` done before the snippet, and returns
-the JSON the snippet passed to ``emit(obj)`` (the last stdout line).
+builds/reuses the release's layers (scripts/sglang_envs.py: one base venv with torch and no wrapt,
+the release's sglang and dependency layers, a wrapt layer), runs the snippet in a fresh
+interpreter of the base venv with ``PYTHONPATH=<repo root>:<tests/support>:<wrapt layer>:<release
+layers>`` (repo root first, so the shim's sitecustomize.py is active exactly as for a user),
+``simnpu.install(release=...)`` done before the snippet, and returns the JSON the snippet passed
+to ``emit(obj)`` (the last stdout line).
+
+For running other commands there (``python -m npu_shim status``, processes that spawn children):
+``release_command(version, ...)`` gives the argv prefix and env; ``release_env(...)`` the env.
+``wrapt=None`` runs a release the way a real Ascend image is (no wrapt importable);
+``wrapt="1.14.1"`` with that wrapt; ``shim_root=DIR`` puts DIR first instead of the repo root.
 """
 from __future__ import annotations
 
@@ -21,9 +28,6 @@ SUPPORT = Path(__file__).resolve().parent
 TESTS = SUPPORT.parent
 REPO = TESTS.parent
 FAKE_ZBAL = SUPPORT / "fake_zbal"
-
-#: Releases the real-import matrix covers (each has a venv recipe in scripts/sglang_envs.py).
-IMPORT_MATRIX = ("0.5.9", "0.5.11", "0.5.19", "0.5.23")
 
 
 def _load_envs():
@@ -59,18 +63,53 @@ def emit(obj):
 """
 
 
+def _import_matrix() -> tuple[str, ...]:
+    return sglang_envs.ALL_RELEASES + (sglang_envs.EDITABLE["version"],)
+
+
+#: Releases the real-import matrix covers: every release of the table and the editable install.
+IMPORT_MATRIX = _import_matrix()
+#: The editable install's version string (a setuptools-scm dev version) and the release it is.
+EDITABLE_VERSION = sglang_envs.EDITABLE["version"]
+WRAPT_DEFAULT = sglang_envs.WRAPT_DEFAULT
+
+
+def table_release(version: str) -> str:
+    """The row of the expected table ``version`` runs as (the editable install: its sdist's)."""
+    return sglang_envs.EDITABLE["release"] if version == EDITABLE_VERSION else version
+
+
 def release_python(version: str) -> Path:
-    """The venv python for ``version`` (built when missing; raises sglang_envs.EnvError)."""
-    return sglang_envs.ensure_venv(version)
+    """The python that runs ``version`` (its layers built when missing; raises
+    sglang_envs.EnvError).  The base venv's python, or the editable install's venv."""
+    return sglang_envs.ensure_release(version, strict=False).python
 
 
-def release_env(env: dict | None = None, *, zbal: bool = False, shim_enabled: bool | None = None) -> dict:
-    """The environment a release subprocess gets (inherited env, PYTHONPATH set, overrides)."""
+def release_env(env: dict | None = None, *, version: str | None = None, zbal: bool = False,
+                shim_enabled: bool | None = None, wrapt: str | None = WRAPT_DEFAULT,
+                shim_root: str | os.PathLike = REPO) -> dict:
+    """The environment a release subprocess gets: the inherited env, ``PYTHONPATH`` =
+    ``shim_root``, tests/support, [fake_zbal], [the wrapt layer], [the release's layers], then
+    the overrides in ``env`` (value None removes a variable).
+
+    version      -- put that release's layers on PYTHONPATH (building them when missing); None:
+                    no sglang (e.g. for a process that must not import it).
+    wrapt        -- a wrapt version: its layer is on PYTHONPATH; None: wrapt is not importable
+                    (the base environment has none, as a real Ascend image).
+    shim_root    -- the directory first on PYTHONPATH in place of the repo root (a built bundle).
+    """
     e = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
-    path = [str(REPO), str(SUPPORT)] + ([str(FAKE_ZBAL)] if zbal else [])
+    path = [str(shim_root), str(SUPPORT)] + ([str(FAKE_ZBAL)] if zbal else [])
+    if version is not None:
+        _, layers = sglang_envs.release_env_paths(version, wrapt=wrapt)
+    else:
+        layers = [sglang_envs.ensure_wrapt(wrapt)] if wrapt is not None else []
+    path += [str(p) for p in layers]
     e["PYTHONPATH"] = os.pathsep.join(path)
     e.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     e["PYTHONHASHSEED"] = "0"
+    e.pop("PYTHONUSERBASE", None)
+    e["PYTHONNOUSERSITE"] = "1"  # nothing from ~/.local (a wrapt there would defeat wrapt=None)
     if shim_enabled is not None:
         e["NPU_SHIM_ENABLED"] = "1" if shim_enabled else "0"
     if env:
@@ -82,26 +121,43 @@ def release_env(env: dict | None = None, *, zbal: bool = False, shim_enabled: bo
     return e
 
 
+def release_command(version: str, env: dict | None = None, *, zbal: bool = False,
+                    shim_enabled: bool | None = None, wrapt: str | None = WRAPT_DEFAULT,
+                    shim_root: str | os.PathLike = REPO) -> tuple[list[str], dict]:
+    """``(argv prefix, env)`` to run any command in release ``version``, e.g.
+    ``argv, env = release_command("0.5.11", wrapt=None)``;
+    ``subprocess.run(argv + ["-m", "npu_shim", "status"], env=env)``.  The prefix is
+    ``[python]`` (the base venv's, or the editable install's); children it spawns inherit the env.
+    Same keywords as release_env().  The simulated NPU is NOT installed (tests/support is on the
+    path: ``import simnpu; simnpu.install(release=...)`` where a process needs it)."""
+    python = release_python(version)
+    return [str(python)], release_env(env, version=version, zbal=zbal, shim_enabled=shim_enabled,
+                                      wrapt=wrapt, shim_root=shim_root)
+
+
 def run_in_release(version: str, code: str, env: dict | None = None, timeout: float = 600, *,
                    zbal: bool = False, shim_enabled: bool | None = None,
-                   install_sim: bool = True) -> dict:
-    """Run ``code`` in sglang ``version``'s venv; return what it ``emit()``-ed last (JSON).
+                   install_sim: bool = True, wrapt: str | None = WRAPT_DEFAULT,
+                   shim_root: str | os.PathLike = REPO) -> dict:
+    """Run ``code`` in sglang ``version``; return what it ``emit()``-ed last (JSON).
 
     env          -- extra/overriding env vars (value None removes one); e.g. SIMNPU_FREE_MIB.
     zbal         -- put tests/support/fake_zbal on PYTHONPATH (``import zbal`` gets the fake).
     shim_enabled -- set NPU_SHIM_ENABLED to 1/0 (None: inherit).
     install_sim  -- False skips ``simnpu.install()`` (the snippet does it itself).
+    wrapt        -- wrapt version on PYTHONPATH (default the pinned one); None: no wrapt at all.
+    shim_root    -- the directory first on PYTHONPATH instead of the repo root.
     Raises ReleaseRunError (an AssertionError) with stdout/stderr on failure.
     """
-    python = release_python(version)
+    argv, run_env = release_command(version, env, zbal=zbal, shim_enabled=shim_enabled, wrapt=wrapt,
+                                    shim_root=shim_root)
     prelude = _PRELUDE.format(release=version)
     if not install_sim:
         prelude = prelude.replace("simnpu.install(release={!r})\n".format(version), "")
     script = prelude + "\n" + textwrap.dedent(code)
     with tempfile.TemporaryDirectory(prefix="npu-shim-run-") as cwd:
         try:
-            p = subprocess.run([str(python), "-c", script], cwd=cwd, env=release_env(env, zbal=zbal,
-                               shim_enabled=shim_enabled), stdout=subprocess.PIPE,
+            p = subprocess.run(argv + ["-c", script], cwd=cwd, env=run_env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
             raise ReleaseRunError(f"sglang {version}: snippet timed out after {timeout}s",

@@ -184,7 +184,14 @@ def finder() -> StubFinder:
 # ------------------------------------------------------------------------------ per release
 
 def _v(s: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in s.split("."))
+    """'0.5.10' -> (0, 5, 10); a post or dev release counts as its base ('0.5.10.post2.dev3+g..'
+    -> (0, 5, 10))."""
+    numbers = []
+    for part in s.split("."):
+        if not part.isdigit():
+            break
+        numbers.append(int(part))
+    return tuple(numbers)
 
 
 #: Roots stubbed for every release.

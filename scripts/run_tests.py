@@ -3,8 +3,10 @@
 1. a runner venv (``CACHE/venvs/test-runner``): torch==2.13.0 (CPU), wrapt, pytest, pytest-mock,
    pytest-xdist;
 2. the sglang wheels of every supported release and their extracted sources (static matrix), and
-   the release venvs of the import matrix (scripts/sglang_envs.py; all cached, rebuilt when pins
-   change);
+   the layered environments of the import matrix (scripts/sglang_envs.py: one base venv with
+   torch and no wrapt, per release a thin sglang layer and a dependency layer, a wrapt layer, the
+   editable install; all cached, content-addressed: a changed pin builds a new layer).  A layer
+   that cannot be built stops the run (exit 1) -- nothing is skipped;
 3. pytest over tests/ in the runner venv.  Exits non-zero on any failure, and also when pytest
    collected no test (its exit code 5).
 
@@ -64,12 +66,12 @@ def prepare():
     started = time.monotonic()
     python = runner_python()
     log("runner venv ready (%.0fs)" % (time.monotonic() - started))
-    for version in sglang_envs.RELEASES:
+    for version in sglang_envs.ALL_RELEASES:
         sglang_envs.ensure_sources(version)
-    log("sources of %d releases ready (%.0fs)" % (len(sglang_envs.RELEASES), time.monotonic() - started))
-    for version in sglang_envs.VENV_PINS:
-        sglang_envs.ensure_venv(version, log=log)
-    log("release venvs %s ready (%.0fs)" % (", ".join(sglang_envs.VENV_PINS), time.monotonic() - started))
+    log("sources of %d releases ready (%.0fs)" % (len(sglang_envs.ALL_RELEASES), time.monotonic() - started))
+    envs = sglang_envs.ensure_all(log=log)
+    log("layered environments of %d releases + the editable install ready (%.0fs)"
+        % (len(envs) - 1, time.monotonic() - started))
     return python
 
 

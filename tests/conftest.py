@@ -2,8 +2,9 @@
 
 * ``tests/support`` is put on sys.path (simnpu, realsglang); ``tests/support/fake_zbal`` only by
   tests that want ``import zbal`` (fixture ``fake_zbal``).
-* ``release_venv(version)`` builds/reuses a release venv through scripts/sglang_envs.py; a venv that
-  cannot be built FAILS the test (never skips).
+* ``release_venv(version)`` builds/reuses a release's layered environment through
+  scripts/sglang_envs.py and returns the python that runs it; an environment that cannot be built
+  FAILS the test (never skips).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import realsglang  # noqa: E402
 
 @pytest.fixture(scope="session")
 def release_venv():
-    """Callable ``release_venv(version) -> Path`` of the venv python (built once per session)."""
+    """Callable ``release_venv(version) -> Path`` of the release's python (built once per session)."""
     cache: dict[str, Path] = {}
 
     def get(version: str) -> Path:
@@ -29,7 +30,7 @@ def release_venv():
             try:
                 cache[version] = realsglang.release_python(version)
             except realsglang.sglang_envs.EnvError as e:
-                pytest.fail(f"could not provide the sglang {version} venv: {e}", pytrace=False)
+                pytest.fail(f"could not provide the sglang {version} environment: {e}", pytrace=False)
         return cache[version]
 
     return get

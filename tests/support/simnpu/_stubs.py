@@ -207,6 +207,12 @@ def roots_for(release: str | None) -> set[str]:
     # measured.
     if r is not None and r <= (0, 5, 18):
         roots.add("sgl_kernel")
+    # 0.5.15 (not its post1, which guards it with is_cuda()) imports cutlass and cuda.bindings
+    # (nvidia-cutlass-dsl / cuda-python, CUDA requirements of the wheel) unguarded from
+    # jit_kernel/dsa, which the NPU MLA module and glm4_moe import: without them those modules
+    # fail to import on an NPU image that lacks them.
+    if r == (0, 5, 15) and ".post" not in release:
+        roots |= {"cutlass", "cuda"}
     # acl is imported (lazily, in npu/utils.py is_npu_arch35 and kv-offload) from 0.5.23.
     if r is None or r >= (0, 5, 20):
         roots.add("acl")
@@ -223,5 +229,5 @@ def absent_for(release: str | None) -> set[str]:
     return absent
 
 
-VERSIONS = {"triton": "3.4.0", "torch_npu": "2.8.0.post1", "torchvision": "0.28.0",
+VERSIONS = {"cutlass": "4.5.2", "cuda": "13.0.0", "triton": "3.4.0", "torch_npu": "2.8.0.post1", "torchvision": "0.28.0",
             "torchair": "0.1", "sgl_kernel_npu": "2026.1.0", "sgl_kernel": "0.3.20", "acl": "0"}

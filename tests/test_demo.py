@@ -25,8 +25,8 @@ def test_demo_default_release():
     assert "sglang code is REAL (release 0.5.11" in out
     assert "All checks passed" in out and "DEMO FAILED" not in out
 
-    # (1) the status table, run in the venv: it reports the venv's sglang and the expected states.
-    assert re.search(r"\|\s+sglang: 0\.5\.11 at \S*/venvs/sglang-0\.5\.11/\S*/site-packages/sglang", out)
+    # (1) the status table, run in the release: it reports its sglang layer and the expected states.
+    assert re.search(r"\|\s+sglang: 0\.5\.11 at \S*/layered/sglang-0\.5\.11/sglang", out)
     assert "active in this interpreter: yes" in out
     states = expected("0.5.11")
     assert states == {"zbal": "applied", "mla_weight_release": "applied",

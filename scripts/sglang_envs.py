@@ -141,8 +141,9 @@ BASE_PINS = (
 LAYER_REQUIREMENTS = ("transformers", "tokenizers", "openai", "compressed-tensors", "apache-tvm-ffi",
                       "huggingface-hub", "uvicorn", "fastapi")
 #: Taken from the metadata too, but installed with ``--no-deps`` (xgrammar's would pull a 1 GB
-#: triton), and only from the release that first imports it unguarded.
-NODEPS_REQUIREMENTS = {"xgrammar": "0.5.15"}
+#: triton), and only from the release that first imports it at module level (0.5.16: the
+#: function_call detectors; before, only the xgrammar backend, which nothing here loads).
+NODEPS_REQUIREMENTS = {"xgrammar": "0.5.16"}
 
 #: Packages that must never be in the base or a release layer (they come in their own layer).
 NEVER_IN_LAYERS = ("wrapt", "torch")
@@ -330,26 +331,30 @@ def _write_stamp(d: Path, info: dict) -> None:
     (d / "npu-shim-stamp.json").write_text(json.dumps(info, indent=1, sort_keys=True))
 
 
-def _build_once(d: Path, lock: str, build) -> Path:
-    """``d`` when its stamp exists; else ``build(tmp_dir) -> stamp dict`` into a temporary sibling
-    that is renamed to ``d`` (a half-built layer is never visible under its final name)."""
+def _build_once(d: Path, lock: str, build, *, in_place: bool = False) -> Path:
+    """``d`` when its stamp exists; else ``build(dir) -> stamp dict``, under a file lock.
+
+    The stamp is written last: a directory without one is never used.  ``--target`` layers are
+    built in a temporary sibling renamed to ``d``; a venv (``in_place``) is built at ``d`` itself,
+    since it records its own absolute path."""
     if _stamp_of(d) is not None:
         return d
     with file_lock(lock):
         if _stamp_of(d) is not None:
             return d
-        tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
+        work = d if in_place else d.with_name(f"{d.name}.tmp{os.getpid()}")
+        shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(d, ignore_errors=True)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
+        work.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         try:
-            info = build(tmp)
+            info = build(work)
             info["build_seconds"] = round(time.monotonic() - t0, 1)
-            _write_stamp(tmp, info)
-            tmp.replace(d)
+            _write_stamp(work, info)
+            if work != d:
+                work.replace(d)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(work, ignore_errors=True)
             raise
     return d
 
@@ -373,11 +378,11 @@ def _site_packages(prefix: Path) -> Path:
     return prefix / "lib" / f"python{_python_tag()}" / "site-packages"
 
 
-def _check_no(python: Path, names, what: str, path: list[str] | None = None) -> None:
+def _check_no(python: Path, names, what: str) -> None:
+    """Fail with ``what`` when one of ``names`` is importable by ``python`` (no PYTHONPATH)."""
     code = ("import importlib.util, sys; bad = [n for n in sys.argv[1:] if importlib.util.find_spec(n)]; "
             "sys.exit('importable: ' + ', '.join(bad) if bad else 0)")
-    env = {"PYTHONPATH": os.pathsep.join(path)} if path else None
-    _run([str(python), "-c", code, *names], what, env=env)
+    _run([str(python), "-c", code, *names], what, env={"PYTHONNOUSERSITE": "1"})
 
 
 def ensure_base(*, log=None) -> Path:
@@ -385,11 +390,9 @@ def ensure_base(*, log=None) -> Path:
     log = log or (lambda s: None)
 
     def build(d: Path) -> dict:
-        log(f"[base] creating {base_dir()}")
-        # The venv's own paths hold its final location: create it there, under the lock.
-        final = base_dir()
-        _run([sys.executable, "-m", "venv", str(final)], "creating the base venv")
-        py = final / "bin" / "python"
+        log(f"[base] creating {d}")
+        _run([sys.executable, "-m", "venv", str(d)], "creating the base venv")
+        py = d / "bin" / "python"
         cons = str(_constraints_file())
         log(f"[base] installing {TORCH_PIN}")
         _run(_pip(py, "install", "-c", cons, TORCH_PIN), f"base venv: {TORCH_PIN}")
@@ -399,11 +402,9 @@ def ensure_base(*, log=None) -> Path:
               f"sys.exit(0 if v.split('+')[0] == {TORCH_PIN.split('==')[1]!r} else 'torch is ' + v)"],
              "base venv: checking torch")
         _check_no(py, ["wrapt"], "base venv: a dependency brought wrapt (the base must not have it)")
-        shutil.rmtree(d, ignore_errors=True)
-        final.replace(d)  # _build_once renames it back to final
         return {"spec": base_spec()}
 
-    return _build_once(base_dir(), "layered-base", build) / "bin" / "python"
+    return _build_once(base_dir(), "layered-base", build, in_place=True) / "bin" / "python"
 
 
 # -- single-package layers (wrapt, sglang) --------------------------------------------------------
@@ -422,12 +423,13 @@ def ensure_wrapt(version: str = WRAPT_DEFAULT) -> Path:
     return _build_once(d, f"layered-wrapt-{version}", build)
 
 
-def ensure_sglang_layer(version: str, *, strict: bool = True) -> Path:
+def ensure_sglang_layer(version: str, *, strict: bool = True, log=None) -> Path:
     """``CACHE/layered/sglang-<version>``: the release's wheel, ``--no-deps --target``."""
     wheel = ensure_wheel(version, strict=strict)
     d = layered_dir() / f"sglang-{version}"
 
     def build(tmp: Path) -> dict:
+        (log or (lambda s: None))(f"[sglang {version}] installing {wheel.name} as a layer")
         _run(_pip(sys.executable, "install", "--no-deps", "--target", str(tmp), str(wheel)),
              f"installing the sglang {version} wheel as a layer")
         return {"wheel": wheel.name}
@@ -528,7 +530,7 @@ def ensure_release(version: str, *, log=None, strict: bool = True) -> ReleaseEnv
         return ensure_editable(log=log)
     _check_release(version, strict)
     python = ensure_base(log=log)
-    sglang = ensure_sglang_layer(version, strict=strict)
+    sglang = ensure_sglang_layer(version, strict=strict, log=log)
     deps = ensure_deps_layer(wheel_requirements(version, strict=strict), log=log)
     return ReleaseEnv(version, python, (sglang, deps))
 
@@ -569,11 +571,9 @@ def ensure_editable(*, log=None) -> ReleaseEnv:
     python = ensure_base(log=log)
     deps = ensure_deps_layer(wheel_requirements(release, strict=False), log=log)
     sdist = ensure_sdist(release)
-    final = editable_dir()
 
-    def build(tmp: Path) -> dict:
-        # pip records absolute paths (the finder's mapping, the venv's scripts): build in place.
-        shutil.rmtree(final, ignore_errors=True)
+    def build(final: Path) -> dict:
+        # pip records absolute paths (the finder's mapping, the venv's scripts): built in place.
         final.mkdir(parents=True)
         src = final / "src"
         with tarfile.open(sdist) as tf:
@@ -595,11 +595,9 @@ def ensure_editable(*, log=None) -> ReleaseEnv:
         if not finders or not pths:
             raise EnvError(f"pip install -e did not install setuptools' meta-path finder: "
                            f"{sorted(p.name for p in _site_packages(venv).iterdir())}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        final.replace(tmp)  # _build_once renames it back to final
         return {"release": release, "version": dev, "finder": finders, "pth": pths}
 
-    d = _build_once(final, "layered-editable", build)
+    d = _build_once(editable_dir(), "layered-editable", build, in_place=True)
     return ReleaseEnv(dev, d / "venv" / "bin" / "python", (deps,), editable=True)
 
 

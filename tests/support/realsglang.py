@@ -63,12 +63,8 @@ def emit(obj):
 """
 
 
-def _import_matrix() -> tuple[str, ...]:
-    return sglang_envs.ALL_RELEASES + (sglang_envs.EDITABLE["version"],)
-
-
 #: Releases the real-import matrix covers: every release of the table and the editable install.
-IMPORT_MATRIX = _import_matrix()
+IMPORT_MATRIX = sglang_envs.ALL_RELEASES + (sglang_envs.EDITABLE["version"],)
 #: The editable install's version string (a setuptools-scm dev version) and the release it is.
 EDITABLE_VERSION = sglang_envs.EDITABLE["version"]
 WRAPT_DEFAULT = sglang_envs.WRAPT_DEFAULT

@@ -1,0 +1,323 @@
+"""Drop-in on an image that has only what sglang's own NPU image has: no wrapt, read-only mounts,
+``PYTHONDONTWRITEBYTECODE=1``, any CPython 3.9-3.13; a pip-installed shim; children of a process
+that called ``install()``.
+
+Each case runs fresh interpreters -- bare venvs without wrapt (``python -m venv --without-pip``)
+of every CPython pyenv has here -- against the minimal ``sglang`` tree and demo patch of
+tests/test_bootstrap.py.  The real releases get the same treatment in tests/test_drop_in_real.py.
+"""
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import textwrap
+
+import pytest
+
+from npu_shim import bundle, runtime, wrapt_loader
+from test_bootstrap import DEMO_PATCH, FAKE_COMMON, IMAGE_SITECUSTOMIZE
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHONS = ("3.9", "3.10", "3.11", "3.12", "3.13")
+
+# The demo patch, made "explicitly requested" (like zbal with a size) when DEMO_MUST_HONOUR is set.
+DEMO_PATCH_MUST_HONOUR = DEMO_PATCH.replace(
+    "    def probe(self, view):",
+    "    def must_honour(self, environ):\n"
+    "        return bool(environ.get('DEMO_MUST_HONOUR'))\n\n"
+    "    def probe(self, view):")
+
+# What a process reports: the demo patch's state, where wrapt came from, what `import wrapt` gives.
+REPORT = """
+import json, sys
+import npu_shim
+from sglang.srt.utils import get_npu_memory_capacity
+from npu_shim import wrapt_loader
+origin = wrapt_loader.loaded_origin()
+state = npu_shim.states().get("demo", {})
+try:
+    import wrapt
+    app_wrapt = wrapt.__version__
+except ImportError:
+    app_wrapt = None
+print(json.dumps({"value": get_npu_memory_capacity(), "state": state.get("state"),
+                  "reason": state.get("reason"), "origin": origin.as_dict() if origin else None,
+                  "app_wrapt": app_wrapt, "python": "%d.%d" % sys.version_info[:2],
+                  "c_ext": "npu_shim._wrapt._wrappers" in sys.modules}))
+"""
+
+
+def pyenv_python(version):
+    found = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/%s.*/bin/python3" % version)))
+    if not found:
+        pytest.fail("CPython %s is not installed under ~/.pyenv (this machine kind has 3.9-3.13)"
+                    % version, pytrace=False)
+    return found[-1]
+
+
+@pytest.fixture(scope="module")
+def bare_venvs(tmp_path_factory):
+    """{version: python of a venv with nothing installed} -- no wrapt, as on an Ascend image."""
+    root = tmp_path_factory.mktemp("bare")
+    cache = {}
+
+    def get(version="3.11"):
+        if version not in cache:
+            venv = root / version
+            subprocess.run([pyenv_python(version), "-m", "venv", "--without-pip", str(venv)],
+                           check=True, capture_output=True, timeout=120)
+            cache[version] = str(venv / "bin" / "python")
+            probe = subprocess.run([cache[version], "-c", "import wrapt"], capture_output=True)
+            assert probe.returncode != 0, "a bare venv must not see a wrapt"
+        return cache[version]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def built_bundle(tmp_path_factory):
+    """A bundle built by the real command (wrapt wheels from PyPI), once for this module."""
+    out = tmp_path_factory.mktemp("bundle") / "npu-shim"
+    proc = subprocess.run([sys.executable, "-m", "npu_shim", "bundle", str(out)], cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture
+def tree(tmp_path):
+    sg = tmp_path / "pkgs" / "sglang"
+    (sg / "srt" / "utils").mkdir(parents=True)
+    (sg / "__init__.py").write_text("")
+    (sg / "version.py").write_text('__version__ = "0.5.9"\n')
+    (sg / "srt" / "__init__.py").write_text("")
+    (sg / "srt" / "utils" / "__init__.py").write_text("from .common import *\n")
+    (sg / "srt" / "utils" / "common.py").write_text(FAKE_COMMON)
+    image = tmp_path / "image"
+    image.mkdir()
+    (image / "sitecustomize.py").write_text(IMAGE_SITECUSTOMIZE)
+    (image / "demo_patch.py").write_text(DEMO_PATCH_MUST_HONOUR)
+    return tmp_path
+
+
+def snapshot(root):
+    """Every path under root with its size and mtime."""
+    found = {}
+    for folder, _dirs, names in os.walk(str(root)):
+        for name in names + _dirs:
+            path = os.path.join(folder, name)
+            stat = os.lstat(path)
+            found[os.path.relpath(path, str(root))] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+def run(python, tree, code, first, env=None, readonly=None, check=True, after=()):
+    """``code`` in a fresh ``python``; PYTHONPATH = first, the image dir, the fake sglang, after
+    (stands for the image's site-packages).  ``readonly``: a directory mounted read-only for the
+    process and its children."""
+    paths = [str(p) for p in ([first] if first else [])] + [str(tree / "image"), str(tree / "pkgs")]
+    paths += [str(p) for p in after]
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("NPU_SHIM_", "SGLANG_", "DEMO_", "PYTHON"))}
+    full_env.update({"PYTHONPATH": os.pathsep.join(paths), "CHAIN_MARKER": str(tree / "marker"),
+                     "PYTHONDONTWRITEBYTECODE": "1"})
+    full_env.update(env or {})
+    command = [python, "-c", textwrap.dedent(code)]
+    if readonly:
+        mount = ("mount --bind {0} {0} && mount -o remount,ro,bind {0} && exec \"$@\""
+                 .format(readonly))
+        command = ["unshare", "-m", "sh", "-c", mount, "sh"] + command
+    proc = subprocess.run(command, cwd=str(tree), env=full_env, capture_output=True, text=True,
+                          timeout=180)
+    if check and proc.returncode != 0:
+        raise AssertionError("exit %d\nstdout:\n%s\nstderr:\n%s" % (proc.returncode, proc.stdout, proc.stderr))
+    return proc
+
+
+def last_json(proc):
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- choosing the wrapt build -----------------------------------------------------------------------
+
+BUILDS = ["cp39-x86_64-glibc2.5", "cp311-x86_64-glibc2.5", "cp311-aarch64-glibc2.17",
+          "cp313-aarch64-glibc2.17", "py3-none-any"]
+
+
+@pytest.mark.parametrize("facts, expected", [
+    (("cpython", (3, 11), "x86_64", (2, 36)), "cp311-x86_64-glibc2.5"),
+    (("cpython", (3, 11), "aarch64", (2, 35)), "cp311-aarch64-glibc2.17"),
+    (("cpython", (3, 11), "arm64", (2, 35)), "cp311-aarch64-glibc2.17"),
+    (("cpython", (3, 9), "x86_64", (2, 17)), "cp39-x86_64-glibc2.5"),
+    (("cpython", (3, 13), "aarch64", (2, 17)), "cp313-aarch64-glibc2.17"),
+    (("cpython", (3, 13), "aarch64", (2, 12)), "py3-none-any"),   # glibc older than the wheel's
+    (("cpython", (3, 9), "aarch64", (2, 35)), "py3-none-any"),    # no C build for this pair
+    (("cpython", (3, 14), "x86_64", (2, 36)), "py3-none-any"),    # a Python the bundle predates
+    (("cpython", (3, 11), "x86_64", None), "py3-none-any"),       # musl: no manylinux wheel runs
+    (("pypy", (3, 10), "x86_64", (2, 36)), "py3-none-any"),
+])
+def test_select_build_per_python_and_platform(facts, expected):
+    build, note = wrapt_loader.select_build(BUILDS, *facts)
+    assert build == expected
+    if expected == "py3-none-any":
+        assert note.startswith("no C build for %s %d.%d" % (facts[0], facts[1][0], facts[1][1]))
+        assert note.endswith(": pure-Python wrapt")
+    else:
+        assert note is None
+
+
+def test_select_build_without_any_usable_build():
+    build, note = wrapt_loader.select_build(["cp311-x86_64-glibc2.5"], "cpython", (3, 12), "x86_64", (2, 36))
+    assert build is None and note.endswith("and no pure-Python build")
+
+
+@pytest.mark.parametrize("name, glibc", [
+    ("wrapt-2.5.2-cp311-cp311-manylinux1_x86_64.manylinux_2_28_x86_64.manylinux_2_5_x86_64.whl", (2, 5)),
+    ("wrapt-2.5.2-cp312-cp312-manylinux2014_aarch64.manylinux_2_17_aarch64.manylinux_2_28_aarch64.whl", (2, 17)),
+    ("x-1-cp311-cp311-manylinux_2_34_x86_64.whl", (2, 34)),
+])
+def test_oldest_glibc_of_a_wheel(name, glibc):
+    assert bundle.oldest_glibc(name) == glibc
+
+
+def test_wrapt_version_is_read_from_source_of_1x_and_2x(tmp_path):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "__init__.py").write_text("__version_info__ = ('1', '14', '1')\n")
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "__init__.py").write_text('__version_info__ = ("2", "5", "2")\n')
+    assert wrapt_loader.version_of(str(tmp_path / "old")) == (1, 14, 1)
+    assert wrapt_loader.version_of(str(tmp_path / "new")) == (2, 5, 2)
+    assert wrapt_loader.version_of(str(tmp_path / "none")) is None
+
+
+# -- the bundle ------------------------------------------------------------------------------------
+
+def test_bundle_holds_every_build_pyc_and_a_manifest_that_verifies(built_bundle):
+    manifest = json.loads((built_bundle / "MANIFEST").read_text())
+    expected = {"py3-none-any"} | {"cp%s-%s" % (v.replace(".", ""), m)
+                                   for v in PYTHONS for m in ("x86_64", "aarch64")}
+    assert {"-".join(b.split("-")[:2]) if b != "py3-none-any" else b
+            for b in manifest["wrapt"]["builds"]} == expected
+    assert sorted(manifest["pyc"]) == sorted("cpython-%s" % v for v in PYTHONS)
+    assert manifest["wrapt"]["version"] == bundle.WRAPT_VERSION
+    for version in PYTHONS:
+        tag = "cpython-%s.pyc" % version.replace(".", "")
+        assert (built_bundle / "__pycache__" / ("sitecustomize." + tag)).is_file()
+        assert (built_bundle / "npu_shim" / "__pycache__" / ("_bootstrap." + tag)).is_file()
+    # Top level: only what may shadow nothing in an image.
+    assert sorted(os.listdir(str(built_bundle))) == ["MANIFEST", "SHA256SUMS", "__pycache__",
+                                                     "npu_shim", "sitecustomize.py"]
+    assert bundle.verify(str(built_bundle)) == []
+    sums = subprocess.run(["sha256sum", "--strict", "-c", "SHA256SUMS"], cwd=str(built_bundle),
+                          capture_output=True, text=True)
+    assert sums.returncode == 0, sums.stdout[-2000:]
+    with tarfile.open(str(built_bundle) + ".tar.gz") as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    assert {f["path"] for f in manifest["files"]} <= names
+
+
+def test_bundle_verify_names_a_changed_file(built_bundle, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(str(built_bundle), str(copy))
+    (copy / "npu_shim" / "config.py").write_text("# edited\n")
+    os.remove(str(copy / "sitecustomize.py"))
+    assert sorted(bundle.verify(str(copy))) == ["npu_shim/config.py: changed", "sitecustomize.py: missing"]
+
+
+def test_bundle_refuses_a_non_empty_target_and_leaves_it_alone(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("mine")
+    proc = subprocess.run([sys.executable, "-m", "npu_shim", "bundle", str(out)], cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "exists and is not empty (use --force" in proc.stderr
+    assert os.listdir(str(out)) == ["keep"]
+
+
+@pytest.mark.parametrize("version", PYTHONS)
+def test_read_only_bundle_activates_without_wrapt_on_each_python(version, bare_venvs, built_bundle, tree):
+    """The image has no wrapt; the bundle is mounted read-only, nothing may be written: the patch
+    applies in the process and in a spawned child, with the bundle's C build for this Python."""
+    script = tree / "image" / "spawn_main.py"
+    script.write_text(textwrap.dedent("""
+        import json, multiprocessing as mp, subprocess, sys
+
+        def child(queue):
+            import npu_shim
+            from sglang.srt.utils import get_npu_memory_capacity
+            queue.put([get_npu_memory_capacity(), npu_shim.states()["demo"]["state"]])
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            proc = ctx.Process(target=child, args=(queue,))
+            proc.start()
+            print(json.dumps(queue.get(timeout=120)))
+            proc.join()
+    """))
+    before = snapshot(built_bundle)
+    proc = run(bare_venvs(version), tree, REPORT + "\nimport runpy; runpy.run_path(%r, run_name='__main__')"
+               % str(script), built_bundle, readonly=built_bundle)
+    lines = proc.stdout.strip().splitlines()
+    out, spawned = json.loads(lines[-2]), json.loads(lines[-1])
+    assert out["state"] == "applied" and out["value"] == 1001
+    assert out["origin"]["source"] == "bundle"
+    assert out["origin"]["build"] == "cp%s-x86_64-glibc2.5" % version.replace(".", "")
+    assert out["origin"]["note"] is None and out["c_ext"] is True
+    assert out["app_wrapt"] is None, "the application must not see a wrapt the image lacks"
+    assert spawned == [1001, "applied"]
+    assert snapshot(built_bundle) == before
+
+
+def test_pure_python_fallback_when_the_bundle_has_no_c_build_for_this_python(bare_venvs, built_bundle, tree, tmp_path):
+    copy = tmp_path / "npu-shim"
+    shutil.copytree(str(built_bundle), str(copy))
+    for build in glob.glob(str(copy / "npu_shim" / "_vendor" / "wrapt" / "cp311-*")):
+        shutil.rmtree(build)
+    out = last_json(run(bare_venvs("3.11"), tree, REPORT, copy, readonly=copy))
+    assert out["state"] == "applied" and out["value"] == 1001
+    assert out["origin"]["build"] == "py3-none-any" and out["c_ext"] is False
+    assert out["origin"]["note"].startswith("no C build for cpython 3.11 on x86_64")
+
+
+def _wrapt_layer(tmp_path_factory, version, python="3.11"):
+    """A directory holding wrapt ``version`` built for CPython ``python`` (the image's own wrapt,
+    as its site-packages would hold it)."""
+    target = tmp_path_factory.mktemp("wrapt-" + version)
+    abi = "cp" + python.replace(".", "")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    "--no-deps", "--only-binary=:all:", "--target", str(target),
+                    "--python-version", python, "--implementation", "cp", "--abi", abi,
+                    "--platform", "manylinux1_x86_64", "--platform", "manylinux2014_x86_64",
+                    "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux_2_5_x86_64",
+                    "wrapt==" + version], check=True, capture_output=True, timeout=600)
+    return target
+
+
+def test_image_wrapt_1_14_is_used_when_present(bare_venvs, built_bundle, tree, tmp_path_factory):
+    layer = _wrapt_layer(tmp_path_factory, "1.14.1")
+    out = last_json(run(bare_venvs("3.11"), tree, REPORT, built_bundle, after=[layer],
+                        readonly=built_bundle))
+    assert out["state"] == "applied" and out["value"] == 1001
+    assert out["origin"]["source"] == "image" and out["origin"]["version"] == "1.14.1"
+    assert out["origin"]["path"] == str(layer / "wrapt")
+    assert out["app_wrapt"] == "1.14.1"
+
+
+def test_image_wrapt_older_than_1_14_is_left_to_the_application(bare_venvs, built_bundle, tree,
+                                                                tmp_path_factory):
+    # 1.13.3 has no wheel for 3.11: the image here is a CPython 3.10 one.
+    layer = _wrapt_layer(tmp_path_factory, "1.13.3", python="3.10")
+    out = last_json(run(bare_venvs("3.10"), tree, REPORT, built_bundle, after=[layer],
+                        readonly=built_bundle))
+    assert out["state"] == "applied" and out["value"] == 1001
+    assert out["origin"]["source"] == "bundle" and out["origin"]["version"] == bundle.WRAPT_VERSION
+    assert out["origin"]["build"] == "cp310-x86_64-glibc2.5" and out["c_ext"] is True
+    assert "the image's wrapt 1.13.3 at %s is older than 1.14" % (layer / "wrapt") in out["origin"]["note"]
+    assert out["app_wrapt"] == "1.13.3", "the application still gets the image's own wrapt"

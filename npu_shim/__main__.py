@@ -6,8 +6,9 @@ happened (npu_shim/check.py); ``bundle`` builds the directory to mount into an i
 (npu_shim/bundle.py).
 
 Exit codes: 0 fine; 1 ``bundle`` failed; 2 an environment variable is invalid; 3 strict mode is on
-and a patch would end ``unsupported`` or ``failed``; 4 ``check`` could not run or the shim was not
-active in its process, or a target module failed to import; 64 bad usage.
+and a patch would end ``unsupported`` or ``failed``; 4 ``check`` could not run, the shim was not
+active in its process, a target module failed to import or the bundle's files differ from its
+MANIFEST; 64 bad usage.
 """
 
 import argparse
@@ -140,7 +141,7 @@ def run_check(args):
     if any(error for _value, error in values.values()):
         return EXIT_BAD_ENV
     failed_import = any(v not in ("ok", "absent") for v in report["imports"].values())
-    if not report["shim_active"] or failed_import:
+    if not report["shim_active"] or failed_import or not report["bundle"]["ok"]:
         return EXIT_CHECK_FAILED
     strict = values[config.STRICT.name][0]
     if strict and any(s["state"] in (patching.UNSUPPORTED, patching.FAILED)

@@ -99,11 +99,26 @@ def wrapped_targets(records):
     return found
 
 
+def bundle_facts():
+    """Whether this npu-shim is a bundle and, if so, whether its files still match its MANIFEST."""
+    from npu_shim import bundle
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    problems = bundle.verify(root)
+    if problems is None:
+        return {"is_bundle": False, "ok": True, "text": "not a bundle (%s)" % root}
+    return {"is_bundle": True, "ok": not problems, "problems": problems[:20],
+            "text": "%s: %s" % (root, "files match its MANIFEST" if not problems else
+                                "%d files differ from its MANIFEST: %s" % (len(problems),
+                                                                           "; ".join(problems[:5])))}
+
+
 def sglang_facts():
     from npu_shim.codeview import read_version
 
     path = getattr(sys.modules.get("sglang"), "__file__", None)
-    return {"path": path, "version": read_version(os.path.dirname(path)) if path else None}
+    path = os.path.dirname(path) if path else None
+    return {"path": path, "version": read_version(path) if path else None}
 
 
 def child_main():
@@ -147,6 +162,7 @@ def child_main():
         "wrapped": wrapped_targets(records),
         "wrapt": origin.as_dict(),
         "sglang": sglang_facts(),
+        "bundle": bundle_facts(),
         "zbal": zbal_facts(),
         "npu": npu_facts(),
         "kernel": {"ok": kernel is None, "text": "split_qkv_rmsnorm_rope usable" if kernel is None else kernel},
@@ -183,6 +199,7 @@ def print_report(report):
     sg = report["sglang"]
     out("  sglang: %s\n" % ("%s at %s" % (sg["version"] or "unknown version", sg["path"])
                             if sg["path"] else "not imported"))
+    out("  bundle: %s\n" % report["bundle"]["text"])
     out("  wrapt: %s\n" % report["wrapt"]["text"])
     npu = report["npu"]
     out("  torch %s, torch_npu %s, NPU: %s\n" % (

@@ -321,3 +321,189 @@ def test_image_wrapt_older_than_1_14_is_left_to_the_application(bare_venvs, buil
     assert out["origin"]["build"] == "cp310-x86_64-glibc2.5" and out["c_ext"] is True
     assert "the image's wrapt 1.13.3 at %s is older than 1.14" % (layer / "wrapt") in out["origin"]["note"]
     assert out["app_wrapt"] == "1.13.3", "the application still gets the image's own wrapt"
+
+
+# -- the truth when wrapt is missing ------------------------------------------------------------------
+
+def test_without_wrapt_patches_fail_in_one_line_each_and_sglang_still_imports(bare_venvs, tree):
+    proc = run(bare_venvs("3.11"), tree, REPORT, REPO)
+    out = last_json(proc)
+    assert out["value"] == 1000 and out["state"] == "failed" and out["origin"] is None
+    assert out["reason"].startswith("wrapt is not available: wrapt is not installed in this image, "
+                                    "and this npu-shim is not a bundle")
+    assert "python -m npu_shim bundle DIR" in out["reason"]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("[npu-shim]")]
+    assert lines == ["[npu-shim] demo: failed (%s)" % out["reason"]], proc.stderr
+
+
+def test_without_wrapt_a_feature_asked_for_explicitly_stops_the_process(bare_venvs, tree):
+    proc = run(bare_venvs("3.11"), tree, REPORT, REPO, env={"DEMO_MUST_HONOUR": "1"}, check=False)
+    assert proc.returncode == 1
+    assert ("npu_shim.patching.ShimError: npu-shim: demo was requested but is failed: wrapt is not "
+            "available") in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_status_without_wrapt_says_so_and_shows_no_applied(bare_venvs, tree):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_", "PYTHON"))}
+    full_env["PYTHONPATH"] = os.pathsep.join([REPO, str(tree / "image"), str(tree / "pkgs")])
+    full_env["CHAIN_MARKER"] = str(tree / "marker")
+    proc = subprocess.run([bare_venvs("3.11"), "-m", "npu_shim", "status", "--json"], cwd=str(tree),
+                          env=full_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["wrapt"]["source"] == "missing"
+    assert [(p["name"], p["state"]) for p in info["patches"]] == [("demo", "failed")]
+    assert info["patches"][0]["reason"].startswith("wrapt is not available: ")
+    text = subprocess.run([bare_venvs("3.11"), "-m", "npu_shim", "status"], cwd=str(tree), env=full_env,
+                          capture_output=True, text=True, timeout=60).stdout
+    assert "  wrapt: missing (wrapt is not installed in this image" in text
+    assert "applied" not in text
+
+
+# -- activation reaches every process ------------------------------------------------------------------
+
+CHILDREN_MAIN = """
+import json, multiprocessing as mp, os, subprocess, sys
+
+def child(queue):
+    import npu_shim
+    from sglang.srt.utils import get_npu_memory_capacity
+    queue.put([get_npu_memory_capacity(), npu_shim.states().get("demo", {}).get("state")])
+
+PROBE = ("import json, npu_shim; from sglang.srt.utils import get_npu_memory_capacity; "
+         "print(json.dumps([get_npu_memory_capacity(), npu_shim.states().get('demo', {}).get('state')]))")
+
+if __name__ == "__main__":
+    import npu_shim
+    if not os.environ.get("SKIP_INSTALL"):
+        npu_shim.install()   # in the parent only: the children must get it from the environment
+    results = {}
+    for method in ("spawn", "forkserver"):
+        ctx = mp.get_context(method)
+        queue = ctx.Queue()
+        proc = ctx.Process(target=child, args=(queue,))
+        proc.start()
+        results[method] = queue.get(timeout=120)
+        proc.join()
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
+    results["subprocess"] = json.loads(out.stdout.strip().splitlines()[-1])
+    from sglang.srt.utils import get_npu_memory_capacity
+    results["parent"] = [get_npu_memory_capacity(), npu_shim.states().get("demo", {}).get("state")]
+    print(json.dumps(results))
+"""
+
+
+def _run_children_main(python, tree, first, after=(), env=None):
+    script = tree / "image" / "children_main.py"
+    script.write_text(CHILDREN_MAIN)
+    return last_json(run(python, tree, "import runpy; runpy.run_path(%r, run_name='__main__')" % str(script),
+                         first, after=after, env=env))
+
+
+def test_install_reaches_spawn_forkserver_and_subprocess_children(tree):
+    # The repo is importable but last: its sitecustomize is shadowed, nothing armed the shim at start.
+    out = _run_children_main(sys.executable, tree, None, after=[REPO])
+    patched = [1001, "applied"]
+    assert out == {"spawn": patched, "forkserver": patched, "subprocess": patched, "parent": patched}
+    control = _run_children_main(sys.executable, tree, None, after=[REPO], env={"SKIP_INSTALL": "1"})
+    unpatched = [1000, None]
+    assert control == {"spawn": unpatched, "forkserver": unpatched, "subprocess": unpatched,
+                       "parent": unpatched}
+
+
+def test_reach_children_puts_the_shim_first_without_an_empty_entry():
+    root = REPO
+    environ = {}
+    assert runtime.reach_children(environ) == "PYTHONPATH" and environ["PYTHONPATH"] == root
+    environ = {"PYTHONPATH": "/a::/b:%s" % root}
+    runtime.reach_children(environ)
+    assert environ["PYTHONPATH"] == os.pathsep.join([root, "/a", "/b"])
+    assert runtime.reach_children(environ) is None
+
+
+@pytest.fixture(scope="module")
+def pip_installed(tmp_path_factory):
+    """A venv where npu-shim is pip-installed from a wheel of this checkout (with its wrapt)."""
+    root = tmp_path_factory.mktemp("pipinstall")
+    wheels = root / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", REPO, "-w", str(wheels)],
+                   check=True, capture_output=True, timeout=600, cwd=str(root))
+    venv = root / "venv"
+    subprocess.run([pyenv_python("3.11"), "-m", "venv", str(venv)], check=True, capture_output=True,
+                   timeout=300)
+    python = str(venv / "bin" / "python")
+    wheel = glob.glob(str(wheels / "npu_shim-*.whl"))[0]
+    subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", wheel,
+                    "wrapt==%s" % bundle.WRAPT_VERSION], check=True, capture_output=True, timeout=600)
+    return python
+
+
+def test_pip_install_activates_with_one_variable(pip_installed, tree):
+    site = subprocess.run([pip_installed, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert os.path.isfile(os.path.join(site, runtime.PTH_NAME))
+    on = last_json(run(pip_installed, tree, REPORT, None, env={"NPU_SHIM_ACTIVATE": "1"}))
+    assert on["state"] == "applied" and on["value"] == 1001 and on["origin"]["source"] == "image"
+    off = last_json(run(pip_installed, tree, REPORT, None))
+    assert off["state"] is None and off["value"] == 1000
+
+
+def test_pip_install_then_install_reaches_children(pip_installed, tree):
+    out = _run_children_main(pip_installed, tree, None)
+    patched = [1001, "applied"]
+    assert out == {"spawn": patched, "forkserver": patched, "subprocess": patched, "parent": patched}
+
+
+# -- check: the truth from a real process ------------------------------------------------------------
+
+def _check(python, tree, first, env=None, *args):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_", "PYTHON"))}
+    full_env.update({"PYTHONPATH": os.pathsep.join([str(first), str(tree / "image"), str(tree / "pkgs")]),
+                     "CHAIN_MARKER": str(tree / "marker"), "PYTHONDONTWRITEBYTECODE": "1"})
+    full_env.update(env or {})
+    return subprocess.run([python, "-m", "npu_shim", "check"] + list(args), cwd=str(tree),
+                          env=full_env, capture_output=True, text=True, timeout=120)
+
+
+def test_check_reports_what_happened_in_a_real_process(bare_venvs, built_bundle, tree):
+    proc = _check(bare_venvs("3.11"), tree, built_bundle, None, "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["shim_active"] and report["sitecustomize"] == str(built_bundle / "sitecustomize.py")
+    assert report["states"]["demo"]["state"] == "applied"
+    assert report["wrapped"] == {"sglang.srt.utils.common:get_npu_memory_capacity": True,
+                                 "sglang.srt.utils.common:Scheduler.__init__": True}
+    assert report["wrapt"]["source"] == "bundle" and report["wrapt"]["build"] == "cp311-x86_64-glibc2.5"
+    assert report["bundle"] == {"is_bundle": True, "ok": True, "problems": [],
+                                "text": "%s: files match its MANIFEST" % built_bundle}
+    assert report["sglang"] == {"path": str(tree / "pkgs" / "sglang"), "version": "0.5.9"}
+    assert report["zbal"]["found"] is False and report["kernel"]["ok"] is False
+    assert report["npu"]["npu_available"] is False
+    assert report["seconds"] < 60
+    text = _check(bare_venvs("3.11"), tree, built_bundle).stdout
+    assert "  wrapt: bundle %s [cp311-x86_64-glibc2.5]\n" % bundle.WRAPT_VERSION in text
+    assert "wrapped: sglang.srt.utils.common:get_npu_memory_capacity" in text
+
+
+def test_check_fails_where_the_shim_is_not_active_or_wrapt_is_missing(bare_venvs, tree):
+    proc = _check(bare_venvs("3.11"), tree, REPO, None, "--json")
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 0  # active, but no wrapt: every patch says so, as it would in a server
+    assert report["states"]["demo"]["state"] == "failed" and report["wrapt"]["source"] == "missing"
+    assert report["wrapped"] == {}  # nothing could be wrapped
+    strict = _check(bare_venvs("3.11"), tree, REPO, {"NPU_SHIM_STRICT": "1"})
+    assert strict.returncode == 3
+    off = _check(bare_venvs("3.11"), tree, REPO, {"NPU_SHIM_ENABLED": "0"})
+    assert off.returncode == 4
+    assert "shim active at start-up: NO" in off.stdout
+
+
+def test_check_fails_on_a_bundle_whose_files_changed(bare_venvs, built_bundle, tree, tmp_path):
+    copy = tmp_path / "npu-shim"
+    shutil.copytree(str(built_bundle), str(copy))
+    with open(str(copy / "npu_shim" / "log.py"), "a") as handle:
+        handle.write("\n# edited in place\n")
+    proc = _check(bare_venvs("3.11"), tree, copy)
+    assert proc.returncode == 4
+    assert "1 files differ from its MANIFEST: npu_shim/log.py: changed" in proc.stdout

@@ -78,17 +78,6 @@ def bare_venvs(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="module")
-def built_bundle(tmp_path_factory):
-    """A bundle built by the real command (wrapt wheels from PyPI), once for this module."""
-    out = tmp_path_factory.mktemp("bundle") / "npu-shim"
-    proc = subprocess.run([sys.executable, "-m", "npu_shim", "bundle", str(out)], cwd=REPO,
-                          env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
 @pytest.fixture
 def tree(tmp_path):
     sg = tmp_path / "pkgs" / "sglang"

@@ -65,10 +65,12 @@ def npu_facts():
     torch = sys.modules.get("torch")
     from npu_shim.codeview import find_package_dir
 
-    facts = {"torch_npu": find_package_dir("torch_npu"), "torch": getattr(torch, "__version__", None)}
+    loaded = sys.modules.get("torch_npu")  # sglang imports it on an NPU image
+    facts = {"torch_npu": getattr(loaded, "__file__", None) or find_package_dir("torch_npu"),
+             "torch": getattr(torch, "__version__", None)}
     if facts["torch_npu"]:
-        facts["torch_npu_version"] = _module_version(("torch_npu", "torch-npu"), facts["torch_npu"],
-                                                     "version.py")
+        facts["torch_npu_version"] = getattr(loaded, "__version__", None) or _module_version(
+            ("torch_npu", "torch-npu"), os.path.dirname(facts["torch_npu"]), "version.py")
     npu = getattr(torch, "npu", None)
     try:
         # Counts devices through the driver; no device is set and nothing is allocated.

@@ -496,3 +496,26 @@ def test_check_fails_on_a_bundle_whose_files_changed(bare_venvs, built_bundle, t
     proc = _check(bare_venvs("3.11"), tree, copy)
     assert proc.returncode == 4
     assert "1 files differ from its MANIFEST: npu_shim/log.py: changed" in proc.stdout
+
+
+@pytest.mark.parametrize("how", ["tar -xzf", "cp -r"])
+def test_unpacked_or_copied_bundle_starts_from_its_pyc(how, bare_venvs, built_bundle, tree, tmp_path):
+    """The .pyc are checked-hash: valid after a tar extraction and after a copy that lost every
+    mtime, so no process compiles the shim (and none could write a .pyc on a read-only mount)."""
+    dest = tmp_path / "shim"
+    dest.mkdir()
+    if how == "tar -xzf":
+        subprocess.run(["tar", "-xzf", str(built_bundle) + ".tar.gz", "-C", str(dest)], check=True)
+        root = dest / built_bundle.name
+    else:
+        root = dest / "npu-shim"
+        subprocess.run(["cp", "-r", str(built_bundle), str(root)], check=True)  # new mtimes
+    assert bundle.verify(str(root)) == []
+    proc = run(bare_venvs("3.11"), tree, REPORT, root, env={"PYTHONVERBOSE": "1"}, readonly=root)
+    out = last_json(proc)
+    assert out["state"] == "applied" and out["origin"]["source"] == "bundle" and out["c_ext"]
+    for module in ("sitecustomize", "npu_shim/__init__", "npu_shim/_bootstrap", "npu_shim/runtime"):
+        folder, name = os.path.split(module)
+        pyc = os.path.join(str(root), folder, "__pycache__", name + ".cpython-311.pyc")
+        assert "code object from %r" % pyc in proc.stderr or "code object from '%s'" % pyc in proc.stderr, module
+    assert "matches %s" % os.path.join(str(root), "sitecustomize.py") in proc.stderr

@@ -1,9 +1,18 @@
-"""What runs in every Python process at start-up: arm a watcher for ``import sglang``.
+"""npu-shim bootstrap: what runs in every Python process at start-up -- arm a watcher for
+``import sglang`` and run the image's own ``sitecustomize``.
+
+The repository root's ``sitecustomize.py`` is a symbolic link to this file (a bundle holds a copy),
+so with the shim on ``PYTHONPATH`` Python runs this module itself as ``sitecustomize``: one module
+loaded at start-up instead of three (``sitecustomize``, the package, this module), which halves the
+shim's start-up cost (instructions counted with callgrind: +0.75 M vs +1.6 M on a ~38 M start-up).
+It then registers itself as ``npu_shim._bootstrap`` so ``install()`` and the runtime find the
+same watcher.  A pip install loads it through its ``.pth`` instead (``NPU_SHIM_ACTIVATE=1``).
 
 Only ``sys`` and ``os`` are touched here (both already loaded by the interpreter), so a process
 that never imports sglang pays one meta-path entry and one string comparison per import.  The
-first time sglang is about to be imported the watcher removes itself and hands over to
-``npu_shim.runtime.activate``, which loads wrapt and the patches.
+first time sglang is about to be imported the watcher hands over to
+``npu_shim.runtime.activate``, which loads wrapt and the patches.  Nothing raised at start-up
+reaches the application.
 """
 
 import os
@@ -121,3 +130,21 @@ def chain_next_sitecustomize(our_file):
             sys.modules["sitecustomize"] = own
     sys.modules["npu_shim.chained_sitecustomize"] = module
     return module
+
+
+def _run_as_sitecustomize():
+    """This file executing as ``sitecustomize``: arm, then chain the image's own, never raise."""
+    try:
+        # An earlier activation in this process (a pip install's .pth) owns the watcher.
+        bootstrap = sys.modules.setdefault("npu_shim._bootstrap", sys.modules[__name__])
+        bootstrap.start()
+    except Exception as exc:  # noqa: BLE001 - start-up must never fail because of the shim
+        sys.stderr.write("[npu-shim] shim off: bootstrap failed: %r\n" % (exc,))
+    try:
+        chain_next_sitecustomize(__file__)
+    except Exception as exc:  # noqa: BLE001
+        sys.stderr.write("[npu-shim] could not run the next sitecustomize: %r\n" % (exc,))
+
+
+if __name__ == "sitecustomize":
+    _run_as_sitecustomize()

@@ -514,8 +514,14 @@ def test_unpacked_or_copied_bundle_starts_from_its_pyc(how, bare_venvs, built_bu
     proc = run(bare_venvs("3.11"), tree, REPORT, root, env={"PYTHONVERBOSE": "1"}, readonly=root)
     out = last_json(proc)
     assert out["state"] == "applied" and out["origin"]["source"] == "bundle" and out["c_ext"]
-    for module in ("sitecustomize", "npu_shim/__init__", "npu_shim/_bootstrap", "npu_shim/runtime"):
+    def loaded_from_pyc(module):
         folder, name = os.path.split(module)
         pyc = os.path.join(str(root), folder, "__pycache__", name + ".cpython-311.pyc")
-        assert "code object from %r" % pyc in proc.stderr or "code object from '%s'" % pyc in proc.stderr, module
+        return "code object from '%s'" % pyc in proc.stderr
+
+    for module in ("sitecustomize", "npu_shim/__init__", "npu_shim/runtime", "npu_shim/wrapt_loader"):
+        assert loaded_from_pyc(module), module
     assert "matches %s" % os.path.join(str(root), "sitecustomize.py") in proc.stderr
+    # sitecustomize.py is the bootstrap itself: the file is not loaded a second time by its own name.
+    assert not loaded_from_pyc("npu_shim/_bootstrap")
+    assert "npu_shim/_bootstrap.py" not in proc.stderr

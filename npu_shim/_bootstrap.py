@@ -1,18 +1,12 @@
-"""npu-shim bootstrap: what runs in every Python process at start-up -- arm a watcher for
-``import sglang`` and run the image's own ``sitecustomize``.
+"""npu-shim bootstrap: arm a watcher for ``import sglang`` in every Python process at start-up
+and run the image's own ``sitecustomize``.
 
-The repository root's ``sitecustomize.py`` is a symbolic link to this file (a bundle holds a copy),
-so with the shim on ``PYTHONPATH`` Python runs this module itself as ``sitecustomize``: one module
-loaded at start-up instead of three (``sitecustomize``, the package, this module), which halves the
-shim's start-up cost (instructions counted with callgrind: +0.75 M vs +1.6 M on a ~38 M start-up).
-It then registers itself as ``npu_shim._bootstrap`` so ``install()`` and the runtime find the
-same watcher.  A pip install loads it through its ``.pth`` instead (``NPU_SHIM_ACTIVATE=1``).
-
-Only ``sys`` and ``os`` are touched here (both already loaded by the interpreter), so a process
-that never imports sglang pays one meta-path entry and one string comparison per import.  The
-first time sglang is about to be imported the watcher hands over to
-``npu_shim.runtime.activate``, which loads wrapt and the patches.  Nothing raised at start-up
-reaches the application.
+The repository root's ``sitecustomize.py`` is a symbolic link to this file (a bundle holds a
+copy), so with the shim on ``PYTHONPATH`` this one module is all a process loads at start-up; it
+registers itself as ``npu_shim._bootstrap`` for ``install()`` and the runtime.  A pip install runs
+``start()`` from its ``.pth`` instead.  Every code object here is unmarshalled by every process:
+keep it small (scripts/bench_drop_in.py counts the instructions).  Only ``sys`` and ``os`` are
+touched; the first ``import sglang`` hands over to ``npu_shim.runtime``.
 """
 
 import os
@@ -60,10 +54,6 @@ def master_switch_on():
     return False
 
 
-def is_armed():
-    return _WATCHER in sys.meta_path and not _WATCHER.fired
-
-
 def arm():
     """Install the watcher (idempotent).  Returns False when sglang was already imported."""
     if "sglang" in sys.modules:
@@ -72,11 +62,6 @@ def arm():
     if _WATCHER not in sys.meta_path:
         sys.meta_path.insert(0, _WATCHER)
     return True
-
-
-def disarm():
-    while _WATCHER in sys.meta_path:
-        sys.meta_path.remove(_WATCHER)
 
 
 def start():
@@ -132,19 +117,15 @@ def chain_next_sitecustomize(our_file):
     return module
 
 
-def _run_as_sitecustomize():
-    """This file executing as ``sitecustomize``: arm, then chain the image's own, never raise."""
+# This file executing as ``sitecustomize`` (no function of its own: every code object here is
+# unmarshalled by every process): arm, then chain the image's own; never raise.
+if __name__ == "sitecustomize":
     try:
         # An earlier activation in this process (a pip install's .pth) owns the watcher.
-        bootstrap = sys.modules.setdefault("npu_shim._bootstrap", sys.modules[__name__])
-        bootstrap.start()
+        sys.modules.setdefault("npu_shim._bootstrap", sys.modules[__name__]).start()
     except Exception as exc:  # noqa: BLE001 - start-up must never fail because of the shim
         sys.stderr.write("[npu-shim] shim off: bootstrap failed: %r\n" % (exc,))
     try:
         chain_next_sitecustomize(__file__)
     except Exception as exc:  # noqa: BLE001
         sys.stderr.write("[npu-shim] could not run the next sitecustomize: %r\n" % (exc,))
-
-
-if __name__ == "sitecustomize":
-    _run_as_sitecustomize()

@@ -132,8 +132,9 @@ def child_main():
 
     started = time.monotonic()
     sitecustomize = getattr(sys.modules.get("sitecustomize"), "__file__", None)
-    activated_at_start = _bootstrap.is_armed() or _bootstrap._WATCHER.fired
     from npu_shim import runtime, wrapt_loader
+
+    activated_at_start = runtime.watcher_armed() or _bootstrap._WATCHER.fired
     from npu_shim.patches import load_all
 
     modules, imports = [], {}

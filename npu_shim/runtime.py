@@ -238,12 +238,19 @@ def revert_record(record):
         log.error("%s: reverting its state failed: %r" % (record.patch.name, exc))
 
 
+def watcher_armed():
+    """The start-up watcher is waiting for ``import sglang`` in this process."""
+    from npu_shim import _bootstrap
+
+    return _bootstrap._WATCHER in sys.meta_path and not _bootstrap._WATCHER.fired
+
+
 def install():
     """Arm the shim in this process; patches already imported sglang modules in place."""
     from npu_shim import _bootstrap
 
     with _RT.lock:
-        if _RT.installed or _bootstrap.is_armed():
+        if _RT.installed or watcher_armed():
             return False
         if "sglang" in sys.modules:
             activate()
@@ -293,7 +300,8 @@ def uninstall():
     from npu_shim import _bootstrap
 
     with _RT.lock:
-        _bootstrap.disarm()
+        while _bootstrap._WATCHER in sys.meta_path:
+            sys.meta_path.remove(_bootstrap._WATCHER)
         if _RT.records:
             for record in _RT.records.values():
                 revert_record(record)

@@ -3,6 +3,8 @@
 * start-up of ``python -c pass`` with a bundle on PYTHONPATH and ``PYTHONDONTWRITEBYTECODE=1`` (as
   on a read-only image) vs without the shim, same variable; and, for comparison, the shim's
   sources alone (a copy without any ``__pycache__``), which every process then compiles;
+* the same start-up in instructions executed (``valgrind --tool=callgrind``): deterministic where
+  wall time on a shared machine is not;
 * the ``npu_mla_preprocess`` wrapper's added cost per call with the bundle's C build of wrapt and
   with its pure-Python build, each loaded by the shim's own loader in a fresh process.
 
@@ -70,6 +72,29 @@ def startup_rows(bundle_dir, sources_dir, runs):
     ]
 
 
+def instructions(env):
+    """Instructions ``python -c pass`` executes under callgrind, or None without valgrind."""
+    if not shutil.which("valgrind"):
+        return None
+    proc = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+                           sys.executable, "-c", "pass"], env=env, capture_output=True, text=True,
+                          check=True)
+    return int(proc.stderr.split("Collected :")[1].split()[0])
+
+
+def instruction_rows(bundle_dir):
+    no_write = {"PYTHONDONTWRITEBYTECODE": "1"}
+    base = instructions(dict(clean_env([]), **no_write))
+    what = "start-up of `python -c pass`, read-only bundle vs no shim, in instructions executed"
+    if base is None:
+        return [{"what": what, "how": "", "measured": "not measured: valgrind is not installed",
+                 "target": "<= 1.02x", "ok": None}]
+    shim = instructions(dict(clean_env([bundle_dir]), **no_write))
+    return [{"what": what, "how": "valgrind --tool=callgrind, one run each (deterministic)",
+             "measured": "%.2f M vs %.2f M = %.3fx" % (shim / 1e6, base / 1e6, shim / base),
+             "target": "<= 1.02x", "ok": shim / base <= 1.02}]
+
+
 _WRAPPER_COST = """
 import json, sys
 sys.path[:0] = [{scripts!r}, {repo!r}]
@@ -105,7 +130,8 @@ def wrapper_rows(bundle_dir):
 def rows(runs=30, bundle_dir=None):
     with tempfile.TemporaryDirectory(prefix="npu-shim-bench-") as workdir:
         bundle_dir = bundle_dir or build_bundle(workdir)
-        return startup_rows(bundle_dir, sources_only(workdir), runs) + wrapper_rows(bundle_dir)
+        return (startup_rows(bundle_dir, sources_only(workdir), runs) + instruction_rows(bundle_dir)
+                + wrapper_rows(bundle_dir))
 
 
 def main():

@@ -525,3 +525,28 @@ def test_unpacked_or_copied_bundle_starts_from_its_pyc(how, bare_venvs, built_bu
     # sitecustomize.py is the bootstrap itself: the file is not loaded a second time by its own name.
     assert not loaded_from_pyc("npu_shim/_bootstrap")
     assert "npu_shim/_bootstrap.py" not in proc.stderr
+
+
+# -- the zbal package check uses ----------------------------------------------------------------------
+
+def test_zbal_api_check_accepts_the_real_wheel_and_the_fake_and_names_what_a_package_lacks(tmp_path):
+    import zipfile
+
+    import realsglang
+    from npu_shim.patches import zbal as zbal_patch
+
+    with zipfile.ZipFile(str(realsglang.sglang_envs.ensure_zbal_wheel())) as wheel:
+        wheel.extractall(str(tmp_path / "real"), [n for n in wheel.namelist() if n.startswith("zbal/")])
+    assert zbal_patch.api_problems(str(tmp_path / "real" / "zbal")) == []
+    fake = os.path.join(REPO, "tests", "support", "fake_zbal", "zbal")
+    assert zbal_patch.api_problems(fake) == []
+    broken = tmp_path / "broken"
+    shutil.copytree(fake, str(broken))
+    init = (broken / "__init__.py").read_text().replace("from .zbal_module import mem_get_info\n", "")
+    (broken / "__init__.py").write_text(init)
+    module = (broken / "zbal_module.py").read_text().replace("              ip_port: str = \"\"):", "):")
+    (broken / "zbal_module.py").write_text(module)
+    os.remove(str(broken / "zbal_buffer.py"))
+    assert zbal_patch.api_problems(str(broken)) == [
+        "__init__.py has no mem_get_info", "zbal_buffer.py unreadable (FileNotFoundError)",
+        "zbal_init has no parameter ip_port"]

@@ -19,7 +19,8 @@ import textwrap
 import pytest
 
 from npu_shim import bundle, runtime, wrapt_loader
-from test_bootstrap import DEMO_PATCH, FAKE_COMMON, IMAGE_SITECUSTOMIZE
+from test_bootstrap import DEMO_PATCH
+from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHONS = ("3.9", "3.10", "3.11", "3.12", "3.13")
@@ -79,19 +80,10 @@ def bare_venvs(tmp_path_factory):
 
 
 @pytest.fixture
-def tree(tmp_path):
-    sg = tmp_path / "pkgs" / "sglang"
-    (sg / "srt" / "utils").mkdir(parents=True)
-    (sg / "__init__.py").write_text("")
-    (sg / "version.py").write_text('__version__ = "0.5.9"\n')
-    (sg / "srt" / "__init__.py").write_text("")
-    (sg / "srt" / "utils" / "__init__.py").write_text("from .common import *\n")
-    (sg / "srt" / "utils" / "common.py").write_text(FAKE_COMMON)
-    image = tmp_path / "image"
-    image.mkdir()
-    (image / "sitecustomize.py").write_text(IMAGE_SITECUSTOMIZE)
-    (image / "demo_patch.py").write_text(DEMO_PATCH_MUST_HONOUR)
-    return tmp_path
+def tree(bootstrap_tree):
+    """test_bootstrap's fake sglang tree, its demo patch "explicitly requested" on DEMO_MUST_HONOUR."""
+    (bootstrap_tree / "image" / "demo_patch.py").write_text(DEMO_PATCH_MUST_HONOUR)
+    return bootstrap_tree
 
 
 def snapshot(root):

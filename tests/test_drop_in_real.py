@@ -20,25 +20,7 @@ from test_drop_in import snapshot
 RELEASE = "0.5.11"
 SIZE = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": "12288", "SIMNPU_FREE_MIB": "60000"}
 
-# Imports every module a patch targets, then reports; run with the simulated NPU installed.
-IMPORT_TARGETS = """
-import importlib, json, sys
-import npu_shim
-from npu_shim import wrapt_loader
-from npu_shim.patches import load_all
-for name in sorted({m for p in load_all() for m in p.modules}):
-    try:
-        importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if not (exc.name and name.startswith(exc.name)):
-            raise
-origin = wrapt_loader.loaded_origin()
-report = {"states": {k: v["state"] for k, v in npu_shim.states().items()},
-          "reasons": {k: v["reason"] for k, v in npu_shim.states().items()},
-          "wrappers": sorted(w for v in npu_shim.states().values() for w in v["wrappers"]),
-          "origin": origin.as_dict() if origin else None,
-          "app_wrapt": getattr(sys.modules.get("wrapt"), "__version__", None)}
-"""
+REPORT = "import drop_in_probe, json\nprint(json.dumps(drop_in_probe.report()))\n"
 
 
 def _run(argv, env, code, cwd, readonly=None):
@@ -61,7 +43,7 @@ def _sim(version):
 
 def test_no_wrapt_each_patch_that_would_apply_fails_in_one_line(tmp_path):
     argv, env = realsglang.release_command(RELEASE, wrapt=None)
-    proc = _run(argv, env, _sim(RELEASE) + IMPORT_TARGETS + "print(json.dumps(report))", tmp_path)
+    proc = _run(argv, env, _sim(RELEASE) + REPORT, tmp_path)
     out = _json(proc)
     assert out["states"] == {"zbal": "inactive", "mla_weight_release": "failed",
                              "dual_stream_experts": "upstream"}
@@ -92,46 +74,22 @@ def test_status_without_wrapt_never_says_applied(tmp_path):
     assert info["sglang"]["version"] == RELEASE
 
 
-SPAWN_CHILD = '''
-import json, os
-
-def child(queue):
-    import simnpu
-    simnpu.install(release=os.environ["CHILD_RELEASE"])
-    import importlib
-    import npu_shim
-    from npu_shim import wrapt_loader
-    from npu_shim.patches import load_all
-    for name in sorted({m for p in load_all() for m in p.modules}):
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if not (exc.name and name.startswith(exc.name)):
-                raise
-    queue.put([{k: v["state"] for k, v in npu_shim.states().items()},
-               wrapt_loader.loaded_origin().source])
-'''
-
-
 def test_read_only_bundle_applies_every_applicable_patch_in_parent_and_spawned_child(built_bundle, tmp_path):
-    helper = tmp_path / "helper"
-    helper.mkdir()
-    (helper / "spawn_child.py").write_text(SPAWN_CHILD)
     argv, env = realsglang.release_command(RELEASE, dict(SIZE, CHILD_RELEASE=RELEASE), wrapt=None,
                                            zbal=True, shim_root=built_bundle)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    code = _sim(RELEASE) + IMPORT_TARGETS + textwrap.dedent("""
-        import multiprocessing as mp
-        sys.path.insert(0, %r)
-        import spawn_child
+    code = _sim(RELEASE) + textwrap.dedent("""
+        import json, multiprocessing as mp
+        import drop_in_probe
+        report = drop_in_probe.report()
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
-        proc = ctx.Process(target=spawn_child.child, args=(queue,))
+        proc = ctx.Process(target=drop_in_probe.spawned_child, args=(queue,))
         proc.start()
         report["child"] = queue.get(timeout=300)
         proc.join()
         print(json.dumps(report))
-    """ % str(helper))
+    """)
     before = snapshot(built_bundle)
     out = _json(_run(argv, env, code, tmp_path, readonly=built_bundle))
     applied = {"zbal": "applied", "mla_weight_release": "applied", "dual_stream_experts": "upstream"}
@@ -145,7 +103,7 @@ def test_read_only_bundle_applies_every_applicable_patch_in_parent_and_spawned_c
 
 def test_image_wrapt_1_14_is_the_one_used(tmp_path):
     argv, env = realsglang.release_command(RELEASE, SIZE, wrapt="1.14.1", zbal=True)
-    out = _json(_run(argv, env, _sim(RELEASE) + IMPORT_TARGETS + "print(json.dumps(report))", tmp_path))
+    out = _json(_run(argv, env, _sim(RELEASE) + REPORT, tmp_path))
     assert out["states"] == {"zbal": "applied", "mla_weight_release": "applied",
                              "dual_stream_experts": "upstream"}
     assert out["origin"]["source"] == "image" and out["origin"]["version"] == "1.14.1"

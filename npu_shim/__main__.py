@@ -1,8 +1,14 @@
-"""``python -m npu_shim status|env`` -- what the shim would do in this interpreter, without
-importing sglang (its source is read from disk) or torch.
+"""``python -m npu_shim status|check|env|bundle``.
 
-Exit codes: 0 fine; 2 an environment variable is invalid; 3 strict mode is on and a patch would
-end ``unsupported`` or ``failed``; 64 bad usage.
+``status`` says what the shim would do in this interpreter without importing sglang (its source is
+read from disk), torch or wrapt; ``check`` runs it in a child process and reports what really
+happened (npu_shim/check.py); ``bundle`` builds the directory to mount into an image
+(npu_shim/bundle.py).
+
+Exit codes: 0 fine; 1 ``bundle`` failed; 2 an environment variable is invalid; 3 strict mode is on
+and a patch would end ``unsupported`` or ``failed``; 4 ``check`` could not run, the shim was not
+active in its process, a target module failed to import or the bundle's files differ from its
+MANIFEST; 64 bad usage.
 """
 
 import argparse
@@ -11,21 +17,20 @@ import os
 import sys
 
 import npu_shim
-from npu_shim import config, patching
-from npu_shim.codeview import SourceView
+from npu_shim import config, patching, wrapt_loader
+from npu_shim.codeview import SourceView, find_package_dir
 
+EXIT_BUNDLE_FAILED = 1
 EXIT_BAD_ENV = 2
 EXIT_STRICT = 3
+EXIT_CHECK_FAILED = 4
+EXIT_USAGE = 64
 
 
 def find_sglang():
-    """The sglang package directory on sys.path, found without importing it, or None."""
-    from importlib.machinery import PathFinder
-
-    spec = PathFinder.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return list(spec.submodule_search_locations)[0]
+    """The sglang package directory as ``import sglang`` would find it (editable installs
+    included), without importing it; None when there is none."""
+    return find_package_dir("sglang")
 
 
 def shim_on_path():
@@ -42,9 +47,12 @@ def collect():
     values = config.read_all()
     package_dir = find_sglang()
     view = SourceView(package_dir) if package_dir else None
+    wrapt = wrapt_loader.locate()
     patches = []
     for patch in load_all():
         decision = patching.decide(patch, view)
+        if wrapt.source == "missing":
+            decision = patching.without_wrapt(decision, "wrapt is not available: " + wrapt.note)
         patches.append({
             "name": patch.name, "state": decision.state, "reason": decision.reason,
             "title": patch.title, "upstream": patch.origin(),
@@ -56,6 +64,7 @@ def collect():
         "sitecustomize_active": shim_on_path(),
         "master_switch": enabled if enabled_error is None else False,
         "sglang": {"path": package_dir, "version": view.version if view else None},
+        "wrapt": wrapt.as_dict(),
         "patches": patches,
         "env": [
             {"name": var.name, "set": var.is_set(), "value": values[var.name][0],
@@ -75,6 +84,7 @@ def print_status(info):
     sg = info["sglang"]
     out("  sglang: %s\n" % ("%s at %s" % (sg["version"] or "unknown version", sg["path"])
                             if sg["path"] else "not found on sys.path"))
+    out("  wrapt: %s\n" % info["wrapt"]["text"])
     out("  NPU: checked when sglang is imported (this command imports neither sglang nor torch)\n\n")
     out("  %-20s %-12s %s\n" % ("patch", "state", "reason"))
     for patch in info["patches"]:
@@ -102,19 +112,76 @@ def exit_code(info):
     return 0
 
 
+def run_bundle(args):
+    from npu_shim import bundle
+
+    try:
+        bundle.build(args.out_dir, args.python, args.wrapt_version or bundle.WRAPT_VERSION,
+                     machines=tuple(args.platform) or bundle.MACHINES, force=args.force,
+                     log=lambda line: sys.stderr.write("npu-shim bundle: %s\n" % line))
+    except bundle.BundleError as exc:
+        sys.stderr.write("npu-shim bundle: error: %s\n" % exc)
+        return EXIT_BUNDLE_FAILED
+    return 0
+
+
+def run_check(args):
+    from npu_shim import check
+
+    report, error = check.run_child()
+    if report is None:
+        sys.stderr.write("npu-shim check: %s\n" % error)
+        return EXIT_CHECK_FAILED
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        check.print_report(report)
+    values = config.read_all()
+    if any(error for _value, error in values.values()):
+        return EXIT_BAD_ENV
+    if not report["shim_active"]:
+        return EXIT_CHECK_FAILED
+    strict = values[config.STRICT.name][0]
+    if strict and any(s["state"] in (patching.UNSUPPORTED, patching.FAILED)
+                      for s in report["states"].values()):
+        return EXIT_STRICT  # a server would stop at import, as the check process did
+    failed_import = any(v not in ("ok", "absent") for v in report["imports"].values())
+    if failed_import or not report["bundle"]["ok"]:
+        return EXIT_CHECK_FAILED
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m npu_shim", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="what the shim would do here, per patch and variable")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    check = sub.add_parser("check", help="run the shim in a child process as a server would, "
+                                         "import sglang's target modules and report what happened")
+    check.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("env", help="list the environment variables with their docs")
+    bundle = sub.add_parser("bundle", help="build a self-contained directory (shim + wrapt builds + "
+                                           ".pyc) to mount into an image, and OUT_DIR.tar.gz")
+    bundle.add_argument("out_dir", metavar="OUT_DIR")
+    bundle.add_argument("--python", action="append", default=[], metavar="PATH",
+                        help="interpreter to compile .pyc with (repeatable; default: this one "
+                             "and every python3.9 .. python3.13 on PATH)")
+    bundle.add_argument("--platform", action="append", default=[], choices=("x86_64", "aarch64"),
+                        help="machines to bundle wrapt C builds for (default: both)")
+    bundle.add_argument("--wrapt-version", default=None, help="wrapt release to bundle")
+    bundle.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
-        return 64 if exc.code else 0
+        return EXIT_USAGE if exc.code else 0
     if args.command == "env":
         print_env()
         return 0
+    if args.command == "bundle":
+        return run_bundle(args)
+    if args.command == "check":
+        return run_check(args)
     info = collect()
     if args.json:
         json.dump(info, sys.stdout, indent=2, default=str)

@@ -1,9 +1,12 @@
-"""What runs in every Python process at start-up: arm a watcher for ``import sglang``.
+"""npu-shim bootstrap: arm a watcher for ``import sglang`` in every Python process at start-up
+and run the image's own ``sitecustomize``.
 
-Only ``sys`` and ``os`` are touched here (both already loaded by the interpreter), so a process
-that never imports sglang pays one meta-path entry and one string comparison per import.  The
-first time sglang is about to be imported the watcher removes itself and hands over to
-``npu_shim.runtime.activate``, which loads wrapt and the patches.
+The repository root's ``sitecustomize.py`` is a symbolic link to this file (a bundle holds a
+copy), so with the shim on ``PYTHONPATH`` this one module is all a process loads at start-up; it
+registers itself as ``npu_shim._bootstrap`` for ``install()`` and the runtime.  A pip install runs
+``start()`` from its ``.pth`` instead.  Every code object here is unmarshalled by every process:
+keep it small (scripts/bench_drop_in.py counts the instructions).  Only ``sys`` and ``os`` are
+touched; the first ``import sglang`` hands over to ``npu_shim.runtime``.
 """
 
 import os
@@ -51,10 +54,6 @@ def master_switch_on():
     return False
 
 
-def is_armed():
-    return _WATCHER in sys.meta_path and not _WATCHER.fired
-
-
 def arm():
     """Install the watcher (idempotent).  Returns False when sglang was already imported."""
     if "sglang" in sys.modules:
@@ -63,11 +62,6 @@ def arm():
     if _WATCHER not in sys.meta_path:
         sys.meta_path.insert(0, _WATCHER)
     return True
-
-
-def disarm():
-    while _WATCHER in sys.meta_path:
-        sys.meta_path.remove(_WATCHER)
 
 
 def start():
@@ -92,8 +86,9 @@ def chain_next_sitecustomize(our_file):
     kept in ``sys.modules`` as ``npu_shim.chained_sitecustomize``; errors in it are reported the way
     ``site.py`` reports them and go no further.
     """
-    from importlib.machinery import PathFinder
-
+    # The import system's own PathFinder and module_from_spec: importing importlib for them
+    # would cost every process ~0.4 ms.
+    path_finder = next(f for f in sys.meta_path if getattr(f, "__name__", None) == "PathFinder")
     ours = os.path.dirname(our_file)
     keys = sys.path
     if ours not in keys:  # normally a string match: site.py stores PYTHONPATH entries as abspath
@@ -103,12 +98,10 @@ def chain_next_sitecustomize(our_file):
         return None
     start = keys.index(ours) + 1
     after = [entry for entry, key in zip(sys.path[start:], keys[start:]) if key != ours]
-    spec = PathFinder.find_spec("sitecustomize", after)
+    spec = path_finder.find_spec("sitecustomize", after)
     if spec is None or spec.loader is None:
         return None
-    import importlib.util
-
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules["_frozen_importlib"].module_from_spec(spec)
     own = sys.modules.get("sitecustomize")
     sys.modules["sitecustomize"] = module
     try:
@@ -122,3 +115,17 @@ def chain_next_sitecustomize(our_file):
             sys.modules["sitecustomize"] = own
     sys.modules["npu_shim.chained_sitecustomize"] = module
     return module
+
+
+# This file executing as ``sitecustomize`` (no function of its own: every code object here is
+# unmarshalled by every process): arm, then chain the image's own; never raise.
+if __name__ == "sitecustomize":
+    try:
+        # An earlier activation in this process (a pip install's .pth) owns the watcher.
+        sys.modules.setdefault("npu_shim._bootstrap", sys.modules[__name__]).start()
+    except Exception as exc:  # noqa: BLE001 - start-up must never fail because of the shim
+        sys.stderr.write("[npu-shim] shim off: bootstrap failed: %r\n" % (exc,))
+    try:
+        chain_next_sitecustomize(__file__)
+    except Exception as exc:  # noqa: BLE001
+        sys.stderr.write("[npu-shim] could not run the next sitecustomize: %r\n" % (exc,))

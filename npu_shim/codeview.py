@@ -170,6 +170,33 @@ class SourceView:
         return qualname in module.functions or qualname in module.globals
 
 
+def find_package_dir(name):
+    """The directory of top-level package ``name`` as ``import`` would find it, without importing.
+
+    Every meta-path finder is asked in turn, so editable installs (setuptools' meta-path finder)
+    are found as well as plain ``sys.path`` entries; the shim's own import watcher is skipped,
+    since asking it about sglang would activate the shim."""
+    import sys
+
+    from npu_shim._bootstrap import SglangImportWatcher
+
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__path__", None):
+        return list(module.__path__)[0]
+    for finder in sys.meta_path:
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None or isinstance(finder, SglangImportWatcher):
+            continue
+        try:
+            spec = find_spec(name, None)
+        except Exception:  # noqa: BLE001 - a broken finder must not break the shim
+            continue
+        if spec is not None:
+            locations = list(spec.submodule_search_locations or ())
+            return locations[0] if locations else None
+    return None
+
+
 _VERSION = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?["']([^"']+)["']""", re.M)
 
 

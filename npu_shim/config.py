@@ -92,6 +92,9 @@ def _bool(name, default, doc):
 
 # -- the shim's own switches -------------------------------------------------------------------
 ENABLED = _bool("NPU_SHIM_ENABLED", True, "Master switch: 0 leaves sglang untouched in every process.")
+ACTIVATE = _bool(
+    "NPU_SHIM_ACTIVATE", False,
+    "pip-installed npu-shim only: 1 activates it in every Python process (its .pth reads this).")
 STRICT = _bool(
     "NPU_SHIM_STRICT", False,
     "Raise instead of logging when a patch cannot be applied (for CI of a user's image).")
@@ -122,7 +125,7 @@ NPU_USE_MULTI_STREAM = _bool(
     "Run GLM-4.x shared experts on a side stream during extend/verify (upstream name and meaning).")
 
 ALL = (
-    ENABLED, STRICT, LOG_LEVEL, ZBAL, MLA_WEIGHT_RELEASE, MLA_RELEASE_FORCE, DUAL_STREAM,
+    ENABLED, ACTIVATE, STRICT, LOG_LEVEL, ZBAL, MLA_WEIGHT_RELEASE, MLA_RELEASE_FORCE, DUAL_STREAM,
     ZBAL_LOCAL_MEM_SIZE, ZBAL_BOOTSTRAP_URL, NPU_USE_MULTI_STREAM,
 )
 BY_NAME = {var.name: var for var in ALL}

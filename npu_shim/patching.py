@@ -142,8 +142,9 @@ class Wrap:
             problem = self._fingerprint_problem(fingerprint, "loaded")
             if problem:
                 raise LookupError(problem)
-        import wrapt
+        from npu_shim import wrapt_loader
 
+        wrapt = wrapt_loader.load()
         return Change(owner, attr, original, wrapt.FunctionWrapper(original, self.wrapper))
 
 
@@ -277,6 +278,14 @@ def decide(patch, view, environ=None, on_npu=None, assume_triggered=False):
         return Decision(UNSUPPORTED, "; ".join(problems))
     reason = patch.origin() + (" (%s)" % "; ".join(ctx.notes) if ctx.notes else "")
     return Decision(APPLIED, reason, targets)
+
+
+def without_wrapt(decision, reason):
+    """A patch that would apply cannot where wrapt is missing: it is ``failed`` with the reason."""
+    if decision.state != APPLIED:
+        return decision
+    return Decision(FAILED, "%s (use an npu-shim bundle: 'python -m npu_shim bundle DIR', or "
+                            "install wrapt>=1.14 in the image)" % reason)
 
 
 def bind_arguments(params, args, kwargs):

@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 
-from npu_shim import config, log, patching
+from npu_shim import config, log, patching, wrapt_loader
 from npu_shim.patching import APPLIED, FAILED, UNSUPPORTED, ShimError
 
 
@@ -97,7 +97,12 @@ def activate():
         for patch in _RT.patches:
             modules += [m for m in patch.modules if m not in modules]
         _RT.late_modules = {m for m in modules if m in sys.modules}
-        import wrapt
+        try:
+            wrapt = wrapt_loader.load()
+        except Exception as exc:  # noqa: BLE001 - WraptUnavailable, or a bundled build that broke
+            fail_without_wrapt(str(exc) if isinstance(exc, wrapt_loader.WraptUnavailable)
+                               else "wrapt could not be loaded: %r" % (exc,))
+            return
 
     for name in modules:
         # Fires at once for a module that is already imported (install() after sglang).
@@ -142,21 +147,41 @@ def running_on_npu():
         return False
 
 
-def decide_all():
-    _RT.view = sglang_view()
-    on_npu = running_on_npu()
+def decide_all(view=None, on_npu=None, missing_wrapt=None):
+    """Decide every patch, log one line each and enforce ``must_honour``/strict mode.
+
+    In the hooks sglang is imported and torch loaded, so the NPU is known.  Without wrapt the
+    decision is made when ``import sglang`` starts (nothing else can run later): every patch that
+    would apply is ``failed`` with the reason."""
+    if missing_wrapt is None:
+        view, on_npu = sglang_view(), running_on_npu()
+    _RT.view = view
     records = {}
     for patch in _RT.patches:
         try:
-            decision = patching.decide(patch, _RT.view, on_npu=on_npu)
+            decision = patching.decide(patch, view, on_npu=on_npu)
         except Exception as exc:  # noqa: BLE001
             decision = patching.Decision(FAILED, "deciding raised %r" % (exc,))
+        if missing_wrapt is not None:
+            decision = patching.without_wrapt(decision, missing_wrapt)
         records[patch.name] = PatchRecord(patch, decision)
     _RT.records = records
     for record in records.values():
         report(record)
     for record in records.values():
         enforce(record)
+
+
+def fail_without_wrapt(reason):
+    """No wrapt: nothing can be wrapped, so say per patch what does not happen (and stop the
+    process where the user explicitly asked for a feature, as for any other failure)."""
+    from npu_shim.codeview import SourceView, find_package_dir
+
+    package_dir = find_package_dir("sglang")
+    view = SourceView(package_dir) if package_dir else None
+    # torch is usually not imported yet at ``import sglang``: the NPU is then unknown (None).
+    on_npu = running_on_npu() if "torch" in sys.modules else None
+    decide_all(view, on_npu, missing_wrapt=reason)
 
 
 def report(record):
@@ -213,18 +238,61 @@ def revert_record(record):
         log.error("%s: reverting its state failed: %r" % (record.patch.name, exc))
 
 
+def watcher_armed():
+    """The start-up watcher is waiting for ``import sglang`` in this process."""
+    from npu_shim import _bootstrap
+
+    return _bootstrap._WATCHER in sys.meta_path and not _bootstrap._WATCHER.fired
+
+
 def install():
     """Arm the shim in this process; patches already imported sglang modules in place."""
     from npu_shim import _bootstrap
 
     with _RT.lock:
-        if _RT.installed or _bootstrap.is_armed():
+        if _RT.installed or watcher_armed():
             return False
         if "sglang" in sys.modules:
             activate()
         else:
             _bootstrap.arm()
+    reach_children()
     return True
+
+
+def reach_children(environ=None):
+    """Make Python processes started from here (multiprocessing spawn/forkserver, ``subprocess``
+    running Python) activate the shim as this one did: they inherit the environment, so the shim's
+    directory goes first on PYTHONPATH (its ``sitecustomize.py``), or, for a pip install, its
+    ``.pth`` is told to activate.  Returns the variable set, or None (already so, or impossible)."""
+    environ = os.environ if environ is None else environ
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if _bootstrap_file_is_ours(os.path.join(root, "sitecustomize.py")):
+        entries = [e for e in environ.get("PYTHONPATH", "").split(os.pathsep) if e]
+        if entries[:1] == [root]:
+            return None
+        # First, so no other sitecustomize shadows ours; never an empty entry (that is the cwd).
+        environ["PYTHONPATH"] = os.pathsep.join([root] + [e for e in entries if e != root])
+        return "PYTHONPATH"
+    if os.path.isfile(os.path.join(root, PTH_NAME)):
+        if environ.get(config.ACTIVATE.name) == "1":
+            return None
+        environ[config.ACTIVATE.name] = "1"
+        return config.ACTIVATE.name
+    log.warning("install(): child processes will not be patched: %s has neither npu-shim's "
+                "sitecustomize.py nor its %s" % (root, PTH_NAME))
+    return None
+
+
+PTH_NAME = "npu_shim-activate.pth"
+
+
+def _bootstrap_file_is_ours(path):
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return "npu-shim bootstrap" in handle.read(200)
+    except OSError:
+        return False
 
 
 def uninstall():
@@ -232,7 +300,8 @@ def uninstall():
     from npu_shim import _bootstrap
 
     with _RT.lock:
-        _bootstrap.disarm()
+        while _bootstrap._WATCHER in sys.meta_path:
+            sys.meta_path.remove(_bootstrap._WATCHER)
         if _RT.records:
             for record in _RT.records.values():
                 revert_record(record)

@@ -27,12 +27,14 @@ def machine():
 
 
 def collect(quick):
+    import bench_drop_in
     import bench_dual_stream
     import bench_mla_release
     import bench_shim_cost
 
     sources = [
         ("bench_shim_cost", lambda: bench_shim_cost.rows(*((20, 3) if quick else (30, 7)))),
+        ("bench_drop_in", lambda: bench_drop_in.rows(20 if quick else 40)),
         ("bench_mla_release", bench_mla_release.rows),
         ("bench_dual_stream", bench_dual_stream.rows),
     ]

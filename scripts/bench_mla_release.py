@@ -130,10 +130,13 @@ def _per_call_ns(fn, args, calls):
     return (time.perf_counter_ns() - start) / calls
 
 
-def hot_path_ns(calls=200000, rounds=9):
-    """(median ns/call unwrapped, wrapped) for a layer already seen (alternating rounds)."""
+def hot_path_ns(calls=200000, rounds=9, wrapt=None):
+    """(median ns/call unwrapped, wrapped) for a layer already seen (alternating rounds);
+    ``wrapt``: the wrapt module to wrap with (default: ``import wrapt``)."""
     import torch
-    import wrapt
+
+    if wrapt is None:
+        import wrapt
 
     from npu_shim.patches import mla_weight_release as R
 

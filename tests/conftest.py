@@ -63,3 +63,27 @@ def fake_zbal(sim):
 
     assert getattr(zbal, "FAKE", None) is not None, f"'import zbal' did not give the fake: {zbal!r}"
     return zbal
+
+
+@pytest.fixture(scope="session")
+def built_bundle(tmp_path_factory):
+    """A bundle built once per test run by the real command (``python -m npu_shim bundle``, wrapt
+    wheels from PyPI), shared by the xdist workers (their base temp dirs are siblings)."""
+    import fcntl
+    import os
+    import subprocess
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    out = shared / "npu-shim-bundle" / "npu-shim"
+    repo = str(Path(__file__).resolve().parent.parent)
+    with open(str(shared / "npu-shim-bundle.lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "MANIFEST").is_file():
+            proc = subprocess.run([sys.executable, "-m", "npu_shim", "bundle", str(out), "--force"],
+                                  cwd=repo, env=dict(os.environ, PYTHONPATH=repo),
+                                  capture_output=True, text=True, timeout=900)
+            if proc.returncode != 0:
+                pytest.fail("python -m npu_shim bundle failed:\n%s" % proc.stderr[-3000:], pytrace=False)
+    return out

@@ -158,6 +158,48 @@ def require_zbal():
         raise ZbalError(missing_message())
 
 
+# The Python API of memfabric-zbal this patch calls (identical in 1.1.2 and 1.2.0): names
+# ``zbal/__init__.py`` must provide, and the keyword arguments given to ``zbal_init``.
+ZBAL_API_NAMES = {"__init__.py": ("zbal_init", "switch_to_allocator", "is_mix_alloc", "mem_get_info",
+                                  "Config"),
+                  "zbal_buffer.py": ("Buffer",)}
+ZBAL_INIT_KWARGS = ("world_size", "device_id", "rank_id", "device_mem_size", "ip_port")
+
+
+def api_problems(package_dir):
+    """What the zbal package at ``package_dir`` lacks of ZBAL_API_NAMES / ZBAL_INIT_KWARGS, read
+    from its source files (never imported: that loads the native library); [] when complete."""
+    import ast
+    import os
+
+    def parse(name):
+        with open(os.path.join(package_dir, name), "rb") as handle:
+            return ast.parse(handle.read())
+
+    problems = []
+    for filename, names in ZBAL_API_NAMES.items():
+        try:
+            tree = parse(filename)
+        except (OSError, SyntaxError, ValueError) as exc:
+            problems.append("%s unreadable (%s)" % (filename, exc.__class__.__name__))
+            continue
+        defined = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+        problems += ["%s has no %s" % (filename, n) for n in names if n not in defined]
+    try:
+        init = next(node for node in parse("zbal_module.py").body
+                    if isinstance(node, ast.FunctionDef) and node.name == "zbal_init")
+        params = {a.arg for a in init.args.args + init.args.kwonlyargs}
+        problems += ["zbal_init has no parameter %s" % p for p in ZBAL_INIT_KWARGS if p not in params]
+    except (OSError, SyntaxError, ValueError, StopIteration):
+        problems.append("zbal_module.py defines no readable zbal_init")
+    return problems
+
+
 def zbal_module():
     """The imported zbal package; ZbalError (naming the package and variable) if it cannot load."""
     try:

@@ -1,0 +1,227 @@
+"""``python -m npu_shim check``: what the shim really does in this image, from a real process.
+
+``status`` predicts from sglang's source; ``check`` starts a child interpreter with this
+environment -- so the shim activates in it exactly as in a server process (``sitecustomize`` on
+``PYTHONPATH``, or the ``.pth`` of a pip install) -- imports every sglang module a patch targets,
+and reports what happened there: each patch's state and reason, the targets really wrapped,
+where wrapt came from, the zbal package and its Python API, torch_npu and the NPU, and
+``sgl_kernel_npu``'s ``split_qkv_rmsnorm_rope``.  Nothing initialises the device or zbal: the
+child imports modules and reads files; no tensor is allocated and no zbal call is made.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+CHILD_TIMEOUT_S = 300
+_MARK = "npu-shim-check:"
+
+
+def _trim(text, limit=300):
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# -- in the child ---------------------------------------------------------------------------------
+
+def _module_version(dist_names, package_dir, version_file):
+    from importlib import metadata
+
+    for name in dist_names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    import re
+
+    try:
+        with open(os.path.join(package_dir, version_file), encoding="utf-8") as handle:
+            match = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", handle.read(), re.M)
+        return match.group(1) if match else None
+    except OSError:
+        return None
+
+
+def zbal_facts():
+    """The zbal package the shim would use, read from its files (never imported: importing loads
+    the native library, which needs CANN), and whether it has the Python API the shim calls."""
+    from npu_shim.codeview import find_package_dir
+    from npu_shim.patches import zbal as zbal_patch
+
+    package_dir = find_package_dir("zbal")
+    if package_dir is None:
+        return {"found": False, "text": "not installed (needed only with SGLANG_ZBAL_LOCAL_MEM_SIZE)"}
+    version = _module_version(("memfabric-zbal", "memfabric_zbal"), package_dir, "zbal_module.py")
+    missing = zbal_patch.api_problems(package_dir)
+    text = "%s at %s: %s" % (version or "unknown version", package_dir,
+                             "API as memfabric-zbal 1.1.2/1.2.0" if not missing else
+                             "API differs: " + "; ".join(missing))
+    return {"found": True, "version": version, "path": package_dir, "api_ok": not missing,
+            "api_problems": missing, "text": text}
+
+
+def npu_facts():
+    torch = sys.modules.get("torch")
+    from npu_shim.codeview import find_package_dir
+
+    loaded = sys.modules.get("torch_npu")  # sglang imports it on an NPU image
+    facts = {"torch_npu": getattr(loaded, "__file__", None) or find_package_dir("torch_npu"),
+             "torch": getattr(torch, "__version__", None)}
+    if facts["torch_npu"]:
+        facts["torch_npu_version"] = getattr(loaded, "__version__", None) or _module_version(
+            ("torch_npu", "torch-npu"), os.path.dirname(facts["torch_npu"]), "version.py")
+    npu = getattr(torch, "npu", None)
+    try:
+        # Counts devices through the driver; no device is set and nothing is allocated.
+        facts["npu_available"] = bool(npu is not None and npu.is_available())
+        facts["npu_count"] = int(npu.device_count()) if facts["npu_available"] else 0
+    except Exception as exc:  # noqa: BLE001
+        facts["npu_available"], facts["npu_error"] = False, _trim(repr(exc))
+    return facts
+
+
+def wrapped_targets(records):
+    """{target: True/False}: whether the live attribute really is the shim's wrapper."""
+    from npu_shim import patching, wrapt_loader
+
+    origin = wrapt_loader.loaded_origin()
+    wrapper_type = wrapt_loader.load().FunctionWrapper if origin else None
+    found = {}
+    for record in records:
+        for target in record.targets:
+            if not isinstance(target, patching.Wrap):
+                continue
+            module = sys.modules.get(target.module)
+            try:
+                _owner, _attr, live = patching.resolve(module, target.qualname)
+            except AttributeError:
+                live = None
+            found[target.describe()] = bool(wrapper_type and isinstance(live, wrapper_type))
+    return found
+
+
+def bundle_facts():
+    """Whether this npu-shim is a bundle and, if so, whether its files still match its MANIFEST."""
+    from npu_shim import bundle
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    problems = bundle.verify(root)
+    if problems is None:
+        return {"is_bundle": False, "ok": True, "text": "not a bundle (%s)" % root}
+    return {"is_bundle": True, "ok": not problems, "problems": problems[:20],
+            "text": "%s: %s" % (root, "files match its MANIFEST" if not problems else
+                                "%d files differ from its MANIFEST: %s" % (len(problems),
+                                                                           "; ".join(problems[:5])))}
+
+
+def sglang_facts():
+    from npu_shim.codeview import read_version
+
+    path = getattr(sys.modules.get("sglang"), "__file__", None)
+    path = os.path.dirname(path) if path else None
+    return {"path": path, "version": read_version(path) if path else None}
+
+
+def child_main():
+    """Runs in the child: import every target module, then print one JSON line."""
+    import importlib
+    import time
+
+    from npu_shim import _bootstrap
+
+    started = time.monotonic()
+    sitecustomize = getattr(sys.modules.get("sitecustomize"), "__file__", None)
+    from npu_shim import runtime, wrapt_loader
+
+    activated_at_start = runtime.watcher_armed() or _bootstrap._WATCHER.fired
+    from npu_shim.patches import load_all
+
+    modules, imports = [], {}
+    for patch in load_all():
+        modules += [m for m in patch.modules if m not in modules]
+    for name in modules:
+        try:
+            importlib.import_module(name)
+            imports[name] = "ok"
+        except ModuleNotFoundError as exc:
+            # Some targets live in modules a given release does not have (the patch says so).
+            imports[name] = "absent" if exc.name and name.startswith(exc.name) else _trim(repr(exc))
+        except BaseException as exc:  # noqa: BLE001 - ShimError included: report, don't die
+            imports[name] = _trim("%s: %s" % (type(exc).__name__, exc))
+    records = list((runtime._RT.records or {}).values())
+    origin = wrapt_loader.loaded_origin() or wrapt_loader.locate()
+    from npu_shim.patches import dual_stream_experts
+
+    kernel = dual_stream_experts.kernel_problem()
+    report = {
+        "pid": os.getpid(),
+        "python": "%d.%d.%d" % sys.version_info[:3],
+        "executable": sys.executable,
+        "sitecustomize": sitecustomize,
+        "shim_active": bool(activated_at_start),
+        "imports": imports,
+        "states": runtime.states(),
+        "wrapped": wrapped_targets(records),
+        "wrapt": origin.as_dict(),
+        "sglang": sglang_facts(),
+        "bundle": bundle_facts(),
+        "zbal": zbal_facts(),
+        "npu": npu_facts(),
+        "kernel": {"ok": kernel is None, "text": "split_qkv_rmsnorm_rope usable" if kernel is None else kernel},
+        "seconds": round(time.monotonic() - started, 2),
+    }
+    sys.stdout.write("\n" + _MARK + json.dumps(report, default=str) + "\n")
+    sys.stdout.flush()
+
+
+# -- in the parent --------------------------------------------------------------------------------
+
+def run_child(timeout=CHILD_TIMEOUT_S):
+    """(report dict or None, error text or None) from a child with this process's environment."""
+    code = "from npu_shim import check; check.child_main()"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, "the check process did not finish in %ds" % timeout
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(_MARK):
+            return json.loads(line[len(_MARK):]), None
+    tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+    return None, "the check process exited %d without a report:\n%s" % (proc.returncode, tail)
+
+
+def print_report(report):
+    out = sys.stdout.write
+    out("npu-shim check: a child process (pid %d, Python %s) imported sglang's target modules\n"
+        % (report["pid"], report["python"]))
+    out("  shim active at start-up: %s\n" % (
+        "yes (%s)" % report["sitecustomize"] if report["shim_active"] else
+        "NO: npu-shim's sitecustomize did not arm it (PYTHONPATH / NPU_SHIM_ENABLED)"))
+    sg = report["sglang"]
+    out("  sglang: %s\n" % ("%s at %s" % (sg["version"] or "unknown version", sg["path"])
+                            if sg["path"] else "not imported"))
+    out("  bundle: %s\n" % report["bundle"]["text"])
+    out("  wrapt: %s\n" % report["wrapt"]["text"])
+    npu = report["npu"]
+    out("  torch %s, torch_npu %s, NPU: %s\n" % (
+        npu["torch"] or "not imported",
+        (npu.get("torch_npu_version") or "?") if npu["torch_npu"] else "not installed",
+        "%d visible" % npu["npu_count"] if npu["npu_available"] else
+        "none visible" + (" (%s)" % npu["npu_error"] if npu.get("npu_error") else "")))
+    out("  zbal: %s\n" % report["zbal"]["text"])
+    out("  sgl_kernel_npu: %s\n" % report["kernel"]["text"])
+    bad = {k: v for k, v in report["imports"].items() if v not in ("ok", "absent")}
+    for name, error in sorted(bad.items()):
+        out("  import %s FAILED: %s\n" % (name, error))
+    out("\n  %-20s %-12s %s\n" % ("patch", "state", "reason"))
+    for name, state in report["states"].items():
+        out("  %-20s %-12s %s\n" % (name, state["state"], state["reason"]))
+        for target, applied in sorted(state["targets"].items()):
+            if applied:
+                out("  %-20s %-12s %s %s\n" % ("", "", "wrapped:" if report["wrapped"].get(target)
+                                               else "set:", target))
+    if not report["states"]:
+        out("  (no patch was decided: sglang's target modules were not imported with the shim on)\n")
+    out("\n  %.1f s in the child\n" % report["seconds"])

@@ -1,0 +1,147 @@
+"""The drop-in bundle's cost, measured side by side in one run (alternating runs, medians).
+
+* start-up of ``python -c pass`` with a bundle on PYTHONPATH and ``PYTHONDONTWRITEBYTECODE=1`` (as
+  on a read-only image) vs without the shim, same variable; and, for comparison, the shim's
+  sources alone (a copy without any ``__pycache__``), which every process then compiles;
+* the same start-up in instructions executed (``valgrind --tool=callgrind``): deterministic where
+  wall time on a shared machine is not;
+* the ``npu_mla_preprocess`` wrapper's added cost per call with the bundle's C build of wrapt and
+  with its pure-Python build, each loaded by the shim's own loader in a fresh process.
+
+Usage: python scripts/bench_drop_in.py [--bundle DIR] [--runs N]   (builds a bundle when none is
+given: wrapt wheels from PyPI through pip)
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(REPO, "scripts")
+sys.path.insert(0, SCRIPTS)
+sys.path.insert(0, REPO)
+
+from bench_shim_cost import alternate, clean_env  # noqa: E402
+
+
+def build_bundle(workdir):
+    from npu_shim import bundle
+
+    out = os.path.join(workdir, "npu-shim")
+    bundle.build(out, log=lambda line: None)
+    return out
+
+
+def sources_only(workdir):
+    """sitecustomize.py and npu_shim/*.py without any .pyc: what a read-only checkout holds."""
+    out = os.path.join(workdir, "sources")
+    os.makedirs(out)
+    shutil.copy2(os.path.join(REPO, "sitecustomize.py"), out)
+    shutil.copytree(os.path.join(REPO, "npu_shim"), os.path.join(out, "npu_shim"),
+                    ignore=shutil.ignore_patterns("__pycache__", "_vendor"))
+    return out
+
+
+def startup_rows(bundle_dir, sources_dir, runs):
+    python = sys.executable
+    no_write = {"PYTHONDONTWRITEBYTECODE": "1"}
+    arms = {
+        "without": ([python, "-c", "pass"], dict(clean_env([]), **no_write)),
+        "bundle": ([python, "-c", "pass"], dict(clean_env([bundle_dir]), **no_write)),
+        "sources": ([python, "-c", "pass"], dict(clean_env([sources_dir]), **no_write)),
+    }
+    res = alternate(runs, arms)
+    wall = {k: statistics.median(w for w, _ in v) for k, v in res.items()}
+    ratio = wall["bundle"] / wall["without"]
+    ratio_sources = wall["sources"] / wall["without"]
+    return [
+        {"what": "start-up of `python -c pass`, read-only bundle (its .pyc) on PYTHONPATH vs no shim",
+         "how": "PYTHONDONTWRITEBYTECODE=1 in both arms, median of %d alternating runs" % runs,
+         "measured": "%.1f ms vs %.1f ms = %.3fx" % (wall["bundle"] * 1e3, wall["without"] * 1e3, ratio),
+         "target": "<= 1.02x", "ok": ratio <= 1.02},
+        {"what": "the same with the shim's sources only (no .pyc anywhere: compiled in every process)",
+         "how": "same runs",
+         "measured": "%.1f ms vs %.1f ms = %.3fx" % (wall["sources"] * 1e3, wall["without"] * 1e3,
+                                                    ratio_sources),
+         "target": "(why the bundle ships .pyc)", "ok": None if ratio_sources > 1.02 else True},
+    ]
+
+
+def instructions(env):
+    """Instructions ``python -c pass`` executes under callgrind, or None without valgrind."""
+    if not shutil.which("valgrind"):
+        return None
+    proc = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+                           sys.executable, "-c", "pass"], env=env, capture_output=True, text=True,
+                          check=True)
+    return int(proc.stderr.split("Collected :")[1].split()[0])
+
+
+def instruction_rows(bundle_dir):
+    no_write = {"PYTHONDONTWRITEBYTECODE": "1"}
+    base = instructions(dict(clean_env([]), **no_write))
+    what = "start-up of `python -c pass`, read-only bundle vs no shim, in instructions executed"
+    if base is None:
+        return [{"what": what, "how": "", "measured": "not measured: valgrind is not installed",
+                 "target": "<= 1.02x", "ok": None}]
+    shim = instructions(dict(clean_env([bundle_dir]), **no_write))
+    return [{"what": what, "how": "valgrind --tool=callgrind, one run each (deterministic)",
+             "measured": "%.2f M vs %.2f M = %.3fx" % (shim / 1e6, base / 1e6, shim / base),
+             "target": "<= 1.02x", "ok": shim / base <= 1.02}]
+
+
+_WRAPPER_COST = """
+import json, sys
+sys.path[:0] = [{scripts!r}, {repo!r}]
+from npu_shim import wrapt_loader
+import bench_mla_release
+wrapt = wrapt_loader._load_private({path!r})
+raw, shim = bench_mla_release.hot_path_ns(wrapt=wrapt)
+print(json.dumps([raw, shim, "npu_shim._wrapt._wrappers" in sys.modules]))
+"""
+
+
+def wrapper_rows(bundle_dir):
+    from npu_shim import wrapt_loader
+
+    vendor = os.path.join(bundle_dir, "npu_shim", "_vendor", "wrapt")
+    builds = wrapt_loader.bundled_builds(vendor)
+    c_build, _ = wrapt_loader.select_build(builds, *wrapt_loader.platform_facts())
+    rows = []
+    for label, build in (("C build %s" % c_build, c_build), ("pure-Python build", wrapt_loader.PURE_BUILD)):
+        code = _WRAPPER_COST.format(scripts=SCRIPTS, repo=REPO, path=os.path.join(vendor, build, "wrapt"))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=clean_env([]), check=True)
+        raw, shim, c_ext = json.loads(out.stdout.strip().splitlines()[-1])
+        assert c_ext == (build != wrapt_loader.PURE_BUILD), "loaded %s, C extension %s" % (build, c_ext)
+        rows.append({
+            "what": "npu_mla_preprocess wrapper, added ns/call, bundle's wrapt %s" % label,
+            "how": "wrapped vs unwrapped, 9 alternating rounds x 200k calls, medians",
+            "measured": "+%.0f ns (%.0f vs %.0f ns)" % (shim - raw, shim, raw),
+            "target": "<= 1000 ns", "ok": shim - raw <= 1000})
+    return rows
+
+
+def rows(runs=30, bundle_dir=None):
+    with tempfile.TemporaryDirectory(prefix="npu-shim-bench-") as workdir:
+        bundle_dir = bundle_dir or build_bundle(workdir)
+        return (startup_rows(bundle_dir, sources_only(workdir), runs) + instruction_rows(bundle_dir)
+                + wrapper_rows(bundle_dir))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bundle", help="an existing bundle directory (default: build one)")
+    parser.add_argument("--runs", type=int, default=30)
+    args = parser.parse_args()
+    for row in rows(args.runs, args.bundle):
+        print("%-90s %-32s target %-10s %s" % (row["what"], row["measured"], row["target"], row["ok"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -39,9 +39,18 @@ def _emit(level, message):
     logger.log(level, message)
 
 
+MAX_LINE = 300  # characters of one log line; longer messages are cut (a reason, never a file)
+
+
+def one_line(message, limit=MAX_LINE):
+    """``message`` on one line of at most ``limit`` characters."""
+    text = " ".join(str(message).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def log(level, message):
     _configure()
-    _emit(level, message)
+    _emit(level, one_line(message))
 
 
 def info(message):

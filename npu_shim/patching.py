@@ -9,7 +9,7 @@ by module as sglang imports them, checking each against the loaded code first.
 """
 
 from npu_shim import config
-from npu_shim.codeview import live_fingerprint, live_params
+from npu_shim.codeview import SourceError, live_fingerprint, live_params
 
 APPLIED = "applied"          # backported into the running sglang
 UPSTREAM = "upstream"        # stood down: the running sglang has the feature itself
@@ -306,6 +306,13 @@ def decide(patch, view, environ=None, on_npu=None, assume_triggered=False):
         return Decision(FAILED, str(exc))
     if view is None:
         return Decision(UNSUPPORTED, "sglang not found")
+    try:
+        return _decide_from_source(patch, view, environ, on_npu, assume_triggered)
+    except SourceError as exc:  # a file the patch reads does not decode or parse
+        return Decision(UNSUPPORTED, str(exc))
+
+
+def _decide_from_source(patch, view, environ, on_npu, assume_triggered):
     evidence = patch.probe(view)
     if evidence:
         return Decision(UPSTREAM, "sglang %s has it: %s" % (view.version or "?", evidence))

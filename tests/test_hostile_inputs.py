@@ -1,13 +1,97 @@
 """Hostile inputs (issue 11): the shim answers each with a clear message, a documented exit code
 and never a traceback or a signal.  Where a crash is possible the probe runs in a subprocess.
 
+* tampered target sources read by ``python -m npu_shim status`` (syntax error, coding cookie, BOM,
+  renamed, changed signature or body, ``.pyc`` only);
 * pickling / copying every wrapped target of a real release (``test_every_wrapped_target_...``);
 """
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 import realsglang
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+import sglang_envs  # noqa: E402
+
+MLA_PRE = "srt/hardware_backend/npu/attention/mla_preprocess.py"
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_"))}
+    env.update(extra)
+    return env
+
+
+def status(site, *args, **env):
+    """``python -m npu_shim status`` with ``site`` (holding ``sglang``) on sys.path."""
+    return subprocess.run([sys.executable, "-m", "npu_shim", "status"] + list(args), cwd=str(site),
+                          env=clean_env(PYTHONPATH=os.pathsep.join([str(site), REPO]), **env),
+                          capture_output=True, timeout=60)
+
+
+def assert_clean_answer(proc, codes):
+    out, err = proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode in codes, (proc.returncode, out[-2000:], err[-2000:])
+    assert "Traceback" not in out + err, err[-3000:]
+    assert max(len(line) for line in (out + err).splitlines()) <= 400
+    return out, err
+
+
+def _latin1_cookie(text):
+    return ("# -*- coding: latin-1 -*-\n# caf\xe9 au lait\n" + text).encode("latin-1", "replace")
+
+
+def _rename(text):
+    return text.replace("def mlaprolog_preprocess_weight(", "def mlaprolog_prepare_weight(").encode()
+
+
+# name -> (bytes of the new mla_preprocess.py from its text, mla state, words in the reason)
+TAMPERED = {
+    "syntax error": (lambda t: (t + "\ndef broken(:\n").encode(), "unsupported", "cannot parse"),
+    "coding cookie": (_latin1_cookie, "applied", "backport of"),
+    "utf-8 bom": (lambda t: b"\xef\xbb\xbf" + t.encode(), "applied", "backport of"),
+    "bad utf-8": (lambda t: t.encode() + b"\n# \xff\xfe\n", "unsupported", "cannot decode"),
+    "null byte": (lambda t: t.encode() + b"\n\x00\n", "unsupported", "cannot parse"),
+    "renamed": (_rename, "unsupported", "although this sglang has the mlaprolog path"),
+    "signature": (lambda t: t.replace("def mlaprolog_preprocess_weight(self)",
+                                      "def mlaprolog_preprocess_weight(self, x=None)").encode(),
+                  "unsupported", "has signature (x)"),
+    "body": (lambda t: t.replace('"weight_dq": self.q_a_proj_weight,',
+                                 '"weight_dq": self.qkv_a_proj.weight,').encode(),
+             "unsupported", "fingerprint"),
+    "pyc only": (None, "unsupported", "not found"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERED))
+def test_tampered_target_source_gets_a_one_line_answer(tmp_path, case):
+    make, state, words = TAMPERED[case]
+    src = os.path.join(str(sglang_envs.ensure_sources("0.5.11")), "sglang")
+    shutil.copytree(src, tmp_path / "sglang", ignore=shutil.ignore_patterns("*.so", "*.pyc"))
+    path = tmp_path / "sglang" / MLA_PRE
+    if make is None:
+        import py_compile
+
+        py_compile.compile(str(path), cfile=str(path) + "c")
+        path.unlink()
+    else:
+        path.write_bytes(make(path.read_text()))
+    proc = status(tmp_path, "--json")
+    out, _ = assert_clean_answer(proc, (0,))
+    mla = {p["name"]: p for p in json.loads(out)["patches"]}["mla_weight_release"]
+    assert mla["state"] == state and words in mla["reason"], mla
+    assert len(mla["reason"]) <= 300 and "\n" not in mla["reason"]
+    strict = status(tmp_path, NPU_SHIM_STRICT="1")
+    assert_clean_answer(strict, (3,) if state == "unsupported" else (0,))
 
 PICKLE = r'''
 import copy, importlib, pickle
@@ -76,3 +160,12 @@ def test_every_wrapped_target_pickles_and_copies_like_the_plain_function():
         assert result["same_function"] and result["still_wrapped"], (key, result)
         if ":" in key and "." not in key.split(":")[1].split()[0]:
             assert result["global_by_name"], (key, result)  # module-level: the very same object
+
+
+def test_every_log_line_is_one_line_of_at_most_300_characters(caplog):
+    from npu_shim import log
+
+    with caplog.at_level("INFO", logger="npu_shim"):
+        log.error("while patching x: " + "source line\n" * 2000)
+    (line,) = caplog.messages
+    assert len(line) == log.MAX_LINE == 300 and "\n" not in line and line.endswith("...")

@@ -122,8 +122,12 @@ class PinnedWrap(Wrap):
 
     def check_source(self, view):
         if view.function(self.module, self.qualname) is None:
-            return ("%s not found: this sglang has no mlaprolog path (it appears in 0.5.9), so there "
-                    "is nothing to release" % self.describe())
+            if view.function(MLA_PRE, CLASS + ".forward_mlaprolog") is None:
+                return ("%s not found: this sglang has no mlaprolog path (it appears in 0.5.9), so "
+                        "there is nothing to release" % self.describe())
+            return ("%s not found, although this sglang has the mlaprolog path (%s.forward_mlaprolog): "
+                    "renamed or moved in this image, so the shim cannot tell what would still read the "
+                    "weights" % (self.describe(), CLASS))
         problem = super().check_source(view)
         if problem:
             return problem

@@ -1,0 +1,90 @@
+"""States never lie and half-applied patches never stay (issue 11 §4, §8), each case in a fresh
+interpreter with the fake sglang tree and demo patch of test_bootstrap.py."""
+
+import importlib
+
+from test_bootstrap import DEMO_PATCH, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
+
+RELOAD = """
+    import importlib, json, npu_shim
+    from sglang.srt.utils import common
+    before = common.get_npu_memory_capacity()
+    with open(common.__file__, "a") as f:
+        f.write(%r)
+    importlib.reload(common)
+    state = npu_shim.states()["demo"]
+    print(json.dumps({"before": before, "after": common.get_npu_memory_capacity(),
+                      "init": getattr(common.Scheduler(None, 0), "patched", False),
+                      "state": state["state"], "targets": state["targets"], "reason": state["reason"]}))
+"""
+
+
+def test_reload_of_a_patched_module_reapplies_the_patch(tree):
+    proc = run(tree, RELOAD % "\n# reloaded\n")
+    out = last_json(proc)
+    assert out["before"] == out["after"] == 1001 and out["init"] is True
+    assert out["state"] == "applied" and all(out["targets"].values())
+
+
+def test_reload_into_code_the_shim_does_not_know_reverts_and_says_so(tree):
+    proc = run(tree, RELOAD % "\nclass Scheduler:\n    def __init__(self, a, b, c=None):\n        pass\n")
+    out = last_json(proc)
+    assert out["before"] == 1001 and out["after"] == 1000 and out["init"] is False
+    assert out["state"] == "failed" and not any(out["targets"].values())
+    assert "Scheduler.__init__ has signature (a, b, c)" in out["reason"]
+    assert "[npu-shim] demo: failed (while patching sglang.srt.utils.common" in proc.stderr
+
+
+def test_uninstall_after_reload_restores_the_reloaded_code(tree):
+    proc = run(tree, """
+        import importlib, json, sys, npu_shim
+        from sglang.srt.utils import common
+        importlib.reload(common)
+        npu_shim.uninstall()
+        print(json.dumps({"value": common.get_npu_memory_capacity(),
+                          "watchers": [type(f).__name__ for f in sys.meta_path
+                                       if type(f).__module__.startswith("npu_shim")],
+                          "loader": type(common.__loader__).__name__}))
+    """)
+    out = last_json(proc)
+    assert out == {"value": 1000, "watchers": [], "loader": "SourceFileLoader"}
+
+
+TWO_MODULES = DEMO_PATCH.replace(
+    'modules = ("sglang.srt.utils.common",)',
+    'modules = ("sglang.srt.utils.common", "sglang.srt.other")').replace(
+    """            patching.Wrap("sglang.srt.utils.common", "Scheduler.__init__", mark_init,
+                          [("server_args", "gpu_id")]),""",
+    """            patching.Wrap("sglang.srt.other", "late", add_one, [("x",)]),""")
+
+
+def test_second_module_failing_reverts_what_the_first_one_applied(tree):
+    """The loaded ``late`` is not the code its source shows (rebound at import), so applying the
+    patch to the second module fails after the first module was patched."""
+    assert TWO_MODULES != DEMO_PATCH
+    (tree / "image" / "demo_patch.py").write_text(TWO_MODULES)
+    (tree / "pkgs" / "sglang" / "srt" / "other.py").write_text(
+        "def late(x):\n    return x\n\nlate = lambda x, y=0: x\n")
+    proc = run(tree, """
+        import json, npu_shim
+        from sglang.srt.utils import common
+        first = common.get_npu_memory_capacity()
+        from sglang.srt import other
+        state = npu_shim.states()["demo"]
+        print(json.dumps({"first": first, "after": common.get_npu_memory_capacity(),
+                          "late": type(other.late).__name__, "state": state["state"],
+                          "targets": state["targets"], "reason": state["reason"]}))
+    """)
+    out = last_json(proc)
+    assert out["first"] == 1001  # applied to the first module ...
+    assert out["after"] == 1000 and out["late"] == "function"  # ... and reverted there
+    assert out["state"] == "failed" and not any(out["targets"].values())
+    assert "while patching sglang.srt.other" in out["reason"] and "signature (x, y)" in out["reason"]
+
+
+def test_reload_watcher_ignores_imports_and_unhooked_modules():
+    from npu_shim import runtime
+
+    watcher = runtime.ReloadWatcher()
+    assert watcher.find_spec("json", None, None) is None
+    assert watcher.find_spec("json", None, importlib.import_module("json")) is None

@@ -64,8 +64,22 @@ def strict():
     try:
         return config.STRICT.read()
     except config.ConfigError as exc:
-        log.error_once("strict", "%s (strict mode off)" % exc)
+        log.error_once(log.config_key(config.STRICT), "%s (strict mode off)" % exc)
         return False
+
+
+def report_invalid_variables(records):
+    """Each invalid variable once, at activation: those a patch read are in its ``failed`` line
+    already; the others (e.g. strict mode, the log level, a switched-off patch's) are said here."""
+    strict()
+    log.configure()  # reports a bad log level
+    said = " ".join(record.reason for record in records.values())
+    for var in config.ALL:
+        try:
+            var.read()
+        except config.ConfigError as exc:
+            if str(exc) not in said:
+                log.error_once(log.config_key(var), "%s (ignored)" % exc)
 
 
 def load_patches():
@@ -161,6 +175,7 @@ def decide_all():
     _RT.records = records
     for record in records.values():
         report(record)
+    report_invalid_variables(records)
     for record in records.values():
         enforce(record)
 

@@ -169,3 +169,58 @@ def test_every_log_line_is_one_line_of_at_most_300_characters(caplog):
         log.error("while patching x: " + "source line\n" * 2000)
     (line,) = caplog.messages
     assert len(line) == log.MAX_LINE == 300 and "\n" not in line and line.endswith("...")
+
+
+# ------------------------------------------------------------------------------------- values
+
+BAD_VALUES = ["", "   ", "2", "yes please", "-1", str(10 ** 30), "１２２８８", "nan", "inf", "0x10",
+              b"\xff\xfe", "\x1b[31m1\x1b[0m", "tcp://-:1", "tcp://...:1", "tcp://[:]:1",
+              "tcp://999.999.999.999:1", "tcp://host:６７８９", "tcp://host:0", "tcp://host:65536"]
+
+
+def _accepted(var, value):
+    if isinstance(value, bytes) or value.strip() == "":
+        return not isinstance(value, bytes)  # empty or blank: the default
+    return var.kind == "MiB" and value == "2"
+
+
+@pytest.mark.parametrize("value", BAD_VALUES, ids=repr)
+def test_every_variable_rejects_each_bad_value_in_one_line(tmp_path, value):
+    """Every variable set to the same hostile value at once: ``status`` exits 2 (or 0 where the
+    value is acceptable for every variable) and names each invalid variable in one line."""
+    from npu_shim import config
+
+    env = {os.fsencode(k): os.fsencode(v) for k, v in clean_env(PYTHONPATH=REPO).items()}
+    raw = value if isinstance(value, bytes) else value.encode()
+    env.update({var.name.encode(): raw for var in config.ALL if var is not config.ENABLED})
+    proc = subprocess.run([sys.executable, "-m", "npu_shim", "status"], cwd=str(tmp_path), env=env,
+                          capture_output=True, timeout=60)
+    rejected = [var for var in config.ALL
+                if var is not config.ENABLED and not _accepted(var, value)]
+    out, _ = assert_clean_answer(proc, (2,) if rejected else (0,))
+    for var in config.ALL:
+        lines = [line for line in out.splitlines() if "INVALID: %s=" % var.name in line]
+        assert len(lines) == (var in rejected), (var.name, lines)
+        if lines:
+            assert lines[0].split()[0] == var.name and "is invalid: expected" in lines[0]
+            assert "\x1b" not in lines[0]  # escapes are shown, not sent to the terminal
+
+
+def test_sizes_and_urls_accept_exactly_the_documented_forms():
+    from npu_shim import config
+
+    def url(value):
+        return config.ZBAL_BOOTSTRAP_URL.read({config.ZBAL_BOOTSTRAP_URL.name: value})
+
+    for good in ("tcp://10.0.0.1:6789", "tcp://node-1.cluster.local:1", "tcp://[::1]:65535",
+                 "tcp://[2001:db8::7]:29500", "tcp://localhost:80"):
+        assert url(good) == good
+    assert config.ZBAL_LOCAL_MEM_SIZE.read({config.ZBAL_LOCAL_MEM_SIZE.name: " 12288 "}) == 12288
+    assert config.ZBAL_LOCAL_MEM_SIZE.read({config.ZBAL_LOCAL_MEM_SIZE.name: str(config.MAX_MIB)}) \
+        == config.MAX_MIB == 1024 * 1024
+    with pytest.raises(config.ConfigError, match="at most 1048576 MiB"):
+        config.ZBAL_LOCAL_MEM_SIZE.read({config.ZBAL_LOCAL_MEM_SIZE.name: str(config.MAX_MIB + 1)})
+    for bad in ("tcp://a_b:1", "tcp://-host:1", "tcp://" + "a" * 64 + ":1", "tcp://1.2.3:1",
+                "tcp://[::1]:", "tcp://[::1]", "http://host:1", "tcp://host:1:2", "tcp://:1"):
+        with pytest.raises(config.ConfigError):
+            url(bad)

@@ -88,3 +88,24 @@ def test_reload_watcher_ignores_imports_and_unhooked_modules():
     watcher = runtime.ReloadWatcher()
     assert watcher.find_spec("json", None, None) is None
     assert watcher.find_spec("json", None, importlib.import_module("json")) is None
+
+
+def test_bad_variables_are_each_reported_once_with_the_prefix_at_activation(tree):
+    proc = run(tree, """
+        import logging
+        from sglang.srt.utils import common
+        common.get_npu_memory_capacity()
+        import npu_shim
+        npu_shim.states()
+    """, env={"NPU_SHIM_LOG_LEVEL": "loud", "NPU_SHIM_STRICT": "maybe",
+              "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://[:]:1", "SGLANG_ZBAL_LOCAL_MEM_SIZE": "１２２８８"})
+    lines = proc.stderr.strip().splitlines()
+    assert lines and all(line.startswith("[npu-shim] ") for line in lines), lines
+    for name in ("NPU_SHIM_LOG_LEVEL", "NPU_SHIM_STRICT", "SGLANG_ZBAL_BOOTSTRAP_URL",
+                 "SGLANG_ZBAL_LOCAL_MEM_SIZE"):
+        assert sum(name + "=" in line for line in lines) == 1, (name, lines)
+    # the one the demo patch reads is in its ``failed`` line; the others say what happens instead
+    assert any("demo: failed (SGLANG_ZBAL_LOCAL_MEM_SIZE=" in line for line in lines)
+    assert any("NPU_SHIM_LOG_LEVEL='loud' is invalid" in line and "using INFO" in line for line in lines)
+    assert any("NPU_SHIM_STRICT='maybe' is invalid" in line and "strict mode off" in line
+               for line in lines)

@@ -103,8 +103,15 @@ def chain_next_sitecustomize(our_file):
         return None
     start = keys.index(ours) + 1
     after = [entry for entry, key in zip(sys.path[start:], keys[start:]) if key != ours]
-    spec = PathFinder.find_spec("sitecustomize", after)
-    if spec is None or spec.loader is None:
+    ours_real = os.path.realpath(our_file)
+    for entry in after:
+        spec = PathFinder.find_spec("sitecustomize", [entry])
+        # Our own file again through another spelling of its directory (a symlink): never chain.
+        if spec is not None and not (spec.origin and os.path.realpath(spec.origin) == ours_real):
+            break
+    else:
+        return None
+    if spec.loader is None:
         return None
     import importlib.util
 
@@ -113,12 +120,21 @@ def chain_next_sitecustomize(our_file):
     sys.modules["sitecustomize"] = module
     try:
         spec.loader.exec_module(module)
+    except ImportError as exc:
+        if exc.name != "sitecustomize":  # site.py is silent about exactly this one
+            _report_like_site(exc)
     except Exception as exc:  # noqa: BLE001 - same treatment site.py gives a failing sitecustomize
-        sys.stderr.write(
-            "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n"
-            % (type(exc).__name__, exc))
+        _report_like_site(exc)
     finally:
         if own is not None:
             sys.modules["sitecustomize"] = own
     sys.modules["npu_shim.chained_sitecustomize"] = module
     return module
+
+
+def _report_like_site(exc):
+    if sys.flags.verbose:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    else:
+        sys.stderr.write("Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n"
+                         % (type(exc).__name__, exc))

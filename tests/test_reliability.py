@@ -109,3 +109,39 @@ def test_bad_variables_are_each_reported_once_with_the_prefix_at_activation(tree
     assert any("NPU_SHIM_LOG_LEVEL='loud' is invalid" in line and "using INFO" in line for line in lines)
     assert any("NPU_SHIM_STRICT='maybe' is invalid" in line and "strict mode off" in line
                for line in lines)
+
+
+# ------------------------------------------------------------------------------ chaining
+
+
+def _plain_python(tree, code):
+    """The same start-up without the shim: the image's sitecustomize is Python's own."""
+    return run(tree, code, shim=False, check=False)
+
+
+def test_image_sitecustomize_import_errors_are_reported_as_python_does(tree):
+    for body, reported in (("raise ImportError('gone', name='sitecustomize')\n", False),
+                           ("import module_that_is_not_there\n", True)):
+        (tree / "image" / "sitecustomize.py").write_text(body)
+        ours, plain = run(tree, "print('alive')", check=False), _plain_python(tree, "print('alive')")
+        assert ours.stdout.strip() == plain.stdout.strip() == "alive"
+        assert ("Error in sitecustomize" in ours.stderr) is reported, ours.stderr
+        assert ours.stderr == plain.stderr, (ours.stderr, plain.stderr)
+
+
+def test_repo_on_the_path_twice_through_a_symlink_never_chains_to_itself(tree):
+    import os
+
+    from test_bootstrap import REPO
+
+    link = tree / "repo-link"
+    link.symlink_to(REPO)
+    for order in ([REPO, str(link)], [str(link), REPO]):
+        path = os.pathsep.join(order + [str(tree / "image"), str(tree / "pkgs")])
+        (tree / "marker").write_text("")
+        proc = run(tree, """
+            import json, os, sys
+            print(json.dumps(os.path.realpath(sys.modules["npu_shim.chained_sitecustomize"].__file__)))
+        """, env={"PYTHONPATH": path})
+        assert last_json(proc) == os.path.realpath(str(tree / "image" / "sitecustomize.py")), order
+        assert (tree / "marker").read_text() == "ran\n" and proc.stderr == ""

@@ -189,8 +189,9 @@ def _make_wrapper_class():
 
     methods = {"__reduce__": reduce, "__reduce_ex__": reduce, "__copy__": lambda self: self,
                "__deepcopy__": deepcopy, "__module__": __name__}
-    bound = type("BoundShimWrapper", (wrapt.BoundFunctionWrapper,), dict(methods))
-    return type("ShimWrapper", (wrapt.FunctionWrapper,),
+    # wrapt's names, so that what reports a wrapper's type (logs, tests) reads the same
+    bound = type("BoundFunctionWrapper", (wrapt.BoundFunctionWrapper,), dict(methods))
+    return type("FunctionWrapper", (wrapt.FunctionWrapper,),
                 dict(methods, __bound_function_wrapper__=bound))
 
 

@@ -224,3 +224,43 @@ def test_sizes_and_urls_accept_exactly_the_documented_forms():
                 "tcp://[::1]:", "tcp://[::1]", "http://host:1", "tcp://host:1:2", "tcp://:1"):
         with pytest.raises(config.ConfigError):
             url(bad)
+
+
+# ---------------------------------------------------------------------- not on an NPU (§8)
+
+OFF_NPU = r'''
+import importlib, sys
+import simnpu
+simnpu.install_without_npu("0.5.11")
+import wrapt
+import npu_shim
+# Every hooked module that imports on a plain CPU torch (the NPU-only ones need torch_npu).
+imported = []
+for name in ("sglang.srt.utils.common", "sglang.srt.distributed.parallel_state",
+             "sglang.srt.managers.scheduler", "sglang.srt.model_executor.model_runner"):
+    try:
+        importlib.import_module(name)
+        imported.append(name)
+    except Exception as exc:
+        print("cannot import %s on CPU: %r" % (name, exc), file=sys.stderr)
+import torch
+common = sys.modules["sglang.srt.utils.common"]
+emit({"npu": hasattr(torch, "npu") and torch.npu.is_available(), "imported": imported,
+      "states": {k: [v["state"], v["reason"], v["targets"]] for k, v in npu_shim.states().items()},
+      "wrapped": isinstance(common.get_available_gpu_memory, wrapt.FunctionWrapper)})
+'''
+
+
+def test_real_release_off_the_npu_changes_nothing():
+    """A real sglang process on a machine without an NPU (no simulated one installed): every
+    patch that needs the NPU is inactive and wraps nothing, whatever is asked for."""
+    out = realsglang.run_in_release("0.5.11", OFF_NPU, install_sim=False, zbal=True,
+                                    env={"SGLANG_ZBAL_LOCAL_MEM_SIZE": "4096",
+                                         "SGLANG_NPU_USE_MULTI_STREAM": "1"})
+    assert out["npu"] is False and "sglang.srt.utils.common" in out["imported"]
+    assert out["wrapped"] is False
+    for name, (state, reason, targets) in out["states"].items():
+        if state == "upstream":
+            continue  # 0.5.11 has dual-stream itself: standing down needs no NPU
+        assert state == "inactive" and "not running on an NPU" in reason, (name, state, reason)
+        assert targets == {}, name

@@ -147,10 +147,12 @@ DUAL_STREAM = _bool(
 # -- upstream's names, same meaning as in sglang's environ.py ------------------------------------
 ZBAL_LOCAL_MEM_SIZE = EnvVar(
     "SGLANG_ZBAL_LOCAL_MEM_SIZE", "MiB", 0,
-    "Device memory zbal manages, in MiB; > 0 turns zbal on (upstream name and meaning).", _parse_mib)
+    "Device memory zbal manages, in MiB (at most 1048576 = 1 TiB); > 0 turns zbal on (upstream name "
+    "and meaning).", _parse_mib)
 ZBAL_BOOTSTRAP_URL = EnvVar(
     "SGLANG_ZBAL_BOOTSTRAP_URL", "url", "",
-    "tcp://HOST:PORT of zbal's bootstrap server; empty lets zbal derive it from MASTER_ADDR/PORT.",
+    "tcp://HOST:PORT (hostname, IPv4 or [IPv6]; port 1-65535) of zbal's bootstrap server; empty "
+    "lets zbal derive it from MASTER_ADDR/PORT.",
     _parse_url)
 NPU_USE_MULTI_STREAM = _bool(
     "SGLANG_NPU_USE_MULTI_STREAM", False,

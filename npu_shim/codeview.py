@@ -210,9 +210,8 @@ def read_version(package_dir):
     the literal version."""
     for name in ("_version.py", "version.py"):
         try:
-            with open(os.path.join(package_dir, name), encoding="utf-8") as handle:
-                match = _VERSION.search(handle.read())
-        except OSError:
+            match = _VERSION.search(read_source(os.path.join(package_dir, name)))
+        except (OSError, SourceError):
             continue
         if match:
             return match.group(1)

@@ -69,6 +69,7 @@ TAMPERED = {
                                  '"weight_dq": self.qkv_a_proj.weight,').encode(),
              "unsupported", "fingerprint"),
     "pyc only": (None, "unsupported", "not found"),
+    "version file": ("_version.py", "applied", "backport of"),  # undecodable: version unknown
 }
 
 
@@ -78,7 +79,9 @@ def test_tampered_target_source_gets_a_one_line_answer(tmp_path, case):
     src = os.path.join(str(sglang_envs.ensure_sources("0.5.11")), "sglang")
     shutil.copytree(src, tmp_path / "sglang", ignore=shutil.ignore_patterns("*.so", "*.pyc"))
     path = tmp_path / "sglang" / MLA_PRE
-    if make is None:
+    if make == "_version.py":
+        (tmp_path / "sglang" / make).write_bytes(b"__version__ = '\xff'\n")
+    elif make is None:
         import py_compile
 
         py_compile.compile(str(path), cfile=str(path) + "c")

@@ -145,3 +145,17 @@ def test_repo_on_the_path_twice_through_a_symlink_never_chains_to_itself(tree):
         """, env={"PYTHONPATH": path})
         assert last_json(proc) == os.path.realpath(str(tree / "image" / "sitecustomize.py")), order
         assert (tree / "marker").read_text() == "ran\n" and proc.stderr == ""
+
+
+def test_states_name_every_target_and_exactly_the_wrappers_applied(tree):
+    proc = run(tree, """
+        import json, npu_shim
+        from sglang.srt.utils import common
+        print(json.dumps(npu_shim.states()["demo"]))
+    """)
+    state = last_json(proc)
+    targets = ["sglang.srt.utils.common:get_npu_memory_capacity",
+               "sglang.srt.utils.common:Scheduler.__init__"]
+    assert state["name"] == "demo" and state["state"] == "applied" and state["details"] == {}
+    assert state["targets"] == {t: True for t in targets}
+    assert state["wrappers"] == sorted(targets)

@@ -2,6 +2,7 @@
 interpreter with the fake sglang tree and demo patch of test_bootstrap.py."""
 
 import importlib
+import types
 
 from test_bootstrap import DEMO_PATCH, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 
@@ -159,3 +160,17 @@ def test_states_name_every_target_and_exactly_the_wrappers_applied(tree):
     assert state["name"] == "demo" and state["state"] == "applied" and state["details"] == {}
     assert state["targets"] == {t: True for t in targets}
     assert state["wrappers"] == sorted(targets)
+
+
+def test_record_lists_only_applied_wraps_as_wrappers():
+    from npu_shim import patching, runtime
+
+    wrap = patching.Wrap("m", "f", None, [()])
+    other = patching.Wrap("m", "g", None, [()])
+    replace = patching.Replace("m", "X", lambda original: 1)
+    record = runtime.PatchRecord(types.SimpleNamespace(name="p"),
+                                 patching.Decision(patching.APPLIED, "why", [wrap, other, replace]))
+    record.applied = {wrap.describe(), replace.describe()}
+    assert record.as_dict() == {
+        "name": "p", "state": "applied", "reason": "why",
+        "targets": {"m:f": True, "m:g": False, "m:X": True}, "wrappers": ["m:f"], "details": {}}

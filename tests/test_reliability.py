@@ -174,3 +174,73 @@ def test_record_lists_only_applied_wraps_as_wrappers():
     assert record.as_dict() == {
         "name": "p", "state": "applied", "reason": "why",
         "targets": {"m:f": True, "m:g": False, "m:X": True}, "wrappers": ["m:f"], "details": {}}
+
+
+# ------------------------------------------------------------------- runtime, in process
+
+
+def test_running_on_npu_is_false_without_torch_without_npu_and_when_asking_fails(monkeypatch):
+    import sys
+
+    from npu_shim import runtime
+
+    def npu(available):
+        def is_available():
+            if isinstance(available, Exception):
+                raise available
+            return available
+        return types.SimpleNamespace(npu=types.SimpleNamespace(is_available=is_available))
+
+    for torch, expected in ((None, False), (types.SimpleNamespace(), False), (npu(False), False),
+                            (npu(RuntimeError("driver")), False), (npu(True), True)):
+        monkeypatch.setitem(sys.modules, "torch", torch)
+        assert runtime.running_on_npu() is expected, torch
+
+
+def _record(state, must_honour=False):
+    from npu_shim import patching, runtime
+
+    patch = types.SimpleNamespace(name="p", must_honour=lambda environ: must_honour)
+    return runtime.PatchRecord(patch, patching.Decision(state, "because"))
+
+
+def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(caplog, monkeypatch):
+    import logging
+
+    import pytest
+
+    from npu_shim import runtime
+    from npu_shim.patching import ShimError
+
+    monkeypatch.delenv("NPU_SHIM_STRICT", raising=False)
+    with caplog.at_level(logging.DEBUG, logger="npu_shim"):
+        for state in ("failed", "unsupported", "applied", "inactive"):
+            runtime.report(_record(state))
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("ERROR", "p: failed (because)"), ("WARNING", "p: unsupported (because)"),
+        ("INFO", "p: applied (because)"), ("INFO", "p: inactive (because)")]
+    runtime.enforce(_record("failed"))  # not requested, not strict: logged only
+    runtime.enforce(_record("applied", must_honour=True))
+    with pytest.raises(ShimError, match="^npu-shim: p was requested but is unsupported: because$"):
+        runtime.enforce(_record("unsupported", must_honour=True))
+    monkeypatch.setenv("NPU_SHIM_STRICT", "1")
+    with pytest.raises(ShimError, match=r"^npu-shim \(strict\): p is failed: because$"):
+        runtime.enforce(_record("failed"))
+
+
+def test_hooks_of_an_earlier_install_do_nothing(monkeypatch):
+    from npu_shim import runtime
+
+    calls = []
+    monkeypatch.setattr(runtime, "apply_module", calls.append)
+    monkeypatch.setattr(runtime._RT, "records", {})
+    monkeypatch.setattr(runtime._RT, "installed", True)
+    monkeypatch.setattr(runtime._RT, "generation", 7)
+    module = types.ModuleType("sglang.x")
+    runtime._make_hook(6)(module)  # an earlier install
+    monkeypatch.setattr(runtime._RT, "installed", False)
+    runtime._make_hook(7)(module)  # this install, since uninstalled
+    assert calls == []
+    monkeypatch.setattr(runtime._RT, "installed", True)
+    runtime._make_hook(7)(module)
+    assert calls == [module]

@@ -557,3 +557,41 @@ def test_w_kc_that_is_part_of_a_larger_storage_is_kept(server, logs):
     m.mla_preprocess = FakePreprocess(m)
     assert R.release_w_kc(m) == 0 and not R.is_released(m.w_kc)
     assert any("storage holds more than this weight" in line for line in logs)
+
+
+def test_accounting_in_status_details_and_summary_lines(server, logs, monkeypatch):
+    record = types.SimpleNamespace(details={})
+    from npu_shim import runtime
+
+    monkeypatch.setattr(runtime, "record", lambda name: record if name == R.PATCH.name else None)
+    monkeypatch.setattr(R.log, "process_tag", lambda: "pid 42")
+    layers = [layer(0), layer(1)]
+    step(layers)
+    step(layers)  # layer 0 again: the first pass is done, the summary is logged
+    qkv, wkc = 2 * 24 * 32 * 4, 2 * 4 * 8 * 12 * 4  # float32 bytes of two layers
+    assert record.details["qkv_a_mib"] == round(qkv / R.MIB, 3) == 0.006
+    assert record.details["w_kc_mib"] == round(wkc / R.MIB, 3) == 0.003
+    assert [line for line in logs if "MiB in" in line] == [
+        "mla_weight_release: released: 0.0 MiB in 2 layers (qkv_a 0.0 MiB, w_kc 0.0 MiB) in pid 42"]
+    step([layer(2)])  # a layer first seen after the summary
+    assert logs[-1] == ("mla_weight_release: more layers released: 0.0 MiB in 3 layers "
+                        "(qkv_a 0.0 MiB, w_kc 0.0 MiB) in pid 42")
+
+
+def test_nothing_to_release_returns_zero_bytes(server, logs):
+    m = layer(0)
+    pre = _prepared(m, lambda t: t.clone())
+    m.mla_preprocess = pre
+    server["role"] = "null"
+    assert R.release_qkv_a(pre) == 0 and R.release_w_kc(m) == 0  # role
+    server["role"] = "decode"
+    no_mlaprolog = layer(1, mlaprolog=False)
+    no_mlaprolog.mla_preprocess = _prepared(no_mlaprolog, lambda t: t.clone())
+    assert R.release_qkv_a(no_mlaprolog.mla_preprocess) == 0 and R.release_w_kc(no_mlaprolog) == 0
+    assert any("keeping qkv_a_proj.weight of layer 1: mlaprolog_preprocess_weight ran although "
+               "forward() would not route to mlaprolog" in line for line in logs)
+    assert R.release_qkv_a(pre) > 0 and R.release_w_kc(m) > 0
+    assert R.release_qkv_a(pre) == 0 and R.release_w_kc(m) == 0  # already released
+    m.w_kc = None
+    pre.qkv_a_proj.weight = None
+    assert R.release_qkv_a(pre) == 0 and R.release_w_kc(m) == 0

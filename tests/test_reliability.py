@@ -81,6 +81,20 @@ def test_second_module_failing_reverts_what_the_first_one_applied(tree):
     assert out["after"] == 1000 and out["late"] == "function"  # ... and reverted there
     assert out["state"] == "failed" and not any(out["targets"].values())
     assert "while patching sglang.srt.other" in out["reason"] and "signature (x, y)" in out["reason"]
+    # uninstall after the failure, then install again: nothing left over, the patch applies anew
+    again = run(tree, """
+        import json, npu_shim
+        from sglang.srt.utils import common
+        from sglang.srt import other
+        npu_shim.uninstall()
+        print(json.dumps([npu_shim.install(), npu_shim.install(), common.get_npu_memory_capacity(),
+                          npu_shim.states()["demo"]["state"]]))
+    """)
+    assert last_json(again) == [True, False, 1000, "failed"]
+    strict = run(tree, "from sglang.srt.utils import common\nfrom sglang.srt import other\n",
+                 env={"NPU_SHIM_STRICT": "1"}, check=False)
+    assert strict.returncode == 1
+    assert "ShimError: npu-shim (strict): demo is failed: while patching sglang.srt.other" in strict.stderr
 
 
 def test_reload_watcher_ignores_imports_and_unhooked_modules():
@@ -244,3 +258,38 @@ def test_hooks_of_an_earlier_install_do_nothing(monkeypatch):
     monkeypatch.setattr(runtime._RT, "installed", True)
     runtime._make_hook(7)(module)
     assert calls == [module]
+
+
+def test_record_and_details_of_a_decided_patch(monkeypatch):
+    from npu_shim import runtime
+
+    record = _record("applied")
+    monkeypatch.setattr(runtime._RT, "records", {"p": record})
+    assert runtime.record("p") is record and runtime.record("q") is None
+    runtime.details("p")["released_mib"] = 1.5
+    assert record.details == {"released_mib": 1.5}
+    assert runtime.details("q") == {}  # a throwaway dict
+    monkeypatch.setattr(runtime._RT, "records", None)
+    assert runtime.record("p") is None and runtime.details("p") == {}
+
+
+def test_a_module_is_applied_for_every_applied_patch_after_one_that_is_not(monkeypatch):
+    from npu_shim import patching, runtime
+
+    module = types.ModuleType("sglang.fake_target")
+
+    def f():
+        return 1
+
+    module.f = f
+    skipped = _record("unsupported")
+    applied = runtime.PatchRecord(types.SimpleNamespace(name="q", must_honour=lambda e: False),
+                                  patching.Decision(patching.APPLIED, "ok", [
+                                      patching.Wrap("sglang.fake_target", "f",
+                                                    lambda w, i, a, k: w() + 1, [()])]))
+    monkeypatch.setattr(runtime._RT, "records", {"p": skipped, "q": applied})
+    monkeypatch.setattr(runtime._RT, "late_modules", set())
+    runtime.apply_module(module)
+    assert module.f() == 2 and applied.applied == {"sglang.fake_target:f"}
+    runtime.revert_record(applied)
+    assert module.f is f

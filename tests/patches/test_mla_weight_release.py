@@ -154,12 +154,15 @@ def test_release_frees_the_storage_and_guards_every_reference(make):
     for touch in (lambda: alias.sum(), lambda: alias + 1, lambda: alias.shape, lambda: alias.data,
                   lambda: torch.nn.functional.linear(torch.ones(1, 8), alias), lambda: alias.copy_(alias),
                   lambda: torch.ops.aten.add(alias, 1), lambda: alias.untyped_storage(),
-                  lambda: alias.to(torch.float16), lambda: alias[0]):
+                  lambda: alias.to(torch.float16), lambda: alias[0],
+                  lambda: torch.where(torch.tensor(True), 1.0, alias)):  # a float before it
         with pytest.raises(R.ReleasedWeightError) as info:
             touch()
         assert "w_kc of layer 7" in str(info.value)
         assert "NPU_SHIM_MLA_WEIGHT_RELEASE=0" in str(info.value)
-    assert "released by npu-shim: w_kc of layer 7" in repr(alias)
+    with pytest.raises(R.ReleasedWeightError, match="`sum` touched it"):
+        alias.sum()
+    assert "released by npu-shim: w_kc of layer 7" in repr(alias) == str(alias)
     assert R.release(alias, "again") == 0  # idempotent
     if isinstance(tensor, SglangLikeParameter):
         assert tensor._weight_loader == "loader"  # attributes survive
@@ -252,7 +255,7 @@ def test_alias_taken_before_the_release_never_reads_freed_memory(weight, alias):
     else:
         assert out["freed"] == 0 and not out["released"]  # kept: something else reads that memory
         assert out["seen"]["numel"] > 0
-        assert "other holder" in run.stderr and "keeping w_kc of layer 3" in run.stderr
+        assert "keeping w_kc of layer 3: its memory has 1 other holder (" in run.stderr
 
 
 def test_keeping_an_aliased_weight_warns_once_with_the_holder_count(logs):
@@ -591,7 +594,43 @@ def test_nothing_to_release_returns_zero_bytes(server, logs):
     assert any("keeping qkv_a_proj.weight of layer 1: mlaprolog_preprocess_weight ran although "
                "forward() would not route to mlaprolog" in line for line in logs)
     assert R.release_qkv_a(pre) > 0 and R.release_w_kc(m) > 0
+    assert "released by npu-shim: qkv_a_proj.weight of layer 0;" in repr(pre.qkv_a_proj.weight)
+    assert "released by npu-shim: w_kc of layer 0;" in repr(m.w_kc)
     assert R.release_qkv_a(pre) == 0 and R.release_w_kc(m) == 0  # already released
     m.w_kc = None
     pre.qkv_a_proj.weight = None
     assert R.release_qkv_a(pre) == 0 and R.release_w_kc(m) == 0
+
+
+def test_weight_that_cannot_be_swapped_or_guarded_is_kept_whole(logs, monkeypatch):
+    import weakref
+
+    weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+    values = weight.clone()
+    ref = weakref.ref(weight)  # swap_tensors refuses a tensor that has weakrefs
+    assert R.release(weight, "w_kc of layer 4") == 0 and not R.is_released(weight)
+    assert torch.equal(weight, values) and ref() is weight
+    assert any("keeping w_kc of layer 4: it is held where it cannot be replaced" in l for l in logs)
+    other = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+    values = other.clone()
+    slotted = type("Slotted", (torch.nn.Parameter,), {"__slots__": ("x",)})
+    monkeypatch.setattr(R, "guarded_class", lambda cls: slotted)  # __class__ assignment fails
+    assert R.release(other, "w_kc of layer 5") == 0 and type(other) is torch.nn.Parameter
+    assert torch.equal(other, values)
+    assert any("keeping w_kc of layer 5: its class Parameter cannot be guarded" in l for l in logs)
+
+
+def test_memory_still_held_after_the_swap_is_not_freed(logs, monkeypatch):
+    """Defence in depth: should the holder check miss a base held elsewhere, the storage is not
+    resized under it (the base stays readable) and nothing is counted as freed."""
+    base = torch.randn(4, 12, 8)
+    weight = base.transpose(1, 2)
+    monkeypatch.setattr(R, "_base_held_elsewhere", lambda chain: False)
+    assert R.release(weight, "w_kc of layer 6") == 0 and R.is_released(weight)
+    assert base.untyped_storage().nbytes() == 4 * 12 * 8 * 4
+    assert any("w_kc of layer 6 is guarded but its memory still has 1 holder;" in l for l in logs)
+
+
+def test_storage_that_cannot_be_compared_counts_as_shared():
+    assert R._shares_storage(object(), torch.ones(1)) is True
+    assert R._shares_storage(torch.ones(1), torch.ones(1)) is False

@@ -293,3 +293,34 @@ def test_a_module_is_applied_for_every_applied_patch_after_one_that_is_not(monke
     assert module.f() == 2 and applied.applied == {"sglang.fake_target:f"}
     runtime.revert_record(applied)
     assert module.f is f
+
+
+def test_wrappers_pickle_and_copy_by_reference_in_process(monkeypatch):
+    """The fast twin of test_hostile_inputs' real-release test: a module-level function, a method
+    on its class and bound to an instance, each wrapped as the shim wraps targets."""
+    import copy
+    import pickle
+    import sys
+
+    from npu_shim.patching import function_wrapper
+
+    module = types.ModuleType("npu_shim_pickle_probe")
+    exec("def f(x):\n    return x + 1\n\nclass Box:\n    def __init__(self, v):\n        self.v = v\n"
+         "    def get(self):\n        return self.v\n", module.__dict__)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    def passthrough(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs)
+
+    module.f = function_wrapper(module.f, passthrough)
+    module.Box.get = function_wrapper(module.Box.__dict__["get"], passthrough)
+    box = module.Box(5)
+    assert pickle.loads(pickle.dumps(module.f)) is module.f and copy.deepcopy(module.f) is module.f
+    assert copy.copy(module.f) is module.f
+    assert b"npu_shim_pickle_probe" in pickle.dumps(module.f)  # a global by name, like f itself
+    unbound = pickle.loads(pickle.dumps(module.Box.get))
+    assert unbound.__wrapped__ is module.Box.__dict__["get"].__wrapped__ and unbound(box) == 5
+    for bound in (pickle.loads(pickle.dumps(box.get)), copy.deepcopy(box.get)):
+        assert bound() == 5 and bound.__self__ is not box and type(bound.__self__) is module.Box
+        assert type(bound).__module__ == "npu_shim.patching"
+    assert copy.copy(box.get)() == 5

@@ -201,7 +201,11 @@ def on_path(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     import importlib
     importlib.invalidate_caches()
-    return tmp_path
+    yield tmp_path
+    # A test that imported the package written here must not leave it to later tests (monkeypatch
+    # then puts back the simulated NPU's own modules).
+    for name in [n for n in sys.modules if n.split(".")[0] == "sgl_kernel_npu"]:
+        del sys.modules[name]
 
 
 # sgl-kernel-npu's split_qkv_rmsnorm_rope through its history (bodies reduced to what tells them

@@ -99,6 +99,19 @@ def chain_next_sitecustomize(our_file):
     start = keys.index(ours) + 1
     after = [entry for entry, key in zip(sys.path[start:], keys[start:]) if key != ours]
     spec = path_finder.find_spec("sitecustomize", after)
+    ours_again = spec is not None and spec.origin and (
+        os.path.realpath(spec.origin) == os.path.realpath(our_file))
+    if ours_again:
+        # Our own file again through another spelling of its directory (a symlink): never chain
+        # to it; the next sitecustomize, if any, lies past that entry.  (One search over all the
+        # entries first: this runs in every process.)
+        spec = None
+        for entry in after:
+            found = path_finder.find_spec("sitecustomize", [entry])
+            if found is not None and not (
+                    found.origin and os.path.realpath(found.origin) == os.path.realpath(our_file)):
+                spec = found
+                break
     if spec is None or spec.loader is None:
         return None
     module = sys.modules["_frozen_importlib"].module_from_spec(spec)
@@ -106,15 +119,24 @@ def chain_next_sitecustomize(our_file):
     sys.modules["sitecustomize"] = module
     try:
         spec.loader.exec_module(module)
+    except ImportError as exc:
+        if exc.name != "sitecustomize":  # site.py is silent about exactly this one
+            _report_like_site(exc)
     except Exception as exc:  # noqa: BLE001 - same treatment site.py gives a failing sitecustomize
-        sys.stderr.write(
-            "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n"
-            % (type(exc).__name__, exc))
+        _report_like_site(exc)
     finally:
         if own is not None:
             sys.modules["sitecustomize"] = own
     sys.modules["npu_shim.chained_sitecustomize"] = module
     return module
+
+
+def _report_like_site(exc):
+    if sys.flags.verbose:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    else:
+        sys.stderr.write("Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n"
+                         % (type(exc).__name__, exc))
 
 
 # This file executing as ``sitecustomize`` (no function of its own: every code object here is

@@ -6,6 +6,10 @@ means the shim can decide everything about a patch before the first target modul
 or nothing), ``python -m npu_shim status`` can answer without importing sglang, and the test suite
 can ask the same questions of every released wheel.  Files are parsed lazily, once each.
 
+Files are decoded the way Python imports them (PEP 263 coding cookie, UTF-8 BOM); a file that
+cannot be decoded or parsed raises ``SourceError`` with a one-line reason, which leaves the patch
+that asked ``unsupported``.
+
 ``live_params`` answers the signature question for an already imported function (cheap: it reads
 ``__code__``), so the shim can check the loaded code matches what it decided on.
 """
@@ -14,6 +18,34 @@ import ast
 import hashlib
 import os
 import re
+
+from npu_shim.log import one_line
+
+
+class SourceError(ValueError):
+    """A source file the shim cannot decode or parse (one line: which file and why)."""
+
+
+def read_source(path):
+    """The text of a ``.py`` file as Python's import system decodes it (coding cookie, BOM,
+    universal newlines)."""
+    import importlib.util
+
+    with open(path, "rb") as handle:
+        data = handle.read()
+    try:
+        return importlib.util.decode_source(data)
+    except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
+        raise SourceError("cannot decode %s: %s" % (path, one_line(exc, 120))) from None
+
+
+def parse_source(text, path):
+    try:
+        return ast.parse(text, filename=path)
+    except (SyntaxError, ValueError) as exc:  # ValueError: null bytes
+        where = " line %s" % exc.lineno if getattr(exc, "lineno", None) else ""
+        raise SourceError("cannot parse %s%s: %s: %s"
+                          % (path, where, type(exc).__name__, one_line(getattr(exc, "msg", exc), 120)))
 
 
 class FunctionInfo:
@@ -105,7 +137,7 @@ class ModuleSource:
     def __init__(self, path, text):
         self.path = path
         self.text = text
-        tree = ast.parse(text, filename=path)
+        tree = parse_source(text, path)
         self.functions = {}
         self.globals = set()
         for node in _walk_block(tree.body):
@@ -154,8 +186,7 @@ class SourceView:
         base = os.path.join(self.package_dir, *parts[1:])
         for path in (base + ".py", os.path.join(base, "__init__.py")):
             if os.path.isfile(path):
-                with open(path, encoding="utf-8") as handle:
-                    return ModuleSource(path, handle.read())
+                return ModuleSource(path, read_source(path))
         return None
 
     def function(self, dotted, qualname):
@@ -206,9 +237,8 @@ def read_version(package_dir):
     the literal version."""
     for name in ("_version.py", "version.py"):
         try:
-            with open(os.path.join(package_dir, name), encoding="utf-8") as handle:
-                match = _VERSION.search(handle.read())
-        except OSError:
+            match = _VERSION.search(read_source(os.path.join(package_dir, name)))
+        except (OSError, SourceError):
             continue
         if match:
             return match.group(1)

@@ -15,7 +15,11 @@ import re
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-_URL = re.compile(r"^tcp://(?P<host>[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})$")
+_URL = re.compile(r"^tcp://(?P<host>\[[^\]]*\]|[^:/\[\]]*):(?P<port>[^:]*)$")
+_DIGITS = re.compile(r"[0-9]+")  # ASCII only: int() would also take "１２２８８"
+_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+# No NPU holds more than this (Ascend 910B: 64 GiB); a larger size is a typo, not a budget.
+MAX_MIB = 1 << 20  # 1 TiB
 
 
 class ConfigError(ValueError):
@@ -33,12 +37,34 @@ def _parse_bool(raw):
 
 def _parse_mib(raw):
     value = raw.strip()
-    if not re.fullmatch(r"[+-]?\d+", value):
-        raise ValueError("expected a whole number of MiB, e.g. 12288 for 12 GiB (no unit suffix)")
-    number = int(value)
-    if number < 0:
+    if value.startswith("-") and _DIGITS.fullmatch(value[1:]):
         raise ValueError("expected a whole number of MiB >= 0 (0 turns zbal off)")
-    return number
+    if not _DIGITS.fullmatch(value):
+        raise ValueError("expected a whole number of MiB, e.g. 12288 for 12 GiB (no unit suffix; "
+                         "ASCII digits)")
+    if len(value) > 12 or int(value) > MAX_MIB:
+        raise ValueError("expected at most %d MiB (1 TiB, more than any NPU holds)" % MAX_MIB)
+    return int(value)
+
+
+def _valid_host(host):
+    """A DNS name (RFC 1123 labels), a dotted IPv4 address or a bracketed IPv6 address."""
+    import ipaddress  # only when a URL is set
+
+    if host.startswith("["):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return False
+        return True
+    labels = host.split(".")
+    if all(label.isascii() and label.isdigit() for label in labels):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return False
+        return True
+    return len(host) <= 253 and all(_LABEL.fullmatch(label) for label in labels)
 
 
 def _parse_url(raw):
@@ -46,8 +72,11 @@ def _parse_url(raw):
     if value == "":
         return ""
     match = _URL.match(value)
-    if not match or not 0 < int(match.group("port")) < 65536:
-        raise ValueError("expected tcp://HOST:PORT with a port in 1..65535, e.g. tcp://10.0.0.1:6789")
+    port = match.group("port") if match else ""
+    if (not match or not _valid_host(match.group("host")) or not _DIGITS.fullmatch(port)
+            or len(port) > 5 or not 0 < int(port) < 65536):
+        raise ValueError("expected tcp://HOST:PORT with a port in 1..65535, e.g. tcp://10.0.0.1:6789 "
+                         "(HOST: a hostname, IPv4 or [IPv6] address; ASCII digits)")
     return value
 
 
@@ -56,6 +85,12 @@ def _parse_level(raw):
     if value not in _LEVELS:
         raise ValueError("expected one of " + ", ".join(_LEVELS))
     return value
+
+
+def _shown(raw, limit=60):
+    """The value as it appears in a message: repr (escapes, ANSI and undecodable bytes show as
+    such), cut to ``limit`` characters."""
+    return repr(raw) if len(raw) <= limit else repr(raw[:limit]) + "..."
 
 
 class EnvVar:
@@ -76,7 +111,7 @@ class EnvVar:
         try:
             return self._parse(raw)
         except ValueError as exc:
-            raise ConfigError("%s=%r is invalid: %s" % (self.name, raw, exc)) from None
+            raise ConfigError("%s=%s is invalid: %s" % (self.name, _shown(raw), exc)) from None
 
     def is_set(self, environ=None):
         raw = (os.environ if environ is None else environ).get(self.name)
@@ -115,10 +150,12 @@ DUAL_STREAM = _bool(
 # -- upstream's names, same meaning as in sglang's environ.py ------------------------------------
 ZBAL_LOCAL_MEM_SIZE = EnvVar(
     "SGLANG_ZBAL_LOCAL_MEM_SIZE", "MiB", 0,
-    "Device memory zbal manages, in MiB; > 0 turns zbal on (upstream name and meaning).", _parse_mib)
+    "Device memory zbal manages, in MiB (at most 1048576 = 1 TiB); > 0 turns zbal on (upstream name "
+    "and meaning).", _parse_mib)
 ZBAL_BOOTSTRAP_URL = EnvVar(
     "SGLANG_ZBAL_BOOTSTRAP_URL", "url", "",
-    "tcp://HOST:PORT of zbal's bootstrap server; empty lets zbal derive it from MASTER_ADDR/PORT.",
+    "tcp://HOST:PORT (hostname, IPv4 or [IPv6]; port 1-65535) of zbal's bootstrap server; empty "
+    "lets zbal derive it from MASTER_ADDR/PORT.",
     _parse_url)
 NPU_USE_MULTI_STREAM = _bool(
     "SGLANG_NPU_USE_MULTI_STREAM", False,

@@ -14,7 +14,7 @@ _reported = set()
 _configured = False
 
 
-def _configure():
+def configure():
     global _configured
     if _configured:
         return
@@ -22,26 +22,40 @@ def _configure():
     from npu_shim import config
 
     try:
-        level = config.LOG_LEVEL.read()
+        level, problem = config.LOG_LEVEL.read(), None
     except config.ConfigError as exc:
-        level = "INFO"
-        _reported.add("log-level")
-        _emit(logging.ERROR, "%s (using INFO)" % exc)
+        level, problem = "INFO", exc
     logger.setLevel(level)
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[npu-shim] %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
+    if problem is not None:  # only now: the handler that adds the prefix exists
+        error_once(config_key(config.LOG_LEVEL), "%s (using INFO)" % problem)
+
+
+def config_key(var):
+    """The ``error_once`` key of an invalid variable: each is reported once per process."""
+    return "config:" + var.name
 
 
 def _emit(level, message):
     logger.log(level, message)
 
 
+MAX_LINE = 300  # characters of one log line; longer messages are cut (a reason, never a file)
+
+
+def one_line(message, limit=MAX_LINE):
+    """``message`` on one line of at most ``limit`` characters."""
+    text = " ".join(str(message).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def log(level, message):
-    _configure()
-    _emit(level, message)
+    configure()
+    _emit(level, one_line(message))
 
 
 def info(message):

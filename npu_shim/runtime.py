@@ -7,6 +7,8 @@ Timeline in a process:
    source on disk and logs one line per patch: everything is validated before anything changes.
 3. Each hook then applies the targets that live in its module; a target whose loaded code does
    not match fails its whole patch, which is reverted everywhere.
+4. ``importlib.reload`` of a patched module (which post-import hooks never see) re-applies its
+   targets to the new code, checked like the first time (``ReloadWatcher``).
 No exception leaves a hook unless strict mode is on or a patch the user explicitly asked for
 (``Patch.must_honour``) cannot be applied.
 """
@@ -52,6 +54,7 @@ class Runtime:
         self.records = None      # {name: PatchRecord} once decided
         self.view = None
         self.late_modules = set()  # target modules already imported when the shim activated
+        self.hooked = set()        # every module a patch may touch
 
 
 _RT = Runtime()
@@ -61,8 +64,22 @@ def strict():
     try:
         return config.STRICT.read()
     except config.ConfigError as exc:
-        log.error_once("strict", "%s (strict mode off)" % exc)
+        log.error_once(log.config_key(config.STRICT), "%s (strict mode off)" % exc)
         return False
+
+
+def report_invalid_variables(records):
+    """Each invalid variable once, at activation: those a patch read are in its ``failed`` line
+    already; the others (e.g. strict mode, the log level, a switched-off patch's) are said here."""
+    strict()
+    log.configure()  # reports a bad log level
+    said = " ".join(record.reason for record in records.values())
+    for var in config.ALL:
+        try:
+            var.read()
+        except config.ConfigError as exc:
+            if str(exc) not in said:
+                log.error_once(log.config_key(var), "%s (ignored)" % exc)
 
 
 def load_patches():
@@ -103,6 +120,9 @@ def activate():
             fail_without_wrapt(str(exc) if isinstance(exc, wrapt_loader.WraptUnavailable)
                                else "wrapt could not be loaded: %r" % (exc,))
             return
+        _RT.hooked = set(modules)
+        if _RELOADS not in sys.meta_path:
+            sys.meta_path.insert(0, _RELOADS)
 
     for name in modules:
         # Fires at once for a module that is already imported (install() after sglang).
@@ -168,6 +188,7 @@ def decide_all(view=None, on_npu=None, missing_wrapt=None):
     _RT.records = records
     for record in records.values():
         report(record)
+    report_invalid_variables(records)
     for record in records.values():
         enforce(record)
 
@@ -206,9 +227,57 @@ def enforce(record):
                         % (record.patch.name, record.state, record.reason))
 
 
-def apply_module(module):
+class ReloadWatcher:
+    """A meta-path finder that notices ``importlib.reload`` of a hooked module (reload passes the
+    module as ``target``, an import does not) and has the patches re-applied once the new code
+    has run."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if target is None or fullname not in _RT.hooked or _RT.records is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _ReapplyingLoader(spec.loader)
+                return spec
+        return None
+
+
+class _ReapplyingLoader:
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = module.__spec__.loader = self.loader  # leave no trace of ourselves
+        self.loader.exec_module(module)
+        try:
+            with _RT.lock:
+                if _RT.records is not None:
+                    # Copies other modules took keep the code they took, as after any reload.
+                    apply_module(module, late=False)
+        except ShimError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - never break the application's reload
+            log.error_once("reload:" + module.__name__,
+                           "re-applying after reload of %s failed: %r" % (module.__name__, exc))
+
+
+_RELOADS = ReloadWatcher()
+
+
+def apply_module(module, late=None):
     name = module.__name__
-    late = name in _RT.late_modules
+    if late is None:
+        late = name in _RT.late_modules
     for record in _RT.records.values():
         if record.state != APPLIED:
             continue
@@ -302,6 +371,8 @@ def uninstall():
     with _RT.lock:
         while _bootstrap._WATCHER in sys.meta_path:
             sys.meta_path.remove(_bootstrap._WATCHER)
+        while _RELOADS in sys.meta_path:
+            sys.meta_path.remove(_RELOADS)
         if _RT.records:
             for record in _RT.records.values():
                 revert_record(record)

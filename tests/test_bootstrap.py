@@ -239,7 +239,7 @@ def test_per_patch_switch_disables_only_that_patch(tree):
      "demo: failed (NPU_SHIM_DUAL_STREAM='maybe' is invalid: expected a boolean"),
     ("SGLANG_ZBAL_LOCAL_MEM_SIZE", "12GB",
      "demo: failed (SGLANG_ZBAL_LOCAL_MEM_SIZE='12GB' is invalid: expected a whole number of MiB, "
-     "e.g. 12288 for 12 GiB (no unit suffix))"),
+     "e.g. 12288 for 12 GiB (no unit suffix; ASCII digits))"),
     ("SGLANG_ZBAL_LOCAL_MEM_SIZE", "-5",
      "demo: failed (SGLANG_ZBAL_LOCAL_MEM_SIZE='-5' is invalid: expected a whole number of MiB >= 0"),
     ("NPU_SHIM_LOG_LEVEL", "LOUD",
@@ -259,7 +259,8 @@ def test_bad_bootstrap_url_message():
     with pytest.raises(config.ConfigError) as info:
         config.ZBAL_BOOTSTRAP_URL.read({"SGLANG_ZBAL_BOOTSTRAP_URL": "10.0.0.1:6789"})
     assert str(info.value) == ("SGLANG_ZBAL_BOOTSTRAP_URL='10.0.0.1:6789' is invalid: expected "
-                               "tcp://HOST:PORT with a port in 1..65535, e.g. tcp://10.0.0.1:6789")
+                               "tcp://HOST:PORT with a port in 1..65535, e.g. tcp://10.0.0.1:6789 "
+                               "(HOST: a hostname, IPv4 or [IPv6] address; ASCII digits)")
     assert config.ZBAL_BOOTSTRAP_URL.read({"SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://10.0.0.1:6789"}) == \
         "tcp://10.0.0.1:6789"
 

@@ -163,3 +163,21 @@ def test_release_stub_sets():
     assert "acl" in _stubs.roots_for("0.5.23") and "acl" not in _stubs.roots_for("0.5.11")
     assert "sgl_kernel_npu.norm.split_qkv_rmsnorm_rope" in _stubs.absent_for("0.5.9")
     assert _stubs.absent_for("0.5.11") == set()
+
+
+@pytest.mark.parametrize("first_call", [
+    lambda npu: npu.set_device(0), lambda npu: npu.mem_get_info(), lambda npu: npu.synchronize(),
+    lambda npu: npu.current_stream(), lambda npu: npu.Stream(), lambda npu: npu.empty_cache(),
+    lambda npu: npu.init(),
+])
+def test_allocator_cannot_be_switched_once_the_device_is_initialised(simnpu_clean, first_call):
+    """As torch_npu: any device call initialises the device, not only the first allocation."""
+    import torch_npu
+
+    npu = torch_npu.npu
+    assert npu.is_available() and npu.device_count() == 1  # these do not initialise
+    assert not npu.is_initialized()
+    first_call(npu)
+    assert npu.is_initialized()
+    with pytest.raises(RuntimeError, match="already initialized"):
+        npu.memory.change_current_allocator(npu.memory.NPUPluggableAllocator("/z.so", "m", "f"))

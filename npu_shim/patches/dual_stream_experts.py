@@ -15,7 +15,9 @@ How (two sub-features, gated as upstream 0.5.10 gates them):
   stream waits for the side stream *before* the two outputs are added.  Decode, and empty batches,
   go to the original method.  One side stream per process, created on first use.
 * fused decode path -- ``Glm4MoeAttention.forward_prepare`` is wrapped when the image's
-  ``sgl_kernel_npu`` has ``norm.split_qkv_rmsnorm_rope``.  Outside extend/draft-extend/mixed (as
+  ``sgl_kernel_npu`` has ``norm.split_qkv_rmsnorm_rope`` with the signature upstream's call binds
+  and partial-rotary support, both read from the kernel's ``def`` (``kernel_support``: the same
+  check on the file before anything is patched and on the loaded kernel at its first call).  Outside extend/draft-extend/mixed (as
   upstream: decode, target-verify) it calls the kernel instead of split -> qk-norm -> rope, with
   cos/sin computed once per step at the first layer.  Layers the kernel would compute differently
   (no qk-norm, q/k eps differ, non-neox rope, 2-D positions, a kernel without partial-rotary
@@ -33,14 +35,14 @@ Upstream: sgl-project/sglang#19246 ("[NPU] optimize glm4.7"), sglang 0.5.10
 Remove when every supported image runs sglang >= 0.5.10.
 """
 
+import ast
 import importlib
 import importlib.util
 import os
-import re
 import threading
 
 from npu_shim import config
-from npu_shim.codeview import unwrap
+from npu_shim.codeview import SourceError, parse_source, read_source, unwrap
 from npu_shim.patching import Patch, Wrap, bind_arguments
 
 GLM4_MOE = "sglang.srt.models.glm4_moe"
@@ -58,9 +60,13 @@ PREPARE_PARAMS = ("positions", "hidden_states", "forward_batch")
 DEEPEP_FINGERPRINTS = {"12fa6dbf452e9ddf": "0.5.7-0.5.9"}
 PREPARE_FINGERPRINTS = {"e70a3adaa34177b5": "0.5.7-0.5.9"}
 
-# A kernel file that knows partial rotary (GLM-4.x rotates half of each head) sizes the rope
-# from ``sin.shape[-1]`` (``rope_dim``); older ones rotate the whole head and would be wrong.
-_PARTIAL_ROPE = re.compile(r"\brope_dim\b", re.IGNORECASE)
+# How ``_forward_prepare_fused`` calls the kernel (as upstream 0.5.10): these parameters by
+# position, then these by keyword.  sgl-kernel-npu's history of the function: 2025-11-19
+# (input, sin, cos, q_weight, k_weight, q_hidden_size, ...), full rotation; 2025-12-26 today's
+# order, full rotation; 2026-03-05 partial rotation (``rope_dim = sin.shape[-1]``); 2026-05-27
+# ``is_neox_style=True`` appended.
+KERNEL_POSITIONAL = ("input", "sin", "cos", "q_hidden_size", "kv_hidden_size", "head_dim")
+KERNEL_KEYWORDS = ("eps", "q_weight", "k_weight", "q_bias", "k_bias")
 
 
 class _State:
@@ -71,7 +77,7 @@ class _State:
         self.side_stream = None
         self.kernel = None          # the imported split_qkv_rmsnorm_rope
         self.kernel_error = None    # why it could not be imported/used
-        self.kernel_partial = None  # True/False once its source was read
+        self.kernel_partial = None  # True/False once its signature was read (kernel_support)
         self.layer_plans = {}       # layer-config key -> None (fused) or reason (original path)
         self.counts = {"dual_stream_calls": 0, "fused_calls": 0}
         self.details = None         # the patch record's details, once looked up
@@ -273,18 +279,70 @@ def _load_kernel():
         except Exception as exc:  # noqa: BLE001 - an image without it keeps the original path
             _STATE.kernel_error = "cannot import %s.%s: %r" % (KERNEL_MODULE, KERNEL_NAME, exc)
             return None
-        _STATE.kernel_partial = _source_has_partial_rope(kernel)
+        problem, partial = loaded_kernel_support(kernel)
+        if problem:
+            _STATE.kernel_error = problem
+            return None
+        _STATE.kernel_partial = partial
         _STATE.kernel = kernel
     return _STATE.kernel
 
 
-def _source_has_partial_rope(func):
+def kernel_support(node, where):
+    """(problem, partial) for the ``def`` of the kernel: problem is None when the call this module
+    makes binds as meant (each argument to the parameter of that name, every other parameter has
+    a default); partial is True when it rotates only ``sin.shape[-1]`` dims of each head (partial
+    rotary) rather than the whole head.  The decision and the call-time check both ask this."""
+    args = node.args
+    positional = [a.arg for a in args.posonlyargs + args.args]
+    keywords = set(positional[len(args.posonlyargs):]) | {a.arg for a in args.kwonlyargs}
+    for index, name in enumerate(KERNEL_POSITIONAL[1:], 1):
+        if index >= len(positional) or positional[index] != name:
+            found = positional[index] if index < len(positional) else "nothing"
+            return ("%s: parameter %d is %s where the call passes %s (a kernel signature the shim "
+                    "was not written for)" % (where, index + 1, found, name)), False
+    for name in KERNEL_KEYWORDS:
+        if name not in keywords or name in positional[:len(KERNEL_POSITIONAL)]:
+            return "%s takes no keyword argument %s" % (where, name), False
+    bound = set(positional[:len(KERNEL_POSITIONAL)]) | set(KERNEL_KEYWORDS)
+    defaults = positional[len(positional) - len(args.defaults):] if args.defaults else []
+    unbound = [a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is None]
+    unbound += [name for name in positional if name not in bound and name not in defaults]
+    if unbound:
+        return "%s requires %s, which the call does not pass" % (where, ", ".join(unbound)), False
+    return None, _reads_width_of(node, positional[1])
+
+
+def _reads_width_of(node, name):
+    """Whether the function reads ``<name>.shape[-1]`` (the rotary width, from sin)."""
+    for sub in ast.walk(node):
+        if (isinstance(sub, ast.Subscript) and isinstance(sub.value, ast.Attribute)
+                and sub.value.attr == "shape" and isinstance(sub.value.value, ast.Name)
+                and sub.value.value.id == name and _is_minus_one(sub.slice)):
+            return True
+    return False
+
+
+def _is_minus_one(node):
+    return (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+            and isinstance(node.operand, ast.Constant) and node.operand.value == 1) or (
+        isinstance(node, ast.Constant) and node.value == -1)
+
+
+def loaded_kernel_support(kernel):
+    """``kernel_support`` of the imported kernel, from the source it was loaded from."""
     import inspect
+    import textwrap
 
     try:
-        return bool(_PARTIAL_ROPE.search(inspect.getsource(unwrap(func))))
-    except (OSError, TypeError):
-        return False  # cannot be verified: treat as the old kernel
+        tree = ast.parse(textwrap.dedent(inspect.getsource(unwrap(kernel))))
+    except (OSError, TypeError, SyntaxError) as exc:
+        return "cannot read the source of the loaded %s to check its signature (%r)" % (
+            KERNEL_NAME, exc), False
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return "the loaded %s is not a plain function" % KERNEL_NAME, False
+    return kernel_support(node, "the loaded " + KERNEL_NAME)
 
 
 def _attach_details():
@@ -319,11 +377,18 @@ def kernel_problem():
         path = os.path.join(location, "norm", KERNEL_NAME + ".py")
         if not os.path.isfile(path):
             return "sgl_kernel_npu at %s has no norm/%s.py (an older sgl-kernel-npu)" % (location, KERNEL_NAME)
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            text = handle.read()
-        if not re.search(r"^def %s\(" % KERNEL_NAME, text, re.MULTILINE):
+        try:
+            tree = parse_source(read_source(path), path)
+        except (SourceError, OSError) as exc:
+            return str(exc)
+        node = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == KERNEL_NAME),
+                    None)
+        if node is None:
             return "%s defines no %s()" % (path, KERNEL_NAME)
-        if not _PARTIAL_ROPE.search(text):
+        problem, partial = kernel_support(node, "%s %s()" % (path, KERNEL_NAME))
+        if problem:
+            return problem
+        if not partial:
             return ("%s has no partial-rotary support (GLM-4.x rotates half of each head; "
                     "this kernel would rotate all of it)" % path)
         return None

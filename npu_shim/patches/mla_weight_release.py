@@ -34,10 +34,14 @@ How
 Deliberate differences from upstream 0.5.20
     * A released weight is *guarded*: the tensor object itself (every reference to it) becomes a
       subclass whose ``__torch_function__`` raises ``ReleasedWeightError`` naming the weight, the
-      layer and ``NPU_SHIM_MLA_WEIGHT_RELEASE=0``; its data is an empty tensor, so even code that
-      bypasses ``__torch_function__`` sees a 0-element tensor, never freed memory.  Upstream leaves
-      a tensor with its old shape on a 0-byte storage: reading it segfaults CPU torch 2.13 and reads
-      freed memory on a device.
+      layer and ``NPU_SHIM_MLA_WEIGHT_RELEASE=0``; it holds a fresh empty tensor without ``_base``
+      (``torch.utils.swap_tensors``), so even code that bypasses ``__torch_function__`` sees a
+      0-element tensor, never freed memory.  Upstream leaves a tensor with its old shape on a
+      0-byte storage: reading it segfaults CPU torch 2.13 and reads freed memory on a device.
+    * Memory is freed only when the weight and its own ``_base`` chain are the storage's sole
+      holders (the C++ use count of the storage, and no other reference to a base): a view,
+      ``.data``, ``.detach()`` or base taken elsewhere keeps the weight whole, with one warning
+      naming the holder count.  Upstream's ``resize_(0)`` frees memory such aliases still read.
     * Nothing is released when the server can reload or adapt weights -- LoRA, memory saver /
       weights CPU backup (RL refit), ``load_format=dummy``, checkpoint engine, custom weight loader,
       serving as a remote-instance weight seed -- unless ``NPU_SHIM_MLA_RELEASE_FORCE=1``; the log
@@ -56,6 +60,7 @@ image runs sglang >= 0.5.20.
 
 import logging
 import re
+import sys
 
 from npu_shim import config, log
 from npu_shim.patching import Patch, Replace, Wrap
@@ -117,8 +122,12 @@ class PinnedWrap(Wrap):
 
     def check_source(self, view):
         if view.function(self.module, self.qualname) is None:
-            return ("%s not found: this sglang has no mlaprolog path (it appears in 0.5.9), so there "
-                    "is nothing to release" % self.describe())
+            if view.function(MLA_PRE, CLASS + ".forward_mlaprolog") is None:
+                return ("%s not found: this sglang has no mlaprolog path (it appears in 0.5.9), so "
+                        "there is nothing to release" % self.describe())
+            return ("%s not found, although this sglang has the mlaprolog path (%s.forward_mlaprolog): "
+                    "renamed or moved in this image, so the shim cannot tell what would still read the "
+                    "weights" % (self.describe(), CLASS))
         problem = super().check_source(view)
         if problem:
             return problem
@@ -331,28 +340,95 @@ def is_released(tensor):
     return bool(getattr(type(tensor), "_npu_shim_guard", False))
 
 
+def storage_holders(storage):
+    """How many tensors and storage objects hold ``storage`` (the C++ use count of its StorageImpl;
+    ``storage`` itself, a Python handle, counts as one)."""
+    import torch
+
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def _base_chain(tensor, storage):
+    """The tensor's own ``_base`` chain on the same memory (what the view keeps alive)."""
+    chain, base = [], tensor._base
+    while base is not None and base.untyped_storage().data_ptr() == storage.data_ptr():
+        chain.append(base)
+        base = base._base
+    return chain
+
+
+def _chain_refs(chain):
+    return [sys.getrefcount(base) for base in chain]
+
+
+_BASE_REFS = []  # Python references to a base that only its own view holds (measured once)
+
+
+def _base_held_elsewhere(chain):
+    """True when code other than the view holds a base tensor object (it would outlive the
+    release).  The baseline is measured on a fresh view through the same calls, so it does not
+    depend on how this Python version counts references."""
+    import torch
+
+    if not _BASE_REFS:
+        probe = torch.empty(1)[:]
+        _BASE_REFS.extend(_chain_refs(_base_chain(probe, probe.untyped_storage())))
+    return any(refs > _BASE_REFS[0] for refs in _chain_refs(chain))
+
+
 def release(tensor, what):
-    """Free ``tensor``'s memory and guard the object; returns the bytes freed (0: not released)."""
+    """Free ``tensor``'s memory and guard the object; returns the bytes freed (0: kept).
+
+    Nothing is freed that anything but the weight itself and its own ``_base`` chain holds: the
+    storage's real holders (the C++ use count) decide.  Otherwise the weight is kept whole and one
+    warning names the holder count.  The weight object (every reference to it) then holds a fresh
+    0-element tensor without ``_base``, so code that bypasses ``__torch_function__`` sees an empty
+    tensor, never freed memory."""
     import torch
 
     if is_released(tensor):
         return 0
-    dtype, device = tensor.dtype, tensor.device
     storage = tensor.untyped_storage()
     nbytes = storage.nbytes()
-    old = tensor.data
-    # Code that bypasses __torch_function__ (C++) sees an empty tensor, never freed memory.
-    tensor.data = torch.empty(0, dtype=dtype, device=device)
-    try:
-        tensor.__class__ = guarded_class(type(tensor))
-    except TypeError as exc:
-        tensor.data = old
-        _once("guard:" + type(tensor).__name__, logging.WARNING,
-              "keeping %s: its class %s cannot be guarded (%s)" % (what, type(tensor).__name__, exc))
+    chain = _base_chain(tensor, storage)
+    # Holders: our ``storage`` handle, the weight, its base chain; anything more is an alias.
+    others = storage_holders(storage) - 2 - len(chain)
+    if others > 0 or _base_held_elsewhere(chain):
+        count = max(others, 1)
+        _once("aliased", logging.WARNING,
+              "keeping %s: its memory has %d other holder%s (a view, .data, .detach() or its base "
+              "taken elsewhere); freeing it would crash whoever reads them"
+              % (what, count, "" if count == 1 else "s"))
         return 0
-    del old
+    cls = type(tensor)
+    guarded = guarded_class(cls)
+    emptied = torch.Tensor._make_subclass(cls, torch.empty(0, dtype=tensor.dtype, device=tensor.device),
+                                          False)
+    try:
+        # The weight object gets the empty tensor; ``emptied`` gets the old one with its _base.
+        torch.utils.swap_tensors(tensor, emptied)
+    except RuntimeError as exc:  # C++ holds the tensor itself, or a weakref points at it
+        _once("swap", logging.WARNING, "keeping %s: it is held where it cannot be replaced (%s)"
+              % (what, str(exc).split(".")[0]))
+        return 0
+    tensor.__dict__, emptied.__dict__ = emptied.__dict__, {}
+    try:
+        tensor.__class__ = guarded
+    except TypeError as exc:
+        torch.utils.swap_tensors(tensor, emptied)
+        tensor.__dict__, emptied.__dict__ = emptied.__dict__, {}
+        _once("guard:" + cls.__name__, logging.WARNING,
+              "keeping %s: its class %s cannot be guarded (%s)" % (what, cls.__name__, exc))
+        return 0
     tensor.__dict__[_TAG] = what
-    storage.resize_(0)  # freed even if a view elsewhere still holds the storage (as upstream)
+    del emptied, chain
+    left = storage_holders(storage) - 1
+    if left:
+        _once("still-held", logging.WARNING,
+              "%s is guarded but its memory still has %d holder%s; it is freed when they let go"
+              % (what, left, "" if left == 1 else "s"))
+        return 0
+    storage.resize_(0)  # only our handle (and Python storage objects, which see 0 bytes) remain
     return nbytes
 
 

@@ -201,11 +201,58 @@ def on_path(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     import importlib
     importlib.invalidate_caches()
-    return tmp_path
+    yield tmp_path
+    # A test that imported the package written here must not leave it to later tests (monkeypatch
+    # then puts back the simulated NPU's own modules).
+    for name in [n for n in sys.modules if n.split(".")[0] == "sgl_kernel_npu"]:
+        del sys.modules[name]
 
 
-NEW_KERNEL = "def split_qkv_rmsnorm_rope(input, sin, cos, q, kv, head_dim):\n    rope_dim = sin.shape[-1]\n"
-OLD_KERNEL = "def split_qkv_rmsnorm_rope(input, sin, cos, q, kv, head_dim):\n    HALF_HEAD_DIM = head_dim // 2\n"
+# sgl-kernel-npu's split_qkv_rmsnorm_rope through its history (bodies reduced to what tells them
+# apart; the Triton kernels they launch are left out).
+HISTORY = {
+    "2025-11-19": """
+def split_qkv_rmsnorm_rope(input, sin, cos, q_weight, k_weight, q_hidden_size, kv_hidden_size,
+                           head_dim, eps, q_bias, k_bias):
+    HALF_HEAD_DIM = head_dim // 2
+    return input, input, input
+""",
+    "2025-12-26": """
+def split_qkv_rmsnorm_rope(input, sin, cos, q_hidden_size, kv_hidden_size, head_dim, eps=None,
+                           q_weight=None, k_weight=None, q_bias=None, k_bias=None):
+    HALF_HEAD_DIM = head_dim // 2  # rotates the whole head
+    return input, input, input
+""",
+    "2026-03-05": """
+def split_qkv_rmsnorm_rope(input, sin, cos, q_hidden_size, kv_hidden_size, head_dim, eps=None,
+                           q_weight=None, k_weight=None, q_bias=None, k_bias=None):
+    rope_dim = sin.shape[-1]
+    return input, input, input
+""",
+    "2026-05-27": """
+def split_qkv_rmsnorm_rope(input, sin, cos, q_hidden_size, kv_hidden_size, head_dim, eps=None,
+                           q_weight=None, k_weight=None, q_bias=None, k_bias=None,
+                           is_neox_style=True):
+    rope_dim = sin.shape[-1]
+    return input, input, input
+""",
+    # rope_dim in the file, but only in a helper: the wrapper still rotates the whole head
+    "helper-only": """
+def _kernel(x, ROPE_DIM):  # rope_dim = sin.shape[-1] would be needed here
+    return x
+
+def split_qkv_rmsnorm_rope(input, sin, cos, q_hidden_size, kv_hidden_size, head_dim, eps=None,
+                           q_weight=None, k_weight=None, q_bias=None, k_bias=None):
+    return input, input, input
+""",
+    "required extra": """
+def split_qkv_rmsnorm_rope(input, sin, cos, q_hidden_size, kv_hidden_size, head_dim, eps=None,
+                           q_weight=None, k_weight=None, q_bias=None, k_bias=None, *, stream):
+    rope_dim = sin.shape[-1]
+""",
+}
+NEW_KERNEL = HISTORY["2026-03-05"]
+OLD_KERNEL = HISTORY["2025-12-26"]
 
 
 def test_kernel_check_reads_the_installed_package_without_importing_it(on_path):
@@ -222,6 +269,39 @@ def test_kernel_check_reasons(on_path):
     assert "no partial-rotary support" in ds.kernel_problem()
     (on_path / "sgl_kernel_npu" / "norm" / "split_qkv_rmsnorm_rope.py").write_text("x = 1\n")
     assert "defines no split_qkv_rmsnorm_rope()" in ds.kernel_problem()
+
+
+@pytest.mark.parametrize("when,decision,call_time", [
+    ("2025-11-19", "parameter 4 is q_weight where the call passes q_hidden_size",
+     "parameter 4 is q_weight where the call passes q_hidden_size"),
+    ("2025-12-26", "no partial-rotary support", "rope rotates 8 of 16 head dims"),
+    ("2026-03-05", None, None),
+    ("2026-05-27", None, None),
+    ("helper-only", "no partial-rotary support", "rope rotates 8 of 16 head dims"),
+    ("required extra", "requires stream, which the call does not pass",
+     "requires stream, which the call does not pass"),
+])
+def test_kernel_history_is_judged_by_signature_the_same_before_and_at_call_time(
+        on_path, when, decision, call_time):
+    """Each historical shape of the kernel, written as a file: what the decision reads from it
+    and what the first call finds in the loaded function agree (a GLM-4.x layer: rope on 8 of
+    16 head dims)."""
+    _fake_kernel_package(on_path, HISTORY[when])
+    problem = ds.kernel_problem()
+    assert (problem is None) if decision is None else (decision in problem), problem
+    assert "sgl_kernel_npu" not in sys.modules  # read, not imported
+    (on_path / "sgl_kernel_npu" / "__init__.py").write_text("")  # now the process imports it
+    ds.PATCH.on_revert()
+    plan = ds._plan_layer(_attn())  # imports the file written above
+    assert (plan is None) if call_time is None else (call_time in plan), plan
+    assert ds._plan_layer(_attn(rotary_emb=_Rope(16))) == (None if decision is None or "rotary" in
+                                                          decision else plan)
+
+
+def test_kernel_the_shim_cannot_read_keeps_the_original_path(monkeypatch):
+    monkeypatch.setattr(ds, "importlib", types.SimpleNamespace(
+        import_module=lambda name: types.SimpleNamespace(split_qkv_rmsnorm_rope=len)))  # a builtin
+    assert "cannot read the source of the loaded split_qkv_rmsnorm_rope" in ds._plan_layer(_attn())
 
 
 # -- stream helpers on the simulated NPU ------------------------------------------------------------

@@ -1,6 +1,7 @@
 """mla_weight_release, unit level: decisions from every release's source, the guard, the predicate,
 the role / weight-update gates and the wrappers' first-call / hot-path logic (CPU torch, fakes where
 sglang would be; the real-release behaviour is in test_mla_weight_release_real.py)."""
+import json
 import logging
 import os
 import shutil
@@ -153,12 +154,15 @@ def test_release_frees_the_storage_and_guards_every_reference(make):
     for touch in (lambda: alias.sum(), lambda: alias + 1, lambda: alias.shape, lambda: alias.data,
                   lambda: torch.nn.functional.linear(torch.ones(1, 8), alias), lambda: alias.copy_(alias),
                   lambda: torch.ops.aten.add(alias, 1), lambda: alias.untyped_storage(),
-                  lambda: alias.to(torch.float16), lambda: alias[0]):
+                  lambda: alias.to(torch.float16), lambda: alias[0],
+                  lambda: torch.where(torch.tensor(True), 1.0, alias)):  # a float before it
         with pytest.raises(R.ReleasedWeightError) as info:
             touch()
         assert "w_kc of layer 7" in str(info.value)
         assert "NPU_SHIM_MLA_WEIGHT_RELEASE=0" in str(info.value)
-    assert "released by npu-shim: w_kc of layer 7" in repr(alias)
+    with pytest.raises(R.ReleasedWeightError, match="`sum` touched it"):
+        alias.sum()
+    assert "released by npu-shim: w_kc of layer 7" in repr(alias) == str(alias)
     assert R.release(alias, "again") == 0  # idempotent
     if isinstance(tensor, SglangLikeParameter):
         assert tensor._weight_loader == "loader"  # attributes survive
@@ -204,6 +208,66 @@ def test_touching_a_released_weight_exits_with_an_exception_not_a_signal():
         print(float(t.sum()))
     """)
     assert upstream.returncode < 0, (upstream.returncode, upstream.stderr[-500:])
+
+
+ALIAS = """
+import json, torch
+from npu_shim.patches import mla_weight_release as R
+qkv = torch.nn.Parameter(torch.randn(24, 32), requires_grad=False)          # as the fused qkv_a
+w_kc = torch.randn(4, 8, 12).transpose(1, 2).contiguous().transpose(1, 2)  # as sglang lays out w_kc
+weight = {weight}
+alias = {alias}
+freed = R.release(weight, "w_kc of layer 3")
+print("released", freed, flush=True)
+with torch._C.DisableTorchFunctionSubclass():  # what C++ / subclass-blind code sees
+    base = weight._base
+    seen = {{"numel": weight.numel(), "base": None if base is None else base.numel()}}
+print(json.dumps({{"freed": freed, "released": R.is_released(weight), "seen": seen,
+                  "alias_sum": None if alias is None else float(
+                      sum(alias.tolist()) if isinstance(alias, torch.UntypedStorage) else alias.sum())}}),
+      flush=True)
+"""
+
+
+@pytest.mark.parametrize("weight,alias", [
+    ("qkv", "weight.detach()"),
+    ("qkv", "weight.view(-1)"),
+    ("qkv", "weight.data"),
+    ("qkv", "weight.t()"),
+    ("w_kc", "weight.detach()"),
+    ("w_kc", "weight.transpose(1, 2)"),
+    ("w_kc", "weight._base"),                # the base of sglang's w_kc layout, held elsewhere
+    ("w_kc", "weight._base.view(-1)"),
+    ("w_kc", "weight.untyped_storage()"),    # a storage object: sees 0 bytes, never freed memory
+    ("w_kc", "None"),
+])
+def test_alias_taken_before_the_release_never_reads_freed_memory(weight, alias):
+    """The weight is freed only when it (and its own _base chain) is the storage's sole holder;
+    otherwise it is kept whole.  Run in a subprocess: a wrong free here is a segfault."""
+    run = _run(ALIAS.format(weight=weight, alias=alias))
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])  # < 0 would be a signal
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    if alias in ("None", "weight.untyped_storage()"):
+        assert out["freed"] > 0 and out["released"]
+        assert out["seen"] == {"numel": 0, "base": None}  # the _base chain is dropped as well
+        if alias != "None":
+            assert out["alias_sum"] == 0.0  # an empty storage, not freed memory
+    else:
+        assert out["freed"] == 0 and not out["released"]  # kept: something else reads that memory
+        assert out["seen"]["numel"] > 0
+        assert "keeping w_kc of layer 3: its memory has 1 other holder (" in run.stderr
+
+
+def test_keeping_an_aliased_weight_warns_once_with_the_holder_count(logs):
+    weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+    views = [weight.view(-1), weight.t(), weight.detach()]
+    for _ in range(2):
+        assert R.release(weight, "qkv_a_proj.weight of layer 1") == 0
+    warnings = [line for line in logs if "other holder" in line]
+    assert len(warnings) == 1 and "has 3 other holders" in warnings[0]
+    assert float(sum(v.sum() for v in views)) == pytest.approx(3 * float(weight.sum()), rel=1e-4)
+    del views
+    assert R.release(weight, "qkv_a_proj.weight of layer 1") == 8 * 8 * 4
 
 
 # --------------------------------------------------------------------------- predicate
@@ -442,3 +506,131 @@ def test_status_details_and_revert(server, monkeypatch):
     assert record.details["layers"] == 1 and record.details["role"] == "decode"
     R.PATCH.on_revert()
     assert R._STATE.released_bytes == {"qkv_a": 0, "w_kc": 0} and not R._STATE.layers
+
+
+def _prepared(m, copy):
+    """A preprocessor after mlaprolog_preprocess_weight, its q_a/kv_a copies made by ``copy``."""
+    pre = FakePreprocess(m)
+    weight = pre.qkv_a_proj.weight.data.transpose(0, 1)
+    pre.qkv_a_proj.weight.data = weight
+    pre.q_a_proj_weight = copy(weight[:, :16])
+    pre.kv_a_proj_weight = copy(weight[:, 16:])
+    return pre
+
+
+@pytest.mark.parametrize("copy,word", [
+    (lambda t: t, "q_a/kv_a copies share its memory"),                # views, not copies
+    (lambda t: t.clone() if t.shape[1] == 16 else None, "q_a/kv_a copies share its memory"),
+])
+def test_qkv_a_whose_copies_share_its_memory_is_kept(server, logs, copy, word):
+    pre = _prepared(layer(0), copy)
+    assert R.release_qkv_a(pre) == 0
+    assert not R.is_released(pre.qkv_a_proj.weight)
+    assert any(word in line for line in logs)
+    assert not any("other holder" in line for line in logs)  # decided before the holder count
+
+
+def test_qkv_a_that_is_part_of_a_larger_storage_is_kept(server, logs):
+    m = layer(0)
+    big = torch.randn(24 * 32 + 100)
+    m.fused_qkv_a_proj_with_mqa.weight.data = big[:24 * 32].view(24, 32)
+    del big  # the weight is the storage's only holder, but holds 100 values besides itself
+    pre = _prepared(m, lambda t: t.clone())
+    assert R.release_qkv_a(pre) == 0 and not R.is_released(pre.qkv_a_proj.weight)
+    assert any("storage holds more than this weight" in line for line in logs)
+
+
+@pytest.mark.parametrize("own", [
+    lambda w: w.view(w.shape),                     # another tensor object on the same memory
+    lambda w: w[:, :, :].contiguous().clone()[:0],  # a copy of the wrong (empty) size: distinct memory
+])
+def test_w_kc_shared_with_or_distinct_from_the_preprocessors(server, logs, own):
+    m = layer(0)
+    m.mla_preprocess = FakePreprocess(m)
+    m.mla_preprocess.w_kc = own(m.w_kc)
+    shares = m.mla_preprocess.w_kc.numel() > 0
+    assert (R.release_w_kc(m) == 0) is shares
+    assert R.is_released(m.w_kc) is not shares
+    assert any("preprocessor's w_kc shares its memory" in line for line in logs) is shares
+
+
+def test_w_kc_that_is_part_of_a_larger_storage_is_kept(server, logs):
+    m = layer(0)
+    m.w_kc = torch.randn(4 * 8 * 12 + 10)[:4 * 8 * 12].view(4, 8, 12)
+    m.mla_preprocess = FakePreprocess(m)
+    assert R.release_w_kc(m) == 0 and not R.is_released(m.w_kc)
+    assert any("storage holds more than this weight" in line for line in logs)
+
+
+def test_accounting_in_status_details_and_summary_lines(server, logs, monkeypatch):
+    record = types.SimpleNamespace(details={})
+    from npu_shim import runtime
+
+    monkeypatch.setattr(runtime, "record", lambda name: record if name == R.PATCH.name else None)
+    monkeypatch.setattr(R.log, "process_tag", lambda: "pid 42")
+    layers = [layer(0), layer(1)]
+    step(layers)
+    step(layers)  # layer 0 again: the first pass is done, the summary is logged
+    qkv, wkc = 2 * 24 * 32 * 4, 2 * 4 * 8 * 12 * 4  # float32 bytes of two layers
+    assert record.details["qkv_a_mib"] == round(qkv / R.MIB, 3) == 0.006
+    assert record.details["w_kc_mib"] == round(wkc / R.MIB, 3) == 0.003
+    assert [line for line in logs if "MiB in" in line] == [
+        "mla_weight_release: released: 0.0 MiB in 2 layers (qkv_a 0.0 MiB, w_kc 0.0 MiB) in pid 42"]
+    step([layer(2)])  # a layer first seen after the summary
+    assert logs[-1] == ("mla_weight_release: more layers released: 0.0 MiB in 3 layers "
+                        "(qkv_a 0.0 MiB, w_kc 0.0 MiB) in pid 42")
+
+
+def test_nothing_to_release_returns_zero_bytes(server, logs):
+    m = layer(0)
+    pre = _prepared(m, lambda t: t.clone())
+    m.mla_preprocess = pre
+    server["role"] = "null"
+    assert R.release_qkv_a(pre) == 0 and R.release_w_kc(m) == 0  # role
+    server["role"] = "decode"
+    no_mlaprolog = layer(1, mlaprolog=False)
+    no_mlaprolog.mla_preprocess = _prepared(no_mlaprolog, lambda t: t.clone())
+    assert R.release_qkv_a(no_mlaprolog.mla_preprocess) == 0 and R.release_w_kc(no_mlaprolog) == 0
+    assert any("keeping qkv_a_proj.weight of layer 1: mlaprolog_preprocess_weight ran although "
+               "forward() would not route to mlaprolog" in line for line in logs)
+    assert R.release_qkv_a(pre) > 0 and R.release_w_kc(m) > 0
+    assert "released by npu-shim: qkv_a_proj.weight of layer 0;" in repr(pre.qkv_a_proj.weight)
+    assert "released by npu-shim: w_kc of layer 0;" in repr(m.w_kc)
+    assert R.release_qkv_a(pre) == 0 and R.release_w_kc(m) == 0  # already released
+    m.w_kc = None
+    pre.qkv_a_proj.weight = None
+    assert R.release_qkv_a(pre) == 0 and R.release_w_kc(m) == 0
+
+
+def test_weight_that_cannot_be_swapped_or_guarded_is_kept_whole(logs, monkeypatch):
+    import weakref
+
+    weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+    values = weight.clone()
+    ref = weakref.ref(weight)  # swap_tensors refuses a tensor that has weakrefs
+    assert R.release(weight, "w_kc of layer 4") == 0 and not R.is_released(weight)
+    assert torch.equal(weight, values) and ref() is weight
+    assert any("keeping w_kc of layer 4: it is held where it cannot be replaced" in l for l in logs)
+    other = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+    values = other.clone()
+    slotted = type("Slotted", (torch.nn.Parameter,), {"__slots__": ("x",)})
+    monkeypatch.setattr(R, "guarded_class", lambda cls: slotted)  # __class__ assignment fails
+    assert R.release(other, "w_kc of layer 5") == 0 and type(other) is torch.nn.Parameter
+    assert torch.equal(other, values)
+    assert any("keeping w_kc of layer 5: its class Parameter cannot be guarded" in l for l in logs)
+
+
+def test_memory_still_held_after_the_swap_is_not_freed(logs, monkeypatch):
+    """Defence in depth: should the holder check miss a base held elsewhere, the storage is not
+    resized under it (the base stays readable) and nothing is counted as freed."""
+    base = torch.randn(4, 12, 8)
+    weight = base.transpose(1, 2)
+    monkeypatch.setattr(R, "_base_held_elsewhere", lambda chain: False)
+    assert R.release(weight, "w_kc of layer 6") == 0 and R.is_released(weight)
+    assert base.untyped_storage().nbytes() == 4 * 12 * 8 * 4
+    assert any("w_kc of layer 6 is guarded but its memory still has 1 holder;" in l for l in logs)
+
+
+def test_storage_that_cannot_be_compared_counts_as_shared():
+    assert R._shares_storage(object(), torch.ones(1)) is True
+    assert R._shares_storage(torch.ones(1), torch.ones(1)) is False

@@ -221,6 +221,43 @@ def test_touching_a_released_weight_exits_with_the_error_not_a_signal(version, t
     assert "layer 0" in last and "NPU_SHIM_MLA_WEIGHT_RELEASE=0" in last
 
 
+ALIASES = r'''
+import torch
+import mla_kernels as K
+K.publish_server_args("decode")
+KINDS = {
+    "qkv.detach()": lambda m: m.fused_qkv_a_proj_with_mqa.weight.detach(),
+    "qkv.view(-1)": lambda m: m.fused_qkv_a_proj_with_mqa.weight.view(-1),
+    "qkv.data": lambda m: m.fused_qkv_a_proj_with_mqa.weight.data,
+    "qkv.t()": lambda m: m.fused_qkv_a_proj_with_mqa.weight.t(),
+    "w_kc.detach()": lambda m: m.w_kc.detach(),
+    "w_kc._base": lambda m: m.w_kc._base,
+}
+out = {}
+for kind, hold in KINDS.items():
+    print("holding", kind, flush=True)  # a signal would show which kind
+    r = K.run_layer("glm-5", 16, hold=hold)
+    weight = "qkv_a" if kind.startswith("qkv") else "w_kc"
+    other = "w_kc" if weight == "qkv_a" else "qkv_a"
+    with torch._C.DisableTorchFunctionSubclass():
+        base = r["layer"].w_kc._base
+    out[kind] = {"kept": r["freed"][weight] == 0, "other_freed": r["freed"][other] == r["expected"][other],
+                 "sum_is_finite": bool(torch.isfinite(r["held"].float().sum())),
+                 "w_kc_base": None if base is None else base.numel()}
+emit(out)
+'''
+
+
+def test_aliases_taken_before_the_first_step_keep_their_weight_in_a_release():
+    """Issue 11 §1: each alias read after the decode step used to segfault the process."""
+    out = realsglang.run_in_release("0.5.11", ALIASES)
+    for kind, result in out.items():
+        assert result["kept"] and result["sum_is_finite"], (kind, result)
+        assert result["other_freed"], (kind, result)  # the weight nobody else holds still goes
+        # a released w_kc has no _base left, even to code that bypasses the guard
+        assert (result["w_kc_base"] is None) is kind.startswith("qkv"), (kind, result)
+
+
 SWITCHED_OFF = r'''
 import mla_kernels as K
 from npu_shim import runtime

@@ -306,8 +306,15 @@ wrap_method(FakeRunner, "initialize", zp.model_runner_initialize)
 wrap_method(FakeRunner, "init_device_graphs", zp.model_runner_init_device_graphs)
 
 
-def test_lazy_init_after_attention_backend_before_graph_capture(zb, simnpu_clean):
+def mix_mode_started(zb):
+    """Mix mode as the scheduler leaves it: zbal's allocator switched in before the device was
+    touched (the simulated NPU, like torch_npu, refuses the switch afterwards)."""
     zb.FAKE.mix = True
+    zb.switch_to_allocator()
+
+
+def test_lazy_init_after_attention_backend_before_graph_capture(zb, simnpu_clean):
+    mix_mode_started(zb)
     simnpu_clean.set_memory(total_mib=65536, free_mib=62000)  # 3.5 GB taken before the model
     FakeRunner(weights_mib=20000, kv_mib=25000).initialize(1.0)
     order = kinds(simnpu_clean)
@@ -328,7 +335,7 @@ def test_lazy_init_after_attention_backend_before_graph_capture(zb, simnpu_clean
     (98304, 40000, 92160, 33792),  # in use 58304 -> 33856 -> 33792
 ])
 def test_gva_size_from_the_device_total(zb, simnpu_clean, monkeypatch, total, free, configured, expected):
-    zb.FAKE.mix = True
+    mix_mode_started(zb)
     monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", str(configured))
     simnpu_clean.set_memory(total_mib=total, free_mib=free)
     FakeRunner().initialize(1.0)
@@ -376,7 +383,7 @@ def test_gva_size_not_positive_is_a_clear_error(zb, simnpu_clean, monkeypatch):
 
 
 def test_lazy_init_once_per_process_and_never_in_a_draft_worker(zb, simnpu_clean):
-    zb.FAKE.mix = True
+    mix_mode_started(zb)
     runtime_record = runtime.PatchRecord(zp.PATCH, patching.Decision(patching.APPLIED, "t"))
     old = runtime._RT.records
     runtime._RT.records = {"zbal": runtime_record}
@@ -408,14 +415,14 @@ def test_graphs_outside_initialize_do_not_init(zb, simnpu_clean):
 
 
 def test_initialize_without_graphs_inits_after_it(zb, simnpu_clean):
-    zb.FAKE.mix = True
+    mix_mode_started(zb)
     FakeRunner(call_graphs=False).initialize(1.0)
     order = kinds(simnpu_clean)
     assert order.index(("attention_backend",)) < order.index(("zbal", "zbal_init"))
 
 
 def test_lazy_init_failure(zb, simnpu_clean):
-    zb.FAKE.mix = True
+    mix_mode_started(zb)
     zb.FAKE.init_result = False
     with pytest.raises(zp.ZbalInitError) as exc:
         FakeRunner().initialize(1.0)

@@ -116,7 +116,7 @@ out["scheduler"] = sched
 Runner = stub_model_runner()  # the real initialize(), stubbed heavy steps
 
 runner = {}
-fresh(mix=True)
+fresh(mix=True, scheduler_started=True)
 runner["draft_calls"] = None
 simnpu.set_memory(total_mib=65536, free_mib=62000)
 Runner(draft=True).initialize(1.0)
@@ -131,7 +131,7 @@ runner["inits_after_second"] = len([c for c in zbal.CALLS if c[0] == "zbal_init"
 fresh(mix=False)
 Runner(weights=20000, kv=25000).initialize(1.0)
 runner["full_mode_inits"] = len([c for c in zbal.CALLS if c[0] == "zbal_init"])
-fresh(mix=True)
+fresh(mix=True, scheduler_started=True)
 os.environ["SGLANG_ZBAL_LOCAL_MEM_SIZE"] = "40000"
 simnpu.set_memory(total_mib=65536, free_mib=62000)
 try:

@@ -37,8 +37,10 @@ DEMO_ENV = {
 
 # ------------------------------------------------------------------------------------ zbal
 
-def zbal_fresh(mix=False):
-    """Reset the patch's per-process state, the simulated device and the fake zbal."""
+def zbal_fresh(mix=False, scheduler_started=False):
+    """Reset the patch's per-process state, the simulated device and the fake zbal.
+    ``scheduler_started``: mix mode as Scheduler.__init__ leaves it for the model runner (zbal's
+    allocator switched in before the device is touched; afterwards torch_npu refuses the switch)."""
     import simnpu
     import zbal
     from npu_shim.patches import zbal as zp
@@ -47,6 +49,9 @@ def zbal_fresh(mix=False):
     simnpu.reset()
     zbal.reset_fake()
     zbal.FAKE.mix = mix
+    if scheduler_started:
+        zbal.switch_to_allocator()
+        simnpu.clear_events()  # the runner's own events start here
 
 
 def event_order():
@@ -186,7 +191,7 @@ def zbal_demo():
 
     # Mix mode: the GVA heap is sized after weights + KV cache, before graph capture.
     Runner = stub_model_runner()
-    zbal_fresh(mix=True)
+    zbal_fresh(mix=True, scheduler_started=True)
     simnpu.set_memory(total_mib=65536, free_mib=62000)
     Runner(weights=20000, kv=25000).initialize(1.0)
     out["runner_order"] = event_order()

@@ -288,9 +288,11 @@ def publish_server_args(role, **fields):
     return args
 
 
-def run_layer(model="glm-5", tp=16, steps=2, layer_id=0, **build):
+def run_layer(model="glm-5", tp=16, steps=2, layer_id=0, hold=None, **build):
     """Build a layer, call the real ``npu_mla_preprocess`` ``steps`` times; report the bytes of
-    the qkv_a / w_kc storages before and after, the kernels run and what they read."""
+    the qkv_a / w_kc storages before and after, the kernels run and what they read.  ``hold(m)``:
+    something taken from the layer before the first step (an alias of a weight), kept as
+    ``result["held"]``."""
     import importlib
 
     install()
@@ -299,6 +301,7 @@ def run_layer(model="glm-5", tp=16, steps=2, layer_id=0, **build):
     storages = {"qkv_a": m.fused_qkv_a_proj_with_mqa.weight.untyped_storage(),
                 "w_kc": m.w_kc.untyped_storage()}
     before = {k: s.nbytes() for k, s in storages.items()}
+    held = hold(m) if hold else None
     del CALLS[:]
     outputs = []
     for _ in range(steps):
@@ -324,4 +327,5 @@ def run_layer(model="glm-5", tp=16, steps=2, layer_id=0, **build):
         "qkv_type": type(m.fused_qkv_a_proj_with_mqa.weight).__name__,
         "w_kc_type": type(m.w_kc).__name__,
         "layer": m,
+        "held": held,
     }

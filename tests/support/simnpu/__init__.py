@@ -72,12 +72,7 @@ def install(release: str | None = None, *, total_mib: int | None = None,
         free_mib = int(os.environ["SIMNPU_FREE_MIB"])
     set_memory(total_mib=total_mib, free_mib=free_mib)
 
-    f = _stubs.finder()
-    f.roots = set(stubs) if stubs is not None else _stubs.roots_for(release)
-    f.absent = set(absent) if absent is not None else _stubs.absent_for(release)
-    for root in f.roots:
-        f.overrides.setdefault(root, {})["__version__"] = _stubs.VERSIONS.get(root, "0")
-    f.overrides.setdefault("triton.runtime", {})["driver"] = _stubs._RaisingDriver()
+    f = _install_stubs(release, stubs, absent)
 
     npu = getattr(torch, "npu", None)
     if npu is None or not getattr(npu, "__simnpu__", False):
@@ -101,6 +96,27 @@ def install(release: str | None = None, *, total_mib: int | None = None,
     _INSTALLED = {"release": release, "stubs": sorted(f.roots), "absent": sorted(f.absent),
                   "total_mib": STATE.total_mib, "free_mib": STATE.free_mib}
     clear_events()
+
+
+def _install_stubs(release, stubs=None, absent=None):
+    f = _stubs.finder()
+    f.roots = set(stubs) if stubs is not None else _stubs.roots_for(release)
+    f.absent = set(absent) if absent is not None else _stubs.absent_for(release)
+    for root in f.roots:
+        f.overrides.setdefault(root, {})["__version__"] = _stubs.VERSIONS.get(root, "0")
+    f.overrides.setdefault("triton.runtime", {})["driver"] = _stubs._RaisingDriver()
+    return f
+
+
+NPU_ROOTS = ("torch_npu", "torchair", "sgl_kernel_npu")
+
+
+def install_without_npu(release: str | None = None) -> None:
+    """A machine without an NPU: the packages sglang imports that this CPU test bed lacks
+    (triton, ...) are stubbed as ``install`` does, but there is no ``torch.npu`` nor torch_npu."""
+    if "sglang" in sys.modules:
+        raise RuntimeError("simnpu.install_without_npu() must run before the first sglang import")
+    _install_stubs(release, stubs=_stubs.roots_for(release) - set(NPU_ROOTS))
 
 
 def _wrap_get_device_module(torch) -> None:

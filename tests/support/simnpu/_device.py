@@ -6,6 +6,7 @@ Everything is synchronous CPU work; streams and events only *record* what was as
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import sys
@@ -30,6 +31,7 @@ class _State:
         self.allocator_backend = "native"
         self.allocator = None  # the NPUPluggableAllocator made current, if any
         self.npu_allocations = 0  # allocations seen on "npu" under record_allocations()
+        self.initialized = False  # set by the first call that needs the device, as torch_npu does
         self.stream_ids = itertools.count(1)
         self.event_ids = itertools.count(1)
         self.main_streams: dict[int, Stream] = {}
@@ -53,6 +55,17 @@ def set_memory(total_mib: int | None = None, free_mib: int | None = None) -> Non
 
 # ------------------------------------------------------------------------------ device
 
+def _initialises(func):
+    """A call that initialises the device (torch_npu's lazy init): from then on the allocator can
+    no longer be switched."""
+    @functools.wraps(func)
+    def call(*args, **kwargs):
+        STATE.initialized = True
+        return func(*args, **kwargs)
+
+    return call
+
+
 def _dev_index(device=None) -> int:
     if device is None:
         return STATE.device
@@ -71,9 +84,10 @@ def is_available() -> bool:
 
 
 def is_initialized() -> bool:
-    return True
+    return STATE.initialized
 
 
+@_initialises
 def init() -> None:
     pass
 
@@ -86,6 +100,7 @@ def current_device() -> int:
     return STATE.device
 
 
+@_initialises
 def set_device(device) -> None:
     i = _dev_index(device)
     STATE.device = i
@@ -100,31 +115,38 @@ def get_device_capability(device=None):
     return (0, 0)
 
 
+@_initialises
 def synchronize(device=None) -> None:
     log("synchronize", _dev_index(device))
 
 
+@_initialises
 def empty_cache() -> None:
     log("empty_cache")
 
 
+@_initialises
 def mem_get_info(device=None) -> tuple[int, int]:
     """(free_bytes, total_bytes), driven by ``simnpu.set_memory`` / ``SIMNPU_*_MIB``."""
     return STATE.free_mib * MIB, STATE.total_mib * MIB
 
 
+@_initialises
 def memory_allocated(device=None) -> int:
     return 0
 
 
+@_initialises
 def max_memory_allocated(device=None) -> int:
     return 0
 
 
+@_initialises
 def memory_reserved(device=None) -> int:
     return 0
 
 
+@_initialises
 def reset_peak_memory_stats(device=None) -> None:
     pass
 
@@ -153,6 +175,7 @@ class Stream:
     """A named stream: "main" (the default stream of the device), then "side-1", "side-2", ..."""
 
     def __init__(self, device=None, priority: int = 0, *, name: str | None = None, **_kw):
+        STATE.initialized = True
         self.device_index = _dev_index(device)
         self.priority = priority
         self.name = name or f"side-{next(STATE.stream_ids)}"
@@ -206,15 +229,18 @@ def _stack() -> list:
     return st
 
 
+@_initialises
 def current_stream(device=None) -> Stream:
     st = _stack()
     return st[-1] if st else _main_stream(_dev_index(device))
 
 
+@_initialises
 def default_stream(device=None) -> Stream:
     return _main_stream(_dev_index(device))
 
 
+@_initialises
 def set_stream(stream: Stream) -> None:
     st = _stack()
     if st:
@@ -300,8 +326,9 @@ class NPUPluggableAllocator:
 
 
 def change_current_allocator(allocator: NPUPluggableAllocator) -> None:
-    """Like torch_npu: refuses once NPU memory was allocated (seen by record_allocations)."""
-    if STATE.npu_allocations:
+    """Like torch_npu: refuses once the device is initialised (``set_device``, a stream, a memory
+    query, ...) or NPU memory was allocated (seen by record_allocations)."""
+    if STATE.initialized or STATE.npu_allocations:
         raise RuntimeError("Can't swap an already initialized allocator")
     log("change_allocator", allocator.path, allocator.alloc_fn_name, allocator.free_fn_name)
     STATE.allocator = allocator

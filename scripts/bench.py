@@ -56,7 +56,22 @@ def verdict(ok):
     return {True: "ok", False: "MISSED", None: "not measured here"}[ok]
 
 
+def in_runner_venv():
+    """Re-run this script in the test runner's venv (torch, wrapt: built by the test command's
+    own code when missing) unless this interpreter already has torch."""
+    try:
+        import torch  # noqa: F401
+        return
+    except ImportError:
+        pass
+    import run_tests
+
+    python = str(run_tests.runner_python())
+    os.execv(python, [python, os.path.abspath(__file__)] + sys.argv[1:])
+
+
 def main():
+    in_runner_venv()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     args = parser.parse_args()

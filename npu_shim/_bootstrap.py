@@ -12,8 +12,7 @@ touched; the first ``import sglang`` hands over to ``npu_shim.runtime``.
 import os
 import sys
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+_ON = ("", "1", "true", "yes", "on")
 
 
 class SglangImportWatcher:
@@ -32,26 +31,8 @@ class SglangImportWatcher:
         runtime.activate_guarded()
         return None  # let the normal finders import sglang
 
-    def __repr__(self):
-        return "<npu-shim SglangImportWatcher fired=%s>" % self.fired
-
 
 _WATCHER = SglangImportWatcher()
-
-
-def master_switch_on():
-    """NPU_SHIM_ENABLED, read without the config module; a bad value is reported and counts as off."""
-    raw = os.environ.get("NPU_SHIM_ENABLED", "").strip().lower()
-    if raw == "" or raw in _TRUE:
-        return True
-    if raw not in _FALSE:
-        from npu_shim import config, log  # only on this error path
-
-        try:
-            config.ENABLED.read()
-        except config.ConfigError as exc:
-            log.error_once("config", "shim off: %s" % exc)
-    return False
 
 
 def arm():
@@ -65,10 +46,19 @@ def arm():
 
 
 def start():
-    """Entry point of ``sitecustomize``: arm when the master switch allows it; never raises."""
+    """Arm the watcher unless NPU_SHIM_ENABLED says off (read here without the config module: a
+    bad value is reported through it and counts as off); never raises."""
     try:
-        if master_switch_on():
+        raw = os.environ.get("NPU_SHIM_ENABLED", "").strip().lower()
+        if raw in _ON:
             arm()
+        elif raw not in ("0", "false", "no", "off"):
+            from npu_shim import config, log  # only on this error path
+
+            try:
+                config.ENABLED.read()
+            except config.ConfigError as exc:
+                log.error_once("config", "shim off: %s" % exc)
     except Exception as exc:  # noqa: BLE001 - nothing may reach the application from start-up
         try:
             from npu_shim import log
@@ -119,24 +109,20 @@ def chain_next_sitecustomize(our_file):
     sys.modules["sitecustomize"] = module
     try:
         spec.loader.exec_module(module)
-    except ImportError as exc:
-        if exc.name != "sitecustomize":  # site.py is silent about exactly this one
-            _report_like_site(exc)
     except Exception as exc:  # noqa: BLE001 - same treatment site.py gives a failing sitecustomize
-        _report_like_site(exc)
+        # site.py is silent about ImportError(name='sitecustomize'), else one line (or the
+        # traceback in verbose mode)
+        if not (isinstance(exc, ImportError) and exc.name == "sitecustomize"):
+            if sys.flags.verbose:
+                sys.excepthook(type(exc), exc, exc.__traceback__)
+            else:
+                sys.stderr.write("Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n"
+                                 % (type(exc).__name__, exc))
     finally:
         if own is not None:
             sys.modules["sitecustomize"] = own
     sys.modules["npu_shim.chained_sitecustomize"] = module
     return module
-
-
-def _report_like_site(exc):
-    if sys.flags.verbose:
-        sys.excepthook(type(exc), exc, exc.__traceback__)
-    else:
-        sys.stderr.write("Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n"
-                         % (type(exc).__name__, exc))
 
 
 # This file executing as ``sitecustomize`` (no function of its own: every code object here is

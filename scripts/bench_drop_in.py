@@ -68,7 +68,7 @@ def startup_rows(bundle_dir, sources_dir, runs):
          "how": "same runs",
          "measured": "%.1f ms vs %.1f ms = %.3fx" % (wall["sources"] * 1e3, wall["without"] * 1e3,
                                                     ratio_sources),
-         "target": "(why the bundle ships .pyc)", "ok": None if ratio_sources > 1.02 else True},
+         "target": "none: shows what the bundle's .pyc save", "ok": True},
     ]
 
 
@@ -83,7 +83,7 @@ def instructions(env):
 
 
 def instruction_rows(bundle_dir):
-    no_write = {"PYTHONDONTWRITEBYTECODE": "1"}
+    no_write = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}  # same hashing, same count
     base = instructions(dict(clean_env([]), **no_write))
     what = "start-up of `python -c pass`, read-only bundle vs no shim, in instructions executed"
     if base is None:

@@ -407,9 +407,13 @@ def test_reach_children_puts_the_shim_first_without_an_empty_entry():
 def pip_installed(tmp_path_factory):
     """A venv where npu-shim is pip-installed from a wheel of this checkout (with its wrapt)."""
     root = tmp_path_factory.mktemp("pipinstall")
+    # A copy to build from: pip builds in the source tree, and the checkout may be read-only.
+    source = root / "source"
+    shutil.copytree(REPO, str(source), ignore=shutil.ignore_patterns(
+        ".git", "__pycache__", "tests", "scripts", "build", "*.egg-info"))
     wheels = root / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", REPO, "-w", str(wheels)],
-                   check=True, capture_output=True, timeout=600, cwd=str(root))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(source), "-w",
+                    str(wheels)], check=True, capture_output=True, timeout=600, cwd=str(root))
     venv = root / "venv"
     subprocess.run([pyenv_python("3.11"), "-m", "venv", str(venv)], check=True, capture_output=True,
                    timeout=300)

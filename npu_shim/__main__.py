@@ -104,11 +104,18 @@ def print_env():
 
 
 def exit_code(info):
-    if any(var["error"] for var in info["env"]):
+    return config_exit_code(p["state"] for p in info["patches"])
+
+
+def config_exit_code(states):
+    """EXIT_BAD_ENV for an invalid variable, EXIT_STRICT when strict mode is on and a patch is
+    ``unsupported`` or ``failed``, else 0 (the same rule for ``status`` and ``check``)."""
+    values = config.read_all()
+    if any(error for _value, error in values.values()):
         return EXIT_BAD_ENV
-    strict = next(v for v in info["env"] if v["name"] == config.STRICT.name)["value"]
-    if strict and any(p["state"] in (patching.UNSUPPORTED, patching.FAILED) for p in info["patches"]):
-        return EXIT_STRICT
+    if values[config.STRICT.name][0] and any(
+            state in (patching.UNSUPPORTED, patching.FAILED) for state in states):
+        return EXIT_STRICT  # in a server the process stops at import, as the check process did
     return 0
 
 
@@ -137,19 +144,12 @@ def run_check(args):
         sys.stdout.write("\n")
     else:
         check.print_report(report)
-    values = config.read_all()
-    if any(error for _value, error in values.values()):
-        return EXIT_BAD_ENV
-    if not report["shim_active"]:
-        return EXIT_CHECK_FAILED
-    strict = values[config.STRICT.name][0]
-    if strict and any(s["state"] in (patching.UNSUPPORTED, patching.FAILED)
-                      for s in report["states"].values()):
-        return EXIT_STRICT  # a server would stop at import, as the check process did
+    # Not active: no patch was decided, so the strict rule finds nothing and this says 4.
+    code = config_exit_code(s["state"] for s in report["states"].values())
     failed_import = any(v not in ("ok", "absent") for v in report["imports"].values())
-    if failed_import or not report["bundle"]["ok"]:
+    if not code and (not report["shim_active"] or failed_import or not report["bundle"]["ok"]):
         return EXIT_CHECK_FAILED
-    return 0
+    return code
 
 
 def main(argv=None):

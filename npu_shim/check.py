@@ -25,22 +25,37 @@ def _trim(text, limit=300):
 
 # -- in the child ---------------------------------------------------------------------------------
 
-def _module_version(dist_names, package_dir, version_file):
+def _module_version(dist_names, package_dir):
+    """A package's installed version: its distribution's metadata, else its version file."""
     from importlib import metadata
+
+    from npu_shim.codeview import read_version
 
     for name in dist_names:
         try:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
-    import re
+    return read_version(package_dir)
 
-    try:
-        with open(os.path.join(package_dir, version_file), encoding="utf-8") as handle:
-            match = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", handle.read(), re.M)
-        return match.group(1) if match else None
-    except OSError:
-        return None
+
+def import_target_modules():
+    """Import every module a patch targets (so the shim patches them, as in a server) and say how
+    each went: "ok", "absent" (a module this release does not have) or the error in one line."""
+    import importlib
+
+    from npu_shim.patches import load_all, target_modules
+
+    imports = {}
+    for name in target_modules(load_all()):
+        try:
+            importlib.import_module(name)
+            imports[name] = "ok"
+        except ModuleNotFoundError as exc:
+            imports[name] = "absent" if exc.name and name.startswith(exc.name) else _trim(repr(exc))
+        except BaseException as exc:  # noqa: BLE001 - ShimError included: report, don't die
+            imports[name] = _trim("%s: %s" % (type(exc).__name__, exc))
+    return imports
 
 
 def zbal_facts():
@@ -52,7 +67,7 @@ def zbal_facts():
     package_dir = find_package_dir("zbal")
     if package_dir is None:
         return {"found": False, "text": "not installed (needed only with SGLANG_ZBAL_LOCAL_MEM_SIZE)"}
-    version = _module_version(("memfabric-zbal", "memfabric_zbal"), package_dir, "zbal_module.py")
+    version = _module_version(("memfabric-zbal", "memfabric_zbal"), package_dir)
     missing = zbal_patch.api_problems(package_dir)
     text = "%s at %s: %s" % (version or "unknown version", package_dir,
                              "API as memfabric-zbal 1.1.2/1.2.0" if not missing else
@@ -70,7 +85,7 @@ def npu_facts():
              "torch": getattr(torch, "__version__", None)}
     if facts["torch_npu"]:
         facts["torch_npu_version"] = getattr(loaded, "__version__", None) or _module_version(
-            ("torch_npu", "torch-npu"), os.path.dirname(facts["torch_npu"]), "version.py")
+            ("torch_npu", "torch-npu"), os.path.dirname(facts["torch_npu"]))
     npu = getattr(torch, "npu", None)
     try:
         # Counts devices through the driver; no device is set and nothing is allocated.
@@ -125,7 +140,6 @@ def sglang_facts():
 
 def child_main():
     """Runs in the child: import every target module, then print one JSON line."""
-    import importlib
     import time
 
     from npu_shim import _bootstrap
@@ -135,20 +149,7 @@ def child_main():
     from npu_shim import runtime, wrapt_loader
 
     activated_at_start = runtime.watcher_armed() or _bootstrap._WATCHER.fired
-    from npu_shim.patches import load_all
-
-    modules, imports = [], {}
-    for patch in load_all():
-        modules += [m for m in patch.modules if m not in modules]
-    for name in modules:
-        try:
-            importlib.import_module(name)
-            imports[name] = "ok"
-        except ModuleNotFoundError as exc:
-            # Some targets live in modules a given release does not have (the patch says so).
-            imports[name] = "absent" if exc.name and name.startswith(exc.name) else _trim(repr(exc))
-        except BaseException as exc:  # noqa: BLE001 - ShimError included: report, don't die
-            imports[name] = _trim("%s: %s" % (type(exc).__name__, exc))
+    imports = import_target_modules()
     records = list((runtime._RT.records or {}).values())
     origin = wrapt_loader.loaded_origin() or wrapt_loader.locate()
     from npu_shim.patches import dual_stream_experts

@@ -110,9 +110,9 @@ def activate():
         generation = _RT.generation
         _RT.patches = load_patches()
         _RT.records = None
-        modules = []
-        for patch in _RT.patches:
-            modules += [m for m in patch.modules if m not in modules]
+        from npu_shim.patches import target_modules
+
+        modules = target_modules(_RT.patches)
         _RT.late_modules = {m for m in modules if m in sys.modules}
         try:
             wrapt = wrapt_loader.load()

@@ -44,3 +44,11 @@ PATCH_MODULES = [
 def load_all():
     """The Patch of every registered module, in registry order."""
     return [importlib.import_module(name).PATCH for name in PATCH_MODULES]
+
+
+def target_modules(patches):
+    """Every module any of ``patches`` may touch, each once, in declaration order."""
+    modules = []
+    for patch in patches:
+        modules += [m for m in patch.modules if m not in modules]
+    return modules

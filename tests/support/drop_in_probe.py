@@ -2,21 +2,18 @@
 patch targets imported, then each patch's state, the wrappers, and where wrapt came from.  Lives in
 tests/support (on the release processes' PYTHONPATH) so a spawned child can import it too."""
 
-import importlib
 import os
 import sys
 
 
 def import_targets():
-    """Import every module any patch targets (one a release does not have is skipped)."""
-    from npu_shim.patches import load_all
+    """Import every module any patch targets as ``check`` does (one a release does not have is
+    skipped); any other failure fails the probe."""
+    from npu_shim.check import import_target_modules
 
-    for name in sorted({m for patch in load_all() for m in patch.modules}):
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if not (exc.name and name.startswith(exc.name)):
-                raise
+    failed = {name: how for name, how in import_target_modules().items() if how not in ("ok", "absent")}
+    if failed:
+        raise AssertionError("target modules failed to import: %s" % failed)
 
 
 def report():

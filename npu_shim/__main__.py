@@ -5,10 +5,11 @@ read from disk), torch or wrapt; ``check`` runs it in a child process and report
 happened (npu_shim/check.py); ``bundle`` builds the directory to mount into an image
 (npu_shim/bundle.py).
 
-Exit codes: 0 fine; 1 ``bundle`` failed; 2 an environment variable is invalid; 3 strict mode is on
-and a patch would end ``unsupported`` or ``failed``; 4 ``check`` could not run, the shim was not
-active in its process, a target module failed to import or the bundle's files differ from its
-MANIFEST; 64 bad usage.
+Exit codes: 0 fine; 1 ``bundle`` failed; 2 an environment variable is invalid
+(``NPU_SHIM_PATCHES`` naming no patch included); 3 strict mode is on and a patch would end ``unsupported`` or
+``failed``; 4 ``check`` could not run, the shim was not active in its process, a target module
+failed to import or the bundle's files differ from its MANIFEST; 5 sglang is not found; 64 bad
+usage.
 """
 
 import argparse
@@ -17,13 +18,14 @@ import os
 import sys
 
 import npu_shim
-from npu_shim import config, patching, wrapt_loader
+from npu_shim import config, framework, wrapt_loader
 from npu_shim.codeview import SourceView, find_package_dir
 
 EXIT_BUNDLE_FAILED = 1
 EXIT_BAD_ENV = 2
 EXIT_STRICT = 3
 EXIT_CHECK_FAILED = 4
+EXIT_NO_SGLANG = 5
 EXIT_USAGE = 64
 
 
@@ -33,57 +35,80 @@ def find_sglang():
     return find_package_dir("sglang")
 
 
-def shim_on_path():
-    """Whether the sitecustomize Python loaded at start-up is npu-shim's."""
+def sitecustomize_facts():
+    """Which sitecustomize Python loaded at start-up: (npu-shim's?, the file it loaded or None)."""
     loaded = sys.modules.get("sitecustomize")
     ours = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(npu_shim.__file__))), "sitecustomize.py")
     path = getattr(loaded, "__file__", None)
-    return bool(path) and os.path.realpath(path) == os.path.realpath(ours)
+    return bool(path) and os.path.realpath(path) == os.path.realpath(ours), path
+
+
+def shim_on_path():
+    """Whether the sitecustomize Python loaded at start-up is npu-shim's."""
+    return sitecustomize_facts()[0]
 
 
 def collect():
-    from npu_shim.patches import load_all
+    from npu_shim.patches import all_variables, load_all
 
-    values = config.read_all()
+    patches = load_all()
+    variables = all_variables(patches)
+    values = config.read_all(variables)
     package_dir = find_sglang()
     view = SourceView(package_dir) if package_dir else None
     wrapt = wrapt_loader.locate()
-    patches = []
-    for patch in load_all():
-        decision = patching.decide(patch, view)
+    rows = []
+    for patch in patches:
+        decision = framework.decide(patch, view)
         if wrapt.source == "missing":
-            decision = patching.without_wrapt(decision, "wrapt is not available: " + wrapt.note)
-        patches.append({
+            decision = framework.without_wrapt(decision, "wrapt is not available: " + wrapt.note)
+        rows.append({
             "name": patch.name, "state": decision.state, "reason": decision.reason,
-            "title": patch.title, "upstream": patch.origin(),
+            "title": patch.title, "upstream": patch.origin(), "switch": patch.switch.name,
+            "backport_range": list(patch.backport_range), "remove_when": patch.remove_when,
         })
     enabled, enabled_error = values[config.ENABLED.name]
+    ours, loaded = sitecustomize_facts()
     return {
         "version": npu_shim.__version__,
         "location": os.path.dirname(os.path.abspath(npu_shim.__file__)),
-        "sitecustomize_active": shim_on_path(),
+        "sitecustomize_active": ours,
+        "sitecustomize_loaded": loaded,
         "master_switch": enabled if enabled_error is None else False,
         "sglang": {"path": package_dir, "version": view.version if view else None},
         "wrapt": wrapt.as_dict(),
-        "patches": patches,
+        "patches": rows,
         "env": [
             {"name": var.name, "set": var.is_set(), "value": values[var.name][0],
-             "error": values[var.name][1]}
-            for var in config.ALL
+             "error": values[var.name][1], "set_as": var.name_set()}
+            for var in variables
         ],
+        "unknown_variables": [{"name": n, "did_you_mean": m} for n, m in config.unknown_names(variables)],
     }
+
+
+def activity_line(info):
+    """Whether the shim is active in this interpreter, and if not, why (which sitecustomize won)."""
+    if not info["master_switch"]:
+        return "no (master switch NPU_SHIM_ENABLED is off)"
+    if info["sitecustomize_active"]:
+        return "yes"
+    loaded = info["sitecustomize_loaded"]
+    root = os.path.dirname(info["location"])
+    if loaded:
+        return ("no: another sitecustomize (%s) was loaded first and shadows npu-shim's; put %s "
+                "before %s on PYTHONPATH" % (loaded, root, os.path.dirname(loaded)))
+    return "no (its sitecustomize.py did not run: put %s on PYTHONPATH)" % root
 
 
 def print_status(info):
     out = sys.stdout.write
     out("npu-shim %s  (%s)\n" % (info["version"], info["location"]))
-    out("  active in this interpreter: %s\n" % (
-        "yes" if info["sitecustomize_active"] and info["master_switch"] else
-        "no (master switch NPU_SHIM_ENABLED is off)" if not info["master_switch"] else
-        "no (its sitecustomize.py did not run: put the npu-shim directory on PYTHONPATH)"))
+    out("  active in this interpreter: %s\n" % activity_line(info))
     sg = info["sglang"]
     out("  sglang: %s\n" % ("%s at %s" % (sg["version"] or "unknown version", sg["path"])
-                            if sg["path"] else "not found on sys.path"))
+                            if sg["path"] else "NOT FOUND: no 'sglang' package is importable with "
+                                               "this interpreter and PYTHONPATH"))
     out("  wrapt: %s\n" % info["wrapt"]["text"])
     out("  NPU: checked when sglang is imported (this command imports neither sglang nor torch)\n\n")
     out("  %-20s %-12s %s\n" % ("patch", "state", "reason"))
@@ -95,26 +120,51 @@ def print_status(info):
             shown = "INVALID: " + var["error"]
         else:
             shown = "%r%s" % (var["value"], "" if var["set"] else " (default)")
+            if var["set_as"] not in (None, var["name"]):
+                shown += " (set as %s, its older name)" % var["set_as"]
         out("  %-30s %s\n" % (var["name"], shown))
+    for unknown in info["unknown_variables"]:
+        out("  %-30s UNKNOWN: not a variable npu-shim reads (ignored)%s\n" % (
+            unknown["name"], "; did you mean %s?" % unknown["did_you_mean"] if unknown["did_you_mean"] else ""))
 
 
-def print_env():
-    for var in config.ALL:
-        sys.stdout.write("%s  [%s, default %r]\n    %s\n" % (var.name, var.kind, var.default, var.doc))
+def env_rows():
+    from npu_shim.patches import all_variables
+
+    return [{"name": var.name, "kind": var.kind, "default": var.default, "doc": var.doc,
+             "aliases": list(var.aliases)} for var in all_variables()]
+
+
+def print_env(as_json=False):
+    rows = env_rows()
+    if as_json:
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    for row in rows:
+        also = " (also read as %s)" % ", ".join(row["aliases"]) if row["aliases"] else ""
+        sys.stdout.write("%s  [%s, default %r]%s\n    %s\n" % (row["name"], row["kind"], row["default"],
+                                                             also, row["doc"]))
 
 
 def exit_code(info):
-    return config_exit_code(p["state"] for p in info["patches"])
+    """A bad variable first (it is why anything else looks wrong), then no sglang, then strict."""
+    code = config_exit_code(() if not info["sglang"]["path"] else (p["state"] for p in info["patches"]))
+    if code == EXIT_BAD_ENV or info["sglang"]["path"]:
+        return code
+    return EXIT_NO_SGLANG
 
 
 def config_exit_code(states):
     """EXIT_BAD_ENV for an invalid variable, EXIT_STRICT when strict mode is on and a patch is
-    ``unsupported`` or ``failed``, else 0 (the same rule for ``status`` and ``check``)."""
-    values = config.read_all()
+    ``unsupported`` or ``failed`` (``inactive``: nothing to do, is fine), else 0 (the same rule
+    for ``status`` and ``check``)."""
+    from npu_shim.patches import all_variables
+
+    values = config.read_all(all_variables())
     if any(error for _value, error in values.values()):
         return EXIT_BAD_ENV
-    if values[config.STRICT.name][0] and any(
-            state in (patching.UNSUPPORTED, patching.FAILED) for state in states):
+    if values[config.STRICT.name][0] and any(state in framework.PROBLEMS for state in states):
         return EXIT_STRICT  # in a server the process stops at import, as the check process did
     return 0
 
@@ -160,7 +210,8 @@ def main(argv=None):
     check = sub.add_parser("check", help="run the shim in a child process as a server would, "
                                          "import sglang's target modules and report what happened")
     check.add_argument("--json", action="store_true", help="machine-readable output")
-    sub.add_parser("env", help="list the environment variables with their docs")
+    env = sub.add_parser("env", help="list the environment variables with their docs")
+    env.add_argument("--json", action="store_true", help="machine-readable output")
     bundle = sub.add_parser("bundle", help="build a self-contained directory (shim + wrapt builds + "
                                            ".pyc) to mount into an image, and OUT_DIR.tar.gz")
     bundle.add_argument("out_dir", metavar="OUT_DIR")
@@ -176,7 +227,7 @@ def main(argv=None):
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else 0
     if args.command == "env":
-        print_env()
+        print_env(args.json)
         return 0
     if args.command == "bundle":
         return run_bundle(args)

@@ -12,7 +12,9 @@ touched; the first ``import sglang`` hands over to ``npu_shim.runtime``.
 import os
 import sys
 
-_ON = ("", "1", "true", "yes", "on")
+# How every boolean variable is spelled (config.py parses with these too).
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
 
 
 class SglangImportWatcher:
@@ -50,9 +52,9 @@ def start():
     bad value is reported through it and counts as off); never raises."""
     try:
         raw = os.environ.get("NPU_SHIM_ENABLED", "").strip().lower()
-        if raw in _ON:
+        if raw == "" or raw in TRUE_WORDS:
             arm()
-        elif raw not in ("0", "false", "no", "off"):
+        elif raw not in FALSE_WORDS:
             from npu_shim import config, log  # only on this error path
 
             try:

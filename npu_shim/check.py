@@ -98,18 +98,18 @@ def npu_facts():
 
 def wrapped_targets(records):
     """{target: True/False}: whether the live attribute really is the shim's wrapper."""
-    from npu_shim import patching, wrapt_loader
+    from npu_shim import targets, wrapt_loader
 
     origin = wrapt_loader.loaded_origin()
     wrapper_type = wrapt_loader.load().FunctionWrapper if origin else None
     found = {}
     for record in records:
         for target in record.targets:
-            if not isinstance(target, patching.Wrap):
+            if not isinstance(target, targets.Wrap):
                 continue
             module = sys.modules.get(target.module)
             try:
-                _owner, _attr, live = patching.resolve(module, target.qualname)
+                _owner, _attr, live = targets.resolve(module, target.qualname)
             except AttributeError:
                 live = None
             found[target.describe()] = bool(wrapper_type and isinstance(live, wrapper_type))

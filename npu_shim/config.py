@@ -6,14 +6,18 @@ job configured for a newer sglang configures the shim identically; the shim's ow
 variable, the value and the accepted form, and the consumer decides what that means (a patch that
 reads it ends ``failed``; strict mode raises).
 
-Cheap on purpose: imported from the bootstrap, so only ``os`` and ``re``.
+The shim-wide variables live here; a patch declares its own switch (``switch(name, doc)``: always
+``NPU_SHIM_<PATCH NAME>``) and the variables only it reads in its own module, with the parsers
+below, so ``npu_shim.patches.all_variables()`` is the full list.  Only ``os`` and ``re`` are
+imported (and the bootstrap's spelling of booleans): ``status`` and the runtime load this, and
+the bootstrap on its error path.
 """
 
 import os
 import re
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+from npu_shim._bootstrap import FALSE_WORDS, TRUE_WORDS
+
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _URL = re.compile(r"^tcp://(?P<host>\[[^\]]*\]|[^:/\[\]]*):(?P<port>[^:]*)$")
 _DIGITS = re.compile(r"[0-9]+")  # ASCII only: int() would also take "１２２８８"
@@ -28,9 +32,9 @@ class ConfigError(ValueError):
 
 def _parse_bool(raw):
     value = raw.strip().lower()
-    if value in _TRUE:
+    if value in TRUE_WORDS:
         return True
-    if value in _FALSE:
+    if value in FALSE_WORDS:
         return False
     raise ValueError("expected a boolean: one of 1/0, true/false, yes/no, on/off")
 
@@ -94,86 +98,120 @@ def _shown(raw, limit=60):
 
 
 class EnvVar:
-    """One variable: its name, how it parses, its default and a one-line doc."""
+    """One variable: its name, how it parses, its default and a one-line doc.  ``aliases``: older
+    names still read (the name itself wins when both are set)."""
 
-    def __init__(self, name, kind, default, doc, parse):
+    def __init__(self, name, kind, default, doc, parse, aliases=()):
         self.name = name
         self.kind = kind
         self.default = default
         self.doc = doc
         self._parse = parse
+        self.aliases = tuple(aliases)
+
+    def name_set(self, environ=None):
+        """The name (or alias) this variable is set under in ``environ``, else None."""
+        environ = os.environ if environ is None else environ
+        for name in (self.name,) + self.aliases:
+            raw = environ.get(name)
+            if raw is not None and raw.strip() != "":
+                return name
+        return None
 
     def read(self, environ=None):
         """Parsed value (default when unset or empty); raises ConfigError on a bad value."""
-        raw = (os.environ if environ is None else environ).get(self.name)
-        if raw is None or raw.strip() == "":
+        name = self.name_set(environ)
+        if name is None:
             return self.default
+        raw = (os.environ if environ is None else environ)[name]
         try:
             return self._parse(raw)
         except ValueError as exc:
-            raise ConfigError("%s=%s is invalid: %s" % (self.name, _shown(raw), exc)) from None
+            raise ConfigError("%s=%s is invalid: %s" % (name, _shown(raw), exc)) from None
 
     def is_set(self, environ=None):
-        raw = (os.environ if environ is None else environ).get(self.name)
-        return raw is not None and raw.strip() != ""
+        return self.name_set(environ) is not None
 
     def __repr__(self):
         return "EnvVar(%s)" % self.name
 
 
-def _bool(name, default, doc):
-    return EnvVar(name, "bool", default, doc, _parse_bool)
+def boolean(name, default, doc, aliases=()):
+    return EnvVar(name, "bool", default, doc, _parse_bool, aliases)
 
 
-# -- the shim's own switches -------------------------------------------------------------------
-ENABLED = _bool("NPU_SHIM_ENABLED", True, "Master switch: 0 leaves sglang untouched in every process.")
-ACTIVATE = _bool(
+def mib(name, doc):
+    """A size in MiB, 0 by default, at most MAX_MIB."""
+    return EnvVar(name, "MiB", 0, doc, _parse_mib)
+
+
+def url(name, doc):
+    """tcp://HOST:PORT, empty by default."""
+    return EnvVar(name, "url", "", doc, _parse_url)
+
+
+SWITCH_PREFIX = "NPU_SHIM_"
+
+
+def switch_name(patch_name):
+    return SWITCH_PREFIX + patch_name.upper()
+
+
+def switch(patch_name, doc, aliases=()):
+    """A patch's own switch, ``NPU_SHIM_<PATCH NAME>`` (on by default)."""
+    return boolean(switch_name(patch_name), True, doc, aliases)
+
+
+def _parse_names(raw):
+    from npu_shim.patches import known_names  # the registry list only: no feature module loads
+
+    known = known_names()
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        raise ValueError("expected patch names separated by commas, out of: %s" % ", ".join(known))
+    return names
+
+
+# -- the shim's own variables ---------------------------------------------------------------------
+ENABLED = boolean("NPU_SHIM_ENABLED", True, "Master switch: 0 leaves sglang untouched in every process.")
+ACTIVATE = boolean(
     "NPU_SHIM_ACTIVATE", False,
     "pip-installed npu-shim only: 1 activates it in every Python process (its .pth reads this).")
-STRICT = _bool(
+STRICT = boolean(
     "NPU_SHIM_STRICT", False,
-    "Raise instead of logging when a patch cannot be applied (for CI of a user's image).")
+    "Raise when a patch is unsupported or failed (for CI of a user's image); inactive is fine.")
 LOG_LEVEL = EnvVar(
     "NPU_SHIM_LOG_LEVEL", "level", "INFO", "Level of the 'npu_shim' logger (DEBUG, INFO, WARNING, ERROR).",
     _parse_level)
-ZBAL = _bool("NPU_SHIM_ZBAL", True, "Switch for the zbal allocator backport (also needs SGLANG_ZBAL_LOCAL_MEM_SIZE).")
-MLA_WEIGHT_RELEASE = _bool(
-    "NPU_SHIM_MLA_WEIGHT_RELEASE", True,
-    "Switch for freeing MLA weights the mlaprolog path no longer reads (PD disaggregation only).")
-MLA_RELEASE_FORCE = _bool(
-    "NPU_SHIM_MLA_RELEASE_FORCE", False,
-    "Release MLA weights even when the server can reload or adapt weights (LoRA, weight updates).")
-DUAL_STREAM = _bool(
-    "NPU_SHIM_DUAL_STREAM", True,
-    "Switch for the GLM-4.x MoE dual-stream experts and fused qkv-rmsnorm-rope backport.")
+PATCHES = EnvVar(
+    "NPU_SHIM_PATCHES", "names", None,
+    "Allow-list for canaries: only these patches (comma-separated names) may apply; unset: all.",
+    _parse_names)
 
-# -- upstream's names, same meaning as in sglang's environ.py ------------------------------------
-ZBAL_LOCAL_MEM_SIZE = EnvVar(
-    "SGLANG_ZBAL_LOCAL_MEM_SIZE", "MiB", 0,
-    "Device memory zbal manages, in MiB (at most 1048576 = 1 TiB); > 0 turns zbal on (upstream name "
-    "and meaning).", _parse_mib)
-ZBAL_BOOTSTRAP_URL = EnvVar(
-    "SGLANG_ZBAL_BOOTSTRAP_URL", "url", "",
-    "tcp://HOST:PORT (hostname, IPv4 or [IPv6]; port 1-65535) of zbal's bootstrap server; empty "
-    "lets zbal derive it from MASTER_ADDR/PORT.",
-    _parse_url)
-NPU_USE_MULTI_STREAM = _bool(
-    "SGLANG_NPU_USE_MULTI_STREAM", False,
-    "Run GLM-4.x shared experts on a side stream during extend/verify (upstream name and meaning).")
-
-ALL = (
-    ENABLED, ACTIVATE, STRICT, LOG_LEVEL, ZBAL, MLA_WEIGHT_RELEASE, MLA_RELEASE_FORCE, DUAL_STREAM,
-    ZBAL_LOCAL_MEM_SIZE, ZBAL_BOOTSTRAP_URL, NPU_USE_MULTI_STREAM,
-)
-BY_NAME = {var.name: var for var in ALL}
+SHIM_VARIABLES = (ENABLED, ACTIVATE, STRICT, LOG_LEVEL, PATCHES)
+# Set by npu-shim itself (runtime: decision_cache) or its dev tooling (the test cache), not by users.
+INTERNAL_NAMES = ("NPU_SHIM_SOURCE_ANSWERS", "NPU_SHIM_CACHE")
 
 
-def read_all(environ=None):
-    """{name: (value, error)} for every variable; error is None or the ConfigError message."""
+def read_all(variables, environ=None):
+    """{name: (value, error)} for ``variables``; error is None or the ConfigError message."""
     result = {}
-    for var in ALL:
+    for var in variables:
         try:
             result[var.name] = (var.read(environ), None)
         except ConfigError as exc:
             result[var.name] = (None, str(exc))
     return result
+
+
+def unknown_names(variables, environ=None):
+    """``NPU_SHIM_*`` names set in ``environ`` that no variable reads: [(name, suggestion or None)]."""
+    import difflib
+
+    environ = os.environ if environ is None else environ
+    known = set(INTERNAL_NAMES)
+    for var in variables:
+        known.update((var.name,) + var.aliases)
+    unknown = sorted(n for n in environ if n.startswith(SWITCH_PREFIX) and n not in known)
+    return [(n, (difflib.get_close_matches(n, sorted(known), 1) or [None])[0]) for n in unknown]

@@ -82,5 +82,13 @@ def error_once(key, message):
     error(message)
 
 
+def warning_once(key, message):
+    """Log a warning only the first time ``key`` is seen in this process."""
+    if key in _reported:
+        return
+    _reported.add(key)
+    warning(message)
+
+
 def process_tag():
     return "pid %d" % os.getpid()

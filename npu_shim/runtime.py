@@ -3,7 +3,7 @@
 Timeline in a process:
 1. ``activate`` (first ``import sglang``, or ``install()``): wrapt is loaded and a post-import
    hook is registered on every module any patch may touch.
-2. The first of those hooks decides every patch at once (``patching.decide``) from the sglang
+2. The first of those hooks decides every patch at once (``framework.decide``) from the sglang
    source on disk and logs one line per patch: everything is validated before anything changes.
 3. Each hook then applies the targets that live in its module; a target whose loaded code does
    not match fails its whole patch, which is reverted everywhere.
@@ -17,8 +17,9 @@ import os
 import sys
 import threading
 
-from npu_shim import config, log, patching, wrapt_loader
-from npu_shim.patching import APPLIED, FAILED, UNSUPPORTED, ShimError
+from npu_shim import config, decision_cache, framework, log, wrapt_loader
+from npu_shim.framework import APPLIED, FAILED, PROBLEMS, UNSUPPORTED, ShimError
+from npu_shim.targets import Wrap
 
 
 class PatchRecord:
@@ -29,9 +30,10 @@ class PatchRecord:
         self.state = decision.state
         self.reason = decision.reason
         self.targets = decision.targets
-        self.changes = []        # patching.Change, in the order applied
+        self.changes = []        # targets.Change, in the order applied
         self.applied = set()     # describe() of targets applied so far
-        self.details = {}        # feature-specific facts for status (e.g. MiB released)
+        self.details = decision.details  # what the patch's wrappers report (e.g. MiB released)
+        self.process = decision.process  # the wrappers' per-process state (ctx.process)
 
     def as_dict(self):
         return {
@@ -40,7 +42,7 @@ class PatchRecord:
             "reason": self.reason,
             "targets": {t.describe(): t.describe() in self.applied for t in self.targets},
             "wrappers": sorted(t.describe() for t in self.targets
-                               if isinstance(t, patching.Wrap) and t.describe() in self.applied),
+                               if isinstance(t, Wrap) and t.describe() in self.applied),
             "details": dict(self.details),
         }
 
@@ -52,7 +54,6 @@ class Runtime:
         self.generation = 0
         self.patches = None      # loaded Patch instances
         self.records = None      # {name: PatchRecord} once decided
-        self.view = None
         self.late_modules = set()  # target modules already imported when the shim activated
         self.hooked = set()        # every module a patch may touch
 
@@ -70,16 +71,24 @@ def strict():
 
 def report_invalid_variables(records):
     """Each invalid variable once, at activation: those a patch read are in its ``failed`` line
-    already; the others (e.g. strict mode, the log level, a switched-off patch's) are said here."""
+    already; the others (e.g. strict mode, the log level, a switched-off patch's) are said here,
+    and so is every ``NPU_SHIM_*`` name the shim does not read (a typo is not silently ignored)."""
+    from npu_shim.patches import all_variables
+
     strict()
     log.configure()  # reports a bad log level
     said = " ".join(record.reason for record in records.values())
-    for var in config.ALL:
+    variables = all_variables(_RT.patches)
+    for var in variables:
         try:
             var.read()
         except config.ConfigError as exc:
             if str(exc) not in said:
                 log.error_once(log.config_key(var), "%s (ignored)" % exc)
+    for name, suggestion in config.unknown_names(variables):
+        log.warning_once("unknown:" + name, "%s is not a variable npu-shim reads (ignored)%s"
+                         % (name, "; did you mean %s?" % suggestion if suggestion else ""))
+
 
 
 def load_patches():
@@ -149,13 +158,11 @@ def _make_hook(generation):
 
 
 def sglang_view():
-    from npu_shim.codeview import SourceView
-
     package = sys.modules.get("sglang")
     path = getattr(package, "__file__", None)
     if not path:
         return None
-    return SourceView(os.path.dirname(path))
+    return decision_cache.view(os.path.dirname(path))
 
 
 def running_on_npu():
@@ -175,16 +182,19 @@ def decide_all(view=None, on_npu=None, missing_wrapt=None):
     would apply is ``failed`` with the reason."""
     if missing_wrapt is None:
         view, on_npu = sglang_view(), running_on_npu()
-    _RT.view = view
     records = {}
     for patch in _RT.patches:
         try:
-            decision = patching.decide(patch, view, on_npu=on_npu)
+            decision = framework.decide(patch, view, on_npu=on_npu)
         except Exception as exc:  # noqa: BLE001
-            decision = patching.Decision(FAILED, "deciding raised %r" % (exc,))
+            decision = framework.Decision(FAILED, "deciding raised %r" % (exc,))
         if missing_wrapt is not None:
-            decision = patching.without_wrapt(decision, missing_wrapt)
+            decision = framework.without_wrapt(decision, missing_wrapt)
         records[patch.name] = PatchRecord(patch, decision)
+    # The parsed source is dropped here (the view is local): every sglang process keeps only
+    # the decisions.  Children get the answers the sources gave (decision_cache).
+    if view is not None:
+        decision_cache.export(view)
     _RT.records = records
     for record in records.values():
         report(record)
@@ -196,10 +206,10 @@ def decide_all(view=None, on_npu=None, missing_wrapt=None):
 def fail_without_wrapt(reason):
     """No wrapt: nothing can be wrapped, so say per patch what does not happen (and stop the
     process where the user explicitly asked for a feature, as for any other failure)."""
-    from npu_shim.codeview import SourceView, find_package_dir
+    from npu_shim.codeview import find_package_dir
 
     package_dir = find_package_dir("sglang")
-    view = SourceView(package_dir) if package_dir else None
+    view = decision_cache.view(package_dir) if package_dir else None
     # torch is usually not imported yet at ``import sglang``: the NPU is then unknown (None).
     on_npu = running_on_npu() if "torch" in sys.modules else None
     decide_all(view, on_npu, missing_wrapt=reason)
@@ -217,11 +227,11 @@ def report(record):
 
 def enforce(record):
     """Raise when a patch that did not apply must not be silently skipped."""
-    if record.state not in (FAILED, UNSUPPORTED):
+    if record.state not in PROBLEMS:
         return
     if record.patch.must_honour(os.environ):
-        raise ShimError("npu-shim: %s was requested but is %s: %s"
-                        % (record.patch.name, record.state, record.reason))
+        raise getattr(record.patch, "error", ShimError)(
+            "npu-shim: %s was requested but is %s: %s" % (record.patch.name, record.state, record.reason))
     if strict():
         raise ShimError("npu-shim (strict): %s is %s: %s"
                         % (record.patch.name, record.state, record.reason))
@@ -301,10 +311,6 @@ def revert_record(record):
         change.revert()
     record.changes = []
     record.applied = set()
-    try:
-        record.patch.on_revert()
-    except Exception as exc:  # noqa: BLE001
-        log.error("%s: reverting its state failed: %r" % (record.patch.name, exc))
 
 
 def watcher_armed():
@@ -383,16 +389,9 @@ def uninstall():
 
 
 def record(name):
-    """The PatchRecord of a decided patch (for feature modules that report details), or None."""
+    """The PatchRecord of a decided patch, or None."""
     records = _RT.records
     return records.get(name) if records else None
-
-
-def details(name):
-    """The ``details`` dict of a decided patch (``states()`` and status show it), where feature code
-    records facts such as MiB released; a throwaway dict while the patch is not decided."""
-    found = record(name)
-    return found.details if found is not None else {}
 
 
 def states():

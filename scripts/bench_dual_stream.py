@@ -187,7 +187,8 @@ def measure(device, **overrides):
     try:
         with torch.no_grad():
             serial = lambda: _serial_forward(block, hidden, batch)  # noqa: E731
-            overlapped = lambda: ds._forward_deepep_dual_stream(_serial_forward, block, hidden, batch)  # noqa: E731
+            process = ds.DualStream()  # the shim's per-process state, as a decision builds it
+            overlapped = lambda: process._forward_deepep_dual_stream(_serial_forward, block, hidden, batch)  # noqa: E731
             shared = lambda: block._forward_shared_experts(hidden)  # noqa: E731
             routed = lambda: _routed_only(block, hidden, batch)  # noqa: E731
             equal = bool(torch.equal(serial(), overlapped()))
@@ -198,7 +199,6 @@ def measure(device, **overrides):
             result["serial_again"] = _median_ms(serial, dm, p)
     finally:
         torch.get_device_module = real_get
-        ds.PATCH.on_revert()
     result["ideal"] = max(result["shared"], result["routed"])
     result["equal"] = equal
     result["params"] = p

@@ -62,14 +62,14 @@ def rows(rounds=15, calls=2000):
     envs, zbal = _setup()
     import wrapt
 
-    from npu_shim import patching
+    from npu_shim import framework
     from npu_shim.codeview import SourceView
     from npu_shim.patches import zbal as zp
 
     saved = os.environ.get("SGLANG_ZBAL_LOCAL_MEM_SIZE")
     os.environ["SGLANG_ZBAL_LOCAL_MEM_SIZE"] = "61440"
     try:
-        return _rows(envs, zbal, wrapt, patching, SourceView, zp, rounds, calls)
+        return _rows(envs, zbal, wrapt, framework, SourceView, zp, rounds, calls)
     finally:
         if saved is None:
             os.environ.pop("SGLANG_ZBAL_LOCAL_MEM_SIZE", None)
@@ -77,7 +77,7 @@ def rows(rounds=15, calls=2000):
             os.environ["SGLANG_ZBAL_LOCAL_MEM_SIZE"] = saved
 
 
-def _rows(envs, zbal, wrapt, patching, SourceView, zp, rounds, calls):
+def _rows(envs, zbal, wrapt, framework, SourceView, zp, rounds, calls):
     root = str(envs.ensure_sources(RELEASE))
     original = _original(root, "get_available_gpu_memory")
     wrapped = wrapt.FunctionWrapper(original, zp.get_available_gpu_memory)
@@ -103,14 +103,14 @@ def _rows(envs, zbal, wrapt, patching, SourceView, zp, rounds, calls):
     for _ in range(5):
         view = SourceView(os.path.join(root, "sglang"))
         start = time.perf_counter()
-        decision = patching.decide(zp.PATCH, view, environ=dict(os.environ), on_npu=True)
+        decision = framework.decide(zp.PATCH, view, environ=dict(os.environ), on_npu=True)
         decide_s.append(time.perf_counter() - start)
     result.append({
         "what": "decide(zbal) on a cold SourceView of %s" % RELEASE,
         "how": "5 runs, median (parses the 5 target modules, checks 10 targets)",
         "measured": "%.0f ms (%s)" % (statistics.median(decide_s) * 1e3, decision.state),
         "target": "< 1000 ms, state applied",
-        "ok": statistics.median(decide_s) < 1.0 and decision.state == patching.APPLIED,
+        "ok": statistics.median(decide_s) < 1.0 and decision.state == framework.APPLIED,
     })
     return result
 

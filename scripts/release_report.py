@@ -63,16 +63,16 @@ def _view(version, strict=False):
 
 def static_decisions(view):
     """{patch: Decision} from the source, each patch switched on and its trigger assumed set."""
-    from npu_shim import patching
+    from npu_shim import framework, targets
     from npu_shim.patches import load_all
 
-    return {p.name: patching.decide(p, view, environ={}, on_npu=None, assume_triggered=True)
+    return {p.name: framework.decide(p, view, environ={}, on_npu=None, assume_triggered=True)
             for p in load_all()}
 
 
 def moved(prev_view, new_view):
     """Lines: what changed for the shim between two releases' sources."""
-    from npu_shim import patching
+    from npu_shim import framework, targets
     from npu_shim.patches import load_all
 
     lines = []
@@ -84,14 +84,14 @@ def moved(prev_view, new_view):
             lines.append("%s: the probe no longer finds the upstream feature (was: %s)" % (patch.name, before))
         if before:
             continue  # upstream before: the shim had no targets to compare
-        ctx = patching.DecideContext({}, True)
+        ctx = framework.DecideContext({}, True)
         try:
             targets = patch.targets(prev_view, ctx)
         except Exception as exc:  # a release the patch cannot even list targets for
             lines.append("%s: cannot list the previous release's targets (%r)" % (patch.name, exc))
             continue
         for target in targets:
-            if not isinstance(target, patching.Wrap):
+            if not isinstance(target, targets.Wrap):
                 old, new = target.check_source(prev_view), target.check_source(new_view)
                 if new and new != old:
                     lines.append("%s: %s" % (patch.name, new))

@@ -13,6 +13,9 @@ import textwrap
 
 import pytest
 
+from npu_shim.patches import all_variables
+from npu_shim.patches import zbal as zbal_patch
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FAKE_COMMON = '''
@@ -28,7 +31,7 @@ __all__ = ["get_npu_memory_capacity", "Scheduler"]
 
 DEMO_PATCH = '''
 import os
-from npu_shim import config, patching
+from npu_shim import config, framework, targets
 
 def add_one(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs) + 1
@@ -37,13 +40,17 @@ def mark_init(wrapped, instance, args, kwargs):
     wrapped(*args, **kwargs)
     instance.patched = True
 
-class DemoPatch(patching.Patch):
+class DemoPatch(framework.Patch):
     name = "demo"
     title = "test patch"
     upstream_pr = "sgl-project/sglang#1"
     upstream_release = "0.5.99"
-    switch = config.DUAL_STREAM          # any declared switch will do for the mechanism
-    reads = (config.ZBAL_LOCAL_MEM_SIZE,)
+    backport_range = ("0.5.0", "0.5.98")
+    remove_when = "never (a test patch)"
+    # an alias and a variable the real patches use, so messages read like theirs
+    switch = config.switch("demo", "test switch", aliases=("NPU_SHIM_DUAL_STREAM",))
+    reads = (config.mib("SGLANG_ZBAL_LOCAL_MEM_SIZE", "test size"),
+             config.url("SGLANG_ZBAL_BOOTSTRAP_URL", "test url"))
     modules = ("sglang.srt.utils.common",)
     needs_npu = False
 
@@ -56,8 +63,8 @@ class DemoPatch(patching.Patch):
         if os.environ.get("DEMO_PATCH_TARGETS_RAISE"):
             raise RuntimeError("boom while listing targets")
         return [
-            patching.Wrap("sglang.srt.utils.common", "get_npu_memory_capacity", add_one, [()]),
-            patching.Wrap("sglang.srt.utils.common", "Scheduler.__init__", mark_init,
+            targets.Wrap("sglang.srt.utils.common", "get_npu_memory_capacity", add_one, [()]),
+            targets.Wrap("sglang.srt.utils.common", "Scheduler.__init__", mark_init,
                           [("server_args", "gpu_id")]),
         ]
 
@@ -70,7 +77,7 @@ import os
 with open(os.environ["CHAIN_MARKER"], "a") as f:
     f.write("ran\\n")
 import npu_shim.patches
-npu_shim.patches.PATCH_MODULES[:] = ["demo_patch"]
+npu_shim.patches.PATCH_MODULES[:] = ["demo"]
 '''
 
 
@@ -87,7 +94,7 @@ def tree(tmp_path):
     image = tmp_path / "image"
     image.mkdir()
     (image / "sitecustomize.py").write_text(IMAGE_SITECUSTOMIZE)
-    (image / "demo_patch.py").write_text(DEMO_PATCH)
+    (image / "demo.py").write_text(DEMO_PATCH)
     return tmp_path
 
 
@@ -257,11 +264,11 @@ def test_bad_bootstrap_url_message():
     from npu_shim import config
 
     with pytest.raises(config.ConfigError) as info:
-        config.ZBAL_BOOTSTRAP_URL.read({"SGLANG_ZBAL_BOOTSTRAP_URL": "10.0.0.1:6789"})
+        zbal_patch.BOOTSTRAP_URL.read({"SGLANG_ZBAL_BOOTSTRAP_URL": "10.0.0.1:6789"})
     assert str(info.value) == ("SGLANG_ZBAL_BOOTSTRAP_URL='10.0.0.1:6789' is invalid: expected "
                                "tcp://HOST:PORT with a port in 1..65535, e.g. tcp://10.0.0.1:6789 "
                                "(HOST: a hostname, IPv4 or [IPv6] address; ASCII digits)")
-    assert config.ZBAL_BOOTSTRAP_URL.read({"SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://10.0.0.1:6789"}) == \
+    assert zbal_patch.BOOTSTRAP_URL.read({"SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://10.0.0.1:6789"}) == \
         "tcp://10.0.0.1:6789"
 
 
@@ -333,7 +340,7 @@ def test_status_without_sglang(tree):
     env["PYTHONPATH"] = REPO
     proc = subprocess.run([sys.executable, "-m", "npu_shim", "status", "--json"], cwd=str(tree),
                           env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 5, proc.stderr  # its own exit code: a gate must not pass here
     info = json.loads(proc.stdout)
     assert info["sglang"] == {"path": None, "version": None}
     assert info["sitecustomize_active"] is True and info["master_switch"] is True
@@ -357,5 +364,5 @@ def test_env_command_lists_every_variable():
     proc = subprocess.run([sys.executable, "-m", "npu_shim", "env"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0
-    for var in config.ALL:
+    for var in all_variables():
         assert var.name in proc.stdout and var.doc in proc.stdout

@@ -82,7 +82,7 @@ def bare_venvs(tmp_path_factory):
 @pytest.fixture
 def tree(bootstrap_tree):
     """test_bootstrap's fake sglang tree, its demo patch "explicitly requested" on DEMO_MUST_HONOUR."""
-    (bootstrap_tree / "image" / "demo_patch.py").write_text(DEMO_PATCH_MUST_HONOUR)
+    (bootstrap_tree / "image" / "demo.py").write_text(DEMO_PATCH_MUST_HONOUR)
     return bootstrap_tree
 
 
@@ -320,7 +320,7 @@ def test_without_wrapt_patches_fail_in_one_line_each_and_sglang_still_imports(ba
 def test_without_wrapt_a_feature_asked_for_explicitly_stops_the_process(bare_venvs, tree):
     proc = run(bare_venvs("3.11"), tree, REPORT, REPO, env={"DEMO_MUST_HONOUR": "1"}, check=False)
     assert proc.returncode == 1
-    assert ("npu_shim.patching.ShimError: npu-shim: demo was requested but is failed: wrapt is not "
+    assert ("npu_shim.framework.ShimError: npu-shim: demo was requested but is failed: wrapt is not "
             "available") in proc.stderr
     assert proc.stdout == ""
 

@@ -15,6 +15,9 @@ import sys
 
 import pytest
 
+from npu_shim.patches import all_variables
+from npu_shim.patches import zbal as zbal_patch
+
 import realsglang
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,7 +135,7 @@ for name, state in npu_shim.states().items():
                                          x.__func__ is obj.__func__ if hasattr(x, "__func__") else
                                          x.__wrapped__.__func__ is obj.__wrapped__.__func__
                                          for x in (back, dill_back, copied)),
-                    "still_wrapped": all(type(x).__module__ == "npu_shim.patching"
+                    "still_wrapped": all(type(x).__module__ == "npu_shim.wrappers"
                                          for x in (back, dill_back, copied)),
                     "global_by_name": how == "" and not isinstance(owner, type)
                                       and back is obj and copied is obj,
@@ -189,18 +192,19 @@ def _accepted(var, value):
 
 @pytest.mark.parametrize("value", BAD_VALUES, ids=repr)
 def test_every_variable_rejects_each_bad_value_in_one_line(tmp_path, value):
-    """Every variable set to the same hostile value at once: ``status`` exits 2 (or 0 where the
-    value is acceptable for every variable) and names each invalid variable in one line."""
+    """Every variable set to the same hostile value at once: ``status`` exits 2 (or 5, no sglang
+    here, where the value is acceptable for every variable) and names each invalid variable in
+    one line."""
     from npu_shim import config
 
     env = {os.fsencode(k): os.fsencode(v) for k, v in clean_env(PYTHONPATH=REPO).items()}
     raw = value if isinstance(value, bytes) else value.encode()
-    env.update({var.name.encode(): raw for var in config.ALL})
+    env.update({var.name.encode(): raw for var in all_variables()})
     proc = subprocess.run([sys.executable, "-m", "npu_shim", "status"], cwd=str(tmp_path), env=env,
                           capture_output=True, timeout=60)
-    rejected = [var for var in config.ALL if not _accepted(var, value)]
-    out, _ = assert_clean_answer(proc, (2,) if rejected else (0,))
-    for var in config.ALL:
+    rejected = [var for var in all_variables() if not _accepted(var, value)]
+    out, _ = assert_clean_answer(proc, (2,) if rejected else (5,))  # 5: no sglang here
+    for var in all_variables():
         lines = [line for line in out.splitlines() if "INVALID: %s=" % var.name in line]
         assert len(lines) == (var in rejected), (var.name, lines)
         if lines:
@@ -212,16 +216,16 @@ def test_sizes_and_urls_accept_exactly_the_documented_forms():
     from npu_shim import config
 
     def url(value):
-        return config.ZBAL_BOOTSTRAP_URL.read({config.ZBAL_BOOTSTRAP_URL.name: value})
+        return zbal_patch.BOOTSTRAP_URL.read({zbal_patch.BOOTSTRAP_URL.name: value})
 
     for good in ("tcp://10.0.0.1:6789", "tcp://node-1.cluster.local:1", "tcp://[::1]:65535",
                  "tcp://[2001:db8::7]:29500", "tcp://localhost:80"):
         assert url(good) == good
-    assert config.ZBAL_LOCAL_MEM_SIZE.read({config.ZBAL_LOCAL_MEM_SIZE.name: " 12288 "}) == 12288
-    assert config.ZBAL_LOCAL_MEM_SIZE.read({config.ZBAL_LOCAL_MEM_SIZE.name: str(config.MAX_MIB)}) \
+    assert zbal_patch.LOCAL_MEM_SIZE.read({zbal_patch.LOCAL_MEM_SIZE.name: " 12288 "}) == 12288
+    assert zbal_patch.LOCAL_MEM_SIZE.read({zbal_patch.LOCAL_MEM_SIZE.name: str(config.MAX_MIB)}) \
         == config.MAX_MIB == 1024 * 1024
     with pytest.raises(config.ConfigError, match="at most 1048576 MiB"):
-        config.ZBAL_LOCAL_MEM_SIZE.read({config.ZBAL_LOCAL_MEM_SIZE.name: str(config.MAX_MIB + 1)})
+        zbal_patch.LOCAL_MEM_SIZE.read({zbal_patch.LOCAL_MEM_SIZE.name: str(config.MAX_MIB + 1)})
     for bad in ("tcp://a_b:1", "tcp://-host:1", "tcp://" + "a" * 64 + ":1", "tcp://1.2.3:1",
                 "tcp://[::1]:", "tcp://[::1]", "http://host:1", "tcp://host:1:2", "tcp://:1"):
         with pytest.raises(config.ConfigError):

@@ -3,7 +3,8 @@
 import os
 import re
 
-from npu_shim import config, patching
+from npu_shim import config, framework
+from npu_shim.patches import all_variables
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,14 +17,14 @@ def readme():
 def test_env_table_lists_every_variable_with_its_type_default_and_doc():
     block = readme().split("<!-- env-table -->")[1].split("<!-- /env-table -->")[0]
     rows = [line for line in block.strip().splitlines()[2:]]
-    expected = ["| `%s` | %s | `%r` | %s |" % (v.name, v.kind, v.default, v.doc) for v in config.ALL]
+    expected = ["| `%s` | %s | `%r` | %s |" % (v.name, v.kind, v.default, v.doc) for v in all_variables()]
     assert rows == expected
 
 
 def test_states_table_lists_every_state():
     text = readme()
     listed = re.findall(r"^\| `(\w+)` \| ", text.split("## Patch states")[1].split("##")[0], re.M)
-    assert listed == list(patching.STATES)
+    assert listed == list(framework.STATES)
 
 
 def test_readme_gives_exactly_the_two_commands_ci_runs():

@@ -17,7 +17,7 @@ import re
 import pytest
 from realsglang import sglang_envs
 
-from npu_shim import patching
+from npu_shim import framework
 from npu_shim.codeview import SourceView
 from npu_shim.patches import load_all
 
@@ -42,7 +42,7 @@ def static_states(version):
     assert view.version == version, "wheel of %s reports version %s" % (version, view.version)
     states = {}
     for patch in load_all():
-        decision = patching.decide(patch, view, environ={}, on_npu=None, assume_triggered=True)
+        decision = framework.decide(patch, view, environ={}, on_npu=None, assume_triggered=True)
         states[patch.name] = (decision.state, decision.reason)
     return states
 
@@ -113,6 +113,6 @@ def test_no_patch_wraps_a_multiprocessing_spawn_target(version):
         "run_scheduler_process" in forbidden, forbidden
     view = SourceView(package_dir)
     for patch in load_all():
-        for target in patch.targets(view, patching.DecideContext({}, True)):
+        for target in patch.targets(view, framework.DecideContext({}, True)):
             name = target.qualname.rsplit(".", 1)[-1]
             assert name not in forbidden and not re.fullmatch(r"run_\w+_process", name), target.describe()

@@ -54,16 +54,16 @@ def test_uninstall_after_reload_restores_the_reloaded_code(tree):
 TWO_MODULES = DEMO_PATCH.replace(
     'modules = ("sglang.srt.utils.common",)',
     'modules = ("sglang.srt.utils.common", "sglang.srt.other")').replace(
-    """            patching.Wrap("sglang.srt.utils.common", "Scheduler.__init__", mark_init,
+    """            targets.Wrap("sglang.srt.utils.common", "Scheduler.__init__", mark_init,
                           [("server_args", "gpu_id")]),""",
-    """            patching.Wrap("sglang.srt.other", "late", add_one, [("x",)]),""")
+    """            targets.Wrap("sglang.srt.other", "late", add_one, [("x",)]),""")
 
 
 def test_second_module_failing_reverts_what_the_first_one_applied(tree):
     """The loaded ``late`` is not the code its source shows (rebound at import), so applying the
     patch to the second module fails after the first module was patched."""
     assert TWO_MODULES != DEMO_PATCH
-    (tree / "image" / "demo_patch.py").write_text(TWO_MODULES)
+    (tree / "image" / "demo.py").write_text(TWO_MODULES)
     (tree / "pkgs" / "sglang" / "srt" / "other.py").write_text(
         "def late(x):\n    return x\n\nlate = lambda x, y=0: x\n")
     proc = run(tree, """
@@ -177,13 +177,13 @@ def test_states_name_every_target_and_exactly_the_wrappers_applied(tree):
 
 
 def test_record_lists_only_applied_wraps_as_wrappers():
-    from npu_shim import patching, runtime
+    from npu_shim import framework, targets, runtime
 
-    wrap = patching.Wrap("m", "f", None, [()])
-    other = patching.Wrap("m", "g", None, [()])
-    replace = patching.Replace("m", "X", lambda original: 1)
+    wrap = targets.Wrap("m", "f", None, [()])
+    other = targets.Wrap("m", "g", None, [()])
+    replace = targets.Replace("m", "X", lambda original: 1)
     record = runtime.PatchRecord(types.SimpleNamespace(name="p"),
-                                 patching.Decision(patching.APPLIED, "why", [wrap, other, replace]))
+                                 framework.Decision(framework.APPLIED, "why", [wrap, other, replace]))
     record.applied = {wrap.describe(), replace.describe()}
     assert record.as_dict() == {
         "name": "p", "state": "applied", "reason": "why",
@@ -212,10 +212,10 @@ def test_running_on_npu_is_false_without_torch_without_npu_and_when_asking_fails
 
 
 def _record(state, must_honour=False):
-    from npu_shim import patching, runtime
+    from npu_shim import framework, targets, runtime
 
     patch = types.SimpleNamespace(name="p", must_honour=lambda environ: must_honour)
-    return runtime.PatchRecord(patch, patching.Decision(state, "because"))
+    return runtime.PatchRecord(patch, framework.Decision(state, "because"))
 
 
 def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(caplog, monkeypatch):
@@ -224,7 +224,7 @@ def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(c
     import pytest
 
     from npu_shim import runtime
-    from npu_shim.patching import ShimError
+    from npu_shim.framework import ShimError
 
     monkeypatch.delenv("NPU_SHIM_STRICT", raising=False)
     with caplog.at_level(logging.DEBUG, logger="npu_shim"):
@@ -260,21 +260,22 @@ def test_hooks_of_an_earlier_install_do_nothing(monkeypatch):
     assert calls == [module]
 
 
-def test_record_and_details_of_a_decided_patch(monkeypatch):
-    from npu_shim import runtime
+def test_record_of_a_decided_patch_holds_the_details_its_decision_handed_out(monkeypatch):
+    from npu_shim import framework, runtime
 
-    record = _record("applied")
+    details = {}
+    decision = framework.Decision("applied", "ok", details=details)
+    record = runtime.PatchRecord(types.SimpleNamespace(name="p"), decision)
     monkeypatch.setattr(runtime._RT, "records", {"p": record})
     assert runtime.record("p") is record and runtime.record("q") is None
-    runtime.details("p")["released_mib"] = 1.5
-    assert record.details == {"released_mib": 1.5}
-    assert runtime.details("q") == {}  # a throwaway dict
+    details["released_mib"] = 1.5  # what a wrapper writes through its closure
+    assert record.details == {"released_mib": 1.5} and record.as_dict()["details"] == {"released_mib": 1.5}
     monkeypatch.setattr(runtime._RT, "records", None)
-    assert runtime.record("p") is None and runtime.details("p") == {}
+    assert runtime.record("p") is None
 
 
 def test_a_module_is_applied_for_every_applied_patch_after_one_that_is_not(monkeypatch):
-    from npu_shim import patching, runtime
+    from npu_shim import framework, targets, runtime
 
     module = types.ModuleType("sglang.fake_target")
 
@@ -284,8 +285,8 @@ def test_a_module_is_applied_for_every_applied_patch_after_one_that_is_not(monke
     module.f = f
     skipped = _record("unsupported")
     applied = runtime.PatchRecord(types.SimpleNamespace(name="q", must_honour=lambda e: False),
-                                  patching.Decision(patching.APPLIED, "ok", [
-                                      patching.Wrap("sglang.fake_target", "f",
+                                  framework.Decision(framework.APPLIED, "ok", [
+                                      targets.Wrap("sglang.fake_target", "f",
                                                     lambda w, i, a, k: w() + 1, [()])]))
     monkeypatch.setattr(runtime._RT, "records", {"p": skipped, "q": applied})
     monkeypatch.setattr(runtime._RT, "late_modules", set())
@@ -302,7 +303,7 @@ def test_wrappers_pickle_and_copy_by_reference_in_process(monkeypatch):
     import pickle
     import sys
 
-    from npu_shim.patching import function_wrapper
+    from npu_shim.wrappers import function_wrapper
 
     module = types.ModuleType("npu_shim_pickle_probe")
     exec("def f(x):\n    return x + 1\n\nclass Box:\n    def __init__(self, v):\n        self.v = v\n"
@@ -322,5 +323,5 @@ def test_wrappers_pickle_and_copy_by_reference_in_process(monkeypatch):
     assert unbound.__wrapped__ is module.Box.__dict__["get"].__wrapped__ and unbound(box) == 5
     for bound in (pickle.loads(pickle.dumps(box.get)), copy.deepcopy(box.get)):
         assert bound() == 5 and bound.__self__ is not box and type(bound.__self__) is module.Box
-        assert type(bound).__module__ == "npu_shim.patching"
+        assert type(bound).__module__ == "npu_shim.wrappers"
     assert copy.copy(box.get)() == 5

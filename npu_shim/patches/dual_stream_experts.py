@@ -17,8 +17,9 @@ How (two sub-features, gated as upstream 0.5.10 gates them):
 * fused decode path -- ``Glm4MoeAttention.forward_prepare`` is wrapped when the image's
   ``sgl_kernel_npu`` has ``norm.split_qkv_rmsnorm_rope`` with the signature upstream's call binds
   and partial-rotary support, both read from the kernel's ``def`` (``kernel_support``: the same
-  check on the file before anything is patched and on the loaded kernel at its first call).  Outside extend/draft-extend/mixed (as
-  upstream: decode, target-verify) it calls the kernel instead of split -> qk-norm -> rope, with
+  check on the file before anything is patched and on the loaded kernel at its first call).
+  Outside extend/draft-extend/mixed (as upstream: decode, target-verify, draft-extend-v2, dLLM
+  extend, idle -- every mode but those three) it calls the kernel instead of split -> qk-norm -> rope, with
   cos/sin computed once per step at the first layer.  Layers the kernel would compute differently
   (no qk-norm, q/k eps differ, non-neox rope, 2-D positions, a kernel without partial-rotary
   support) keep the original path, and the reason is put into the patch's status details.
@@ -26,9 +27,10 @@ How (two sub-features, gated as upstream 0.5.10 gates them):
 Both wrappers re-implement part of a method body, so each target carries the AST fingerprint of
 the body it stands in for (0.5.7, 0.5.8 and 0.5.9 share one): any other code is ``unsupported``.
 States: ``applied`` when at least one sub-feature applies (the reason says which, and why the
-other does not); ``unsupported`` when the kernel is missing and the streams are not asked for
-(nothing left to do), or a fingerprint differs; ``upstream`` from 0.5.10.
-``NPU_SHIM_DUAL_STREAM=0`` switches all of it off.
+other does not); ``inactive`` when the image has no usable kernel and the streams are not asked for
+(nothing to do); ``unsupported`` when a fingerprint differs or the kernel's signature is one the
+shim does not know; ``upstream`` from 0.5.10.  ``NPU_SHIM_DUAL_STREAM_EXPERTS=0`` (or the older
+``NPU_SHIM_DUAL_STREAM=0``) switches all of it off.
 
 Upstream: sgl-project/sglang#19246 ("[NPU] optimize glm4.7"), sglang 0.5.10
 (``hardware_backend/npu/utils.py``: ``process_shared_expert``, ``wait_share_stream``).
@@ -43,7 +45,8 @@ import threading
 
 from npu_shim import config
 from npu_shim.codeview import SourceError, parse_source, read_source, unwrap
-from npu_shim.patching import Patch, Wrap, bind_arguments
+from npu_shim.framework import Patch
+from npu_shim.targets import Wrap, bind_arguments
 
 GLM4_MOE = "sglang.srt.models.glm4_moe"
 NPU_UTILS = "sglang.srt.hardware_backend.npu.utils"
@@ -69,159 +72,27 @@ KERNEL_POSITIONAL = ("input", "sin", "cos", "q_hidden_size", "kv_hidden_size", "
 KERNEL_KEYWORDS = ("eps", "q_weight", "k_weight", "q_bias", "k_bias")
 
 
-class _State:
-    """Per-process state of the wrappers (reset by ``on_revert``)."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.side_stream = None
-        self.kernel = None          # the imported split_qkv_rmsnorm_rope
-        self.kernel_error = None    # why it could not be imported/used
-        self.kernel_partial = None  # True/False once its signature was read (kernel_support)
-        self.layer_plans = {}       # layer-config key -> None (fused) or reason (original path)
-        self.counts = {"dual_stream_calls": 0, "fused_calls": 0}
-        self.details = None         # the patch record's details, once looked up
+SWITCH = config.switch(
+    "dual_stream_experts",
+    "Switch for the GLM-4.x MoE dual-stream experts and fused qkv-rmsnorm-rope backport.",
+    aliases=("NPU_SHIM_DUAL_STREAM",))
+MULTI_STREAM = config.boolean(
+    "SGLANG_NPU_USE_MULTI_STREAM", False,
+    "Run GLM-4.x shared experts on a side stream during extend/verify (upstream name and meaning).")
 
 
-_STATE = _State()
-
-
-# -- stream helpers: device-agnostic like upstream's hardware_backend/npu/utils.py -------------
-
-def get_share_stream():
-    return _STATE.side_stream
-
+# -- the backport in one process ------------------------------------------------------------------
 
 def _device_module():
     import torch
 
     return torch.get_device_module()
 
-
-def process_shared_expert(hidden_states, forward_func):
-    """Queue ``forward_func(hidden_states)`` on the side stream, after all the main stream has
-    queued so far (the side stream waits for it), and return its output."""
-    device = _device_module()
-    stream = _STATE.side_stream
-    if stream is None:
-        with _STATE.lock:
-            if _STATE.side_stream is None:
-                _STATE.side_stream = device.Stream()
-                _note("side_stream", repr(_STATE.side_stream))
-            stream = _STATE.side_stream
-    stream.wait_stream(device.current_stream())
-    with device.stream(stream):
-        return forward_func(hidden_states)
-
-
-def wait_share_stream():
-    """The current (main) stream waits for everything queued on the side stream."""
-    stream = _STATE.side_stream
-    if stream is not None:
-        _device_module().current_stream().wait_stream(stream)
-
-
-# -- the dual-stream forward_deepep --------------------------------------------------------------
-
 def _dual_stream_wanted(forward_batch):
     # As upstream 0.5.10: extend (which includes mixed/draft-extend) or target-verify; decode stays
     # single-stream (its launches are too small to gain, and it runs in captured graphs).
     mode = forward_batch.forward_mode
     return mode.is_extend() or mode.is_target_verify()
-
-
-def forward_deepep_wrapper(wrapped, instance, args, kwargs):
-    if _STATE.details is None:
-        _attach_details()
-    bound = bind_arguments(DEEPEP_PARAMS, args, kwargs)
-    hidden_states = bound["hidden_states"]
-    forward_batch = bound["forward_batch"]
-    if hidden_states.shape[0] == 0 or not _dual_stream_wanted(forward_batch):
-        return wrapped(*args, **kwargs)
-    return _forward_deepep_dual_stream(wrapped, instance, hidden_states, forward_batch)
-
-
-def _forward_deepep_dual_stream(wrapped, self, hidden_states, forward_batch):
-    """0.5.7-0.5.9's forward_deepep (fingerprinted) for a non-empty batch, streams added.
-
-    Data dependencies: both streams only read ``hidden_states`` until the main stream has waited
-    for the side stream, and only then is the shared output written (``add_``).  The shared output
-    and the side stream's temporaries come from the side stream's memory pool; the next allocation
-    there happens after the next ``wait_stream(main)``, so no block is reused while the main stream
-    may still read it (hence no ``record_stream``).
-    """
-    dispatch_info = unwrap(wrapped).__globals__["ExpertLocationDispatchInfo"]
-    shared_output = process_shared_expert(hidden_states, self._forward_shared_experts)
-    # router_logits: (num_tokens, n_experts)
-    router_logits = self.gate(hidden_states)
-    topk_output = self.topk(
-        hidden_states,
-        router_logits,
-        num_token_non_padded=forward_batch.num_token_non_padded,
-        expert_location_dispatch_info=dispatch_info.init_new(layer_id=self.layer_id),
-    )
-    final_hidden_states = self.experts(hidden_states=hidden_states, topk_output=topk_output)
-    wait_share_stream()
-    _STATE.counts["dual_stream_calls"] += 1
-
-    if shared_output is not None:
-        x = shared_output
-        if self.experts.should_fuse_routed_scaling_factor_in_topk:
-            x.add_(final_hidden_states)
-        else:
-            x.add_(final_hidden_states, alpha=self.routed_scaling_factor)
-        final_hidden_states = x
-    else:
-        if not self.experts.should_fuse_routed_scaling_factor_in_topk:
-            final_hidden_states *= self.routed_scaling_factor
-    return final_hidden_states
-
-
-# -- the fused forward_prepare -------------------------------------------------------------------
-
-def forward_prepare_wrapper(wrapped, instance, args, kwargs):
-    if _STATE.details is None:
-        _attach_details()
-    bound = bind_arguments(PREPARE_PARAMS, args, kwargs)
-    hidden_states = bound["hidden_states"]
-    forward_batch = bound["forward_batch"]
-    positions = bound["positions"]
-    # Upstream 0.5.10 takes the fused path in every mode but extend/draft-extend/mixed.
-    if hidden_states.shape[0] == 0 or forward_batch.forward_mode.is_extend_or_draft_extend_or_mixed():
-        return wrapped(*args, **kwargs)
-    kernel = _fused_kernel_for(instance, positions)
-    if kernel is None:
-        return wrapped(*args, **kwargs)
-    return _forward_prepare_fused(instance, kernel, positions, hidden_states, forward_batch)
-
-
-def _forward_prepare_fused(self, kernel, positions, hidden_states, forward_batch):
-    """0.5.7-0.5.9's forward_prepare (fingerprinted) for a non-empty batch, split -> qk-norm ->
-    rope done by one kernel."""
-    qkv, _ = self.qkv_proj(hidden_states)
-    rotary = self.rotary_emb
-    # cos/sin once per step, at the first layer (get_rope shares one rotary object between the
-    # layers); also when this object has none of this batch's size yet.
-    cos = rotary.position_cos
-    if (self.attn.layer_id == forward_batch.token_to_kv_pool.start_layer
-            or cos is None or cos.shape[0] != qkv.shape[0]):
-        rotary.get_cos_sin_with_position(positions)
-    q, k, v = kernel(
-        qkv,
-        rotary.position_sin,
-        rotary.position_cos,
-        self.q_size,
-        self.kv_size,
-        self.head_dim,
-        eps=self.q_norm.variance_epsilon,
-        q_weight=self.q_norm.weight,
-        k_weight=self.k_norm.weight,
-        q_bias=getattr(self.q_norm, "bias", None),
-        k_bias=getattr(self.k_norm, "bias", None),
-    )
-    _STATE.counts["fused_calls"] += 1
-    inner_state = q, k, v, forward_batch
-    return None, forward_batch, inner_state
 
 
 def _layer_key(attn):
@@ -235,57 +106,185 @@ def _layer_key(attn):
     )
 
 
-def _fused_kernel_for(attn, positions):
-    """The kernel when it computes exactly what this layer's original path computes, else None
-    (the reason goes into the status details once)."""
-    if positions.ndim != 1:
-        return None  # multimodal rope (2-D positions): upstream's get_cos_sin rejects it too
-    key = _layer_key(attn)
-    plans = _STATE.layer_plans
-    if key not in plans:
-        with _STATE.lock:
-            if key not in plans:
-                plans[key] = _plan_layer(attn)
-                if plans[key] is not None:
-                    _note("fused_fallback", plans[key])
-    if plans[key] is not None:
+class DualStream:
+    """Both sub-features in one process: the side stream, the kernel and each layer's plan, and
+    how often each path ran (``details["counts"]``, live in status).  A decision builds a fresh
+    one (so uninstall/install starts over); ``details`` is the patch record's."""
+
+    def __init__(self, details=None):
+        self.details = {} if details is None else details
+        self.lock = threading.Lock()
+        self.side_stream = None
+        self.kernel = None          # the imported split_qkv_rmsnorm_rope
+        self.kernel_error = None    # why it could not be imported/used
+        self.kernel_partial = None  # True/False once its signature was read (kernel_support)
+        self.layer_plans = {}       # layer-config key -> None (fused) or reason (original path)
+        self.counts = {"dual_stream_calls": 0, "fused_calls": 0}
+        self.details["counts"] = self.counts  # live: status shows how often each path ran
+
+    def _note(self, key, value):
+        self.details[key] = value
+
+    def get_share_stream(self):
+        return self.side_stream
+
+    # -- the side stream: device-agnostic like upstream's hardware_backend/npu/utils.py
+    def process_shared_expert(self, hidden_states, forward_func):
+        """Queue ``forward_func(hidden_states)`` on the side stream, after all the main stream has
+        queued so far (the side stream waits for it), and return its output."""
+        device = _device_module()
+        stream = self.side_stream
+        if stream is None:
+            with self.lock:
+                if self.side_stream is None:
+                    self.side_stream = device.Stream()
+                    self._note("side_stream", repr(self.side_stream))
+                stream = self.side_stream
+        stream.wait_stream(device.current_stream())
+        with device.stream(stream):
+            return forward_func(hidden_states)
+
+    def wait_share_stream(self):
+        """The current (main) stream waits for everything queued on the side stream."""
+        stream = self.side_stream
+        if stream is not None:
+            _device_module().current_stream().wait_stream(stream)
+
+    # -- the dual-stream forward_deepep
+    def forward_deepep_wrapper(self, wrapped, instance, args, kwargs):
+        bound = bind_arguments(DEEPEP_PARAMS, args, kwargs)
+        hidden_states = bound["hidden_states"]
+        forward_batch = bound["forward_batch"]
+        if hidden_states.shape[0] == 0 or not _dual_stream_wanted(forward_batch):
+            return wrapped(*args, **kwargs)
+        return self._forward_deepep_dual_stream(wrapped, instance, hidden_states, forward_batch)
+
+    def _forward_deepep_dual_stream(self, wrapped, block, hidden_states, forward_batch):
+        """0.5.7-0.5.9's forward_deepep (fingerprinted) for a non-empty batch, streams added.
+
+        Data dependencies: both streams only read ``hidden_states`` until the main stream has waited
+        for the side stream, and only then is the shared output written (``add_``).  The shared output
+        and the side stream's temporaries come from the side stream's memory pool; the next allocation
+        there happens after the next ``wait_stream(main)``, so no block is reused while the main stream
+        may still read it (hence no ``record_stream``).
+        """
+        dispatch_info = unwrap(wrapped).__globals__["ExpertLocationDispatchInfo"]
+        shared_output = self.process_shared_expert(hidden_states, block._forward_shared_experts)
+        # router_logits: (num_tokens, n_experts)
+        router_logits = block.gate(hidden_states)
+        topk_output = block.topk(
+            hidden_states,
+            router_logits,
+            num_token_non_padded=forward_batch.num_token_non_padded,
+            expert_location_dispatch_info=dispatch_info.init_new(layer_id=block.layer_id),
+        )
+        final_hidden_states = block.experts(hidden_states=hidden_states, topk_output=topk_output)
+        self.wait_share_stream()
+        self.counts["dual_stream_calls"] += 1
+
+        if shared_output is not None:
+            x = shared_output
+            if block.experts.should_fuse_routed_scaling_factor_in_topk:
+                x.add_(final_hidden_states)
+            else:
+                x.add_(final_hidden_states, alpha=block.routed_scaling_factor)
+            final_hidden_states = x
+        else:
+            if not block.experts.should_fuse_routed_scaling_factor_in_topk:
+                final_hidden_states *= block.routed_scaling_factor
+        return final_hidden_states
+
+    # -- the fused forward_prepare
+    def forward_prepare_wrapper(self, wrapped, instance, args, kwargs):
+        bound = bind_arguments(PREPARE_PARAMS, args, kwargs)
+        hidden_states = bound["hidden_states"]
+        forward_batch = bound["forward_batch"]
+        positions = bound["positions"]
+        # Upstream 0.5.10 takes the fused path in every mode but extend/draft-extend/mixed.
+        if hidden_states.shape[0] == 0 or forward_batch.forward_mode.is_extend_or_draft_extend_or_mixed():
+            return wrapped(*args, **kwargs)
+        kernel = self._fused_kernel_for(instance, positions)
+        if kernel is None:
+            return wrapped(*args, **kwargs)
+        return self._forward_prepare_fused(instance, kernel, positions, hidden_states, forward_batch)
+
+    def _forward_prepare_fused(self, attn, kernel, positions, hidden_states, forward_batch):
+        """0.5.7-0.5.9's forward_prepare (fingerprinted) for a non-empty batch, split -> qk-norm ->
+        rope done by one kernel."""
+        qkv, _ = attn.qkv_proj(hidden_states)
+        rotary = attn.rotary_emb
+        # cos/sin once per step, at the first layer (get_rope shares one rotary object between the
+        # layers); also when this object has none of this batch's size yet.
+        cos = rotary.position_cos
+        if (attn.attn.layer_id == forward_batch.token_to_kv_pool.start_layer
+                or cos is None or cos.shape[0] != qkv.shape[0]):
+            rotary.get_cos_sin_with_position(positions)
+        q, k, v = kernel(
+            qkv,
+            rotary.position_sin,
+            rotary.position_cos,
+            attn.q_size,
+            attn.kv_size,
+            attn.head_dim,
+            eps=attn.q_norm.variance_epsilon,
+            q_weight=attn.q_norm.weight,
+            k_weight=attn.k_norm.weight,
+            q_bias=getattr(attn.q_norm, "bias", None),
+            k_bias=getattr(attn.k_norm, "bias", None),
+        )
+        self.counts["fused_calls"] += 1
+        inner_state = q, k, v, forward_batch
+        return None, forward_batch, inner_state
+
+    def _fused_kernel_for(self, attn, positions):
+        """The kernel when it computes exactly what this layer's original path computes, else None
+        (the reason goes into the status details once)."""
+        if positions.ndim != 1:
+            return None  # multimodal rope (2-D positions): upstream's get_cos_sin rejects it too
+        key = _layer_key(attn)
+        plans = self.layer_plans
+        if key not in plans:
+            with self.lock:
+                if key not in plans:
+                    plans[key] = self._plan_layer(attn)
+                    if plans[key] is not None:
+                        self._note("fused_fallback", plans[key])
+        if plans[key] is not None:
+            return None
+        return self.kernel
+
+    def _plan_layer(self, attn):
+        """None when the fused kernel fits this layer, else why the original path is kept."""
+        kernel = self._load_kernel()
+        if kernel is None:
+            return self.kernel_error
+        rotary = attn.rotary_emb
+        if not getattr(attn, "use_qk_norm", False):
+            return "layer has no q/k RMSNorm (the kernel always normalises)"
+        if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
+            return "q_norm and k_norm use different eps (the kernel takes one)"
+        if not hasattr(rotary, "get_cos_sin_with_position") or getattr(rotary, "is_neox_style", True) is not True:
+            return "%s is not a neox-style RotaryEmbedding with get_cos_sin_with_position" % type(rotary).__name__
+        rotary_dim = getattr(rotary, "rotary_dim", attn.head_dim)
+        if rotary_dim != attn.head_dim and not self.kernel_partial:
+            return ("rope rotates %d of %d head dims and this %s has no partial-rotary support"
+                    % (rotary_dim, attn.head_dim, KERNEL_NAME))
         return None
-    return _STATE.kernel
 
-
-def _plan_layer(attn):
-    """None when the fused kernel fits this layer, else why the original path is kept."""
-    kernel = _load_kernel()
-    if kernel is None:
-        return _STATE.kernel_error
-    rotary = attn.rotary_emb
-    if not getattr(attn, "use_qk_norm", False):
-        return "layer has no q/k RMSNorm (the kernel always normalises)"
-    if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
-        return "q_norm and k_norm use different eps (the kernel takes one)"
-    if not hasattr(rotary, "get_cos_sin_with_position") or getattr(rotary, "is_neox_style", True) is not True:
-        return "%s is not a neox-style RotaryEmbedding with get_cos_sin_with_position" % type(rotary).__name__
-    rotary_dim = getattr(rotary, "rotary_dim", attn.head_dim)
-    if rotary_dim != attn.head_dim and not _STATE.kernel_partial:
-        return ("rope rotates %d of %d head dims and this %s has no partial-rotary support"
-                % (rotary_dim, attn.head_dim, KERNEL_NAME))
-    return None
-
-
-def _load_kernel():
-    if _STATE.kernel is None and _STATE.kernel_error is None:
-        try:
-            kernel = getattr(importlib.import_module(KERNEL_MODULE), KERNEL_NAME)
-        except Exception as exc:  # noqa: BLE001 - an image without it keeps the original path
-            _STATE.kernel_error = "cannot import %s.%s: %r" % (KERNEL_MODULE, KERNEL_NAME, exc)
-            return None
-        problem, partial = loaded_kernel_support(kernel)
-        if problem:
-            _STATE.kernel_error = problem
-            return None
-        _STATE.kernel_partial = partial
-        _STATE.kernel = kernel
-    return _STATE.kernel
+    def _load_kernel(self):
+        if self.kernel is None and self.kernel_error is None:
+            try:
+                kernel = getattr(importlib.import_module(KERNEL_MODULE), KERNEL_NAME)
+            except Exception as exc:  # noqa: BLE001 - an image without it keeps the original path
+                self.kernel_error = "cannot import %s.%s: %r" % (KERNEL_MODULE, KERNEL_NAME, exc)
+                return None
+            problem, partial = loaded_kernel_support(kernel)
+            if problem:
+                self.kernel_error = problem
+                return None
+            self.kernel_partial = partial
+            self.kernel = kernel
+        return self.kernel
 
 
 def kernel_support(node, where):
@@ -345,51 +344,51 @@ def loaded_kernel_support(kernel):
     return kernel_support(node, "the loaded " + KERNEL_NAME)
 
 
-def _attach_details():
-    """The patch record's details (status), with the live call counts in them."""
-    if _STATE.details is None:
-        from npu_shim import runtime
-
-        details = runtime.details(PATCH.name)
-        details["counts"] = _STATE.counts  # live: status shows how often each path ran
-        _STATE.details = details
-    return _STATE.details
-
-
-def _note(key, value):
-    _attach_details()[key] = value
-
-
 # -- kernel availability, decided before anything is patched -------------------------------------
+
+class KernelProblem(str):
+    """Why the fused path cannot be used; ``absent``: the image has no such kernel (an older or no
+    sgl-kernel-npu: nothing to do) rather than one the shim cannot call (unsupported)."""
+
+    absent = False
+
+
+def _absent(text):
+    problem = KernelProblem(text)
+    problem.absent = True
+    return problem
+
 
 def kernel_problem():
     """None when the image's sgl_kernel_npu provides a usable ``norm.split_qkv_rmsnorm_rope``,
-    else why not.  A package on disk is read as text (nothing is imported: ``status`` runs it)."""
+    else why not (a KernelProblem).  A package on disk is read as text (nothing is imported:
+    ``status`` runs it)."""
     try:
         top = importlib.util.find_spec("sgl_kernel_npu")
     except (ImportError, ValueError) as exc:
-        return "sgl_kernel_npu cannot be located: %r" % (exc,)
+        return KernelProblem("sgl_kernel_npu cannot be located: %r" % (exc,))
     if top is None:
-        return "sgl_kernel_npu is not installed"
+        return _absent("sgl_kernel_npu is not installed")
     for location in list(top.submodule_search_locations or []):
         if not os.path.isdir(location):
             continue
         path = os.path.join(location, "norm", KERNEL_NAME + ".py")
         if not os.path.isfile(path):
-            return "sgl_kernel_npu at %s has no norm/%s.py (an older sgl-kernel-npu)" % (location, KERNEL_NAME)
+            return _absent("sgl_kernel_npu at %s has no norm/%s.py (an older sgl-kernel-npu)"
+                           % (location, KERNEL_NAME))
         try:
             tree = parse_source(read_source(path), path)
         except (SourceError, OSError) as exc:
-            return str(exc)
+            return KernelProblem(str(exc))
         node = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == KERNEL_NAME),
                     None)
         if node is None:
-            return "%s defines no %s()" % (path, KERNEL_NAME)
+            return _absent("%s defines no %s()" % (path, KERNEL_NAME))
         problem, partial = kernel_support(node, "%s %s()" % (path, KERNEL_NAME))
         if problem:
-            return problem
+            return KernelProblem(problem)
         if not partial:
-            return ("%s has no partial-rotary support (GLM-4.x rotates half of each head; "
+            return _absent("%s has no partial-rotary support (GLM-4.x rotates half of each head; "
                     "this kernel would rotate all of it)" % path)
         return None
     # Not a directory package (zip, or a finder of its own): ask the import system.
@@ -397,7 +396,7 @@ def kernel_problem():
         spec = importlib.util.find_spec(KERNEL_MODULE)
     except (ImportError, ValueError, AttributeError):
         spec = None
-    return None if spec is not None else "sgl_kernel_npu has no norm.%s" % KERNEL_NAME
+    return None if spec is not None else _absent("sgl_kernel_npu has no norm.%s" % KERNEL_NAME)
 
 
 # -- targets --------------------------------------------------------------------------------------
@@ -407,10 +406,11 @@ class DualStreamExperts(Patch):
     title = "GLM-4.x MoE: shared experts on a side stream; fused qkv-rmsnorm-rope in decode"
     upstream_pr = "sgl-project/sglang#19246"
     upstream_release = "0.5.10"
-    backport_range = "0.5.7 - 0.5.9"
+    backport_range = ("0.5.7", "0.5.9")
     remove_when = "every supported image runs sglang >= 0.5.10"
-    switch = config.DUAL_STREAM
-    reads = (config.NPU_USE_MULTI_STREAM,)
+    switch = SWITCH
+    reads = (MULTI_STREAM,)
+    trigger_env = {MULTI_STREAM.name: "1"}
     modules = (GLM4_MOE,)
 
     def probe(self, view):
@@ -426,32 +426,33 @@ class DualStreamExperts(Patch):
     def targets(self, view, ctx):
         # Nothing makes the whole patch inactive: the fused path is on by default on an NPU, as
         # upstream; the streams only when the job asks (or when asked "would it apply if on?").
-        streams = ctx.assume_triggered or config.NPU_USE_MULTI_STREAM.read(ctx.environ)
+        streams = ctx.assume_triggered or MULTI_STREAM.read(ctx.environ)
         kernel = self.kernel_problem()
-        deepep = Wrap(GLM4_MOE, DEEPEP, forward_deepep_wrapper, [DEEPEP_PARAMS],
-                      fingerprints=DEEPEP_FINGERPRINTS)
-        prepare = Wrap(GLM4_MOE, PREPARE, forward_prepare_wrapper, [PREPARE_PARAMS],
-                       fingerprints=PREPARE_FINGERPRINTS)
+        process = ctx.process = DualStream(ctx.details)
+        deepep = Wrap(GLM4_MOE, DEEPEP, process.forward_deepep_wrapper, [DEEPEP_PARAMS],
+                      pins={(GLM4_MOE, DEEPEP): DEEPEP_FINGERPRINTS})
+        prepare = Wrap(GLM4_MOE, PREPARE, process.forward_prepare_wrapper, [PREPARE_PARAMS],
+                       pins={(GLM4_MOE, PREPARE): PREPARE_FINGERPRINTS})
         parts, chosen = [], []
         if streams:
             chosen.append(deepep)
             parts.append("dual-stream experts on")
         else:
-            parts.append("dual-stream experts off (%s is not on)" % config.NPU_USE_MULTI_STREAM.name)
+            parts.append("dual-stream experts off (%s is not on)" % MULTI_STREAM.name)
         if kernel is None:
             chosen.append(prepare)
             parts.append("fused qkv-rmsnorm-rope decode path on")
         else:
-            parts.append("fused qkv-rmsnorm-rope decode path unsupported: " + kernel)
+            parts.append("fused qkv-rmsnorm-rope decode path %s: %s"
+                         % ("off" if getattr(kernel, "absent", False) else "unsupported", kernel))
         if not chosen:
-            ctx.refuse("; ".join(parts))
+            if getattr(kernel, "absent", False):
+                ctx.nothing_to_do("; ".join(parts))
+            else:
+                ctx.refuse("; ".join(parts))
         for part in parts:
             ctx.note(part)
         return chosen
-
-    def on_revert(self):
-        global _STATE
-        _STATE = _State()
 
 
 PATCH = DualStreamExperts()

@@ -7,13 +7,16 @@ Why
     own copies of the q_a / kv_a halves of the fused ``qkv_a_proj`` weight
     (``mlaprolog_preprocess_weight``) and its own contiguous copy of ``w_kc``: the originals are
     dead weight.  sglang 0.5.20 (sgl-project/sglang#38807, "glm5.2 fp8 memory opt") frees them with
-    ``untyped_storage().resize_(0)`` when the server is a prefill/decode role of PD disaggregation.
-    Images built on 0.5.9 - 0.5.19 have the path but not the release.
+    ``untyped_storage().resize_(0)`` under PD disaggregation: the fused qkv_a weight on the prefill
+    and decode roles, ``w_kc`` on decode only.  Images built on 0.5.9 - 0.5.19 have the path but
+    not the release.
 
 How
-    1. ``uses_mlaprolog(preprocess)`` -- one predicate, also installed as
-       ``NPUFusedMLAPreprocess.uses_mlaprolog`` like upstream -- restates the judgement the running
-       release's ``forward()`` makes to route to ``forward_mlaprolog``: not modelslim W8A8 (which
+    1. ``uses_mlaprolog(preprocess, w8a8_attr)`` -- one predicate, also installed as
+       ``NPUFusedMLAPreprocess.uses_mlaprolog`` (upstream's name from 0.5.20; upstream's own
+       predicate tests W8A8 only from 0.5.23, 0.5.20 - 0.5.22 test the ignore rule alone) --
+       restates the judgement the running release's ``forward()`` makes to route to
+       ``forward_mlaprolog``: not modelslim W8A8 (which
        wins in 0.5.9 - 0.5.19, checked through ``quant_method.quant_config`` in 0.5.9 and
        ``quant_method.quantization_config`` later) and the ``.*kv_b_proj`` ignore rule (no
        0.5.9 - 0.5.19 release has upstream's later arch35-DSA rule).  ``forward()``,
@@ -22,7 +25,9 @@ How
        ones are checked again in the loaded code); any other code leaves the patch ``unsupported``
        -- nothing is freed on code the shim has not read.
     2. Role: ``runtime_context.get_disagg().disaggregation_mode`` where it exists (0.5.17+), else
-       ``get_global_server_args().disaggregation_mode``; read when each layer decides.  Unknown
+       ``get_global_server_args().disaggregation_mode``; read when each layer decides.  Which of
+       the two, and forward()'s W8A8 attribute, are read from the code when the patch is decided
+       and handed to the wrappers through ``Release`` (one per decision).  Unknown
        (not published yet, no such field, odd value): nothing is released and one warning says so.
     3. ``mlaprolog_preprocess_weight`` is wrapped: after it made the q_a / kv_a copies, the fused
        ``qkv_a_proj.weight`` is released when role != ``null``.
@@ -50,7 +55,7 @@ Deliberate differences from upstream 0.5.20
     * Before releasing, the copies are checked not to share the original's memory, and the
       original's storage to hold only that weight (else: kept, with a warning).
     * Per process: MiB released and layers are logged (after the first full pass over the layers)
-      and put into the status details (``runtime.states()``).
+      and put into the status details (``npu_shim.states()``).
     * ``NPU_SHIM_MLA_WEIGHT_RELEASE=0`` turns it off; default on (upstream: always on under PD).
     * 0.5.7 / 0.5.8 have no mlaprolog path: ``unsupported`` with that reason.
 
@@ -63,7 +68,8 @@ import re
 import sys
 
 from npu_shim import config, log
-from npu_shim.patching import Patch, Replace, Wrap
+from npu_shim.framework import Patch
+from npu_shim.targets import Replace, Wrap
 
 MLA_PRE = "sglang.srt.hardware_backend.npu.attention.mla_preprocess"
 MLA_NPU = "sglang.srt.hardware_backend.npu.modules.deepseek_v2_attention_mla_npu"
@@ -73,8 +79,14 @@ CLASS = "NPUFusedMLAPreprocess"
 PREPROCESS_SIG = ("m", "hidden_states", "positions", "forward_batch", "zero_allocator")
 MIB = 1 << 20
 ROLES = ("null", "prefill", "decode")
-SWITCH_HINT = "set %s=0 to keep the MLA weights (turns the release off)" % (
-    config.MLA_WEIGHT_RELEASE.name)
+
+SWITCH = config.switch(
+    "mla_weight_release",
+    "Switch for freeing MLA weights the mlaprolog path no longer reads (PD disaggregation only).")
+RELEASE_FORCE = config.boolean(
+    "NPU_SHIM_MLA_RELEASE_FORCE", False,
+    "Release MLA weights even when the server can reload or adapt weights (LoRA, weight updates).")
+SWITCH_HINT = "set %s=0 to keep the MLA weights (turns the release off)" % SWITCH.name
 
 # codeview fingerprints of what the release relies on, as shipped in 0.5.9 - 0.5.19.
 # forward(): its code also says how it detects modelslim W8A8 (the attribute of quant_method).
@@ -111,64 +123,9 @@ def fingerprint(view, dotted, qualname):
     return info.fingerprint if info is not None else None
 
 
-class PinnedWrap(Wrap):
-    """A Wrap whose function, and the other defs listed in ``pins``, must be code the shim has
-    read (``PINNED`` fingerprints); the wrapped one is checked again in the loaded code."""
-
-    def __init__(self, module, qualname, wrapper, signatures, pins=()):
-        super().__init__(module, qualname, wrapper, signatures,
-                         fingerprints=PINNED[(module, qualname)])
-        self.pins = pins
-
-    def check_source(self, view):
-        if view.function(self.module, self.qualname) is None:
-            if view.function(MLA_PRE, CLASS + ".forward_mlaprolog") is None:
-                return ("%s not found: this sglang has no mlaprolog path (it appears in 0.5.9), so "
-                        "there is nothing to release" % self.describe())
-            return ("%s not found, although this sglang has the mlaprolog path (%s.forward_mlaprolog): "
-                    "renamed or moved in this image, so the shim cannot tell what would still read the "
-                    "weights" % (self.describe(), CLASS))
-        problem = super().check_source(view)
-        if problem:
-            return problem
-        for dotted, qualname in self.pins:
-            found = fingerprint(view, dotted, qualname)
-            if found not in PINNED[(dotted, qualname)]:
-                return ("%s:%s has code the shim was not written against (fingerprint %s); "
-                        "releasing weights is only safe on code it has read" % (dotted, qualname, found))
-        return None
-
-
-# --------------------------------------------------------------------------- per-process state
-
-class _State:
-    def __init__(self):
-        self.w8a8_attr = None        # "quant_config" (0.5.9) / "quantization_config" (0.5.10+)
-        self.role_source = None      # "get_disagg" / "server_args"
-        self.reset()
-
-    def reset(self):
-        self.released_bytes = {"qkv_a": 0, "w_kc": 0}
-        self.layers = set()
-        self.once = set()
-        self.summary_logged = False
-        self.first_marked = False
-
-
-_STATE = _State()
-
-
-def _once(key, level, message):
-    if key in _STATE.once:
-        return
-    _STATE.once.add(key)
-    log.log(level, "mla_weight_release: " + message)
-
-
-def _details(**facts):
-    from npu_shim import runtime
-
-    runtime.details(PATCH.name).update(facts)
+def pins(*defs):
+    """The PINNED fingerprints of ``defs`` ((module, qualname) pairs), for a target's ``pins``."""
+    return {key: PINNED[key] for key in defs}
 
 
 # --------------------------------------------------------------------------- the predicate
@@ -176,29 +133,36 @@ def _details(**facts):
 _KV_B_PROJ = re.compile(r".*kv_b_proj")
 
 
-def uses_mlaprolog(preprocess):
+def uses_mlaprolog(preprocess, w8a8_attr):
     """True exactly when the running release's ``NPUFusedMLAPreprocess.forward()`` routes to
-    ``forward_mlaprolog`` (same expressions, same order as its source, pinned by code shape)."""
-    attr = _STATE.w8a8_attr or "quantization_config"
+    ``forward_mlaprolog`` (same expressions, same order as its source, pinned by code shape);
+    ``w8a8_attr``: the quant_method attribute its forward() reads (FORWARD_FINGERPRINTS)."""
     quant_method = preprocess.qkv_a_proj.quant_method
-    is_w8a8 = hasattr(quant_method, attr) and getattr(quant_method, attr).get_name() == "modelslim"
+    is_w8a8 = hasattr(quant_method, w8a8_attr) and getattr(quant_method, w8a8_attr).get_name() == "modelslim"
     quant_config = preprocess.quant_config
     is_mlaprolog = hasattr(quant_config, "ignore") and any(
         _KV_B_PROJ.fullmatch(name) for name in quant_config.ignore)
     return (not is_w8a8) and bool(is_mlaprolog)
 
 
-def _uses_mlaprolog_method(self):
-    """Whether this layer's forward() takes the mlaprolog path (npu-shim backport of 0.5.20)."""
-    return uses_mlaprolog(self)
+def make_uses_mlaprolog_method(w8a8_attr):
+    def uses_mlaprolog(self):
+        """Whether this layer's forward() takes the mlaprolog path (npu-shim backport of 0.5.20)."""
+        return _predicate(self, w8a8_attr)
+
+    return uses_mlaprolog
+
+
+_predicate = uses_mlaprolog
 
 
 # --------------------------------------------------------------------------- role and guards
 
-def disagg_role():
-    """(role, None) with role in null/prefill/decode, or (None, why it cannot be known)."""
+def disagg_role(role_source):
+    """(role, None) with role in null/prefill/decode, or (None, why it cannot be known);
+    ``role_source``: "get_disagg" (0.5.17+) or "server_args"."""
     try:
-        if _STATE.role_source == "get_disagg":
+        if role_source == "get_disagg":
             from sglang.srt.runtime_context import get_disagg
 
             role = get_disagg().disaggregation_mode
@@ -252,46 +216,6 @@ def other_reader_reasons(args):
         return ["speculative decoding (%s): target-verify / draft-extend batches take the unfused "
                 "path of forward_dsa_prepare_npu, which reads qkv_a_proj.weight and w_kc" % algorithm]
     return []
-
-
-def _skip(key, message, detail, result):
-    """Log why nothing is released (once per process and reason) and put it into status."""
-    _once(key, logging.WARNING, "releasing nothing: " + message)
-    _details(skipped=detail)
-    return result
-
-
-def release_allowed(kind):
-    """(role, None) when ``kind`` ("qkv_a" / "w_kc") may be released in this process, else
-    (role or None, why not); every 'no' other than the role itself is logged once."""
-    role, why = disagg_role()
-    if role is None:
-        _details(role=None)
-        return _skip("role", "the disaggregation role is unknown when the layer decides (%s)" % why,
-                     "role unknown: %s" % why, (None, why))
-    _details(role=role)
-    if role == "null" or (kind == "w_kc" and role != "decode"):
-        return role, "role %s" % role
-    try:
-        args = _server_args()
-    except Exception as exc:  # noqa: BLE001
-        return _skip("args", "the server args cannot be read (%r), so LoRA / weight updates cannot "
-                             "be ruled out" % (exc,),
-                     "server args unknown", (role, "server args unknown"))
-    readers = other_reader_reasons(args)
-    if readers:
-        return _skip("readers", "; ".join(readers), "; ".join(readers), (role, "other readers"))
-    updates = ", ".join(weight_update_reasons(args))
-    if updates:
-        force = config.MLA_RELEASE_FORCE
-        if not force.read():
-            return _skip("updates", "the server can reload or adapt weights (%s); set %s=1 to release "
-                                    "anyway" % (updates, force.name),
-                         "weights can change: %s" % updates, (role, "weight updates"))
-        _once("forced", logging.WARNING, "releasing although the server can reload or adapt weights "
-                                         "(%s), because %s=1: a later update of these weights raises "
-                                         "ReleasedWeightError" % (updates, force.name))
-    return role, None
 
 
 # --------------------------------------------------------------------------- the guard
@@ -376,8 +300,13 @@ def _base_held_elsewhere(chain):
     return any(refs > _BASE_REFS[0] for refs in _chain_refs(chain))
 
 
-def release(tensor, what):
+def _warn(key, level, message):
+    log.log(level, "mla_weight_release: " + message)
+
+
+def release(tensor, what, once=_warn):
     """Free ``tensor``'s memory and guard the object; returns the bytes freed (0: kept).
+    ``once(key, level, message)`` says why a weight is kept (``Release.once``: once per process).
 
     Nothing is freed that anything but the weight itself and its own ``_base`` chain holds: the
     storage's real holders (the C++ use count) decide.  Otherwise the weight is kept whole and one
@@ -395,7 +324,7 @@ def release(tensor, what):
     others = storage_holders(storage) - 2 - len(chain)
     if others > 0 or _base_held_elsewhere(chain):
         count = max(others, 1)
-        _once("aliased", logging.WARNING,
+        once("aliased", logging.WARNING,
               "keeping %s: its memory has %d other holder%s (a view, .data, .detach() or its base "
               "taken elsewhere); freeing it would crash whoever reads them"
               % (what, count, "" if count == 1 else "s"))
@@ -408,7 +337,7 @@ def release(tensor, what):
         # The weight object gets the empty tensor; ``emptied`` gets the old one with its _base.
         torch.utils.swap_tensors(tensor, emptied)
     except RuntimeError as exc:  # C++ holds the tensor itself, or a weakref points at it
-        _once("swap", logging.WARNING, "keeping %s: it is held where it cannot be replaced (%s)"
+        once("swap", logging.WARNING, "keeping %s: it is held where it cannot be replaced (%s)"
               % (what, str(exc).split(".")[0]))
         return 0
     tensor.__dict__, emptied.__dict__ = emptied.__dict__, {}
@@ -417,14 +346,14 @@ def release(tensor, what):
     except TypeError as exc:
         torch.utils.swap_tensors(tensor, emptied)
         tensor.__dict__, emptied.__dict__ = emptied.__dict__, {}
-        _once("guard:" + cls.__name__, logging.WARNING,
+        once("guard:" + cls.__name__, logging.WARNING,
               "keeping %s: its class %s cannot be guarded (%s)" % (what, cls.__name__, exc))
         return 0
     tensor.__dict__[_TAG] = what
     del emptied, chain
     left = storage_holders(storage) - 1
     if left:
-        _once("still-held", logging.WARNING,
+        once("still-held", logging.WARNING,
               "%s is guarded but its memory still has %d holder%s; it is freed when they let go"
               % (what, left, "" if left == 1 else "s"))
         return 0
@@ -444,114 +373,179 @@ def _exclusive(tensor):
     return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
 
-def _account(kind, layer_id, nbytes, what):
-    _STATE.released_bytes[kind] += nbytes
-    _STATE.layers.add(layer_id)
-    total = sum(_STATE.released_bytes.values())
-    _details(released_mib=round(total / MIB, 3), layers=len(_STATE.layers),
-             qkv_a_mib=round(_STATE.released_bytes["qkv_a"] / MIB, 3),
-             w_kc_mib=round(_STATE.released_bytes["w_kc"] / MIB, 3))
-    log.debug("mla_weight_release: released %s (%.2f MiB)" % (what, nbytes / MIB))
-    if _STATE.summary_logged:
-        _log_summary("more layers released")
+# --------------------------------------------------------------------------- the release in a process
 
+class Release:
+    """The release in one process: what the decision read from the code (forward()'s W8A8
+    attribute, where the role is published), the wrappers built on it, and what they freed.  A
+    decision builds a fresh one (so uninstall/install starts over); ``details`` is the patch
+    record's (``npu_shim.states()`` and status show it)."""
 
-def _log_summary(prefix="released"):
-    _STATE.summary_logged = True
-    total = sum(_STATE.released_bytes.values())
-    log.info("mla_weight_release: %s: %.1f MiB in %d layers (qkv_a %.1f MiB, w_kc %.1f MiB) in %s"
-             % (prefix, total / MIB, len(_STATE.layers), _STATE.released_bytes["qkv_a"] / MIB,
-                _STATE.released_bytes["w_kc"] / MIB, log.process_tag()))
+    def __init__(self, w8a8_attr="quantization_config", role_source="server_args", details=None):
+        self.w8a8_attr = w8a8_attr
+        self.role_source = role_source
+        self.details = {} if details is None else details
+        self.reset()
 
+    def reset(self):
+        self.released_bytes = {"qkv_a": 0, "w_kc": 0}
+        self.layers = set()
+        self.said = set()
+        self.summary_logged = False
+        self.first_marked = False
 
-# --------------------------------------------------------------------------- wrappers
+    def once(self, key, level, message):
+        if key not in self.said:
+            self.said.add(key)
+            _warn(key, level, message)
 
-def release_qkv_a(preprocess):
-    """After ``mlaprolog_preprocess_weight``: free the fused qkv_a weight (role != null)."""
-    layer = getattr(preprocess, "layer_id", "?")
-    what = "qkv_a_proj.weight of layer %s" % layer
-    weight = preprocess.qkv_a_proj.weight
-    if weight is None or is_released(weight):
-        return 0
-    if not uses_mlaprolog(preprocess):
-        _once("disagree", logging.WARNING, "keeping %s: mlaprolog_preprocess_weight ran although "
-                                           "forward() would not route to mlaprolog" % what)
-        return 0
-    role, no = release_allowed("qkv_a")
-    if no:
-        return 0
-    copies = [getattr(preprocess, name, None) for name in ("q_a_proj_weight", "kv_a_proj_weight")]
-    if any(c is None or _shares_storage(c, weight) for c in copies) or not _exclusive(weight):
-        _once("qkv-shared", logging.WARNING, "keeping %s: its q_a/kv_a copies share its memory, or "
-                                             "its storage holds more than this weight" % what)
-        return 0
-    nbytes = release(weight, what)
-    if nbytes:
-        _account("qkv_a", layer, nbytes, what)
-    return nbytes
+    def uses_mlaprolog(self, preprocess):
+        return uses_mlaprolog(preprocess, self.w8a8_attr)
 
+    def disagg_role(self):
+        return disagg_role(self.role_source)
 
-def release_w_kc(m):
-    """After ``npu_mla_preprocess`` first built ``m.mla_preprocess``: free ``m.w_kc`` (decode)."""
-    layer = getattr(m, "layer_id", "?")
-    what = "w_kc of layer %s" % layer
-    w_kc = m.__dict__.get("w_kc", getattr(m, "w_kc", None))
-    if w_kc is None or is_released(w_kc):
-        return 0
-    preprocess = m.mla_preprocess
-    if not uses_mlaprolog(preprocess):
-        return 0
-    role, no = release_allowed("w_kc")
-    if no:
-        return 0
-    own = getattr(preprocess, "w_kc", None)
-    if own is None or own is w_kc or _shares_storage(own, w_kc) or not _exclusive(w_kc):
-        _once("wkc-shared", logging.WARNING, "keeping %s: the preprocessor's w_kc shares its memory, "
-                                             "or its storage holds more than this weight" % what)
-        return 0
-    nbytes = release(w_kc, what)
-    if nbytes:
-        _account("w_kc", layer, nbytes, what)
-    return nbytes
+    # -- may this process release?
+    def _skip(self, key, message, detail, result):
+        """Log why nothing is released (once per process and reason) and put it into status."""
+        self.once(key, logging.WARNING, "releasing nothing: " + message)
+        self.details.update(skipped=detail)
+        return result
 
+    def release_allowed(self, kind):
+        """(role, None) when ``kind`` ("qkv_a" / "w_kc") may be released in this process, else
+        (role or None, why not); every 'no' other than the role itself is logged once."""
+        role, why = self.disagg_role()
+        if role is None:
+            self.details.update(role=None)
+            return self._skip("role", "the disaggregation role is unknown when the layer decides (%s)"
+                              % why, "role unknown: %s" % why, (None, why))
+        self.details.update(role=role)
+        if role == "null" or (kind == "w_kc" and role != "decode"):
+            return role, "role %s" % role
+        try:
+            args = _server_args()
+        except Exception as exc:  # noqa: BLE001
+            return self._skip("args", "the server args cannot be read (%r), so LoRA / weight updates "
+                                      "cannot be ruled out" % (exc,),
+                              "server args unknown", (role, "server args unknown"))
+        readers = other_reader_reasons(args)
+        if readers:
+            return self._skip("readers", "; ".join(readers), "; ".join(readers), (role, "other readers"))
+        updates = ", ".join(weight_update_reasons(args))
+        if updates:
+            force = RELEASE_FORCE
+            if not force.read():
+                return self._skip("updates", "the server can reload or adapt weights (%s); set %s=1 "
+                                             "to release anyway" % (updates, force.name),
+                                  "weights can change: %s" % updates, (role, "weight updates"))
+            self.once("forced", logging.WARNING,
+                      "releasing although the server can reload or adapt weights (%s), because %s=1: "
+                      "a later update of these weights raises ReleasedWeightError" % (updates, force.name))
+        return role, None
 
-def _wrap_npu_mla_preprocess(wrapped, instance, args, kwargs):
-    m = args[0] if args else kwargs["m"]
-    if _DONE in m.__dict__:
-        return wrapped(*args, **kwargs)  # hot path: every call after a layer's first
-    return _first_calls(wrapped, m, args, kwargs)
+    # -- releasing and the wrappers
+    def _account(self, kind, layer_id, nbytes, what):
+        self.released_bytes[kind] += nbytes
+        self.layers.add(layer_id)
+        total = sum(self.released_bytes.values())
+        self.details.update(released_mib=round(total / MIB, 3), layers=len(self.layers),
+                            qkv_a_mib=round(self.released_bytes["qkv_a"] / MIB, 3),
+                            w_kc_mib=round(self.released_bytes["w_kc"] / MIB, 3))
+        log.debug("mla_weight_release: released %s (%.2f MiB)" % (what, nbytes / MIB))
+        if self.summary_logged:
+            self._log_summary("more layers released")
 
+    def _log_summary(self, prefix="released"):
+        self.summary_logged = True
+        total = sum(self.released_bytes.values())
+        log.info("mla_weight_release: %s: %.1f MiB in %d layers (qkv_a %.1f MiB, w_kc %.1f MiB) in %s"
+                 % (prefix, total / MIB, len(self.layers), self.released_bytes["qkv_a"] / MIB,
+                    self.released_bytes["w_kc"] / MIB, log.process_tag()))
 
-def _first_calls(wrapped, m, args, kwargs):
-    if _FIRST in m.__dict__:
-        # The first layer seen comes round again: one pass over all layers is done.
-        m.__dict__[_DONE] = True
-        if not _STATE.summary_logged and _STATE.layers:
-            _log_summary()
-        return wrapped(*args, **kwargs)
-    had = hasattr(m, "mla_preprocess")
-    result = wrapped(*args, **kwargs)
-    try:
-        if not had and hasattr(m, "mla_preprocess"):
-            release_w_kc(m)
-    except Exception as exc:  # noqa: BLE001 - never break the forward pass over an optimisation
-        _once("error", logging.ERROR, "keeping w_kc: deciding the release raised %r" % (exc,))
-    if _STATE.first_marked:
-        m.__dict__[_DONE] = True
-    else:
-        _STATE.first_marked = True
-        m.__dict__[_FIRST] = True
-    return result
+    # -- the wrappers
+    def release_qkv_a(self, preprocess):
+        """After ``mlaprolog_preprocess_weight``: free the fused qkv_a weight (role != null)."""
+        layer = getattr(preprocess, "layer_id", "?")
+        what = "qkv_a_proj.weight of layer %s" % layer
+        weight = preprocess.qkv_a_proj.weight
+        if weight is None or is_released(weight):
+            return 0
+        if not self.uses_mlaprolog(preprocess):
+            self.once("disagree", logging.WARNING, "keeping %s: mlaprolog_preprocess_weight ran "
+                                                   "although forward() would not route to mlaprolog" % what)
+            return 0
+        role, no = self.release_allowed("qkv_a")
+        if no:
+            return 0
+        copies = [getattr(preprocess, name, None) for name in ("q_a_proj_weight", "kv_a_proj_weight")]
+        if any(c is None or _shares_storage(c, weight) for c in copies) or not _exclusive(weight):
+            self.once("qkv-shared", logging.WARNING, "keeping %s: its q_a/kv_a copies share its memory, "
+                                                     "or its storage holds more than this weight" % what)
+            return 0
+        nbytes = release(weight, what, self.once)
+        if nbytes:
+            self._account("qkv_a", layer, nbytes, what)
+        return nbytes
 
+    def release_w_kc(self, m):
+        """After ``npu_mla_preprocess`` first built ``m.mla_preprocess``: free ``m.w_kc`` (decode)."""
+        layer = getattr(m, "layer_id", "?")
+        what = "w_kc of layer %s" % layer
+        w_kc = m.__dict__.get("w_kc", getattr(m, "w_kc", None))
+        if w_kc is None or is_released(w_kc):
+            return 0
+        preprocess = m.mla_preprocess
+        if not self.uses_mlaprolog(preprocess):
+            return 0
+        role, no = self.release_allowed("w_kc")
+        if no:
+            return 0
+        own = getattr(preprocess, "w_kc", None)
+        if own is None or own is w_kc or _shares_storage(own, w_kc) or not _exclusive(w_kc):
+            self.once("wkc-shared", logging.WARNING, "keeping %s: the preprocessor's w_kc shares its "
+                                                     "memory, or its storage holds more than this weight" % what)
+            return 0
+        nbytes = release(w_kc, what, self.once)
+        if nbytes:
+            self._account("w_kc", layer, nbytes, what)
+        return nbytes
 
-def _wrap_preprocess_weight(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    try:
-        release_qkv_a(instance)
-    except Exception as exc:  # noqa: BLE001
-        _once("error", logging.ERROR,
-              "keeping qkv_a_proj.weight: deciding the release raised %r" % (exc,))
-    return result
+    def wrap_npu_mla_preprocess(self, wrapped, instance, args, kwargs):
+        m = args[0] if args else kwargs["m"]
+        if _DONE in m.__dict__:
+            return wrapped(*args, **kwargs)  # hot path: every call after a layer's first
+        return self._first_calls(wrapped, m, args, kwargs)
+
+    def _first_calls(self, wrapped, m, args, kwargs):
+        if _FIRST in m.__dict__:
+            # The first layer seen comes round again: one pass over all layers is done.
+            m.__dict__[_DONE] = True
+            if not self.summary_logged and self.layers:
+                self._log_summary()
+            return wrapped(*args, **kwargs)
+        had = hasattr(m, "mla_preprocess")
+        result = wrapped(*args, **kwargs)
+        try:
+            if not had and hasattr(m, "mla_preprocess"):
+                self.release_w_kc(m)
+        except Exception as exc:  # noqa: BLE001 - never break the forward pass over an optimisation
+            self.once("error", logging.ERROR, "keeping w_kc: deciding the release raised %r" % (exc,))
+        if self.first_marked:
+            m.__dict__[_DONE] = True
+        else:
+            self.first_marked = True
+            m.__dict__[_FIRST] = True
+        return result
+
+    def wrap_preprocess_weight(self, wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        try:
+            self.release_qkv_a(instance)
+        except Exception as exc:  # noqa: BLE001
+            self.once("error", logging.ERROR,
+                      "keeping qkv_a_proj.weight: deciding the release raised %r" % (exc,))
+        return result
 
 
 # --------------------------------------------------------------------------- the patch
@@ -561,10 +555,11 @@ class MlaWeightRelease(Patch):
     title = "Free MLA weights the mlaprolog path no longer reads (PD disaggregation)"
     upstream_pr = "sgl-project/sglang#38807"
     upstream_release = "0.5.20"
-    backport_range = "0.5.9 - 0.5.19"
+    backport_range = ("0.5.9", "0.5.19")
     remove_when = "every supported image runs sglang >= 0.5.20"
-    switch = config.MLA_WEIGHT_RELEASE
-    reads = (config.MLA_RELEASE_FORCE,)
+    switch = SWITCH
+    reads = (RELEASE_FORCE,)
+    trigger_env = {}  # on by default; the disaggregation role decides in the server
     modules = (MLA_PRE, MLA_NPU)
 
     def probe(self, view):
@@ -572,23 +567,32 @@ class MlaWeightRelease(Patch):
             return "%s.uses_mlaprolog exists (and the release with it)" % CLASS
         return None
 
-    def targets(self, view, ctx=None):
-        _STATE.w8a8_attr = FORWARD_FINGERPRINTS.get(fingerprint(view, MLA_PRE, CLASS + ".forward"))
-        _STATE.role_source = "get_disagg" if view.has(RUNTIME_CONTEXT, "get_disagg") else "server_args"
-        entry = PinnedWrap(MLA_NPU, "npu_mla_preprocess", _wrap_npu_mla_preprocess, [PREPROCESS_SIG])
-        if not view.has(MLA_NPU, "npu_mla_preprocess"):
-            return [entry]  # 0.5.7 / 0.5.8: one reason (no mlaprolog path), not one per target
-        pre_pins = [(MLA_PRE, CLASS + ".forward"), (MLA_PRE, CLASS + ".forward_mlaprolog")]
+    def targets(self, view, ctx):
+        entry = (MLA_NPU, "npu_mla_preprocess")
+        weight = (MLA_PRE, CLASS + ".mlaprolog_preprocess_weight")
+        if view.function(MLA_PRE, CLASS + ".forward_mlaprolog") is None and view.function(*entry) is None:
+            ctx.nothing_to_do("this sglang has no mlaprolog path (it appears in 0.5.9), so there is "
+                              "nothing to release")
+            return []
+        for missing in [d for d in (entry, weight) if view.function(*d) is None]:
+            ctx.refuse("%s:%s not found, although this sglang has the mlaprolog path "
+                       "(%s.forward_mlaprolog): renamed or moved in this image, so the shim cannot "
+                       "tell what would still read the weights" % (missing + (CLASS,)))
+            return []
+        forward = (MLA_PRE, CLASS + ".forward")
+        release = ctx.process = Release(w8a8_attr=FORWARD_FINGERPRINTS.get(fingerprint(view, *forward)),
+                          role_source="get_disagg" if view.has(RUNTIME_CONTEXT, "get_disagg")
+                          else "server_args", details=ctx.details)
+        ctx.note("frees memory only where the disaggregation role is prefill (qkv_a) or decode "
+                 "(qkv_a, w_kc), and not with LoRA, weight updates or speculative decoding")
         return [
-            entry,
-            PinnedWrap(MLA_PRE, CLASS + ".mlaprolog_preprocess_weight", _wrap_preprocess_weight,
-                       [()], pins=pre_pins),
-            Replace(MLA_PRE, CLASS + ".uses_mlaprolog", lambda _original: _uses_mlaprolog_method,
-                    must_exist=False),
+            Wrap(MLA_NPU, "npu_mla_preprocess", release.wrap_npu_mla_preprocess, [PREPROCESS_SIG],
+                 pins=pins(entry)),
+            Wrap(MLA_PRE, weight[1], release.wrap_preprocess_weight, [()],
+                 pins=pins(weight, forward, (MLA_PRE, CLASS + ".forward_mlaprolog"))),
+            Replace(MLA_PRE, CLASS + ".uses_mlaprolog",
+                    lambda _original: make_uses_mlaprolog_method(release.w8a8_attr), must_exist=False),
         ]
-
-    def on_revert(self):
-        _STATE.reset()
 
 
 PATCH = MlaWeightRelease()

@@ -4,9 +4,11 @@ Why
     zbal (``pip install memfabric-zbal``) takes over NPU memory with a global virtual address (GVA)
     heap shared by all ranks; DeepEP-style MoE dispatch/combine then moves tokens without staging
     buffers (upstream reports 30 %+ faster DSv3-like MoE, 1.2 GB+ less memory).  sglang 0.5.12
-    integrates it in seven places; images built on 0.5.7 - 0.5.11 do not have it.
+    integrates it in seven files; images built on 0.5.7 - 0.5.11 do not have it.
 
-How (the seven upstream touch points, same trigger: ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` MiB > 0 on an NPU)
+How (upstream's six code touch points; its seventh file, ``environ.py``, declares the two variables,
+declared here as ``LOCAL_MEM_SIZE`` / ``BOOTSTRAP_URL``.  Trigger: ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` MiB
+> 0 on an NPU)
     1. ``Scheduler.__init__`` is wrapped: before its body allocates anything, zbal is set up for the
        rank -- mix mode (``zbal.is_mix_alloc()``): ``switch_to_allocator()`` only; full mode:
        ``zbal_init(world_size=tp_size, device_id=gpu_id, rank_id=tp_rank, device_mem_size=MiB<<20,
@@ -28,28 +30,30 @@ How (the seven upstream touch points, same trigger: ``SGLANG_ZBAL_LOCAL_MEM_SIZE
        0.5.7 - 0.5.9 have no map (``ModelRunner.init_torch_distributed`` hard-codes ``"hccl"``), so
        ``init_distributed_environment`` maps ``backend="hccl"`` to ``"zbal"`` there.  On every
        release it imports zbal first, which is what registers the ``"zbal"`` backend with torch.
-    7. Nothing is touched while the patch is not ``applied`` (size unset/0, ``NPU_SHIM_ZBAL=0``,
-       no NPU, or a release that has it: ``Scheduler.init_zbal_on_npu`` /
-       ``hardware_backend.npu.utils.init_zbal`` present -> ``upstream``).
+    Nothing is touched while the patch is not ``applied`` (size unset/0, ``NPU_SHIM_ZBAL=0``, no
+    NPU, or a release that has it: ``Scheduler.init_zbal_on_npu`` /
+    ``hardware_backend.npu.utils.init_zbal`` present -> ``upstream``; there upstream's own zbal
+    follows ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` whatever ``NPU_SHIM_ZBAL`` says).
 
 Deliberate differences from upstream 0.5.12 (each a weakness seen in its code):
     * GVA size in mix mode: upstream takes "in use" as a hard-coded 61.2 GB minus free memory (right
       only on a 64 GB card).  Here in use = device total - free, both from ``torch.npu.mem_get_info()``
-      after emptying the cache, rounded up to whole MiB, and the MAX over the world group's
-      ``cpu_group`` -- so every rank asks ``zbal_init`` (which ends in a world barrier) for the same
-      size.  Size = configured - in use, aligned down to 128 MiB; <= 0 raises ``ZbalError`` with the
-      numbers instead of passing a negative size to zbal.
+      after emptying the cache, rounded up to whole MiB.  Like upstream (its MIN all-reduce of the
+      size) every rank then asks ``zbal_init``, which ends in a world barrier, for the same size:
+      here the MAX of in use over the world group's ``cpu_group``.  Size = configured - in use,
+      aligned down to 128 MiB; <= 0 raises ``ZbalError`` with the numbers instead of passing a
+      negative size to zbal.
     * ``zbal_init`` returning False raises ``ZbalInitError`` (rank, device, size) instead of a bare log
       line plus ``sys.exit(-1)``: sglang's ``run_scheduler_process`` catches ``Exception``, logs the
       traceback and SIGQUITs the parent, so the whole server stops and says why; ``SystemExit``
       escapes that handler and the launcher only learns that a scheduler died.
     * ``pp_size > 1`` in full mode raises (upstream logs "only zbal mix mode support pp_size > 1!"
       -- even in mix mode -- and carries on into an unsupported set-up).
-    * zbal missing while the size is set: ``ZbalError`` naming memfabric-zbal and the variable when
-      the first target module is patched (before sglang allocates anything; the launcher fails too),
-      instead of an ``ImportError`` deep in the scheduler -- or, for DeepEP, a silent
-      ``use_deepep = False``.  (Checked with ``find_spec`` when patching, not when deciding: the
-      static ``python -m npu_shim status`` and release matrix do not depend on zbal being installed.)
+    * zbal missing while the size is set: the patch is ``failed`` when decided (``find_spec``, no
+      import: ``python -m npu_shim status`` says it too) and the process stops with ``ZbalError``
+      naming memfabric-zbal and the variable before sglang allocates anything (the launcher fails
+      too), instead of an ``ImportError`` deep in the scheduler -- or, for DeepEP, a silent
+      ``use_deepep = False``.  Each target checks again when its module is patched.
     * A malformed ``SGLANG_ZBAL_BOOTSTRAP_URL`` or size fails at decision time (the framework reads
       ``reads`` before probing, so this holds on upstream releases too); upstream passes any string.
     * The lazy init runs once per process (upstream asserts); a second runner is skipped.
@@ -62,7 +66,8 @@ Remove when every supported image runs sglang >= 0.5.12.
 import importlib.util
 
 from npu_shim import config, log
-from npu_shim.patching import Patch, Replace, ShimError, Wrap, bind_arguments
+from npu_shim.framework import Patch, ShimError
+from npu_shim.targets import Replace, Wrap, bind_arguments
 
 SCHEDULER = "sglang.srt.managers.scheduler"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
@@ -118,19 +123,15 @@ class ZbalInitError(ZbalError):
         self.size_mib = size_mib
 
 
-class _State:
-    """Per-process facts (a process runs one scheduler; tests reset it through on_revert)."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.mode = None            # "mix" / "full" once Scheduler.__init__ set zbal up
-        self.gva_mib = None         # size the GVA heap was initialised with
-        self.initializing = set()   # id() of ModelRunners inside initialize()
-
-
-STATE = _State()
+SWITCH = config.switch("zbal", "Switch for the zbal allocator backport (also needs SGLANG_ZBAL_LOCAL_MEM_SIZE).")
+LOCAL_MEM_SIZE = config.mib(
+    "SGLANG_ZBAL_LOCAL_MEM_SIZE",
+    "Device memory zbal manages, in MiB (at most 1048576 = 1 TiB); > 0 turns zbal on (upstream name "
+    "and meaning; on sglang >= 0.5.12 upstream's own zbal reads it, whatever NPU_SHIM_ZBAL says).")
+BOOTSTRAP_URL = config.url(
+    "SGLANG_ZBAL_BOOTSTRAP_URL",
+    "tcp://HOST:PORT (hostname, IPv4 or [IPv6]; port 1-65535) of zbal's bootstrap server; empty "
+    "lets zbal derive it from MASTER_ADDR/PORT.")
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -145,16 +146,20 @@ def missing_message():
 def _raw_size():
     import os
 
-    return os.environ.get(config.ZBAL_LOCAL_MEM_SIZE.name, "")
+    return os.environ.get(LOCAL_MEM_SIZE.name, "")
+
+
+def zbal_findable():
+    """Whether ``import zbal`` would find a package (cheap: nothing is imported)."""
+    try:
+        return importlib.util.find_spec("zbal") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def require_zbal():
-    """Raise ZbalError unless ``zbal`` can be found (cheap: no import)."""
-    try:
-        found = importlib.util.find_spec("zbal") is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
+    """Raise ZbalError unless ``zbal`` can be found (every target's ``requires``)."""
+    if not zbal_findable():
         raise ZbalError(missing_message())
 
 
@@ -210,19 +215,13 @@ def zbal_module():
 
 
 def configured_mib():
-    return config.ZBAL_LOCAL_MEM_SIZE.read()
+    return LOCAL_MEM_SIZE.read()
 
 
 def _ip_port_kwargs():
     """``ip_port`` only when SGLANG_ZBAL_BOOTSTRAP_URL is set (else zbal derives it), as upstream."""
-    url = config.ZBAL_BOOTSTRAP_URL.read()
+    url = BOOTSTRAP_URL.read()
     return {"ip_port": url} if url else {}
-
-
-def _details(**facts):
-    from npu_shim import runtime
-
-    runtime.details("zbal").update(facts)
 
 
 def _call_zbal_init(zbal, world_size, device_id, rank_id, size_mib, what):
@@ -238,41 +237,7 @@ def _call_zbal_init(zbal, world_size, device_id, rank_id, size_mib, what):
             rank=rank_id, device=device_id, size_mib=size_mib)
 
 
-# -- 1. Scheduler.__init__ -----------------------------------------------------------------------
-
-def init_for_rank(tp_size, pp_size, gpu_id, tp_rank):
-    """upstream init_zbal: mix mode switches the allocator only, full mode initialises the heap."""
-    if STATE.mode is not None:
-        log.debug("zbal: already set up in this process (%s mode)" % STATE.mode)
-        return
-    size = configured_mib()
-    zbal = zbal_module()
-    if zbal.is_mix_alloc():
-        zbal.switch_to_allocator()
-        STATE.mode = "mix"
-        _details(mode="mix", allocator="zbal (GVA heap after the KV cache)")
-        return
-    if pp_size > 1:
-        raise ZbalError("only zbal mix mode supports pp_size > 1 (got pp_size=%d with "
-                        "SGLANG_ZBAL_LOCAL_MEM_SIZE=%d in full mode); enable zbal's mix mode or "
-                        "use pp_size 1" % (pp_size, size))
-    _call_zbal_init(zbal, tp_size, gpu_id, tp_rank, size, "full mode, Scheduler start-up")
-    STATE.mode = "full"
-    STATE.gva_mib = size
-    _details(mode="full", gva_mib=size)
-
-
-def make_scheduler_init_wrapper(params):
-    def scheduler_init(wrapped, instance, args, kwargs):
-        bound = bind_arguments(params, args, kwargs)
-        server_args = bound["server_args"]
-        init_for_rank(server_args.tp_size, server_args.pp_size, bound["gpu_id"], bound["tp_rank"])
-        return wrapped(*args, **kwargs)
-
-    return scheduler_init
-
-
-# -- 2. ModelRunner.initialize / init_device_graphs ----------------------------------------------
+# -- 2. the lazy GVA size ---------------------------------------------------------------------------
 
 def gva_size_mib(configured, world_size, cpu_group):
     """(GVA MiB, in-use MiB, device total MiB): configured - in use, aligned down to 128 MiB."""
@@ -308,46 +273,109 @@ def _world_group():
     return get_world_group()
 
 
-def lazy_init_due(runner):
-    """Mix mode, NPU, not a draft worker, heap not yet initialised in this process."""
-    if getattr(runner, "device", None) != "npu" or STATE.gva_mib is not None:
-        return False
-    if getattr(runner, "is_draft_worker", False):
-        _details(draft_worker_skipped=True)
-        return False
-    return bool(zbal_module().is_mix_alloc())
+# -- 1./2./6. what zbal set up in this process ---------------------------------------------------
 
+class ZbalProcess:
+    """zbal in one process: the wrappers that set it up, and what they did.  A decision builds a
+    fresh one (``targets``), so uninstall/install starts over; ``details`` is the patch record's
+    (``npu_shim.states()`` and status show it)."""
 
-def lazy_init(runner, when):
-    zbal = zbal_module()
-    group = _world_group()
-    size, in_use, total = gva_size_mib(configured_mib(), group.world_size, group.cpu_group)
-    _call_zbal_init(zbal, group.world_size, runner.gpu_id, group.rank_in_group, size,
-                    "mix mode, lazy GVA heap %s" % when)
-    STATE.gva_mib = size
-    _details(gva_mib=size, in_use_mib=in_use, device_total_mib=total, gva_init=when)
-    log.info("zbal: rank %d initialised a %d MiB GVA heap (%d MiB configured, %d of %d MiB in use)"
-             % (group.rank_in_group, size, configured_mib(), in_use, total))
+    def __init__(self, details=None):
+        self.details = {} if details is None else details
+        self.mode = None            # "mix" / "full" once Scheduler.__init__ set zbal up
+        self.gva_mib = None         # size the GVA heap was initialised with
+        self.initializing = set()   # id() of ModelRunners inside initialize()
 
+    # 1. Scheduler.__init__: upstream init_zbal -- mix mode switches the allocator only, full mode
+    # initialises the heap.
+    def init_for_rank(self, tp_size, pp_size, gpu_id, tp_rank):
+        if self.mode is not None:
+            log.debug("zbal: already set up in this process (%s mode)" % self.mode)
+            return
+        size = configured_mib()
+        zbal = zbal_module()
+        if zbal.is_mix_alloc():
+            zbal.switch_to_allocator()
+            self.mode = "mix"
+            self.details.update(mode="mix", allocator="zbal (GVA heap after the KV cache)")
+            return
+        if pp_size > 1:
+            raise ZbalError("only zbal mix mode supports pp_size > 1 (got pp_size=%d with "
+                            "SGLANG_ZBAL_LOCAL_MEM_SIZE=%d in full mode); enable zbal's mix mode or "
+                            "use pp_size 1" % (pp_size, size))
+        _call_zbal_init(zbal, tp_size, gpu_id, tp_rank, size, "full mode, Scheduler start-up")
+        self.mode = "full"
+        self.gva_mib = size
+        self.details.update(mode="full", gva_mib=size)
+        log.info("zbal: rank %s initialised a %d MiB heap in full mode (device %s, world %d)"
+                 % (tp_rank, size, gpu_id, tp_size))
 
-def model_runner_initialize(wrapped, instance, args, kwargs):
-    key = id(instance)
-    STATE.initializing.add(key)
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        STATE.initializing.discard(key)
-    if lazy_init_due(instance):
-        log.warning("zbal: ModelRunner.initialize did not reach init_device_graphs; "
-                    "initialising the GVA heap after it instead")
-        lazy_init(instance, "after ModelRunner.initialize")
-    return result
+    def scheduler_init_wrapper(self, params):
+        def scheduler_init(wrapped, instance, args, kwargs):
+            bound = bind_arguments(params, args, kwargs)
+            server_args = bound["server_args"]
+            self.init_for_rank(server_args.tp_size, server_args.pp_size, bound["gpu_id"], bound["tp_rank"])
+            return wrapped(*args, **kwargs)
 
+        return scheduler_init
 
-def model_runner_init_device_graphs(wrapped, instance, args, kwargs):
-    if id(instance) in STATE.initializing and lazy_init_due(instance):
-        lazy_init(instance, "before device-graph capture")
-    return wrapped(*args, **kwargs)
+    # 2. ModelRunner.initialize / init_device_graphs: the lazy GVA heap of mix mode.
+    def lazy_init_due(self, runner):
+        """Mix mode, NPU, not a draft worker, heap not yet initialised in this process."""
+        if getattr(runner, "device", None) != "npu" or self.gva_mib is not None:
+            return False
+        if getattr(runner, "is_draft_worker", False):
+            self.details["draft_worker_skipped"] = True
+            return False
+        return bool(zbal_module().is_mix_alloc())
+
+    def lazy_init(self, runner, when):
+        zbal = zbal_module()
+        group = _world_group()
+        size, in_use, total = gva_size_mib(configured_mib(), group.world_size, group.cpu_group)
+        _call_zbal_init(zbal, group.world_size, runner.gpu_id, group.rank_in_group, size,
+                        "mix mode, lazy GVA heap %s" % when)
+        self.gva_mib = size
+        self.details.update(gva_mib=size, in_use_mib=in_use, device_total_mib=total, gva_init=when)
+        log.info("zbal: rank %d initialised a %d MiB GVA heap (%d MiB configured, %d of %d MiB in use)"
+                 % (group.rank_in_group, size, configured_mib(), in_use, total))
+
+    def model_runner_initialize(self, wrapped, instance, args, kwargs):
+        key = id(instance)
+        self.initializing.add(key)
+        try:
+            result = wrapped(*args, **kwargs)
+        finally:
+            self.initializing.discard(key)
+        if self.lazy_init_due(instance):
+            log.warning("zbal: ModelRunner.initialize did not reach init_device_graphs; "
+                        "initialising the GVA heap after it instead")
+            self.lazy_init(instance, "after ModelRunner.initialize")
+        return result
+
+    def model_runner_init_device_graphs(self, wrapped, instance, args, kwargs):
+        if id(instance) in self.initializing and self.lazy_init_due(instance):
+            self.lazy_init(instance, "before device-graph capture")
+        return wrapped(*args, **kwargs)
+
+    # 6. init_distributed_environment: "zbal" as the NPU's torch.distributed backend.
+    def init_dist_wrapper(self, params, hccl_means_npu):
+        index = params.index("backend")
+
+        def init_distributed_environment(wrapped, instance, args, kwargs):
+            backend = bind_arguments(params, args, kwargs).get("backend")
+            if hccl_means_npu and backend == "hccl":
+                backend = "zbal"
+                if len(args) > index:
+                    args = args[:index] + (backend,) + args[index + 1:]
+                else:
+                    kwargs = dict(kwargs, backend=backend)
+            if backend == "zbal":
+                zbal_module()  # importing zbal registers the "zbal" torch.distributed backend
+                self.details["dist_backend"] = "zbal"
+            return wrapped(*args, **kwargs)
+
+        return init_distributed_environment
 
 
 # -- 3./4. memory queries ------------------------------------------------------------------------
@@ -411,65 +439,20 @@ def _backend_map(original):
     return mapping
 
 
-def make_init_dist_wrapper(params, hccl_means_npu):
-    index = params.index("backend")
-
-    def init_distributed_environment(wrapped, instance, args, kwargs):
-        backend = bind_arguments(params, args, kwargs).get("backend")
-        if hccl_means_npu and backend == "hccl":
-            backend = "zbal"
-            if len(args) > index:
-                args = args[:index] + (backend,) + args[index + 1:]
-            else:
-                kwargs = dict(kwargs, backend=backend)
-        if backend == "zbal":
-            zbal_module()  # importing zbal registers the "zbal" torch.distributed backend
-            _details(dist_backend="zbal")
-        return wrapped(*args, **kwargs)
-
-    return init_distributed_environment
-
-
 # -- the patch -----------------------------------------------------------------------------------
-
-class _NeedsZbal:
-    """Mixin for targets: the loaded module is patched only when zbal can be found."""
-
-    def prepare(self, module):
-        require_zbal()
-        return super().prepare(module)
-
-
-class ZbalWrap(_NeedsZbal, Wrap):
-    def __init__(self, module, qualname, wrapper, signatures, source_pattern=None, what=""):
-        super().__init__(module, qualname, wrapper, signatures)
-        self.source_pattern = source_pattern
-        self.what = what
-
-    def check_source(self, view):
-        problem = super().check_source(view)
-        if problem is None and self.source_pattern:
-            source = view.module(self.module)
-            if not source.contains(self.source_pattern):
-                problem = "%s: %s not found in the source" % (self.describe(), self.what)
-        return problem
-
-
-class ZbalReplace(_NeedsZbal, Replace):
-    """Replaces the name in its own module only (the default): the originals are shared objects
-    -- deep_ep's ``Buffer``, ``use_deepep`` is ``False`` -- read through ``deepep``'s globals."""
-
 
 class ZbalPatch(Patch):
     name = "zbal"
     title = "memfabric zbal allocator: init, lazy GVA heap, memory queries, DeepEP, dist backend"
     upstream_pr = "sgl-project/sglang#24575"
     upstream_release = "0.5.12"
-    backport_range = "0.5.7 - 0.5.11"
+    backport_range = ("0.5.7", "0.5.11")
     remove_when = "every supported image runs sglang >= 0.5.12"
-    switch = config.ZBAL
-    reads = (config.ZBAL_LOCAL_MEM_SIZE, config.ZBAL_BOOTSTRAP_URL)
+    switch = SWITCH
+    reads = (LOCAL_MEM_SIZE, BOOTSTRAP_URL)
+    trigger_env = {LOCAL_MEM_SIZE.name: "12288"}
     modules = (COMMON, PARALLEL_STATE, DEEPEP, MODEL_RUNNER, SCHEDULER)
+    error = ZbalError
 
     def probe(self, view):
         if view.has(SCHEDULER, "Scheduler.init_zbal_on_npu"):
@@ -479,48 +462,55 @@ class ZbalPatch(Patch):
         return None
 
     def trigger(self, environ):
-        if config.ZBAL_LOCAL_MEM_SIZE.read(environ) <= 0:
+        if LOCAL_MEM_SIZE.read(environ) <= 0:
             return "SGLANG_ZBAL_LOCAL_MEM_SIZE is unset or 0"
         return None
 
     def must_honour(self, environ):
-        if not config.ZBAL_LOCAL_MEM_SIZE.is_set(environ):
+        if not LOCAL_MEM_SIZE.is_set(environ):
             return False
         try:
-            return config.ZBAL_LOCAL_MEM_SIZE.read(environ) > 0
+            return LOCAL_MEM_SIZE.read(environ) > 0
         except config.ConfigError:
             return True  # an invalid size is a request we cannot read, not a request for nothing
 
-    def targets(self, view, ctx=None):
+    def targets(self, view, ctx):
+        if not ctx.assume_triggered and not zbal_findable():
+            ctx.fail(missing_message())
+            return []
+        process = ctx.process = ZbalProcess(ctx.details)
         sched = view.function(SCHEDULER, "Scheduler.__init__")
         sched_params = sched.params if sched else SCHEDULER_INIT_SIGS[-1]
         dist = view.function(PARALLEL_STATE, "init_distributed_environment")
         dist_params = dist.params if dist and "backend" in dist.params else INIT_DIST_SIGS[0]
         has_map = view.has(PARALLEL_STATE, "_DEVICE_TO_DISTRIBUTED_BACKEND")
+        needs = {"requires": require_zbal}
         targets = [
-            ZbalWrap(COMMON, "get_available_gpu_memory", get_available_gpu_memory, (AVAILABLE_SIG,),
-                     _AVAILABLE_NPU_BRANCH, "the NPU branch the full-mode query re-states"),
-            ZbalWrap(COMMON, "get_npu_memory_capacity", get_npu_memory_capacity, ((),)),
-            ZbalWrap(PARALLEL_STATE, "init_distributed_environment",
-                     make_init_dist_wrapper(dist_params, hccl_means_npu=not has_map), INIT_DIST_SIGS),
+            Wrap(COMMON, "get_available_gpu_memory", get_available_gpu_memory, (AVAILABLE_SIG,),
+                 source_has=[(_AVAILABLE_NPU_BRANCH, "the NPU branch the full-mode query re-states")],
+                 **needs),
+            Wrap(COMMON, "get_npu_memory_capacity", get_npu_memory_capacity, ((),), **needs),
+            Wrap(PARALLEL_STATE, "init_distributed_environment",
+                 process.init_dist_wrapper(dist_params, hccl_means_npu=not has_map), INIT_DIST_SIGS,
+                 **needs),
         ]
+        # Replaced in their own module only: the originals are shared objects -- deep_ep's
+        # ``Buffer``, ``use_deepep`` is ``False`` -- read through ``deepep``'s globals.
         if has_map:
-            targets.append(ZbalReplace(PARALLEL_STATE, "_DEVICE_TO_DISTRIBUTED_BACKEND", _backend_map))
+            targets.append(Replace(PARALLEL_STATE, "_DEVICE_TO_DISTRIBUTED_BACKEND", _backend_map, **needs))
         targets += [
-            ZbalReplace(DEEPEP, "Buffer", _zbal_deepep("Buffer"), must_exist=False),
-            ZbalReplace(DEEPEP, "Config", _zbal_deepep("Config"), must_exist=False),
-            ZbalReplace(DEEPEP, "use_deepep", lambda original: True),
-            ZbalWrap(MODEL_RUNNER, "ModelRunner.initialize", model_runner_initialize, INITIALIZE_SIGS),
-            ZbalWrap(MODEL_RUNNER, "ModelRunner.init_device_graphs", model_runner_init_device_graphs,
-                     ((),), _NPU_BRANCH,
-                     "the NPU branch 'init_attention_backend(); init_device_graphs()' of initialize"),
-            ZbalWrap(SCHEDULER, "Scheduler.__init__", make_scheduler_init_wrapper(sched_params),
-                     SCHEDULER_INIT_SIGS),
+            Replace(DEEPEP, "Buffer", _zbal_deepep("Buffer"), must_exist=False, **needs),
+            Replace(DEEPEP, "Config", _zbal_deepep("Config"), must_exist=False, **needs),
+            Replace(DEEPEP, "use_deepep", lambda original: True, **needs),
+            Wrap(MODEL_RUNNER, "ModelRunner.initialize", process.model_runner_initialize,
+                 INITIALIZE_SIGS, **needs),
+            Wrap(MODEL_RUNNER, "ModelRunner.init_device_graphs", process.model_runner_init_device_graphs,
+                 ((),), source_has=[(_NPU_BRANCH, "the NPU branch 'init_attention_backend(); "
+                                                  "init_device_graphs()' of initialize")], **needs),
+            Wrap(SCHEDULER, "Scheduler.__init__", process.scheduler_init_wrapper(sched_params),
+                 SCHEDULER_INIT_SIGS, **needs),
         ]
         return targets
-
-    def on_revert(self):
-        STATE.reset()
 
 
 PATCH = ZbalPatch()

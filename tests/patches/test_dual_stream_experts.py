@@ -15,9 +15,12 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[1] / "support"))
 
 import realsglang  # noqa: E402
-from npu_shim import patching  # noqa: E402
+from npu_shim import framework, targets  # noqa: E402
 from npu_shim.codeview import SourceView  # noqa: E402
 from npu_shim.patches import dual_stream_experts as ds  # noqa: E402
+
+# The wrappers' per-process state, as a decision builds it (reset by the fixtures).
+DS = ds.DualStream()
 
 envs = realsglang.sglang_envs
 BACKPORTED = ("0.5.7", "0.5.8", "0.5.9")
@@ -40,9 +43,9 @@ def kernel(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def fresh_state():
-    ds.PATCH.on_revert()
+    DS.__init__()
     yield
-    ds.PATCH.on_revert()
+    DS.__init__()
 
 
 def targets_of(decision):
@@ -54,7 +57,7 @@ def targets_of(decision):
 def test_every_release_backported_or_upstream(kernel):
     states = {}
     for version in envs.RELEASES:
-        decision = patching.decide(ds.PATCH, view_of(version), environ=ON, on_npu=True)
+        decision = framework.decide(ds.PATCH, view_of(version), environ=ON, on_npu=True)
         states[version] = decision.state
         if version in BACKPORTED:
             assert targets_of(decision) == [ds.PREPARE, ds.DEEPEP], (version, decision)
@@ -72,8 +75,8 @@ def test_recorded_fingerprints_are_those_of_0_5_7_to_0_5_9_and_later_code_differ
         assert view.function(ds.GLM4_MOE, ds.PREPARE).fingerprint in ds.PREPARE_FINGERPRINTS
     # 0.5.10 changed both bodies (it has the feature): the guard would refuse them.
     view = view_of("0.5.10")
-    deepep = patching.Wrap(ds.GLM4_MOE, ds.DEEPEP, ds.forward_deepep_wrapper,
-                           [ds.DEEPEP_PARAMS], fingerprints=ds.DEEPEP_FINGERPRINTS)
+    deepep = targets.Wrap(ds.GLM4_MOE, ds.DEEPEP, DS.forward_deepep_wrapper,
+                           [ds.DEEPEP_PARAMS], pins={(ds.GLM4_MOE, ds.DEEPEP): ds.DEEPEP_FINGERPRINTS})
     assert "differs from the code the shim stands in for" in deepep.check_source(view)
 
 
@@ -90,7 +93,7 @@ def test_recorded_fingerprints_are_those_of_0_5_7_to_0_5_9_and_later_code_differ
 ])
 def test_sub_features_map_onto_states(kernel, environ, problem, state, targets, words):
     kernel(problem)
-    decision = patching.decide(ds.PATCH, view_of("0.5.9"), environ=environ, on_npu=True)
+    decision = framework.decide(ds.PATCH, view_of("0.5.9"), environ=environ, on_npu=True)
     assert decision.state == state, decision
     if state == "applied":
         assert targets_of(decision) == targets
@@ -100,10 +103,10 @@ def test_sub_features_map_onto_states(kernel, environ, problem, state, targets, 
 
 def test_switch_npu_and_bad_value(kernel):
     view = view_of("0.5.8")
-    assert patching.decide(ds.PATCH, view, environ=dict(ON, NPU_SHIM_DUAL_STREAM="0"),
+    assert framework.decide(ds.PATCH, view, environ=dict(ON, NPU_SHIM_DUAL_STREAM="0"),
                            on_npu=True).state == "disabled"
-    assert patching.decide(ds.PATCH, view, environ=ON, on_npu=False).state == "inactive"
-    bad = patching.decide(ds.PATCH, view, environ={"SGLANG_NPU_USE_MULTI_STREAM": "maybe"}, on_npu=True)
+    assert framework.decide(ds.PATCH, view, environ=ON, on_npu=False).state == "inactive"
+    bad = framework.decide(ds.PATCH, view, environ={"SGLANG_NPU_USE_MULTI_STREAM": "maybe"}, on_npu=True)
     assert bad.state == "failed" and "SGLANG_NPU_USE_MULTI_STREAM='maybe'" in bad.reason
 
 
@@ -111,8 +114,8 @@ def test_static_question_assumes_streams_asked_and_forgets_earlier_decisions(ker
     view = view_of("0.5.7")
     kernel("no kernel here")
     # An earlier decide() with the streams off must not leak into the static question.
-    assert patching.decide(ds.PATCH, view, environ=OFF, on_npu=True).state == "unsupported"
-    static = patching.decide(ds.PATCH, view, environ=OFF, on_npu=None, assume_triggered=True)
+    assert framework.decide(ds.PATCH, view, environ=OFF, on_npu=True).state == "unsupported"
+    static = framework.decide(ds.PATCH, view, environ=OFF, on_npu=None, assume_triggered=True)
     assert static.state == "applied" and targets_of(static) == [ds.DEEPEP], static
 
 
@@ -137,7 +140,7 @@ def test_a_changed_body_is_unsupported_naming_the_method(tmp_path, kernel):
     view = _tree_with(tmp_path, lambda t: t.replace(
         "x.add_(final_hidden_states, alpha=self.routed_scaling_factor)",
         "x.add_(final_hidden_states, alpha=2 * self.routed_scaling_factor)"))
-    decision = patching.decide(ds.PATCH, view, environ=ON, on_npu=True)
+    decision = framework.decide(ds.PATCH, view, environ=ON, on_npu=True)
     assert decision.state == "unsupported"
     assert "Glm4MoeSparseMoeBlock.forward_deepep differs from the code the shim stands in for" in decision.reason
 
@@ -147,7 +150,7 @@ def test_comments_and_formatting_do_not_count(tmp_path, kernel):
         "        q, k = self.rotary_emb(positions, q, k)\n",
         "        # a comment an image vendor added\n        q, k = self.rotary_emb(\n"
         "            positions, q, k\n        )\n"))
-    assert patching.decide(ds.PATCH, view, environ=ON, on_npu=True).state == "applied"
+    assert framework.decide(ds.PATCH, view, environ=ON, on_npu=True).state == "applied"
 
 
 def _loaded_module(tmp_path, body_source):
@@ -172,8 +175,8 @@ def _original_prepare_source():
 
 
 def test_loaded_code_is_fingerprinted_too(tmp_path):
-    target = patching.Wrap("m", ds.PREPARE, ds.forward_prepare_wrapper, [ds.PREPARE_PARAMS],
-                           fingerprints=ds.PREPARE_FINGERPRINTS)
+    target = targets.Wrap("m", ds.PREPARE, DS.forward_prepare_wrapper, [ds.PREPARE_PARAMS],
+                          pins={("m", ds.PREPARE): ds.PREPARE_FINGERPRINTS})
     original = _original_prepare_source()
     assert target.prepare(_loaded_module(tmp_path, original)).original.__name__ == "forward_prepare"
     edited = original.replace("q, k = self.rotary_emb(positions, q, k)", "q, k = q, k")
@@ -291,37 +294,37 @@ def test_kernel_history_is_judged_by_signature_the_same_before_and_at_call_time(
     assert (problem is None) if decision is None else (decision in problem), problem
     assert "sgl_kernel_npu" not in sys.modules  # read, not imported
     (on_path / "sgl_kernel_npu" / "__init__.py").write_text("")  # now the process imports it
-    ds.PATCH.on_revert()
-    plan = ds._plan_layer(_attn())  # imports the file written above
+    DS.__init__()
+    plan = DS._plan_layer(_attn())  # imports the file written above
     assert (plan is None) if call_time is None else (call_time in plan), plan
-    assert ds._plan_layer(_attn(rotary_emb=_Rope(16))) == (None if decision is None or "rotary" in
+    assert DS._plan_layer(_attn(rotary_emb=_Rope(16))) == (None if decision is None or "rotary" in
                                                           decision else plan)
 
 
 def test_kernel_the_shim_cannot_read_keeps_the_original_path(monkeypatch):
     monkeypatch.setattr(ds, "importlib", types.SimpleNamespace(
         import_module=lambda name: types.SimpleNamespace(split_qkv_rmsnorm_rope=len)))  # a builtin
-    assert "cannot read the source of the loaded split_qkv_rmsnorm_rope" in ds._plan_layer(_attn())
+    assert "cannot read the source of the loaded split_qkv_rmsnorm_rope" in DS._plan_layer(_attn())
 
 
 # -- stream helpers on the simulated NPU ------------------------------------------------------------
 
 def test_side_stream_waits_main_runs_work_and_main_waits_side(simnpu_clean):
     sim = simnpu_clean
-    ds.wait_share_stream()  # nothing queued on a side stream yet: a no-op
+    DS.wait_share_stream()  # nothing queued on a side stream yet: a no-op
     assert sim.events() == []
     seen = []
-    out = ds.process_shared_expert(3, lambda x: seen.append(sim.current_stream_name()) or x * 2)
-    ds.wait_share_stream()
+    out = DS.process_shared_expert(3, lambda x: seen.append(sim.current_stream_name()) or x * 2)
+    DS.wait_share_stream()
     assert out == 6 and seen == ["side-1"]
     assert sim.events() == [("stream_create", "side-1"), ("wait_stream", "side-1", "main"),
                             ("stream_enter", "side-1"), ("stream_exit", "side-1"),
                             ("wait_stream", "main", "side-1")]
     # One side stream per process, reused; a revert forgets it.
-    ds.process_shared_expert(1, lambda x: x)
-    assert len(sim.events("stream_create")) == 1 and ds.get_share_stream().name == "side-1"
-    ds.PATCH.on_revert()
-    assert ds.get_share_stream() is None
+    DS.process_shared_expert(1, lambda x: x)
+    assert len(sim.events("stream_create")) == 1 and DS.get_share_stream().name == "side-1"
+    DS.__init__()
+    assert DS.get_share_stream() is None
 
 
 # -- which layers take the fused path -------------------------------------------------------------
@@ -352,17 +355,17 @@ def test_layer_plan(monkeypatch):
 
     monkeypatch.setattr(ds, "importlib", types.SimpleNamespace(
         import_module=lambda name: types.SimpleNamespace(split_qkv_rmsnorm_rope=K.split_qkv_rmsnorm_rope)))
-    assert ds._plan_layer(_attn()) is None
-    assert ds._STATE.kernel_partial is True
-    assert "no q/k RMSNorm" in ds._plan_layer(_attn(use_qk_norm=False))
-    assert "different eps" in ds._plan_layer(_attn(k_norm=_Norm(1e-6)))
-    assert "not a neox-style" in ds._plan_layer(_attn(rotary_emb=_Rope(8, neox=False)))
+    assert DS._plan_layer(_attn()) is None
+    assert DS.kernel_partial is True
+    assert "no q/k RMSNorm" in DS._plan_layer(_attn(use_qk_norm=False))
+    assert "different eps" in DS._plan_layer(_attn(k_norm=_Norm(1e-6)))
+    assert "not a neox-style" in DS._plan_layer(_attn(rotary_emb=_Rope(8, neox=False)))
     # The old kernel (whole-head rope) is fine only where the rope covers the whole head.
-    ds.PATCH.on_revert()
+    DS.__init__()
     monkeypatch.setattr(ds, "importlib", types.SimpleNamespace(
         import_module=lambda name: types.SimpleNamespace(split_qkv_rmsnorm_rope=K.split_qkv_rmsnorm_rope_full_head)))
-    assert "rotates 8 of 16 head dims" in ds._plan_layer(_attn())
-    assert ds._plan_layer(_attn(rotary_emb=_Rope(16))) is None
+    assert "rotates 8 of 16 head dims" in DS._plan_layer(_attn())
+    assert DS._plan_layer(_attn(rotary_emb=_Rope(16))) is None
 
 
 def test_missing_kernel_at_call_time_keeps_the_original_path(monkeypatch):
@@ -372,10 +375,10 @@ def test_missing_kernel_at_call_time_keeps_the_original_path(monkeypatch):
     monkeypatch.setattr(ds, "importlib", types.SimpleNamespace(import_module=missing))
     import torch
 
-    assert ds._fused_kernel_for(_attn(), torch.arange(3)) is None
-    assert "cannot import sgl_kernel_npu.norm.split_qkv_rmsnorm_rope" in ds._STATE.details["fused_fallback"]
+    assert DS._fused_kernel_for(_attn(), torch.arange(3)) is None
+    assert "cannot import sgl_kernel_npu.norm.split_qkv_rmsnorm_rope" in DS.details["fused_fallback"]
     # 2-D (multimodal) positions never take the fused path.
-    assert ds._fused_kernel_for(_attn(), torch.zeros(3, 2, dtype=torch.long)) is None
+    assert DS._fused_kernel_for(_attn(), torch.zeros(3, 2, dtype=torch.long)) is None
 
 
 # -- the benchmark script -------------------------------------------------------------------------
@@ -407,4 +410,4 @@ def test_bench_cpu_smoke_runs_the_shims_dual_stream_body_with_equal_output():
                            samples=1, reps=1, warmup=1)
     assert row["ok"] is None
     assert "outputs equal: True" in row["measured"] and "CPU smoke run" in row["measured"]
-    assert ds.get_share_stream() is None  # the bench leaves no stream state behind
+    assert DS.get_share_stream() is None  # the bench leaves no stream state behind

@@ -14,7 +14,7 @@ import pytest
 import torch
 import wrapt
 
-from npu_shim import config, patching
+from npu_shim import config, framework
 from npu_shim.codeview import SourceView
 from npu_shim.patches import mla_weight_release as R
 
@@ -24,14 +24,15 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 import sglang_envs  # noqa: E402
 
 
+# The wrappers' per-process state, as a decision builds it for 0.5.10 - 0.5.16 (each test afresh).
+REL = R.Release("quantization_config", "server_args")
+
+
 @pytest.fixture(autouse=True)
 def fresh_state():
-    saved = (R._STATE.w8a8_attr, R._STATE.role_source)
-    R.PATCH.on_revert()
-    R._STATE.w8a8_attr = "quantization_config"
+    REL.__init__("quantization_config", "server_args")
     yield
-    R.PATCH.on_revert()
-    R._STATE.w8a8_attr, R._STATE.role_source = saved
+    REL.__init__("quantization_config", "server_args")
 
 
 @pytest.fixture
@@ -61,21 +62,24 @@ def view_of(version):
 def test_states_across_every_release():
     states = {}
     for version in sglang_envs.RELEASES:
-        decision = patching.decide(R.PATCH, view_of(version), environ={}, on_npu=True)
+        decision = framework.decide(R.PATCH, view_of(version), environ={}, on_npu=True)
         states[version] = decision.state
-        if decision.state == patching.APPLIED:
+        if decision.state == framework.APPLIED:
             attr = "quant_config" if version == "0.5.9" else "quantization_config"
-            assert R._STATE.w8a8_attr == attr, version
+            release = decision.process  # what the code said reaches the wrappers, not a global
+            assert release.w8a8_attr == attr, version
             newer = sglang_envs.RELEASES.index(version) >= sglang_envs.RELEASES.index("0.5.17")
-            assert R._STATE.role_source == ("get_disagg" if newer else "server_args"), version
+            assert release.role_source == ("get_disagg" if newer else "server_args"), version
+            assert all(getattr(t, "wrapper", release.wrap_npu_mla_preprocess).__self__ is release
+                       for t in decision.targets) and release.details is decision.details
             assert sorted(t.describe().split(":")[1] for t in decision.targets) == [
                 "NPUFusedMLAPreprocess.mlaprolog_preprocess_weight",
                 "NPUFusedMLAPreprocess.uses_mlaprolog", "npu_mla_preprocess"]
-        elif decision.state == patching.UNSUPPORTED:
+        elif decision.state == framework.INACTIVE:  # nothing to do: not "should apply but cannot"
             assert "no mlaprolog path" in decision.reason and "0.5.9" in decision.reason
         else:
             assert "uses_mlaprolog exists" in decision.reason
-    assert [v for v, s in states.items() if s == "unsupported"] == ["0.5.7", "0.5.8"]
+    assert [v for v, s in states.items() if s == "inactive"] == ["0.5.7", "0.5.8"]
     applied = [v for v, s in states.items() if s == "applied"]
     assert applied[0] == "0.5.9" and applied[-1] == "0.5.19" and len(applied) == 11
     assert [v for v, s in states.items() if s == "upstream"] == ["0.5.20", "0.5.21", "0.5.22", "0.5.23"]
@@ -83,11 +87,11 @@ def test_states_across_every_release():
 
 def test_switch_and_bad_force_value():
     view = view_of("0.5.11")
-    off = patching.decide(R.PATCH, view, environ={"NPU_SHIM_MLA_WEIGHT_RELEASE": "0"}, on_npu=True)
-    assert off.state == patching.DISABLED and off.targets == []
-    bad = patching.decide(R.PATCH, view, environ={"NPU_SHIM_MLA_RELEASE_FORCE": "maybe"}, on_npu=True)
-    assert bad.state == patching.FAILED and "NPU_SHIM_MLA_RELEASE_FORCE" in bad.reason
-    assert patching.decide(R.PATCH, view, environ={}, on_npu=False).state == patching.INACTIVE
+    off = framework.decide(R.PATCH, view, environ={"NPU_SHIM_MLA_WEIGHT_RELEASE": "0"}, on_npu=True)
+    assert off.state == framework.DISABLED and off.targets == []
+    bad = framework.decide(R.PATCH, view, environ={"NPU_SHIM_MLA_RELEASE_FORCE": "maybe"}, on_npu=True)
+    assert bad.state == framework.FAILED and "NPU_SHIM_MLA_RELEASE_FORCE" in bad.reason
+    assert framework.decide(R.PATCH, view, environ={}, on_npu=False).state == framework.INACTIVE
 
 
 @pytest.mark.parametrize("edit", [
@@ -111,8 +115,8 @@ def test_unknown_code_shape_is_unsupported(tmp_path, edit):
     text = path.read_text()
     assert edit[1] in text
     path.write_text(text.replace(edit[1], edit[2], 1))
-    decision = patching.decide(R.PATCH, SourceView(str(dest)), environ={}, on_npu=True)
-    assert decision.state == patching.UNSUPPORTED
+    decision = framework.decide(R.PATCH, SourceView(str(dest)), environ={}, on_npu=True)
+    assert decision.state == framework.UNSUPPORTED
     assert "fingerprint" in decision.reason and edit[0].split("/")[-1][:-3] in decision.reason
 
 
@@ -123,7 +127,7 @@ def test_fingerprints_ignore_comments_and_formatting(tmp_path):
     path = dest / "srt" / "hardware_backend" / "npu" / "attention" / "mla_preprocess.py"
     text = path.read_text().replace("        _is_w8a8 = (\n", "        # a comment\n        _is_w8a8 = (  \n")
     path.write_text(text)
-    assert patching.decide(R.PATCH, SourceView(str(dest)), environ={}, on_npu=True).state == "applied"
+    assert framework.decide(R.PATCH, SourceView(str(dest)), environ={}, on_npu=True).state == "applied"
 
 
 # --------------------------------------------------------------------------- the guard
@@ -148,7 +152,7 @@ def test_release_frees_the_storage_and_guards_every_reference(make):
     alias = tensor  # another holder of the same object (e.g. a module attribute)
     storage = tensor.untyped_storage()
     nbytes = storage.nbytes()
-    assert R.release(tensor, "w_kc of layer 7") == nbytes > 0
+    assert R.release(tensor, "w_kc of layer 7", REL.once) == nbytes > 0
     assert storage.nbytes() == 0
     assert isinstance(alias, cls) and R.is_released(alias)
     for touch in (lambda: alias.sum(), lambda: alias + 1, lambda: alias.shape, lambda: alias.data,
@@ -163,14 +167,14 @@ def test_release_frees_the_storage_and_guards_every_reference(make):
     with pytest.raises(R.ReleasedWeightError, match="`sum` touched it"):
         alias.sum()
     assert "released by npu-shim: w_kc of layer 7" in repr(alias) == str(alias)
-    assert R.release(alias, "again") == 0  # idempotent
+    assert R.release(alias, "again", REL.once) == 0  # idempotent
     if isinstance(tensor, SglangLikeParameter):
         assert tensor._weight_loader == "loader"  # attributes survive
 
 
 def test_released_parameter_in_a_module_fails_state_dict_and_loading_clearly():
     linear = torch.nn.Linear(8, 4, bias=False)
-    R.release(linear.weight, "qkv_a_proj.weight of layer 3")
+    R.release(linear.weight, "qkv_a_proj.weight of layer 3", REL.once)
     assert [name for name, _ in linear.named_parameters()] == ["weight"]
     with pytest.raises(R.ReleasedWeightError, match="qkv_a_proj.weight of layer 3"):
         linear(torch.ones(2, 8))
@@ -262,12 +266,12 @@ def test_keeping_an_aliased_weight_warns_once_with_the_holder_count(logs):
     weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     views = [weight.view(-1), weight.t(), weight.detach()]
     for _ in range(2):
-        assert R.release(weight, "qkv_a_proj.weight of layer 1") == 0
+        assert R.release(weight, "qkv_a_proj.weight of layer 1", REL.once) == 0
     warnings = [line for line in logs if "other holder" in line]
     assert len(warnings) == 1 and "has 3 other holders" in warnings[0]
     assert float(sum(v.sum() for v in views)) == pytest.approx(3 * float(weight.sum()), rel=1e-4)
     del views
-    assert R.release(weight, "qkv_a_proj.weight of layer 1") == 8 * 8 * 4
+    assert R.release(weight, "qkv_a_proj.weight of layer 1", REL.once) == 8 * 8 * 4
 
 
 # --------------------------------------------------------------------------- predicate
@@ -283,15 +287,14 @@ def fake_preprocess(ignore=("model.layers.0.self_attn.kv_b_proj",), w8a8_attr=No
 
 @pytest.mark.parametrize("attr", ["quant_config", "quantization_config"])
 def test_predicate_is_forwards_routing(attr):
-    R._STATE.w8a8_attr = attr
     other = "quantization_config" if attr == "quant_config" else "quant_config"
-    assert R.uses_mlaprolog(fake_preprocess()) is True
-    assert R.uses_mlaprolog(fake_preprocess(ignore=("kv_b_proj",))) is True  # fullmatch of .*kv_b_proj
-    assert R.uses_mlaprolog(fake_preprocess(ignore=("model.layers.0.self_attn.kv_b_proj.weight",))) is False
-    assert R.uses_mlaprolog(fake_preprocess(ignore=("model.layers.0.mlp.gate",))) is False
-    assert R.uses_mlaprolog(fake_preprocess(has_ignore=False)) is False
-    assert R.uses_mlaprolog(fake_preprocess(w8a8_attr=attr)) is False  # forward_mlapo wins
-    assert R.uses_mlaprolog(fake_preprocess(w8a8_attr=other)) is True
+    assert R.uses_mlaprolog(fake_preprocess(), attr) is True
+    assert R.uses_mlaprolog(fake_preprocess(ignore=("kv_b_proj",)), attr) is True  # fullmatch of .*kv_b_proj
+    assert R.uses_mlaprolog(fake_preprocess(ignore=("model.layers.0.self_attn.kv_b_proj.weight",)), attr) is False
+    assert R.uses_mlaprolog(fake_preprocess(ignore=("model.layers.0.mlp.gate",)), attr) is False
+    assert R.uses_mlaprolog(fake_preprocess(has_ignore=False), attr) is False
+    assert R.uses_mlaprolog(fake_preprocess(w8a8_attr=attr), attr) is False  # forward_mlapo wins
+    assert R.uses_mlaprolog(fake_preprocess(w8a8_attr=other), attr) is True
 
 
 # --------------------------------------------------------------------------- role and gates
@@ -311,7 +314,7 @@ def server(monkeypatch):
             raise state["args"]
         return state["args"]
 
-    monkeypatch.setattr(R, "disagg_role", role)
+    monkeypatch.setattr(REL, "disagg_role", role)
     monkeypatch.setattr(R, "_server_args", args)
     monkeypatch.delenv("NPU_SHIM_MLA_RELEASE_FORCE", raising=False)
     return state
@@ -320,14 +323,14 @@ def server(monkeypatch):
 def test_role_gates(server):
     for role, qkv, wkc in (("null", False, False), ("prefill", True, False), ("decode", True, True)):
         server["role"] = role
-        assert (R.release_allowed("qkv_a")[1] is None) is qkv, role
-        assert (R.release_allowed("w_kc")[1] is None) is wkc, role
+        assert (REL.release_allowed("qkv_a")[1] is None) is qkv, role
+        assert (REL.release_allowed("w_kc")[1] is None) is wkc, role
 
 
 def test_unknown_role_warns_once(server, logs):
     server["role_error"] = "ValueError('config namespace disagg not published')"
     for _ in range(3):
-        assert R.release_allowed("qkv_a") == (None, server["role_error"])
+        assert REL.release_allowed("qkv_a") == (None, server["role_error"])
     warnings = [line for line in logs if "role is unknown" in line]
     assert len(warnings) == 1 and "not published" in warnings[0]
 
@@ -343,23 +346,23 @@ def test_unknown_role_warns_once(server, logs):
 ])
 def test_weight_updates_block_unless_forced(server, logs, monkeypatch, field, value, word):
     setattr(server["args"], field, value)
-    assert R.release_allowed("w_kc")[1] == "weight updates"
+    assert REL.release_allowed("w_kc")[1] == "weight updates"
     assert any(word in line and "NPU_SHIM_MLA_RELEASE_FORCE=1" in line for line in logs)
     monkeypatch.setenv("NPU_SHIM_MLA_RELEASE_FORCE", "1")
-    assert R.release_allowed("w_kc") == ("decode", None)
+    assert REL.release_allowed("w_kc") == ("decode", None)
     assert any("releasing although" in line for line in logs)
 
 
 def test_speculative_decoding_blocks_even_forced(server, logs, monkeypatch):
     server["args"].speculative_algorithm = "EAGLE"
     monkeypatch.setenv("NPU_SHIM_MLA_RELEASE_FORCE", "1")
-    assert R.release_allowed("qkv_a")[1] == "other readers"
+    assert REL.release_allowed("qkv_a")[1] == "other readers"
     assert any("speculative decoding (EAGLE)" in line for line in logs)
 
 
 def test_unreadable_server_args_release_nothing(server, logs):
     server["args"] = ValueError("Global server args is not set yet!")
-    assert R.release_allowed("qkv_a")[1] == "server args unknown"
+    assert REL.release_allowed("qkv_a")[1] == "server args unknown"
     assert any("server args cannot be read" in line for line in logs)
 
 
@@ -383,7 +386,7 @@ class FakePreprocess:
 
 
 FakePreprocess.mlaprolog_preprocess_weight = wrapt.FunctionWrapper(
-    FakePreprocess.mlaprolog_preprocess_weight, R._wrap_preprocess_weight)
+    FakePreprocess.mlaprolog_preprocess_weight, REL.wrap_preprocess_weight)
 
 
 def npu_mla_preprocess(m, hidden_states, positions, forward_batch, zero_allocator):
@@ -396,7 +399,7 @@ def npu_mla_preprocess(m, hidden_states, positions, forward_batch, zero_allocato
     return hidden_states @ pre.q_a_proj_weight, pre.w_kc.sum()
 
 
-WRAPPED = wrapt.FunctionWrapper(npu_mla_preprocess, R._wrap_npu_mla_preprocess)
+WRAPPED = wrapt.FunctionWrapper(npu_mla_preprocess, REL.wrap_npu_mla_preprocess)
 
 
 def layer(layer_id, contiguous_w_kc=False, mlaprolog=True):
@@ -422,12 +425,12 @@ def test_decode_releases_once_per_layer_then_only_delegates(server, logs, monkey
     expected = sum(s.nbytes() for s in qkv + wkc)
     first = step(layers)
     assert all(s.nbytes() == 0 for s in qkv + wkc)
-    assert sum(R._STATE.released_bytes.values()) == expected and len(R._STATE.layers) == 3
+    assert sum(REL.released_bytes.values()) == expected and len(REL.layers) == 3
     assert not [line for line in logs if "MiB in" in line]  # summary waits for a full pass
 
     calls = []
-    monkeypatch.setattr(R, "release_w_kc", lambda m: calls.append(m))
-    monkeypatch.setattr(R, "_first_calls", lambda *a: calls.append(a))
+    monkeypatch.setattr(REL, "release_w_kc", lambda m: calls.append(m))
+    monkeypatch.setattr(REL, "_first_calls", lambda *a: calls.append(a))
     second = step(layers[1:])
     for a, b in zip(first[1:], second):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # forward unchanged after release
@@ -453,7 +456,7 @@ def test_prefill_releases_qkv_only_and_null_nothing(server):
     step([m])
     assert R.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not R.is_released(m.w_kc)
     assert wkc.nbytes() > 0
-    R.PATCH.on_revert()
+    REL.reset()
     server["role"] = "null"
     m = layer(1)
     step([m])
@@ -486,7 +489,7 @@ def test_decision_errors_never_break_the_forward(server, logs, monkeypatch):
     def boom(*a):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(R, "release_allowed", boom)
+    monkeypatch.setattr(REL, "release_allowed", boom)
     m = layer(0)
     out = step([m])[0]
     assert out[0].shape == (2, 16)
@@ -495,17 +498,14 @@ def test_decision_errors_never_break_the_forward(server, logs, monkeypatch):
 
 
 def test_status_details_and_revert(server, monkeypatch):
-    record = types.SimpleNamespace(details={})
-    from npu_shim import runtime
-
-    monkeypatch.setattr(runtime, "record", lambda name: record if name == R.PATCH.name else None)
+    record = types.SimpleNamespace(details=REL.details)  # the record's dict, handed to the Release
     m = layer(0)
     step([m])
-    total = sum(R._STATE.released_bytes.values())
+    total = sum(REL.released_bytes.values())
     assert record.details["released_mib"] == round(total / R.MIB, 3)
     assert record.details["layers"] == 1 and record.details["role"] == "decode"
-    R.PATCH.on_revert()
-    assert R._STATE.released_bytes == {"qkv_a": 0, "w_kc": 0} and not R._STATE.layers
+    REL.reset()
+    assert REL.released_bytes == {"qkv_a": 0, "w_kc": 0} and not REL.layers
 
 
 def _prepared(m, copy):
@@ -524,7 +524,7 @@ def _prepared(m, copy):
 ])
 def test_qkv_a_whose_copies_share_its_memory_is_kept(server, logs, copy, word):
     pre = _prepared(layer(0), copy)
-    assert R.release_qkv_a(pre) == 0
+    assert REL.release_qkv_a(pre) == 0
     assert not R.is_released(pre.qkv_a_proj.weight)
     assert any(word in line for line in logs)
     assert not any("other holder" in line for line in logs)  # decided before the holder count
@@ -536,7 +536,7 @@ def test_qkv_a_that_is_part_of_a_larger_storage_is_kept(server, logs):
     m.fused_qkv_a_proj_with_mqa.weight.data = big[:24 * 32].view(24, 32)
     del big  # the weight is the storage's only holder, but holds 100 values besides itself
     pre = _prepared(m, lambda t: t.clone())
-    assert R.release_qkv_a(pre) == 0 and not R.is_released(pre.qkv_a_proj.weight)
+    assert REL.release_qkv_a(pre) == 0 and not R.is_released(pre.qkv_a_proj.weight)
     assert any("storage holds more than this weight" in line for line in logs)
 
 
@@ -549,7 +549,7 @@ def test_w_kc_shared_with_or_distinct_from_the_preprocessors(server, logs, own):
     m.mla_preprocess = FakePreprocess(m)
     m.mla_preprocess.w_kc = own(m.w_kc)
     shares = m.mla_preprocess.w_kc.numel() > 0
-    assert (R.release_w_kc(m) == 0) is shares
+    assert (REL.release_w_kc(m) == 0) is shares
     assert R.is_released(m.w_kc) is not shares
     assert any("preprocessor's w_kc shares its memory" in line for line in logs) is shares
 
@@ -558,15 +558,12 @@ def test_w_kc_that_is_part_of_a_larger_storage_is_kept(server, logs):
     m = layer(0)
     m.w_kc = torch.randn(4 * 8 * 12 + 10)[:4 * 8 * 12].view(4, 8, 12)
     m.mla_preprocess = FakePreprocess(m)
-    assert R.release_w_kc(m) == 0 and not R.is_released(m.w_kc)
+    assert REL.release_w_kc(m) == 0 and not R.is_released(m.w_kc)
     assert any("storage holds more than this weight" in line for line in logs)
 
 
 def test_accounting_in_status_details_and_summary_lines(server, logs, monkeypatch):
-    record = types.SimpleNamespace(details={})
-    from npu_shim import runtime
-
-    monkeypatch.setattr(runtime, "record", lambda name: record if name == R.PATCH.name else None)
+    record = types.SimpleNamespace(details=REL.details)  # the record's dict, handed to the Release
     monkeypatch.setattr(R.log, "process_tag", lambda: "pid 42")
     layers = [layer(0), layer(1)]
     step(layers)
@@ -586,20 +583,20 @@ def test_nothing_to_release_returns_zero_bytes(server, logs):
     pre = _prepared(m, lambda t: t.clone())
     m.mla_preprocess = pre
     server["role"] = "null"
-    assert R.release_qkv_a(pre) == 0 and R.release_w_kc(m) == 0  # role
+    assert REL.release_qkv_a(pre) == 0 and REL.release_w_kc(m) == 0  # role
     server["role"] = "decode"
     no_mlaprolog = layer(1, mlaprolog=False)
     no_mlaprolog.mla_preprocess = _prepared(no_mlaprolog, lambda t: t.clone())
-    assert R.release_qkv_a(no_mlaprolog.mla_preprocess) == 0 and R.release_w_kc(no_mlaprolog) == 0
+    assert REL.release_qkv_a(no_mlaprolog.mla_preprocess) == 0 and REL.release_w_kc(no_mlaprolog) == 0
     assert any("keeping qkv_a_proj.weight of layer 1: mlaprolog_preprocess_weight ran although "
                "forward() would not route to mlaprolog" in line for line in logs)
-    assert R.release_qkv_a(pre) > 0 and R.release_w_kc(m) > 0
+    assert REL.release_qkv_a(pre) > 0 and REL.release_w_kc(m) > 0
     assert "released by npu-shim: qkv_a_proj.weight of layer 0;" in repr(pre.qkv_a_proj.weight)
     assert "released by npu-shim: w_kc of layer 0;" in repr(m.w_kc)
-    assert R.release_qkv_a(pre) == 0 and R.release_w_kc(m) == 0  # already released
+    assert REL.release_qkv_a(pre) == 0 and REL.release_w_kc(m) == 0  # already released
     m.w_kc = None
     pre.qkv_a_proj.weight = None
-    assert R.release_qkv_a(pre) == 0 and R.release_w_kc(m) == 0
+    assert REL.release_qkv_a(pre) == 0 and REL.release_w_kc(m) == 0
 
 
 def test_weight_that_cannot_be_swapped_or_guarded_is_kept_whole(logs, monkeypatch):
@@ -608,14 +605,14 @@ def test_weight_that_cannot_be_swapped_or_guarded_is_kept_whole(logs, monkeypatc
     weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     values = weight.clone()
     ref = weakref.ref(weight)  # swap_tensors refuses a tensor that has weakrefs
-    assert R.release(weight, "w_kc of layer 4") == 0 and not R.is_released(weight)
+    assert R.release(weight, "w_kc of layer 4", REL.once) == 0 and not R.is_released(weight)
     assert torch.equal(weight, values) and ref() is weight
     assert any("keeping w_kc of layer 4: it is held where it cannot be replaced" in l for l in logs)
     other = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     values = other.clone()
     slotted = type("Slotted", (torch.nn.Parameter,), {"__slots__": ("x",)})
     monkeypatch.setattr(R, "guarded_class", lambda cls: slotted)  # __class__ assignment fails
-    assert R.release(other, "w_kc of layer 5") == 0 and type(other) is torch.nn.Parameter
+    assert R.release(other, "w_kc of layer 5", REL.once) == 0 and type(other) is torch.nn.Parameter
     assert torch.equal(other, values)
     assert any("keeping w_kc of layer 5: its class Parameter cannot be guarded" in l for l in logs)
 
@@ -626,7 +623,7 @@ def test_memory_still_held_after_the_swap_is_not_freed(logs, monkeypatch):
     base = torch.randn(4, 12, 8)
     weight = base.transpose(1, 2)
     monkeypatch.setattr(R, "_base_held_elsewhere", lambda chain: False)
-    assert R.release(weight, "w_kc of layer 6") == 0 and R.is_released(weight)
+    assert R.release(weight, "w_kc of layer 6", REL.once) == 0 and R.is_released(weight)
     assert base.untyped_storage().nbytes() == 4 * 12 * 8 * 4
     assert any("w_kc of layer 6 is guarded but its memory still has 1 holder;" in l for l in logs)
 

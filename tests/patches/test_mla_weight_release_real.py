@@ -27,7 +27,7 @@ class Capture(logging.Handler):
 logging.getLogger("npu_shim").addHandler(Capture())
 
 def case(role, model="glm-5", tp=16, args=None, force=False, **build):
-    R.PATCH.on_revert()
+    runtime.record("mla_weight_release").process.reset()
     del LOG[:]
     K.publish_server_args(role, **(args or {}))
     if force:
@@ -50,7 +50,8 @@ def touch(fn):
 
 out = {"state": runtime.states()["mla_weight_release"]["state"],
        "wrapped": type(N.npu_mla_preprocess).__name__,
-       "method_is_predicate": P.NPUFusedMLAPreprocess.uses_mlaprolog is R._uses_mlaprolog_method}
+       "method_is_predicate": P.NPUFusedMLAPreprocess.uses_mlaprolog.__code__
+                              is R.make_uses_mlaprolog_method("x").__code__}
 out["decode"], m = case("decode")
 c = K.CONFIGS["glm-5"]
 out["touch_qkv"] = touch(lambda: m.fused_qkv_a_proj_with_mqa(torch.zeros(1, c["hidden"], dtype=K.DTYPE)))
@@ -75,10 +76,11 @@ def predicate(attr):
                                   m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
                                   m.quant_config)
     return pre.uses_mlaprolog()
-out["w8a8_attr"] = R._STATE.w8a8_attr
-out["predicate_w8a8"] = predicate(R._STATE.w8a8_attr)
+attr = runtime.record("mla_weight_release").process.w8a8_attr
+out["w8a8_attr"] = attr
+out["predicate_w8a8"] = predicate(attr)
 other = {"quant_config": "quantization_config", "quantization_config": "quant_config"}
-out["predicate_other_attr"] = predicate(other[R._STATE.w8a8_attr])
+out["predicate_other_attr"] = predicate(other[attr])
 for value in out.values():
     if isinstance(value, dict):
         value.pop("before", None)

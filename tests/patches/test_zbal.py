@@ -12,7 +12,8 @@ import pytest
 import torch
 import wrapt
 
-from npu_shim import config, patching, runtime
+from npu_shim import config, framework, runtime, targets
+from npu_shim.patches import all_variables
 from npu_shim.codeview import SourceView
 from npu_shim.patches import zbal as zp
 
@@ -29,6 +30,14 @@ UPSTREAM = ("0.5.12", "0.5.19", "0.5.23")
 _VIEWS = {}
 
 
+# The wrappers' per-process state, as a decision builds it (the fixture starts each test afresh).
+PROC = zp.ZbalProcess()
+
+
+def ASSUMED():
+    return framework.DecideContext({}, True)
+
+
 def view(version):
     if version not in _VIEWS:
         root = realsglang.sglang_envs.ensure_sources(version)
@@ -40,13 +49,13 @@ def view(version):
 def zb(simnpu_clean, fake_zbal, monkeypatch):
     """Fake zbal reset, shim state reset, size 61440 MiB set, no bootstrap URL."""
     fake_zbal.reset_fake()
-    zp.STATE.reset()
+    PROC.__init__()
     monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", "61440")
     monkeypatch.delenv("SGLANG_ZBAL_BOOTSTRAP_URL", raising=False)
     monkeypatch.setattr(zp, "_world_group", lambda: types.SimpleNamespace(
         world_size=1, rank_in_group=0, cpu_group=None))
     yield fake_zbal
-    zp.STATE.reset()
+    PROC.__init__()
 
 
 def calls(zbal, name=None):
@@ -62,10 +71,21 @@ def wrap_method(cls, name, wrapper):
 ON = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": "61440"}
 
 
+def test_size_set_without_memfabric_zbal_is_failed_when_decided(monkeypatch):
+    """What ``status`` says before launch (no import: find_spec), and why the process stops."""
+    monkeypatch.setitem(__import__("sys").modules, "zbal", None)  # find_spec -> None
+    d = framework.decide(zp.PATCH, view("0.5.11"), environ=ON, on_npu=True)
+    assert d.state == framework.FAILED and d.targets == []
+    assert "memfabric-zbal" in d.reason and "SGLANG_ZBAL_LOCAL_MEM_SIZE=" in d.reason
+    assert zp.PATCH.must_honour(ON) and zp.PATCH.error is zp.ZbalError
+    # asked statically "would it apply if switched on?", zbal being installed does not matter
+    assert framework.decide(zp.PATCH, view("0.5.11"), environ={}, assume_triggered=True).state == "applied"
+
+
 @pytest.mark.parametrize("version", BACKPORTED)
-def test_applied_on_backport_range_with_every_target(version):
-    d = patching.decide(zp.PATCH, view(version), environ=ON, on_npu=True)
-    assert d.state == patching.APPLIED, d.reason
+def test_applied_on_backport_range_with_every_target(version, fake_zbal):
+    d = framework.decide(zp.PATCH, view(version), environ=ON, on_npu=True)
+    assert d.state == framework.APPLIED, d.reason
     described = {t.describe() for t in d.targets}
     expected = {
         "sglang.srt.utils.common:get_available_gpu_memory",
@@ -86,34 +106,34 @@ def test_applied_on_backport_range_with_every_target(version):
 
 @pytest.mark.parametrize("version", UPSTREAM)
 def test_upstream_releases_stand_down(version):
-    d = patching.decide(zp.PATCH, view(version), environ=ON, on_npu=True)
-    assert d.state == patching.UPSTREAM
+    d = framework.decide(zp.PATCH, view(version), environ=ON, on_npu=True)
+    assert d.state == framework.UPSTREAM
     assert "init_zbal_on_npu" in d.reason and d.targets == []
 
 
 @pytest.mark.parametrize("environ, state, words", [
-    ({}, patching.INACTIVE, "SGLANG_ZBAL_LOCAL_MEM_SIZE is unset or 0"),
-    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "0"}, patching.INACTIVE, "unset or 0"),
-    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "  "}, patching.INACTIVE, "unset or 0"),
-    (dict(ON, NPU_SHIM_ZBAL="0"), patching.DISABLED, "NPU_SHIM_ZBAL=0"),
-    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "12G"}, patching.FAILED,
+    ({}, framework.INACTIVE, "SGLANG_ZBAL_LOCAL_MEM_SIZE is unset or 0"),
+    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "0"}, framework.INACTIVE, "unset or 0"),
+    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "  "}, framework.INACTIVE, "unset or 0"),
+    (dict(ON, NPU_SHIM_ZBAL="0"), framework.DISABLED, "NPU_SHIM_ZBAL=0"),
+    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "12G"}, framework.FAILED,
      "SGLANG_ZBAL_LOCAL_MEM_SIZE='12G' is invalid: expected a whole number of MiB"),
-    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "-5"}, patching.FAILED,
+    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "-5"}, framework.FAILED,
      "SGLANG_ZBAL_LOCAL_MEM_SIZE='-5' is invalid: expected a whole number of MiB >= 0"),
-    (dict(ON, SGLANG_ZBAL_BOOTSTRAP_URL="10.0.0.1:6789"), patching.FAILED,
+    (dict(ON, SGLANG_ZBAL_BOOTSTRAP_URL="10.0.0.1:6789"), framework.FAILED,
      "SGLANG_ZBAL_BOOTSTRAP_URL='10.0.0.1:6789' is invalid: expected tcp://HOST:PORT"),
-    (dict(ON, SGLANG_ZBAL_BOOTSTRAP_URL="tcp://10.0.0.1:70000"), patching.FAILED,
+    (dict(ON, SGLANG_ZBAL_BOOTSTRAP_URL="tcp://10.0.0.1:70000"), framework.FAILED,
      "port in 1..65535"),
 ])
 def test_trigger_and_settings(environ, state, words):
-    d = patching.decide(zp.PATCH, view("0.5.11"), environ=environ, on_npu=True)
+    d = framework.decide(zp.PATCH, view("0.5.11"), environ=environ, on_npu=True)
     assert d.state == state
     assert words in d.reason
 
 
 def test_not_on_an_npu_is_inactive():
-    d = patching.decide(zp.PATCH, view("0.5.9"), environ=ON, on_npu=False)
-    assert d.state == patching.INACTIVE and "not running on an NPU" in d.reason
+    d = framework.decide(zp.PATCH, view("0.5.9"), environ=ON, on_npu=False)
+    assert d.state == framework.INACTIVE and "not running on an NPU" in d.reason
 
 
 @pytest.mark.parametrize("environ, honour", [
@@ -129,9 +149,9 @@ def test_a_bad_url_with_zbal_requested_raises_at_decision(monkeypatch):
     # runtime.enforce is what the first import hook runs after deciding.
     monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", "61440")
     monkeypatch.setenv("SGLANG_ZBAL_BOOTSTRAP_URL", "http://10.0.0.1:6789")
-    d = patching.decide(zp.PATCH, view("0.5.11"), environ=dict(os.environ), on_npu=True)
+    d = framework.decide(zp.PATCH, view("0.5.11"), environ=dict(os.environ), on_npu=True)
     record = runtime.PatchRecord(zp.PATCH, d)
-    with pytest.raises(patching.ShimError) as exc:
+    with pytest.raises(framework.ShimError) as exc:
         runtime.enforce(record)
     assert "SGLANG_ZBAL_BOOTSTRAP_URL='http://10.0.0.1:6789' is invalid" in str(exc.value)
 
@@ -139,12 +159,12 @@ def test_a_bad_url_with_zbal_requested_raises_at_decision(monkeypatch):
 def test_source_checks_guard_what_the_wrappers_rely_on():
     # The NPU branch order (attention backend, then graphs) and the query's NPU branch are checked.
     v = view("0.5.11")
-    for target in zp.PATCH.targets(v):
+    for target in zp.PATCH.targets(v, ASSUMED()):
         assert target.check_source(v) is None, target.describe()
     broken = types.SimpleNamespace(
         function=v.function, has=v.has,
         module=lambda name: types.SimpleNamespace(contains=lambda pattern: False))
-    problems = [t.check_source(broken) for t in zp.PATCH.targets(v) if isinstance(t, zp.ZbalWrap)]
+    problems = [t.check_source(broken) for t in zp.PATCH.targets(v, ASSUMED()) if isinstance(t, targets.Wrap)]
     assert any("init_attention_backend(); init_device_graphs()" in (p or "") for p in problems)
     assert any("NPU branch the full-mode query re-states" in (p or "") for p in problems)
 
@@ -153,7 +173,7 @@ def test_source_checks_guard_what_the_wrappers_rely_on():
 
 def test_zbal_missing_fails_before_anything_is_patched(zb, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "zbal", None)  # find_spec -> None, import fails
-    target = zp.PATCH.targets(view("0.5.11"))[0]
+    target = zp.PATCH.targets(view("0.5.11"), ASSUMED())[0]
     module = types.ModuleType("sglang.srt.utils.common")
     module.get_available_gpu_memory = lambda device, gpu_id, distributed=False, empty_cache=True, cpu_group=None: 0
     with pytest.raises(zp.ZbalError) as exc:
@@ -179,7 +199,7 @@ class FakeScheduler:
         self.buffer = torch.empty(4, device="npu")
 
 
-wrap_method(FakeScheduler, "__init__", zp.make_scheduler_init_wrapper(zp.SCHEDULER_INIT_SIGS[1]))
+wrap_method(FakeScheduler, "__init__", PROC.scheduler_init_wrapper(zp.SCHEDULER_INIT_SIGS[1]))
 
 
 def server_args(tp=4, pp=1):
@@ -209,7 +229,7 @@ def test_full_mode_zbal_init_before_the_first_allocation(zb, simnpu_clean, posit
     assert args["device_mem_size"] == 61440 * MIB
     assert args["ip_port"] == ""  # not passed: zbal derives it from MASTER_ADDR/PORT
     assert simnpu_clean.allocator_backend() == "pluggable"  # zbal_init switched it (native before)
-    assert zp.STATE.mode == "full" and zp.STATE.gva_mib == 61440
+    assert PROC.mode == "full" and PROC.gva_mib == 61440
 
 
 def test_bootstrap_url_is_passed_as_ip_port(zb, simnpu_clean, monkeypatch):
@@ -226,7 +246,7 @@ def test_mix_mode_only_switches_the_allocator_first(zb, simnpu_clean):
     assert order.index(("zbal", "switch_to_allocator")) < order.index(("change_allocator",)) \
         < order.index(("body_start",)) < order.index(("alloc",))
     assert calls(zb, "zbal_init") == []
-    assert zp.STATE.mode == "mix" and zp.STATE.gva_mib is None
+    assert PROC.mode == "mix" and PROC.gva_mib is None
 
 
 def test_switch_after_an_allocation_would_be_refused(zb, simnpu_clean):
@@ -252,7 +272,7 @@ def test_init_failure_stops_with_rank_device_size(zb, simnpu_clean, monkeypatch)
     with pytest.raises(zp.ZbalInitError) as exc:
         make_scheduler(simnpu_clean)
     err = exc.value
-    assert isinstance(err, patching.ShimError)  # an Exception: run_scheduler_process reports it
+    assert isinstance(err, framework.ShimError)  # an Exception: run_scheduler_process reports it
     assert (err.rank, err.device, err.size_mib) == (3, 2, 61440)
     assert str(err) == ("zbal_init failed (full mode, Scheduler start-up): rank 3 of 4, device 2, "
                         "61440 MiB, bootstrap tcp://10.0.0.1:6789; see zbal's log above (memfabric "
@@ -302,8 +322,8 @@ class FakeRunner:
         simnpu.log("graph_capture")
 
 
-wrap_method(FakeRunner, "initialize", zp.model_runner_initialize)
-wrap_method(FakeRunner, "init_device_graphs", zp.model_runner_init_device_graphs)
+wrap_method(FakeRunner, "initialize", PROC.model_runner_initialize)
+wrap_method(FakeRunner, "init_device_graphs", PROC.model_runner_init_device_graphs)
 
 
 def mix_mode_started(zb):
@@ -326,7 +346,7 @@ def test_lazy_init_after_attention_backend_before_graph_capture(zb, simnpu_clean
     expected = (61440 - in_use) // 128 * 128
     assert args["device_mem_size"] == expected * MIB
     assert (args["world_size"], args["device_id"], args["rank_id"]) == (1, 0, 0)
-    assert zp.STATE.gva_mib == expected
+    assert PROC.gva_mib == expected
 
 
 @pytest.mark.parametrize("total, free, configured, expected", [
@@ -384,21 +404,15 @@ def test_gva_size_not_positive_is_a_clear_error(zb, simnpu_clean, monkeypatch):
 
 def test_lazy_init_once_per_process_and_never_in_a_draft_worker(zb, simnpu_clean):
     mix_mode_started(zb)
-    runtime_record = runtime.PatchRecord(zp.PATCH, patching.Decision(patching.APPLIED, "t"))
-    old = runtime._RT.records
-    runtime._RT.records = {"zbal": runtime_record}
-    try:
-        FakeRunner(draft=True).initialize(1.0)
-        assert calls(zb, "zbal_init") == []
-        assert runtime_record.details.get("draft_worker_skipped") is True
-        FakeRunner().initialize(1.0)
-        FakeRunner().initialize(1.0)
-        FakeRunner(draft=True).initialize(1.0)
-    finally:
-        runtime._RT.records = old
+    FakeRunner(draft=True).initialize(1.0)
+    assert calls(zb, "zbal_init") == []
+    assert PROC.details.get("draft_worker_skipped") is True
+    FakeRunner().initialize(1.0)
+    FakeRunner().initialize(1.0)
+    FakeRunner(draft=True).initialize(1.0)
     assert len(calls(zb, "zbal_init")) == 1
     assert len(simnpu_clean.events("graph_capture")) == 4
-    assert runtime_record.details["gva_init"] == "before device-graph capture"
+    assert PROC.details["gva_init"] == "before device-graph capture"
 
 
 def test_full_mode_and_other_devices_do_no_lazy_init(zb, simnpu_clean):
@@ -532,7 +546,7 @@ def test_npu_memory_capacity_is_the_configured_size(zb, simnpu_clean, monkeypatc
 def test_deepep_uses_zbal_buffer_and_config(zb, monkeypatch):
     deepep = types.ModuleType(zp.DEEPEP)
     deepep.Buffer, deepep.Config, deepep.use_deepep = object, dict, False
-    targets = [t for t in zp.PATCH.targets(view("0.5.9")) if t.module == zp.DEEPEP]
+    targets = [t for t in zp.PATCH.targets(view("0.5.9"), ASSUMED()) if t.module == zp.DEEPEP]
     bystander = types.ModuleType("npu_shim_test_bystander")
     bystander.flag, bystander.Buffer = False, object  # same objects, must not be rebound
     monkeypatch.setitem(sys.modules, bystander.__name__, bystander)
@@ -556,7 +570,7 @@ def test_deepep_without_deep_ep_installed(zb):
     # deep_ep missing: the module has no Buffer/Config and use_deepep False; zbal supplies them.
     deepep = types.ModuleType(zp.DEEPEP)
     deepep.use_deepep = False
-    for t in [t for t in zp.PATCH.targets(view("0.5.11")) if t.module == zp.DEEPEP]:
+    for t in [t for t in zp.PATCH.targets(view("0.5.11"), ASSUMED()) if t.module == zp.DEEPEP]:
         t.prepare(deepep).apply(late=False)
     assert deepep.Buffer.__module__ == "zbal.zbal_buffer" and deepep.use_deepep is True
 
@@ -565,7 +579,7 @@ def test_backend_map_gives_zbal_for_npu(zb):
     ps = types.ModuleType(zp.PARALLEL_STATE)
     original = {"cuda": "nccl", "hpu": "hccl", "cpu": "gloo", "npu": "hccl"}
     ps._DEVICE_TO_DISTRIBUTED_BACKEND = original
-    target = next(t for t in zp.PATCH.targets(view("0.5.11"))
+    target = next(t for t in zp.PATCH.targets(view("0.5.11"), ASSUMED())
                   if t.describe().endswith("_DEVICE_TO_DISTRIBUTED_BACKEND"))
     change = target.prepare(ps)
     change.apply(late=False)
@@ -587,7 +601,7 @@ def _recorder():
 
 def test_hccl_becomes_zbal_where_the_release_has_no_map(zb):
     seen, body = _recorder()
-    wrapper = zp.make_init_dist_wrapper(zp.INIT_DIST_SIGS[0], hccl_means_npu=True)
+    wrapper = PROC.init_dist_wrapper(zp.INIT_DIST_SIGS[0], hccl_means_npu=True)
     wrapped = wrapt.FunctionWrapper(body, wrapper)
     wrapped(backend="hccl", world_size=2, rank=0, local_rank=0, distributed_init_method="tcp://x:1")
     wrapped(2, 0, "tcp://x:1", 0, "hccl", None)
@@ -600,18 +614,24 @@ def test_hccl_becomes_zbal_where_the_release_has_no_map(zb):
 
 def test_with_a_map_hccl_is_left_alone(zb):
     seen, body = _recorder()
-    wrapper = zp.make_init_dist_wrapper(zp.INIT_DIST_SIGS[0], hccl_means_npu=False)
+    wrapper = PROC.init_dist_wrapper(zp.INIT_DIST_SIGS[0], hccl_means_npu=False)
     wrapped = wrapt.FunctionWrapper(body, wrapper)
     wrapped(backend="hccl")
     wrapped(backend="zbal")
     assert seen == ["hccl", "zbal"]
 
 
-def test_on_revert_resets_process_state(zb, simnpu_clean):
+def test_each_decision_gets_fresh_process_state_tied_to_its_details(zb, simnpu_clean):
     make_scheduler(simnpu_clean)
-    assert zp.STATE.mode == "full"
-    zp.PATCH.on_revert()
-    assert (zp.STATE.mode, zp.STATE.gva_mib, zp.STATE.initializing) == (None, None, set())
+    assert PROC.mode == "full"
+    decisions = [framework.decide(zp.PATCH, view("0.5.11"), environ=ON, on_npu=True) for _ in range(2)]
+    assert [d.state for d in decisions] == ["applied", "applied"]
+    owners = [{t.wrapper.__self__ for t in d.targets if hasattr(getattr(t, "wrapper", None), "__self__")}
+              for d in decisions]
+    (first,), (second,) = owners
+    assert first is not second and first is not PROC
+    assert (first.mode, first.gva_mib, first.initializing) == (None, None, set())
+    assert first.details is decisions[0].details and second.details is decisions[1].details
 
 
 def test_module_imports_nothing_heavy():
@@ -628,7 +648,7 @@ def test_module_imports_nothing_heavy():
 def test_env_vars_are_declared_in_config():
     names = {v.name for v in (zp.PATCH.switch,) + tuple(zp.PATCH.reads)}
     assert names == {"NPU_SHIM_ZBAL", "SGLANG_ZBAL_LOCAL_MEM_SIZE", "SGLANG_ZBAL_BOOTSTRAP_URL"}
-    assert names <= set(config.BY_NAME)
+    assert names <= {v.name for v in all_variables()}
 
 
 class FakeScheduler057:
@@ -641,7 +661,7 @@ class FakeScheduler057:
 def test_scheduler_signature_of_0_5_7(zb, simnpu_clean):
     params = view("0.5.7").function(zp.SCHEDULER, "Scheduler.__init__").params
     assert params == zp.SCHEDULER_INIT_SIGS[0]
-    wrap_method(FakeScheduler057, "__init__", zp.make_scheduler_init_wrapper(params))
+    wrap_method(FakeScheduler057, "__init__", PROC.scheduler_init_wrapper(params))
     FakeScheduler057(server_args(tp=8), None, 5, 6, 0, 0, None)
     (_, args), = calls(zb, "zbal_init")
     assert (args["world_size"], args["device_id"], args["rank_id"]) == (8, 5, 6)

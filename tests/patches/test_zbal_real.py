@@ -26,7 +26,7 @@ import sglang.srt.model_executor.model_runner as mr
 import sglang.srt.layers.moe.token_dispatcher.deepep as dp
 import sglang.srt.distributed.parallel_state as ps
 from npu_shim import runtime
-from npu_shim.patching import ShimError
+from npu_shim.framework import ShimError
 from npu_shim.patches import zbal as zp
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -258,7 +258,7 @@ def test_backport_in_real_release(version, release_venv):
 
 
 MISSING_SNIPPET = r'''
-from npu_shim.patching import ShimError
+from npu_shim.framework import ShimError
 try:
     import sglang.srt.utils  # its utils.common is the first target module
     emit({"error": None})

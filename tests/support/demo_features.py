@@ -43,9 +43,11 @@ def zbal_fresh(mix=False, scheduler_started=False):
     allocator switched in before the device is touched; afterwards torch_npu refuses the switch)."""
     import simnpu
     import zbal
-    from npu_shim.patches import zbal as zp
+    from npu_shim import runtime
 
-    zp.STATE.reset()
+    record = runtime.record("zbal")
+    if record is not None and record.process is not None:
+        record.process.__init__(record.details)  # a scheduler process sets zbal up once
     simnpu.reset()
     zbal.reset_fake()
     zbal.FAKE.mix = mix
@@ -218,7 +220,7 @@ def mla_demo(model="glm-5", tp=16):
     from npu_shim import runtime
     from npu_shim.patches import mla_weight_release as R
 
-    R.PATCH.on_revert()
+    runtime.record("mla_weight_release").process.reset()
     K.publish_server_args("decode")
     r = K.run_layer(model, tp)
     m = r.pop("layer")

@@ -1,0 +1,140 @@
+"""The answers sglang's source gave, handed from the process that decided to the ones it starts.
+
+Deciding reads ~10 sglang modules (tens of ms and several MiB of parsed source on 0.5.11).  The
+launcher decides first; sglang then spawns its scheduler, detokenizer and other workers, which
+would parse the same files again.  After deciding, the runtime puts every answer its view gave
+(``has``, ``function`` params and fingerprint, ``module`` exists, ``contains``) and the identity
+of every file behind them (path, size, mtime_ns, ctime_ns, inode) into ``NPU_SHIM_SOURCE_ANSWERS``,
+which children inherit.  A child answers from there only while every one of those files is still
+the file that was read -- ``ctime`` changes with any write and cannot be set back -- and reads the
+source for any question, or any file, not covered.  Answers are about code only: each process
+still decides with its own environment.
+"""
+
+import hashlib
+import json
+import os
+
+from npu_shim.codeview import SourceView
+
+ENV = "NPU_SHIM_SOURCE_ANSWERS"
+FORMAT = 1
+
+
+def _identity(path):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+class FunctionAnswer:
+    """What the answers keep of a ``codeview.FunctionInfo``."""
+
+    __slots__ = ("qualname", "params", "fingerprint")
+
+    def __init__(self, qualname, params, fingerprint):
+        self.qualname = qualname
+        self.params = tuple(params)
+        self.fingerprint = fingerprint
+
+
+class ModuleAnswer:
+    """A module that exists; ``contains`` is answered (and recorded) by the view."""
+
+    def __init__(self, view, dotted):
+        self._view = view
+        self._dotted = dotted
+
+    def contains(self, pattern):
+        return self._view.contains(self._dotted, pattern)
+
+
+class AnsweringView(SourceView):
+    """A SourceView that records every answer (and the files behind them), and answers from a
+    record it was given."""
+
+    def __init__(self, package_dir, record=None):
+        record = record or {}
+        super().__init__(package_dir, version=record.get("version"))
+        self.answers = dict(record.get("answers", {}))
+        self.files = dict(record.get("files", {}))
+        self.reused = bool(self.answers)
+
+    def _ask(self, key, compute):
+        if key not in self.answers:
+            self.answers[key] = compute()
+        return self.answers[key]
+
+    def _load(self, dotted):
+        parts = dotted.split(".")
+        base = os.path.join(self.package_dir, *parts[1:])
+        self.files[dotted] = [_identity(base + ".py"), _identity(os.path.join(base, "__init__.py"))]
+        return super()._load(dotted)
+
+    def module(self, dotted):
+        exists = self._ask("module|" + dotted, lambda: SourceView.module(self, dotted) is not None)
+        return ModuleAnswer(self, dotted) if exists else None
+
+    def _source(self, dotted):
+        return SourceView.module(self, dotted)
+
+    def contains(self, dotted, pattern):
+        digest = hashlib.sha256(pattern.encode()).hexdigest()[:16]
+        return self._ask("contains|%s|%s" % (dotted, digest),
+                         lambda: self._source(dotted).contains(pattern))
+
+    def has(self, dotted, qualname):
+        def compute():
+            source = self._source(dotted)
+            return source is not None and (qualname in source.functions or qualname in source.globals)
+
+        return self._ask("has|%s|%s" % (dotted, qualname), compute)
+
+    def function(self, dotted, qualname):
+        def compute():
+            source = self._source(dotted)
+            info = source.functions.get(qualname) if source is not None else None
+            return None if info is None else [list(info.params), info.fingerprint]
+
+        answer = self._ask("function|%s|%s" % (dotted, qualname), compute)
+        return None if answer is None else FunctionAnswer(qualname, answer[0], answer[1])
+
+    def record(self):
+        return {"format": FORMAT, "dir": self.package_dir, "version": self.version,
+                "files": self.files, "answers": self.answers}
+
+
+def _still_valid(record, package_dir):
+    if record.get("format") != FORMAT or record.get("dir") != package_dir:
+        return False
+    for dotted, identities in record.get("files", {}).items():
+        parts = dotted.split(".")
+        base = os.path.join(package_dir, *parts[1:])
+        now = [_identity(base + ".py"), _identity(os.path.join(base, "__init__.py"))]
+        if now != identities:
+            return False
+    return True
+
+
+def view(package_dir, environ=None):
+    """A view of ``package_dir`` that answers from the inherited record where it still holds."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(ENV)
+    if raw:
+        try:
+            record = json.loads(raw)
+            if isinstance(record, dict) and _still_valid(record, package_dir):
+                return AnsweringView(package_dir, record)
+        except (ValueError, TypeError, AttributeError):
+            pass  # anything odd: read the source, as without a record
+    return AnsweringView(package_dir)
+
+
+def export(answering_view, environ=None):
+    """Put the view's answers into the environment children inherit (a plain view: nothing)."""
+    if not isinstance(answering_view, AnsweringView):
+        return
+    environ = os.environ if environ is None else environ
+    environ[ENV] = json.dumps(answering_view.record(), separators=(",", ":"), sort_keys=True)

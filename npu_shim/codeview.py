@@ -104,11 +104,21 @@ def fingerprint_node(node):
 
 
 def live_fingerprint(func):
-    """``fingerprint_node`` of an imported function, from the source file it was loaded from."""
+    """``fingerprint_node`` of an imported function, from the source file it was loaded from.
+    The file's lines ``inspect`` reads are not left in ``linecache`` (every sglang process would
+    keep them)."""
     import inspect
+    import linecache
     import textwrap
 
-    source = textwrap.dedent(inspect.getsource(unwrap(func)))
+    func = unwrap(func)
+    filename = getattr(getattr(func, "__code__", None), "co_filename", None)
+    kept = filename in linecache.cache
+    try:
+        source = textwrap.dedent(inspect.getsource(func))
+    finally:
+        if not kept:
+            linecache.cache.pop(filename, None)
     return fingerprint_node(ast.parse(source).body[0])
 
 

@@ -207,11 +207,13 @@ def read_all(variables, environ=None):
 
 def unknown_names(variables, environ=None):
     """``NPU_SHIM_*`` names set in ``environ`` that no variable reads: [(name, suggestion or None)]."""
-    import difflib
-
     environ = os.environ if environ is None else environ
     known = set(INTERNAL_NAMES)
     for var in variables:
         known.update((var.name,) + var.aliases)
     unknown = sorted(n for n in environ if n.startswith(SWITCH_PREFIX) and n not in known)
+    if not unknown:
+        return []
+    import difflib  # only when there is a typo to name
+
     return [(n, (difflib.get_close_matches(n, sorted(known), 1) or [None])[0]) for n in unknown]

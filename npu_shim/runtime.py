@@ -54,6 +54,7 @@ class Runtime:
         self.generation = 0
         self.patches = None      # loaded Patch instances
         self.records = None      # {name: PatchRecord} once decided
+        self.decided_from = None   # "sglang source", or "inherited answers" (decision_cache)
         self.late_modules = set()  # target modules already imported when the shim activated
         self.hooked = set()        # every module a patch may touch
 
@@ -193,6 +194,8 @@ def decide_all(view=None, on_npu=None, missing_wrapt=None):
         records[patch.name] = PatchRecord(patch, decision)
     # The parsed source is dropped here (the view is local): every sglang process keeps only
     # the decisions.  Children get the answers the sources gave (decision_cache).
+    inherited = getattr(view, "reused", False) and not getattr(view, "_modules", None)  # parsed nothing
+    _RT.decided_from = "inherited answers" if inherited else "sglang source"
     if view is not None:
         decision_cache.export(view)
     _RT.records = records

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "support"))
+sys.path[:0] = [str(REPO / "tests" / "support"), str(REPO)]  # the tooling; npu_shim (declarations)
 
 import demo_features  # noqa: E402  (stdlib only at import)
 import expected_states  # noqa: E402

@@ -15,12 +15,12 @@ For VERSION it
    simulated NPU, every patch triggered: states, wrapped functions, ``from``-import copies and each
    applied feature's driver, checked as the import matrix checks them
    (tests/support/import_probe.py);
-4. prints the row to paste into ``EXPECTED`` in tests/support/expected_states.py (and the README
-   row ``--write-readme`` will generate from it).
+4. compares with what the patches' declarations promise for VERSION (backport_range and
+   upstream_release: tests/support/expected_states.py), and prints the README row.
 
-Exit status 0 when the import agrees with the source decision (and, for a release already in the
-table, with its row); 1 otherwise; 2 on bad usage or when the release cannot be fetched or built.
-``--write-readme`` rewrites README.md's supported-release table from the expected table.
+Exit status 0 when the import agrees with the source decision and both with the declarations; 1
+otherwise (change the patch whose declaration is wrong); 2 on bad usage or when the release
+cannot be fetched or built.  ``--write-readme`` rewrites README.md's supported-release table.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def _view(version, strict=False):
 
 def static_decisions(view):
     """{patch: Decision} from the source, each patch switched on and its trigger assumed set."""
-    from npu_shim import framework, targets
+    from npu_shim import framework
     from npu_shim.patches import load_all
 
     return {p.name: framework.decide(p, view, environ={}, on_npu=None, assume_triggered=True)
@@ -86,11 +86,11 @@ def moved(prev_view, new_view):
             continue  # upstream before: the shim had no targets to compare
         ctx = framework.DecideContext({}, True)
         try:
-            targets = patch.targets(prev_view, ctx)
+            listed = patch.targets(prev_view, ctx)
         except Exception as exc:  # a release the patch cannot even list targets for
             lines.append("%s: cannot list the previous release's targets (%r)" % (patch.name, exc))
             continue
-        for target in targets:
+        for target in listed:
             if not isinstance(target, targets.Wrap):
                 old, new = target.check_source(prev_view), target.check_source(new_view)
                 if new and new != old:
@@ -105,10 +105,10 @@ def moved(prev_view, new_view):
             elif new.params != old.params:
                 lines.append("%s: %s signature (%s) -> (%s)" % (
                     patch.name, target.describe(), ", ".join(old.params), ", ".join(new.params)))
-            elif target.fingerprints is not None and new.fingerprint != old.fingerprint:
+            elif target.own_pin is not None and new.fingerprint != old.fingerprint:
                 lines.append("%s: pinned body %s changed: fingerprint %s -> %s (known: %s)" % (
                     patch.name, target.describe(), old.fingerprint, new.fingerprint,
-                    ", ".join("%s (%s)" % kv for kv in target.fingerprints.items())))
+                    ", ".join("%s (%s)" % kv for kv in target.own_pin.items())))
     return lines
 
 
@@ -144,11 +144,11 @@ def report(version: str) -> int:
         say("  %-20s %-12s %s" % (name, d.state, d.reason))
 
     say("\n2. what moved since %s (the table's previous row: %s):" % (
-        previous, ", ".join(table[previous]) if previous else "-"))
+        previous, ", ".join(table[previous].values()) if previous else "-"))
     lines = moved(_view(previous), view) if previous else []
     if previous:
         lines += ["%s: %s -> %s" % (name, old, states[name])
-                  for name, old in zip(expected_states.PATCH_ORDER, table[previous]) if old != states[name]]
+                  for name, old in table[previous].items() if old != states[name]]
     for line in lines or ["nothing the shim reads"]:
         say("  - " + line)
 
@@ -169,18 +169,19 @@ def report(version: str) -> int:
     say("  %s" % ("agrees with the source decision: states, wrapped targets, from-import copies, drivers"
                   if not found else "DISAGREES with the source decision (above)"))
 
-    row = tuple(states[name] for name in expected_states.PATCH_ORDER)
-    say("\n4. row for EXPECTED in tests/support/expected_states.py:")
-    say(expected_states.row(version, states))
-    say("   README row (python3 scripts/release_report.py --write-readme): | %s | %s |" % (
-        version, " | ".join(row)))
-    if known:
-        agree = table[version] == row
-        say("   the table has %s: %s" % (", ".join(table[version]), "agrees" if agree else "DIFFERS"))
-        return 0 if agree and not found else 1
-    say("   new release: add it to RELEASES (or POST_RELEASES) in scripts/sglang_envs.py, paste the row,"
-        " then --write-readme")
-    return 0 if not found else 1
+    promised = expected_states.expected(version)
+    agree = promised == states
+    say("\n4. what the patches' declarations promise (backport_range, upstream_release):")
+    say("   the table has %s: %s" % (", ".join(promised.values()), "agrees" if agree else "DIFFERS"))
+    for name in (n for n in states if promised[n] != states[n]):
+        say("   ! %s: declared %s, decided %s: fix %s's declaration (or the code)"
+            % (name, promised[name], states[name], name))
+    say("   README row (python3 scripts/release_report.py --write-readme):")
+    say("   " + expected_states.row(version, states))
+    if not known:
+        say("   new release: add it to RELEASES (or POST_RELEASES) in scripts/sglang_envs.py, then "
+            "--write-readme")
+    return 0 if agree and not found else 1
 
 
 def main(argv=None) -> int:

@@ -366,3 +366,23 @@ def test_env_command_lists_every_variable():
     assert proc.returncode == 0
     for var in all_variables():
         assert var.name in proc.stdout and var.doc in proc.stdout
+
+
+def test_children_decide_from_the_answers_the_parent_read(tree):
+    """The launcher parses sglang's source once; the processes it starts (spawn: a fresh
+    interpreter that inherits the environment) decide from the answers, unless a file changed."""
+    proc = run(tree, """
+        import json, os, subprocess, sys
+        from sglang.srt.utils import common
+        from npu_shim import runtime
+        child = ("import json; from sglang.srt.utils import common; from npu_shim import runtime; "
+                 "print(json.dumps([runtime._RT.decided_from, runtime.states()['demo']['state']]))")
+        first = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout
+        os.utime(common.__file__)  # the file changed (as far as anyone can tell): read it again
+        second = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout
+        print(json.dumps({"parent": runtime._RT.decided_from, "first": json.loads(first),
+                          "second": json.loads(second)}))
+    """)
+    out = last_json(proc)
+    assert out == {"parent": "sglang source", "first": ["inherited answers", "applied"],
+                   "second": ["sglang source", "applied"]}

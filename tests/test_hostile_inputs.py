@@ -135,7 +135,7 @@ for name, state in npu_shim.states().items():
                                          x.__func__ is obj.__func__ if hasattr(x, "__func__") else
                                          x.__wrapped__.__func__ is obj.__wrapped__.__func__
                                          for x in (back, dill_back, copied)),
-                    "still_wrapped": all(type(x).__module__ == "npu_shim.wrappers"
+                    "still_wrapped": all(type(x).__module__ == "npu_shim.targets"
                                          for x in (back, dill_back, copied)),
                     "global_by_name": how == "" and not isinstance(owner, type)
                                       and back is obj and copied is obj,

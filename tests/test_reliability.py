@@ -303,7 +303,7 @@ def test_wrappers_pickle_and_copy_by_reference_in_process(monkeypatch):
     import pickle
     import sys
 
-    from npu_shim.wrappers import function_wrapper
+    from npu_shim.targets import function_wrapper
 
     module = types.ModuleType("npu_shim_pickle_probe")
     exec("def f(x):\n    return x + 1\n\nclass Box:\n    def __init__(self, v):\n        self.v = v\n"
@@ -323,5 +323,5 @@ def test_wrappers_pickle_and_copy_by_reference_in_process(monkeypatch):
     assert unbound.__wrapped__ is module.Box.__dict__["get"].__wrapped__ and unbound(box) == 5
     for bound in (pickle.loads(pickle.dumps(box.get)), copy.deepcopy(box.get)):
         assert bound() == 5 and bound.__self__ is not box and type(bound.__self__) is module.Box
-        assert type(bound).__module__ == "npu_shim.wrappers"
+        assert type(bound).__module__ == "npu_shim.targets"
     assert copy.copy(box.get)() == 5

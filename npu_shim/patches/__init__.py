@@ -1,35 +1,9 @@
-"""The patches, one module per feature.  Each module defines ``PATCH``, a ``patching.Patch``.
+"""The patches, one module per feature; ``PATCH_MODULES`` below is the registry.
 
-Registry (what, why, how to switch it off, upstream, when it can be removed):
-
-* ``zbal`` -- ``npu_shim/patches/zbal.py``
-  Targets: ``Scheduler.__init__``, ``ModelRunner.initialize``/``init_device_graphs``,
-  ``utils.common.get_available_gpu_memory``/``get_npu_memory_capacity``, DeepEP's
-  ``Buffer``/``Config``/``use_deepep``, ``parallel_state.init_distributed_environment`` and (0.5.10+)
-  ``parallel_state._DEVICE_TO_DISTRIBUTED_BACKEND``.
-  Why: memfabric's zero-buffer allocator takes over NPU memory (faster MoE dispatch, less memory).
-  How: ``SGLANG_ZBAL_LOCAL_MEM_SIZE`` (MiB) > 0 turns it on (``SGLANG_ZBAL_BOOTSTRAP_URL`` optional);
-  ``NPU_SHIM_ZBAL=0`` keeps it off.
-  Upstream: sglang#24575, 0.5.12.  Remove when every supported image runs sglang >= 0.5.12.
-
-* ``mla_weight_release`` -- ``npu_shim/patches/mla_weight_release.py``
-  Targets: ``npu_mla_preprocess``, ``NPUFusedMLAPreprocess.mlaprolog_preprocess_weight`` (wrapped),
-  ``NPUFusedMLAPreprocess.uses_mlaprolog`` (added); 0.5.9 - 0.5.19 code shapes pinned.
-  Why: under PD disaggregation the fused mlaprolog path no longer reads the fused qkv_a weight
-  (after its NZ copies) nor, on decode, ``w_kc``: their memory goes back to the device.  A released
-  weight raises ``ReleasedWeightError`` if touched; LoRA / weight updates / speculative decoding keep it.
-  How: on by default when the disaggregation role is prefill/decode; ``NPU_SHIM_MLA_WEIGHT_RELEASE=0``
-  keeps the weights; ``NPU_SHIM_MLA_RELEASE_FORCE=1`` releases despite LoRA / weight updates.
-  Upstream: sglang#38807, 0.5.20.  Remove when every supported image runs sglang >= 0.5.20.
-
-* ``dual_stream_experts`` -- ``npu_shim/patches/dual_stream_experts.py``
-  Targets: ``Glm4MoeSparseMoeBlock.forward_deepep``, ``Glm4MoeAttention.forward_prepare``.
-  Why: GLM-4.x MoE overlaps shared experts (side stream) with routed experts (main stream) and
-  uses the fused split_qkv_rmsnorm_rope kernel in decode.
-  How: ``SGLANG_NPU_USE_MULTI_STREAM=1`` for the streams (extend/target-verify); the fused path is on
-  (as upstream) wherever the image's ``sgl_kernel_npu`` has the kernel; ``NPU_SHIM_DUAL_STREAM=0`` for
-  all of it.  Both wrappers stand in for part of a body: AST fingerprints of 0.5.7-0.5.9 guard them.
-  Upstream: sglang#19246, 0.5.10.  Remove when every supported image runs sglang >= 0.5.10.
+Each module ``npu_shim/patches/<name>.py`` defines ``PATCH`` (a ``framework.Patch`` named
+``<name>``) and says in its docstring why, how, the upstream PR and when it can be removed; the
+README has one row per patch.  tests/test_registry.py ties the three together, so adding a patch
+is its module, its tests, its line here and its README row (docs/adding-a-patch.md).
 """
 
 import importlib

@@ -57,10 +57,10 @@ Deliberate differences from upstream 0.5.20
     * Per process: MiB released and layers are logged (after the first full pass over the layers)
       and put into the status details (``npu_shim.states()``).
     * ``NPU_SHIM_MLA_WEIGHT_RELEASE=0`` turns it off; default on (upstream: always on under PD).
-    * 0.5.7 / 0.5.8 have no mlaprolog path: ``unsupported`` with that reason.
+    * 0.5.7 / 0.5.8 have no mlaprolog path: ``inactive`` (nothing to release) with that reason.
 
-Upstream: sglang 0.5.20 (``NPUFusedMLAPreprocess.uses_mlaprolog``).  Remove when every supported
-image runs sglang >= 0.5.20.
+Upstream: sgl-project/sglang#38807, sglang 0.5.20 (``NPUFusedMLAPreprocess.uses_mlaprolog``).
+Remove when every supported image runs sglang >= 0.5.20.
 """
 
 import logging

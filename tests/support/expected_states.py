@@ -1,50 +1,44 @@
-"""What each patch does on each supported release, with the patch switched on and its trigger set.
+"""What each patch does on each supported release, derived from its declaration.
 
-The single expected table for the static matrix (tests/test_release_matrix.py, every release's
-source), the import matrix (tests/test_real_sglang_import.py, real modules executed) and README.md
-(its supported-release table is ``render_table()``; ``python3 scripts/release_report.py
---write-readme`` writes it, tests/test_release_matrix.py checks it).  One row per release on PyPI
-from 0.5.7 on, post releases included; ``scripts/release_report.py VERSION`` prints the row of a
-new release.
+A patch declares ``backport_range`` and ``upstream_release`` (npu_shim/framework.py);
+``framework.expected_state`` turns them into the state it must reach on a release with its switch
+on and its trigger set: ``inactive`` before the range (nothing to backport onto), ``applied`` in
+it, ``upstream`` from ``upstream_release``.  The static matrix (tests/test_release_matrix.py, every
+release's source), the import matrix (tests/test_real_sglang_import.py, real modules executed) and
+README.md's supported-release table (``render_table()``, written by ``python3
+scripts/release_report.py --write-readme``) all check the real decisions against this, so a
+declaration that is wrong about the code fails a test, and a new patch needs no row anywhere.
 """
 
-PATCH_ORDER = ("zbal", "mla_weight_release", "dual_stream_experts")
+import realsglang
+from npu_shim.framework import expected_state
+from npu_shim.patches import load_all
 
-# release: states of (zbal, mla_weight_release, dual_stream_experts)
-EXPECTED = {
-    "0.5.7": ("applied", "unsupported", "applied"),
-    "0.5.8": ("applied", "unsupported", "applied"),
-    "0.5.8.post1": ("applied", "unsupported", "applied"),
-    "0.5.9": ("applied", "applied", "applied"),
-    "0.5.10": ("applied", "applied", "upstream"),
-    "0.5.10.post1": ("applied", "applied", "upstream"),
-    "0.5.11": ("applied", "applied", "upstream"),
-    "0.5.12": ("upstream", "applied", "upstream"),
-    "0.5.12.post1": ("upstream", "applied", "upstream"),
-    "0.5.13": ("upstream", "applied", "upstream"),
-    "0.5.13.post1": ("upstream", "applied", "upstream"),
-    "0.5.14": ("upstream", "applied", "upstream"),
-    "0.5.15": ("upstream", "applied", "upstream"),
-    "0.5.15.post1": ("upstream", "applied", "upstream"),
-    "0.5.16": ("upstream", "applied", "upstream"),
-    "0.5.17": ("upstream", "applied", "upstream"),
-    "0.5.18": ("upstream", "applied", "upstream"),
-    "0.5.19": ("upstream", "applied", "upstream"),
-    "0.5.20": ("upstream", "upstream", "upstream"),
-    "0.5.21": ("upstream", "upstream", "upstream"),
-    "0.5.22": ("upstream", "upstream", "upstream"),
-    "0.5.23": ("upstream", "upstream", "upstream"),
-}
+PATCHES = load_all()
+PATCH_ORDER = tuple(p.name for p in PATCHES)
+RELEASES = realsglang.sglang_envs.ALL_RELEASES
 
 
 def expected(version):
-    """{patch name: state} for one release."""
-    return dict(zip(PATCH_ORDER, EXPECTED[version]))
+    """{patch name: state} for one release (any version, listed or not)."""
+    return {p.name: expected_state(p, version) for p in PATCHES}
+
+
+EXPECTED = {version: expected(version) for version in RELEASES}
 
 
 def row(version, states):
-    """One line of EXPECTED, as it is written above (what release_report.py prints to paste)."""
-    return '    "%s": (%s),' % (version, ", ".join('"%s"' % states[name] for name in PATCH_ORDER))
+    """One line of the README table (what release_report.py prints)."""
+    return "| %s | %s |" % (version, " | ".join(states[name] for name in PATCH_ORDER))
+
+
+def assumptions():
+    """What every cell of the table assumes, from the patches' declarations."""
+    triggers = ", ".join("`%s=%s`" % kv for p in PATCHES for kv in sorted(p.trigger_env.items()))
+    return ("Each cell: the patch switched on, its trigger set (%s), on an NPU, with memfabric-zbal and "
+            "sgl-kernel-npu's fused kernel installed. `inactive` there means the release has nothing "
+            "for the patch to do; in a real job any patch can also read `disabled` or `inactive` "
+            "(trigger unset, no NPU) -- `python -m npu_shim status` says which." % triggers)
 
 
 README_START, README_END = "<!-- release-table -->", "<!-- /release-table -->"
@@ -52,6 +46,7 @@ README_START, README_END = "<!-- release-table -->", "<!-- /release-table -->"
 
 def render_table():
     """README.md's supported-release table (between README_START and README_END)."""
-    lines = ["| sglang | %s |" % " | ".join(PATCH_ORDER), "|---|---|---|---|"]
-    lines += ["| %s | %s |" % (version, " | ".join(states)) for version, states in EXPECTED.items()]
+    lines = [assumptions(), "", "| sglang | %s |" % " | ".join(PATCH_ORDER),
+             "|---|%s" % ("---|" * len(PATCH_ORDER))]
+    lines += [row(version, states) for version, states in EXPECTED.items()]
     return "\n".join(lines)

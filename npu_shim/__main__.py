@@ -5,11 +5,12 @@ read from disk), torch or wrapt; ``check`` runs it in a child process and report
 happened (npu_shim/check.py); ``bundle`` builds the directory to mount into an image
 (npu_shim/bundle.py).
 
-Exit codes: 0 fine; 1 ``bundle`` failed; 2 an environment variable is invalid
-(``NPU_SHIM_PATCHES`` naming no patch included); 3 strict mode is on and a patch would end ``unsupported`` or
-``failed``; 4 ``check`` could not run, the shim was not active in its process, a target module
-failed to import or the bundle's files differ from its MANIFEST; 5 sglang is not found; 64 bad
-usage.
+Exit codes: 0 fine; 1 ``bundle`` failed; 2 an environment variable is invalid, or an
+``NPU_SHIM_*`` name is one the shim does not read (a typo); 3 a server would stop at import:
+strict mode is on and a patch would end ``unsupported`` or ``failed``, or a patch the job asks for
+explicitly (zbal with a size) cannot apply; 4 ``check`` could not run, the shim was not active in
+its process, a target module failed to import or the bundle's files differ from its MANIFEST; 5
+sglang is not found; 64 bad usage.
 """
 
 import argparse
@@ -64,6 +65,8 @@ def collect():
             decision = framework.without_wrapt(decision, "wrapt is not available: " + wrapt.note)
         rows.append({
             "name": patch.name, "state": decision.state, "reason": decision.reason,
+            # a patch the job asks for explicitly that cannot apply stops every sglang process
+            "stops_server": decision.state in framework.PROBLEMS and _must_honour(patch),
             "title": patch.title, "upstream": patch.origin(), "switch": patch.switch.name,
             "backport_range": list(patch.backport_range), "remove_when": patch.remove_when,
         })
@@ -85,6 +88,13 @@ def collect():
         ],
         "unknown_variables": [{"name": n, "did_you_mean": m} for n, m in config.unknown_names(variables)],
     }
+
+
+def _must_honour(patch):
+    try:
+        return bool(patch.must_honour(os.environ))
+    except Exception:  # noqa: BLE001 - a broken patch cannot say; the server would log it
+        return False
 
 
 def activity_line(info):
@@ -114,6 +124,8 @@ def print_status(info):
     out("  %-20s %-12s %s\n" % ("patch", "state", "reason"))
     for patch in info["patches"]:
         out("  %-20s %-12s %s\n" % (patch["name"], patch["state"], patch["reason"]))
+        if patch["stops_server"]:
+            out("  %-20s %-12s ^ requested explicitly: every sglang process will stop at import\n" % ("", ""))
     out("\n  %-30s %s\n" % ("variable", "value"))
     for var in info["env"]:
         if var["error"]:
@@ -149,22 +161,26 @@ def print_env(as_json=False):
 
 def exit_code(info):
     """A bad variable first (it is why anything else looks wrong), then no sglang, then strict."""
-    code = config_exit_code(() if not info["sglang"]["path"] else (p["state"] for p in info["patches"]))
+    found = info["sglang"]["path"]
+    code = config_exit_code((p["state"] for p in info["patches"]) if found else (),
+                            stops=bool(found) and any(p["stops_server"] for p in info["patches"]))
     if code == EXIT_BAD_ENV or info["sglang"]["path"]:
         return code
     return EXIT_NO_SGLANG
 
 
-def config_exit_code(states):
-    """EXIT_BAD_ENV for an invalid variable, EXIT_STRICT when strict mode is on and a patch is
-    ``unsupported`` or ``failed`` (``inactive``: nothing to do, is fine), else 0 (the same rule
-    for ``status`` and ``check``)."""
+def config_exit_code(states, stops=False):
+    """EXIT_BAD_ENV for an invalid variable or an ``NPU_SHIM_*`` name the shim does not read;
+    EXIT_STRICT when a server would stop at import: strict mode is on and a patch is
+    ``unsupported`` or ``failed`` (``inactive``: nothing to do, is fine), or ``stops`` (a patch
+    the job asks for explicitly cannot apply); else 0.  The same rule for ``status`` and ``check``."""
     from npu_shim.patches import all_variables
 
-    values = config.read_all(all_variables())
-    if any(error for _value, error in values.values()):
+    variables = all_variables()
+    values = config.read_all(variables)
+    if any(error for _value, error in values.values()) or config.unknown_names(variables):
         return EXIT_BAD_ENV
-    if values[config.STRICT.name][0] and any(state in framework.PROBLEMS for state in states):
+    if stops or (values[config.STRICT.name][0] and any(state in framework.PROBLEMS for state in states)):
         return EXIT_STRICT  # in a server the process stops at import, as the check process did
     return 0
 

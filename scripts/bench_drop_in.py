@@ -23,8 +23,7 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "scripts")
-sys.path.insert(0, SCRIPTS)
-sys.path.insert(0, REPO)
+sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
 from bench_shim_cost import alternate, clean_env  # noqa: E402
 

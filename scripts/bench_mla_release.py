@@ -21,8 +21,7 @@ import time
 import types
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
 MIB = 1 << 20
 MODELS = {  # transformers' DeepseekV3Config / GlmMoeDsaConfig defaults

@@ -86,7 +86,7 @@ def startup_rows(runs):
 
 def import_rows(runs):
     sys.path.insert(0, os.path.join(REPO, "scripts"))
-    import sglang_envs
+    from shimdev import sglang_envs
 
     sys.path.insert(0, REPO)
     from npu_shim.patches import load_all
@@ -94,7 +94,7 @@ def import_rows(runs):
     target_modules = sorted({module for patch in load_all() for module in patch.modules})
     rel, layers = sglang_envs.release_env_paths(IMPORT_RELEASE)  # wrapt layer + the release's layers
     python = str(rel.python)
-    code = "import simnpu; simnpu.install(release=%r)\n%s" % (
+    code = "from shimdev import simnpu; simnpu.install(release=%r)\n%s" % (
         IMPORT_RELEASE, "".join("import %s\n" % m for m in target_modules))
     arms = {
         "without": ([python, "-c", code], clean_env([SUPPORT, *map(str, layers)])),

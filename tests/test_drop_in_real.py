@@ -114,7 +114,7 @@ def test_image_wrapt_1_14_is_the_one_used(tmp_path):
 
 # The image's own sitecustomize, chained by the shim's: the simulated NPU in every process (the
 # check process included), as torch_npu would be on an Ascend image.
-SIM_SITECUSTOMIZE = "import os, simnpu\nsimnpu.install(release=os.environ['SIM_RELEASE'])\n"
+SIM_SITECUSTOMIZE = "import os\nfrom shimdev import simnpu\nsimnpu.install(release=os.environ['SIM_RELEASE'])\n"
 
 
 def _on_simulated_npu(env, tmp_path, release):

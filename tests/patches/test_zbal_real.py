@@ -18,7 +18,8 @@ ENV = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": "61440", "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp:
        "NPU_SHIM_STRICT": None, "NPU_SHIM_ZBAL": None}
 
 BACKPORT_SNIPPET = r'''
-import os, sys, types, torch, wrapt, zbal, simnpu
+import os, sys, types, torch, wrapt, zbal
+from shimdev import simnpu
 import sglang.srt.utils as u
 import sglang.srt.utils.common as common
 import sglang.srt.managers.scheduler as sch

@@ -1,0 +1,61 @@
+"""The rows of scripts/bench.py's table, declared once: which script measures each, in table order.
+
+bench.py refuses a row a script produces that is not declared here, and gives every declared row a
+cell even when its script failed ("not measured: ..."); tests/test_bench_table.py checks that
+README.md's Performance table has exactly these rows, in this order, between ``README_START`` and
+``README_END`` (``python3 scripts/bench.py --write-readme`` writes it from a run).
+"""
+
+README_START = "<!-- bench-table -->"
+README_END = "<!-- /bench-table -->"
+HEADER = ("| what | how | measured | target | result | script |", "|---|---|---|---|---|---|")
+
+MLA_CASES = tuple((model, tp, "decode") for model in ("DeepSeek-V3", "GLM-5") for tp in (1, 8, 16)) + \
+    (("DeepSeek-V3", 8, "prefill"), ("GLM-5", 8, "prefill"))
+
+
+def mla_row(model, tp, role):
+    return "MLA weights freed by the real sglang 0.5.11 npu_mla_preprocess, %s, TP %d, %s" % (model, tp, role)
+
+
+ROWS = (
+    ("bench_shim_cost", "start-up of `python -c pass`, shim compiled (.pyc present) on PYTHONPATH vs no shim"),
+    ("bench_shim_cost", "start-up of `python -c pass`, shim sources with no .pyc anywhere vs no shim"),
+    ("bench_shim_cost", "peak memory of that process (compiled shim), shim vs not"),
+    ("bench_shim_cost", "import overhead: real sglang 0.5.11 target modules, every applicable patch on, shim vs not"),
+    ("bench_shim_cost", "memory the shim retains in an sglang 0.5.11 process, every applicable patch on"),
+    ("bench_drop_in", "start-up of `python -c pass`, read-only bundle (its .pyc) on PYTHONPATH vs no shim"),
+    ("bench_drop_in", "the same with the shim's sources only (no .pyc anywhere: compiled in every process)"),
+    ("bench_drop_in", "start-up of `python -c pass`, read-only bundle vs no shim, in instructions executed"),
+    ("bench_drop_in", "npu_mla_preprocess wrapper, added ns/call, bundle's wrapt C build"),
+    ("bench_drop_in", "npu_mla_preprocess wrapper, added ns/call, bundle's wrapt pure-Python build"),
+) + tuple(("bench_mla_release", mla_row(*case)) for case in MLA_CASES) + (
+    ("bench_mla_release", "npu_mla_preprocess wrapper, added ns/call after a layer's first call"),
+    ("bench_zbal", "get_available_gpu_memory('npu'), mix mode: added per call"),
+    ("bench_zbal", "get_available_gpu_memory('npu'), full mode: added per call"),
+    ("bench_zbal", "decide(zbal) on a cold SourceView of 0.5.11"),
+    ("bench_dual_stream", "dual-stream overlap (CUDA or NPU when present)"),
+)
+
+RESULT = {True: "ok", False: "MISSED", None: "-"}
+
+
+def cell(text):
+    """One table cell: one line, no pipe."""
+    return " ".join(str(text).split()).replace("|", "/")
+
+
+def render(rows):
+    """The table (header + one line per row) for rows with what/how/measured/target/ok/script."""
+    lines = list(HEADER)
+    for row in rows:
+        lines.append("| %s |" % " | ".join(cell(row[k]) if k != "ok" else RESULT[row["ok"]]
+                                            for k in ("what", "how", "measured", "target", "ok", "script")))
+    return "\n".join(lines)
+
+
+def readme_rows(text):
+    """The ``what`` cells of README.md's bench table, in order."""
+    block = text.split(README_START, 1)[1].split(README_END, 1)[0]
+    lines = [line for line in block.splitlines() if line.startswith("| ")]
+    return [line.split(" | ")[0][2:] for line in lines[1:]]

@@ -115,12 +115,10 @@ def write_readme(table, header):
 def in_runner_venv():
     """Re-run this script in the test runner's venv (torch, wrapt, pytest: built by the test
     command's own code when missing) unless this interpreter already has torch and wrapt."""
-    try:
-        import torch  # noqa: F401
-        import wrapt  # noqa: F401
-        return
-    except ImportError:
-        pass
+    import importlib.util
+
+    if all(importlib.util.find_spec(name) for name in ("torch", "wrapt")):
+        return  # found, not imported: this process stays small (its children's peak RSS is measured)
     from shimdev import runner, sglang_envs
 
     try:

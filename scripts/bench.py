@@ -62,40 +62,10 @@ def sources(quick):
             ("bench_zbal", zbal), ("bench_dual_stream", dual_stream)]
 
 
-def one_line(exc):
-    text = "%s: %s" % (type(exc).__name__, exc)
-    return " ".join(text.split())[:240]
-
-
 def collect(quick, only=None, log=print):
-    """(rows in declared order, problems).  A benchmark that raises, or a row missing or not declared,
-    is a problem: its declared rows say 'not measured' and the run exits non-zero."""
-    declared = [what for _, what in bench_rows.ROWS]
-    got, problems = {}, []
-    for script, produce in sources(quick):
-        if only and script not in only:
-            continue
-        log("[bench] %s ..." % script)
-        try:
-            produced = produce()
-        except Exception as exc:  # noqa: BLE001 - one line in the table, then the other benchmarks
-            problems.append("%s failed: %s" % (script, one_line(exc)))
-            produced = []
-        for row in produced:
-            if row["what"] not in declared:
-                problems.append("%s produced an undeclared row %r" % (script, row["what"]))
-                continue
-            got[row["what"]] = dict(row, script=script)
-        for owner, what in bench_rows.ROWS:
-            if owner == script and what not in got:
-                why = next((p for p in problems if p.startswith(script + " failed")), None)
-                if why is None:
-                    why = "%s did not produce this row" % script
-                    problems.append(why)
-                got[what] = {"what": what, "how": "", "measured": "not measured: " + why,
-                             "target": "", "ok": False, "script": script}
-    rows = [got[what] for what in declared if what in got]
-    return rows, problems
+    """(rows in declared order, problems): shimdev.bench_rows.collect over this run's benchmarks."""
+    chosen = [(script, produce) for script, produce in sources(quick) if not only or script in only]
+    return bench_rows.collect(chosen, log=log)
 
 
 def write_readme(table, header):
@@ -124,7 +94,7 @@ def in_runner_venv():
     try:
         python = str(runner.runner_python(log=lambda line: print("[bench] " + line, flush=True)))
     except sglang_envs.EnvError as exc:
-        print("[bench] error: the runner venv cannot be built: %s" % one_line(exc))
+        print("[bench] error: the runner venv cannot be built: %s" % bench_rows.one_line(exc))
         sys.exit(1)
     os.execv(python, [python, os.path.abspath(__file__)] + sys.argv[1:])
 
@@ -143,9 +113,10 @@ def main():
     started = datetime.datetime.utcnow()
     where = machine()
     rows, problems = collect(args.quick, args.only)
-    header = ("`python3 scripts/bench.py%s` on %s UTC, %s; %.0f min." % (
-        " --quick" if args.quick else "", started.strftime("%Y-%m-%d %H:%M"), where,
-        (datetime.datetime.utcnow() - started).total_seconds() / 60))
+    header = ("`python3 scripts/bench.py%s` on %s UTC, %s; %.0f min, load %.1f at the end (other jobs "
+              "share these cores: wall-time rows move with it)." % (
+                  " --quick" if args.quick else "", started.strftime("%Y-%m-%d %H:%M"), where,
+                  (datetime.datetime.utcnow() - started).total_seconds() / 60, os.getloadavg()[0]))
     table = bench_rows.render(rows)
     print()
     print(header)

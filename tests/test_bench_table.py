@@ -38,3 +38,23 @@ def test_every_declared_row_has_a_script_that_exists():
         assert what == bench_rows.cell(what), what  # one line, no pipe: a stable table cell
     whats = [what for _, what in bench_rows.ROWS]
     assert len(whats) == len(set(whats))
+
+
+def test_a_failing_benchmark_gives_one_line_cells_and_a_problem():
+    def broken():
+        raise ModuleNotFoundError("No module named 'torch'\n  with a second line")
+
+    def partial():
+        return [{"what": bench_rows.ROWS[-1][1], "how": "h", "measured": "1 ms", "target": "t", "ok": True},
+                {"what": "a row nobody declared", "how": "", "measured": "", "target": "", "ok": True}]
+
+    script_a, script_b = bench_rows.ROWS[0][0], bench_rows.ROWS[-1][0]
+    rows, problems = bench_rows.collect([(script_a, broken), (script_b, partial)], log=lambda line: None)
+    assert [r["what"] for r in rows] == [w for s, w in bench_rows.ROWS if s in (script_a, script_b)]
+    failed = [r for r in rows if r["script"] == script_a]
+    assert failed and all(r["measured"] == "not measured: %s failed: ModuleNotFoundError: No module named "
+                          "'torch' with a second line" % script_a and r["ok"] is False for r in failed)
+    assert rows[-1]["measured"] == "1 ms" and rows[-1]["ok"] is True
+    assert len(problems) == 2 and "undeclared row" in problems[1]
+    table = bench_rows.render(rows)
+    assert "Traceback" not in table and len(table.splitlines()) == 2 + len(rows)

@@ -45,6 +45,45 @@ def cell(text):
     return " ".join(str(text).split()).replace("|", "/")
 
 
+def one_line(exc):
+    """An exception as one short line (a table cell is never a traceback)."""
+    return cell("%s: %s" % (type(exc).__name__, exc))[:240]
+
+
+def collect(sources, log=print):
+    """Run each ``(script, rows function)`` of ``sources``; return (rows in declared order, problems).
+
+    A benchmark that raises, a declared row it did not produce, or a row it produced that is not
+    declared is a problem (bench.py then exits 1); each declared row of such a script still gets a
+    one-line cell, "not measured: <script> failed: <error>"."""
+    declared = [what for _, what in ROWS]
+    ran = [script for script, _ in sources]
+    got, problems = {}, []
+    for script, produce in sources:
+        log("[bench] %s ..." % script)
+        failure = None
+        try:
+            produced = list(produce())
+        except Exception as exc:  # noqa: BLE001 - one line in the table, then the other benchmarks
+            failure = "%s failed: %s" % (script, one_line(exc))
+            problems.append(failure)
+            produced = []
+        for row in produced:
+            if row.get("what") not in declared:
+                problems.append("%s produced an undeclared row %r" % (script, row.get("what")))
+                continue
+            got[row["what"]] = dict(row, script=script)
+        for owner, what in ROWS:
+            if owner == script and what not in got:
+                why = failure or "%s did not produce this row" % script
+                if not failure:
+                    problems.append(why + ": " + what)
+                got[what] = {"what": what, "how": "", "measured": "not measured: " + why,
+                             "target": "", "ok": False, "script": script}
+    rows = [got[what] for owner, what in ROWS if owner in ran]
+    return rows, problems
+
+
 def render(rows):
     """The table (header + one line per row) for rows with what/how/measured/target/ok/script."""
     lines = list(HEADER)

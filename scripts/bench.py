@@ -1,8 +1,15 @@
-"""All benchmarks in one table: `python3 scripts/bench.py [--quick]`.
+#!/usr/bin/env python3
+"""All benchmarks in one table: `python3 scripts/bench.py [--quick] [--write-readme]`.
 
 Each row is measured side by side in this one run (ratios of medians over alternating runs; these
-machines are noisy), by the script named in the row.  A missed target says MISSED; a row that
-cannot be measured here (no GPU/NPU) says so.  Exits 0 unless a benchmark itself crashed.
+machines are noisy) by the script named in the row; the rows are declared in
+dev/shimdev/bench_rows.py.  Where this Python has no torch (a fresh clone's ``python3``) it re-runs
+itself in the test runner's venv, built by the same code the test command uses
+(dev/shimdev/runner.py); the release environments it needs are built like the tests' (shimdev).
+A missed target says MISSED; a row that cannot be measured here says "not measured: why"; a
+benchmark that fails gives each of its rows a one-line "not measured: ... failed: ..." cell, and
+the exit status is then 1.  ``--write-readme`` writes the table of this run into README.md's
+Performance section (between the bench-table markers).
 """
 
 import argparse
@@ -10,10 +17,11 @@ import datetime
 import os
 import platform
 import sys
-import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
+
+from shimdev import bench_rows  # noqa: E402
 
 
 def machine():
@@ -23,69 +31,103 @@ def machine():
             mem = int(handle.readline().split()[1]) / 2**20
     except OSError:
         mem = 0
-    return "%s, %d cores, %.0f GiB, Python %s" % (platform.machine(), cores, mem, platform.python_version())
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return "%s, %d cores (load %.1f at the start), %.0f GiB, Python %s, CPU only (simulated NPU)" % (
+        platform.machine(), cores, load, mem, platform.python_version())
 
 
-def collect(quick):
-    import bench_drop_in
-    import bench_dual_stream
-    import bench_mla_release
-    import bench_shim_cost
+def sources(quick):
+    """(script, rows function) in table order; each script is imported only when it runs."""
+    def shim_cost():
+        import bench_shim_cost
+        return bench_shim_cost.rows(*((20, 3, 1) if quick else (30, 7, 2)))
 
-    sources = [
-        ("bench_shim_cost", lambda: bench_shim_cost.rows(*((20, 3) if quick else (30, 7)))),
-        ("bench_drop_in", lambda: bench_drop_in.rows(20 if quick else 40)),
-        ("bench_mla_release", bench_mla_release.rows),
-        ("bench_dual_stream", bench_dual_stream.rows),
-    ]
-    rows = []
-    crashed = False
-    for name, produce in sources:
-        try:
-            for row in produce():
-                row.setdefault("script", name)
-                rows.append(row)
-        except Exception:  # noqa: BLE001 - report and go on with the other benchmarks
-            crashed = True
-            rows.append({"what": name, "how": "", "measured": "CRASHED: " + traceback.format_exc(limit=2),
-                         "target": "", "ok": False, "script": name})
-    return rows, crashed
+    def drop_in():
+        import bench_drop_in
+        return bench_drop_in.rows(20 if quick else 40)
+
+    def mla():
+        import bench_mla_release
+        return bench_mla_release.rows()
+
+    def zbal():
+        import bench_zbal
+        return bench_zbal.rows(*((5, 1000) if quick else (15, 2000)))
+
+    def dual_stream():
+        import bench_dual_stream
+        return bench_dual_stream.rows()
+
+    return [("bench_shim_cost", shim_cost), ("bench_drop_in", drop_in), ("bench_mla_release", mla),
+            ("bench_zbal", zbal), ("bench_dual_stream", dual_stream)]
 
 
-def verdict(ok):
-    return {True: "ok", False: "MISSED", None: "not measured here"}[ok]
+def collect(quick, only=None, log=print):
+    """(rows in declared order, problems): shimdev.bench_rows.collect over this run's benchmarks."""
+    chosen = [(script, produce) for script, produce in sources(quick) if not only or script in only]
+    return bench_rows.collect(chosen, log=log)
+
+
+def write_readme(table, header):
+    path = os.path.join(REPO, "README.md")
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    start, end = bench_rows.README_START, bench_rows.README_END
+    if start not in text or end not in text:
+        raise SystemExit("README.md has no %s ... %s markers" % (start, end))
+    head, rest = text.split(start, 1)
+    tail = rest.split(end, 1)[1]
+    new = "%s%s\n%s\n\n%s\n%s%s" % (head, start, header, table, end, tail)
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(new)
 
 
 def in_runner_venv():
-    """Re-run this script in the test runner's venv (torch, wrapt: built by the test command's
-    own code when missing) unless this interpreter already has torch."""
-    try:
-        import torch  # noqa: F401
-        return
-    except ImportError:
-        pass
-    import run_tests
+    """Re-run this script in the test runner's venv (torch, wrapt, pytest: built by the test
+    command's own code when missing) unless this interpreter already has torch and wrapt."""
+    import importlib.util
 
-    python = str(run_tests.runner_python())
+    if all(importlib.util.find_spec(name) for name in ("torch", "wrapt")):
+        return  # found, not imported: this process stays small (its children's peak RSS is measured)
+    from shimdev import runner, sglang_envs
+
+    try:
+        python = str(runner.runner_python(log=lambda line: print("[bench] " + line, flush=True)))
+    except sglang_envs.EnvError as exc:
+        print("[bench] error: the runner venv cannot be built: %s" % bench_rows.one_line(exc))
+        sys.exit(1)
     os.execv(python, [python, os.path.abspath(__file__)] + sys.argv[1:])
 
 
 def main():
-    in_runner_venv()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--write-readme", action="store_true",
+                        help="write this run's table into README.md (a full run: every benchmark)")
+    parser.add_argument("--only", action="append", metavar="SCRIPT",
+                        help="run only this benchmark (repeatable); not with --write-readme")
     args = parser.parse_args()
-    rows, crashed = collect(args.quick)
-    print("npu-shim benchmarks, %s UTC, %s" % (
-        datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M"), machine()))
+    if args.write_readme and args.only:
+        parser.error("--write-readme writes the whole table: run every benchmark (no --only)")
+    in_runner_venv()
+    started = datetime.datetime.utcnow()
+    where = machine()
+    rows, problems = collect(args.quick, args.only)
+    header = ("`python3 scripts/bench.py%s` on %s UTC, %s; %.0f min, load %.1f at the end (other jobs "
+              "share these cores: wall-time rows move with it)." % (
+                  " --quick" if args.quick else "", started.strftime("%Y-%m-%d %H:%M"), where,
+                  (datetime.datetime.utcnow() - started).total_seconds() / 60, os.getloadavg()[0]))
+    table = bench_rows.render(rows)
     print()
-    print("| what | how | measured | target | result | script |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        print("| %s | %s | %s | %s | %s | %s |" % (
-            row["what"], row["how"], str(row["measured"]).replace("\n", " "), row["target"],
-            verdict(row["ok"]), row["script"]))
-    return 1 if crashed else 0
+    print(header)
+    print()
+    print(table)
+    for problem in problems:
+        print("[bench] error: " + problem)
+    if args.write_readme:
+        write_readme(table, header)
+        print("[bench] README.md's Performance table rewritten from this run")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

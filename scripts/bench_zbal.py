@@ -19,22 +19,23 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SUPPORT = os.path.join(REPO, "tests", "support")
+sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
+
+from shimdev import FAKE_ZBAL, sglang_envs  # noqa: E402
+
 RELEASE = "0.5.11"
 
 
 def _setup():
-    for path in (REPO, SUPPORT, os.path.join(SUPPORT, "fake_zbal")):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    import simnpu
+    from shimdev import simnpu
 
     if simnpu.installed() is None:
         simnpu.install()
-    import realsglang  # noqa: F401  (loads scripts/sglang_envs.py by path)
+    if str(FAKE_ZBAL) not in sys.path:
+        sys.path.insert(0, str(FAKE_ZBAL))  # ``import zbal`` gets the fake
     import zbal
 
-    return realsglang.sglang_envs, zbal
+    return sglang_envs, zbal
 
 
 def _original(source_root, name):

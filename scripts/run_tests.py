@@ -1,9 +1,9 @@
 """The test command: everything the suite needs, then the suite.  `python3 scripts/run_tests.py`
 
-1. a runner venv (``CACHE/venvs/test-runner``): torch==2.13.0 (CPU), wrapt, pytest, pytest-mock,
+1. a runner venv (``CACHE/venvs/test-runner``, dev/shimdev/runner.py): torch==2.13.0 (CPU), wrapt, pytest, pytest-mock,
    pytest-xdist;
 2. the sglang wheels of every supported release and their extracted sources (static matrix), and
-   the layered environments of the import matrix (scripts/sglang_envs.py: one base venv with
+   the layered environments of the import matrix (dev/shimdev/sglang_envs.py: one base venv with
    torch and no wrapt, per release a thin sglang layer and a dependency layer, a wrapt layer, the
    editable install; all cached, content-addressed: a changed pin builds a new layer).  A layer
    that cannot be built stops the run (exit 1) -- nothing is skipped;
@@ -13,20 +13,16 @@
 Extra arguments go to pytest (e.g. ``-k zbal``).  ``NPU_SHIM_CACHE`` moves the cache.
 """
 
-import hashlib
-import json
 import os
 import subprocess
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-import sglang_envs  # noqa: E402
+from shimdev import runner, sglang_envs  # noqa: E402
 
-RUNNER_PINS = (sglang_envs.TORCH_PIN, "wrapt==2.5.2", "pytest==9.2.0", "pytest-mock==3.17.0",
-               "pytest-xdist==3.8.0", "numpy==2.4.6")  # numpy: torch warns at import without it
 PYTEST_NO_TESTS = 5
 
 
@@ -35,31 +31,8 @@ def log(message):
 
 
 def runner_python():
-    """The runner venv's python, built when missing or when RUNNER_PINS changed."""
-    venv = sglang_envs.cache_dir() / "venvs" / "test-runner"
-    python = venv / "bin" / "python"
-    stamp = venv / "npu-shim-stamp.json"
-    digest = hashlib.sha256(json.dumps([RUNNER_PINS, sys.version_info[:2]]).encode()).hexdigest()[:16]
-
-    def current():
-        try:
-            return python.exists() and json.loads(stamp.read_text())["pins_hash"] == digest
-        except (OSError, ValueError, KeyError):
-            return False
-
-    if current():
-        return python
-    with sglang_envs.file_lock("venv-test-runner"):
-        if current():
-            return python
-        log("building the runner venv %s" % venv)
-        subprocess.run(["rm", "-rf", str(venv)], check=True)
-        sglang_envs._run([sys.executable, "-m", "venv", str(venv)], "creating the runner venv")
-        cons = str(sglang_envs._constraints_file())
-        sglang_envs._run(sglang_envs._pip(python, "install", "-c", cons, *RUNNER_PINS),
-                         "installing the runner venv")
-        stamp.write_text(json.dumps({"pins_hash": digest, "pins": RUNNER_PINS}))
-    return python
+    """The runner venv's python (shimdev.runner; built when missing)."""
+    return runner.runner_python(log=log)
 
 
 def prepare():

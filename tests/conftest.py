@@ -1,9 +1,10 @@
 """Session fixtures shared by npu-shim's tests.
 
-* ``tests/support`` is put on sys.path (simnpu, realsglang); ``tests/support/fake_zbal`` only by
-  tests that want ``import zbal`` (fixture ``fake_zbal``).
+* ``dev/`` is put on sys.path: the dev tooling is imported as ``shimdev.<module>`` (simnpu,
+  realsglang, ...; dev/shimdev/__init__.py); ``dev/shimdev/fake_zbal`` only by tests that want
+  ``import zbal`` (fixture ``fake_zbal``).
 * ``release_venv(version)`` builds/reuses a release's layered environment through
-  scripts/sglang_envs.py and returns the python that runs it; an environment that cannot be built
+  shimdev.sglang_envs and returns the python that runs it; an environment that cannot be built
   FAILS the test (never skips).
 """
 from __future__ import annotations
@@ -13,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-SUPPORT = Path(__file__).resolve().parent / "support"
-if str(SUPPORT) not in sys.path:
-    sys.path.insert(0, str(SUPPORT))
+DEV = Path(__file__).resolve().parent.parent / "dev"
+if str(DEV) not in sys.path:
+    sys.path.insert(0, str(DEV))
 
-import realsglang  # noqa: E402
+from shimdev import FAKE_ZBAL, realsglang  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +40,7 @@ def release_venv():
 @pytest.fixture(scope="session")
 def sim():
     """simnpu installed in this (outer) test process; state reset by ``simnpu_clean``."""
-    import simnpu
+    from shimdev import simnpu
 
     if simnpu.installed() is None:
         simnpu.install()
@@ -56,7 +57,7 @@ def simnpu_clean(sim):
 @pytest.fixture(scope="session")
 def fake_zbal(sim):
     """The fake ``zbal`` package, importable in this process (after simnpu)."""
-    path = str(SUPPORT / "fake_zbal")
+    path = str(FAKE_ZBAL)
     if path not in sys.path:
         sys.path.insert(0, path)
     import zbal

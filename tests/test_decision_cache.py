@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-import realsglang
+from shimdev import realsglang
 from npu_shim import decision_cache, framework
 from npu_shim.patches import load_all
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from expected_states import PATCH_ORDER, expected
+from shimdev.expected_states import PATCH_ORDER, expected
 
 REPO = Path(__file__).resolve().parents[1]
 

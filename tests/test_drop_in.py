@@ -528,13 +528,15 @@ def test_unpacked_or_copied_bundle_starts_from_its_pyc(how, bare_venvs, built_bu
 def test_zbal_api_check_accepts_the_real_wheel_and_the_fake_and_names_what_a_package_lacks(tmp_path):
     import zipfile
 
-    import realsglang
+    from shimdev import realsglang
     from npu_shim.patches import zbal as zbal_patch
 
     with zipfile.ZipFile(str(realsglang.sglang_envs.ensure_zbal_wheel())) as wheel:
         wheel.extractall(str(tmp_path / "real"), [n for n in wheel.namelist() if n.startswith("zbal/")])
     assert zbal_patch.api_problems(str(tmp_path / "real" / "zbal")) == []
-    fake = os.path.join(REPO, "tests", "support", "fake_zbal", "zbal")
+    from shimdev import FAKE_ZBAL
+
+    fake = str(FAKE_ZBAL / "zbal")
     assert zbal_patch.api_problems(fake) == []
     broken = tmp_path / "broken"
     shutil.copytree(fake, str(broken))

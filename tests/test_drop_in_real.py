@@ -2,7 +2,7 @@
 no wrapt in the environment, the shim as a read-only bundle, sglang installed editable.
 
 The release runs in the test bed's base environment (torch, no wrapt) with the release's layers
-on PYTHONPATH (tests/support/realsglang.py); ``wrapt=None`` leaves wrapt out entirely.
+on PYTHONPATH (dev/shimdev/realsglang.py); ``wrapt=None`` leaves wrapt out entirely.
 """
 
 import json
@@ -12,15 +12,15 @@ import subprocess
 import textwrap
 
 
-import realsglang
-from demo_features import DEMO_ENV
-from expected_states import expected
+from shimdev import realsglang
+from shimdev.demo_features import DEMO_ENV
+from shimdev.expected_states import expected
 from test_drop_in import snapshot
 
 RELEASE = "0.5.11"
 SIZE = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": "12288", "SIMNPU_FREE_MIB": "60000"}
 
-REPORT = "import drop_in_probe, json\nprint(json.dumps(drop_in_probe.report()))\n"
+REPORT = "import json\nfrom shimdev import drop_in_probe\nprint(json.dumps(drop_in_probe.report()))\n"
 
 
 def _run(argv, env, code, cwd, readonly=None):
@@ -38,7 +38,7 @@ def _json(proc):
 
 
 def _sim(version):
-    return "import simnpu\nsimnpu.install(release=%r)\n" % version
+    return "from shimdev import simnpu\nsimnpu.install(release=%r)\n" % version
 
 
 def test_no_wrapt_each_patch_that_would_apply_fails_in_one_line(tmp_path):
@@ -81,7 +81,7 @@ def test_read_only_bundle_applies_every_applicable_patch_in_parent_and_spawned_c
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     code = _sim(RELEASE) + textwrap.dedent("""
         import json, multiprocessing as mp
-        import drop_in_probe
+        from shimdev import drop_in_probe
         report = drop_in_probe.report()
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
@@ -115,7 +115,7 @@ def test_image_wrapt_1_14_is_the_one_used(tmp_path):
 
 # The image's own sitecustomize, chained by the shim's: the simulated NPU in every process (the
 # check process included), as torch_npu would be on an Ascend image.
-SIM_SITECUSTOMIZE = "import os, simnpu\nsimnpu.install(release=os.environ['SIM_RELEASE'])\n"
+SIM_SITECUSTOMIZE = "import os\nfrom shimdev import simnpu\nsimnpu.install(release=os.environ['SIM_RELEASE'])\n"
 
 
 def _on_simulated_npu(env, tmp_path, release):

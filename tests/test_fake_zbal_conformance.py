@@ -1,4 +1,4 @@
-"""The fake zbal (tests/support/fake_zbal) mirrors memfabric-zbal 1.2.0's Python API.
+"""The fake zbal (dev/shimdev/fake_zbal) mirrors memfabric-zbal 1.2.0's Python API.
 
 The real wheel is downloaded (pip download --no-deps, cached) and its .py files are read with
 ``ast`` -- never imported (the native zbal.cpython-311-x86_64-linux-gnu.so needs CANN + a device).
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-import realsglang
+from shimdev import FAKE_ZBAL, realsglang
 
-FAKE_ROOT = Path(__file__).resolve().parent / "support" / "fake_zbal" / "zbal"
+FAKE_ROOT = FAKE_ZBAL / "zbal"
 PY_MODULES = ["__init__.py", "zbal_module.py", "zbal_buffer.py", "zbal_utils.py"]
 #: Extra public names the fake may have (test knobs), per module.
 FAKE_EXTRAS = {"__init__.py": {"FAKE", "CALLS", "reset_fake"}, "zbal_module.py": {"FAKE", "recorded"},

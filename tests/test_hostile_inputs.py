@@ -17,13 +17,10 @@ import pytest
 
 from npu_shim.patches import all_variables
 from npu_shim.patches import zbal as zbal_patch
-
-import realsglang
+from shimdev import realsglang
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-
-import sglang_envs  # noqa: E402
+from shimdev import sglang_envs
 
 MLA_PRE = "srt/hardware_backend/npu/attention/mla_preprocess.py"
 
@@ -236,7 +233,7 @@ def test_sizes_and_urls_accept_exactly_the_documented_forms():
 
 OFF_NPU = r'''
 import importlib, sys
-import simnpu
+from shimdev import simnpu
 simnpu.install_without_npu("0.5.11")
 import wrapt
 import npu_shim

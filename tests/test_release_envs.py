@@ -1,4 +1,4 @@
-"""The layered release environments (scripts/sglang_envs.py, tests/support/realsglang.py).
+"""The layered release environments (dev/shimdev/sglang_envs.py, dev/shimdev/realsglang.py).
 
 One base venv (torch, the common pins, no wrapt -- a real Ascend image has none), each release's
 sglang and its differing pins as thin ``--target`` layers on PYTHONPATH, wrapt as a layer of its
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-import realsglang
-from realsglang import sglang_envs
+from shimdev import realsglang
+from shimdev import sglang_envs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,9 +71,9 @@ def test_default_wrapt_layer_and_an_old_wrapt(release_venv):
     old = facts("0.5.11", wrapt="1.14.1")
     assert old["wrapt"] == "1.14.1"
     assert old["wrapt_file"].startswith(str(sglang_envs.ensure_wrapt("1.14.1")))
-    # order: shim root, tests/support, the wrapt layer, then the release's layers
+    # order: shim root, dev/ (shimdev), the wrapt layer, then the release's layers
     layers = [str(p) for p in sglang_envs.ensure_release("0.5.11").layers]
-    assert old["pythonpath"] == [str(REPO), str(realsglang.SUPPORT), str(sglang_envs.ensure_wrapt("1.14.1"))] \
+    assert old["pythonpath"] == [str(REPO), str(realsglang.DEV), str(sglang_envs.ensure_wrapt("1.14.1"))] \
         + layers
 
 

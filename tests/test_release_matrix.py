@@ -3,10 +3,10 @@
 For each release the wheel is downloaded once (cached), its ``sglang/`` tree extracted, and each
 patch is decided exactly as the runtime decides it (probe, then every target resolved with a known
 signature), with the patch switched on and its trigger assumed set.  The expected table
-(tests/support/expected_states.py) is the one README.md shows users; test_readme_table_matches
+(dev/shimdev/expected_states.py) is the one README.md shows users; test_readme_table_matches
 keeps the two identical.
 
-Adding a release: one line in scripts/sglang_envs.py RELEASES (or POST_RELEASES) and its row in
+Adding a release: one line in dev/shimdev/sglang_envs.py RELEASES (or POST_RELEASES) and its row in
 expected_states.py (``python3 scripts/release_report.py VERSION`` prints it), then
 ``python3 scripts/release_report.py --write-readme``.
 """
@@ -15,13 +15,13 @@ import os
 import re
 
 import pytest
-from realsglang import sglang_envs
+from shimdev import sglang_envs
 
 from npu_shim import framework
 from npu_shim.codeview import SourceView
 from npu_shim.patches import load_all
 
-from expected_states import EXPECTED, PATCH_ORDER, README_END, README_START, render_table
+from shimdev.expected_states import EXPECTED, PATCH_ORDER, README_END, README_START, render_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -2,14 +2,13 @@
 print the row to paste.  On the newest release on PyPI it must agree with the expected table."""
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from expected_states import EXPECTED, row
-from realsglang import sglang_envs
+from shimdev.expected_states import EXPECTED, row
+from shimdev import sglang_envs
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "release_report.py"
@@ -21,10 +20,9 @@ def run(*args, timeout=900):
 
 
 def load_report():
-    spec = importlib.util.spec_from_file_location("npu_shim_release_report", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from shimdev import release_report
+
+    return release_report
 
 
 def test_newest_release_on_pypi_agrees_with_the_table():

@@ -69,10 +69,11 @@ def test_memory_driving(simnpu_clean):
 def test_memory_from_env_in_subprocess():
     from pathlib import Path
 
-    support = Path(__file__).resolve().parent / "support"
-    code = ("import simnpu, torch; simnpu.install(); f, t = torch.npu.mem_get_info(); "
+    from shimdev import DEV
+
+    code = ("from shimdev import simnpu; import torch; simnpu.install(); f, t = torch.npu.mem_get_info(); "
             "print(f >> 20, t >> 20)")
-    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(support),
+    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(DEV),
                          "SIMNPU_TOTAL_MIB": "98304", "SIMNPU_FREE_MIB": "4096", "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split() == ["4096", "98304"]
@@ -156,7 +157,7 @@ def test_stubs(sim):
 
 
 def test_release_stub_sets():
-    from simnpu import _stubs
+    from shimdev.simnpu import _stubs
 
     assert "sgl_kernel" in _stubs.roots_for("0.5.9")
     assert "sgl_kernel" not in _stubs.roots_for("0.5.19")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import realsglang
+from shimdev import realsglang
 
 REPO = str(realsglang.REPO)
 

@@ -11,13 +11,10 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parents[1] / "support"))
-
-import realsglang  # noqa: E402
-from npu_shim import framework, targets  # noqa: E402
-from npu_shim.codeview import SourceView  # noqa: E402
-from npu_shim.patches import dual_stream_experts as ds  # noqa: E402
+from npu_shim import framework, targets
+from npu_shim.codeview import SourceView
+from npu_shim.patches import dual_stream_experts as ds
+from shimdev import realsglang
 
 # The wrappers' per-process state, as a decision builds it (reset by the fixtures).
 DS = ds.DualStream()
@@ -351,7 +348,7 @@ def _attn(**kw):
 
 
 def test_layer_plan(monkeypatch):
-    import dual_stream_kernels as K
+    from shimdev import dual_stream_kernels as K
 
     monkeypatch.setattr(ds, "importlib", types.SimpleNamespace(
         import_module=lambda name: types.SimpleNamespace(split_qkv_rmsnorm_rope=K.split_qkv_rmsnorm_rope)))
@@ -384,13 +381,9 @@ def test_missing_kernel_at_call_time_keeps_the_original_path(monkeypatch):
 # -- the benchmark script -------------------------------------------------------------------------
 
 def _bench():
-    import importlib.util
+    from shimdev import dual_stream_bench
 
-    spec = importlib.util.spec_from_file_location("npu_shim_bench_dual_stream",
-                                                  HERE.parents[2] / "scripts" / "bench_dual_stream.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return dual_stream_bench
 
 
 def test_bench_says_plainly_when_no_device_exists():

@@ -10,20 +10,15 @@ original (unwrapped) methods on the same objects.  0.5.11 reports ``upstream``.
 
 One subprocess per environment (a real import costs ~8 s).
 """
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
-
-from realsglang import run_in_release  # noqa: E402
+from shimdev.realsglang import run_in_release
 
 RELEASE = "0.5.9"
 SIDE = "side-1"
 
 # Builds the synthetic MoE block and two attention layers; defines run helpers.  {kernel} is
-# "partial", "full_head" or None (see tests/support/dual_stream_kernels.py).
+# "partial", "full_head" or None (see dev/shimdev/dual_stream_kernels.py).
 BED = r'''
-from demo_features import glm4_moe_bed
+from shimdev.demo_features import glm4_moe_bed
 globals().update(vars(glm4_moe_bed({kernel!r})))
 '''
 

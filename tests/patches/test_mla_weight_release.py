@@ -19,9 +19,7 @@ from npu_shim.codeview import SourceView
 from npu_shim.patches import mla_weight_release as R
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-
-import sglang_envs  # noqa: E402
+from shimdev import sglang_envs
 
 
 # The wrappers' per-process state, as a decision builds it for 0.5.10 - 0.5.16 (each test afresh).

@@ -1,6 +1,6 @@
 """mla_weight_release inside the real sglang releases (their venvs, simulated NPU kernels only).
 
-A synthetic MLA attention layer of GLM-5 / DeepSeek-V3 shape (real CPU tensors, tests/support/
+A synthetic MLA attention layer of GLM-5 / DeepSeek-V3 shape (real CPU tensors, dev/shimdev/
 mla_kernels.py) goes through the release's own ``npu_mla_preprocess`` -> ``NPUFusedMLAPreprocess``
 -> ``forward_mlaprolog`` / ``mlaprolog_preprocess_weight`` (or the absorb path), with the
 disaggregation role published through real ``ServerArgs`` the way the scheduler does.  Freed memory
@@ -9,12 +9,12 @@ the role / guard cases (each case resets the patch's per-process state).
 """
 import pytest
 
-import realsglang
+from shimdev import realsglang
 
 SCENARIOS = r'''
 import logging, os
 import torch
-import mla_kernels as K
+from shimdev import mla_kernels as K
 from npu_shim import runtime
 from npu_shim.patches import mla_weight_release as R
 from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P
@@ -197,7 +197,7 @@ def test_predicate_follows_the_release_w8a8_routing(scenarios):
 
 
 TOUCH = r'''
-import mla_kernels as K
+from shimdev import mla_kernels as K
 K.publish_server_args("decode")
 r = K.run_layer("glm-5", 16)
 assert r["freed"] == r["expected"], r
@@ -225,7 +225,7 @@ def test_touching_a_released_weight_exits_with_the_error_not_a_signal(version, t
 
 ALIASES = r'''
 import torch
-import mla_kernels as K
+from shimdev import mla_kernels as K
 K.publish_server_args("decode")
 KINDS = {
     "qkv.detach()": lambda m: m.fused_qkv_a_proj_with_mqa.weight.detach(),
@@ -261,7 +261,7 @@ def test_aliases_taken_before_the_first_step_keep_their_weight_in_a_release():
 
 
 SWITCHED_OFF = r'''
-import mla_kernels as K
+from shimdev import mla_kernels as K
 from npu_shim import runtime
 from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P
 from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N

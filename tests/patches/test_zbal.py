@@ -1,5 +1,5 @@
 """zbal backport, unit level: decisions from the real release sources, and every wrapper driven on
-the simulated NPU with the fake zbal (tests/support/fake_zbal).  The sglang objects the wrappers
+the simulated NPU with the fake zbal (dev/shimdev/fake_zbal).  The sglang objects the wrappers
 receive are small stand-ins here; tests/patches/test_zbal_real.py drives the real classes."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from npu_shim.patches import all_variables
 from npu_shim.codeview import SourceView
 from npu_shim.patches import zbal as zp
 
-import realsglang
+from shimdev import realsglang
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -193,7 +193,7 @@ class FakeScheduler:
 
     def __init__(self, server_args, port_args, gpu_id, tp_rank, moe_ep_rank, pp_rank, attn_cp_rank,
                  moe_dp_rank, dp_rank):
-        import simnpu
+        from shimdev import simnpu
 
         simnpu.log("body_start")
         self.buffer = torch.empty(4, device="npu")
@@ -296,12 +296,12 @@ class FakeRunner:
         self.weights_mib, self.kv_mib, self.call_graphs = weights_mib, kv_mib, call_graphs
 
     def _use(self, mib):
-        import simnpu
+        from shimdev import simnpu
 
         simnpu.set_memory(free_mib=simnpu.STATE.free_mib - mib)
 
     def initialize(self, pre_model_load_memory):
-        import simnpu
+        from shimdev import simnpu
 
         self._use(self.weights_mib)
         simnpu.log("weights")
@@ -312,12 +312,12 @@ class FakeRunner:
             self.init_device_graphs()
 
     def init_attention_backend(self):
-        import simnpu
+        from shimdev import simnpu
 
         simnpu.log("attention_backend")
 
     def init_device_graphs(self):
-        import simnpu
+        from shimdev import simnpu
 
         simnpu.log("graph_capture")
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import pytest
 
-import realsglang
+from shimdev import realsglang
 
 ENV = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": "61440", "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://10.0.0.1:6789",
        "NPU_SHIM_STRICT": None, "NPU_SHIM_ZBAL": None}
 
 BACKPORT_SNIPPET = r'''
-import os, sys, types, torch, wrapt, zbal, simnpu
+import os, sys, types, torch, wrapt, zbal
+from shimdev import simnpu
 import sglang.srt.utils as u
 import sglang.srt.utils.common as common
 import sglang.srt.managers.scheduler as sch
@@ -32,7 +33,7 @@ from npu_shim.patches import zbal as zp
 GIB, MIB = 1 << 30, 1 << 20
 out = {"state": runtime.states()["zbal"]}
 
-from demo_features import zbal_fresh as fresh, event_order as order, make_scheduler, stub_model_runner
+from shimdev.demo_features import zbal_fresh as fresh, event_order as order, make_scheduler, stub_model_runner
 
 def is_wrapper(obj):
     return isinstance(obj, wrapt.FunctionWrapper)

@@ -1,9 +1,9 @@
 """Run code against a real sglang release, in its layered environment, with the simulated NPU.
 
 ``run_in_release("0.5.11", "from sglang.srt.utils import is_npu\\nemit({'npu': is_npu()})")``
-builds/reuses the release's layers (scripts/sglang_envs.py: one base venv with torch and no wrapt,
+builds/reuses the release's layers (shimdev/sglang_envs.py: one base venv with torch and no wrapt,
 the release's sglang and dependency layers, a wrapt layer), runs the snippet in a fresh
-interpreter of the base venv with ``PYTHONPATH=<repo root>:<tests/support>:<wrapt layer>:<release
+interpreter of the base venv with ``PYTHONPATH=<repo root>:<dev>:<wrapt layer>:<release
 layers>`` (repo root first, so the shim's sitecustomize.py is active exactly as for a user),
 ``simnpu.install(release=...)`` done before the snippet, and returns the JSON the snippet passed
 to ``emit(obj)`` (the last stdout line).
@@ -15,7 +15,6 @@ For running other commands there (``python -m npu_shim status``, processes that 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -24,25 +23,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-SUPPORT = Path(__file__).resolve().parent
-TESTS = SUPPORT.parent
-REPO = TESTS.parent
-FAKE_ZBAL = SUPPORT / "fake_zbal"
-
-
-def _load_envs():
-    mod = sys.modules.get("npu_shim_sglang_envs")
-    if mod is None:
-        # scripts/ has no __init__.py on purpose (it must not shadow an image's "scripts").
-        spec = importlib.util.spec_from_file_location("npu_shim_sglang_envs",
-                                                      REPO / "scripts" / "sglang_envs.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-    return mod
-
-
-sglang_envs = _load_envs()
+from shimdev import DEV, FAKE_ZBAL, REPO, sglang_envs
 
 
 class ReleaseRunError(AssertionError):
@@ -55,7 +36,7 @@ class ReleaseRunError(AssertionError):
 
 _PRELUDE = """\
 import json as _json, sys as _sys
-import simnpu
+from shimdev import simnpu
 simnpu.install(release={release!r})
 def emit(obj):
     _sys.stdout.write("\\n" + _json.dumps(obj, default=repr, sort_keys=True) + "\\n")
@@ -85,7 +66,7 @@ def release_env(env: dict | None = None, *, version: str | None = None, zbal: bo
                 shim_enabled: bool | None = None, wrapt: str | None = WRAPT_DEFAULT,
                 shim_root: str | os.PathLike = REPO) -> dict:
     """The environment a release subprocess gets: the inherited env, ``PYTHONPATH`` =
-    ``shim_root``, tests/support, [fake_zbal], [the wrapt layer], [the release's layers], then
+    ``shim_root``, dev/ (shimdev), [fake_zbal], [the wrapt layer], [the release's layers], then
     the overrides in ``env`` (value None removes a variable).
 
     version      -- put that release's layers on PYTHONPATH (building them when missing); None:
@@ -95,7 +76,7 @@ def release_env(env: dict | None = None, *, version: str | None = None, zbal: bo
     shim_root    -- the directory first on PYTHONPATH in place of the repo root (a built bundle).
     """
     e = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
-    path = [str(shim_root), str(SUPPORT)] + ([str(FAKE_ZBAL)] if zbal else [])
+    path = [str(shim_root), str(DEV)] + ([str(FAKE_ZBAL)] if zbal else [])
     if version is not None:
         _, layers = sglang_envs.release_env_paths(version, wrapt=wrapt)
     else:
@@ -124,8 +105,8 @@ def release_command(version: str, env: dict | None = None, *, zbal: bool = False
     ``argv, env = release_command("0.5.11", wrapt=None)``;
     ``subprocess.run(argv + ["-m", "npu_shim", "status"], env=env)``.  The prefix is
     ``[python]`` (the base venv's, or the editable install's); children it spawns inherit the env.
-    Same keywords as release_env().  The simulated NPU is NOT installed (tests/support is on the
-    path: ``import simnpu; simnpu.install(release=...)`` where a process needs it)."""
+    Same keywords as release_env().  The simulated NPU is NOT installed (dev/ is on the
+    path: ``from shimdev import simnpu; simnpu.install(release=...)`` where a process needs it)."""
     python = release_python(version)
     return [str(python)], release_env(env, version=version, zbal=zbal, shim_enabled=shim_enabled,
                                       wrapt=wrapt, shim_root=shim_root)
@@ -138,7 +119,7 @@ def run_in_release(version: str, code: str, env: dict | None = None, timeout: fl
     """Run ``code`` in sglang ``version``; return what it ``emit()``-ed last (JSON).
 
     env          -- extra/overriding env vars (value None removes one); e.g. SIMNPU_FREE_MIB.
-    zbal         -- put tests/support/fake_zbal on PYTHONPATH (``import zbal`` gets the fake).
+    zbal         -- put shimdev/fake_zbal on PYTHONPATH (``import zbal`` gets the fake).
     shim_enabled -- set NPU_SHIM_ENABLED to 1/0 (None: inherit).
     install_sim  -- False skips ``simnpu.install()`` (the snippet does it itself).
     wrapt        -- wrapt version on PYTHONPATH (default the pinned one); None: no wrapt at all.

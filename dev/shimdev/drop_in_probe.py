@@ -1,6 +1,6 @@
 """What a release process reports in the drop-in tests (tests/test_drop_in_real.py): every module a
 patch targets imported, then each patch's state, the wrappers, and where wrapt came from.  Lives in
-tests/support (on the release processes' PYTHONPATH) so a spawned child can import it too."""
+shimdev (dev/ is on the release processes' PYTHONPATH) so a spawned child can import it too."""
 
 import os
 import sys
@@ -32,7 +32,7 @@ def report():
 
 def spawned_child(queue):
     """A multiprocessing spawn target: the simulated NPU first, as the parent had it."""
-    import simnpu
+    from shimdev import simnpu
 
     simnpu.install(release=os.environ["CHILD_RELEASE"])
     out = report()

@@ -10,7 +10,7 @@ scripts/release_report.py --write-readme``) all check the real decisions against
 declaration that is wrong about the code fails a test, and a new patch needs no row anywhere.
 """
 
-import realsglang
+from shimdev import realsglang
 from npu_shim.framework import expected_state
 from npu_shim.patches import load_all
 

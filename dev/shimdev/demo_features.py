@@ -8,7 +8,7 @@ interpreter started by ``realsglang.run_in_release(..., env=DEMO_ENV, zbal=True)
   ``ModelRunner.initialize`` body on a runner whose heavy steps are stubs that take simulated device
   memory (64 GB device), the real ``get_available_gpu_memory`` / ``get_npu_memory_capacity``;
 * mla_weight_release -- a GLM-5-shaped MLA layer through the real ``npu_mla_preprocess`` with the
-  decode role published through real ``ServerArgs`` (tests/support/mla_kernels.py);
+  decode role published through real ``ServerArgs`` (dev/shimdev/mla_kernels.py);
 * dual_stream_experts -- the real ``Glm4MoeSparseMoeBlock.forward_deepep`` (wrapped on 0.5.9, the
   release's own on 0.5.10+) on a synthetic block; the stream each part ran on from simnpu.EVENTS.
 
@@ -23,6 +23,23 @@ from __future__ import annotations
 import types
 
 GIB, MIB = 1 << 30, 1 << 20
+
+#: The demo's drivers, keyed by patch name: each runs the release's real (patched or own) code on a
+#: synthetic model and returns JSON-able facts.  A patch without a driver needs no change here: the
+#: demo shows its state, reason and details.  Filled by ``@driver(name)`` below.
+DRIVERS = {}
+#: Patches whose driver runs where the release has the feature upstream too (its own code runs).
+DRIVE_UPSTREAM = set()
+
+
+def driver(name, upstream_too=False):
+    """Register the decorated function as the demo driver of patch ``name``."""
+    def register(fn):
+        DRIVERS[name] = fn
+        if upstream_too:
+            DRIVE_UPSTREAM.add(name)
+        return fn
+    return register
 
 #: The environment the demo's release processes get: every patch's trigger set, the shim's own
 #: switches at their defaults (a user's NPU_SHIM_* overrides would hide what the demo shows).
@@ -41,7 +58,7 @@ def zbal_fresh(mix=False, scheduler_started=False):
     """Reset the patch's per-process state, the simulated device and the fake zbal.
     ``scheduler_started``: mix mode as Scheduler.__init__ leaves it for the model runner (zbal's
     allocator switched in before the device is touched; afterwards torch_npu refuses the switch)."""
-    import simnpu
+    from shimdev import simnpu
     import zbal
     from npu_shim import runtime
 
@@ -58,13 +75,13 @@ def zbal_fresh(mix=False, scheduler_started=False):
 
 def event_order():
     """simnpu.EVENTS as names (zbal calls by their function name)."""
-    import simnpu
+    from shimdev import simnpu
 
     return [e[1] if e[0] == "zbal" else e[0] for e in simnpu.EVENTS]
 
 
 def _scheduler_body(self, server_args, port_args, gpu_id, tp_rank, *rest):
-    import simnpu
+    from shimdev import simnpu
     import torch
 
     simnpu.log("body_start")
@@ -73,7 +90,7 @@ def _scheduler_body(self, server_args, port_args, gpu_id, tp_rank, *rest):
 
 def make_scheduler(tp=4, pp=1, gpu_id=0, tp_rank=3):
     """Construct the real (wrapped) Scheduler with its body replaced by a stub that allocates."""
-    import simnpu
+    from shimdev import simnpu
     import sglang.srt.managers.scheduler as sch
 
     init = sch.Scheduler.__dict__["__init__"]
@@ -117,7 +134,7 @@ def stub_model_runner():
     calls that needs a model is a stub (weights / KV cache take simulated device memory); stubs
     what ``initialize`` reads from model_runner's globals.  Returns the class:
     ``Runner(draft=False, weights=MiB, kv=MiB).initialize(1.0)``."""
-    import simnpu
+    from shimdev import simnpu
     import sglang.srt.model_executor.model_runner as mr
     from npu_shim.patches import zbal as zp
 
@@ -172,9 +189,10 @@ def stub_model_runner():
     return Runner
 
 
+@driver("zbal")
 def zbal_demo():
     """Init order (full / mix mode), the mix-mode lazy heap on a 64 GB device, memory queries."""
-    import simnpu
+    from shimdev import simnpu
     import zbal
     import sglang.srt.utils as u
     import sglang.srt.utils.common as common
@@ -214,9 +232,10 @@ def zbal_demo():
 
 # ------------------------------------------------------------------------ mla_weight_release
 
+@driver("mla_weight_release")
 def mla_demo(model="glm-5", tp=16):
     """Decode role: bytes released from one synthetic MLA layer; touching a released weight."""
-    import mla_kernels as K
+    from shimdev import mla_kernels as K
     from npu_shim import runtime
     from npu_shim.patches import mla_weight_release as R
 
@@ -241,13 +260,13 @@ def mla_demo(model="glm-5", tp=16):
 def glm4_moe_bed(kernel="partial", head_dim=16):
     """A small synthetic GLM-4 MoE block and two attention layers over the release's real
     ``glm4_moe`` classes, with run helpers; returns every name as a namespace.  ``kernel`` is
-    "partial", "full_head" or None (see tests/support/dual_stream_kernels.py).  ``head_dim``: 0.5.7
+    "partial", "full_head" or None (see dev/shimdev/dual_stream_kernels.py).  ``head_dim``: 0.5.7
     and 0.5.8 build their NPU rotary embedding only for head sizes 64/128/256/512 (others take a
     vllm kernel)."""
     import torch
     import torch.nn.functional as F
-    import simnpu
-    import dual_stream_kernels as K
+    from shimdev import simnpu
+    from shimdev import dual_stream_kernels as K
 
     K.install(simnpu, kernel=kernel)
 
@@ -410,6 +429,7 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
     return types.SimpleNamespace(**locals())
 
 
+@driver("dual_stream_experts", upstream_too=True)
 def dual_stream_demo():
     """Which stream ran the shared experts in an extend batch (the patched or the release's own
     forward_deepep), and whether the output equals the single-stream one."""
@@ -448,8 +468,8 @@ def import_targets():
     Returns {module: "ExcType: message"} for each module that failed to import."""
     import importlib
 
-    import dual_stream_kernels
-    import simnpu
+    from shimdev import dual_stream_kernels
+    from shimdev import simnpu
     from npu_shim.patches import load_all
 
     dual_stream_kernels.install(simnpu, kernel="partial")
@@ -463,21 +483,16 @@ def import_targets():
     return failed
 
 
-#: One driver per feature: each runs the release's real (patched or own) code on a synthetic model.
-DRIVERS = (("zbal", zbal_demo), ("mla_weight_release", mla_demo),
-           ("dual_stream_experts", dual_stream_demo))
-
-
 def run_drivers(names):
     """{feature: driver facts, or {"error", "traceback"}} for each feature in ``names``."""
     import traceback
 
     out = {}
-    for name, driver in DRIVERS:
-        if name not in names:
+    for name in names:
+        if name not in DRIVERS:
             continue
         try:
-            out[name] = driver()
+            out[name] = DRIVERS[name]()
         except Exception as exc:
             out[name] = {"error": "%s: %s" % (type(exc).__name__, exc),
                          "traceback": traceback.format_exc()[-3000:]}
@@ -496,10 +511,12 @@ def run_all(release):
 
     out = {"release": release, "states": {}, "sglang_file": sglang.__file__, "missing_modules": sorted(failed)}
     for name, st in runtime.states().items():
-        out["states"][name] = {"state": st["state"], "reason": st["reason"]}
-    # upstream/off: the shim has nothing of its own to show, except dual-stream (the release's own)
-    names = [name for name, _ in DRIVERS
-             if name == "dual_stream_experts" or out["states"][name]["state"] == "applied"]
-    out.update({name: None for name, _ in DRIVERS})
-    out.update(run_drivers(names))
+        out["states"][name] = {"state": st["state"], "reason": st["reason"],
+                               "details": st.get("details") or {}}
+    # upstream/off: the shim has nothing of its own to show, except where the release's own code
+    # can be driven the same way (DRIVE_UPSTREAM)
+    names = [name for name, st in out["states"].items()
+             if st["state"] == "applied" or (name in DRIVE_UPSTREAM and st["state"] == "upstream")]
+    out["facts"] = {name: None for name in out["states"]}
+    out["facts"].update(run_drivers(names))
     return out

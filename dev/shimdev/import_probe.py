@@ -5,13 +5,13 @@ must hold of it -- shared by the import matrix (tests/test_real_sglang_import.py
 ``probe(version)`` runs one subprocess in the release's layered environment: it imports every
 module a patch targets, records the states, which functions are wrapt wrappers, whether the
 ``from ... import`` copies are the module's own function, then runs each applied feature's driver
-(tests/support/demo_features.py).  ``problems(version, out, table)`` lists everything in that
+(dev/shimdev/demo_features.py).  ``problems(version, out, table)`` lists everything in that
 result that differs from the expected states ``table`` ({patch: state}); empty = all holds.
 """
 from __future__ import annotations
 
-import realsglang
-from demo_features import DEMO_ENV
+from shimdev import realsglang
+from shimdev.demo_features import DEMO_ENV
 
 from npu_shim.patches import load_all
 
@@ -20,7 +20,7 @@ TARGETS = sorted({module for patch in load_all() for module in patch.modules})
 MLA_MODULES = {m for patch in load_all() if patch.name == "mla_weight_release" for m in patch.modules}
 
 SNIPPET = """
-import demo_features
+from shimdev import demo_features
 failed = demo_features.import_targets()  # before anything else imports sglang
 import importlib.metadata, sys
 import wrapt

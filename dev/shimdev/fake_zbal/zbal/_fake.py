@@ -13,7 +13,7 @@ import functools
 import inspect
 
 try:
-    from simnpu import log as _simnpu_log
+    from shimdev.simnpu import log as _simnpu_log
 except ImportError:  # pragma: no cover - simnpu not on sys.path
     def _simnpu_log(*event):
         pass

@@ -12,7 +12,8 @@ One place for:
   under ``CACHE/layered/``:
 
   - ONE base venv (``base-<hash>``): torch==2.13.0 (CPU) and the pins most releases share.  It has
-    no wrapt: a real Ascend image has none (shared/docs/real-images.md);
+    no wrapt: a real Ascend image has none (sglang's NPU dependency set does not contain it;
+    README, "Quick start on an Ascend image");
   - per release, the sglang wheel unpacked with ``pip install --no-deps --target``
     (``sglang-<v>``), and a dependency layer (``deps-<hash>``) holding exactly what that
     release's pins change relative to the base (pip resolves them against the base with
@@ -30,14 +31,13 @@ replaces an environment another process is running in.
 
 CLI::
 
-    python scripts/sglang_envs.py wheels              # download every release's wheel
-    python scripts/sglang_envs.py sources [V ...]     # extract sources (default: all)
-    python scripts/sglang_envs.py envs [V ...]        # build release layers (default: all + editable)
-    python scripts/sglang_envs.py python V            # print the python that runs release V
+    PYTHONPATH=dev python3 -m shimdev.sglang_envs wheels           # download every release's wheel
+    PYTHONPATH=dev python3 -m shimdev.sglang_envs sources [V ...]  # extract sources (default: all)
+    PYTHONPATH=dev python3 -m shimdev.sglang_envs envs [V ...]     # build layers (default: all + editable)
+    PYTHONPATH=dev python3 -m shimdev.sglang_envs python V         # print the python that runs release V
 
-This file lives in ``scripts/`` without an ``__init__.py`` on purpose: the repo root is on
-users' PYTHONPATH and must not shadow an image's own ``scripts`` package.  Import it by path
-(``tests/support/realsglang.py`` does).
+Part of ``shimdev`` (dev/shimdev/): imported as ``from shimdev import sglang_envs`` with ``dev/`` on
+sys.path (see shimdev/__init__.py), never by file path.
 """
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ BASE_PINS = (
 
 #: Requirements taken from each release's wheel metadata (``Requires-Dist``, as the release
 #: states them) into its dependency layer: the packages whose version decides whether the
-#: release imports (shared/docs/real-sglang-on-cpu.md).  The rest of sglang's requirements are
+#: release imports on CPU (found by importing every release's target modules on CPU torch).  The rest of sglang's requirements are
 #: GPU kernels or serving extras that importing the patched modules on CPU does not need.
 LAYER_REQUIREMENTS = ("transformers", "tokenizers", "openai", "compressed-tensors", "apache-tvm-ffi",
                       "huggingface-hub", "uvicorn", "fastapi")
@@ -190,7 +190,7 @@ def file_lock(name: str):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _run(cmd: list[str], what: str, env: dict | None = None) -> None:
+def run(cmd: list[str], what: str, env: dict | None = None) -> None:
     """Run quietly; on failure raise with the command and the tail of its output."""
     full_env = dict(os.environ)
     full_env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
@@ -207,11 +207,11 @@ def _run(cmd: list[str], what: str, env: dict | None = None) -> None:
         raise EnvError(f"{what} failed (exit {p.returncode}): {' '.join(cmd)}\n{tail}")
 
 
-def _pip(python: str | Path, *args: str) -> list[str]:
+def pip(python: str | Path, *args: str) -> list[str]:
     return [str(python), "-m", "pip", "-q", "--disable-pip-version-check", *args]
 
 
-def _constraints_file() -> Path:
+def constraints_file() -> Path:
     p = cache_dir() / "constraints.txt"
     text = f"{TORCH_PIN}\n"
     if not p.exists() or p.read_text() != text:
@@ -244,7 +244,7 @@ def ensure_wheel(version: str, *, strict: bool = True) -> Path:
         if hit:
             return hit
         d.mkdir(parents=True, exist_ok=True)
-        _run(_pip(sys.executable, "download", "--no-deps", "--only-binary=:all:",
+        run(pip(sys.executable, "download", "--no-deps", "--only-binary=:all:",
                   "-d", str(d), f"sglang=={version}"),
              f"downloading the sglang {version} wheel")
         hit = _find_wheel(d, version)
@@ -296,7 +296,7 @@ def ensure_zbal_wheel() -> Path:
         hits = sorted(d.glob(pattern))
         if not hits:
             d.mkdir(parents=True, exist_ok=True)
-            _run(_pip(sys.executable, "download", "--no-deps", "--only-binary=:all:", "-d", str(d),
+            run(pip(sys.executable, "download", "--no-deps", "--only-binary=:all:", "-d", str(d),
                       ZBAL_PIN), f"downloading {ZBAL_PIN}")
             hits = sorted(d.glob(pattern))
         if not hits:
@@ -382,7 +382,7 @@ def _check_no(python: Path, names, what: str) -> None:
     """Fail with ``what`` when one of ``names`` is importable by ``python`` (no PYTHONPATH)."""
     code = ("import importlib.util, sys; bad = [n for n in sys.argv[1:] if importlib.util.find_spec(n)]; "
             "sys.exit('importable: ' + ', '.join(bad) if bad else 0)")
-    _run([str(python), "-c", code, *names], what, env={"PYTHONNOUSERSITE": "1"})
+    run([str(python), "-c", code, *names], what, env={"PYTHONNOUSERSITE": "1"})
 
 
 def ensure_base(*, log=None) -> Path:
@@ -391,14 +391,14 @@ def ensure_base(*, log=None) -> Path:
 
     def build(d: Path) -> dict:
         log(f"[base] creating {d}")
-        _run([sys.executable, "-m", "venv", str(d)], "creating the base venv")
+        run([sys.executable, "-m", "venv", str(d)], "creating the base venv")
         py = d / "bin" / "python"
-        cons = str(_constraints_file())
+        cons = str(constraints_file())
         log(f"[base] installing {TORCH_PIN}")
-        _run(_pip(py, "install", "-c", cons, TORCH_PIN), f"base venv: {TORCH_PIN}")
+        run(pip(py, "install", "-c", cons, TORCH_PIN), f"base venv: {TORCH_PIN}")
         log(f"[base] installing {len(COMMON_DEPS) + len(BASE_PINS)} requirements")
-        _run(_pip(py, "install", "-c", cons, TORCH_PIN, *COMMON_DEPS, *BASE_PINS), "base venv: dependencies")
-        _run([str(py), "-c", "import torch, sys; v = torch.__version__; "
+        run(pip(py, "install", "-c", cons, TORCH_PIN, *COMMON_DEPS, *BASE_PINS), "base venv: dependencies")
+        run([str(py), "-c", "import torch, sys; v = torch.__version__; "
               f"sys.exit(0 if v.split('+')[0] == {TORCH_PIN.split('==')[1]!r} else 'torch is ' + v)"],
              "base venv: checking torch")
         _check_no(py, ["wrapt"], "base venv: a dependency brought wrapt (the base must not have it)")
@@ -416,7 +416,7 @@ def ensure_wrapt(version: str = WRAPT_DEFAULT) -> Path:
     d = layered_dir() / f"wrapt-{version}-py{_python_tag()}"
 
     def build(tmp: Path) -> dict:
-        _run(_pip(sys.executable, "install", "--no-deps", "--only-binary=:all:", "--target", str(tmp),
+        run(pip(sys.executable, "install", "--no-deps", "--only-binary=:all:", "--target", str(tmp),
                   f"wrapt=={version}"), f"installing wrapt {version} as a layer")
         return {"wrapt": version}
 
@@ -430,7 +430,7 @@ def ensure_sglang_layer(version: str, *, strict: bool = True, log=None) -> Path:
 
     def build(tmp: Path) -> dict:
         (log or (lambda s: None))(f"[sglang {version}] installing {wheel.name} as a layer")
-        _run(_pip(sys.executable, "install", "--no-deps", "--target", str(tmp), str(wheel)),
+        run(pip(sys.executable, "install", "--no-deps", "--target", str(tmp), str(wheel)),
              f"installing the sglang {version} wheel as a layer")
         return {"wheel": wheel.name}
 
@@ -484,12 +484,12 @@ def ensure_deps_layer(requirements: dict, *, log=None) -> Path:
     d = _deps_dir(key)
 
     def build(tmp: Path) -> dict:
-        cons = str(_constraints_file())
+        cons = str(constraints_file())
         report = layered_dir() / f"report-{os.getpid()}.json"
         delta: list[str] = []
         if requirements["deps"]:
             log(f"[deps] resolving {' '.join(requirements['deps'])} against the base")
-            _run(_pip(py, "install", "--dry-run", "--report", str(report), "-c", cons, TORCH_PIN,
+            run(pip(py, "install", "--dry-run", "--report", str(report), "-c", cons, TORCH_PIN,
                       *requirements["deps"]), "resolving a dependency layer against the base")
             try:
                 items = json.loads(report.read_text()).get("install", [])
@@ -505,7 +505,7 @@ def ensure_deps_layer(requirements: dict, *, log=None) -> Path:
         for group, what in ((delta, "the resolved delta"), (requirements["nodeps"], "--no-deps pins")):
             if group:
                 log(f"[deps] installing {' '.join(group)}")
-                _run(_pip(py, "install", "--no-deps", "--target", str(tmp), *group),
+                run(pip(py, "install", "--no-deps", "--target", str(tmp), *group),
                      f"installing {what} of a dependency layer")
         return {"key": key, "installed": delta + requirements["nodeps"]}
 
@@ -546,7 +546,7 @@ def ensure_sdist(version: str) -> Path:
     with file_lock(f"sdist-{version}"):
         if not (d / pattern).exists():
             d.mkdir(parents=True, exist_ok=True)
-            _run(_pip(sys.executable, "download", "--no-deps", "--no-binary=:all:", "-d", str(d),
+            run(pip(sys.executable, "download", "--no-deps", "--no-binary=:all:", "-d", str(d),
                       f"sglang=={version}"), f"downloading the sglang {version} sdist")
         if not (d / pattern).exists():
             raise EnvError(f"pip download reported success but no {pattern} is in {d}")
@@ -584,11 +584,11 @@ def ensure_editable(*, log=None) -> ReleaseEnv:
         (src / "sglang" / "_version.py").unlink()
         venv = final / "venv"
         log(f"[editable] venv {venv} on top of the base")
-        _run([str(python), "-m", "venv", str(venv)], "creating the editable venv")
+        run([str(python), "-m", "venv", str(venv)], "creating the editable venv")
         (_site_packages(venv) / "npu_shim_base.pth").write_text(
             f"import site; site.addsitedir({str(_site_packages(base_dir()))!r})\n")
         log(f"[editable] pip install -e {src} (version {dev})")
-        _run(_pip(venv / "bin" / "python", "install", "--no-deps", "-e", str(src)),
+        run(pip(venv / "bin" / "python", "install", "--no-deps", "-e", str(src)),
              f"pip install -e of the sglang {release} tree", env={"SETUPTOOLS_SCM_PRETEND_VERSION": dev})
         finders = sorted(p.name for p in _site_packages(venv).glob("__editable___sglang_*_finder.py"))
         pths = sorted(p.name for p in _site_packages(venv).glob("__editable__.sglang-*.pth"))
@@ -646,7 +646,7 @@ def _versions(args: list[str], default) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sglang_envs.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 -m shimdev.sglang_envs", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("wheels", help="download every supported release's wheel")
     p = sub.add_parser("sources", help="extract releases' sglang/ trees (default: all)")

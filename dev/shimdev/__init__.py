@@ -1,0 +1,32 @@
+"""shimdev: npu-shim's development tooling -- never part of what users put on PYTHONPATH.
+
+What lives here (each module says more):
+
+* ``sglang_envs``    the supported releases, their wheels, sources and layered environments;
+* ``runner``         the test runner's venv (torch, wrapt, pytest), shared by the test command and
+                     the benchmarks;
+* ``realsglang``     run code in a release's environment with the simulated NPU;
+* ``simnpu``         a simulated Ascend NPU (``torch.npu`` on the CPU, a recorded event log);
+* ``fake_zbal/zbal`` memfabric-zbal 1.2.0's Python API, importable as top-level ``zbal`` only where
+                     ``FAKE_ZBAL`` (its directory) is put on the path;
+* ``demo_features``  the per-patch drivers of the demo, the import probe and the real-release tests;
+* ``expected_states`` the release table; ``mla_kernels``, ``dual_stream_kernels`` NPU kernel
+                     stand-ins; ``import_probe``, ``drop_in_probe`` child-process probes;
+* ``release_report``, ``dual_stream_bench``, ``mla_real_bench`` code shared by a script and a test.
+
+The one import convention: ``dev/`` (the directory holding this package) is put first on
+``sys.path`` -- by tests/conftest.py for the tests, by the one-line prelude of each script in
+scripts/, by ``PYTHONPATH`` (``realsglang.release_env``) for the child processes -- and everything is
+imported as ``shimdev.<module>`` (``from shimdev import simnpu``).  Nothing is loaded by file path.
+
+Why ``dev/shimdev`` and not a top-level package: the repository root is on users' PYTHONPATH, and
+only ``sitecustomize`` and ``npu_shim`` may be importable from it (tests/test_layout.py).
+"""
+from pathlib import Path
+
+#: dev/ -- the directory that goes on sys.path / PYTHONPATH.
+DEV = Path(__file__).resolve().parent.parent
+#: The repository root.
+REPO = DEV.parent
+#: The directory that makes the fake ``import zbal`` work when put on the path.
+FAKE_ZBAL = Path(__file__).resolve().parent / "fake_zbal"

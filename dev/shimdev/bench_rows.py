@@ -1,0 +1,100 @@
+"""The rows of scripts/bench.py's table, declared once: which script measures each, in table order.
+
+bench.py refuses a row a script produces that is not declared here, and gives every declared row a
+cell even when its script failed ("not measured: ..."); tests/test_bench_table.py checks that
+README.md's Performance table has exactly these rows, in this order, between ``README_START`` and
+``README_END`` (``python3 scripts/bench.py --write-readme`` writes it from a run).
+"""
+
+README_START = "<!-- bench-table -->"
+README_END = "<!-- /bench-table -->"
+HEADER = ("| what | how | measured | target | result | script |", "|---|---|---|---|---|---|")
+
+MLA_CASES = tuple((model, tp, "decode") for model in ("DeepSeek-V3", "GLM-5") for tp in (1, 8, 16)) + \
+    (("DeepSeek-V3", 8, "prefill"), ("GLM-5", 8, "prefill"))
+
+
+def mla_row(model, tp, role):
+    return "MLA weights freed by the real sglang 0.5.11 npu_mla_preprocess, %s, TP %d, %s" % (model, tp, role)
+
+
+ROWS = (
+    ("bench_shim_cost", "start-up of `python -c pass`, shim compiled (.pyc present) on PYTHONPATH vs no shim"),
+    ("bench_shim_cost", "start-up of `python -c pass`, shim sources with no .pyc anywhere vs no shim"),
+    ("bench_shim_cost", "peak memory of that process (compiled shim), shim vs not"),
+    ("bench_shim_cost", "import overhead: real sglang 0.5.11 target modules, every applicable patch on, shim vs not"),
+    ("bench_shim_cost", "memory the shim retains in an sglang 0.5.11 process, every applicable patch on"),
+    ("bench_drop_in", "start-up of `python -c pass`, read-only bundle (its .pyc) on PYTHONPATH vs no shim"),
+    ("bench_drop_in", "the same with the shim's sources only (no .pyc anywhere: compiled in every process)"),
+    ("bench_drop_in", "start-up of `python -c pass`, read-only bundle vs no shim, in instructions executed"),
+    ("bench_drop_in", "npu_mla_preprocess wrapper, added ns/call, bundle's wrapt C build"),
+    ("bench_drop_in", "npu_mla_preprocess wrapper, added ns/call, bundle's wrapt pure-Python build"),
+) + tuple(("bench_mla_release", mla_row(*case)) for case in MLA_CASES) + (
+    ("bench_mla_release", "npu_mla_preprocess wrapper, added ns/call after a layer's first call"),
+    ("bench_zbal", "get_available_gpu_memory('npu'), mix mode: added per call"),
+    ("bench_zbal", "get_available_gpu_memory('npu'), full mode: added per call"),
+    ("bench_zbal", "decide(zbal) on a cold SourceView of 0.5.11"),
+    ("bench_dual_stream", "dual-stream overlap (CUDA or NPU when present)"),
+)
+
+RESULT = {True: "ok", False: "MISSED", None: "-"}
+
+
+def cell(text):
+    """One table cell: one line, no pipe."""
+    return " ".join(str(text).split()).replace("|", "/")
+
+
+def one_line(exc):
+    """An exception as one short line (a table cell is never a traceback)."""
+    return cell("%s: %s" % (type(exc).__name__, exc))[:240]
+
+
+def collect(sources, log=print):
+    """Run each ``(script, rows function)`` of ``sources``; return (rows in declared order, problems).
+
+    A benchmark that raises, a declared row it did not produce, or a row it produced that is not
+    declared is a problem (bench.py then exits 1); each declared row of such a script still gets a
+    one-line cell, "not measured: <script> failed: <error>"."""
+    declared = [what for _, what in ROWS]
+    ran = [script for script, _ in sources]
+    got, problems = {}, []
+    for script, produce in sources:
+        log("[bench] %s ..." % script)
+        failure = None
+        try:
+            produced = list(produce())
+        except Exception as exc:  # noqa: BLE001 - one line in the table, then the other benchmarks
+            failure = "%s failed: %s" % (script, one_line(exc))
+            problems.append(failure)
+            produced = []
+        for row in produced:
+            if row.get("what") not in declared:
+                problems.append("%s produced an undeclared row %r" % (script, row.get("what")))
+                continue
+            got[row["what"]] = dict(row, script=script)
+        for owner, what in ROWS:
+            if owner == script and what not in got:
+                why = failure or "%s did not produce this row" % script
+                if not failure:
+                    problems.append(why + ": " + what)
+                got[what] = {"what": what, "how": "", "measured": "not measured: " + why,
+                             "target": "", "ok": False, "script": script}
+    rows = [got[what] for owner, what in ROWS if owner in ran]
+    return rows, problems
+
+
+def render(rows):
+    """The table (header + one line per row) for rows with what/how/measured/target/ok/script."""
+    lines = list(HEADER)
+    for row in rows:
+        lines.append("| %s |" % " | ".join(cell(row[k]) if k != "ok" else RESULT[row["ok"]]
+                                            for k in ("what", "how", "measured", "target", "ok", "script")))
+    return "\n".join(lines)
+
+
+def readme_rows(text):
+    """The ``what`` cells of README.md's bench table, in order."""
+    block = text.split(README_START, 1)[1].split(README_END, 1)[0]
+    lines = [line for line in block.splitlines() if line.startswith("| ")]
+    return [line.split(" | ")[0][2:] for line in lines[1:]]

@@ -1,0 +1,197 @@
+"""For maintainers (the command is scripts/release_report.py; this module holds its code, which
+tests/test_release_report.py imports), when upstream publishes an sglang release:
+
+    python3 scripts/release_report.py VERSION     # e.g. 0.5.24; "latest" = the newest on PyPI
+    python3 scripts/release_report.py --write-readme
+
+For VERSION it
+
+1. fetches the release's wheel (``pip download --no-deps``) and reads its source;
+2. decides every patch from that source, exactly as the runtime does (patch switched on, trigger
+   assumed set), and compares with the newest older release of the expected table: a probe that
+   now says ``upstream``, a target gone, a signature changed, a pinned body whose fingerprint
+   changed, a state that moved;
+3. builds the release's layers (dev/shimdev/sglang_envs.py) and imports it with the shim on, on the
+   simulated NPU, every patch triggered: states, wrapped functions, ``from``-import copies and each
+   applied feature's driver, checked as the import matrix checks them
+   (dev/shimdev/import_probe.py);
+4. compares with what the patches' declarations promise for VERSION (backport_range and
+   upstream_release: dev/shimdev/expected_states.py), and prints the README row.
+
+Exit status 0 when the import agrees with the source decision and both with the declarations; 1
+otherwise (change the patch whose declaration is wrong); 2 on bad usage or when the release
+cannot be fetched or built.  ``--write-readme`` rewrites README.md's supported-release table.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from shimdev import REPO, expected_states, realsglang, sglang_envs
+
+
+def say(line=""):
+    print(line, flush=True)
+
+
+def latest_on_pypi() -> str:
+    """The newest sglang version on the index pip uses (``pip index versions sglang``)."""
+    p = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "sglang"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+    m = re.search(r"^Available versions: ([^,\s]+)", p.stdout, re.M)
+    if p.returncode != 0 or not m:
+        raise sglang_envs.EnvError("pip index versions sglang failed: %s" % (p.stderr or p.stdout)[-2000:])
+    return m.group(1)
+
+
+def _view(version, strict=False):
+    from npu_shim.codeview import SourceView
+
+    return SourceView(os.path.join(str(sglang_envs.ensure_sources(version, strict=strict)), "sglang"))
+
+
+def static_decisions(view):
+    """{patch: Decision} from the source, each patch switched on and its trigger assumed set."""
+    from npu_shim import framework
+    from npu_shim.patches import load_all
+
+    return {p.name: framework.decide(p, view, environ={}, on_npu=None, assume_triggered=True)
+            for p in load_all()}
+
+
+def moved(prev_view, new_view):
+    """Lines: what changed for the shim between two releases' sources."""
+    from npu_shim import framework, targets
+    from npu_shim.patches import load_all
+
+    lines = []
+    for patch in load_all():
+        before, after = patch.probe(prev_view), patch.probe(new_view)
+        if not before and after:
+            lines.append("%s: the probe now says upstream: %s" % (patch.name, after))
+        elif before and not after:
+            lines.append("%s: the probe no longer finds the upstream feature (was: %s)" % (patch.name, before))
+        if before:
+            continue  # upstream before: the shim had no targets to compare
+        ctx = framework.DecideContext({}, True)
+        try:
+            listed = patch.targets(prev_view, ctx)
+        except Exception as exc:  # a release the patch cannot even list targets for
+            lines.append("%s: cannot list the previous release's targets (%r)" % (patch.name, exc))
+            continue
+        for target in listed:
+            if not isinstance(target, targets.Wrap):
+                old, new = target.check_source(prev_view), target.check_source(new_view)
+                if new and new != old:
+                    lines.append("%s: %s" % (patch.name, new))
+                continue
+            old = prev_view.function(target.module, target.qualname)
+            new = new_view.function(target.module, target.qualname)
+            if old is None:
+                continue
+            if new is None:
+                lines.append("%s: target gone: %s" % (patch.name, target.describe()))
+            elif new.params != old.params:
+                lines.append("%s: %s signature (%s) -> (%s)" % (
+                    patch.name, target.describe(), ", ".join(old.params), ", ".join(new.params)))
+            elif target.own_pin is not None and new.fingerprint != old.fingerprint:
+                lines.append("%s: pinned body %s changed: fingerprint %s -> %s (known: %s)" % (
+                    patch.name, target.describe(), old.fingerprint, new.fingerprint,
+                    ", ".join("%s (%s)" % kv for kv in target.own_pin.items())))
+    return lines
+
+
+def write_readme() -> bool:
+    """Rewrite README.md's release table from EXPECTED; True when it changed."""
+    path = REPO / "README.md"
+    text = path.read_text(encoding="utf-8")
+    start, end = expected_states.README_START, expected_states.README_END
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    new = "%s%s\n%s\n%s%s" % (head, start, expected_states.render_table(), end, tail)
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text
+
+
+def report(version: str) -> int:
+    table = expected_states.EXPECTED
+    known = version in table
+    older = [v for v in table if sglang_envs.version_key(v) < sglang_envs.version_key(version)]
+    previous = older[-1] if older else None
+    wheel = sglang_envs.ensure_wheel(version, strict=False)
+    view = _view(version)
+    say("sglang %s (%s)%s" % (version, wheel.name, ", in the expected table" if known else ", NEW"))
+    if view.version != version:
+        say("  ! the wheel's source reports version %r" % view.version)
+        return 1
+
+    say("\n1. every patch decided from the release's source (switched on, trigger assumed set):")
+    decisions = static_decisions(view)
+    states = {name: d.state for name, d in decisions.items()}
+    for name, d in decisions.items():
+        say("  %-20s %-12s %s" % (name, d.state, d.reason))
+
+    say("\n2. what moved since %s (the table's previous row: %s):" % (
+        previous, ", ".join(table[previous].values()) if previous else "-"))
+    lines = moved(_view(previous), view) if previous else []
+    if previous:
+        lines += ["%s: %s -> %s" % (name, old, states[name])
+                  for name, old in table[previous].items() if old != states[name]]
+    for line in lines or ["nothing the shim reads"]:
+        say("  - " + line)
+
+    say("\n3. imported with the shim on (simulated NPU, every patch triggered; building its layers "
+        "if needed):")
+    from shimdev import import_probe
+
+    sglang_envs.ensure_release(version, strict=False, log=lambda s: say("    " + s))
+    out = import_probe.probe(version)
+    found = import_probe.problems(version, out, states)
+    say("  states      %s" % ", ".join("%s %s" % (n, s["state"]) for n, s in out["states"].items()))
+    say("  wrapped     %s" % (", ".join(sorted("%s:%s" % (m, n) for m, ns in out["wrapped"].items()
+                                                   for n in ns)) or "nothing"))
+    say("  drivers     %s" % (", ".join("%s %s" % (n, "FAILED" if "error" in f else "ran")
+                                       for n, f in out["drivers"].items()) or "none (nothing applied)"))
+    for line in found:
+        say("  ! " + line)
+    say("  %s" % ("agrees with the source decision: states, wrapped targets, from-import copies, drivers"
+                  if not found else "DISAGREES with the source decision (above)"))
+
+    promised = expected_states.expected(version)
+    agree = promised == states
+    say("\n4. what the patches' declarations promise (backport_range, upstream_release):")
+    say("   the table has %s: %s" % (", ".join(promised.values()), "agrees" if agree else "DIFFERS"))
+    for name in (n for n in states if promised[n] != states[n]):
+        say("   ! %s: declared %s, decided %s: fix %s's declaration (or the code)"
+            % (name, promised[name], states[name], name))
+    say("   README row (python3 scripts/release_report.py --write-readme):")
+    say("   " + expected_states.row(version, states))
+    if not known:
+        say("   new release: add it to RELEASES (or POST_RELEASES) in dev/shimdev/sglang_envs.py, then "
+            "--write-readme")
+    return 0 if agree and not found else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="release_report.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("version", nargs="?", help='an sglang version on PyPI, or "latest"')
+    ap.add_argument("--write-readme", action="store_true",
+                    help="rewrite README.md's supported-release table from the expected table")
+    a = ap.parse_args(argv)
+    if a.write_readme:
+        say("README.md release table %s" % ("rewritten" if write_readme() else "already up to date"))
+        if not a.version:
+            return 0
+    if not a.version:
+        ap.error("give a VERSION (or --write-readme)")
+    try:
+        version = latest_on_pypi() if a.version == "latest" else a.version
+        return report(version)
+    except (sglang_envs.EnvError, realsglang.ReleaseRunError) as exc:
+        say("release_report: error: %s" % exc)
+        return 2

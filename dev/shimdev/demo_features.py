@@ -43,13 +43,23 @@ def driver(name, upstream_too=False):
 
 #: The environment the demo's release processes get: every patch's trigger set, the shim's own
 #: switches at their defaults (a user's NPU_SHIM_* overrides would hide what the demo shows).
-DEMO_ENV = {
-    "NPU_SHIM_ENABLED": "1", "NPU_SHIM_STRICT": None, "NPU_SHIM_ZBAL": None,
-    "NPU_SHIM_MLA_WEIGHT_RELEASE": None, "NPU_SHIM_MLA_RELEASE_FORCE": None,
-    "NPU_SHIM_DUAL_STREAM": None,
-    "SGLANG_ZBAL_LOCAL_MEM_SIZE": "61440", "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://10.0.0.1:6789",
-    "SGLANG_NPU_USE_MULTI_STREAM": "1",
-}
+def _demo_env():
+    """Every patch switched on and triggered: each variable any patch reads unset (None: removed
+    from the child's environment), then each patch's declared ``trigger_env`` -- so a new patch is
+    triggered here without an edit -- and the drivers' own sizes."""
+    from npu_shim.patches import all_variables, load_all
+
+    env = {var.name: None for var in all_variables()}
+    env.update({alias: None for var in all_variables() for alias in var.aliases})
+    env["NPU_SHIM_ENABLED"] = "1"
+    for patch in load_all():
+        env.update(patch.trigger_env)
+    # the zbal driver's device is 64 GB (61440 MiB managed), its bootstrap URL a fixed one
+    env.update(SGLANG_ZBAL_LOCAL_MEM_SIZE="61440", SGLANG_ZBAL_BOOTSTRAP_URL="tcp://10.0.0.1:6789")
+    return env
+
+
+DEMO_ENV = _demo_env()
 
 
 # ------------------------------------------------------------------------------------ zbal

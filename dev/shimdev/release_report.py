@@ -20,7 +20,8 @@ For VERSION it
 
 Exit status 0 when the import agrees with the source decision and both with the declarations; 1
 otherwise (change the patch whose declaration is wrong); 2 on bad usage or when the release
-cannot be fetched or built.  ``--write-readme`` rewrites README.md's supported-release table.
+cannot be fetched or built.  ``--write-readme`` rewrites README.md's generated tables (supported
+releases, environment variables).
 """
 from __future__ import annotations
 
@@ -105,14 +106,29 @@ def moved(prev_view, new_view):
     return lines
 
 
-def write_readme() -> bool:
-    """Rewrite README.md's release table from EXPECTED; True when it changed."""
-    path = REPO / "README.md"
-    text = path.read_text(encoding="utf-8")
-    start, end = expected_states.README_START, expected_states.README_END
+def env_table():
+    """README.md's environment-variable table (between <!-- env-table --> markers)."""
+    from npu_shim.patches import all_variables
+
+    lines = ["| variable | type | default | meaning |", "|---|---|---|---|"]
+    lines += ["| `%s` | %s | `%r` | %s |" % (v.name, v.kind, v.default, v.doc) for v in all_variables()]
+    return "\n".join(lines)
+
+
+def _replace_between(text, start, end, body):
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
-    new = "%s%s\n%s\n%s%s" % (head, start, expected_states.render_table(), end, tail)
+    return "%s%s\n%s\n%s%s" % (head, start, body, end, tail)
+
+
+def write_readme() -> bool:
+    """Rewrite README.md's generated tables (supported releases, from the patches' declarations;
+    environment variables, from ``all_variables()``); True when it changed."""
+    path = REPO / "README.md"
+    text = path.read_text(encoding="utf-8")
+    new = _replace_between(text, expected_states.README_START, expected_states.README_END,
+                           expected_states.render_table())
+    new = _replace_between(new, "<!-- env-table -->", "<!-- /env-table -->", env_table())
     if new != text:
         path.write_text(new, encoding="utf-8")
     return new != text

@@ -101,15 +101,30 @@ def host():
         return "localhost"
 
 
-def start_ticks(pid=None):
-    """The process's start time in clock ticks since boot (Linux ``/proc``), or None: with the pid
-    it names one process, even after the pid is reused."""
+def _stat(pid=None):
+    """The fields of ``/proc/PID/stat`` after the command name (Linux), or None."""
     try:
         with open("/proc/%s/stat" % (pid or "self"), "rb") as handle:
             data = handle.read()
-        return int(data[data.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
+        return data[data.rindex(b")") + 2:].split()
+    except (OSError, ValueError):
         return None
+
+
+def start_ticks(pid=None):
+    """The process's start time in clock ticks since boot (Linux ``/proc``), or None: with the pid
+    it names one process, even after the pid is reused."""
+    fields = _stat(pid)
+    try:
+        return int(fields[19]) if fields else None
+    except (ValueError, IndexError):
+        return None
+
+
+def is_zombie(pid):
+    """The process has exited and waits for its parent to reap it (Linux), else False."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] in (b"Z", b"X")
 
 
 def sglang_version():

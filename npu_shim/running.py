@@ -3,7 +3,8 @@
 Reads the records every sglang process keeps in ``NPU_SHIM_STATE_DIR`` (npu_shim/statefile.py)
 and puts them in one table, process x patch.  A record is *stale* when it names a process of this
 host that no longer runs (its pid is gone, or now belongs to a process started at another time);
-stale records are shown, never counted.  Records of other hosts (a shared directory) cannot be
+stale records are shown, never counted (an exited process its parent has not reaped yet is stale
+too).  Records of other hosts (a shared directory) cannot be
 checked and count as live.
 
 Problems (exit code EXIT_RUNNING_PROBLEM):
@@ -58,6 +59,8 @@ def is_stale(record, this_host=None):
         pass  # it exists, as another user
     except OSError:
         return False
+    if procinfo.is_zombie(pid):
+        return True  # exited, not yet reaped by its parent
     recorded, now = record.get("start_ticks"), procinfo.start_ticks(pid)
     return recorded is not None and now is not None and recorded != now  # the pid was reused
 
@@ -82,9 +85,11 @@ def analyse(dir_):
         record["stale"] = is_stale(record, host)
         processes.append(record)
     live = [p for p in processes if not p["stale"]]
-    names = []
-    for p in processes:
-        names += [n for n in patch_states(p) if n not in names]
+    from npu_shim.patches import known_names
+
+    seen_names = {n for p in processes for n in patch_states(p)}
+    names = [n for n in known_names() if n in seen_names]  # registry order, then any other
+    names += sorted(seen_names - set(names))
     problems = []
     for p in live:
         for name, state in patch_states(p).items():

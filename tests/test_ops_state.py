@@ -283,3 +283,19 @@ def test_reasons_are_at_debug(tree):
     assert re.fullmatch(TAG + " demo=applied", lines[0]), lines
     assert re.fullmatch(TAG + re.escape(" demo: applied (backport of sgl-project/sglang#1; upstream "
                                         "since 0.5.99)"), lines[1]), lines
+
+
+def test_an_exited_process_not_yet_reaped_is_stale():
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.time() + 30
+    while not procinfo.is_zombie(child.pid) and time.time() < deadline:
+        time.sleep(0.02)
+    try:
+        assert running.is_stale(_record(child.pid, {}))  # a zombie: exited, its parent not told yet
+        assert not running.is_stale(_record(os.getpid(), {}, start_ticks=procinfo.start_ticks()))
+        assert running.is_stale(_record(os.getpid(), {}, start_ticks=1))  # the pid was reused
+        assert not running.is_stale(_record(child.pid, {}, host="elsewhere"))  # cannot be checked
+    finally:
+        child.wait()

@@ -81,7 +81,8 @@ def attach(source, sglang_path=None, shim_enabled=True):
 
 
 def build():
-    """The record as a dict (``updated`` left out)."""
+    """The record as a dict (``updated`` left out), or None when the patches' details could not be
+    read consistently this time (a wrapper kept mutating one in another thread: try later)."""
     import platform
 
     from npu_shim import __version__
@@ -92,8 +93,10 @@ def build():
             try:
                 patches = json.loads(json.dumps(_W.source(), default=str))
                 break
-            except RuntimeError:
+            except RuntimeError:  # "dictionary changed size during iteration"
                 continue
+        else:
+            return None
     return {
         "format": FORMAT,
         "pid": os.getpid(),
@@ -119,6 +122,8 @@ def write(force=False):
     try:
         with _W.lock:
             record = build()
+            if record is None:
+                return False
             text = json.dumps(record, sort_keys=True, default=str)
             if not force and text == _W.last and _W.last_pid == os.getpid():
                 return False

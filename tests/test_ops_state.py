@@ -299,3 +299,24 @@ def test_an_exited_process_not_yet_reaped_is_stale():
         assert not running.is_stale(_record(child.pid, {}, host="elsewhere"))  # cannot be checked
     finally:
         child.wait()
+
+
+def test_a_record_is_never_written_without_its_patches(tmp_path, monkeypatch):
+    from npu_shim import statefile
+
+    monkeypatch.setenv("NPU_SHIM_STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(statefile._W, "thread_pid", os.getpid())  # no writer thread in this test
+    saved = statefile._W.source
+
+    def busy():
+        raise RuntimeError("dictionary changed size during iteration")
+
+    try:
+        statefile.attach(busy)
+        assert statefile.write() is False and os.listdir(tmp_path) == []
+        statefile.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": {"n": 1}}})
+        assert statefile.write() is True and statefile.write() is False  # unchanged: not rewritten
+        (name,) = os.listdir(tmp_path)
+        assert json.load(open(tmp_path / name))["patches"]["p"]["details"] == {"n": 1}
+    finally:
+        statefile._W.source, statefile._W.last = saved, None

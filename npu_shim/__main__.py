@@ -10,7 +10,10 @@ Exit codes: 0 fine; 1 ``bundle`` failed; 2 an environment variable is invalid, o
 strict mode is on and a patch would end ``unsupported`` or ``failed``, or a patch the job asks for
 explicitly (zbal with a size) cannot apply; 4 ``check`` could not run, the shim was not active in
 its process, a target module failed to import or the bundle's files differ from its MANIFEST; 5
-sglang is not found; 64 bad usage.
+sglang is not found; 6 (``status --running``) a running process has a ``failed`` patch or
+processes of the same sglang disagree on a patch's state (npu_shim/running.py); 7 (``status
+--running``) no live process has a state record in the directory (none written, or only stale
+ones); 64 bad usage.
 """
 
 import argparse
@@ -27,6 +30,8 @@ EXIT_BAD_ENV = 2
 EXIT_STRICT = 3
 EXIT_CHECK_FAILED = 4
 EXIT_NO_SGLANG = 5
+EXIT_RUNNING_PROBLEM = 6
+EXIT_NO_RECORDS = 7
 EXIT_USAGE = 64
 
 
@@ -198,6 +203,38 @@ def run_bundle(args):
     return 0
 
 
+def run_running(args):
+    """``status --running [DIR]``: the state records of the running processes (running.py)."""
+    from npu_shim import running
+
+    dir_ = args.running
+    if not dir_:
+        try:
+            dir_ = config.STATE_DIR.read()
+        except config.ConfigError as exc:
+            sys.stderr.write("npu-shim status --running: %s\n" % exc)
+            return EXIT_BAD_ENV
+        if not dir_:
+            sys.stderr.write("npu-shim status --running: give DIR or set %s (the directory the "
+                             "server's processes write their records to)\n" % config.STATE_DIR.name)
+            return EXIT_USAGE
+    if not os.path.isdir(dir_):
+        info = {"dir": dir_, "patches": [], "processes": [], "unreadable": [], "live": 0,
+                "stale": 0, "problems": [], "error": "no such directory"}
+    else:
+        info = running.analyse(dir_)
+    code = EXIT_RUNNING_PROBLEM if info["problems"] else 0 if info["live"] else EXIT_NO_RECORDS
+    info["exit"] = code
+    if args.json:
+        json.dump(info, sys.stdout, indent=2, default=str, sort_keys=True)
+        sys.stdout.write("\n")
+    elif "error" in info:
+        sys.stdout.write("npu-shim status --running: %s: %s\n" % (dir_, info["error"]))
+    else:
+        running.print_table(info)
+    return code
+
+
 def run_check(args):
     from npu_shim import check
 
@@ -223,6 +260,10 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="what the shim would do here, per patch and variable")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--running", nargs="?", const="", default=None, metavar="DIR",
+                        help="instead: gather the state records of running processes from DIR "
+                             "(default: NPU_SHIM_STATE_DIR) into one table; exit 6 if one has a "
+                             "failed patch or they disagree, 7 if there is no live record")
     check = sub.add_parser("check", help="run the shim in a child process as a server would, "
                                          "import sglang's target modules and report what happened")
     check.add_argument("--json", action="store_true", help="machine-readable output")
@@ -249,6 +290,8 @@ def main(argv=None):
         return run_bundle(args)
     if args.command == "check":
         return run_check(args)
+    if args.running is not None:
+        return run_running(args)
     info = collect()
     if args.json:
         json.dump(info, sys.stdout, indent=2, default=str)

@@ -21,6 +21,7 @@ class SglangImportWatcher:
     """A meta-path finder that finds nothing; it only notices the first ``import sglang``."""
 
     fired = False
+    off = False  # NPU_SHIM_ENABLED=0: only say so when sglang is imported
 
     def find_spec(self, fullname, path=None, target=None):
         if self.fired or fullname != "sglang":
@@ -28,6 +29,11 @@ class SglangImportWatcher:
         # Stay in sys.meta_path: the import system is iterating that list right now, and removing
         # an entry would make it skip the finder after us (editable installs live there).
         self.fired = True
+        if self.off:
+            from npu_shim import runtime
+
+            runtime.say_off()
+            return None
         from npu_shim import runtime  # deferred: wrapt and the patches load only from here
 
         runtime.activate_guarded()
@@ -48,13 +54,17 @@ def arm():
 
 
 def start():
-    """Arm the watcher unless NPU_SHIM_ENABLED says off (read here without the config module: a
-    bad value is reported through it and counts as off); never raises."""
+    """Arm the watcher; with NPU_SHIM_ENABLED off it only says so once sglang is imported (read
+    here without the config module: a bad value is reported through it and counts as off);
+    never raises."""
     try:
         raw = os.environ.get("NPU_SHIM_ENABLED", "").strip().lower()
         if raw == "" or raw in TRUE_WORDS:
             arm()
-        elif raw not in FALSE_WORDS:
+        elif raw in FALSE_WORDS:
+            _WATCHER.off = True
+            arm()
+        else:
             from npu_shim import config, log  # only on this error path
 
             try:

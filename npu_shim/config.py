@@ -91,6 +91,23 @@ def _parse_level(raw):
     return value
 
 
+def _parse_dir(raw):
+    value = raw.strip()
+    if not os.path.isabs(value):
+        raise ValueError("expected an absolute directory path, e.g. /dev/shm/npu-shim")
+    return value
+
+
+def _parse_log_format(raw):
+    value = raw.strip().lower()
+    if value not in LOG_FORMATS:
+        raise ValueError("expected one of " + ", ".join(LOG_FORMATS))
+    return value
+
+
+LOG_FORMATS = ("text", "json")
+
+
 def _shown(raw, limit=60):
     """The value as it appears in a message: repr (escapes, ANSI and undecodable bytes show as
     such), cut to ``limit`` characters."""
@@ -189,7 +206,16 @@ PATCHES = EnvVar(
     "Allow-list for canaries: only these patches (comma-separated names) may apply; unset: all.",
     _parse_names)
 
-SHIM_VARIABLES = (ENABLED, ACTIVATE, STRICT, LOG_LEVEL, PATCHES)
+LOG_FORMAT = EnvVar(
+    "NPU_SHIM_LOG_FORMAT", "format", "text",
+    "Shim log lines as text ('[npu-shim 0.2.0 sglang 0.5.11 pid 812 tp 3/16] ...') or json "
+    "(one object per line, for log pipelines).", _parse_log_format)
+STATE_DIR = EnvVar(
+    "NPU_SHIM_STATE_DIR", "dir", "",
+    "Directory (absolute, e.g. /dev/shm/npu-shim) where each sglang process keeps a JSON record of "
+    "its role and patch states; 'status --running' reads them. Unset: nothing is written.", _parse_dir)
+
+SHIM_VARIABLES = (ENABLED, ACTIVATE, STRICT, LOG_LEVEL, LOG_FORMAT, STATE_DIR, PATCHES)
 # Set by npu-shim itself (runtime: decision_cache) or its dev tooling (the test cache), not by users.
 INTERNAL_NAMES = ("NPU_SHIM_SOURCE_ANSWERS", "NPU_SHIM_CACHE")
 

@@ -4,7 +4,10 @@ Timeline in a process:
 1. ``activate`` (first ``import sglang``, or ``install()``): wrapt is loaded and a post-import
    hook is registered on every module any patch may touch.
 2. The first of those hooks decides every patch at once (``framework.decide``) from the sglang
-   source on disk and logs one line per patch: everything is validated before anything changes.
+   source on disk and logs one summary line for the process (``report_all``: each reason at
+   DEBUG, ``unsupported`` at WARNING, ``failed`` at ERROR): everything is validated before
+   anything changes.  With ``NPU_SHIM_STATE_DIR`` set the process's state record is written then,
+   and again whenever it changes (npu_shim/statefile.py).
 3. Each hook then applies the targets that live in its module; a target whose loaded code does
    not match fails its whole patch, which is reverted everywhere.
 4. ``importlib.reload`` of a patched module (which post-import hooks never see) re-applies its
@@ -17,7 +20,7 @@ import os
 import sys
 import threading
 
-from npu_shim import config, decision_cache, framework, log, wrapt_loader
+from npu_shim import config, decision_cache, framework, log, procinfo, statefile, wrapt_loader
 from npu_shim.framework import APPLIED, FAILED, PROBLEMS, UNSUPPORTED, ShimError
 from npu_shim.targets import Wrap
 
@@ -198,10 +201,12 @@ def decide_all(view=None, on_npu=None, missing_wrapt=None):
     _RT.decided_from = "inherited answers" if inherited else "sglang source"
     if view is not None:
         decision_cache.export(view)
+        procinfo.SGLANG_VERSION["value"] = view.version
     _RT.records = records
-    for record in records.values():
-        report(record)
+    report_all(records)
     report_invalid_variables(records)
+    statefile.attach(state_snapshot, getattr(view, "package_dir", None))
+    statefile.write()
     for record in records.values():
         enforce(record)
 
@@ -219,13 +224,53 @@ def fail_without_wrapt(reason):
 
 
 def report(record):
+    """One patch's state with its reason: ``failed`` at ERROR, ``unsupported`` at WARNING (both
+    always seen), the others at DEBUG (the summary line has their states)."""
     line = "%s: %s (%s)" % (record.patch.name, record.state, record.reason)
     if record.state == FAILED:
         log.error(line)
     elif record.state == UNSUPPORTED:
         log.warning(line)
     else:
-        log.info(line)
+        log.debug(line)
+
+
+def short_details(record):
+    """What the summary line adds after a state, from the details the wrappers keep."""
+    details = record.details or {}
+    parts = []
+    if details.get("mode"):
+        parts.append(str(details["mode"]))
+    if isinstance(details.get("gva_mib"), int):
+        parts.append("%d MiB" % details["gva_mib"])
+    if details.get("released_mib") is not None:
+        parts.append("released %s MiB" % details["released_mib"])
+    return "(%s)" % ", ".join(parts) if parts else ""
+
+
+def summary_line(records):
+    return " ".join("%s=%s%s" % (name, record.state, short_details(record))
+                    for name, record in records.items())
+
+
+def report_all(records):
+    """The process's summary line at INFO (tagged by the log handler with versions, pid and role:
+    ``[npu-shim 0.2.0 sglang 0.5.11 pid 812 tp 3/16] zbal=applied mla_weight_release=applied
+    dual_stream_experts=upstream``), then each patch's reason (``report``)."""
+    log.info(summary_line(records),
+             fields={"event": "summary",
+                     "states": {name: record.state for name, record in records.items()},
+                     "reasons": {name: record.reason for name, record in records.items()}})
+    for record in records.values():
+        report(record)
+
+
+def state_snapshot():
+    """{patch: {"state", "reason", "details", "targets_applied"}} for the state record."""
+    records = _RT.records
+    return {name: {"state": r.state, "reason": r.reason, "details": dict(r.details),
+                   "targets_applied": "%d/%d" % (len(r.applied), len(r.targets))}
+            for name, r in (records or {}).items()}
 
 
 def enforce(record):
@@ -306,7 +351,9 @@ def apply_module(module, late=None):
             revert_record(record)
             record.state, record.reason = FAILED, "while patching %s: %s" % (name, exc)
             report(record)
+            statefile.write()
             enforce(record)
+    statefile.write()
 
 
 def revert_record(record):
@@ -314,6 +361,26 @@ def revert_record(record):
         change.revert()
     record.changes = []
     record.applied = set()
+
+
+def say_off():
+    """The watcher saw ``import sglang`` with the shim off (NPU_SHIM_ENABLED=0): one line, and the
+    state record says so too.  Never raises."""
+    try:
+        from npu_shim.codeview import find_package_dir, read_version
+
+        package_dir = find_package_dir("sglang")
+        if package_dir:
+            procinfo.SGLANG_VERSION["value"] = read_version(package_dir)
+        log.info("off (%s=%s): sglang is not patched in this process"
+                 % (config.ENABLED.name, os.environ.get(config.ENABLED.name, "").strip()),
+                 fields={"event": "off"})
+        statefile.write_off_record(package_dir)
+    except Exception as exc:  # noqa: BLE001
+        try:
+            log.error_once("off", "shim off; could not say more: %r" % (exc,))
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def watcher_armed():
@@ -328,8 +395,11 @@ def install():
     from npu_shim import _bootstrap
 
     with _RT.lock:
-        if _RT.installed or watcher_armed():
+        if _RT.installed or (watcher_armed() and not _bootstrap._WATCHER.off):
             return False
+        # An explicit install() decides every patch even with NPU_SHIM_ENABLED=0 (each then reads
+        # ``disabled``), as it always has; the start-up watcher only says "off".
+        _bootstrap._WATCHER.off = False
         if "sglang" in sys.modules:
             activate()
         else:
@@ -389,6 +459,7 @@ def uninstall():
         _RT.generation += 1
         _RT.records = None
         _RT.patches = None
+    statefile.write()
 
 
 def record(name):

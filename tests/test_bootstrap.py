@@ -7,6 +7,7 @@ patch.  The real releases are exercised by tests/test_real_sglang_import.py and 
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ from npu_shim.patches import all_variables
 from npu_shim.patches import zbal as zbal_patch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TAG = r"\[npu-shim 0\.2\.0 sglang 0\.5\.9 pid [0-9]+\]"  # every line of a process that saw sglang
 
 FAKE_COMMON = '''
 def get_npu_memory_capacity():
@@ -149,7 +151,7 @@ def test_process_that_never_imports_sglang_loads_nothing_heavy(tree):
     assert last_json(proc) == []
 
 
-def test_hooks_fire_on_sglang_import_and_log_one_line_per_patch(tree):
+def test_hooks_fire_on_sglang_import_and_log_one_summary_line(tree):
     proc = run(tree, """
         import json
         from sglang.srt.utils import get_npu_memory_capacity, Scheduler
@@ -162,8 +164,8 @@ def test_hooks_fire_on_sglang_import_and_log_one_line_per_patch(tree):
     assert out["value"] == 1001 and out["common"] == 1001 and out["patched"] is True
     assert out["states"]["demo"]["state"] == "applied"
     assert all(out["states"]["demo"]["targets"].values())
-    assert proc.stderr.strip() == (
-        "[npu-shim] demo: applied (backport of sgl-project/sglang#1; upstream since 0.5.99)")
+    # One line for the process, tagged with versions and pid; the reason is at DEBUG.
+    assert re.fullmatch(TAG + r" demo=applied", proc.stderr.strip()), proc.stderr
 
 
 def test_upstream_probe_stands_down_and_touches_nothing(tree):
@@ -193,7 +195,7 @@ def test_unknown_signature_is_unsupported_and_nothing_is_changed(tree):
     assert out["value"] == 1000  # the valid target was not applied either: all or nothing
     assert out["states"]["demo"]["state"] == "unsupported"
     assert "Scheduler.__init__ has signature (server_args, port_args, gpu_id)" in out["states"]["demo"]["reason"]
-    assert "[npu-shim] demo: unsupported" in proc.stderr
+    assert re.search(TAG + r" demo: unsupported \(", proc.stderr), proc.stderr
 
 
 def test_exception_inside_a_patch_does_not_break_the_import(tree):
@@ -206,8 +208,10 @@ def test_exception_inside_a_patch_does_not_break_the_import(tree):
     assert out["value"] == 1000
     assert out["states"]["demo"]["state"] == "failed"
     assert "boom while listing targets" in out["states"]["demo"]["reason"]
-    assert proc.stderr.strip().count("\n") == 0  # one line
-    assert "[npu-shim] demo: failed (deciding raised RuntimeError('boom while listing targets'))" in proc.stderr
+    summary, failure = proc.stderr.strip().splitlines()  # the summary, then the failure at ERROR
+    assert re.fullmatch(TAG + " demo=failed", summary), summary
+    assert re.fullmatch(TAG + re.escape(" demo: failed (deciding raised RuntimeError('boom while "
+                                        "listing targets'))"), failure), failure
 
 
 def test_strict_mode_raises_on_a_failed_patch(tree):
@@ -222,9 +226,16 @@ def test_master_switch_off_leaves_sglang_untouched(tree):
         import sys, json
         from sglang.srt.utils import get_npu_memory_capacity
         print(json.dumps({"value": get_npu_memory_capacity(), "wrapt": "wrapt" in sys.modules}))
+        import sglang.srt  # a second sglang import says nothing more
     """, env={"NPU_SHIM_ENABLED": "0"})
     assert last_json(proc) == {"value": 1000, "wrapt": False}
-    assert proc.stderr == ""
+    # said once, when the process imports sglang ...
+    assert re.fullmatch(TAG + r" off \(NPU_SHIM_ENABLED=0\): sglang is not patched in this process",
+                        proc.stderr.strip()), proc.stderr
+    # ... and never by a process that does not import it
+    quiet = run(tree, "import json, sys; print(json.dumps('npu_shim.runtime' in sys.modules))",
+                env={"NPU_SHIM_ENABLED": "0"})
+    assert quiet.stderr == "" and last_json(quiet) is False
 
 
 def test_per_patch_switch_disables_only_that_patch(tree):
@@ -257,7 +268,7 @@ def test_bad_env_values_give_one_clear_message(tree, name, value, message):
     assert proc.stdout.strip() == "imported"
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.count(message.split(":")[0]) == 1
+    assert proc.stderr.count(message.split(" (")[0]) == 1  # the summary line says "demo=failed"
 
 
 def test_bad_bootstrap_url_message():

@@ -10,6 +10,7 @@ tests/test_bootstrap.py.  The real releases get the same treatment in tests/test
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -313,8 +314,9 @@ def test_without_wrapt_patches_fail_in_one_line_each_and_sglang_still_imports(ba
     assert out["reason"].startswith("wrapt is not available: wrapt is not installed in this image, "
                                     "and this npu-shim is not a bundle")
     assert "python -m npu_shim bundle DIR" in out["reason"]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("[npu-shim]")]
-    assert lines == ["[npu-shim] demo: failed (%s)" % out["reason"]], proc.stderr
+    lines = [re.sub(r"^\[npu-shim 0\.2\.0 sglang [^ ]+ pid [0-9]+\] ", "", line)
+             for line in proc.stderr.splitlines() if line.startswith("[npu-shim ")]
+    assert lines == ["demo=failed", "demo: failed (%s)" % out["reason"]], proc.stderr
 
 
 def test_without_wrapt_a_feature_asked_for_explicitly_stops_the_process(bare_venvs, tree):

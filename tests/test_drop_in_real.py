@@ -7,6 +7,7 @@ on PYTHONPATH (dev/shimdev/realsglang.py); ``wrapt=None`` leaves wrapt out entir
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import textwrap
@@ -50,8 +51,9 @@ def test_no_wrapt_each_patch_that_would_apply_fails_in_one_line(tmp_path):
     assert out["reasons"]["mla_weight_release"].startswith("wrapt is not available: wrapt is not "
                                                           "installed in this image")
     assert out["wrappers"] == [] and out["origin"] is None and out["app_wrapt"] is None
-    failed = [l for l in proc.stderr.splitlines() if l.startswith("[npu-shim]") and "failed" in l]
-    assert failed == ["[npu-shim] mla_weight_release: failed (%s)" % out["reasons"]["mla_weight_release"]]
+    failed = [l for l in proc.stderr.splitlines() if l.startswith("[npu-shim 0.2.0 ") and ": failed" in l]
+    assert [re.sub(r"^\[[^\]]*\] ", "", l) for l in failed] == [
+        "mla_weight_release: failed (%s)" % out["reasons"]["mla_weight_release"]]
 
 
 def test_no_wrapt_with_a_zbal_size_stops_the_process_with_the_reason(tmp_path):

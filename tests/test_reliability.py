@@ -33,7 +33,7 @@ def test_reload_into_code_the_shim_does_not_know_reverts_and_says_so(tree):
     assert out["before"] == 1001 and out["after"] == 1000 and out["init"] is False
     assert out["state"] == "failed" and not any(out["targets"].values())
     assert "Scheduler.__init__ has signature (a, b, c)" in out["reason"]
-    assert "[npu-shim] demo: failed (while patching sglang.srt.utils.common" in proc.stderr
+    assert "] demo: failed (while patching sglang.srt.utils.common" in proc.stderr
 
 
 def test_uninstall_after_reload_restores_the_reloaded_code(tree):
@@ -115,7 +115,7 @@ def test_bad_variables_are_each_reported_once_with_the_prefix_at_activation(tree
     """, env={"NPU_SHIM_LOG_LEVEL": "loud", "NPU_SHIM_STRICT": "maybe",
               "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://[:]:1", "SGLANG_ZBAL_LOCAL_MEM_SIZE": "１２２８８"})
     lines = proc.stderr.strip().splitlines()
-    assert lines and all(line.startswith("[npu-shim] ") for line in lines), lines
+    assert lines and all(line.startswith("[npu-shim 0.2.0 sglang 0.5.9 pid ") for line in lines), lines
     for name in ("NPU_SHIM_LOG_LEVEL", "NPU_SHIM_STRICT", "SGLANG_ZBAL_BOOTSTRAP_URL",
                  "SGLANG_ZBAL_LOCAL_MEM_SIZE"):
         assert sum(name + "=" in line for line in lines) == 1, (name, lines)
@@ -226,13 +226,16 @@ def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(c
     from npu_shim import runtime
     from npu_shim.framework import ShimError
 
+    from npu_shim import log
+
     monkeypatch.delenv("NPU_SHIM_STRICT", raising=False)
+    log.configure()  # sets the logger's level once per process: before caplog lowers it
     with caplog.at_level(logging.DEBUG, logger="npu_shim"):
         for state in ("failed", "unsupported", "applied", "inactive"):
             runtime.report(_record(state))
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("ERROR", "p: failed (because)"), ("WARNING", "p: unsupported (because)"),
-        ("INFO", "p: applied (because)"), ("INFO", "p: inactive (because)")]
+        ("DEBUG", "p: applied (because)"), ("DEBUG", "p: inactive (because)")]
     runtime.enforce(_record("failed"))  # not requested, not strict: logged only
     runtime.enforce(_record("applied", must_honour=True))
     with pytest.raises(ShimError, match="^npu-shim: p was requested but is unsupported: because$"):

@@ -65,7 +65,7 @@ Remove when every supported image runs sglang >= 0.5.12.
 
 import importlib.util
 
-from npu_shim import config, log
+from npu_shim import config, log, procinfo, statefile
 from npu_shim.framework import Patch, ShimError
 from npu_shim.targets import Replace, Wrap, bind_arguments
 
@@ -314,7 +314,13 @@ class ZbalProcess:
         def scheduler_init(wrapped, instance, args, kwargs):
             bound = bind_arguments(params, args, kwargs)
             server_args = bound["server_args"]
+            # The process's role for its log tag and state record (before the line below logs).
+            procinfo.note_scheduler(
+                tp_rank=bound.get("tp_rank"), tp_size=getattr(server_args, "tp_size", None),
+                pp_rank=bound.get("pp_rank"), pp_size=getattr(server_args, "pp_size", None),
+                dp_rank=bound.get("dp_rank"), dp_size=getattr(server_args, "dp_size", None))
             self.init_for_rank(server_args.tp_size, server_args.pp_size, bound["gpu_id"], bound["tp_rank"])
+            statefile.touch(now=True)
             return wrapped(*args, **kwargs)
 
         return scheduler_init
@@ -337,6 +343,7 @@ class ZbalProcess:
                         "mix mode, lazy GVA heap %s" % when)
         self.gva_mib = size
         self.details.update(gva_mib=size, in_use_mib=in_use, device_total_mib=total, gva_init=when)
+        statefile.touch(now=True)
         log.info("zbal: rank %d initialised a %d MiB GVA heap (%d MiB configured, %d of %d MiB in use)"
                  % (group.rank_in_group, size, configured_mib(), in_use, total))
 

@@ -115,11 +115,11 @@ PINNED = {
 # group only used for that), each returning (success, message) to the scheduler.  What the
 # refusal says each would have done.
 UPDATE_OPS = {
-    "update_weights_from_disk": "loading weights from disk",
-    "update_weights_from_tensor": "loading the tensors",
-    "update_weights_from_distributed": "loading the broadcast weights",
-    "update_weights_from_ipc": "loading weights over IPC (checkpoint engine)",
-    "init_weights_update_group": "a weight update group (used only to load weights)",
+    "update_weights_from_disk": "loading weights from disk would write into",
+    "update_weights_from_tensor": "loading the tensors would write into",
+    "update_weights_from_distributed": "loading the broadcast weights would write into",
+    "update_weights_from_ipc": "loading weights over IPC (checkpoint engine) would write into",
+    "init_weights_update_group": "the group would serve only to load weights, which would write into",
 }
 UPDATE_SIG = ("recv_req",)
 # BaseTpWorker.<op>: hands recv_req to the model runner (0.5.16+: its weight_updater) and
@@ -553,10 +553,10 @@ class Release:
     def update_refusal(self, op):
         """The message a refused weight update answers with."""
         total = sum(self.released_bytes.values())
-        return ("npu-shim refused %s: %s would write into MLA weights this process released to free "
-                "NPU memory (%s; %.1f MiB freed), so nothing was loaded and the server keeps serving "
-                "its current weights. To update weights on this server, start it with %s=0 (keeps "
-                "the MLA weights)" % (op, UPDATE_OPS.get(op, "the update"),
+        return ("npu-shim refused %s: %s MLA weights this process released to free NPU memory "
+                "(%s; %.1f MiB freed), so nothing was loaded and the server keeps serving its current "
+                "weights. To update weights on this server, start it with %s=0 (keeps the MLA "
+                "weights)" % (op, UPDATE_OPS.get(op, "the update would write into"),
                                        ", ".join(self.released_weights()), total / MIB, SWITCH.name))
 
     def wrap_weight_update(self, wrapped, instance, args, kwargs):

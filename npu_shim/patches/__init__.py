@@ -14,7 +14,9 @@ Registry (what, why, how to switch it off, upstream, when it can be removed):
 
 * ``mla_weight_release`` -- ``npu_shim/patches/mla_weight_release.py``
   Targets: ``npu_mla_preprocess``, ``NPUFusedMLAPreprocess.mlaprolog_preprocess_weight`` (wrapped),
-  ``NPUFusedMLAPreprocess.uses_mlaprolog`` (added); 0.5.9 - 0.5.19 code shapes pinned.
+  ``NPUFusedMLAPreprocess.uses_mlaprolog`` (added), ``BaseTpWorker.update_weights_from_*`` /
+  ``init_weights_update_group`` (wrapped: refused with (False, message) once weights are
+  released); 0.5.9 - 0.5.19 code shapes pinned.
   Why: under PD disaggregation the fused mlaprolog path no longer reads the fused qkv_a weight
   (after its NZ copies) nor, on decode, ``w_kc``: their memory goes back to the device.  A released
   weight raises ``ReleasedWeightError`` if touched; LoRA / weight updates / speculative decoding keep it.

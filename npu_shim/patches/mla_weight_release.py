@@ -36,6 +36,27 @@ How
        ``w_kc is not None``.  Later calls only delegate (one dict lookup; see
        ``scripts/bench_mla_release.py``).
 
+    5. Weight updates (issue 14 §6).  ``/update_weights_from_disk`` and the tensor / distributed /
+       IPC variants exist on every 0.5.9 - 0.5.19 server whatever its flags.  Loading into a
+       released weight raises ``ReleasedWeightError`` inside the scheduler: 0.5.9 - 0.5.19's disk
+       update then "rolls back to original weights" by loading again outside its ``try`` (raises
+       again), the tensor update has no ``try`` at all -- either takes the scheduler down; the
+       distributed one catches it after loading part of the weights.  So ``BaseTpWorker``'s
+       ``update_weights_from_disk``, ``update_weights_from_tensor``,
+       ``update_weights_from_distributed``, ``update_weights_from_ipc`` and
+       ``init_weights_update_group`` (sglang.srt.managers.tp_worker; one code shape 0.5.9 - 0.5.15
+       and one or two 0.5.16 - 0.5.19, each pinned) are wrapped: once a weight is guarded in this
+       process, they return ``(False, message)`` up front -- nothing read, nothing loaded, never in
+       part -- naming the released weights, the MiB and ``NPU_SHIM_MLA_WEIGHT_RELEASE=0``; before
+       that (or where nothing was released) the release's own method runs untouched.  The
+       scheduler side turns the pair into the request's answer (success=False, the message; HTTP
+       400), flushes no cache and still reaches its TP barrier: ``SchedulerUpdateWeightsMixin``
+       (0.5.9 - 0.5.12) / ``SchedulerWeightUpdaterManager`` (0.5.13 - 0.5.19), pinned too.  Where
+       either differs, the whole patch is ``unsupported`` (no release without a clean answer).
+       Every TP rank decides alike: releases happen in forward passes all ranks run together.
+       ``update_weights_from_distributed`` refused on its own leaves the trainer's broadcast
+       without this rank; refusing ``init_weights_update_group`` first tells the trainer at set-up.
+
 Deliberate differences from upstream 0.5.20
     * A released weight is *guarded*: the tensor object itself (every reference to it) becomes a
       subclass whose ``__torch_function__`` raises ``ReleasedWeightError`` naming the weight, the
@@ -50,7 +71,7 @@ Deliberate differences from upstream 0.5.20
     * Nothing is released when the server can reload or adapt weights -- LoRA, memory saver /
       weights CPU backup (RL refit), ``load_format=dummy``, checkpoint engine, custom weight loader,
       serving as a remote-instance weight seed -- unless ``NPU_SHIM_MLA_RELEASE_FORCE=1``; the log
-      says which.  Nor with speculative decoding (not forcible): its target-verify / draft-extend
+      says which.  Where weights were released, update requests are refused cleanly (step 5).  Nor with speculative decoding (not forcible): its target-verify / draft-extend
       batches take the unfused path of ``forward_dsa_prepare_npu``, which reads both weights.
     * Before releasing, the copies are checked not to share the original's memory, and the
       original's storage to hold only that weight (else: kept, with a warning).

@@ -86,11 +86,11 @@ def moved(prev_view, new_view):
             continue  # upstream before: the shim had no targets to compare
         ctx = framework.DecideContext({}, True)
         try:
-            targets = patch.targets(prev_view, ctx)
+            found = patch.targets(prev_view, ctx)
         except Exception as exc:  # a release the patch cannot even list targets for
             lines.append("%s: cannot list the previous release's targets (%r)" % (patch.name, exc))
             continue
-        for target in targets:
+        for target in found:
             if not isinstance(target, targets.Wrap):
                 old, new = target.check_source(prev_view), target.check_source(new_view)
                 if new and new != old:
@@ -105,10 +105,14 @@ def moved(prev_view, new_view):
             elif new.params != old.params:
                 lines.append("%s: %s signature (%s) -> (%s)" % (
                     patch.name, target.describe(), ", ".join(old.params), ", ".join(new.params)))
-            elif target.fingerprints is not None and new.fingerprint != old.fingerprint:
+            elif target.own_pin is not None and new.fingerprint != old.fingerprint:
                 lines.append("%s: pinned body %s changed: fingerprint %s -> %s (known: %s)" % (
                     patch.name, target.describe(), old.fingerprint, new.fingerprint,
-                    ", ".join("%s (%s)" % kv for kv in target.fingerprints.items())))
+                    ", ".join("%s (%s)" % kv for kv in target.own_pin.items())))
+            else:  # the code it relies on elsewhere (pins on other defs, source_has)
+                before, after = target.check_source(prev_view), target.check_source(new_view)
+                if after and after != before:
+                    lines.append("%s: %s" % (patch.name, after))
     return lines
 
 

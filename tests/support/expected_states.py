@@ -12,9 +12,9 @@ PATCH_ORDER = ("zbal", "mla_weight_release", "dual_stream_experts")
 
 # release: states of (zbal, mla_weight_release, dual_stream_experts)
 EXPECTED = {
-    "0.5.7": ("applied", "unsupported", "applied"),
-    "0.5.8": ("applied", "unsupported", "applied"),
-    "0.5.8.post1": ("applied", "unsupported", "applied"),
+    "0.5.7": ("applied", "inactive", "applied"),
+    "0.5.8": ("applied", "inactive", "applied"),
+    "0.5.8.post1": ("applied", "inactive", "applied"),
     "0.5.9": ("applied", "applied", "applied"),
     "0.5.10": ("applied", "applied", "upstream"),
     "0.5.10.post1": ("applied", "applied", "upstream"),

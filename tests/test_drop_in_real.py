@@ -58,8 +58,9 @@ def test_no_wrapt_with_a_zbal_size_stops_the_process_with_the_reason(tmp_path):
     argv, env = realsglang.release_command(RELEASE, SIZE, wrapt=None, zbal=True)
     proc = _run(argv, env, _sim(RELEASE) + "import sglang.srt.managers.scheduler\nprint('ran on')", tmp_path)
     assert proc.returncode != 0 and "ran on" not in proc.stdout
-    assert ("ShimError: npu-shim: zbal was requested but is failed: wrapt is not available: wrapt is "
-            "not installed in this image") in proc.stderr
+    # ZbalError, zbal's ShimError
+    assert ("zbal.ZbalError: npu-shim: zbal was requested but is failed: wrapt is not available: "
+            "wrapt is not installed in this image") in proc.stderr
 
 
 def test_status_without_wrapt_never_says_applied(tmp_path):

@@ -121,7 +121,7 @@ def _check(problems, what, fn, *args):
 def problems(version: str, out: dict, table: dict) -> list:
     """What in ``out`` (from probe) contradicts the expected states ``table``; [] when all holds."""
     found = []
-    allowed_missing = MLA_MODULES if table.get("mla_weight_release") == "unsupported" else set()
+    allowed_missing = MLA_MODULES if table.get("mla_weight_release") in ("inactive", "unsupported") else set()
     bad = {m: e for m, e in out["failed"].items()
            if m not in allowed_missing or not e.startswith("ModuleNotFoundError")}
     if bad:

@@ -103,6 +103,10 @@ def moved(prev_view, new_view):
                 lines.append("%s: pinned body %s changed: fingerprint %s -> %s (known: %s)" % (
                     patch.name, target.describe(), old.fingerprint, new.fingerprint,
                     ", ".join("%s (%s)" % kv for kv in target.own_pin.items())))
+            else:  # the code it relies on elsewhere (pins on other defs, source_has)
+                before, after = target.check_source(prev_view), target.check_source(new_view)
+                if after and after != before:
+                    lines.append("%s: %s" % (patch.name, after))
     return lines
 
 

@@ -36,6 +36,27 @@ How
        ``w_kc is not None``.  Later calls only delegate (one dict lookup; see
        ``scripts/bench_mla_release.py``).
 
+    5. Weight updates (issue 14 §6).  ``/update_weights_from_disk`` and the tensor / distributed /
+       IPC variants exist on every 0.5.9 - 0.5.19 server whatever its flags.  Loading into a
+       released weight raises ``ReleasedWeightError`` inside the scheduler: 0.5.9 - 0.5.19's disk
+       update then "rolls back to original weights" by loading again outside its ``try`` (raises
+       again), the tensor update has no ``try`` at all -- either takes the scheduler down; the
+       distributed one catches it after loading part of the weights.  So ``BaseTpWorker``'s
+       ``update_weights_from_disk``, ``update_weights_from_tensor``,
+       ``update_weights_from_distributed``, ``update_weights_from_ipc`` and
+       ``init_weights_update_group`` (sglang.srt.managers.tp_worker; one code shape 0.5.9 - 0.5.15
+       and one or two 0.5.16 - 0.5.19, each pinned) are wrapped: once a weight is guarded in this
+       process, they return ``(False, message)`` up front -- nothing read, nothing loaded, never in
+       part -- naming the released weights, the MiB and ``NPU_SHIM_MLA_WEIGHT_RELEASE=0``; before
+       that (or where nothing was released) the release's own method runs untouched.  The
+       scheduler side turns the pair into the request's answer (success=False, the message; HTTP
+       400), flushes no cache and still reaches its TP barrier: ``SchedulerUpdateWeightsMixin``
+       (0.5.9 - 0.5.12) / ``SchedulerWeightUpdaterManager`` (0.5.13 - 0.5.19), pinned too.  Where
+       either differs, the whole patch is ``unsupported`` (no release without a clean answer).
+       Every TP rank decides alike: releases happen in forward passes all ranks run together.
+       ``update_weights_from_distributed`` refused on its own leaves the trainer's broadcast
+       without this rank; refusing ``init_weights_update_group`` first tells the trainer at set-up.
+
 Deliberate differences from upstream 0.5.20
     * A released weight is *guarded*: the tensor object itself (every reference to it) becomes a
       subclass whose ``__torch_function__`` raises ``ReleasedWeightError`` naming the weight, the
@@ -50,7 +71,7 @@ Deliberate differences from upstream 0.5.20
     * Nothing is released when the server can reload or adapt weights -- LoRA, memory saver /
       weights CPU backup (RL refit), ``load_format=dummy``, checkpoint engine, custom weight loader,
       serving as a remote-instance weight seed -- unless ``NPU_SHIM_MLA_RELEASE_FORCE=1``; the log
-      says which.  Nor with speculative decoding (not forcible): its target-verify / draft-extend
+      says which.  Where weights were released, update requests are refused cleanly (step 5).  Nor with speculative decoding (not forcible): its target-verify / draft-extend
       batches take the unfused path of ``forward_dsa_prepare_npu``, which reads both weights.
     * Before releasing, the copies are checked not to share the original's memory, and the
       original's storage to hold only that weight (else: kept, with a warning).
@@ -74,6 +95,11 @@ from npu_shim.targets import Replace, Wrap
 MLA_PRE = "sglang.srt.hardware_backend.npu.attention.mla_preprocess"
 MLA_NPU = "sglang.srt.hardware_backend.npu.modules.deepseek_v2_attention_mla_npu"
 RUNTIME_CONTEXT = "sglang.srt.runtime_context"
+TP_WORKER = "sglang.srt.managers.tp_worker"
+# What turns the worker's (success, message) into the request's answer (the scheduler's side).
+SCHEDULER_MIXIN = ("sglang.srt.managers.scheduler_update_weights_mixin", "SchedulerUpdateWeightsMixin")
+SCHEDULER_UPDATER = ("sglang.srt.managers.scheduler_components.weight_updater",
+                     "SchedulerWeightUpdaterManager")
 
 CLASS = "NPUFusedMLAPreprocess"
 PREPROCESS_SIG = ("m", "hidden_states", "positions", "forward_batch", "zero_allocator")
@@ -105,6 +131,61 @@ PINNED = {
     # builds m.mla_preprocess lazily, routes on the ignore rule only
     (MLA_NPU, "npu_mla_preprocess"): {"38ffc9242c8f71f7": "0.5.9 - 0.5.19"},
 }
+
+# Weight updates: BaseTpWorker's methods that load weights into this process's model (or set up a
+# group only used for that), each returning (success, message) to the scheduler.  What the
+# refusal says each would have done.
+UPDATE_OPS = {
+    "update_weights_from_disk": "loading weights from disk would write into",
+    "update_weights_from_tensor": "loading the tensors would write into",
+    "update_weights_from_distributed": "loading the broadcast weights would write into",
+    "update_weights_from_ipc": "loading weights over IPC (checkpoint engine) would write into",
+    "init_weights_update_group": "the group would serve only to load weights, which would write into",
+}
+UPDATE_SIG = ("recv_req",)
+# BaseTpWorker.<op>: hands recv_req to the model runner (0.5.16+: its weight_updater) and
+# returns its (success, message).
+UPDATE_PINS = {
+    "update_weights_from_disk": {"7d7bd48f2cd03bc7": "0.5.9 - 0.5.15", "2905646aebc14a4b": "0.5.16 - 0.5.19"},
+    "update_weights_from_tensor": {"45fb758993da4ded": "0.5.9 - 0.5.15", "63cb3243cb891b6a": "0.5.16",
+                                   "0ff5c21a9783bc8e": "0.5.17 - 0.5.19"},
+    "update_weights_from_distributed": {"55866601b437f3c6": "0.5.9 - 0.5.15",
+                                        "6c0d0f6220213f41": "0.5.16 - 0.5.19"},
+    "update_weights_from_ipc": {"a8dea004533cb7cb": "0.5.9 - 0.5.15", "13d8673cfc7b5ac4": "0.5.16 - 0.5.19"},
+    "init_weights_update_group": {"207758a6f8726c36": "0.5.9 - 0.5.15", "91ad943c5cf0b3ba": "0.5.16 - 0.5.19"},
+}
+# The scheduler's <op>: (False, message) from the worker -> no cache flush, the message logged
+# (not for init), the request answered with success=False and the message (HTTP 400); the tensor /
+# IPC ones still reach their TP barrier.  SchedulerUpdateWeightsMixin in 0.5.9 - 0.5.12,
+# SchedulerWeightUpdaterManager (scheduler.weight_updater) in 0.5.13 - 0.5.19.
+CALLER_PINS = {
+    SCHEDULER_MIXIN: {
+        "update_weights_from_disk": {"8f74107b2495cb5a": "0.5.9 - 0.5.10", "7feae91f08c508c6": "0.5.11",
+                                     "8cbd93254a900262": "0.5.12"},
+        "update_weights_from_tensor": {"ee1f24e176794173": "0.5.9", "93e2256f9bacac52": "0.5.10",
+                                       "ac61c776f8d1fa31": "0.5.11", "35082486191bc0a0": "0.5.12"},
+        "update_weights_from_distributed": {"2d1200d746303169": "0.5.9 - 0.5.10",
+                                            "a41eb03a508aff6f": "0.5.11", "7851b9e0a1ad6d68": "0.5.12"},
+        "update_weights_from_ipc": {"db86c47016c9559f": "0.5.9 - 0.5.10", "b45a42f7d64fe864": "0.5.11",
+                                    "dcdb299c0fd850a1": "0.5.12"},
+        "init_weights_update_group": {"85f04e1c518ebc6a": "0.5.9 - 0.5.12"},
+    },
+    SCHEDULER_UPDATER: {
+        "update_weights_from_disk": {"cba422bf7bb189e7": "0.5.13 - 0.5.14", "75dc83678d5f2eda": "0.5.15 - 0.5.18",
+                                     "f52be3fc7b3a382b": "0.5.19"},
+        "update_weights_from_tensor": {"8c57b2e14c2e8670": "0.5.13 - 0.5.14",
+                                       "8030a525ce273bc8": "0.5.15 - 0.5.18", "2ac1cb41f9220bee": "0.5.19"},
+        "update_weights_from_distributed": {"bebb3c96d38454e5": "0.5.13 - 0.5.14",
+                                            "b27feda85aa7750d": "0.5.15 - 0.5.18",
+                                            "5a99c6caf592afd0": "0.5.19"},
+        "update_weights_from_ipc": {"b98b5426ece4f060": "0.5.13 - 0.5.14", "28ef37c3202e6c58": "0.5.15 - 0.5.18",
+                                    "042a476ece6eefd2": "0.5.19"},
+        "init_weights_update_group": {"3ec277b136b2fc97": "0.5.13 - 0.5.14", "aa6da7ec646f9d26": "0.5.15 - 0.5.19"},
+    },
+}
+PINNED.update({(TP_WORKER, "BaseTpWorker." + op): pinned for op, pinned in UPDATE_PINS.items()})
+PINNED.update({(module, cls + "." + op): pinned
+               for (module, cls), ops in CALLER_PINS.items() for op, pinned in ops.items()})
 
 # Per-layer markers in the attention module's __dict__ (the hot-path check is one dict lookup).
 _DONE = "_npu_shim_mla_release_done"
@@ -373,6 +454,20 @@ def _exclusive(tensor):
     return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
 
+def _layer_list(layers):
+    """"layer 3", "layers 0-60", "layers 0-2, 5, ?" (ids that are not ints come last)."""
+    ints = sorted(i for i in layers if isinstance(i, int))
+    runs = []
+    for i in ints:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    parts = ["%d" % a if a == b else "%d-%d" % (a, b) for a, b in runs]
+    parts += sorted(str(i) for i in layers if not isinstance(i, int))
+    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(parts)
+
+
 # --------------------------------------------------------------------------- the release in a process
 
 class Release:
@@ -390,6 +485,7 @@ class Release:
     def reset(self):
         self.released_bytes = {"qkv_a": 0, "w_kc": 0}
         self.layers = set()
+        self.guarded = {"qkv_a": set(), "w_kc": set()}  # layer ids whose weight is guarded
         self.said = set()
         self.summary_logged = False
         self.first_marked = False
@@ -463,6 +559,43 @@ class Release:
                  % (prefix, total / MIB, len(self.layers), self.released_bytes["qkv_a"] / MIB,
                     self.released_bytes["w_kc"] / MIB, log.process_tag()))
 
+    def _note_guarded(self, kind, layer, tensor):
+        """A guarded weight raises on every touch, freed or not (memory still held elsewhere):
+        weight updates are refused from then on."""
+        if is_released(tensor):
+            self.guarded[kind].add(layer)
+
+    # -- weight updates
+    def released_weights(self):
+        """The guarded weights, e.g. ["qkv_a_proj.weight of layers 0-60", "w_kc of layers 0-60"]."""
+        return ["%s of %s" % (name, _layer_list(self.guarded[kind]))
+                for kind, name in (("qkv_a", "qkv_a_proj.weight"), ("w_kc", "w_kc")) if self.guarded[kind]]
+
+    def update_refusal(self, op):
+        """The message a refused weight update answers with."""
+        total = sum(self.released_bytes.values())
+        return ("npu-shim refused %s: %s MLA weights this process released to free NPU memory "
+                "(%s; %.1f MiB freed), so nothing was loaded and the server keeps serving its current "
+                "weights. To update weights on this server, start it with %s=0 (keeps the MLA "
+                "weights)" % (op, UPDATE_OPS.get(op, "the update would write into"),
+                                       ", ".join(self.released_weights()), total / MIB, SWITCH.name))
+
+    def wrap_weight_update(self, wrapped, instance, args, kwargs):
+        """BaseTpWorker's weight-update methods: once a weight is guarded in this process, refuse
+        up front with the (success, message) the method returns -- before anything is read or
+        loaded, so nothing is applied in part and no ReleasedWeightError reaches the scheduler
+        (0.5.11 - 0.5.19's disk update rolls back by loading again outside its ``try``, and the
+        tensor update has no ``try``: either would take the scheduler down).  Otherwise the
+        release's own method runs untouched."""
+        if not (self.guarded["qkv_a"] or self.guarded["w_kc"]):
+            return wrapped(*args, **kwargs)
+        op = getattr(wrapped, "__name__", "the weight update")
+        message = self.update_refusal(op)
+        self.details["updates_refused"] = self.details.get("updates_refused", 0) + 1
+        log.warning("mla_weight_release: refused %s: MLA weights are released in %s (%s=0 keeps "
+                    "them)" % (op, log.process_tag(), SWITCH.name))
+        return False, message
+
     # -- the wrappers
     def release_qkv_a(self, preprocess):
         """After ``mlaprolog_preprocess_weight``: free the fused qkv_a weight (role != null)."""
@@ -484,6 +617,7 @@ class Release:
                                                      "or its storage holds more than this weight" % what)
             return 0
         nbytes = release(weight, what, self.once)
+        self._note_guarded("qkv_a", layer, weight)
         if nbytes:
             self._account("qkv_a", layer, nbytes, what)
         return nbytes
@@ -507,6 +641,7 @@ class Release:
                                                      "memory, or its storage holds more than this weight" % what)
             return 0
         nbytes = release(w_kc, what, self.once)
+        self._note_guarded("w_kc", layer, w_kc)
         if nbytes:
             self._account("w_kc", layer, nbytes, what)
         return nbytes
@@ -560,7 +695,7 @@ class MlaWeightRelease(Patch):
     switch = SWITCH
     reads = (RELEASE_FORCE,)
     trigger_env = {}  # on by default; the disaggregation role decides in the server
-    modules = (MLA_PRE, MLA_NPU)
+    modules = (MLA_PRE, MLA_NPU, TP_WORKER)
 
     def probe(self, view):
         if view.has(MLA_PRE, CLASS + ".uses_mlaprolog"):
@@ -579,12 +714,20 @@ class MlaWeightRelease(Patch):
                        "(%s.forward_mlaprolog): renamed or moved in this image, so the shim cannot "
                        "tell what would still read the weights" % (missing + (CLASS,)))
             return []
+        caller = next((c for c in (SCHEDULER_MIXIN, SCHEDULER_UPDATER)
+                       if view.function(c[0], c[1] + ".update_weights_from_disk") is not None), None)
+        if caller is None:
+            ctx.refuse("the scheduler's update_weights_from_disk was not found (%s.%s or %s.%s): the "
+                       "shim cannot tell how a refused weight update would be answered, so it releases "
+                       "nothing" % (SCHEDULER_MIXIN + SCHEDULER_UPDATER))
+            return []
         forward = (MLA_PRE, CLASS + ".forward")
         release = ctx.process = Release(w8a8_attr=FORWARD_FINGERPRINTS.get(fingerprint(view, *forward)),
                           role_source="get_disagg" if view.has(RUNTIME_CONTEXT, "get_disagg")
                           else "server_args", details=ctx.details)
         ctx.note("frees memory only where the disaggregation role is prefill (qkv_a) or decode "
-                 "(qkv_a, w_kc), and not with LoRA, weight updates or speculative decoding")
+                 "(qkv_a, w_kc), and not with LoRA, weight updates or speculative decoding; once "
+                 "it has, update_weights_* requests are refused")
         return [
             Wrap(MLA_NPU, "npu_mla_preprocess", release.wrap_npu_mla_preprocess, [PREPROCESS_SIG],
                  pins=pins(entry)),
@@ -592,6 +735,10 @@ class MlaWeightRelease(Patch):
                  pins=pins(weight, forward, (MLA_PRE, CLASS + ".forward_mlaprolog"))),
             Replace(MLA_PRE, CLASS + ".uses_mlaprolog",
                     lambda _original: make_uses_mlaprolog_method(release.w8a8_attr), must_exist=False),
+        ] + [
+            Wrap(TP_WORKER, "BaseTpWorker." + op, release.wrap_weight_update, [UPDATE_SIG],
+                 pins=pins((TP_WORKER, "BaseTpWorker." + op), (caller[0], caller[1] + "." + op)))
+            for op in UPDATE_OPS
         ]
 
 

@@ -70,9 +70,12 @@ def test_states_across_every_release():
             assert release.role_source == ("get_disagg" if newer else "server_args"), version
             assert all(getattr(t, "wrapper", release.wrap_npu_mla_preprocess).__self__ is release
                        for t in decision.targets) and release.details is decision.details
-            assert sorted(t.describe().split(":")[1] for t in decision.targets) == [
+            assert sorted(t.describe().split(":")[1] for t in decision.targets
+                          if t.module != R.TP_WORKER) == [
                 "NPUFusedMLAPreprocess.mlaprolog_preprocess_weight",
                 "NPUFusedMLAPreprocess.uses_mlaprolog", "npu_mla_preprocess"]
+            assert sorted(t.qualname for t in decision.targets if t.module == R.TP_WORKER) == sorted(
+                "BaseTpWorker." + op for op in R.UPDATE_OPS), version
         elif decision.state == framework.INACTIVE:  # nothing to do: not "should apply but cannot"
             assert "no mlaprolog path" in decision.reason and "0.5.9" in decision.reason
         else:
@@ -81,6 +84,67 @@ def test_states_across_every_release():
     applied = [v for v, s in states.items() if s == "applied"]
     assert applied[0] == "0.5.9" and applied[-1] == "0.5.19" and len(applied) == 11
     assert [v for v, s in states.items() if s == "upstream"] == ["0.5.20", "0.5.21", "0.5.22", "0.5.23"]
+
+
+def test_weight_update_targets_pin_the_worker_and_the_scheduler_side_of_every_release():
+    """Issue 14 §6: each 0.5.9 - 0.5.19 release's BaseTpWorker.<op> (wrapped) and the scheduler
+    method that answers the request with its (success, message) are code the shim has read."""
+    for version in sglang_envs.ALL_RELEASES:
+        key = sglang_envs.version_key(version)
+        if not sglang_envs.version_key("0.5.9") <= key <= sglang_envs.version_key("0.5.19"):
+            continue
+        view = view_of(version)
+        decision = framework.decide(R.PATCH, view, environ={}, on_npu=True)
+        assert decision.state == framework.APPLIED, (version, decision.reason)
+        caller = R.SCHEDULER_MIXIN if key < sglang_envs.version_key("0.5.13") else R.SCHEDULER_UPDATER
+        updates = {t.qualname.split(".")[1]: t for t in decision.targets if t.module == R.TP_WORKER}
+        assert set(updates) == set(R.UPDATE_OPS), version
+        for op, target in updates.items():
+            assert target.signatures == (("recv_req",),) and target.wrapper == decision.process.wrap_weight_update
+            assert set(target.pins) == {(R.TP_WORKER, "BaseTpWorker." + op), (caller[0], caller[1] + "." + op)}
+            assert target.check_source(view) is None, (version, op)
+            assert view.function(caller[0], caller[1] + "." + op).fingerprint in R.PINNED[
+                (caller[0], caller[1] + "." + op)]
+
+
+@pytest.mark.parametrize("version,edit", [
+    # the worker no longer returns the runner's (success, message)
+    ("0.5.11", ("managers/tp_worker.py", "            recapture_cuda_graph=recv_req.recapture_cuda_graph,\n"
+                "        )\n        return success, message",
+                "            recapture_cuda_graph=recv_req.recapture_cuda_graph,\n"
+                "        )\n        return success")),
+    # the scheduler side answers a failed update differently (0.5.9 - 0.5.12: the mixin)
+    ("0.5.11", ("managers/scheduler_update_weights_mixin.py",
+                "        if not success:\n            logger.error(message)\n        return UpdateWeightFromDiskReqOutput",
+                "        if not success:\n            raise RuntimeError(message)\n        return UpdateWeightFromDiskReqOutput")),
+    # 0.5.13 - 0.5.19: the scheduler's weight_updater component
+    ("0.5.19", ("managers/scheduler_components/weight_updater.py",
+                "            success, message = worker.update_weights_from_tensor(recv_req)\n",
+                "            success, message = worker.update_weights_from_tensor(recv_req)\n"
+                "            assert success, message\n")),
+])
+def test_changed_weight_update_code_is_unsupported(tmp_path, version, edit):
+    src = os.path.join(str(sglang_envs.ensure_sources(version)), "sglang")
+    dest = tmp_path / "sglang"
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.so", "*.pyc"))
+    path = dest / "srt" / edit[0]
+    text = path.read_text()
+    assert edit[1] in text
+    path.write_text(text.replace(edit[1], edit[2], 1))
+    decision = framework.decide(R.PATCH, SourceView(str(dest)), environ={}, on_npu=True)
+    assert decision.state == framework.UNSUPPORTED
+    assert "fingerprint" in decision.reason and edit[0].split("/")[-1][:-3] in decision.reason
+
+
+def test_no_scheduler_update_method_releases_nothing(tmp_path):
+    src = os.path.join(str(sglang_envs.ensure_sources("0.5.19")), "sglang")
+    dest = tmp_path / "sglang"
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.so", "*.pyc"))
+    path = dest / "srt" / "managers" / "scheduler_components" / "weight_updater.py"
+    path.write_text(path.read_text().replace("def update_weights_from_disk(", "def load_from_disk(", 1))
+    decision = framework.decide(R.PATCH, SourceView(str(dest)), environ={}, on_npu=True)
+    assert decision.state == framework.UNSUPPORTED and decision.targets == []
+    assert "update_weights_from_disk was not found" in decision.reason
 
 
 def test_switch_and_bad_force_value():
@@ -504,6 +568,90 @@ def test_status_details_and_revert(server, monkeypatch):
     assert record.details["layers"] == 1 and record.details["role"] == "decode"
     REL.reset()
     assert REL.released_bytes == {"qkv_a": 0, "w_kc": 0} and not REL.layers
+
+
+# --------------------------------------------------------------------------- weight updates
+
+class FakeWorker:
+    """BaseTpWorker's update methods as 0.5.9 - 0.5.19 have them: (success, message) from the
+    model runner, which here records what it was asked to load."""
+
+    def __init__(self):
+        self.loaded = []
+
+    def update_weights_from_disk(self, recv_req):
+        self.loaded.append(("disk", recv_req))
+        return True, "Succeeded to update model weights."
+
+    def init_weights_update_group(self, recv_req):
+        self.loaded.append(("group", recv_req))
+        return True, "Succeeded to initialize custom process group."
+
+
+for _op in ("update_weights_from_disk", "init_weights_update_group"):
+    setattr(FakeWorker, _op, wrapt.FunctionWrapper(getattr(FakeWorker, _op), REL.wrap_weight_update))
+
+
+def test_weight_updates_delegate_untouched_until_a_weight_is_released(server, logs):
+    worker = FakeWorker()
+    assert worker.update_weights_from_disk("req") == (True, "Succeeded to update model weights.")
+    server["role"] = "null"  # nothing released in this process: still delegated
+    step([layer(0)])
+    assert worker.update_weights_from_disk("req2")[0] is True
+    assert worker.loaded == [("disk", "req"), ("disk", "req2")]
+    assert "updates_refused" not in REL.details and not [line for line in logs if "refused" in line]
+
+
+def test_weight_updates_are_refused_once_weights_are_released(server, logs):
+    worker = FakeWorker()
+    layers = [layer(i) for i in range(3)]
+    step(layers)
+    for op, call in (("update_weights_from_disk", worker.update_weights_from_disk),
+                     ("init_weights_update_group", worker.init_weights_update_group)):
+        success, message = call("req")
+        assert success is False and message.startswith("npu-shim refused %s: " % op)
+        assert "qkv_a_proj.weight of layers 0-2, w_kc of layers 0-2" in message
+        assert "NPU_SHIM_MLA_WEIGHT_RELEASE=0" in message and "nothing was loaded" in message
+        assert "%.1f MiB freed" % (sum(REL.released_bytes.values()) / R.MIB) in message
+    assert worker.loaded == []  # the runner was never asked: nothing read, nothing loaded
+    assert REL.details["updates_refused"] == 2
+    refused = [line for line in logs if "refused" in line]
+    assert len(refused) == 2 and all("NPU_SHIM_MLA_WEIGHT_RELEASE=0" in line for line in refused)
+    assert all(torch.isfinite(out[0]).all() for out in step(layers))  # the layers keep serving
+
+
+def test_prefill_refusal_names_only_qkv_a_and_a_kept_weight_is_not_named(server):
+    server["role"] = "prefill"
+    step([layer(0), layer(1, contiguous_w_kc=True)])
+    message = FakeWorker().update_weights_from_disk("req")[1]
+    assert "qkv_a_proj.weight of layers 0-1" in message and "w_kc" not in message
+
+
+def test_guarded_but_still_held_weight_refuses_updates_too(server, monkeypatch):
+    """A guarded weight whose memory something else still holds raises on a touch all the same:
+    updates are refused although none of its bytes was counted as freed."""
+    m = layer(0)
+    base = torch.randn(4, 12, 8)
+    m.w_kc = base.transpose(1, 2)  # the base, held here, outlives the release
+    monkeypatch.setattr(R, "_base_held_elsewhere", lambda chain: False)
+    step([m])
+    assert R.is_released(m.w_kc) and base.untyped_storage().nbytes() > 0
+    assert REL.released_bytes["w_kc"] == 0 and REL.guarded["w_kc"] == {0}
+    success, message = FakeWorker().update_weights_from_disk("req")
+    assert success is False and "w_kc of layer 0" in message
+
+
+def test_layer_list():
+    assert R._layer_list({3}) == "layer 3"
+    assert R._layer_list(set(range(61))) == "layers 0-60"
+    assert R._layer_list({0, 1, 2, 5, 7, 8, "?"}) == "layers 0-2, 5, 7-8, ?"
+
+
+def test_reset_forgets_guarded_weights(server):
+    step([layer(0)])
+    assert REL.released_weights()
+    REL.reset()
+    assert REL.released_weights() == [] and FakeWorker().update_weights_from_disk("r")[0] is True
 
 
 def _prepared(m, copy):

@@ -48,8 +48,11 @@ def touch(fn):
         return str(exc)
     return "no error"
 
+from sglang.srt.managers import tp_worker as TW
 out = {"state": runtime.states()["mla_weight_release"]["state"],
        "wrapped": type(N.npu_mla_preprocess).__name__,
+       "updates_wrapped": sorted(op for op in R.UPDATE_OPS
+                                 if type(TW.BaseTpWorker.__dict__[op]).__name__ == "FunctionWrapper"),
        "method_is_predicate": P.NPUFusedMLAPreprocess.uses_mlaprolog.__code__
                               is R.make_uses_mlaprolog_method("x").__code__}
 out["decode"], m = case("decode")
@@ -88,6 +91,8 @@ emit(out)
 '''
 
 MIB = 1 << 20
+R_UPDATE_OPS = ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed",
+                "update_weights_from_ipc", "init_weights_update_group")
 
 
 @pytest.fixture(scope="module", params=["0.5.9", "0.5.11", "0.5.19"])
@@ -104,6 +109,7 @@ def test_applied_and_predicate_installed(scenarios):
     assert out["state"] == "applied", version
     assert out["wrapped"] == "FunctionWrapper"
     assert out["method_is_predicate"] is True
+    assert out["updates_wrapped"] == sorted(R_UPDATE_OPS), version
 
 
 def test_decode_frees_exactly_qkv_a_and_w_kc_and_forward_keeps_working(scenarios):
@@ -267,8 +273,10 @@ from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P
 from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
 K.publish_server_args("decode")
 r = K.run_layer("glm-5", 16)
+from sglang.srt.managers import tp_worker as TW
 emit({"state": runtime.states()["mla_weight_release"], "freed": r["freed"],
       "wrapped": type(N.npu_mla_preprocess).__name__,
+      "update_fn": type(TW.BaseTpWorker.__dict__["update_weights_from_disk"]).__name__,
       "has_method": hasattr(P.NPUFusedMLAPreprocess, "uses_mlaprolog")})
 '''
 
@@ -278,6 +286,7 @@ def test_switch_off_touches_nothing():
     assert out["state"]["state"] == "disabled"
     assert out["freed"] == {"qkv_a": 0, "w_kc": 0}
     assert out["wrapped"] == "function" and out["has_method"] is False
+    assert out["update_fn"] == "function"
 
 
 UPSTREAM = r'''

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-import realsglang
+from shimdev import realsglang
 
 SNIPPET = r'''
 import json, logging, os, socket
@@ -12,7 +12,7 @@ import sglang.srt.managers.scheduler  # the scheduler's module: every patch is d
 import sglang.srt.model_executor.model_runner, sglang.srt.utils.common
 import sglang.srt.layers.moe.token_dispatcher.deepep, sglang.srt.distributed.parallel_state
 from npu_shim import log
-from demo_features import zbal_fresh, make_scheduler
+from shimdev.demo_features import zbal_fresh, make_scheduler
 
 path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"], "%s-%d.json" % (socket.gethostname(), os.getpid()))
 before = json.load(open(path))

@@ -5,20 +5,20 @@ real handler (``SchedulerUpdateWeightsMixin`` in 0.5.9 - 0.5.12, ``SchedulerWeig
 from 0.5.13), the real (wrapped) ``BaseTpWorker`` method of a real ``TpModelWorker`` and, where the
 shim delegates, the real model-runner update (``ModelRunner.update_weights_from_disk`` /
 ``WeightUpdater`` from 0.5.16) with sglang's real ``DefaultModelLoader`` reading a safetensors
-checkpoint from disk into a model that holds a synthetic MLA layer (tests/support/mla_kernels.py)
+checkpoint from disk into a model that holds a synthetic MLA layer (dev/shimdev/mla_kernels.py)
 whose weights went through the release's real ``npu_mla_preprocess``.  Only the scheduler's and the
 worker's constructors are skipped (their attributes set by hand) and torch.distributed is a
 1-process gloo group.
 """
 import pytest
 
-import realsglang
+from shimdev import realsglang
 
 SNIPPET = r'''
 import os, tempfile, types
 import torch
 import torch.distributed as dist
-import mla_kernels as K
+from shimdev import mla_kernels as K
 from safetensors.torch import save_file
 from npu_shim import runtime
 from npu_shim.patches import mla_weight_release as R

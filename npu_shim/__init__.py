@@ -10,16 +10,16 @@ __version__ = "0.2.0"
 
 def install():
     """Arm the shim in this process (patching sglang modules already imported); False if it was."""
-    from npu_shim import runtime
+    from npu_shim import installer
 
-    return runtime.install()
+    return installer.install()
 
 
 def uninstall():
     """Restore every original function and rebound copy; the shim is then off in this process."""
-    from npu_shim import runtime
+    from npu_shim import installer
 
-    runtime.uninstall()
+    installer.uninstall()
 
 
 def states():

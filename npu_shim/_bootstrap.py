@@ -30,9 +30,9 @@ class SglangImportWatcher:
         # an entry would make it skip the finder after us (editable installs live there).
         self.fired = True
         if self.off:
-            from npu_shim import runtime
+            from npu_shim import reporting
 
-            runtime.say_off()
+            reporting.say_off()
             return None
         from npu_shim import runtime  # deferred: wrapt and the patches load only from here
 

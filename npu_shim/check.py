@@ -146,10 +146,10 @@ def child_main():
 
     started = time.monotonic()
     sitecustomize = getattr(sys.modules.get("sitecustomize"), "__file__", None)
-    from npu_shim import runtime, wrapt_loader
+    from npu_shim import installer, runtime, wrapt_loader
 
     # With NPU_SHIM_ENABLED=0 the watcher is armed only to say "off" at ``import sglang``.
-    activated_at_start = ((runtime.watcher_armed() or _bootstrap._WATCHER.fired)
+    activated_at_start = ((installer.watcher_armed() or _bootstrap._WATCHER.fired)
                           and not _bootstrap._WATCHER.off)
     imports = import_target_modules()
     records = list((runtime._RT.records or {}).values())

@@ -20,8 +20,8 @@ import os
 import sys
 import threading
 
-from npu_shim import config, decision_cache, framework, log, procinfo, statefile, wrapt_loader
-from npu_shim.framework import APPLIED, FAILED, PROBLEMS, UNSUPPORTED, ShimError
+from npu_shim import config, decision_cache, framework, log, procinfo, reporting, statefile, wrapt_loader
+from npu_shim.framework import APPLIED, FAILED, PROBLEMS, ShimError
 from npu_shim.targets import Wrap
 
 
@@ -92,7 +92,6 @@ def report_invalid_variables(records):
     for name, suggestion in config.unknown_names(variables):
         log.warning_once("unknown:" + name, "%s is not a variable npu-shim reads (ignored)%s"
                          % (name, "; did you mean %s?" % suggestion if suggestion else ""))
-
 
 
 def load_patches():
@@ -203,9 +202,9 @@ def decide_all(view=None, on_npu=None, missing_wrapt=None):
         decision_cache.export(view)
         procinfo.SGLANG_VERSION["value"] = view.version
     _RT.records = records
-    report_all(records)
+    reporting.report_all(records)
     report_invalid_variables(records)
-    statefile.attach(state_snapshot, getattr(view, "package_dir", None))
+    statefile.attach(reporting.state_snapshot, getattr(view, "package_dir", None))
     statefile.write()
     for record in records.values():
         enforce(record)
@@ -221,56 +220,6 @@ def fail_without_wrapt(reason):
     # torch is usually not imported yet at ``import sglang``: the NPU is then unknown (None).
     on_npu = running_on_npu() if "torch" in sys.modules else None
     decide_all(view, on_npu, missing_wrapt=reason)
-
-
-def report(record):
-    """One patch's state with its reason: ``failed`` at ERROR, ``unsupported`` at WARNING (both
-    always seen), the others at DEBUG (the summary line has their states)."""
-    line = "%s: %s (%s)" % (record.patch.name, record.state, record.reason)
-    if record.state == FAILED:
-        log.error(line)
-    elif record.state == UNSUPPORTED:
-        log.warning(line)
-    else:
-        log.debug(line)
-
-
-def short_details(record):
-    """What the summary line adds after a state, from the details the wrappers keep."""
-    details = record.details or {}
-    parts = []
-    if details.get("mode"):
-        parts.append(str(details["mode"]))
-    if isinstance(details.get("gva_mib"), int):
-        parts.append("%d MiB" % details["gva_mib"])
-    if details.get("released_mib") is not None:
-        parts.append("released %s MiB" % details["released_mib"])
-    return "(%s)" % ", ".join(parts) if parts else ""
-
-
-def summary_line(records):
-    return " ".join("%s=%s%s" % (name, record.state, short_details(record))
-                    for name, record in records.items())
-
-
-def report_all(records):
-    """The process's summary line at INFO (tagged by the log handler with versions, pid and role:
-    ``[npu-shim 0.2.0 sglang 0.5.11 pid 812 tp 3/16] zbal=applied mla_weight_release=applied
-    dual_stream_experts=upstream``), then each patch's reason (``report``)."""
-    log.info(summary_line(records),
-             fields={"event": "summary",
-                     "states": {name: record.state for name, record in records.items()},
-                     "reasons": {name: record.reason for name, record in records.items()}})
-    for record in records.values():
-        report(record)
-
-
-def state_snapshot():
-    """{patch: {"state", "reason", "details", "targets_applied"}} for the state record."""
-    records = _RT.records
-    return {name: {"state": r.state, "reason": r.reason, "details": dict(r.details),
-                   "targets_applied": "%d/%d" % (len(r.applied), len(r.targets))}
-            for name, r in (records or {}).items()}
 
 
 def enforce(record):
@@ -350,7 +299,7 @@ def apply_module(module, late=None):
         except Exception as exc:  # noqa: BLE001
             revert_record(record)
             record.state, record.reason = FAILED, "while patching %s: %s" % (name, exc)
-            report(record)
+            reporting.report(record)
             statefile.write()
             enforce(record)
     statefile.write()
@@ -361,105 +310,6 @@ def revert_record(record):
         change.revert()
     record.changes = []
     record.applied = set()
-
-
-def say_off():
-    """The watcher saw ``import sglang`` with the shim off (NPU_SHIM_ENABLED=0): one line, and the
-    state record says so too.  Never raises."""
-    try:
-        from npu_shim.codeview import find_package_dir, read_version
-
-        package_dir = find_package_dir("sglang")
-        if package_dir:
-            procinfo.SGLANG_VERSION["value"] = read_version(package_dir)
-        log.info("off (%s=%s): sglang is not patched in this process"
-                 % (config.ENABLED.name, os.environ.get(config.ENABLED.name, "").strip()),
-                 fields={"event": "off"})
-        statefile.write_off_record(package_dir)
-    except Exception as exc:  # noqa: BLE001
-        try:
-            log.error_once("off", "shim off; could not say more: %r" % (exc,))
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def watcher_armed():
-    """The start-up watcher is waiting for ``import sglang`` in this process."""
-    from npu_shim import _bootstrap
-
-    return _bootstrap._WATCHER in sys.meta_path and not _bootstrap._WATCHER.fired
-
-
-def install():
-    """Arm the shim in this process; patches already imported sglang modules in place."""
-    from npu_shim import _bootstrap
-
-    with _RT.lock:
-        if _RT.installed or (watcher_armed() and not _bootstrap._WATCHER.off):
-            return False
-        # An explicit install() decides every patch even with NPU_SHIM_ENABLED=0 (each then reads
-        # ``disabled``), as it always has; the start-up watcher only says "off".
-        _bootstrap._WATCHER.off = False
-        if "sglang" in sys.modules:
-            activate()
-        else:
-            _bootstrap.arm()
-    reach_children()
-    return True
-
-
-def reach_children(environ=None):
-    """Make Python processes started from here (multiprocessing spawn/forkserver, ``subprocess``
-    running Python) activate the shim as this one did: they inherit the environment, so the shim's
-    directory goes first on PYTHONPATH (its ``sitecustomize.py``), or, for a pip install, its
-    ``.pth`` is told to activate.  Returns the variable set, or None (already so, or impossible)."""
-    environ = os.environ if environ is None else environ
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if _bootstrap_file_is_ours(os.path.join(root, "sitecustomize.py")):
-        entries = [e for e in environ.get("PYTHONPATH", "").split(os.pathsep) if e]
-        if entries[:1] == [root]:
-            return None
-        # First, so no other sitecustomize shadows ours; never an empty entry (that is the cwd).
-        environ["PYTHONPATH"] = os.pathsep.join([root] + [e for e in entries if e != root])
-        return "PYTHONPATH"
-    if os.path.isfile(os.path.join(root, PTH_NAME)):
-        if environ.get(config.ACTIVATE.name) == "1":
-            return None
-        environ[config.ACTIVATE.name] = "1"
-        return config.ACTIVATE.name
-    log.warning("install(): child processes will not be patched: %s has neither npu-shim's "
-                "sitecustomize.py nor its %s" % (root, PTH_NAME))
-    return None
-
-
-PTH_NAME = "npu_shim-activate.pth"
-
-
-def _bootstrap_file_is_ours(path):
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return "npu-shim bootstrap" in handle.read(200)
-    except OSError:
-        return False
-
-
-def uninstall():
-    """Restore every original (and every rebound copy); the shim is then off in this process."""
-    from npu_shim import _bootstrap
-
-    with _RT.lock:
-        while _bootstrap._WATCHER in sys.meta_path:
-            sys.meta_path.remove(_bootstrap._WATCHER)
-        while _RELOADS in sys.meta_path:
-            sys.meta_path.remove(_RELOADS)
-        if _RT.records:
-            for record in _RT.records.values():
-                revert_record(record)
-        _RT.installed = False
-        _RT.generation += 1
-        _RT.records = None
-        _RT.patches = None
-    statefile.write()
 
 
 def record(name):

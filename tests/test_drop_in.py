@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from npu_shim import bundle, runtime, wrapt_loader
+from npu_shim import bundle, installer, runtime, wrapt_loader
 from test_bootstrap import DEMO_PATCH
 from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
 
@@ -398,11 +398,11 @@ def test_install_reaches_spawn_forkserver_and_subprocess_children(tree):
 def test_reach_children_puts_the_shim_first_without_an_empty_entry():
     root = REPO
     environ = {}
-    assert runtime.reach_children(environ) == "PYTHONPATH" and environ["PYTHONPATH"] == root
+    assert installer.reach_children(environ) == "PYTHONPATH" and environ["PYTHONPATH"] == root
     environ = {"PYTHONPATH": "/a::/b:%s" % root}
-    runtime.reach_children(environ)
+    installer.reach_children(environ)
     assert environ["PYTHONPATH"] == os.pathsep.join([root, "/a", "/b"])
-    assert runtime.reach_children(environ) is None
+    assert installer.reach_children(environ) is None
 
 
 @pytest.fixture(scope="module")
@@ -429,7 +429,7 @@ def pip_installed(tmp_path_factory):
 def test_pip_install_activates_with_one_variable(pip_installed, tree):
     site = subprocess.run([pip_installed, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    assert os.path.isfile(os.path.join(site, runtime.PTH_NAME))
+    assert os.path.isfile(os.path.join(site, installer.PTH_NAME))
     on = last_json(run(pip_installed, tree, REPORT, None, env={"NPU_SHIM_ACTIVATE": "1"}))
     assert on["state"] == "applied" and on["value"] == 1001 and on["origin"]["source"] == "image"
     off = last_json(run(pip_installed, tree, REPORT, None))

@@ -48,6 +48,7 @@ def test_state_record_has_role_versions_states_and_follows_details_and_state_cha
     state_dir = tree / "state"
     proc = run(tree, AS_SCHEDULER + textwrap.dedent("""
         import json, os, socket, time
+        import npu_shim
         from npu_shim import runtime, statefile
         statefile.INTERVAL_S = 0.05
         from sglang.srt.utils import common
@@ -58,7 +59,7 @@ def test_state_record_has_role_versions_states_and_follows_details_and_state_cha
         while json.load(open(path))["patches"]["demo"]["details"].get("calls") != 7 and time.time() < deadline:
             time.sleep(0.02)
         second = json.load(open(path))
-        runtime.uninstall()                       # a state change is written at once
+        npu_shim.uninstall()                      # a state change is written at once
         third = json.load(open(path))
         print(json.dumps({"first": first, "second": second, "third": third, "pid": os.getpid(),
                           "files": sorted(os.listdir(os.environ["NPU_SHIM_STATE_DIR"]))}))

@@ -223,7 +223,7 @@ def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(c
 
     import pytest
 
-    from npu_shim import runtime
+    from npu_shim import reporting, runtime
     from npu_shim.framework import ShimError
 
     from npu_shim import log
@@ -232,7 +232,7 @@ def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(c
     log.configure()  # sets the logger's level once per process: before caplog lowers it
     with caplog.at_level(logging.DEBUG, logger="npu_shim"):
         for state in ("failed", "unsupported", "applied", "inactive"):
-            runtime.report(_record(state))
+            reporting.report(_record(state))
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("ERROR", "p: failed (because)"), ("WARNING", "p: unsupported (because)"),
         ("DEBUG", "p: applied (because)"), ("DEBUG", "p: inactive (because)")]

@@ -26,6 +26,7 @@ import sglang.srt.managers.scheduler as sch
 import sglang.srt.model_executor.model_runner as mr
 import sglang.srt.layers.moe.token_dispatcher.deepep as dp
 import sglang.srt.distributed.parallel_state as ps
+import npu_shim
 from npu_shim import runtime
 from npu_shim.framework import ShimError
 from npu_shim.patches import zbal as zp
@@ -145,7 +146,7 @@ out["runner"] = runner
 
 # -- 7./settings: re-decide in this process ---------------------------------------------------------
 def redecide(env, hide_zbal=False):
-    runtime.uninstall()
+    npu_shim.uninstall()
     saved = {k: os.environ.get(k) for k in env}
     for k, v in env.items():
         if v is None: os.environ.pop(k, None)
@@ -155,7 +156,7 @@ def redecide(env, hide_zbal=False):
         for n in saved_zbal: del sys.modules[n]
         sys.modules["zbal"] = None
     try:
-        runtime.install()
+        npu_shim.install()
         result = {"state": runtime.states()["zbal"]["state"], "error": None}
     except ShimError as exc:
         result = {"state": runtime.states()["zbal"]["state"], "error": str(exc)}

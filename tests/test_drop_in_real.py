@@ -69,8 +69,10 @@ def test_status_without_wrapt_never_says_applied(tmp_path):
     argv, env = realsglang.release_command(RELEASE, SIZE, wrapt=None, zbal=True)
     proc = subprocess.run(argv + ["-m", "npu_shim", "status", "--json"], env=env, cwd=str(tmp_path),
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    # 3: the zbal size asks for zbal, which cannot apply without wrapt: every process would stop
+    assert proc.returncode == 3, proc.stderr
     info = json.loads(proc.stdout)
+    assert [p["name"] for p in info["patches"] if p["stops_server"]] == ["zbal"]
     assert info["wrapt"]["source"] == "missing"
     assert {p["name"]: p["state"] for p in info["patches"]} == {
         "zbal": "failed", "mla_weight_release": "failed", "dual_stream_experts": "upstream"}

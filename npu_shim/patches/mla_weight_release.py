@@ -616,11 +616,7 @@ class Release:
             self.once("qkv-shared", logging.WARNING, "keeping %s: its q_a/kv_a copies share its memory, "
                                                      "or its storage holds more than this weight" % what)
             return 0
-        nbytes = release(weight, what, self.once)
-        self._note_guarded("qkv_a", layer, weight)
-        if nbytes:
-            self._account("qkv_a", layer, nbytes, what)
-        return nbytes
+        return self._release("qkv_a", layer, weight, what)
 
     def release_w_kc(self, m):
         """After ``npu_mla_preprocess`` first built ``m.mla_preprocess``: free ``m.w_kc`` (decode)."""
@@ -640,10 +636,13 @@ class Release:
             self.once("wkc-shared", logging.WARNING, "keeping %s: the preprocessor's w_kc shares its "
                                                      "memory, or its storage holds more than this weight" % what)
             return 0
-        nbytes = release(w_kc, what, self.once)
-        self._note_guarded("w_kc", layer, w_kc)
+        return self._release("w_kc", layer, w_kc, what)
+
+    def _release(self, kind, layer, tensor, what):
+        nbytes = release(tensor, what, self.once)
+        self._note_guarded(kind, layer, tensor)
         if nbytes:
-            self._account("w_kc", layer, nbytes, what)
+            self._account(kind, layer, nbytes, what)
         return nbytes
 
     def wrap_npu_mla_preprocess(self, wrapped, instance, args, kwargs):

@@ -107,6 +107,19 @@ def test_weight_update_targets_pin_the_worker_and_the_scheduler_side_of_every_re
                 (caller[0], caller[1] + "." + op)]
 
 
+def decide_edited(tmp_path, version, relpath, old, new):
+    """The patch decided on a copy of the release's source with ``old`` replaced by ``new`` once
+    in ``srt/<relpath>``."""
+    src = os.path.join(str(sglang_envs.ensure_sources(version)), "sglang")
+    dest = tmp_path / "sglang"
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.so", "*.pyc"))
+    path = dest / "srt" / relpath
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+    return framework.decide(R.PATCH, SourceView(str(dest)), environ={}, on_npu=True)
+
+
 @pytest.mark.parametrize("version,edit", [
     # the worker no longer returns the runner's (success, message)
     ("0.5.11", ("managers/tp_worker.py", "            recapture_cuda_graph=recv_req.recapture_cuda_graph,\n"
@@ -124,25 +137,14 @@ def test_weight_update_targets_pin_the_worker_and_the_scheduler_side_of_every_re
                 "            assert success, message\n")),
 ])
 def test_changed_weight_update_code_is_unsupported(tmp_path, version, edit):
-    src = os.path.join(str(sglang_envs.ensure_sources(version)), "sglang")
-    dest = tmp_path / "sglang"
-    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.so", "*.pyc"))
-    path = dest / "srt" / edit[0]
-    text = path.read_text()
-    assert edit[1] in text
-    path.write_text(text.replace(edit[1], edit[2], 1))
-    decision = framework.decide(R.PATCH, SourceView(str(dest)), environ={}, on_npu=True)
+    decision = decide_edited(tmp_path, version, *edit)
     assert decision.state == framework.UNSUPPORTED
     assert "fingerprint" in decision.reason and edit[0].split("/")[-1][:-3] in decision.reason
 
 
 def test_no_scheduler_update_method_releases_nothing(tmp_path):
-    src = os.path.join(str(sglang_envs.ensure_sources("0.5.19")), "sglang")
-    dest = tmp_path / "sglang"
-    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.so", "*.pyc"))
-    path = dest / "srt" / "managers" / "scheduler_components" / "weight_updater.py"
-    path.write_text(path.read_text().replace("def update_weights_from_disk(", "def load_from_disk(", 1))
-    decision = framework.decide(R.PATCH, SourceView(str(dest)), environ={}, on_npu=True)
+    decision = decide_edited(tmp_path, "0.5.19", "managers/scheduler_components/weight_updater.py",
+                             "def update_weights_from_disk(", "def load_from_disk(")
     assert decision.state == framework.UNSUPPORTED and decision.targets == []
     assert "update_weights_from_disk was not found" in decision.reason
 
@@ -170,14 +172,7 @@ def test_switch_and_bad_force_value():
      "dynamic_scale = 0\n    if not hasattr"),
 ])
 def test_unknown_code_shape_is_unsupported(tmp_path, edit):
-    src = os.path.join(str(sglang_envs.ensure_sources("0.5.11")), "sglang")
-    dest = tmp_path / "sglang"
-    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.so", "*.pyc"))
-    path = dest / "srt" / "hardware_backend" / "npu" / edit[0]
-    text = path.read_text()
-    assert edit[1] in text
-    path.write_text(text.replace(edit[1], edit[2], 1))
-    decision = framework.decide(R.PATCH, SourceView(str(dest)), environ={}, on_npu=True)
+    decision = decide_edited(tmp_path, "0.5.11", "hardware_backend/npu/" + edit[0], edit[1], edit[2])
     assert decision.state == framework.UNSUPPORTED
     assert "fingerprint" in decision.reason and edit[0].split("/")[-1][:-3] in decision.reason
 

@@ -52,23 +52,30 @@ def _parse_mib(raw):
 
 
 def _valid_host(host):
-    """A DNS name (RFC 1123 labels), a dotted IPv4 address or a bracketed IPv6 address."""
-    import ipaddress  # only when a URL is set
+    """A DNS name (RFC 1123 labels), a dotted IPv4 address or a bracketed IPv6 address (with an
+    optional %scope).  ``socket.inet_pton`` judges the addresses (``ipaddress`` would be loaded into
+    every process that sets a URL)."""
+    import socket
 
     if host.startswith("["):
-        try:
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
+        address, _, scope = host[1:-1].partition("%")
+        if "%" in host and not re.fullmatch(r"[A-Za-z0-9_.-]+", scope):
             return False
-        return True
+        return _is_address(socket.AF_INET6, address)
     labels = host.split(".")
     if all(label.isascii() and label.isdigit() for label in labels):
-        try:
-            ipaddress.IPv4Address(host)
-        except ValueError:
-            return False
-        return True
+        return _is_address(socket.AF_INET, host)
     return len(host) <= 253 and all(_LABEL.fullmatch(label) for label in labels)
+
+
+def _is_address(family, text):
+    import socket
+
+    try:
+        socket.inet_pton(family, text)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _parse_url(raw):

@@ -249,7 +249,9 @@ def mla_demo(model="glm-5", tp=16):
     from npu_shim import runtime
     from npu_shim.patches import mla_weight_release as R
 
-    runtime.record("mla_weight_release").process.reset()
+    record = runtime.record("mla_weight_release")  # None until its modules are imported
+    if record is not None:
+        record.process.reset()
     K.publish_server_args("decode")
     r = K.run_layer(model, tp)
     m = r.pop("layer")

@@ -227,14 +227,13 @@ def uses_mlaprolog(preprocess, w8a8_attr):
 
 
 def make_uses_mlaprolog_method(w8a8_attr):
-    def uses_mlaprolog(self):
+    """``NPUFusedMLAPreprocess.uses_mlaprolog`` as upstream names it, for this release's W8A8 check."""
+    def method(self):
         """Whether this layer's forward() takes the mlaprolog path (npu-shim backport of 0.5.20)."""
-        return _predicate(self, w8a8_attr)
+        return uses_mlaprolog(self, w8a8_attr)
 
-    return uses_mlaprolog
-
-
-_predicate = uses_mlaprolog
+    method.__name__, method.__qualname__ = "uses_mlaprolog", CLASS + ".uses_mlaprolog"
+    return method
 
 
 # --------------------------------------------------------------------------- role and guards

@@ -1,15 +1,21 @@
-"""Where the shim's wrapt comes from: the image's own, or the copy a bundle carries.
+"""Where the shim's wrapt comes from, and the part of it the shim loads.
 
 Real Ascend sglang images do not ship wrapt (sglang's NPU dependency set does not contain it), so
 ``python -m npu_shim bundle`` puts wrapt builds under ``npu_shim/_vendor/wrapt/<build>/wrapt`` --
 one folder per (CPython, machine, minimum glibc) plus the pure-Python wheel.  At activation:
 
-1. the image's ``wrapt``, when importable and >= ``MIN_IMAGE_VERSION``: used as is, so the
-   application sees exactly the wrapt it would see without the shim;
+1. the image's ``wrapt``, when importable and >= ``MIN_IMAGE_VERSION``;
 2. otherwise the bundle's build for this interpreter and platform (the pure-Python build when
-   there is none), loaded under the private name ``npu_shim._wrapt`` -- never as ``wrapt``, so
-   an image's older wrapt, or the absence of one, stays what the application sees;
+   there is none);
 3. otherwise ``WraptUnavailable`` with a one-line reason.
+
+The shim uses three names: ``FunctionWrapper``, ``BoundFunctionWrapper`` and
+``register_post_import_hook``.  It loads only the modules that define them (and what those
+import) under the private name ``npu_shim._wrapt``, without running the package's
+``__init__``.  ``import wrapt`` would also load the decorators, proxies, locks, caches and
+monkey-patching helpers, which are ~60 % of wrapt's memory in every sglang process.  The
+application's ``wrapt``, present or absent, stays what it would be without the shim.  When the
+application has already imported the same wrapt, that module is used and nothing is loaded twice.
 
 ``locate()`` answers the same question without importing anything (for ``status``).  Nothing
 here writes to disk.
@@ -161,19 +167,20 @@ _LOADED = None  # (module, Origin) once load() succeeded
 
 
 def load():
-    """The wrapt module the shim uses in this process (imported once); raises WraptUnavailable."""
+    """The namespace with the three wrapt names the shim uses (loaded once); raises
+    WraptUnavailable."""
     global _LOADED
     if _LOADED is not None:
         return _LOADED[0]
     origin = locate()
     if origin.source == "missing":
         raise WraptUnavailable("wrapt is not available: %s" % origin.note)
-    if origin.source == "image":
-        import wrapt as module
-    else:
+    module = _already_imported(origin.path) if origin.source == "image" else None
+    if module is None:
         module = _load_private(origin.path)
-    if origin.source == "bundle" and PRIVATE_NAME + "._wrappers" not in sys.modules:
-        origin.note = "; ".join(t for t in (origin.note, "C extension not loaded: pure-Python wrappers") if t)
+        if PRIVATE_NAME + "._wrappers" not in sys.modules and (
+                origin.source == "bundle" or _has_extension(origin.path)):
+            origin.note = "; ".join(t for t in (origin.note, "C extension not loaded: pure-Python wrappers") if t)
     _LOADED = (module, origin)
     return module
 
@@ -183,15 +190,33 @@ def loaded_origin():
     return _LOADED[1] if _LOADED is not None else None
 
 
+def _already_imported(package_dir):
+    """The application's ``wrapt`` module when it is loaded already from ``package_dir``."""
+    module = sys.modules.get("wrapt")
+    path = getattr(module, "__file__", None)
+    if path and os.path.realpath(os.path.dirname(path)) == os.path.realpath(package_dir):
+        return module
+    return None
+
+
+def _has_extension(package_dir):
+    try:
+        return any(name.startswith("_wrappers.") for name in os.listdir(package_dir))
+    except OSError:
+        return False
+
+
 def _load_private(package_dir):
-    """Import the bundle's wrapt package under PRIVATE_NAME (its imports are all relative)."""
+    """The wrappers and the post-import hooks of the wrapt in ``package_dir``, imported under
+    PRIVATE_NAME without its ``__init__`` (its imports are all relative); the three names the
+    shim uses are set on the returned package module."""
     import importlib
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
         PRIVATE_NAME, os.path.join(package_dir, "__init__.py"),
         submodule_search_locations=[package_dir])
-    module = importlib.util.module_from_spec(spec)
+    module = importlib.util.module_from_spec(spec)  # a package whose __init__ is never run
     sys.modules[PRIVATE_NAME] = module
     # wrapt 2.x's C extension imports "wrapt.exceptions" by its absolute name (and so "wrapt") while
     # it initialises: serve it ours for that moment only -- without it wrapt silently falls back
@@ -204,7 +229,13 @@ def _load_private(package_dir):
             aliases = []  # a wrapt without that module (1.x) has nothing to serve
         for name in aliases:
             sys.modules[name] = module if name == "wrapt" else exceptions
-        spec.loader.exec_module(module)
+        # 2.x chooses between its C and Python wrappers in __wrapt__; 1.x in wrappers.
+        core_name = "__wrapt__" if os.path.isfile(os.path.join(package_dir, "__wrapt__.py")) else "wrappers"
+        core = importlib.import_module("%s.%s" % (PRIVATE_NAME, core_name))
+        importer = importlib.import_module(PRIVATE_NAME + ".importer")
+        module.FunctionWrapper = core.FunctionWrapper
+        module.BoundFunctionWrapper = core.BoundFunctionWrapper
+        module.register_post_import_hook = importer.register_post_import_hook
     except BaseException:
         for name in [n for n in sys.modules if n == PRIVATE_NAME or n.startswith(PRIVATE_NAME + ".")]:
             del sys.modules[name]

@@ -177,6 +177,74 @@ def test_wrapt_version_is_read_from_source_of_1x_and_2x(tmp_path):
     assert wrapt_loader.version_of(str(tmp_path / "none")) is None
 
 
+# -- loading only what the shim uses ---------------------------------------------------------------
+
+_PRIVATE_LOAD = """
+import json, sys
+%s
+from npu_shim import wrapt_loader
+w = wrapt_loader.load()
+calls = []
+def original(x):
+    return x + 1
+wrapped = w.FunctionWrapper(original, lambda f, inst, args, kwargs: calls.append(args) or f(*args, **kwargs))
+hooked = []
+w.register_post_import_hook(lambda module: hooked.append(module.__name__), "colorsys")
+import colorsys
+loaded = sorted(n for n in sys.modules if n.startswith(("wrapt", "npu_shim._wrapt")))
+try:
+    import wrapt  # what the application gets afterwards
+    app = [wrapt.__version__, hasattr(wrapt, "decorator"), hasattr(wrapt, "ObjectProxy")]
+except ImportError:
+    app = None
+print(json.dumps({"result": wrapped(1), "calls": calls, "hooked": hooked, "loaded": loaded,
+                  "same_as_app": w is sys.modules.get("wrapt"), "app": app,
+                  "origin": wrapt_loader.loaded_origin().describe()}))
+"""
+
+
+@pytest.mark.parametrize("version, loaded", [
+    ("2.5.2", ["npu_shim._wrapt", "npu_shim._wrapt.__wrapt__", "npu_shim._wrapt._wrappers",
+               "npu_shim._wrapt.exceptions", "npu_shim._wrapt.importer", "npu_shim._wrapt.wrappers"]),
+    ("1.14.1", ["npu_shim._wrapt", "npu_shim._wrapt._wrappers", "npu_shim._wrapt.arguments",
+                "npu_shim._wrapt.decorators",
+                "npu_shim._wrapt.importer", "npu_shim._wrapt.wrappers"]),
+])
+def test_only_the_wrappers_and_the_import_hooks_are_loaded_and_the_application_keeps_its_wrapt(
+        version, loaded, bare_venvs):
+    """The image's wrapt, loaded privately without its __init__ (whose decorators, proxies, locks
+    and caches are ~60 % of wrapt's memory); the C extension still loads; the application's own
+    ``import wrapt`` afterwards gets the whole image wrapt."""
+    from shimdev import sglang_envs
+
+    layer = str(sglang_envs.ensure_wrapt(version))
+    env = dict({k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "PYTHON"))},
+               PYTHONPATH=os.pathsep.join([REPO, layer]), PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run([bare_venvs("3.11"), "-c", _PRIVATE_LOAD % ""], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["result"] == 2 and out["calls"] == [[1]] and out["hooked"] == ["colorsys"]
+    assert out["loaded"] == loaded  # and no "wrapt" among them: nothing was imported under its name
+    assert out["same_as_app"] is False
+    assert out["app"] == [version, True, True]
+    assert out["origin"] == "image %s" % version
+
+
+def test_a_wrapt_the_application_already_imported_is_used_as_it_is(bare_venvs):
+    from shimdev import sglang_envs
+
+    layer = str(sglang_envs.ensure_wrapt("2.5.2"))
+    env = dict({k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "PYTHON"))},
+               PYTHONPATH=os.pathsep.join([REPO, layer]), PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run([bare_venvs("3.11"), "-c", _PRIVATE_LOAD % "import wrapt"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["result"] == 2 and out["hooked"] == ["colorsys"] and out["same_as_app"] is True
+    assert not [name for name in out["loaded"] if name.startswith("npu_shim._wrapt")]
+
+
 # -- the bundle ------------------------------------------------------------------------------------
 
 def test_bundle_holds_every_build_pyc_and_a_manifest_that_verifies(built_bundle):

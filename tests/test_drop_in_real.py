@@ -112,6 +112,9 @@ def test_image_wrapt_1_14_is_the_one_used(tmp_path):
     assert out["states"] == {"zbal": "applied", "mla_weight_release": "applied",
                              "dual_stream_experts": "upstream"}
     assert out["origin"]["source"] == "image" and out["origin"]["version"] == "1.14.1"
+    # the shim's private copy of the image's 1.14.1 has its C extension, and the application's own
+    # ``import wrapt`` afterwards still gets the image's wrapt, whole
+    assert out["private_c_ext"] is True
     assert out["app_wrapt"] == "1.14.1"
 
 

@@ -23,11 +23,18 @@ def report():
     import_targets()
     states = npu_shim.states()
     origin = wrapt_loader.loaded_origin()
+    try:
+        import wrapt  # what the application gets: the image's, untouched by the shim's private copy
+
+        app_wrapt = wrapt.__version__
+    except ImportError:
+        app_wrapt = None
     return {"states": {k: v["state"] for k, v in states.items()},
             "reasons": {k: v["reason"] for k, v in states.items()},
             "wrappers": sorted(w for v in states.values() for w in v["wrappers"]),
             "origin": origin.as_dict() if origin else None,
-            "app_wrapt": getattr(sys.modules.get("wrapt"), "__version__", None)}
+            "app_wrapt": app_wrapt,
+            "private_c_ext": wrapt_loader.PRIVATE_NAME + "._wrappers" in sys.modules}
 
 
 def spawned_child(queue):

@@ -4,11 +4,19 @@ Probes and target checks ask questions of a ``SourceView`` ("does Scheduler.init
 exist?", "what are the parameters of ModelRunner.initialize?").  Answering from the ``.py`` files
 means the shim can decide everything about a patch before the first target module executes (all
 or nothing), ``python -m npu_shim status`` can answer without importing sglang, and the test suite
-can ask the same questions of every released wheel.  Files are parsed lazily, once each.
+can ask the same questions of every released wheel.
+
+A function is read from its own lines when they can be told apart without parsing the module
+(``_def_node``): the targets live in sglang's largest files (scheduler.py, model_runner.py,
+utils/common.py: ~0.5 MB together), and parsing them whole cost ~100-200 ms in every process that
+decides.  Where that is not certain -- the name defined twice, inside an ``if``, a decorator
+spanning lines, a quote count that leaves the def inside a string -- or where the answer is "not
+there", the whole module is parsed, once, and answers as before.  Either way the function's AST is
+the one the whole parse gives (same fingerprint, same parameters).
 
 Files are decoded the way Python imports them (PEP 263 coding cookie, UTF-8 BOM); a file that
-cannot be decoded or parsed raises ``SourceError`` with a one-line reason, which leaves the patch
-that asked ``unsupported``.
+cannot be decoded, or parsed where it has to be, raises ``SourceError`` with a one-line reason,
+which leaves the patch that asked ``unsupported``.
 
 ``live_params`` answers the signature question for an already imported function (cheap: it reads
 ``__code__``), so the shim can check the loaded code matches what it decided on.
@@ -142,37 +150,232 @@ def _walk_block(body):
 
 
 class ModuleSource:
-    """Functions, methods and global names of one module, from its parsed source."""
+    """Functions, methods and global names of one module, from its source."""
 
     def __init__(self, path, text):
         self.path = path
         self.text = text
-        tree = parse_source(text, path)
-        self.functions = {}
-        self.globals = set()
+        self._whole = None  # (functions, globals) once the whole module is parsed
+
+    @property
+    def functions(self):
+        """{qualname: FunctionInfo} of every function and method (parses the whole module)."""
+        return self._parse_whole()[0]
+
+    @property
+    def globals(self):
+        """Every module-level name (parses the whole module)."""
+        return self._parse_whole()[1]
+
+    def function(self, qualname):
+        """The FunctionInfo of ``qualname`` (``f`` or ``Class.method``), or None."""
+        if self._whole is None:
+            if not self._may_define(qualname.rsplit(".", 1)[-1], function=True):
+                return None
+            node = _def_node(self.text, qualname)
+            if node is not None:
+                method = "." in qualname
+                return FunctionInfo(qualname, _params(node.args, method and not _is_static(node)), node)
+        return self.functions.get(qualname)
+
+    def has(self, qualname):
+        """A function, method or module-level name exists."""
+        if self._whole is None:
+            if not self._may_define(qualname.rsplit(".", 1)[-1], function="." in qualname):
+                return False
+            if "." not in qualname and _assigned_at_top(self.text, qualname):
+                return True
+        return self.function(qualname) is not None or qualname in self.globals
+
+    def _may_define(self, name, function):
+        """False when the text cannot define ``name``: no ``def name(`` for a function or method,
+        the name nowhere at all for any other (a sure "absent" without parsing)."""
+        if name not in self.text:
+            return False
+        return not function or re.search(r"def\s+%s\s*\(" % re.escape(name), self.text) is not None
+
+    def _parse_whole(self):
+        if self._whole is not None:
+            return self._whole
+        tree = parse_source(self.text, self.path)
+        functions, names = {}, set()
         for node in _walk_block(tree.body):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                self.functions[node.name] = FunctionInfo(node.name, _params(node.args, False), node)
-                self.globals.add(node.name)
+                functions[node.name] = FunctionInfo(node.name, _params(node.args, False), node)
+                names.add(node.name)
             elif isinstance(node, ast.ClassDef):
-                self.globals.add(node.name)
+                names.add(node.name)
                 for item in node.body:
                     if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                         qualname = node.name + "." + item.name
-                        self.functions[qualname] = FunctionInfo(
+                        functions[qualname] = FunctionInfo(
                             qualname, _params(item.args, not _is_static(item)), item)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 for target in targets:
                     if isinstance(target, ast.Name):
-                        self.globals.add(target.id)
+                        names.add(target.id)
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 for alias in node.names:
-                    self.globals.add((alias.asname or alias.name).split(".")[0])
+                    names.add((alias.asname or alias.name).split(".")[0])
+        self._whole = (functions, names)
+        return self._whole
 
     def contains(self, pattern):
         """True when the source text matches a regular expression (for probes on code, not names)."""
         return re.search(pattern, self.text) is not None
+
+
+# -- one def from its own lines --------------------------------------------------------------------
+
+def _indent(line):
+    return len(line) - len(line.lstrip(" "))
+
+
+def _quiet(line):
+    """A blank or comment-only line: it neither ends a block nor starts a statement."""
+    stripped = line.strip()
+    return not stripped or stripped.startswith("#")
+
+
+def _depth(line):
+    """Brackets a line opens minus those it closes (strings and comments are not told apart:
+    a miscount only makes ``_ends_a_statement`` say no, and the whole module is parsed)."""
+    return sum(line.count(c) for c in "([{") - sum(line.count(c) for c in ")]}")
+
+
+def _ends_a_statement(lines, index, low):
+    """True when line ``index`` (the last one before a def and its decorators) surely ends a
+    statement that is not a decorator: it leaves no bracket open and does not continue, and the
+    line it closes brackets of (``x = f(`` ... ``)``) does not start with ``@`` (a decorator
+    spanning lines, which would belong to the def)."""
+    line = lines[index].rstrip()
+    if line.endswith("\\"):
+        return False
+    depth = _depth(line)
+    start = index
+    while depth < 0 and start > low:
+        start -= 1
+        depth += _depth(lines[start])
+    return depth == 0 and not lines[start].lstrip().startswith("@")
+
+
+def _in_string(text, position):
+    """True when an odd number of triple quotes precede ``position`` (a def inside a docstring)."""
+    head = text[:position]
+    return head.count('"""') % 2 == 1 or head.count("'''") % 2 == 1
+
+
+def _headers(text, keyword, name, begin=0, stop=None):
+    """[(indentation, position of the line)] of every line that starts (after spaces, and
+    ``async`` for a def) with ``keyword name`` -- found by the literal keyword, which is fast."""
+    pattern = r"%s[ ]+%s\b" % (keyword, re.escape(name))  # what precedes it is checked below
+    found = []
+    for match in re.finditer(pattern, text[begin:stop] if stop is not None else text[begin:]):
+        at = begin + match.start()
+        line = text.rfind("\n", 0, at) + 1
+        prefix = text[line:at]
+        if prefix.strip() in ("", "async" if keyword == "def" else ""):
+            found.append((len(prefix) - len(prefix.lstrip(" ")), line))
+    return found
+
+
+def _assigned_at_top(text, name):
+    """True when a line at column 0 assigns ``name`` (``NAME = ...``, ``NAME: T = ...``) outside any
+    string and after a line that ends a statement: a module-level assignment for sure."""
+    lines = None
+    for match in re.finditer(r"^%s[ ]*(?::[^=\n]*)?=(?!=)" % re.escape(name), text, re.M):
+        if _in_string(text, match.start()):
+            continue
+        lines = lines or text.split("\n")
+        index = text.count("\n", 0, match.start())
+        before = index - 1
+        while before >= 0 and _quiet(lines[before]):
+            before -= 1
+        if before < 0 or _ends_a_statement(lines, before, 0):
+            return True
+    return False
+
+
+def _def_node(text, qualname):
+    """The FunctionDef of ``qualname`` parsed from its own lines (decorators included), or None
+    where those lines cannot be told apart for certain without parsing the whole module."""
+    parts = qualname.split(".")
+    if len(parts) > 2 or "\t" in text:  # tabs: indentation widths are not comparable by count
+        return None
+    lines = text.split("\n")
+
+    def line_at(position):
+        return text.count("\n", 0, position)
+
+    low, high = 0, len(lines)  # the block the def must be in: the module, or the class body
+    if len(parts) == 2:
+        classes = _headers(text, "class", parts[0])
+        if len(classes) != 1 or classes[0][0] or _in_string(text, classes[0][1]):
+            return None  # absent, defined twice, inside an if/try or another class, in a string
+        start = line_at(classes[0][1])
+        end, depth = start, _depth(lines[start])  # the header may span lines (its bases)
+        while depth > 0 and end + 1 < len(lines):
+            end += 1
+            depth += _depth(lines[end])
+        if depth or not lines[end].rstrip().endswith(":"):
+            return None
+        low = end + 1
+        body = next((i for i in range(low, len(lines)) if not _quiet(lines[i])), None)
+        if body is None or not _indent(lines[body]):
+            return None
+        indent = _indent(lines[body])
+        begin = sum(len(line) + 1 for line in lines[:low])  # character positions of the body
+        after = re.compile(r"^[^ \n#]", re.M).search(text, begin)  # the next line at column 0
+        stop = after.start() if after else len(text)
+        high = line_at(stop) if after else len(lines)
+        defs = [at for width, at in _headers(text, "def", parts[1], begin, stop) if width == indent]
+    else:
+        defs = _headers(text, "def", parts[1] if len(parts) > 1 else parts[0])
+        if any(width for width, _ in defs):
+            return None  # maybe defined inside a top-level if/try: the whole parse decides
+        defs = [at for _, at in defs]
+        indent = 0
+    if len(defs) != 1 or _in_string(text, defs[0]):
+        return None
+    first = line_at(defs[0])
+    # Decorators: single-line ones directly above.  The line before them must end a statement.
+    top = first
+    while top - 1 >= low and lines[top - 1].startswith(" " * indent + "@") and _indent(lines[top - 1]) == indent:
+        if _depth(lines[top - 1]):
+            return None
+        top -= 1
+    before = top - 1
+    while before >= low and _quiet(lines[before]):
+        before -= 1
+    if before >= low and not _ends_a_statement(lines, before, low):
+        return None
+    # The signature may span lines (black puts its closing "):" at the def's indentation); the body
+    # ends before the next line after it that is not indented deeper (comments do not count).
+    last, depth = first, _depth(lines[first])
+    while depth > 0 and last + 1 < high:
+        last += 1
+        depth += _depth(lines[last])
+    for i in range(last + 1, high):
+        if _quiet(lines[i]):
+            continue
+        if _indent(lines[i]) <= indent:
+            break
+        last = i
+    segment = "\n".join(lines[top:last + 1]) + "\n"
+    if indent:
+        segment = "if 1:\n" + segment  # keeps every line as written (docstrings included)
+    try:
+        tree = ast.parse(segment)
+    except (SyntaxError, ValueError):
+        return None
+    block = tree.body[0].body if indent else tree.body
+    if len(tree.body) != 1 or len(block) != 1:
+        return None
+    node = block[0]
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name != parts[-1]:
+        return None
+    return node
 
 
 class SourceView:
@@ -201,14 +404,12 @@ class SourceView:
 
     def function(self, dotted, qualname):
         module = self.module(dotted)
-        return module.functions.get(qualname) if module else None
+        return module.function(qualname) if module else None
 
     def has(self, dotted, qualname):
         """A function, method or module-level name exists."""
         module = self.module(dotted)
-        if module is None:
-            return False
-        return qualname in module.functions or qualname in module.globals
+        return module is not None and module.has(qualname)
 
 
 def find_package_dir(name):

@@ -88,14 +88,14 @@ class AnsweringView(SourceView):
     def has(self, dotted, qualname):
         def compute():
             source = self._source(dotted)
-            return source is not None and (qualname in source.functions or qualname in source.globals)
+            return source is not None and source.has(qualname)
 
         return self._ask("has|%s|%s" % (dotted, qualname), compute)
 
     def function(self, dotted, qualname):
         def compute():
             source = self._source(dotted)
-            info = source.functions.get(qualname) if source is not None else None
+            info = source.function(qualname) if source is not None else None
             return None if info is None else [list(info.params), info.fingerprint]
 
         answer = self._ask("function|%s|%s" % (dotted, qualname), compute)

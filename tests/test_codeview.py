@@ -1,0 +1,255 @@
+"""codeview: a function read from its own lines is the function the whole-module parse gives.
+
+The fast path (``_def_node``, ``ModuleSource._may_define``, ``_assigned_at_top``) answers without
+parsing the module; these tests hold it to the whole parse: on hand-made hostile sources, on every
+function of every module the patches read in every release, and on the decisions themselves.
+"""
+
+import os
+import textwrap
+
+import pytest
+
+from npu_shim import codeview, decision_cache, framework
+from npu_shim.codeview import ModuleSource
+from npu_shim.patches import load_all
+from shimdev import sglang_envs
+
+HOSTILE = textwrap.dedent('''\
+    """Module docstring with an example at column 0:
+    def in_docstring(x):
+        return x
+    """
+    import os as operating_system
+    from typing import (
+        Any,
+    )
+
+    LIMIT: int = 3
+    value = dict(
+    keyword_at_column_0=1)
+
+
+    def simple(a, b=2, *args, c, **kwargs):
+        return a
+
+
+    def plain(a, b=2, *args, c, **kwargs):
+        """Docstring with a line at column 0:
+    still the docstring
+        """
+        return [
+    1, 2]
+
+
+    @decorator
+    @other.attr(1)
+    def decorated(a):
+        return a
+
+
+    @decorator(
+        1,
+        )
+    def multi_line_decorator(a):
+        return a
+
+
+    def black_signature(
+        a,
+        b,
+    ) -> int:
+        # a comment at column 0 follows, inside the body
+    # like this
+        return a
+
+
+    if operating_system.name == "nt":
+        def conditional():
+            return 1
+    else:
+        def conditional():
+            return 2
+
+
+    def twice():
+        return 1
+
+
+    def twice():
+        return 2
+
+
+    async def coroutine(x):
+        return x
+
+
+    class Scheduler(
+        Base,
+        Mixin,
+    ):
+        """Class docstring."""
+
+        def __init__(self, a, *, b):
+            self.a = a
+
+        @staticmethod
+        def helper(x):
+            return x
+
+        @property
+        def size(self):
+            return 1
+
+        @size.setter
+        def size(self, value):
+            pass
+
+        if True:
+            def only_in_if(self):
+                pass
+
+        def last(self):
+            text = """
+    column 0 inside a string
+    """
+            return text
+
+
+    try:
+        class Guarded:
+            def method(self):
+                pass
+    except ImportError:
+        pass
+    ''')
+
+
+def whole(text):
+    module = ModuleSource("hostile.py", text)
+    module.functions  # noqa: B018 - parses the whole module: the reference answers
+    return module
+
+
+def test_every_function_read_from_its_lines_is_the_one_the_whole_parse_gives():
+    reference = whole(HOSTILE)
+    fast = 0
+    for qualname, info in reference.functions.items():
+        node = codeview._def_node(HOSTILE, qualname)
+        if node is None:
+            continue
+        fast += 1
+        got = ModuleSource("hostile.py", HOSTILE).function(qualname)
+        assert (got.params, got.fingerprint) == (info.params, info.fingerprint), qualname
+    assert fast >= 6
+
+
+@pytest.mark.parametrize("qualname", [
+    "simple", "decorated", "black_signature", "coroutine", "Scheduler.__init__",
+    "Scheduler.helper",
+])
+def test_the_usual_shapes_are_read_without_parsing_the_module(qualname):
+    assert codeview._def_node(HOSTILE, qualname) is not None
+
+
+@pytest.mark.parametrize("qualname, why", [
+    ("multi_line_decorator", "its decorator spans lines"),
+    ("conditional", "defined in both branches of an if"),
+    ("twice", "defined twice (the last one counts)"),
+    ("Scheduler.size", "a property and its setter"),
+    ("Scheduler.only_in_if", "inside an if in the class body"),
+    ("Guarded.method", "a class inside a try"),
+    ("in_docstring", "only inside the module docstring"),
+    ("plain", "a line at column 0 inside its docstring and its list"),
+    ("Scheduler.last", "a line at column 0 inside a string"),
+])
+def test_what_cannot_be_told_apart_for_certain_is_left_to_the_whole_parse(qualname, why):
+    assert codeview._def_node(HOSTILE, qualname) is None, why
+
+
+def test_tabs_are_left_to_the_whole_parse():
+    assert codeview._def_node("def f(x):\n\treturn x\n", "f") is None
+
+
+QUESTIONS = [
+    ("function", q) for q in (
+        "simple", "plain", "decorated", "multi_line_decorator", "black_signature", "conditional", "twice",
+        "coroutine", "Scheduler.__init__", "Scheduler.helper", "Scheduler.size",
+        "Scheduler.only_in_if", "Scheduler.last", "Guarded.method", "in_docstring", "absent",
+        "Scheduler.absent", "Absent.__init__", "keyword_at_column_0")
+] + [
+    ("has", q) for q in (
+        "plain", "LIMIT", "value", "keyword_at_column_0", "operating_system", "typing", "Any",
+        "Scheduler", "Guarded", "conditional", "in_docstring", "absent", "Scheduler.size",
+        "Scheduler.absent", "Scheduler.only_in_if", "Guarded.method", "docstring")
+]
+
+
+@pytest.mark.parametrize("kind, qualname", QUESTIONS)
+def test_each_answer_is_the_whole_parse_answer(kind, qualname):
+    reference, fresh = whole(HOSTILE), ModuleSource("hostile.py", HOSTILE)
+    if kind == "has":
+        assert fresh.has(qualname) == reference.has(qualname)
+    else:
+        want, got = reference.function(qualname), fresh.function(qualname)
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert (got.params, got.fingerprint) == (want.params, want.fingerprint)
+
+
+def test_a_broken_def_is_read_by_the_whole_parse_which_says_why():
+    text = "def target(:\n    pass\n"
+    with pytest.raises(codeview.SourceError, match="cannot parse"):
+        ModuleSource("broken.py", text).function("target")
+
+
+# -- the real releases -------------------------------------------------------------------------------
+
+def _decide_every_patch(view):
+    for patch in load_all():
+        framework.decide(patch, view, environ={}, on_npu=None, assume_triggered=True)
+
+
+def _forced_whole(monkeypatch):
+    monkeypatch.setattr(codeview, "_def_node", lambda text, qualname: None)
+    monkeypatch.setattr(codeview, "_assigned_at_top", lambda text, name: False)
+    monkeypatch.setattr(ModuleSource, "_may_define", lambda self, name, function: True)
+
+
+@pytest.mark.parametrize("version", sglang_envs.ALL_RELEASES)
+def test_a_release_gives_the_same_answers_read_fast_or_whole(version, monkeypatch):
+    """Every answer the patches' decisions ask of the release's source, fast path vs the whole
+    parse; and every function of every module read, one by one."""
+    package = os.path.join(str(sglang_envs.ensure_sources(version)), "sglang")
+    fast = decision_cache.AnsweringView(package)
+    _decide_every_patch(fast)
+    with monkeypatch.context() as patched:
+        _forced_whole(patched)
+        reference = decision_cache.AnsweringView(package)
+        _decide_every_patch(reference)
+    assert fast.answers == reference.answers
+    for dotted in fast.files:
+        module = SourceViewOf(package).module(dotted)
+        if module is None:
+            continue
+        for qualname, info in whole(module.text).functions.items():
+            node = codeview._def_node(module.text, qualname)
+            if node is not None:
+                got = ModuleSource(module.path, module.text).function(qualname)
+                assert (got.params, got.fingerprint) == (info.params, info.fingerprint), (dotted, qualname)
+
+
+def SourceViewOf(package):  # noqa: N802 - reads like the class it builds
+    return codeview.SourceView(package, version="")
+
+
+def test_deciding_on_0_5_11_parses_no_large_module_whole():
+    """What makes deciding cheap: on 0.5.11 (the benchmark's release) every answer about
+    scheduler.py, model_runner.py, utils/common.py, parallel_state.py (~0.5 MB) comes from the
+    fast path.  Only deepep.py is parsed whole: its ``use_deepep`` is assigned inside a try."""
+    package = os.path.join(str(sglang_envs.ensure_sources("0.5.11")), "sglang")
+    view = codeview.SourceView(package)
+    _decide_every_patch(view)
+    parsed_whole = sorted(dotted for dotted, module in view._modules.items()
+                          if module is not None and module._whole is not None)
+    assert parsed_whole == ["sglang.srt.layers.moe.token_dispatcher.deepep"]

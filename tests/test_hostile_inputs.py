@@ -56,11 +56,17 @@ def _rename(text):
 
 # name -> (bytes of the new mla_preprocess.py from its text, mla state, words in the reason)
 TAMPERED = {
-    "syntax error": (lambda t: (t + "\ndef broken(:\n").encode(), "unsupported", "cannot parse"),
+    # Broken inside the function the patch reads: that function cannot be read on its own, the
+    # whole module is parsed and says why.  (Broken elsewhere, Python's import says so itself.)
+    "syntax error": (lambda t: t.replace("def mlaprolog_preprocess_weight(self)",
+                                         "def mlaprolog_preprocess_weight(self").encode(),
+                     "unsupported", "cannot parse"),
     "coding cookie": (_latin1_cookie, "applied", "backport of"),
     "utf-8 bom": (lambda t: b"\xef\xbb\xbf" + t.encode(), "applied", "backport of"),
     "bad utf-8": (lambda t: t.encode() + b"\n# \xff\xfe\n", "unsupported", "cannot decode"),
-    "null byte": (lambda t: t.encode() + b"\n\x00\n", "unsupported", "cannot parse"),
+    "null byte": (lambda t: t.replace('"weight_dq": self.q_a_proj_weight,',
+                                      '"weight_dq": self.q_a_proj_weight,\x00').encode(),
+                  "unsupported", "cannot parse"),
     "renamed": (_rename, "unsupported", "although this sglang has the mlaprolog path"),
     "signature": (lambda t: t.replace("def mlaprolog_preprocess_weight(self)",
                                       "def mlaprolog_preprocess_weight(self, x=None)").encode(),
@@ -240,8 +246,8 @@ OFF_NPU = r'''
 import importlib, sys
 from shimdev import simnpu
 simnpu.install_without_npu("0.5.11")
-import wrapt
 import npu_shim
+from npu_shim import wrapt_loader
 # Every hooked module that imports on a plain CPU torch (the NPU-only ones need torch_npu).
 imported = []
 for name in ("sglang.srt.utils.common", "sglang.srt.distributed.parallel_state",
@@ -255,7 +261,7 @@ import torch
 common = sys.modules["sglang.srt.utils.common"]
 emit({"npu": hasattr(torch, "npu") and torch.npu.is_available(), "imported": imported,
       "states": {k: [v["state"], v["reason"], v["targets"]] for k, v in npu_shim.states().items()},
-      "wrapped": isinstance(common.get_available_gpu_memory, wrapt.FunctionWrapper)})
+      "wrapped": isinstance(common.get_available_gpu_memory, wrapt_loader.load().FunctionWrapper)})
 '''
 
 

@@ -67,7 +67,7 @@ def test_state_record_has_role_versions_states_and_follows_details_and_state_cha
     out = last_json(proc)
     first = out["first"]
     assert first["pid"] == out["pid"] and first["host"] == procinfo.host()
-    assert first["shim"] == "0.2.0" and first["sglang"] == "0.5.9" and first["shim_enabled"] is True
+    assert first["shim"] == "0.2.1" and first["sglang"] == "0.5.9" and first["shim_enabled"] is True
     assert first["python"].count(".") == 2 and first["sglang_path"].endswith("sglang")
     assert first["role"] == {"role": "scheduler", "source": "process title", "dp_rank": 0, "tp_rank": 3}
     assert first["patches"]["demo"]["state"] == "applied"
@@ -156,7 +156,7 @@ def test_spawned_children_write_their_own_records(tree):
 # -- status --running ---------------------------------------------------------------------------------
 
 def _record(pid, states, host=None, sglang="0.5.11", enabled=True, role=None, **extra):
-    record = {"format": 1, "pid": pid, "host": host or procinfo.host(), "shim": "0.2.0",
+    record = {"format": 1, "pid": pid, "host": host or procinfo.host(), "shim": "0.2.1",
               "shim_enabled": enabled, "sglang": sglang, "python": "3.11.7",
               "role": role or {"role": "unknown", "source": "test"}, "updated": 0,
               "patches": {name: {"state": state, "reason": "r-" + state, "details": {}}
@@ -265,7 +265,7 @@ def test_json_log_format_is_one_object_per_line_with_process_fields(tree):
     summary, failure = lines
     for line in lines:
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["ts"])
-        assert line["shim"] == "0.2.0" and line["sglang"] == "0.5.9" and isinstance(line["pid"], int)
+        assert line["shim"] == "0.2.1" and line["sglang"] == "0.5.9" and isinstance(line["pid"], int)
         assert line["role"] == "scheduler" and line["tp_rank"] == 3 and line["host"] == procinfo.host()
     assert summary["level"] == "INFO" and summary["event"] == "summary"
     assert summary["states"] == {"demo": "failed"} and summary["message"] == "demo=failed"

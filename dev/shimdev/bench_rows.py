@@ -26,7 +26,6 @@ ROWS = (
     ("bench_shim_cost", "memory the shim retains in an sglang 0.5.11 process, every applicable patch on"),
     ("bench_shim_cost", "the same two in a child process (decides from the answers its parent's source gave)"),
     ("bench_drop_in", "start-up of `python -c pass`, read-only bundle (its .pyc) on PYTHONPATH vs no shim"),
-    ("bench_drop_in", "the same with the shim's sources only (no .pyc anywhere: compiled in every process)"),
     ("bench_drop_in", "start-up of `python -c pass`, read-only bundle vs no shim, in instructions executed"),
     ("bench_drop_in", "npu_mla_preprocess wrapper, added ns/call, bundle's wrapt C build"),
     ("bench_drop_in", "npu_mla_preprocess wrapper, added ns/call, bundle's wrapt pure-Python build"),

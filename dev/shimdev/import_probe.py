@@ -23,9 +23,10 @@ SNIPPET = """
 from shimdev import demo_features
 failed = demo_features.import_targets()  # before anything else imports sglang
 import importlib.metadata, sys
-import wrapt
 import sglang
 import npu_shim
+from npu_shim import wrapt_loader
+wrapt = wrapt_loader.load()  # the shim's own (npu_shim._wrapt): its wrappers' classes
 from sglang.srt.utils.common import is_npu
 
 def wrapped_names(module):

@@ -156,6 +156,7 @@ class ModuleSource:
         self.path = path
         self.text = text
         self._whole = None  # (functions, globals) once the whole module is parsed
+        self._read = {}     # qualname -> FunctionInfo read from its own lines
 
     @property
     def functions(self):
@@ -169,13 +170,17 @@ class ModuleSource:
 
     def function(self, qualname):
         """The FunctionInfo of ``qualname`` (``f`` or ``Class.method``), or None."""
+        if qualname in self._read:
+            return self._read[qualname]
         if self._whole is None:
             if not self._may_define(qualname.rsplit(".", 1)[-1], function=True):
                 return None
             node = _def_node(self.text, qualname)
             if node is not None:
                 method = "." in qualname
-                return FunctionInfo(qualname, _params(node.args, method and not _is_static(node)), node)
+                info = FunctionInfo(qualname, _params(node.args, method and not _is_static(node)), node)
+                self._read[qualname] = info
+                return info
         return self.functions.get(qualname)
 
     def has(self, qualname):

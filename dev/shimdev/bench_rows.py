@@ -21,6 +21,7 @@ def mla_row(model, tp, role):
 ROWS = (
     ("bench_shim_cost", "start-up of `python -c pass`, shim compiled (.pyc present) on PYTHONPATH vs no shim"),
     ("bench_shim_cost", "start-up of `python -c pass`, shim sources with no .pyc anywhere vs no shim"),
+    ("bench_shim_cost", "start-up of `python -c pass`, an empty directory on PYTHONPATH vs none (reference)"),
     ("bench_shim_cost", "peak memory of that process (compiled shim), shim vs not"),
     ("bench_shim_cost", "import overhead: real sglang 0.5.11 target modules, every applicable patch on, shim vs not"),
     ("bench_shim_cost", "memory the shim retains in an sglang 0.5.11 process, every applicable patch on"),

@@ -14,11 +14,12 @@ import textwrap
 
 import pytest
 
+import npu_shim
 from npu_shim.patches import all_variables
 from npu_shim.patches import zbal as zbal_patch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TAG = r"\[npu-shim 0\.2\.0 sglang 0\.5\.9 pid [0-9]+\]"  # every line of a process that saw sglang
+TAG = r"\[npu-shim %s sglang 0\.5\.9 pid [0-9]+\]" % re.escape(npu_shim.__version__)  # every line of a process that saw sglang
 
 FAKE_COMMON = '''
 def get_npu_memory_capacity():

@@ -12,6 +12,7 @@ import textwrap
 
 from test_bootstrap import REPO, TAG, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 
+import npu_shim
 from npu_shim import procinfo, running
 
 # A process that looks like sglang's scheduler TP3 of DP0 (sglang sets this title itself).
@@ -67,7 +68,7 @@ def test_state_record_has_role_versions_states_and_follows_details_and_state_cha
     out = last_json(proc)
     first = out["first"]
     assert first["pid"] == out["pid"] and first["host"] == procinfo.host()
-    assert first["shim"] == "0.2.1" and first["sglang"] == "0.5.9" and first["shim_enabled"] is True
+    assert first["shim"] == npu_shim.__version__ and first["sglang"] == "0.5.9" and first["shim_enabled"] is True
     assert first["python"].count(".") == 2 and first["sglang_path"].endswith("sglang")
     assert first["role"] == {"role": "scheduler", "source": "process title", "dp_rank": 0, "tp_rank": 3}
     assert first["patches"]["demo"]["state"] == "applied"
@@ -81,7 +82,7 @@ def test_state_record_has_role_versions_states_and_follows_details_and_state_cha
     final = records(str(state_dir))[out["files"][0]]
     assert final["patches"] == {}
     # the summary line carries the role the process title gives
-    assert re.search(r"\[npu-shim 0\.2\.0 sglang 0\.5\.9 pid [0-9]+ dp 0 tp 3\] demo=applied", proc.stderr), proc.stderr
+    assert re.search(r"\[npu-shim %s sglang 0\.5\.9 pid [0-9]+ dp 0 tp 3\] demo=applied" % re.escape(npu_shim.__version__), proc.stderr), proc.stderr
 
 
 def test_a_failing_patch_is_in_the_record_at_once(tree):
@@ -156,7 +157,7 @@ def test_spawned_children_write_their_own_records(tree):
 # -- status --running ---------------------------------------------------------------------------------
 
 def _record(pid, states, host=None, sglang="0.5.11", enabled=True, role=None, **extra):
-    record = {"format": 1, "pid": pid, "host": host or procinfo.host(), "shim": "0.2.1",
+    record = {"format": 1, "pid": pid, "host": host or procinfo.host(), "shim": npu_shim.__version__,
               "shim_enabled": enabled, "sglang": sglang, "python": "3.11.7",
               "role": role or {"role": "unknown", "source": "test"}, "updated": 0,
               "patches": {name: {"state": state, "reason": "r-" + state, "details": {}}
@@ -189,7 +190,7 @@ def test_status_running_agreeing_processes_exit_0_with_one_row_each(tmp_path):
     proc = status_running(str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "3 live process(es), 0 stale" in proc.stdout
-    assert re.search(r"%d\s+scheduler tp 3/16\s+0\.2\.0\s+0\.5\.11\s+applied\s+applied\s+upstream" % me,
+    assert re.search(r"%d\s+scheduler tp 3/16\s+%s\s+0\.5\.11\s+applied\s+applied\s+upstream" % (me, re.escape(npu_shim.__version__)),
                      proc.stdout), proc.stdout
     assert "applied(full, 49152 MiB)" in proc.stdout and "detokenizer" in proc.stdout
     assert "ok: no failed patch, every live process agrees" in proc.stdout
@@ -265,7 +266,7 @@ def test_json_log_format_is_one_object_per_line_with_process_fields(tree):
     summary, failure = lines
     for line in lines:
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["ts"])
-        assert line["shim"] == "0.2.1" and line["sglang"] == "0.5.9" and isinstance(line["pid"], int)
+        assert line["shim"] == npu_shim.__version__ and line["sglang"] == "0.5.9" and isinstance(line["pid"], int)
         assert line["role"] == "scheduler" and line["tp_rank"] == 3 and line["host"] == procinfo.host()
     assert summary["level"] == "INFO" and summary["event"] == "summary"
     assert summary["states"] == {"demo": "failed"} and summary["message"] == "demo=failed"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import npu_shim
 from shimdev import realsglang
 
 SNIPPET = r'''
@@ -35,7 +36,7 @@ def test_state_record_of_a_real_0_5_11_scheduler_with_zbal(release_venv, tmp_pat
            "NPU_SHIM_STRICT": None, "NPU_SHIM_ZBAL": None, "SGLANG_ZBAL_BOOTSTRAP_URL": None}
     out = realsglang.run_in_release("0.5.11", SNIPPET, env=env, zbal=True)
     before, after = out["before"], out["after"]
-    assert before["pid"] == out["pid"] and before["sglang"] == "0.5.11" and before["shim"] == "0.2.1"
+    assert before["pid"] == out["pid"] and before["sglang"] == "0.5.11" and before["shim"] == npu_shim.__version__
     assert {name: p["state"] for name, p in before["patches"].items()} == {
         "zbal": "applied", "mla_weight_release": "applied", "dual_stream_experts": "upstream"}
     # decided while the scheduler's module was imported: sglang has not told who it is yet
@@ -48,6 +49,6 @@ def test_state_record_of_a_real_0_5_11_scheduler_with_zbal(release_venv, tmp_pat
     assert after["patches"]["zbal"]["targets_applied"] == "10/10"
     assert out["files"] == ["%s-%d.json" % (after["host"], out["pid"])]
     # zbal's success line carries the process tag with the rank
-    assert ("[npu-shim 0.2.1 sglang 0.5.11 pid %d tp 3/16] zbal: rank 3 initialised a 49152 MiB heap "
-            "in full mode (device 0, world 16)" % out["pid"]) in out["lines"], out["lines"]
+    assert ("[npu-shim %s sglang 0.5.11 pid %d tp 3/16] zbal: rank 3 initialised a 49152 MiB heap "
+            "in full mode (device 0, world 16)" % (npu_shim.__version__, out["pid"])) in out["lines"], out["lines"]
     json.dumps(after)  # plain JSON all through

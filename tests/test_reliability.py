@@ -4,6 +4,7 @@ interpreter with the fake sglang tree and demo patch of test_bootstrap.py."""
 import importlib
 import types
 
+import npu_shim
 from test_bootstrap import DEMO_PATCH, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 
 RELOAD = """
@@ -118,7 +119,7 @@ def test_bad_variables_are_each_reported_once_with_the_prefix_at_activation(tree
     """, env={"NPU_SHIM_LOG_LEVEL": "loud", "NPU_SHIM_STRICT": "maybe",
               "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://[:]:1", "SGLANG_ZBAL_LOCAL_MEM_SIZE": "１２２８８"})
     lines = proc.stderr.strip().splitlines()
-    assert lines and all(line.startswith("[npu-shim 0.2.1 sglang 0.5.9 pid ") for line in lines), lines
+    assert lines and all(line.startswith("[npu-shim %s sglang 0.5.9 pid " % npu_shim.__version__) for line in lines), lines
     for name in ("NPU_SHIM_LOG_LEVEL", "NPU_SHIM_STRICT", "SGLANG_ZBAL_BOOTSTRAP_URL",
                  "SGLANG_ZBAL_LOCAL_MEM_SIZE"):
         assert sum(name + "=" in line for line in lines) == 1, (name, lines)

@@ -41,16 +41,16 @@ def test_newest_release_on_pypi_agrees_with_the_table():
 def test_what_moved_between_releases_is_named():
     mod = load_report()
     # 0.5.9 -> 0.5.10: upstream merged the dual-stream experts (the probe says so)
-    lines = mod.moved(mod._view("0.5.9"), mod._view("0.5.10"))
+    lines = mod.moved(mod.release_view("0.5.9"), mod.release_view("0.5.10"))
     assert any(l.startswith("dual_stream_experts: the probe now says upstream: ") for l in lines), lines
     # 0.5.11 -> 0.5.12: zbal merged upstream
-    lines = mod.moved(mod._view("0.5.11"), mod._view("0.5.12"))
+    lines = mod.moved(mod.release_view("0.5.11"), mod.release_view("0.5.12"))
     assert any(l.startswith("zbal: the probe now says upstream: ") for l in lines), lines
     # 0.5.8 -> 0.5.9: the dual-stream bodies are pinned by fingerprint and did not change
-    lines = mod.moved(mod._view("0.5.8"), mod._view("0.5.9"))
+    lines = mod.moved(mod.release_view("0.5.8"), mod.release_view("0.5.9"))
     assert not [l for l in lines if l.startswith("dual_stream_experts")], lines
     # a post release changes nothing the shim reads
-    assert mod.moved(mod._view("0.5.10"), mod._view("0.5.10.post1")) == []
+    assert mod.moved(mod.release_view("0.5.10"), mod.release_view("0.5.10.post1")) == []
 
 
 def test_a_changed_pinned_body_is_reported(tmp_path):
@@ -68,7 +68,7 @@ def test_a_changed_pinned_body_is_reported(tmp_path):
     body_start = tail.index(":\n") + 2
     tail = tail[:body_start] + "        hidden_states = hidden_states + 0\n" + tail[body_start:]
     glm.write_text(head + marker + tail)
-    lines = mod.moved(mod._view("0.5.9"), SourceView(str(copy)))
+    lines = mod.moved(mod.release_view("0.5.9"), SourceView(str(copy)))
     assert any("pinned body sglang.srt.models.glm4_moe:Glm4MoeSparseMoeBlock.forward_deepep changed" in l
                for l in lines), lines
 

@@ -49,7 +49,8 @@ def latest_on_pypi() -> str:
     return m.group(1)
 
 
-def _view(version, strict=False):
+def release_view(version, strict=False):
+    """A SourceView of a release's source (its wheel, unpacked once)."""
     from npu_shim.codeview import SourceView
 
     return SourceView(os.path.join(str(sglang_envs.ensure_sources(version, strict=strict)), "sglang"))
@@ -144,7 +145,7 @@ def report(version: str) -> int:
     older = [v for v in table if sglang_envs.version_key(v) < sglang_envs.version_key(version)]
     previous = older[-1] if older else None
     wheel = sglang_envs.ensure_wheel(version, strict=False)
-    view = _view(version)
+    view = release_view(version)
     say("sglang %s (%s)%s" % (version, wheel.name, ", in the expected table" if known else ", NEW"))
     if view.version != version:
         say("  ! the wheel's source reports version %r" % view.version)
@@ -158,7 +159,7 @@ def report(version: str) -> int:
 
     say("\n2. what moved since %s (the table's previous row: %s):" % (
         previous, ", ".join(table[previous].values()) if previous else "-"))
-    lines = moved(_view(previous), view) if previous else []
+    lines = moved(release_view(previous), view) if previous else []
     if previous:
         lines += ["%s: %s -> %s" % (name, old, states[name])
                   for name, old in table[previous].items() if old != states[name]]

@@ -203,6 +203,20 @@ print(json.dumps({"result": wrapped(1), "calls": calls, "hooked": hooked, "loade
 """
 
 
+def _load_wrapt_beside(python, version, before):
+    """_PRIVATE_LOAD's report from ``python`` with the image's wrapt ``version`` on PYTHONPATH,
+    after the application's own ``before``."""
+    from shimdev import sglang_envs
+
+    layer = str(sglang_envs.ensure_wrapt(version))
+    env = dict({k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "PYTHON"))},
+               PYTHONPATH=os.pathsep.join([REPO, layer]), PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run([python, "-c", _PRIVATE_LOAD % before], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("version, loaded", [
     ("2.5.2", ["npu_shim._wrapt", "npu_shim._wrapt.__wrapt__", "npu_shim._wrapt._wrappers",
                "npu_shim._wrapt.exceptions", "npu_shim._wrapt.importer", "npu_shim._wrapt.wrappers"]),
@@ -215,15 +229,7 @@ def test_only_the_wrappers_and_the_import_hooks_are_loaded_and_the_application_k
     """The image's wrapt, loaded privately without its __init__ (whose decorators, proxies, locks
     and caches are ~60 % of wrapt's memory); the C extension still loads; the application's own
     ``import wrapt`` afterwards gets the whole image wrapt."""
-    from shimdev import sglang_envs
-
-    layer = str(sglang_envs.ensure_wrapt(version))
-    env = dict({k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "PYTHON"))},
-               PYTHONPATH=os.pathsep.join([REPO, layer]), PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run([bare_venvs("3.11"), "-c", _PRIVATE_LOAD % ""], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _load_wrapt_beside(bare_venvs("3.11"), version, before="")
     assert out["result"] == 2 and out["calls"] == [[1]] and out["hooked"] == ["colorsys"]
     assert out["loaded"] == loaded  # and no "wrapt" among them: nothing was imported under its name
     assert out["same_as_app"] is False
@@ -232,15 +238,7 @@ def test_only_the_wrappers_and_the_import_hooks_are_loaded_and_the_application_k
 
 
 def test_a_wrapt_the_application_already_imported_is_used_as_it_is(bare_venvs):
-    from shimdev import sglang_envs
-
-    layer = str(sglang_envs.ensure_wrapt("2.5.2"))
-    env = dict({k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "PYTHON"))},
-               PYTHONPATH=os.pathsep.join([REPO, layer]), PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run([bare_venvs("3.11"), "-c", _PRIVATE_LOAD % "import wrapt"], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _load_wrapt_beside(bare_venvs("3.11"), "2.5.2", before="import wrapt")
     assert out["result"] == 2 and out["hooked"] == ["colorsys"] and out["same_as_app"] is True
     assert not [name for name in out["loaded"] if name.startswith("npu_shim._wrapt")]
 

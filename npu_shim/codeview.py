@@ -245,15 +245,21 @@ def _quiet(line):
 
 def _depth(line):
     """Brackets a line opens minus those it closes (strings and comments are not told apart:
-    a miscount only makes ``_ends_a_statement`` say no, and the whole module is parsed)."""
+    a miscount only makes a check here say no, and the whole module is parsed)."""
     return sum(line.count(c) for c in "([{") - sum(line.count(c) for c in ")]}")
 
 
-def _ends_a_statement(lines, index, low):
-    """True when line ``index`` (the last one before a def and its decorators) surely ends a
-    statement that is not a decorator: it leaves no bracket open and does not continue, and the
-    line it closes brackets of (``x = f(`` ... ``)``) does not start with ``@`` (a decorator
-    spanning lines, which would belong to the def)."""
+def _follows_a_statement(lines, index, low):
+    """True when line ``index`` (a def, its first decorator, an assignment) starts a statement of
+    its own: the last line before it in ``lines[low:index]`` that is not blank or a comment, if
+    any, leaves no bracket open and does not continue, and the line it closes brackets of
+    (``x = f(`` ... ``)``) does not start with ``@`` (a decorator spanning lines, which would
+    belong to the def)."""
+    index -= 1
+    while index >= low and _quiet(lines[index]):
+        index -= 1
+    if index < low:
+        return True
     line = lines[index].rstrip()
     if line.endswith("\\"):
         return False
@@ -263,6 +269,16 @@ def _ends_a_statement(lines, index, low):
         start -= 1
         depth += _depth(lines[start])
     return depth == 0 and not lines[start].lstrip().startswith("@")
+
+
+def _statement_end(lines, index, limit):
+    """Index of the line that closes the brackets line ``index`` opens (a class's bases, a def's
+    parameters), below ``limit``; None when they stay open."""
+    depth = _depth(lines[index])
+    while depth > 0 and index + 1 < limit:
+        index += 1
+        depth += _depth(lines[index])
+    return None if depth else index
 
 
 def _in_string(text, position):
@@ -293,11 +309,7 @@ def _assigned_at_top(text, name):
         if _in_string(text, match.start()):
             continue
         lines = lines or text.split("\n")
-        index = text.count("\n", 0, match.start())
-        before = index - 1
-        while before >= 0 and _quiet(lines[before]):
-            before -= 1
-        if before < 0 or _ends_a_statement(lines, before, 0):
+        if _follows_a_statement(lines, text.count("\n", 0, match.start()), 0):
             return True
     return False
 
@@ -318,12 +330,8 @@ def _def_node(text, qualname):
         classes = _headers(text, "class", parts[0])
         if len(classes) != 1 or classes[0][0] or _in_string(text, classes[0][1]):
             return None  # absent, defined twice, inside an if/try or another class, in a string
-        start = line_at(classes[0][1])
-        end, depth = start, _depth(lines[start])  # the header may span lines (its bases)
-        while depth > 0 and end + 1 < len(lines):
-            end += 1
-            depth += _depth(lines[end])
-        if depth or not lines[end].rstrip().endswith(":"):
+        end = _statement_end(lines, line_at(classes[0][1]), len(lines))  # bases may span lines
+        if end is None or not lines[end].rstrip().endswith(":"):
             return None
         low = end + 1
         body = next((i for i in range(low, len(lines)) if not _quiet(lines[i])), None)
@@ -336,7 +344,7 @@ def _def_node(text, qualname):
         high = line_at(stop) if after else len(lines)
         defs = [at for width, at in _headers(text, "def", parts[1], begin, stop) if width == indent]
     else:
-        defs = _headers(text, "def", parts[1] if len(parts) > 1 else parts[0])
+        defs = _headers(text, "def", parts[0])
         if any(width for width, _ in defs):
             return None  # maybe defined inside a top-level if/try: the whole parse decides
         defs = [at for _, at in defs]
@@ -350,17 +358,13 @@ def _def_node(text, qualname):
         if _depth(lines[top - 1]):
             return None
         top -= 1
-    before = top - 1
-    while before >= low and _quiet(lines[before]):
-        before -= 1
-    if before >= low and not _ends_a_statement(lines, before, low):
+    if not _follows_a_statement(lines, top, low):
         return None
     # The signature may span lines (black puts its closing "):" at the def's indentation); the body
     # ends before the next line after it that is not indented deeper (comments do not count).
-    last, depth = first, _depth(lines[first])
-    while depth > 0 and last + 1 < high:
-        last += 1
-        depth += _depth(lines[last])
+    last = _statement_end(lines, first, high)
+    if last is None:
+        return None
     for i in range(last + 1, high):
         if _quiet(lines[i]):
             continue

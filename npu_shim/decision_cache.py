@@ -2,8 +2,9 @@
 
 Deciding reads ~10 sglang modules (~0.7 MB of source on 0.5.11, of which the functions it checks
 are parsed: ~30 ms).  The launcher decides first; sglang then spawns its scheduler, detokenizer
-and other workers, which would read the same files again.  After deciding, the runtime puts every answer its view gave
-(``has``, ``function`` params and fingerprint, ``module`` exists, ``contains``) and the identity
+and other workers, which would read the same files again.  After deciding, the runtime puts every
+answer its view gave (``has``, ``function`` params and fingerprint, ``module`` exists,
+``contains``) and the identity
 of every file behind them (path, size, mtime_ns, ctime_ns, inode) into ``NPU_SHIM_SOURCE_ANSWERS``,
 which children inherit.  A child answers from there only while every one of those files is still
 the file that was read -- ``ctime`` changes with any write and cannot be set back -- and reads the

@@ -197,10 +197,10 @@ _KERNELS = 'dual_stream_kernels.install(simnpu, kernel="partial")\n'
 
 
 def _with_own_timers(argv):
-    code = argv[-1].replace(_KERNELS, _KERNELS + _OWN_TIMERS).replace(
-        "print(json.dumps(out))", "out['own'] = _spent\nprint(json.dumps(out))")
-    if "_spent" not in code.split("print(json.dumps", 1)[0] or "out['own']" not in code:
+    code, report = argv[-1], "print(json.dumps(out))"
+    if _KERNELS not in code or report not in code:
         raise RuntimeError("could not put the timers into the import process")
+    code = code.replace(_KERNELS, _KERNELS + _OWN_TIMERS).replace(report, "out['own'] = _spent\n" + report)
     return argv[:-1] + [code]
 
 

@@ -9,7 +9,8 @@ can ask the same questions of every released wheel.
 A function is read from its own lines when they can be told apart without parsing the module
 (``_def_node``): the targets live in sglang's largest files (scheduler.py, model_runner.py,
 utils/common.py: ~0.5 MB together), and parsing them whole cost ~100-200 ms in every process that
-decides.  Where that is not certain -- the name defined twice, inside an ``if``, a decorator
+decides.  A module-level name is found the same way: a column-0 assignment, or the one if/try
+statement that assigns it (``_assigned_in_top_block``).  Where that is not certain -- the name defined twice, inside an ``if``, a decorator
 spanning lines, a quote count that leaves the def inside a string -- or where the answer is "not
 there", the whole module is parsed, once, and answers as before.  Either way the function's AST is
 the one the whole parse gives (same fingerprint, same parameters).
@@ -90,19 +91,42 @@ def _params(args, drop_first):
     return tuple(names)
 
 
+_LEFT_OUT = ("type_comment", "kind")
+_FIELDS = {}  # AST class -> its fields in order, less those left out
+
+
 def _canonical(node):
     """A text form of an AST that is the same on every Python 3.9+: ``ast.dump`` is not (3.12 added
-    ``type_params``, 3.13 changed how empty fields print), so empty fields are left out."""
-    if isinstance(node, ast.AST):
-        parts = [type(node).__name__]
-        for name, value in ast.iter_fields(node):
-            if value is None or value == [] or name in ("type_comment", "kind"):
+    ``type_params``, 3.13 changed how empty fields print), so empty fields are left out.  Written
+    into one list and joined once: this runs over every pinned def in every deciding process."""
+    out = []
+    _write(node, out.append)
+    return "".join(out)
+
+
+def _write(value, put):
+    if isinstance(value, ast.AST):
+        cls = value.__class__
+        fields = _FIELDS.get(cls)
+        if fields is None:
+            fields = _FIELDS[cls] = tuple(f for f in cls._fields if f not in _LEFT_OUT)
+        put("(" + cls.__name__)
+        for name in fields:
+            item = getattr(value, name, None)
+            if item is None or item == []:
                 continue
-            parts.append("%s=%s" % (name, _canonical(value)))
-        return "(%s)" % " ".join(parts)
-    if isinstance(node, list):
-        return "[%s]" % ",".join(_canonical(item) for item in node)
-    return repr(node)
+            put(" " + name + "=")
+            _write(item, put)
+        put(")")
+    elif isinstance(value, list):
+        put("[")
+        for index, item in enumerate(value):
+            if index:
+                put(",")
+            _write(item, put)
+        put("]")
+    else:
+        put(repr(value))
 
 
 def fingerprint_node(node):
@@ -112,21 +136,32 @@ def fingerprint_node(node):
 
 
 def live_fingerprint(func):
-    """``fingerprint_node`` of an imported function, from the source file it was loaded from.
-    The file's lines ``inspect`` reads are not left in ``linecache`` (every sglang process would
-    keep them)."""
+    """``fingerprint_node`` of an imported function, from the source file it was loaded from: the
+    def read from its own lines (``_def_node``) when it starts on the line the loaded code says,
+    else through ``inspect``.  The file's lines ``inspect`` reads are not left in ``linecache``
+    (every sglang process would keep them)."""
     import inspect
     import linecache
-    import textwrap
 
     func = unwrap(func)
-    filename = getattr(getattr(func, "__code__", None), "co_filename", None)
+    code = getattr(func, "__code__", None)
+    qualname = getattr(func, "__qualname__", "")
+    if code is not None and "<" not in qualname:  # not a lambda, nor a def inside a function
+        try:
+            found = _read_def(read_source(code.co_filename), qualname)
+        except (OSError, SourceError):
+            found = None
+        if found is not None and found[1] == code.co_firstlineno:
+            return fingerprint_node(found[0])
+    filename = getattr(code, "co_filename", None)
     kept = filename in linecache.cache
     try:
-        source = textwrap.dedent(inspect.getsource(func))
+        source = inspect.getsource(func)
     finally:
         if not kept:
             linecache.cache.pop(filename, None)
+    if source[:1] in (" ", "\t"):  # a method: kept as written (dedenting would change its strings)
+        return fingerprint_node(ast.parse("if 1:\n" + source).body[0].body[0])
     return fingerprint_node(ast.parse(source).body[0])
 
 
@@ -149,6 +184,30 @@ def _walk_block(body):
             yield from _walk_block(node.finalbody)
 
 
+def _definitions(body):
+    """({qualname: FunctionInfo}, {module-level name}) of a module's statements."""
+    functions, names = {}, set()
+    for node in _walk_block(body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            functions[node.name] = FunctionInfo(node.name, _params(node.args, False), node)
+            names.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            names.add(node.name)
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    qualname = node.name + "." + item.name
+                    functions[qualname] = FunctionInfo(qualname, _params(item.args, not _is_static(item)), item)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    names.add(target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                names.add((alias.asname or alias.name).split(".")[0])
+    return functions, names
+
+
 class ModuleSource:
     """Functions, methods and global names of one module, from its source."""
 
@@ -157,6 +216,7 @@ class ModuleSource:
         self.text = text
         self._whole = None  # (functions, globals) once the whole module is parsed
         self._read = {}     # qualname -> FunctionInfo read from its own lines
+        self._split = None  # the text's lines, once a def is read from them
 
     @property
     def functions(self):
@@ -175,7 +235,7 @@ class ModuleSource:
         if self._whole is None:
             if not self._may_define(qualname.rsplit(".", 1)[-1], function=True):
                 return None
-            node = _def_node(self.text, qualname)
+            node = _def_node(self.text, qualname, self._lines())
             if node is not None:
                 method = "." in qualname
                 info = FunctionInfo(qualname, _params(node.args, method and not _is_static(node)), node)
@@ -188,7 +248,8 @@ class ModuleSource:
         if self._whole is None:
             if not self._may_define(qualname.rsplit(".", 1)[-1], function="." in qualname):
                 return False
-            if "." not in qualname and _assigned_at_top(self.text, qualname):
+            if "." not in qualname and (_assigned_at_top(self.text, qualname)
+                                        or _assigned_in_top_block(self.text, qualname)):
                 return True
         return self.function(qualname) is not None or qualname in self.globals
 
@@ -197,33 +258,17 @@ class ModuleSource:
         the name nowhere at all for any other (a sure "absent" without parsing)."""
         if name not in self.text:
             return False
-        return not function or re.search(r"def\s+%s\s*\(" % re.escape(name), self.text) is not None
+        return not function or any(_after_def(self.text, at) and _OPENS.match(self.text, at + len(name))
+                                   for at in _words(self.text, name))
+
+    def _lines(self):
+        if self._split is None:
+            self._split = self.text.split("\n")
+        return self._split
 
     def _parse_whole(self):
-        if self._whole is not None:
-            return self._whole
-        tree = parse_source(self.text, self.path)
-        functions, names = {}, set()
-        for node in _walk_block(tree.body):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                functions[node.name] = FunctionInfo(node.name, _params(node.args, False), node)
-                names.add(node.name)
-            elif isinstance(node, ast.ClassDef):
-                names.add(node.name)
-                for item in node.body:
-                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                        qualname = node.name + "." + item.name
-                        functions[qualname] = FunctionInfo(
-                            qualname, _params(item.args, not _is_static(item)), item)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for target in targets:
-                    if isinstance(target, ast.Name):
-                        names.add(target.id)
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                for alias in node.names:
-                    names.add((alias.asname or alias.name).split(".")[0])
-        self._whole = (functions, names)
+        if self._whole is None:
+            self._whole = _definitions(parse_source(self.text, self.path).body)
         return self._whole
 
     def contains(self, pattern):
@@ -283,19 +328,50 @@ def _statement_end(lines, index, limit):
 
 def _in_string(text, position):
     """True when an odd number of triple quotes precede ``position`` (a def inside a docstring)."""
-    head = text[:position]
-    return head.count('"""') % 2 == 1 or head.count("'''") % 2 == 1
+    return text.count('"""', 0, position) % 2 == 1 or text.count("'''", 0, position) % 2 == 1
+
+
+# Searched for with str.find and checked around each hit, rather than with a regular expression per
+# name: compiling one costs more than the search (~40 us; ~50 names in a deciding process).
+_OPENS = re.compile(r"\s*\(")                       # after a def's name
+_ASSIGNS = re.compile(r"[ ]*(?::[^=\n]*)?=(?!=)")     # after an assigned name: ``= ``, ``: T = ``
+_COLUMN_0 = re.compile(r"^[^ \n#]", re.M)            # a line that starts at column 0
+
+
+def _is_word_char(char):
+    return char.isalnum() or char == "_"
+
+
+def _words(text, name, begin=0, stop=None):
+    """Positions of ``name`` in text[begin:stop] as a whole word."""
+    stop = len(text) if stop is None else stop
+    at = text.find(name, begin, stop)
+    while at >= 0:
+        end = at + len(name)
+        if not (at and _is_word_char(text[at - 1])) and not (end < len(text) and _is_word_char(text[end])):
+            yield at
+        at = text.find(name, at + 1, stop)
+
+
+def _after_def(text, at):
+    """``def`` and whitespace come right before position ``at``."""
+    index = at
+    while index and text[index - 1].isspace():
+        index -= 1
+    return index < at and text.endswith("def", 0, index)
 
 
 def _headers(text, keyword, name, begin=0, stop=None):
     """[(indentation, position of the line)] of every line that starts (after spaces, and
-    ``async`` for a def) with ``keyword name`` -- found by the literal keyword, which is fast."""
-    pattern = r"%s[ ]+%s\b" % (keyword, re.escape(name))  # what precedes it is checked below
+    ``async`` for a def) with ``keyword name``."""
     found = []
-    for match in re.finditer(pattern, text[begin:stop] if stop is not None else text[begin:]):
-        at = begin + match.start()
+    for at in _words(text, name, begin, stop):
         line = text.rfind("\n", 0, at) + 1
-        prefix = text[line:at]
+        head = text[line:at]
+        before = head.rstrip(" ")
+        if before == head or not before.endswith(keyword):
+            continue
+        prefix = before[:-len(keyword)]
         if prefix.strip() in ("", "async" if keyword == "def" else ""):
             found.append((len(prefix) - len(prefix.lstrip(" ")), line))
     return found
@@ -305,22 +381,77 @@ def _assigned_at_top(text, name):
     """True when a line at column 0 assigns ``name`` (``NAME = ...``, ``NAME: T = ...``) outside any
     string and after a line that ends a statement: a module-level assignment for sure."""
     lines = None
-    for match in re.finditer(r"^%s[ ]*(?::[^=\n]*)?=(?!=)" % re.escape(name), text, re.M):
-        if _in_string(text, match.start()):
+    for at in _words(text, name):
+        if (at and text[at - 1] != "\n") or not _ASSIGNS.match(text, at + len(name)) or _in_string(text, at):
             continue
         lines = lines or text.split("\n")
-        if _follows_a_statement(lines, text.count("\n", 0, match.start()), 0):
+        if _follows_a_statement(lines, text.count("\n", 0, at), 0):
             return True
     return False
 
 
-def _def_node(text, qualname):
+# Lines at column 0 that carry on the if/try statement above them rather than start one.
+_CARRIES_ON = re.compile(r"(?:else|elif|except|finally)\b")
+
+
+def _assigned_in_top_block(text, name):
+    """True when a module-level ``if``/``try`` statement assigns ``name`` in one of its blocks (``try:
+    ... use_deepep = True`` / ``except ImportError: use_deepep = False``): that statement, read from
+    its own lines, parses alone and defines the name as the whole parse would count it."""
+    if "\t" in text:
+        return False
+    lines = None
+    for at in _words(text, name):
+        line = text.rfind("\n", 0, at) + 1
+        if line == at or text[line:at].strip(" ") or not _ASSIGNS.match(text, at + len(name)):
+            continue  # not indented by spaces alone, or not an assignment
+        if _in_string(text, at):
+            continue
+        lines = lines or text.split("\n")
+        segment = _top_statement(lines, text.count("\n", 0, at))
+        if segment is None:
+            continue
+        try:
+            body = ast.parse(segment).body
+        except (SyntaxError, ValueError):
+            continue
+        if len(body) == 1 and isinstance(body[0], (ast.If, ast.Try)) and name in _definitions(body)[1]:
+            return True
+    return False
+
+
+def _top_statement(lines, index):
+    """The text of the module-level if/try statement that line ``index`` (indented) is inside, or
+    None when its first line is not an ``if``/``try`` that starts a statement of its own."""
+    def inside(line):
+        return _quiet(line) or line.startswith(" ") or _CARRIES_ON.match(line) is not None
+
+    top = index
+    while top >= 0 and inside(lines[top]):
+        top -= 1
+    if top < 0 or not lines[top].startswith(("if ", "try:")) or not _follows_a_statement(lines, top, 0):
+        return None
+    end = index + 1
+    while end < len(lines) and inside(lines[end]):
+        end += 1
+    return "\n".join(lines[top:end]) + "\n"
+
+
+def _def_node(text, qualname, lines=None):
     """The FunctionDef of ``qualname`` parsed from its own lines (decorators included), or None
-    where those lines cannot be told apart for certain without parsing the whole module."""
+    where those lines cannot be told apart for certain without parsing the whole module.
+    ``lines``: ``text.split("\\n")``, when the caller keeps it."""
+    found = _read_def(text, qualname, lines)
+    return found[0] if found is not None else None
+
+
+def _read_def(text, qualname, lines=None):
+    """``_def_node``'s node and the line number its first line (decorators included) has in the
+    file, or None."""
     parts = qualname.split(".")
     if len(parts) > 2 or "\t" in text:  # tabs: indentation widths are not comparable by count
         return None
-    lines = text.split("\n")
+    lines = text.split("\n") if lines is None else lines
 
     def line_at(position):
         return text.count("\n", 0, position)
@@ -338,8 +469,10 @@ def _def_node(text, qualname):
         if body is None or not _indent(lines[body]):
             return None
         indent = _indent(lines[body])
-        begin = sum(len(line) + 1 for line in lines[:low])  # character positions of the body
-        after = re.compile(r"^[^ \n#]", re.M).search(text, begin)  # the next line at column 0
+        begin = classes[0][1]  # character position of the body: past the class's header lines
+        for line in lines[line_at(begin):low]:
+            begin += len(line) + 1
+        after = _COLUMN_0.search(text, begin)  # the next line at column 0
         stop = after.start() if after else len(text)
         high = line_at(stop) if after else len(lines)
         defs = [at for width, at in _headers(text, "def", parts[1], begin, stop) if width == indent]
@@ -384,7 +517,7 @@ def _def_node(text, qualname):
     node = block[0]
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name != parts[-1]:
         return None
-    return node
+    return node, top + 1
 
 
 class SourceView:

@@ -5,7 +5,7 @@ import os
 import sys
 
 from npu_shim import config, log, statefile
-from npu_shim.runtime import _RELOADS, _RT, activate, revert_record
+from npu_shim.runtime import _FINDER, _RT, activate, revert_record
 
 
 def watcher_armed():
@@ -75,8 +75,8 @@ def uninstall():
     with _RT.lock:
         while _bootstrap._WATCHER in sys.meta_path:
             sys.meta_path.remove(_bootstrap._WATCHER)
-        while _RELOADS in sys.meta_path:
-            sys.meta_path.remove(_RELOADS)
+        while _FINDER in sys.meta_path:
+            sys.meta_path.remove(_FINDER)
         if _RT.records:
             for record in _RT.records.values():
                 revert_record(record)

@@ -11,7 +11,7 @@ Timeline in a process:
 3. Each hook then applies the targets that live in its module; a target whose loaded code does
    not match fails its whole patch, which is reverted everywhere.
 4. ``importlib.reload`` of a patched module (which post-import hooks never see) re-applies its
-   targets to the new code, checked like the first time (``ReloadWatcher``).
+   targets to the new code, checked like the first time (``ShimFinder``).
 No exception leaves a hook unless strict mode is on or a patch the user explicitly asked for
 (``Patch.must_honour``) cannot be applied.
 """
@@ -133,8 +133,9 @@ def activate():
                                else "wrapt could not be loaded: %r" % (exc,))
             return
         _RT.hooked = set(modules)
-        if _RELOADS not in sys.meta_path:
-            sys.meta_path.insert(0, _RELOADS)
+        _FINDER.take(wrapt_loader.take_import_finder())
+        if _FINDER not in sys.meta_path:
+            sys.meta_path.insert(0, _FINDER)
 
     for name in modules:
         # Fires at once for a module that is already imported (install() after sglang).
@@ -234,12 +235,25 @@ def enforce(record):
                         % (record.patch.name, record.state, record.reason))
 
 
-class ReloadWatcher:
-    """A meta-path finder that notices ``importlib.reload`` of a hooked module (reload passes the
-    module as ``target``, an import does not) and has the patches re-applied once the new code
-    has run."""
+class ShimFinder:
+    """The shim's meta-path finder while it is active.  Asked about every import in the process,
+    it answers almost all of them with a dict lookup or two:
+
+    * a module with a post-import hook waiting: handed to wrapt's own finder, which this one
+      stands in for when wrapt is the shim's private copy (``wrapt_loader.take_import_finder``);
+    * ``importlib.reload`` of a hooked module (reload passes the module as ``target``, an import
+      does not): the patches are re-applied once the new code has run."""
+
+    pending = {}        # wrapt's {module name: hooks waiting}, once its finder is taken
+    hook_finder = None  # that finder, kept out of sys.meta_path
+
+    def take(self, taken):
+        if taken is not None:
+            self.pending, self.hook_finder = taken
 
     def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.pending:
+            return self.hook_finder.find_spec(fullname, path, target)
         if target is None or fullname not in _RT.hooked or _RT.records is None:
             return None
         for finder in sys.meta_path:
@@ -278,7 +292,7 @@ class _ReapplyingLoader:
                            "re-applying after reload of %s failed: %r" % (module.__name__, exc))
 
 
-_RELOADS = ReloadWatcher()
+_FINDER = ShimFinder()
 
 
 def apply_module(module, late=None):

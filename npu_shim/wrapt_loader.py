@@ -185,6 +185,31 @@ def load():
     return module
 
 
+_TAKEN = None  # (private importer module, its pending-hooks dict, its ImportHookFinder) once taken
+
+
+def take_import_finder():
+    """(dict of module names with post-import hooks waiting, wrapt's ImportHookFinder) when the
+    wrapt ``load()`` returned is the shim's private copy: that finder is then kept out of
+    sys.meta_path, and the shim's own finder hands it only the modules in that dict.  wrapt's
+    takes a lock on every import of every module (~4 ms over sglang's ~3,600 imports in every
+    process).  None where wrapt's own finder stays: the application's wrapt, reused, serves the
+    application's hooks too; or the private copy's finder is in sys.meta_path already."""
+    global _TAKEN
+    importer = sys.modules.get(PRIVATE_NAME + ".importer")
+    if _LOADED is None or _LOADED[0].__name__ != PRIVATE_NAME or importer is None:
+        return None
+    if _TAKEN is None or _TAKEN[0] is not importer:
+        pending = getattr(importer, "_post_import_hooks", None)
+        finder_class = getattr(importer, "ImportHookFinder", None)
+        if not isinstance(pending, dict) or finder_class is None or \
+                getattr(importer, "_post_import_hooks_init", None) is not False:
+            return None
+        importer._post_import_hooks_init = True  # register_post_import_hook never inserts its own
+        _TAKEN = (importer, pending, finder_class())
+    return _TAKEN[1:]
+
+
 def loaded_origin():
     """The Origin of the wrapt ``load()`` returned in this process, or None before."""
     return _LOADED[1] if _LOADED is not None else None

@@ -1,8 +1,9 @@
 """codeview: a function read from its own lines is the function the whole-module parse gives.
 
-The fast path (``_def_node``, ``ModuleSource._may_define``, ``_assigned_at_top``) answers without
-parsing the module; these tests hold it to the whole parse: on hand-made hostile sources, on every
-function of every module the patches read in every release, and on the decisions themselves.
+The fast path (``_def_node``, ``ModuleSource._may_define``, ``_assigned_at_top``,
+``_assigned_in_top_block``) answers without parsing the module; these tests hold it to the whole
+parse: on hand-made hostile sources, on every function of every module the patches read in every
+release, and on the decisions themselves.
 """
 
 import os
@@ -122,6 +123,38 @@ HOSTILE = textwrap.dedent('''\
                 pass
     except ImportError:
         pass
+
+
+    try:
+        from fast import thing
+        use_fast = True
+    # a comment at column 0 between the blocks
+    except ImportError:
+        use_fast = False
+    else:
+        checked: bool = True
+    finally:
+        pass
+    try:
+        split_handler = 1
+    except (ImportError,
+    RuntimeError):
+        pass
+    if operating_system.name == "posix":
+        platform_only = 1
+    elif operating_system.name == "nt":
+        def windows_only():
+            in_function = 1
+    EXAMPLE = """
+    try:
+        in_string_only = 1
+    except ImportError:
+        pass
+    """
+    values = [
+    1]
+    if True:
+        after_a_bracket = 1
     ''')
 
 
@@ -181,7 +214,8 @@ QUESTIONS = [
     ("has", q) for q in (
         "plain", "LIMIT", "value", "keyword_at_column_0", "operating_system", "typing", "Any",
         "Scheduler", "Guarded", "conditional", "in_docstring", "absent", "Scheduler.size",
-        "Scheduler.absent", "Scheduler.only_in_if", "Guarded.method", "docstring")
+        "Scheduler.absent", "Scheduler.only_in_if", "Guarded.method", "docstring", "use_fast", "thing",
+        "checked", "platform_only", "windows_only", "in_function", "in_string_only", "after_a_bracket", "split_handler")
 ]
 
 
@@ -211,8 +245,9 @@ def _decide_every_patch(view):
 
 
 def _forced_whole(monkeypatch):
-    monkeypatch.setattr(codeview, "_def_node", lambda text, qualname: None)
+    monkeypatch.setattr(codeview, "_def_node", lambda text, qualname, lines=None: None)
     monkeypatch.setattr(codeview, "_assigned_at_top", lambda text, name: False)
+    monkeypatch.setattr(codeview, "_assigned_in_top_block", lambda text, name: False)
     monkeypatch.setattr(ModuleSource, "_may_define", lambda self, name, function: True)
 
 
@@ -243,13 +278,59 @@ def SourceViewOf(package):  # noqa: N802 - reads like the class it builds
     return codeview.SourceView(package, version="")
 
 
-def test_deciding_on_0_5_11_parses_no_large_module_whole():
-    """What makes deciding cheap: on 0.5.11 (the benchmark's release) every answer about
-    scheduler.py, model_runner.py, utils/common.py, parallel_state.py (~0.5 MB) comes from the
-    fast path.  Only deepep.py is parsed whole: its ``use_deepep`` is assigned inside a try."""
+def test_deciding_on_0_5_11_parses_no_module_whole():
+    """What makes deciding cheap: on 0.5.11 (the benchmark's release) every answer comes from the
+    fast path -- scheduler.py, model_runner.py, utils/common.py, parallel_state.py (~0.5 MB), and
+    deepep.py, whose ``use_deepep`` is assigned inside a module-level try."""
     package = os.path.join(str(sglang_envs.ensure_sources("0.5.11")), "sglang")
     view = codeview.SourceView(package)
     _decide_every_patch(view)
     parsed_whole = sorted(dotted for dotted, module in view._modules.items()
                           if module is not None and module._whole is not None)
-    assert parsed_whole == ["sglang.srt.layers.moe.token_dispatcher.deepep"]
+    assert parsed_whole == []
+
+
+@pytest.mark.parametrize("name, present", [
+    ("use_fast", True), ("checked", True), ("platform_only", True), ("after_a_bracket", True),
+    ("in_function", False), ("in_string_only", False), ("absent", False),
+    ("split_handler", False),  # a line at column 0 inside the handler's brackets: the whole parse answers
+])
+def test_a_name_assigned_in_a_module_level_if_or_try_is_found_from_that_statement_alone(name, present):
+    assert codeview._assigned_in_top_block(HOSTILE, name) is present
+
+
+# -- the loaded code ---------------------------------------------------------------------------------
+
+def _loaded_functions(module):
+    """(function object, whole-parse FunctionInfo) for each def of ``module`` that is the one loaded."""
+    import types
+
+    whole_parse = ModuleSource(module.__file__, codeview.read_source(module.__file__)).functions
+    for qualname, info in whole_parse.items():
+        owner = module
+        for part in qualname.split("."):
+            owner = vars(owner).get(part) if hasattr(owner, "__dict__") else None
+        if not isinstance(owner, types.FunctionType) or owner.__qualname__ != qualname:
+            continue
+        node = info._node
+        if (node.decorator_list[0] if node.decorator_list else node).lineno == owner.__code__.co_firstlineno:
+            yield owner, info  # not a def shadowed by a later one of the same name
+
+
+@pytest.mark.parametrize("read_from_its_lines", [True, False], ids=["own lines", "inspect"])
+def test_the_loaded_code_has_the_fingerprint_its_source_has(read_from_its_lines, monkeypatch):
+    """live_fingerprint (apply time) must agree with the source (decide time) on real modules,
+    methods with multi-line docstrings included: through the def's own lines, and through
+    ``inspect`` where those cannot be told apart."""
+    import argparse
+    import dataclasses
+    import logging
+
+    if not read_from_its_lines:
+        monkeypatch.setattr(codeview, "_read_def", lambda text, qualname, lines=None: None)
+    checked = 0
+    for module in (argparse, dataclasses, logging, codeview):
+        for function, info in _loaded_functions(module):
+            assert codeview.live_fingerprint(function) == info.fingerprint, function.__qualname__
+            checked += 1
+    assert checked > 200

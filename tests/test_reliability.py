@@ -44,11 +44,10 @@ def test_uninstall_after_reload_restores_the_reloaded_code(tree):
         importlib.reload(common)
         npu_shim.uninstall()
         print(json.dumps({"value": common.get_npu_memory_capacity(),
-                          # wrapt's own ImportHookFinder (in the shim's private copy) stays, as
-                          # wrapt never removes it; the hooks it holds are inert once uninstalled
+                          # wrapt's own ImportHookFinder (the shim's private copy) included: it
+                          # was never in sys.meta_path, the shim's finder stood in for it
                           "watchers": [type(f).__name__ for f in sys.meta_path
-                                       if type(f).__module__.startswith("npu_shim")
-                                       and not type(f).__module__.startswith("npu_shim._wrapt")],
+                                       if type(f).__module__.startswith("npu_shim")],
                           "loader": type(common.__loader__).__name__}))
     """)
     out = last_json(proc)
@@ -101,10 +100,34 @@ def test_second_module_failing_reverts_what_the_first_one_applied(tree):
     assert "ShimError: npu-shim (strict): demo is failed: while patching sglang.srt.other" in strict.stderr
 
 
-def test_reload_watcher_ignores_imports_and_unhooked_modules():
+def test_wrapts_import_finder_is_asked_only_about_modules_with_a_hook_waiting(tree):
+    """The shim's private wrapt: its ImportHookFinder stays out of sys.meta_path (it takes a lock
+    on every import); the shim's finder hands it the hooked modules, whose hooks still fire."""
+    proc = run(tree, """
+        import json, sys
+        import sglang
+        asked = []
+        from npu_shim import runtime
+        hook_finder = runtime._FINDER.hook_finder
+        find_spec = hook_finder.find_spec
+        hook_finder.find_spec = lambda name, *rest: asked.append(name) or find_spec(name, *rest)
+        import colorsys
+        from sglang.srt.utils import common
+        print(json.dumps({"finders": [type(f).__name__ for f in sys.meta_path
+                                      if "ImportHookFinder" in type(f).__name__ or type(f).__module__.startswith("npu_shim")],
+                          "wrapt": type(hook_finder).__module__, "asked": sorted(set(asked)),
+                          "value": common.get_npu_memory_capacity()}))
+    """)
+    out = last_json(proc)
+    assert out["finders"] == ["ShimFinder"]  # and no wrapt finder
+    assert out["wrapt"] == "npu_shim._wrapt.importer" and out["asked"] == ["sglang.srt.utils.common"]
+    assert out["value"] == 1001  # the demo patch applied through the hook
+
+
+def test_the_shim_finder_ignores_imports_and_unhooked_modules():
     from npu_shim import runtime
 
-    watcher = runtime.ReloadWatcher()
+    watcher = runtime.ShimFinder()
     assert watcher.find_spec("json", None, None) is None
     assert watcher.find_spec("json", None, importlib.import_module("json")) is None
 

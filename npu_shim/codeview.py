@@ -24,6 +24,7 @@ which leaves the patch that asked ``unsupported``.
 """
 
 import ast
+import bisect
 import hashlib
 import os
 import re
@@ -60,18 +61,23 @@ def parse_source(text, path):
 class FunctionInfo:
     """A function or method as written in the source."""
 
-    __slots__ = ("qualname", "params", "_node", "_fingerprint")
+    __slots__ = ("qualname", "params", "_node", "_fingerprint", "_read_body")
 
-    def __init__(self, qualname, params, node):
+    def __init__(self, qualname, params, node, read_body=None):
         self.qualname = qualname
         self.params = params            # parameter names, ``self``/``cls`` left out for methods
         self._node = node
         self._fingerprint = None
+        # Where only the def's header was parsed (its parameters): reads the whole def, once its
+        # fingerprint is asked for.
+        self._read_body = read_body
 
     @property
     def fingerprint(self):
         """Short hash of the normalised AST of the whole def (computed on first use)."""
         if self._fingerprint is None:
+            if self._read_body is not None:
+                self._node, self._read_body = self._read_body(), None
             self._fingerprint = fingerprint_node(self._node)
         return self._fingerprint
 
@@ -216,7 +222,7 @@ class ModuleSource:
         self.text = text
         self._whole = None  # (functions, globals) once the whole module is parsed
         self._read = {}     # qualname -> FunctionInfo read from its own lines
-        self._split = None  # the text's lines, once a def is read from them
+        self._indexed = None  # _Text, once the fast path reads from the text
 
     @property
     def functions(self):
@@ -235,10 +241,17 @@ class ModuleSource:
         if self._whole is None:
             if not self._may_define(qualname.rsplit(".", 1)[-1], function=True):
                 return None
-            node = _def_node(self.text, qualname, self._lines())
+            where = _locate_def(self._text(), qualname)
+            # The header alone gives the parameters; most functions are asked for nothing else, and
+            # the large ones (Scheduler.__init__, ModelRunner.initialize) are most of the text.
+            node = _parse_def(where, body=False) if where is not None else None
+            read_body = lambda: _parse_def(where) or self._whole_def(qualname)  # noqa: E731
+            if node is None and where is not None:  # a one-line def: its body is on its header's line
+                node, read_body = _parse_def(where), None
             if node is not None:
                 method = "." in qualname
-                info = FunctionInfo(qualname, _params(node.args, method and not _is_static(node)), node)
+                info = FunctionInfo(qualname, _params(node.args, method and not _is_static(node)), node,
+                                    read_body)
                 self._read[qualname] = info
                 return info
         return self.functions.get(qualname)
@@ -248,8 +261,8 @@ class ModuleSource:
         if self._whole is None:
             if not self._may_define(qualname.rsplit(".", 1)[-1], function="." in qualname):
                 return False
-            if "." not in qualname and (_assigned_at_top(self.text, qualname)
-                                        or _assigned_in_top_block(self.text, qualname)):
+            if "." not in qualname and (_assigned_at_top(self._text(), qualname)
+                                        or _assigned_in_top_block(self._text(), qualname)):
                 return True
         return self.function(qualname) is not None or qualname in self.globals
 
@@ -261,10 +274,18 @@ class ModuleSource:
         return not function or any(_after_def(self.text, at) and _OPENS.match(self.text, at + len(name))
                                    for at in _words(self.text, name))
 
-    def _lines(self):
-        if self._split is None:
-            self._split = self.text.split("\n")
-        return self._split
+    def _whole_def(self, qualname):
+        """The def of ``qualname`` with its body, from the whole parse (its own lines did not parse)."""
+        info = self.functions.get(qualname)
+        if info is None:
+            raise SourceError("%s: %s was read from its header but the module does not define it"
+                              % (self.path, qualname))
+        return info._node
+
+    def _text(self):
+        if self._indexed is None:
+            self._indexed = _Text(self.text)
+        return self._indexed
 
     def _parse_whole(self):
         if self._whole is None:
@@ -326,16 +347,56 @@ def _statement_end(lines, index, limit):
     return None if depth else index
 
 
-def _in_string(text, position):
-    """True when an odd number of triple quotes precede ``position`` (a def inside a docstring)."""
-    return text.count('"""', 0, position) % 2 == 1 or text.count("'''", 0, position) % 2 == 1
+class _Text:
+    """A module's text with what the fast path asks of it: its lines (split once), the line a
+    position is on, and whether a position is inside a triple-quoted string (by bisection over
+    where the triple quotes are, found once)."""
+
+    __slots__ = ("text", "_lines", "_quote_ends")
+
+    def __init__(self, text):
+        self.text = text
+        self._lines = self._quote_ends = None
+
+    @property
+    def lines(self):
+        if self._lines is None:
+            self._lines = self.text.split("\n")
+        return self._lines
+
+    def line_at(self, position):
+        """The index of the line ``position`` is on: the newlines before it (counted: for the few
+        positions asked per module, cheaper than an index of every line)."""
+        return self.text.count("\n", 0, position)
+
+    def in_string(self, position):
+        """True when an odd number of triple quotes of one kind precede ``position`` (a def inside
+        a docstring), counted as ``str.count`` counts them."""
+        if self._quote_ends is None:
+            self._quote_ends = (_ends_of(self.text, '"""'), _ends_of(self.text, "'''"))
+        return any(bisect.bisect_right(ends, position) % 2 for ends in self._quote_ends)
+
+
+def _ends_of(text, quote):
+    """Where each occurrence of ``quote`` ends, found left to right without overlaps (as
+    ``str.count`` counts them)."""
+    ends, at = [], text.find(quote)
+    while at >= 0:
+        ends.append(at + len(quote))
+        at = text.find(quote, at + len(quote))
+    return ends
+
+
+def _as_text(text):
+    return text if isinstance(text, _Text) else _Text(text)
 
 
 # Searched for with str.find and checked around each hit, rather than with a regular expression per
 # name: compiling one costs more than the search (~40 us; ~50 names in a deciding process).
 _OPENS = re.compile(r"\s*\(")                       # after a def's name
 _ASSIGNS = re.compile(r"[ ]*(?::[^=\n]*)?=(?!=)")     # after an assigned name: ``= ``, ``: T = ``
-_COLUMN_0 = re.compile(r"^[^ \n#]", re.M)            # a line that starts at column 0
+_COLUMN_0 = re.compile(r"\n[^ \n#]")                # a line that starts at column 0 (after its \n:
+#                                                     a literal first character is found fast)
 
 
 def _is_word_char(char):
@@ -380,12 +441,12 @@ def _headers(text, keyword, name, begin=0, stop=None):
 def _assigned_at_top(text, name):
     """True when a line at column 0 assigns ``name`` (``NAME = ...``, ``NAME: T = ...``) outside any
     string and after a line that ends a statement: a module-level assignment for sure."""
-    lines = None
+    source = _as_text(text)
+    text = source.text
     for at in _words(text, name):
-        if (at and text[at - 1] != "\n") or not _ASSIGNS.match(text, at + len(name)) or _in_string(text, at):
+        if (at and text[at - 1] != "\n") or not _ASSIGNS.match(text, at + len(name)) or source.in_string(at):
             continue
-        lines = lines or text.split("\n")
-        if _follows_a_statement(lines, text.count("\n", 0, at), 0):
+        if _follows_a_statement(source.lines, source.line_at(at), 0):
             return True
     return False
 
@@ -398,17 +459,17 @@ def _assigned_in_top_block(text, name):
     """True when a module-level ``if``/``try`` statement assigns ``name`` in one of its blocks (``try:
     ... use_deepep = True`` / ``except ImportError: use_deepep = False``): that statement, read from
     its own lines, parses alone and defines the name as the whole parse would count it."""
+    source = _as_text(text)
+    text = source.text
     if "\t" in text:
         return False
-    lines = None
     for at in _words(text, name):
         line = text.rfind("\n", 0, at) + 1
         if line == at or text[line:at].strip(" ") or not _ASSIGNS.match(text, at + len(name)):
             continue  # not indented by spaces alone, or not an assignment
-        if _in_string(text, at):
+        if source.in_string(at):
             continue
-        lines = lines or text.split("\n")
-        segment = _top_statement(lines, text.count("\n", 0, at))
+        segment = _top_statement(source.lines, source.line_at(at))
         if segment is None:
             continue
         try:
@@ -437,43 +498,61 @@ def _top_statement(lines, index):
     return "\n".join(lines[top:end]) + "\n"
 
 
-def _def_node(text, qualname, lines=None):
+def _def_node(text, qualname, body=True):
     """The FunctionDef of ``qualname`` parsed from its own lines (decorators included), or None
     where those lines cannot be told apart for certain without parsing the whole module.
-    ``lines``: ``text.split("\\n")``, when the caller keeps it."""
-    found = _read_def(text, qualname, lines)
+    ``body=False``: only the decorators and the signature are parsed (the node's body is
+    ``pass``)."""
+    found = _read_def(text, qualname, body)
     return found[0] if found is not None else None
 
 
-def _read_def(text, qualname, lines=None):
+def _read_def(text, qualname, body=True):
     """``_def_node``'s node and the line number its first line (decorators included) has in the
-    file, or None."""
+    file, or None.  ``text``: a str, or the module's _Text."""
+    where = _locate_def(_as_text(text), qualname)
+    node = _parse_def(where, body) if where is not None else None
+    return (node, where.top + 1) if node is not None else None
+
+
+class _DefLines:
+    """Where one def lies in its module's lines: ``top`` (its first decorator, else the def
+    line), ``first`` (the def line), ``signature_end`` (the line its signature closes on),
+    ``indent``, and ``high`` (where its block -- the module, or the class body -- ends)."""
+
+    __slots__ = ("lines", "name", "top", "first", "signature_end", "indent", "high")
+
+    def __init__(self, lines, name, top, first, signature_end, indent, high):
+        self.lines, self.name, self.top, self.first = lines, name, top, first
+        self.signature_end, self.indent, self.high = signature_end, indent, high
+
+
+def _locate_def(source, qualname):
+    """The _DefLines of ``qualname`` (``f`` or ``Class.method``) in ``source`` (a _Text), or None
+    where its lines cannot be told apart for certain without parsing the whole module."""
+    text, lines, line_at = source.text, source.lines, source.line_at
     parts = qualname.split(".")
     if len(parts) > 2 or "\t" in text:  # tabs: indentation widths are not comparable by count
         return None
-    lines = text.split("\n") if lines is None else lines
-
-    def line_at(position):
-        return text.count("\n", 0, position)
 
     low, high = 0, len(lines)  # the block the def must be in: the module, or the class body
     if len(parts) == 2:
         classes = _headers(text, "class", parts[0])
-        if len(classes) != 1 or classes[0][0] or _in_string(text, classes[0][1]):
+        if len(classes) != 1 or classes[0][0] or source.in_string(classes[0][1]):
             return None  # absent, defined twice, inside an if/try or another class, in a string
         end = _statement_end(lines, line_at(classes[0][1]), len(lines))  # bases may span lines
         if end is None or not lines[end].rstrip().endswith(":"):
             return None
         low = end + 1
-        body = next((i for i in range(low, len(lines)) if not _quiet(lines[i])), None)
-        if body is None or not _indent(lines[body]):
+        first_in_body = next((i for i in range(low, len(lines)) if not _quiet(lines[i])), None)
+        if first_in_body is None or not _indent(lines[first_in_body]):
             return None
-        indent = _indent(lines[body])
+        indent = _indent(lines[first_in_body])
         begin = classes[0][1]  # character position of the body: past the class's header lines
         for line in lines[line_at(begin):low]:
             begin += len(line) + 1
-        after = _COLUMN_0.search(text, begin)  # the next line at column 0
-        stop = after.start() if after else len(text)
+        after = _COLUMN_0.search(text, begin - 1)  # the next line at column 0 (begin > 0: a class came first)
+        stop = after.start() + 1 if after else len(text)
         high = line_at(stop) if after else len(lines)
         defs = [at for width, at in _headers(text, "def", parts[1], begin, stop) if width == indent]
     else:
@@ -482,7 +561,7 @@ def _read_def(text, qualname, lines=None):
             return None  # maybe defined inside a top-level if/try: the whole parse decides
         defs = [at for _, at in defs]
         indent = 0
-    if len(defs) != 1 or _in_string(text, defs[0]):
+    if len(defs) != 1 or source.in_string(defs[0]):
         return None
     first = line_at(defs[0])
     # Decorators: single-line ones directly above.  The line before them must end a statement.
@@ -493,18 +572,31 @@ def _read_def(text, qualname, lines=None):
         top -= 1
     if not _follows_a_statement(lines, top, low):
         return None
-    # The signature may span lines (black puts its closing "):" at the def's indentation); the body
-    # ends before the next line after it that is not indented deeper (comments do not count).
-    last = _statement_end(lines, first, high)
-    if last is None:
+    # The signature may span lines (black puts its closing "):" at the def's indentation).
+    signature_end = _statement_end(lines, first, high)
+    if signature_end is None:
         return None
-    for i in range(last + 1, high):
-        if _quiet(lines[i]):
-            continue
-        if _indent(lines[i]) <= indent:
-            break
-        last = i
-    segment = "\n".join(lines[top:last + 1]) + "\n"
+    return _DefLines(lines, parts[-1], top, first, signature_end, indent, high)
+
+
+def _parse_def(where, body=True):
+    """The FunctionDef at ``where`` (a _DefLines), or None when its lines do not parse as exactly
+    that def.  ``body=False``: its decorators and signature only, with ``pass`` for a body (a
+    one-line def, whose body is on the signature's line, then does not parse)."""
+    lines, indent = where.lines, where.indent
+    if body:
+        # The body ends before the next line after the signature that is not indented deeper
+        # (comments do not count).
+        last = where.signature_end
+        for i in range(last + 1, where.high):
+            if _quiet(lines[i]):
+                continue
+            if _indent(lines[i]) <= indent:
+                break
+            last = i
+        segment = "\n".join(lines[where.top:last + 1]) + "\n"
+    else:
+        segment = "\n".join(lines[where.top:where.signature_end + 1]) + "\n" + " " * (indent + 4) + "pass\n"
     if indent:
         segment = "if 1:\n" + segment  # keeps every line as written (docstrings included)
     try:
@@ -515,9 +607,9 @@ def _read_def(text, qualname, lines=None):
     if len(tree.body) != 1 or len(block) != 1:
         return None
     node = block[0]
-    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name != parts[-1]:
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name != where.name:
         return None
-    return node, top + 1
+    return node
 
 
 class SourceView:

@@ -3,8 +3,8 @@
 Deciding reads ~10 sglang modules (~0.7 MB of source on 0.5.11, of which the functions it checks
 are parsed: ~30 ms).  The launcher decides first; sglang then spawns its scheduler, detokenizer
 and other workers, which would read the same files again.  After deciding, the runtime puts every
-answer its view gave (``has``, ``function`` params and fingerprint, ``module`` exists,
-``contains``) and the identity
+answer its view gave (``has``, ``function`` params and -- where it was asked for --
+fingerprint, ``module`` exists, ``contains``) and the identity
 of every file behind them (path, size, mtime_ns, ctime_ns, inode) into ``NPU_SHIM_SOURCE_ANSWERS``,
 which children inherit.  A child answers from there only while every one of those files is still
 the file that was read -- ``ctime`` changes with any write and cannot be set back -- and reads the
@@ -19,7 +19,7 @@ import os
 from npu_shim.codeview import SourceView
 
 ENV = "NPU_SHIM_SOURCE_ANSWERS"
-FORMAT = 1
+FORMAT = 2  # 2: a function's fingerprint is recorded only where it was asked for (else null)
 
 
 def _identity(path):
@@ -31,14 +31,20 @@ def _identity(path):
 
 
 class FunctionAnswer:
-    """What the answers keep of a ``codeview.FunctionInfo``."""
+    """What the answers keep of a ``codeview.FunctionInfo``: its parameters, and its fingerprint
+    once asked for (a fingerprint needs the whole def parsed; the parameters only its header)."""
 
-    __slots__ = ("qualname", "params", "fingerprint")
+    __slots__ = ("qualname", "params", "_view", "_dotted")
 
-    def __init__(self, qualname, params, fingerprint):
+    def __init__(self, view, dotted, qualname, params):
         self.qualname = qualname
         self.params = tuple(params)
-        self.fingerprint = fingerprint
+        self._view = view
+        self._dotted = dotted
+
+    @property
+    def fingerprint(self):
+        return self._view.fingerprint(self._dotted, self.qualname)
 
 
 class ModuleAnswer:
@@ -93,14 +99,24 @@ class AnsweringView(SourceView):
 
         return self._ask("has|%s|%s" % (dotted, qualname), compute)
 
+    def _info(self, dotted, qualname):
+        source = self._source(dotted)
+        return source.function(qualname) if source is not None else None
+
     def function(self, dotted, qualname):
         def compute():
-            source = self._source(dotted)
-            info = source.function(qualname) if source is not None else None
-            return None if info is None else [list(info.params), info.fingerprint]
+            info = self._info(dotted, qualname)
+            return None if info is None else [list(info.params), None]
 
         answer = self._ask("function|%s|%s" % (dotted, qualname), compute)
-        return None if answer is None else FunctionAnswer(qualname, answer[0], answer[1])
+        return None if answer is None else FunctionAnswer(self, dotted, qualname, answer[0])
+
+    def fingerprint(self, dotted, qualname):
+        """The fingerprint of a function ``function`` answered for (recorded once computed)."""
+        answer = self.answers["function|%s|%s" % (dotted, qualname)]
+        if answer[1] is None:
+            answer[1] = self._info(dotted, qualname).fingerprint
+        return answer[1]
 
     def record(self):
         return {"format": FORMAT, "dir": self.package_dir, "version": self.version,

@@ -75,8 +75,7 @@ def uninstall():
     with _RT.lock:
         while _bootstrap._WATCHER in sys.meta_path:
             sys.meta_path.remove(_bootstrap._WATCHER)
-        while _FINDER in sys.meta_path:
-            sys.meta_path.remove(_FINDER)
+        _FINDER.uninstall()
         if _RT.records:
             for record in _RT.records.values():
                 revert_record(record)

@@ -134,8 +134,7 @@ def activate():
             return
         _RT.hooked = set(modules)
         _FINDER.take(wrapt_loader.take_import_finder())
-        if _FINDER not in sys.meta_path:
-            sys.meta_path.insert(0, _FINDER)
+        _FINDER.install()
 
     for name in modules:
         # Fires at once for a module that is already imported (install() after sglang).
@@ -251,14 +250,35 @@ class ShimFinder:
         if taken is not None:
             self.pending, self.hook_finder = taken
 
+    def install(self):
+        """Answer through the start-up watcher when it fired (it is in sys.meta_path already, and
+        a list the import system may be walking right now is not reordered), else from the front
+        of sys.meta_path (``install()`` after sglang was imported)."""
+        from npu_shim import _bootstrap
+
+        watcher = _bootstrap._WATCHER
+        if watcher.fired and watcher in sys.meta_path:
+            watcher.then = self.find_spec
+        elif self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def uninstall(self):
+        from npu_shim import _bootstrap
+
+        _bootstrap._WATCHER.then = None
+        while self in sys.meta_path:
+            sys.meta_path.remove(self)
+
     def find_spec(self, fullname, path=None, target=None):
         if fullname in self.pending:
             return self.hook_finder.find_spec(fullname, path, target)
         if target is None or fullname not in _RT.hooked or _RT.records is None:
             return None
+        from npu_shim import _bootstrap
+
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
+            if finder is self or finder is _bootstrap._WATCHER or not hasattr(finder, "find_spec"):
+                continue  # (the watcher hands on to this finder)
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):

@@ -85,6 +85,9 @@ HOSTILE = textwrap.dedent('''\
         return x
 
 
+    def one_liner(a, b=1): return a  # its body on its header's line
+
+
     class Scheduler(
         Base,
         Mixin,
@@ -178,7 +181,7 @@ def test_every_function_read_from_its_lines_is_the_one_the_whole_parse_gives():
 
 
 @pytest.mark.parametrize("qualname", [
-    "simple", "decorated", "black_signature", "coroutine", "Scheduler.__init__",
+    "simple", "decorated", "black_signature", "coroutine", "one_liner", "Scheduler.__init__",
     "Scheduler.helper",
 ])
 def test_the_usual_shapes_are_read_without_parsing_the_module(qualname):
@@ -207,7 +210,7 @@ def test_tabs_are_left_to_the_whole_parse():
 QUESTIONS = [
     ("function", q) for q in (
         "simple", "plain", "decorated", "multi_line_decorator", "black_signature", "conditional", "twice",
-        "coroutine", "Scheduler.__init__", "Scheduler.helper", "Scheduler.size",
+        "coroutine", "one_liner", "Scheduler.__init__", "Scheduler.helper", "Scheduler.size",
         "Scheduler.only_in_if", "Scheduler.last", "Guarded.method", "in_docstring", "absent",
         "Scheduler.absent", "Absent.__init__", "keyword_at_column_0")
 ] + [
@@ -245,7 +248,7 @@ def _decide_every_patch(view):
 
 
 def _forced_whole(monkeypatch):
-    monkeypatch.setattr(codeview, "_def_node", lambda text, qualname, lines=None: None)
+    monkeypatch.setattr(codeview, "_locate_def", lambda source, qualname: None)
     monkeypatch.setattr(codeview, "_assigned_at_top", lambda text, name: False)
     monkeypatch.setattr(codeview, "_assigned_in_top_block", lambda text, name: False)
     monkeypatch.setattr(ModuleSource, "_may_define", lambda self, name, function: True)
@@ -327,10 +330,19 @@ def test_the_loaded_code_has_the_fingerprint_its_source_has(read_from_its_lines,
     import logging
 
     if not read_from_its_lines:
-        monkeypatch.setattr(codeview, "_read_def", lambda text, qualname, lines=None: None)
+        monkeypatch.setattr(codeview, "_read_def", lambda text, qualname, body=True: None)
     checked = 0
     for module in (argparse, dataclasses, logging, codeview):
         for function, info in _loaded_functions(module):
             assert codeview.live_fingerprint(function) == info.fingerprint, function.__qualname__
             checked += 1
     assert checked > 200
+
+
+def test_string_answers_by_bisection_are_the_counts_from_the_start():
+    quotes = "'" * 3, '"' * 3
+    text = HOSTILE + quotes[0] + "x" + quotes[0] + " " + '"' * 5 + " tail\n"  # four and five in a row
+    source = codeview._Text(text)
+    for position in range(len(text) + 1):
+        assert source.in_string(position) == any(text.count(q, 0, position) % 2 for q in quotes), position
+        assert source.line_at(position) == text.count("\n", 0, position)

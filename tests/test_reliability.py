@@ -113,13 +113,18 @@ def test_wrapts_import_finder_is_asked_only_about_modules_with_a_hook_waiting(tr
         hook_finder.find_spec = lambda name, *rest: asked.append(name) or find_spec(name, *rest)
         import colorsys
         from sglang.srt.utils import common
+        from npu_shim import _bootstrap
         print(json.dumps({"finders": [type(f).__name__ for f in sys.meta_path
-                                      if "ImportHookFinder" in type(f).__name__ or type(f).__module__.startswith("npu_shim")],
+                                      if "ImportHookFinder" in type(f).__name__
+                                      or type(f).__module__.startswith(("npu_shim", "sitecustomize"))],
+                          "through_watcher": _bootstrap._WATCHER.then == runtime._FINDER.find_spec,
                           "wrapt": type(hook_finder).__module__, "asked": sorted(set(asked)),
                           "value": common.get_npu_memory_capacity()}))
     """)
     out = last_json(proc)
-    assert out["finders"] == ["ShimFinder"]  # and no wrapt finder
+    # One finder of the shim's: the start-up watcher, which hands imports to the shim's finder;
+    # no wrapt finder.
+    assert out["finders"] == ["SglangImportWatcher"] and out["through_watcher"] is True
     assert out["wrapt"] == "npu_shim._wrapt.importer" and out["asked"] == ["sglang.srt.utils.common"]
     assert out["value"] == 1001  # the demo patch applied through the hook
 

@@ -5,7 +5,7 @@ call ``npu_shim.install()`` yourself.  Nothing heavy is imported here: this modu
 interpreter start-up in every process of the image.
 """
 
-__version__ = "0.2.1"
+__version__ = "0.2.2"
 
 
 def install():

@@ -61,11 +61,13 @@ def parse_source(text, path):
 class FunctionInfo:
     """A function or method as written in the source."""
 
-    __slots__ = ("qualname", "params", "_node", "_fingerprint", "_read_body")
+    __slots__ = ("qualname", "params", "first_line", "_node", "_fingerprint", "_read_body")
 
-    def __init__(self, qualname, params, node, read_body=None):
+    def __init__(self, qualname, params, node, read_body=None, first_line=None):
         self.qualname = qualname
         self.params = params            # parameter names, ``self``/``cls`` left out for methods
+        # The def's first line in the file (its first decorator's), as its code's co_firstlineno.
+        self.first_line = _first_line(node) if first_line is None else first_line
         self._node = node
         self._fingerprint = None
         # Where only the def's header was parsed (its parameters): reads the whole def, once its
@@ -83,6 +85,10 @@ class FunctionInfo:
 
     def __repr__(self):
         return "FunctionInfo(%s(%s))" % (self.qualname, ", ".join(self.params))
+
+
+def _first_line(node):
+    return (node.decorator_list[0] if node.decorator_list else node).lineno
 
 
 def _params(args, drop_first):
@@ -141,17 +147,43 @@ def fingerprint_node(node):
     return hashlib.sha256(_canonical(node).encode()).hexdigest()[:16]
 
 
+def file_identity(path):
+    """[path, size, mtime_ns, ctime_ns, inode] of a file, or None: what says it is still the file
+    that was read (``ctime`` changes with any write and cannot be set back)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+# Defs whose fingerprint this process has from their source (deciding, or the answers its parent's
+# source gave): {(path, qualname): (first line, fingerprint, file identity)}.
+_KNOWN = {}
+
+
+def remember(path, qualname, first_line, fingerprint, identity):
+    """``live_fingerprint`` of the def at ``first_line`` of ``path`` is ``fingerprint`` while the
+    file keeps ``identity``."""
+    _KNOWN[(path, qualname)] = (first_line, fingerprint, identity)
+
+
 def live_fingerprint(func):
-    """``fingerprint_node`` of an imported function, from the source file it was loaded from: the
-    def read from its own lines (``_def_node``) when it starts on the line the loaded code says,
-    else through ``inspect``.  The file's lines ``inspect`` reads are not left in ``linecache``
-    (every sglang process would keep them)."""
+    """``fingerprint_node`` of an imported function, from the source file it was loaded from:
+    known already when this process read that def of that file (``remember``) and the file is
+    still the one read; else the def read from its own lines (``_def_node``) when it starts on the
+    line the loaded code says; else through ``inspect``.  The file's lines ``inspect`` reads are
+    not left in ``linecache`` (every sglang process would keep them)."""
     import inspect
     import linecache
 
     func = unwrap(func)
     code = getattr(func, "__code__", None)
     qualname = getattr(func, "__qualname__", "")
+    if code is not None:
+        known = _KNOWN.get((code.co_filename, qualname))
+        if known is not None and known[0] == code.co_firstlineno and known[2] == file_identity(code.co_filename):
+            return known[1]
     if code is not None and "<" not in qualname:  # not a lambda, nor a def inside a function
         try:
             found = _read_def(read_source(code.co_filename), qualname)
@@ -251,7 +283,7 @@ class ModuleSource:
             if node is not None:
                 method = "." in qualname
                 info = FunctionInfo(qualname, _params(node.args, method and not _is_static(node)), node,
-                                    read_body)
+                                    read_body, first_line=where.top + 1)
                 self._read[qualname] = info
                 return info
         return self.functions.get(qualname)

@@ -215,7 +215,7 @@ PATCHES = EnvVar(
 
 LOG_FORMAT = EnvVar(
     "NPU_SHIM_LOG_FORMAT", "format", "text",
-    "Shim log lines as text ('[npu-shim 0.2.1 sglang 0.5.11 pid 812 tp 3/16] ...') or json "
+    "Shim log lines as text ('[npu-shim 0.2.2 sglang 0.5.11 pid 812 tp 3/16] ...') or json "
     "(one object per line, for log pipelines).", _parse_log_format)
 STATE_DIR = EnvVar(
     "NPU_SHIM_STATE_DIR", "dir", "",

@@ -16,18 +16,12 @@ import hashlib
 import json
 import os
 
-from npu_shim.codeview import SourceView
+from npu_shim.codeview import SourceView, file_identity, remember
 
 ENV = "NPU_SHIM_SOURCE_ANSWERS"
-FORMAT = 2  # 2: a function's fingerprint is recorded only where it was asked for (else null)
-
-
-def _identity(path):
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return [path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+# 2: a function is [params, fingerprint -- null until asked for --, first line in its file]
+FORMAT = 2
+_identity = file_identity
 
 
 class FunctionAnswer:
@@ -106,16 +100,21 @@ class AnsweringView(SourceView):
     def function(self, dotted, qualname):
         def compute():
             info = self._info(dotted, qualname)
-            return None if info is None else [list(info.params), None]
+            return None if info is None else [list(info.params), None, info.first_line]
 
         answer = self._ask("function|%s|%s" % (dotted, qualname), compute)
         return None if answer is None else FunctionAnswer(self, dotted, qualname, answer[0])
 
     def fingerprint(self, dotted, qualname):
-        """The fingerprint of a function ``function`` answered for (recorded once computed)."""
+        """The fingerprint of a function ``function`` answered for (recorded once computed).  The
+        loaded code is checked against it at apply time without reading the file again, while the
+        file is the one read (``codeview.remember``)."""
         answer = self.answers["function|%s|%s" % (dotted, qualname)]
         if answer[1] is None:
             answer[1] = self._info(dotted, qualname).fingerprint
+        identity = next((i for i in self.files.get(dotted, ()) if i), None)
+        if identity is not None:
+            remember(identity[0], qualname, answer[2], answer[1], identity)
         return answer[1]
 
     def record(self):

@@ -39,7 +39,7 @@ def summary_line(records):
 
 def report_all(records):
     """The process's summary line at INFO (tagged by the log handler with versions, pid and role:
-    ``[npu-shim 0.2.1 sglang 0.5.11 pid 812 tp 3/16] zbal=applied mla_weight_release=applied
+    ``[npu-shim 0.2.2 sglang 0.5.11 pid 812 tp 3/16] zbal=applied mla_weight_release=applied
     dual_stream_experts=upstream``), then each patch's reason (``report``)."""
     log.info(summary_line(records),
              fields={"event": "summary",

@@ -40,7 +40,7 @@ def sources(quick):
     """(script, rows function) in table order; each script is imported only when it runs."""
     def shim_cost():
         import bench_shim_cost
-        return bench_shim_cost.rows(*((20, 3, 1) if quick else (30, 11, 2)))
+        return bench_shim_cost.rows(*((20, 3, 1, False) if quick else (30, 15, 2, True)))
 
     def drop_in():
         import bench_drop_in

@@ -346,3 +346,24 @@ def test_string_answers_by_bisection_are_the_counts_from_the_start():
     for position in range(len(text) + 1):
         assert source.in_string(position) == any(text.count(q, 0, position) % 2 for q in quotes), position
         assert source.line_at(position) == text.count("\n", 0, position)
+
+
+def test_loaded_code_is_checked_from_memory_only_while_its_file_is_the_one_read(tmp_path, monkeypatch):
+    """live_fingerprint answers from what deciding read (``remember``) only for the def at that
+    line of that file, unchanged since; otherwise it reads the file again."""
+    import importlib
+    import time
+
+    monkeypatch.setattr(codeview, "_KNOWN", {})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "known_module.py").write_text("def target(a):\n    return a\n")
+    target = importlib.import_module("known_module").target
+    path = target.__code__.co_filename
+    read = codeview.live_fingerprint(target)
+    codeview.remember(path, "target", 2, "remembered", codeview.file_identity(path))
+    assert codeview.live_fingerprint(target) == read  # another line: not that def
+    codeview.remember(path, "target", 1, "remembered", codeview.file_identity(path))
+    assert codeview.live_fingerprint(target) == "remembered"
+    time.sleep(0.01)
+    os.utime(path)  # any change of the file changes its ctime
+    assert codeview.live_fingerprint(target) == read

@@ -24,6 +24,7 @@ ROWS = (
     ("bench_shim_cost", "start-up of `python -c pass`, an empty directory on PYTHONPATH vs none (reference)"),
     ("bench_shim_cost", "peak memory of that process (compiled shim), shim vs not"),
     ("bench_shim_cost", "import overhead: real sglang 0.5.11 target modules, every applicable patch on, shim vs not"),
+    ("bench_shim_cost", "the same import overhead in instructions executed"),
     ("bench_shim_cost", "the shim's own time in that process, and in a child, timed inside it"),
     ("bench_shim_cost", "memory the shim retains in an sglang 0.5.11 process, every applicable patch on"),
     ("bench_shim_cost", "the same two in a child process (decides from the answers its parent's source gave)"),

@@ -1,7 +1,7 @@
 """codeview: a function read from its own lines is the function the whole-module parse gives.
 
-The fast path (``_def_node``, ``ModuleSource._may_define``, ``_assigned_at_top``,
-``_assigned_in_top_block``) answers without parsing the module; these tests hold it to the whole
+The fast path (npu_shim/ownlines.py: ``locate_def``/``parse_def``, ``may_define``,
+``assigned_at_top``, ``assigned_in_top_block``) answers without parsing the module; these tests hold it to the whole
 parse: on hand-made hostile sources, on every function of every module the patches read in every
 release, and on the decisions themselves.
 """
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from npu_shim import codeview, decision_cache, framework
+from npu_shim import codeview, decision_cache, framework, ownlines
 from npu_shim.codeview import ModuleSource
 from npu_shim.patches import load_all
 from shimdev import sglang_envs
@@ -171,40 +171,13 @@ def test_every_function_read_from_its_lines_is_the_one_the_whole_parse_gives():
     reference = whole(HOSTILE)
     fast = 0
     for qualname, info in reference.functions.items():
-        node = codeview._def_node(HOSTILE, qualname)
+        node = ownlines.def_node(HOSTILE, qualname)
         if node is None:
             continue
         fast += 1
         got = ModuleSource("hostile.py", HOSTILE).function(qualname)
         assert (got.params, got.fingerprint) == (info.params, info.fingerprint), qualname
     assert fast >= 6
-
-
-@pytest.mark.parametrize("qualname", [
-    "simple", "decorated", "black_signature", "coroutine", "one_liner", "Scheduler.__init__",
-    "Scheduler.helper",
-])
-def test_the_usual_shapes_are_read_without_parsing_the_module(qualname):
-    assert codeview._def_node(HOSTILE, qualname) is not None
-
-
-@pytest.mark.parametrize("qualname, why", [
-    ("multi_line_decorator", "its decorator spans lines"),
-    ("conditional", "defined in both branches of an if"),
-    ("twice", "defined twice (the last one counts)"),
-    ("Scheduler.size", "a property and its setter"),
-    ("Scheduler.only_in_if", "inside an if in the class body"),
-    ("Guarded.method", "a class inside a try"),
-    ("in_docstring", "only inside the module docstring"),
-    ("plain", "a line at column 0 inside its docstring and its list"),
-    ("Scheduler.last", "a line at column 0 inside a string"),
-])
-def test_what_cannot_be_told_apart_for_certain_is_left_to_the_whole_parse(qualname, why):
-    assert codeview._def_node(HOSTILE, qualname) is None, why
-
-
-def test_tabs_are_left_to_the_whole_parse():
-    assert codeview._def_node("def f(x):\n\treturn x\n", "f") is None
 
 
 QUESTIONS = [
@@ -248,9 +221,9 @@ def _decide_every_patch(view):
 
 
 def _forced_whole(monkeypatch):
-    monkeypatch.setattr(codeview, "_locate_def", lambda source, qualname: None)
-    monkeypatch.setattr(codeview, "_assigned_at_top", lambda text, name: False)
-    monkeypatch.setattr(codeview, "_assigned_in_top_block", lambda text, name: False)
+    monkeypatch.setattr(ownlines, "locate_def", lambda source, qualname: None)
+    monkeypatch.setattr(ownlines, "assigned_at_top", lambda text, name: False)
+    monkeypatch.setattr(ownlines, "assigned_in_top_block", lambda text, name: False)
     monkeypatch.setattr(ModuleSource, "_may_define", lambda self, name, function: True)
 
 
@@ -271,7 +244,7 @@ def test_a_release_gives_the_same_answers_read_fast_or_whole(version, monkeypatc
         if module is None:
             continue
         for qualname, info in whole(module.text).functions.items():
-            node = codeview._def_node(module.text, qualname)
+            node = ownlines.def_node(module.text, qualname)
             if node is not None:
                 got = ModuleSource(module.path, module.text).function(qualname)
                 assert (got.params, got.fingerprint) == (info.params, info.fingerprint), (dotted, qualname)
@@ -291,15 +264,6 @@ def test_deciding_on_0_5_11_parses_no_module_whole():
     parsed_whole = sorted(dotted for dotted, module in view._modules.items()
                           if module is not None and module._whole is not None)
     assert parsed_whole == []
-
-
-@pytest.mark.parametrize("name, present", [
-    ("use_fast", True), ("checked", True), ("platform_only", True), ("after_a_bracket", True),
-    ("in_function", False), ("in_string_only", False), ("absent", False),
-    ("split_handler", False),  # a line at column 0 inside the handler's brackets: the whole parse answers
-])
-def test_a_name_assigned_in_a_module_level_if_or_try_is_found_from_that_statement_alone(name, present):
-    assert codeview._assigned_in_top_block(HOSTILE, name) is present
 
 
 # -- the loaded code ---------------------------------------------------------------------------------
@@ -330,22 +294,13 @@ def test_the_loaded_code_has_the_fingerprint_its_source_has(read_from_its_lines,
     import logging
 
     if not read_from_its_lines:
-        monkeypatch.setattr(codeview, "_read_def", lambda text, qualname, body=True: None)
+        monkeypatch.setattr(ownlines, "read_def", lambda text, qualname, body=True: None)
     checked = 0
     for module in (argparse, dataclasses, logging, codeview):
         for function, info in _loaded_functions(module):
             assert codeview.live_fingerprint(function) == info.fingerprint, function.__qualname__
             checked += 1
     assert checked > 200
-
-
-def test_string_answers_by_bisection_are_the_counts_from_the_start():
-    quotes = "'" * 3, '"' * 3
-    text = HOSTILE + quotes[0] + "x" + quotes[0] + " " + '"' * 5 + " tail\n"  # four and five in a row
-    source = codeview._Text(text)
-    for position in range(len(text) + 1):
-        assert source.in_string(position) == any(text.count(q, 0, position) % 2 for q in quotes), position
-        assert source.line_at(position) == text.count("\n", 0, position)
 
 
 def test_loaded_code_is_checked_from_memory_only_while_its_file_is_the_one_read(tmp_path, monkeypatch):

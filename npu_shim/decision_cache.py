@@ -21,7 +21,12 @@ from npu_shim.codeview import SourceView, file_identity, remember
 ENV = "NPU_SHIM_SOURCE_ANSWERS"
 # 2: a function is [params, fingerprint -- null until asked for --, first line in its file]
 FORMAT = 2
-_identity = file_identity
+
+
+def _identities(package_dir, dotted):
+    """The identities of the two files module ``dotted`` may be (``x.py``, ``x/__init__.py``)."""
+    base = os.path.join(package_dir, *dotted.split(".")[1:])
+    return [file_identity(base + ".py"), file_identity(os.path.join(base, "__init__.py"))]
 
 
 class FunctionAnswer:
@@ -69,9 +74,7 @@ class AnsweringView(SourceView):
         return self.answers[key]
 
     def _load(self, dotted):
-        parts = dotted.split(".")
-        base = os.path.join(self.package_dir, *parts[1:])
-        self.files[dotted] = [_identity(base + ".py"), _identity(os.path.join(base, "__init__.py"))]
+        self.files[dotted] = _identities(self.package_dir, dotted)
         return super()._load(dotted)
 
     def module(self, dotted):
@@ -126,10 +129,7 @@ def _still_valid(record, package_dir):
     if record.get("format") != FORMAT or record.get("dir") != package_dir:
         return False
     for dotted, identities in record.get("files", {}).items():
-        parts = dotted.split(".")
-        base = os.path.join(package_dir, *parts[1:])
-        now = [_identity(base + ".py"), _identity(os.path.join(base, "__init__.py"))]
-        if now != identities:
+        if _identities(package_dir, dotted) != identities:
             return False
     return True
 

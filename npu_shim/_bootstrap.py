@@ -19,7 +19,7 @@ FALSE_WORDS = ("0", "false", "no", "off")
 
 class SglangImportWatcher:
     """A meta-path finder that finds nothing itself: it notices the first ``import sglang``, and
-    then hands every import to the active shim's finder (``runtime.ShimFinder``) -- one finder
+    then hands every import to the active shim's finder (``finder.ShimFinder``) -- one finder
     of ours in sys.meta_path, not two: the import system asks each finder about each of the
     ~4,600 imports of an sglang process (~5 K instructions a finder and an import)."""
 

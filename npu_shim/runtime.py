@@ -11,7 +11,7 @@ Timeline in a process:
 3. Each hook then applies the targets that live in its module; a target whose loaded code does
    not match fails its whole patch, which is reverted everywhere.
 4. ``importlib.reload`` of a patched module (which post-import hooks never see) re-applies its
-   targets to the new code, checked like the first time (``ShimFinder``).
+   targets to the new code, checked like the first time (npu_shim/finder.py).
 No exception leaves a hook unless strict mode is on or a patch the user explicitly asked for
 (``Patch.must_honour``) cannot be applied.
 """
@@ -21,6 +21,7 @@ import sys
 import threading
 
 from npu_shim import config, decision_cache, framework, log, procinfo, reporting, statefile, wrapt_loader
+from npu_shim.finder import ShimFinder
 from npu_shim.framework import APPLIED, FAILED, PROBLEMS, ShimError
 from npu_shim.targets import Wrap
 
@@ -234,85 +235,22 @@ def enforce(record):
                         % (record.patch.name, record.state, record.reason))
 
 
-class ShimFinder:
-    """The shim's meta-path finder while it is active.  Asked about every import in the process,
-    it answers almost all of them with a dict lookup or two:
-
-    * a module with a post-import hook waiting: handed to wrapt's own finder, which this one
-      stands in for when wrapt is the shim's private copy (``wrapt_loader.take_import_finder``);
-    * ``importlib.reload`` of a hooked module (reload passes the module as ``target``, an import
-      does not): the patches are re-applied once the new code has run."""
-
-    pending = {}        # wrapt's {module name: hooks waiting}, once its finder is taken
-    hook_finder = None  # that finder, kept out of sys.meta_path
-
-    def take(self, taken):
-        if taken is not None:
-            self.pending, self.hook_finder = taken
-
-    def install(self):
-        """Answer through the start-up watcher when it fired (it is in sys.meta_path already, and
-        a list the import system may be walking right now is not reordered), else from the front
-        of sys.meta_path (``install()`` after sglang was imported)."""
-        from npu_shim import _bootstrap
-
-        watcher = _bootstrap._WATCHER
-        if watcher.fired and watcher in sys.meta_path:
-            watcher.then = self.find_spec
-        elif self not in sys.meta_path:
-            sys.meta_path.insert(0, self)
-
-    def uninstall(self):
-        from npu_shim import _bootstrap
-
-        _bootstrap._WATCHER.then = None
-        while self in sys.meta_path:
-            sys.meta_path.remove(self)
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname in self.pending:
-            return self.hook_finder.find_spec(fullname, path, target)
-        if target is None or fullname not in _RT.hooked or _RT.records is None:
-            return None
-        from npu_shim import _bootstrap
-
-        for finder in sys.meta_path:
-            if finder is self or finder is _bootstrap._WATCHER or not hasattr(finder, "find_spec"):
-                continue  # (the watcher hands on to this finder)
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _ReapplyingLoader(spec.loader)
-                return spec
-        return None
+def reapply_after_reload(module):
+    """Re-apply the patches to a hooked module's code after ``importlib.reload`` ran it (the
+    finder's loader calls this); a failure is logged, not raised, unless it is the shim's own."""
+    try:
+        with _RT.lock:
+            if _RT.records is not None:
+                # Copies other modules took keep the code they took, as after any reload.
+                apply_module(module, late=False)
+    except ShimError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - never break the application's reload
+        log.error_once("reload:" + module.__name__,
+                       "re-applying after reload of %s failed: %r" % (module.__name__, exc))
 
 
-class _ReapplyingLoader:
-    def __init__(self, loader):
-        self.loader = loader
-
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        module.__loader__ = module.__spec__.loader = self.loader  # leave no trace of ourselves
-        self.loader.exec_module(module)
-        try:
-            with _RT.lock:
-                if _RT.records is not None:
-                    # Copies other modules took keep the code they took, as after any reload.
-                    apply_module(module, late=False)
-        except ShimError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - never break the application's reload
-            log.error_once("reload:" + module.__name__,
-                           "re-applying after reload of %s failed: %r" % (module.__name__, exc))
-
-
-_FINDER = ShimFinder()
+_FINDER = ShimFinder(lambda name: name in _RT.hooked and _RT.records is not None, reapply_after_reload)
 
 
 def apply_module(module, late=None):

@@ -16,8 +16,8 @@ decides.  Here:
 
 Every answer is one the whole parse would give, or "not sure" (None / False): the name defined
 twice or inside an ``if``, a decorator spanning lines, tabs, a column-0 line inside the def.
-tests/test_codeview.py holds them to the whole parse on hand-made hostile sources and on every
-function of every module the patches read in every release.
+tests/test_ownlines.py and tests/test_codeview.py hold them to the whole parse, on hand-made
+hostile sources and on every function of every module the patches read in every release.
 """
 
 import ast

@@ -3,8 +3,9 @@
 * start-up of ``python -c pass`` with a bundle on PYTHONPATH and ``PYTHONDONTWRITEBYTECODE=1`` (as
   on a read-only image) vs without the shim, same variable (the shim's sources without any
   ``.pyc`` are measured by scripts/bench_shim_cost.py);
-* the same start-up in instructions executed (``valgrind --tool=callgrind``): deterministic where
-  wall time on a shared machine is not;
+* the same start-up in instructions executed (valgrind, counted as
+  ``bench_shim_cost.instructions_side_by_side`` counts): deterministic where wall time on a shared
+  machine is not;
 * the ``npu_mla_preprocess`` wrapper's added cost per call with the bundle's C build of wrapt and
   with its pure-Python build, each loaded by the shim's own loader in a fresh process.
 
@@ -15,7 +16,6 @@ given: wrapt wheels from PyPI through pip)
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "scripts")
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from bench_shim_cost import alternate, clean_env  # noqa: E402
+from bench_shim_cost import alternate, clean_env, instructions_side_by_side  # noqa: E402
 
 
 def build_bundle(workdir):
@@ -54,30 +54,26 @@ def startup_rows(bundle_dir, runs):
     ]
 
 
-def instructions(env):
-    """Instructions ``python -c pass`` executes under callgrind, or None without valgrind."""
-    if not shutil.which("valgrind"):
-        return None
-    proc = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-                           sys.executable, "-c", "pass"], env=env, capture_output=True, text=True,
-                          check=True)
-    return int(proc.stderr.split("Collected :")[1].split()[0])
-
-
 def instruction_rows(bundle_dir):
-    no_write = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}  # same hashing, same count
-    base = instructions(dict(clean_env([]), **no_write))
+    no_write = {"PYTHONDONTWRITEBYTECODE": "1"}
     what = "start-up of `python -c pass`, read-only bundle vs no shim, in instructions executed"
-    if base is None:
+    pass_ = [sys.executable, "-c", "pass"]
+    # For reference, Python's own cost of one more PYTHONPATH entry (path hooks, a directory
+    # listing, searching it at start-up), which any delivery on PYTHONPATH pays before the shim
+    # runs a line.
+    with tempfile.TemporaryDirectory(prefix="npu-shim-empty-") as empty:
+        counts = instructions_side_by_side({
+            "base": (pass_, dict(clean_env([]), **no_write)),
+            "shim": (pass_, dict(clean_env([bundle_dir]), **no_write)),
+            "entry": (pass_, dict(clean_env([empty]), **no_write)),
+        })
+    if counts is None:
         return [{"what": what, "how": "", "measured": "not measured: valgrind is not installed",
                  "target": "<= 1.02x", "ok": None}]
-    shim = instructions(dict(clean_env([bundle_dir]), **no_write))
-    # Python's own cost of one more PYTHONPATH entry (path hooks, a directory listing, searching it
-    # at start-up), which any delivery on PYTHONPATH pays before the shim runs a line.
-    with tempfile.TemporaryDirectory(prefix="npu-shim-empty-") as empty:
-        entry = instructions(dict(clean_env([empty]), **no_write))
-    return [{"what": what, "how": "valgrind --tool=callgrind, one run each (deterministic); for "
-                                  "reference, an empty directory on PYTHONPATH instead of the bundle",
+    base, shim, entry = counts["base"], counts["shim"], counts["entry"]
+    return [{"what": what, "how": "valgrind --tool=cachegrind --cache-sim=no, one run each side by side "
+                                  "(deterministic: one hash seed, setarch -R); for reference, an empty "
+                                  "directory on PYTHONPATH instead of the bundle",
              "measured": "%.2f M vs %.2f M = %.3fx (an empty PYTHONPATH entry alone: %.3fx)" % (
                  shim / 1e6, base / 1e6, shim / base, entry / base),
              "target": "<= 1.02x", "ok": shim / base <= 1.02}]

@@ -33,6 +33,7 @@ EXIT_NO_SGLANG = 5
 EXIT_RUNNING_PROBLEM = 6
 EXIT_NO_RECORDS = 7
 EXIT_USAGE = 64
+EXIT_BROKEN_PIPE = 141  # as a shell reports a writer killed by SIGPIPE
 
 
 def find_sglang():
@@ -116,8 +117,17 @@ def activity_line(info):
     return "no (its sitecustomize.py did not run: put %s on PYTHONPATH)" % root
 
 
+def terminal_writer(stream=None):
+    """``write`` for text going to an operator: each line escaped (npu_shim.log.printable), so
+    that values from the environment or sglang's files cannot drive the terminal."""
+    from npu_shim.log import printable
+
+    stream = stream or sys.stdout
+    return lambda text: stream.write("\n".join(printable(line) for line in text.split("\n")))
+
+
 def print_status(info):
-    out = sys.stdout.write
+    out = terminal_writer()
     out("npu-shim %s  (%s)\n" % (info["version"], info["location"]))
     out("  active in this interpreter: %s\n" % activity_line(info))
     sg = info["sglang"]
@@ -206,30 +216,34 @@ def run_bundle(args):
 def run_running(args):
     """``status --running [DIR]``: the state records of the running processes (running.py)."""
     from npu_shim import running
+    from npu_shim.log import printable
 
-    dir_ = args.running
+    dir_ = args.running or args.dir
     if not dir_:
         try:
             dir_ = config.STATE_DIR.read()
         except config.ConfigError as exc:
-            sys.stderr.write("npu-shim status --running: %s\n" % exc)
+            sys.stderr.write("npu-shim status --running: %s\n" % printable(exc))
             return EXIT_BAD_ENV
         if not dir_:
             sys.stderr.write("npu-shim status --running: give DIR or set %s (the directory the "
                              "server's processes write their records to)\n" % config.STATE_DIR.name)
             return EXIT_USAGE
-    if not os.path.isdir(dir_):
-        info = {"dir": dir_, "patches": [], "processes": [], "unreadable": [], "live": 0,
-                "stale": 0, "problems": [], "error": "no such directory"}
-    else:
+    try:
         info = running.analyse(dir_)
+    except OSError as exc:
+        error = "no such directory" if isinstance(exc, FileNotFoundError) else \
+            "cannot read it: %s" % (exc.strerror or exc)
+        info = {"dir": dir_, "patches": [], "processes": [], "unreadable": [], "live": 0,
+                "stale": 0, "suspect": 0, "problems": [], "error": error}
     code = EXIT_RUNNING_PROBLEM if info["problems"] else 0 if info["live"] else EXIT_NO_RECORDS
     info["exit"] = code
     if args.json:
-        json.dump(info, sys.stdout, indent=2, default=str, sort_keys=True)
+        # strict JSON (a record's numbers are finite by the time they are read)
+        json.dump(info, sys.stdout, indent=2, default=str, sort_keys=True, allow_nan=False)
         sys.stdout.write("\n")
     elif "error" in info:
-        sys.stdout.write("npu-shim status --running: %s: %s\n" % (dir_, info["error"]))
+        sys.stdout.write(printable("npu-shim status --running: %s: %s" % (dir_, info["error"])) + "\n")
     else:
         running.print_table(info)
     return code
@@ -264,6 +278,8 @@ def main(argv=None):
                         help="instead: gather the state records of running processes from DIR "
                              "(default: NPU_SHIM_STATE_DIR) into one table; exit 6 if one has a "
                              "failed patch or they disagree, 7 if there is no live record")
+    status.add_argument("dir", nargs="?", default=None, metavar="DIR",
+                        help="with --running: the directory (the options may come in any order)")
     check = sub.add_parser("check", help="run the shim in a child process as a server would, "
                                          "import sglang's target modules and report what happened")
     check.add_argument("--json", action="store_true", help="machine-readable output")
@@ -292,6 +308,9 @@ def main(argv=None):
         return run_check(args)
     if args.running is not None:
         return run_running(args)
+    if args.dir is not None:
+        sys.stderr.write("npu-shim status: DIR is read only with --running\n")
+        return EXIT_USAGE
     info = collect()
     if args.json:
         json.dump(info, sys.stdout, indent=2, default=str)
@@ -301,5 +320,20 @@ def main(argv=None):
     return exit_code(info)
 
 
+def run(argv=None):
+    """``main`` for a terminal: a reader that went away (``status --running | head``) ends the
+    output quietly with EXIT_BROKEN_PIPE, never with a traceback."""
+    try:
+        code = main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        return EXIT_BROKEN_PIPE
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

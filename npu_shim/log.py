@@ -66,9 +66,32 @@ def tag():
     return " ".join(parts)
 
 
+_CONTROLS = None
+
+
+def printable(text):
+    """``text`` with every character that can move a terminal's cursor, change its state or
+    reorder what it shows (C0 and C1 controls, DEL, line and paragraph separators, bidi and
+    zero-width format characters) written as a ``\\x..`` / ``\\u....`` escape: one line, as sent."""
+    global _CONTROLS
+    if _CONTROLS is None:
+        import re
+
+        _CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e"
+                               "\u2060-\u2069\ufeff]")
+    return _CONTROLS.sub(_escape, str(text))
+
+
+def _escape(match):
+    code = ord(match.group())
+    return "\\x%02x" % code if code < 0x100 else "\\u%04x" % code
+
+
 class TextFormatter(logging.Formatter):
     def format(self, record):
-        return "[%s] %s" % (tag(), record.getMessage())
+        # The tag carries sglang's version literal and the message values from the environment:
+        # neither may split the line or reach a terminal raw.
+        return printable("[%s] %s" % (tag(), record.getMessage()))
 
 
 def json_fields():

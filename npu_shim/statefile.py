@@ -1,19 +1,31 @@
 """The per-process state record an operator asks for with ``NPU_SHIM_STATE_DIR``.
 
-Each process that imports sglang keeps ``<DIR>/<host>-<pid>.json`` (``python -m npu_shim status
---running`` gathers them): pid, host, role (npu_shim/procinfo.py), shim / sglang / Python versions
-and every patch's state, reason and details.  Nothing is written while the variable is unset.
+Each process that imports sglang keeps one JSON file, ``<host>-<pid namespace>-<pid>.json``
+(``python -m npu_shim status --running`` gathers them): who wrote it (pid, user, host, boot id, PID
+namespace, start time), its role (npu_shim/procinfo.py), shim / sglang / Python versions, the main
+module (never the command line's arguments: they may carry an API key) and every patch's state,
+reason and details.  Nothing is written while the variable is unset.
 
-When it is written (always the whole record, atomically: a temporary file in the same directory,
-then ``os.replace``, so a reader sees the old or the new record, never half of one):
-* synchronously when the patches are decided, when a patch changes state (fails while applying,
-  is reverted), when a module's targets are applied, when a wrapper calls ``touch(now=True)``
-  (zbal after setting up its heap), and at exit (``atexit``: the final figures);
-* by one daemon thread per process (started with the first write) that wakes every
-  ``INTERVAL_S`` seconds, or at once on ``touch()``, and rewrites the record only if something in
-  it changed -- the details the wrappers keep live (dual-stream path counts, MiB released by MLA,
-  the role once sglang sets the process title) reach the file within ``INTERVAL_S`` without any
-  cost on their hot paths.
+The directory is trusted only as far as the kernel guarantees it (npu_shim/statedir.py): every
+directory on the way must belong to root or this user and be writable by nobody else unless it is
+sticky, the last one must belong to this user, and nothing is followed through a symlink.  A
+sticky directory writable by others (``install -d -m 1777 /dev/shm/npu-shim``: one directory
+shared by several users) gets one subdirectory per user, ``uid-<uid>/``.  Every operation is
+relative to a directory descriptor opened that way, so nothing can be swapped in between a check
+and a write.
+
+When it is written (always the whole record, atomically: a temporary file created exclusively in
+the same directory, its mode set through its descriptor, then renamed over the record):
+* synchronously when the patches are decided, when a patch changes state, when a module's targets
+  are applied, when a wrapper calls ``touch(now=True)`` (zbal after setting up its heap), and at
+  exit (``atexit``: the final figures);
+* by one daemon thread per process, armed with the first attempt (so a failed first write is
+  retried), that wakes every ``INTERVAL_S`` seconds or at once on ``touch()``, rewrites the record
+  when something in it changed, and at least every ``HEARTBEAT_S`` seconds in any case: readers
+  that cannot see the process (another host, another PID namespace) tell a live record from a
+  dead one by that heartbeat;
+* in a ``fork()``ed child at once, by its own thread (the parent's record is not the child's).
+Temporary files a killed writer left are removed once they are older than ``TEMP_MAX_AGE_S``.
 A directory that cannot be written to is said once, in one ERROR line; nothing is ever raised into
 the application.
 """
@@ -21,15 +33,18 @@ the application.
 import atexit
 import json
 import os
-import sys
-import tempfile
 import threading
 import time
 
-from npu_shim import config, log, procinfo
+from npu_shim import config, log, procinfo, statedir
 
-FORMAT = 1
+FORMAT = 2
 INTERVAL_S = 5.0
+HEARTBEAT_S = 30.0
+MAX_RECORD_BYTES = 256 * 1024  # the reader's cap on one record too (npu_shim/running.py)
+TEMP_PREFIX = ".npu-shim-"
+TEMP_SUFFIX = ".tmp"
+TEMP_MAX_AGE_S = 60.0
 
 
 class _Writer:
@@ -39,6 +54,9 @@ class _Writer:
         self.thread_pid = None
         self.last = None          # the JSON last written (without "updated")
         self.last_pid = None
+        self.last_time = 0.0      # time.monotonic() of that write
+        self.swept_pid = None     # the process that swept the directory's leftovers
+        self.failing = False
         self.source = None        # () -> {patch: {"state", "reason", "details"}}, or None
         self.shim_enabled = True
         self.sglang_path = None
@@ -52,8 +70,18 @@ def _after_fork_in_child():
     # A lock held by the writer thread at fork time would stay held forever in the child.
     _W.lock = threading.Lock()
     _W.wake = threading.Event()
+    had_record = _W.last_pid is not None or _W.thread_pid is not None
     _W.thread_pid = None
     _W.last = None
+    _W.last_pid = None
+    if had_record and directory() is not None:
+        # The child is another process: it gets its own record while it runs, written by its own
+        # thread (not here, so that fork() costs the parent's thread nothing).
+        _W.wake.set()
+        try:
+            _ensure_thread()
+        except Exception:  # noqa: BLE001 - never into the application
+            pass
 
 
 if hasattr(os, "register_at_fork"):
@@ -69,8 +97,9 @@ def directory():
         return None
 
 
-def path_for(dir_, host=None, pid=None):
-    return os.path.join(dir_, "%s-%d.json" % (host or procinfo.host(), pid or os.getpid()))
+def record_name(host, pid_ns, pid):
+    """The file name of a process's record: host, PID namespace and pid name one process."""
+    return "%s-%s-%d.json" % (statedir.safe_name(host), pid_ns if pid_ns is not None else "x", pid)
 
 
 def attach(source, sglang_path=None, shim_enabled=True):
@@ -101,7 +130,10 @@ def build():
         "format": FORMAT,
         "pid": os.getpid(),
         "ppid": os.getppid(),
+        "uid": os.geteuid(),
         "host": procinfo.host(),
+        "boot_id": procinfo.boot_id(),
+        "pid_ns": procinfo.pid_namespace(),
         "start_ticks": procinfo.start_ticks(),
         "role": procinfo.role(),
         "shim": __version__,
@@ -109,49 +141,58 @@ def build():
         "sglang": procinfo.sglang_version(),
         "sglang_path": _W.sglang_path,
         "python": platform.python_version(),
-        "argv": [os.path.basename(sys.argv[0])] + sys.argv[1:4] if sys.argv else [],
+        "program": procinfo.main_module(),
+        "heartbeat_s": HEARTBEAT_S,
         "patches": patches,
     }
 
 
 def write(force=False):
-    """Write the record now if the directory is set and (or ``force``) it changed.  Never raises."""
+    """Write the record now if the directory is set and (or ``force``) it changed, or its
+    heartbeat is due.  Never raises."""
     dir_ = directory()
     if dir_ is None:
         return False
     try:
+        _ensure_thread()  # armed whatever this attempt gives: a failed write is retried by it
         with _W.lock:
             record = build()
             if record is None:
                 return False
-            text = json.dumps(record, sort_keys=True, default=str)
-            if not force and text == _W.last and _W.last_pid == os.getpid():
+            text = json.dumps(record, sort_keys=True, default=str, allow_nan=False)
+            beat_due = time.monotonic() - _W.last_time >= HEARTBEAT_S
+            if not force and not beat_due and text == _W.last and _W.last_pid == os.getpid():
                 return False
-            record["updated"] = time.time()
-            record["updated_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record["updated"]))
-            os.makedirs(dir_, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=dir_, prefix=".%s-%d." % (record["host"], record["pid"]),
-                                       suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                    json.dump(record, handle, indent=1, sort_keys=True, default=str)
-                    handle.write("\n")
-                os.chmod(tmp, 0o644)
-                os.replace(tmp, path_for(dir_, record["host"], record["pid"]))
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
-            _W.last, _W.last_pid = text, os.getpid()
+            now = time.time()
+            record["updated"] = now
+            record["updated_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+            data = (json.dumps(record, indent=1, sort_keys=True, default=str, allow_nan=False)
+                    + "\n").encode("utf-8")
+            if len(data) > MAX_RECORD_BYTES:
+                raise ValueError("the record would be %d bytes, over the %d readers accept"
+                                 % (len(data), MAX_RECORD_BYTES))
+            with statedir.open_for_writing(dir_) as handle:
+                if _W.swept_pid != os.getpid():
+                    _W.swept_pid = os.getpid()
+                    handle.sweep(TEMP_PREFIX, TEMP_SUFFIX, TEMP_MAX_AGE_S)
+                handle.replace_file(record_name(record["host"], record["pid_ns"], record["pid"]),
+                                    data, TEMP_PREFIX, TEMP_SUFFIX)
+            _W.last, _W.last_pid, _W.last_time = text, os.getpid(), time.monotonic()
+            if _W.failing:
+                _W.failing = False
+                log.info("the state record is written to %s=%s again" % (config.STATE_DIR.name, dir_))
     except Exception as exc:  # noqa: BLE001 - never into the application
-        log.error_once("statefile", "cannot write the state record to %s=%s: %s (the process runs "
-                       "on; no further record is written while this lasts)"
-                       % (config.STATE_DIR.name, dir_, exc))
+        _W.failing = True
+        log.error_once("statefile", "cannot write the state record to %s=%s: %s (retried every "
+                       "%gs; said once)" % (config.STATE_DIR.name, dir_, _why(exc), INTERVAL_S))
         return False
-    _ensure_thread()
     return True
+
+
+def _why(exc):
+    if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, statedir.UnsafeDirectory):
+        return exc.strerror  # the path is already on the line
+    return str(exc.args[-1] if isinstance(exc, statedir.UnsafeDirectory) else exc)
 
 
 def touch(now=False):

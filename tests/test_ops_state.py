@@ -13,7 +13,7 @@ import textwrap
 from test_bootstrap import REPO, TAG, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 
 import npu_shim
-from npu_shim import procinfo, running
+from npu_shim import procinfo, running, statefile
 
 # A process that looks like sglang's scheduler TP3 of DP0 (sglang sets this title itself).
 AS_SCHEDULER = """
@@ -53,7 +53,9 @@ def test_state_record_has_role_versions_states_and_follows_details_and_state_cha
         from npu_shim import runtime, statefile
         statefile.INTERVAL_S = 0.05
         from sglang.srt.utils import common
-        path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"], "%s-%d.json" % (socket.gethostname(), os.getpid()))
+        from npu_shim import procinfo
+        path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
+                            statefile.record_name(socket.gethostname(), procinfo.pid_namespace(), os.getpid()))
         first = json.load(open(path))
         runtime.record("demo").details["calls"] = 7   # a wrapper's live details: no call into the shim
         deadline = time.time() + 10
@@ -78,7 +80,7 @@ def test_state_record_has_role_versions_states_and_follows_details_and_state_cha
     assert out["second"]["updated"] >= first["updated"]
     assert out["third"]["patches"] == {}
     # one file per process, no temporary file left behind; the exit rewrote it (atexit), unchanged
-    assert out["files"] == ["%s-%d.json" % (procinfo.host(), out["pid"])]
+    assert out["files"] == [statefile.record_name(procinfo.host(), procinfo.pid_namespace(), out["pid"])]
     final = records(str(state_dir))[out["files"][0]]
     assert final["patches"] == {}
     # the summary line carries the role the process title gives
@@ -158,6 +160,7 @@ def test_spawned_children_write_their_own_records(tree):
 
 def _record(pid, states, host=None, sglang="0.5.11", enabled=True, role=None, **extra):
     record = {"format": 1, "pid": pid, "host": host or procinfo.host(), "shim": npu_shim.__version__,
+              "start_ticks": procinfo.start_ticks(pid),
               "shim_enabled": enabled, "sglang": sglang, "python": "3.11.7",
               "role": role or {"role": "unknown", "source": "test"}, "updated": 0,
               "patches": {name: {"state": state, "reason": "r-" + state, "details": {}}
@@ -213,7 +216,7 @@ def test_status_running_disagreement_failed_and_stale(tmp_path):
     assert [u["file"] for u in info["unreadable"]] == ["broken.json"]
     text = status_running(str(tmp_path))
     assert text.returncode == 6
-    assert "STALE (not running)" in text.stdout
+    assert "STALE (pid " in text.stdout and " is not running)" in text.stdout
     assert "PROBLEM: processes of sglang 0.5.11 disagree on zbal: applied in pid %d; inactive in pid %d" % (
         os.getpid(), os.getppid()) in text.stdout
     # a failed patch in a live process is a problem even when every process agrees

@@ -15,7 +15,9 @@ import sglang.srt.layers.moe.token_dispatcher.deepep, sglang.srt.distributed.par
 from npu_shim import log
 from shimdev.demo_features import zbal_fresh, make_scheduler
 
-path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"], "%s-%d.json" % (socket.gethostname(), os.getpid()))
+from npu_shim import procinfo, statefile
+path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
+                    statefile.record_name(socket.gethostname(), procinfo.pid_namespace(), os.getpid()))
 before = json.load(open(path))
 lines = []
 class Capture(logging.Handler):
@@ -26,7 +28,7 @@ zbal_fresh()
 make_scheduler(tp=16, tp_rank=3)   # the real wrapped Scheduler.__init__ (stub body), full mode
 after = json.load(open(path))
 emit({"before": before, "after": after, "lines": lines, "pid": os.getpid(),
-      "files": os.listdir(os.environ["NPU_SHIM_STATE_DIR"])})
+      "files": os.listdir(os.environ["NPU_SHIM_STATE_DIR"]), "name": os.path.basename(path)})
 '''
 
 
@@ -47,7 +49,8 @@ def test_state_record_of_a_real_0_5_11_scheduler_with_zbal(release_venv, tmp_pat
                              "tp_size": 16, "pp_rank": 0, "pp_size": 1}
     assert after["patches"]["zbal"]["details"] == {"mode": "full", "gva_mib": 49152}
     assert after["patches"]["zbal"]["targets_applied"] == "10/10"
-    assert out["files"] == ["%s-%d.json" % (after["host"], out["pid"])]
+    assert out["files"] == [out["name"]] and out["name"].endswith("-%d.json" % out["pid"])
+    assert after["uid"] == 0 and "argv" not in after
     # zbal's success line carries the process tag with the rank
     assert ("[npu-shim %s sglang 0.5.11 pid %d tp 3/16] zbal: rank 3 initialised a 49152 MiB heap "
             "in full mode (device 0, world 16)" % (npu_shim.__version__, out["pid"])) in out["lines"], out["lines"]

@@ -359,6 +359,7 @@ def find_package_dir(name):
 
 
 _VERSION = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?["']([^"']+)["']""", re.M)
+_VERSION_TEXT = re.compile(r"[0-9A-Za-z.+!_-]{1,64}")
 
 
 def read_version(package_dir):
@@ -371,7 +372,8 @@ def read_version(package_dir):
         except (OSError, SourceError):
             continue
         if match:
-            return match.group(1)
+            # a version is a PEP 440 string; anything else (a newline, an escape) is not one
+            return match.group(1) if _VERSION_TEXT.fullmatch(match.group(1)) else None
     return None
 
 

@@ -171,39 +171,41 @@ def _entries(dir_fd):
 
 
 def load(dir_):
-    """[(file name, record dict or None, error or None, file facts)] for the records in ``dir_``.
-    Raises OSError when ``dir_`` itself cannot be opened or listed."""
+    """[(file name, record dict or None, error or None, file facts)] for the records in ``dir_``:
+    at most MAX_RECORDS read.  Raises OSError when ``dir_`` itself cannot be opened or listed."""
     fd = os.open(dir_, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
-        top = os.fstat(fd)
-        found, count = [], 0
+        top_owner = os.fstat(fd).st_uid
+        found = []
         for sub, name in _entries(fd):
             if name is not None:
-                found.append(_read_one(fd, name, name, top.st_uid, None))
-                count += 1
-                continue
-            try:
-                sub_fd = os.open(sub, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW
-                                 | getattr(os, "O_CLOEXEC", 0), dir_fd=fd)
-            except OSError as exc:
-                found.append((sub + "/", None, "%s: %s" % (type(exc).__name__, exc.strerror), {}))
-                continue
-            try:
-                owner = os.fstat(sub_fd).st_uid
-                for _sub, inner in _entries(sub_fd):
-                    if inner is None or count >= MAX_RECORDS:
-                        continue
-                    found.append(_read_one(sub_fd, inner, sub + "/" + inner, owner, sub))
-                    count += 1
-            finally:
-                os.close(sub_fd)
-            if count >= MAX_RECORDS:
+                found.append(_read_one(fd, name, name, top_owner, None))
+            else:
+                found.extend(_read_user_dir(fd, sub, MAX_RECORDS - len(found)))
+            if len(found) >= MAX_RECORDS:
                 break
-        if count >= MAX_RECORDS:
+        if len(found) >= MAX_RECORDS:
+            del found[MAX_RECORDS:]
             found.append(("...", None, "more than %d records: the rest were not read" % MAX_RECORDS, {}))
         return found
     finally:
         os.close(fd)
+
+
+def _read_user_dir(fd, sub, room):
+    """The records of one user's subdirectory ``uid-<N>/`` (at most ``room``, plus one to show
+    there are more)."""
+    try:
+        sub_fd = os.open(sub, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW
+                         | getattr(os, "O_CLOEXEC", 0), dir_fd=fd)
+    except OSError as exc:
+        return [(sub + "/", None, "%s: %s" % (type(exc).__name__, exc.strerror), {})]
+    try:
+        owner = os.fstat(sub_fd).st_uid
+        return [_read_one(sub_fd, inner, sub + "/" + inner, owner, sub)
+                for _sub, inner in _entries(sub_fd)[:room + 1] if inner is not None]
+    finally:
+        os.close(sub_fd)
 
 
 def _read_one(dir_fd, name, shown, dir_owner, user_dir):

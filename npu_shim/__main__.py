@@ -13,7 +13,7 @@ its process, a target module failed to import or the bundle's files differ from 
 sglang is not found; 6 (``status --running``) a running process has a ``failed`` patch or
 processes of the same sglang disagree on a patch's state (npu_shim/running.py); 7 (``status
 --running``) no live process has a state record in the directory (none written, or only stale
-ones); 64 bad usage.
+ones); 64 bad usage; 141 the output's reader went away (``| head``).
 """
 
 import argparse

@@ -36,7 +36,7 @@ import os
 import threading
 import time
 
-from npu_shim import config, log, procinfo, statedir
+from npu_shim import config, log, procinfo
 
 FORMAT = 2
 INTERVAL_S = 5.0
@@ -99,6 +99,8 @@ def directory():
 
 def record_name(host, pid_ns, pid):
     """The file name of a process's record: host, PID namespace and pid name one process."""
+    from npu_shim import statedir  # only where records are written or read
+
     return "%s-%s-%d.json" % (statedir.safe_name(host), pid_ns if pid_ns is not None else "x", pid)
 
 
@@ -171,6 +173,8 @@ def write(force=False):
             if len(data) > MAX_RECORD_BYTES:
                 raise ValueError("the record would be %d bytes, over the %d readers accept"
                                  % (len(data), MAX_RECORD_BYTES))
+            from npu_shim import statedir
+
             with statedir.open_for_writing(dir_) as handle:
                 if _W.swept_pid != os.getpid():
                     _W.swept_pid = os.getpid()
@@ -190,6 +194,8 @@ def write(force=False):
 
 
 def _why(exc):
+    from npu_shim import statedir
+
     if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, statedir.UnsafeDirectory):
         return exc.strerror  # the path is already on the line
     return str(exc.args[-1] if isinstance(exc, statedir.UnsafeDirectory) else exc)

@@ -5,8 +5,9 @@ read from disk), torch or wrapt; ``check`` runs it in a child process and report
 happened (npu_shim/check.py); ``bundle`` builds the directory to mount into an image
 (npu_shim/bundle.py).
 
-Exit codes: 0 fine; 1 ``bundle`` failed; 2 an environment variable is invalid, or an
-``NPU_SHIM_*`` name is one the shim does not read (a typo); 3 a server would stop at import:
+Exit codes: 0 fine; 1 ``bundle`` failed or refused its target (130 / 143: stopped by SIGINT /
+SIGTERM); 2 an environment variable is invalid, or an ``NPU_SHIM_*`` name is one the shim does
+not read (a typo); 3 a server would stop at import:
 strict mode is on and a patch would end ``unsupported`` or ``failed``, or a patch the job asks for
 explicitly (zbal with a size) cannot apply; 4 ``check`` could not run, the shim was not active in
 its process, a target module failed to import or the bundle's files differ from its MANIFEST; 5
@@ -191,8 +192,11 @@ def config_exit_code(states, stops=False):
 
 
 def run_bundle(args):
+    import signal
+
     from npu_shim import bundle
 
+    previous = _on_sigterm(bundle.Terminated)
     try:
         bundle.build(args.out_dir, args.python, args.wrapt_version or bundle.WRAPT_VERSION,
                      machines=tuple(args.platform) or bundle.MACHINES, force=args.force,
@@ -200,7 +204,29 @@ def run_bundle(args):
     except bundle.BundleError as exc:
         sys.stderr.write("npu-shim bundle: error: %s\n" % exc)
         return EXIT_BUNDLE_FAILED
+    except (bundle.Terminated, KeyboardInterrupt) as exc:
+        name = "SIGTERM" if isinstance(exc, bundle.Terminated) else "SIGINT"
+        sys.stderr.write("npu-shim bundle: stopped by %s; pip and the staging directory are gone\n"
+                         % name)
+        return 128 + getattr(signal, name)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _on_sigterm(exception):
+    """Make SIGTERM raise ``exception`` (so that clean-up runs, as for Ctrl-C); the handler it
+    replaces, or None where none can be set (not the main thread)."""
+    import signal
+
+    def handler(_signum, _frame):
+        raise exception()
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:
+        return None
 
 
 def run_running(args):
@@ -278,7 +304,10 @@ def main(argv=None):
     bundle.add_argument("--platform", action="append", default=[], choices=("x86_64", "aarch64"),
                         help="machines to bundle wrapt C builds for (default: both)")
     bundle.add_argument("--wrapt-version", default=None, help="wrapt release to bundle")
-    bundle.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    bundle.add_argument("--force", action="store_true",
+                        help="replace OUT_DIR if it is a previous bundle exactly as built (its "
+                             "MANIFEST lists every file in it), and OUT_DIR.tar.gz")
+
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:

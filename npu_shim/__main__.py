@@ -6,15 +6,15 @@ happened (npu_shim/check.py); ``bundle`` builds the directory to mount into an i
 (npu_shim/bundle.py).
 
 Exit codes: 0 fine; 1 ``bundle`` failed or refused its target (130 / 143: stopped by SIGINT /
-SIGTERM); 2 an environment variable is invalid, or an ``NPU_SHIM_*`` name is one the shim does
-not read (a typo); 3 a server would stop at import:
-strict mode is on and a patch would end ``unsupported`` or ``failed``, or a patch the job asks for
-explicitly (zbal with a size) cannot apply; 4 ``check`` could not run, the shim was not active in
-its process, a target module failed to import or the bundle's files differ from its MANIFEST; 5
-sglang is not found; 6 (``status --running``) a running process has a ``failed`` patch or
-processes of the same sglang disagree on a patch's state (npu_shim/running.py); 7 (``status
---running``) no live process has a state record in the directory (none written, or only stale
-ones); 64 bad usage.
+SIGTERM); 2 an environment variable is invalid, or an ``NPU_SHIM_*`` name is one the shim does not
+read (a typo); 3 a server would stop at import: strict mode is on and a patch would end
+``unsupported`` or ``failed``, or a patch the job asks for explicitly (zbal with a size) cannot
+apply; 4 ``check`` could not run, the shim was not active in its process, a target module failed
+to import, or the bundle does not match its MANIFEST (a file missing, changed or extra, or the
+MANIFEST itself missing or broken: then no check process is started); 5 sglang is not found; 6
+(``status --running``) a running process has a ``failed`` patch or processes of the same sglang
+disagree on a patch's state (npu_shim/running.py); 7 (``status --running``) no live process has a
+state record in the directory (none written, or only stale ones); 64 bad usage.
 """
 
 import argparse
@@ -264,19 +264,34 @@ def run_running(args):
 def run_check(args):
     from npu_shim import check
 
+    facts = check.bundle_facts()
+    if not facts["ok"]:
+        if args.json:
+            json.dump({"started": False, "bundle": facts}, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            check.print_not_started(facts)
+        return EXIT_CHECK_FAILED
     report, error = check.run_child()
     if report is None:
         sys.stderr.write("npu-shim check: %s\n" % error)
         return EXIT_CHECK_FAILED
+    report["bundle"] = facts
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
     else:
         check.print_report(report)
+    return check_exit_code(report)
+
+
+def check_exit_code(report):
+    """The strict rule, else EXIT_CHECK_FAILED when the shim was not active or a target module
+    failed to import."""
     # Not active: no patch was decided, so the strict rule finds nothing and this says 4.
     code = config_exit_code(s["state"] for s in report["states"].values())
     failed_import = any(v not in ("ok", "absent") for v in report["imports"].values())
-    if not code and (not report["shim_active"] or failed_import or not report["bundle"]["ok"]):
+    if not code and (not report["shim_active"] or failed_import):
         return EXIT_CHECK_FAILED
     return code
 
@@ -307,7 +322,6 @@ def main(argv=None):
     bundle.add_argument("--force", action="store_true",
                         help="replace OUT_DIR if it is a previous bundle exactly as built (its "
                              "MANIFEST lists every file in it), and OUT_DIR.tar.gz")
-
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:

@@ -1,5 +1,6 @@
-"""``bundle`` on hostile input, through the CLI in a subprocess: targets refused before anything
-is downloaded or created, ``--force`` replacing only a previous bundle, SIGTERM during a build.
+"""``bundle`` and ``check`` on hostile input, through the CLI in a subprocess: targets refused
+before anything is downloaded or created, ``--force`` replacing only a previous bundle, SIGTERM
+during a build, a bundle with files added or its MANIFEST damaged.
 
 The builds here bundle the .pyc of one interpreter (this one) and wrapt's x86_64 builds (``FAST``):
 what is checked does not depend on how many there are.
@@ -11,11 +12,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
 
 from npu_shim import bundle
+from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
+from test_drop_in import _check, bare_venvs, tree  # noqa: F401 - fixtures
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THIS_PYTHON = "%d.%d" % sys.version_info[:2]
@@ -279,3 +283,113 @@ def test_sigterm_during_a_build_kills_pip_and_removes_the_staging_directory(tmp_
             proc.wait()
         if pip_pid and _alive(pip_pid):
             os.kill(pip_pid, signal.SIGKILL)
+
+
+# -- check: the bundle is verified first ------------------------------------------------------------
+
+SHADOW = """
+import os
+with open(os.environ["SHADOW_MARKER"], "a") as handle:
+    handle.write(__name__ + "\\n")
+"""
+
+
+def test_check_refuses_a_bundle_with_modules_added_that_shadow_the_standard_library(
+        bare_venvs, small_bundle, tree, tmp_path):
+    """Before the fix the added tarfile.py ran inside check, which said "files match its MANIFEST"
+    and exited 0."""
+    copy = copy_of(small_bundle, tmp_path / "npu-shim")
+    for name in ("tarfile", "zipfile"):
+        (copy / (name + ".py")).write_text(SHADOW)
+    marker = tmp_path / "shadowed"  # not "marker": the image sitecustomize writes that one
+    proc = _check(bare_venvs(THIS_PYTHON), tree, copy, {"SHADOW_MARKER": str(marker)})
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert not marker.exists(), marker.read_text()
+    assert "the check process was not started" in proc.stdout
+    assert ("2 files differ from its MANIFEST: tarfile.py: extra (shadows the standard library's "
+            "tarfile); zipfile.py: extra (shadows the standard library's zipfile)") in proc.stdout
+    report = json.loads(_check(bare_venvs(THIS_PYTHON), tree, copy, {"SHADOW_MARKER": str(marker)},
+                               "--json").stdout)
+    assert report["started"] is False and report["bundle"]["ok"] is False
+    assert not marker.exists()
+
+
+def _manifest_deleted(root):
+    os.remove(str(root / "MANIFEST"))
+
+
+def _manifest_cut(root):
+    text = (root / "MANIFEST").read_text()
+    (root / "MANIFEST").write_text(text[:len(text) // 3])
+
+
+def _manifest_without_files(root):
+    manifest = json.loads((root / "MANIFEST").read_text())
+    del manifest["files"]
+    (root / "MANIFEST").write_text(json.dumps(manifest))
+
+
+def _manifest_a_fifo(root):
+    os.remove(str(root / "MANIFEST"))
+    os.mkfifo(str(root / "MANIFEST"))  # opening it to read would wait for a writer forever
+
+
+@pytest.mark.parametrize("damage, words", [
+    (_manifest_deleted, "a damaged bundle: MANIFEST missing"),
+    (_manifest_cut, "a damaged bundle: MANIFEST does not parse"),
+    (_manifest_without_files, "a damaged bundle: MANIFEST lists no files"),
+    (_manifest_a_fifo, "a damaged bundle: MANIFEST not a regular file"),
+])
+def test_check_fails_on_a_bundle_whose_manifest_is_damaged(damage, words, bare_venvs, small_bundle,
+                                                           tree, tmp_path):
+    """Before the fix a missing or broken MANIFEST read as "not a bundle" (exit 0) whatever had
+    been edited -- and a FIFO in its place hung check."""
+    copy = copy_of(small_bundle, tmp_path / "npu-shim")
+    with open(str(copy / "npu_shim" / "config.py"), "a") as handle:
+        handle.write("\n# edited in place\n")
+    damage(copy)
+    proc = _check(bare_venvs(THIS_PYTHON), tree, copy)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "  bundle: %s: %s" % (copy, words) in proc.stdout
+
+
+def test_verify_names_extra_files_folders_and_pyc_and_never_follows_links(small_bundle, tmp_path):
+    """The .pyc compiled before the MANIFEST was written are listed; one written later (an
+    interpreter without PYTHONDONTWRITEBYTECODE) is extra: a .pyc carries code."""
+    copy = copy_of(small_bundle, tmp_path / "npu-shim")
+    pycache = copy / "npu_shim" / "__pycache__"
+    assert [n for n in os.listdir(str(pycache)) if n.endswith(".pyc")]  # listed, so not extra
+    (pycache / "config.cpython-399.pyc").write_bytes(b"code")
+    (copy / "npu_shim" / "drafts").mkdir()
+    (copy / "npu_shim" / "drafts" / "a.py").write_text("")
+    (copy / "json").mkdir()
+    os.remove(str(copy / "npu_shim" / "log.py"))
+    os.symlink("/etc/passwd", str(copy / "npu_shim" / "log.py"))
+    os.mkfifo(str(copy / "npu_shim" / "fifo"))
+    assert bundle.verify(str(copy)) == [
+        "npu_shim/log.py: changed",
+        "json/: extra (shadows the standard library's json)",
+        "npu_shim/__pycache__/config.cpython-399.pyc: extra",
+        "npu_shim/drafts/: extra",
+        "npu_shim/fifo: extra",
+    ]
+
+
+def test_check_verifies_the_bundle_with_only_modules_already_loaded(bare_venvs, small_bundle,
+                                                                    tmp_path):
+    """Verifying imports no module a file beside sitecustomize.py could shadow: before the fix,
+    ``check`` imported subprocess, and verifying imported tarfile, zipfile, shutil, ..."""
+    code = textwrap.dedent("""
+        import json, sys
+        import npu_shim.__main__
+        before = set(sys.modules)
+        from npu_shim import check
+        facts = check.bundle_facts()
+        new = sorted(m for m in set(sys.modules) - before if not m.startswith("npu_shim"))
+        print(json.dumps({"new": new, "ok": facts["ok"], "is_bundle": facts["is_bundle"]}))
+    """)
+    proc = subprocess.run([bare_venvs(THIS_PYTHON), "-c", code], capture_output=True, text=True,
+                          cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=str(small_bundle),
+                                                      PYTHONDONTWRITEBYTECODE="1"), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"new": [], "ok": True, "is_bundle": True}

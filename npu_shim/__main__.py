@@ -11,10 +11,11 @@ read (a typo); 3 a server would stop at import: strict mode is on and a patch wo
 ``unsupported`` or ``failed``, or a patch the job asks for explicitly (zbal with a size) cannot
 apply; 4 ``check`` could not run, the shim was not active in its process, a target module failed
 to import, or the bundle does not match its MANIFEST (a file missing, changed or extra, or the
-MANIFEST itself missing or broken: then no check process is started); 5 sglang is not found; 6
-(``status --running``) a running process has a ``failed`` patch or processes of the same sglang
-disagree on a patch's state (npu_shim/running.py); 7 (``status --running``) no live process has a
-state record in the directory (none written, or only stale ones); 64 bad usage.
+MANIFEST itself missing or broken: then no check process is started); 5 (``status`` and
+``check``) no sglang is importable; 6 (``status --running``) a running process has a ``failed``
+patch or processes of the same sglang disagree on a patch's state (npu_shim/running.py); 7
+(``status --running``) no live process has a state record in the directory (none written, or only
+stale ones); 64 bad usage.
 """
 
 import argparse
@@ -286,11 +287,16 @@ def run_check(args):
 
 
 def check_exit_code(report):
-    """The strict rule, else EXIT_CHECK_FAILED when the shim was not active or a target module
-    failed to import."""
+    """As ``exit_code`` for ``status``: a bad variable first, then no sglang, then strict; then
+    EXIT_CHECK_FAILED when the shim was not active or a target module failed to import."""
     # Not active: no patch was decided, so the strict rule finds nothing and this says 4.
     code = config_exit_code(s["state"] for s in report["states"].values())
     failed_import = any(v not in ("ok", "absent") for v in report["imports"].values())
+    if code == EXIT_BAD_ENV:
+        return code
+    # A target module whose import failed may be sglang itself: that is the failure to report.
+    if not report["sglang"]["path"] and not failed_import:
+        return EXIT_NO_SGLANG
     if not code and (not report["shim_active"] or failed_import):
         return EXIT_CHECK_FAILED
     return code

@@ -212,6 +212,15 @@ def run_child(timeout=CHILD_TIMEOUT_S):
     return None, "the check process exited %d without a report:\n%s" % (proc.returncode, tail)
 
 
+def sglang_line(sglang, import_failed):
+    if sglang["path"]:
+        return "%s at %s" % (sglang["version"] or "unknown version", sglang["path"])
+    if import_failed:
+        return "not imported (the import failed, below)"
+    return ("NOT FOUND: no 'sglang' package is importable with this interpreter and PYTHONPATH "
+            "(put the directory that holds it on PYTHONPATH, or install sglang)")
+
+
 def print_report(report):
     out = sys.stdout.write
     out("npu-shim check: a child process (pid %d, Python %s) imported sglang's target modules\n"
@@ -219,9 +228,8 @@ def print_report(report):
     out("  shim active at start-up: %s\n" % (
         "yes (%s)" % report["sitecustomize"] if report["shim_active"] else
         "NO: npu-shim's sitecustomize did not arm it (PYTHONPATH / NPU_SHIM_ENABLED)"))
-    sg = report["sglang"]
-    out("  sglang: %s\n" % ("%s at %s" % (sg["version"] or "unknown version", sg["path"])
-                            if sg["path"] else "not imported"))
+    bad = {k: v for k, v in report["imports"].items() if v not in ("ok", "absent")}
+    out("  sglang: %s\n" % sglang_line(report["sglang"], bool(bad)))
     out("  bundle: %s\n" % report["bundle"]["text"])
     out("  wrapt: %s\n" % report["wrapt"]["text"])
     npu = report["npu"]
@@ -232,7 +240,6 @@ def print_report(report):
         "none visible" + (" (%s)" % npu["npu_error"] if npu.get("npu_error") else "")))
     out("  zbal: %s\n" % report["zbal"]["text"])
     out("  sgl_kernel_npu: %s\n" % report["kernel"]["text"])
-    bad = {k: v for k, v in report["imports"].items() if v not in ("ok", "absent")}
     for name, error in sorted(bad.items()):
         out("  import %s FAILED: %s\n" % (name, error))
     out("\n  %-20s %-12s %s\n" % ("patch", "state", "reason"))

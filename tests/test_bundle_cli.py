@@ -1,6 +1,6 @@
 """``bundle`` and ``check`` on hostile input, through the CLI in a subprocess: targets refused
 before anything is downloaded or created, ``--force`` replacing only a previous bundle, SIGTERM
-during a build, a bundle with files added or its MANIFEST damaged.
+during a build, a bundle with files added or its MANIFEST damaged, and no sglang at all.
 
 The builds here bundle the .pyc of one interpreter (this one) and wrapt's x86_64 builds (``FAST``):
 what is checked does not depend on how many there are.
@@ -393,3 +393,32 @@ def test_check_verifies_the_bundle_with_only_modules_already_loaded(bare_venvs, 
                                                       PYTHONDONTWRITEBYTECODE="1"), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1]) == {"new": [], "ok": True, "is_bundle": True}
+
+
+# -- check: no sglang --------------------------------------------------------------------------------
+
+def _check_without_sglang(python, first, cwd, *args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_", "PYTHON"))}
+    env.update({"PYTHONPATH": str(first), "PYTHONDONTWRITEBYTECODE": "1"})
+    return subprocess.run([python, "-m", "npu_shim", "check"] + list(args), cwd=str(cwd), env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("shim", ["bundle", "checkout"])
+def test_check_exits_5_when_no_sglang_is_importable(shim, bare_venvs, small_bundle, tmp_path):
+    """Before the fix every target module read as "absent" and check exited 0."""
+    first = small_bundle if shim == "bundle" else REPO
+    proc = _check_without_sglang(bare_venvs(THIS_PYTHON), first, tmp_path)
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    assert ("  sglang: NOT FOUND: no 'sglang' package is importable with this interpreter and "
+            "PYTHONPATH (put the directory that holds it on PYTHONPATH, or install sglang)\n") in proc.stdout
+    as_json = _check_without_sglang(bare_venvs(THIS_PYTHON), first, tmp_path, "--json")
+    assert as_json.returncode == 5 and json.loads(as_json.stdout)["sglang"]["path"] is None
+
+
+def test_check_exits_4_when_sglang_is_there_but_fails_to_import(bare_venvs, small_bundle, tree):
+    (tree / "pkgs" / "sglang" / "__init__.py").write_text("raise RuntimeError('broken')\n")
+    proc = _check(bare_venvs(THIS_PYTHON), tree, small_bundle)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "  sglang: not imported (the import failed, below)\n" in proc.stdout
+    assert "FAILED: RuntimeError: broken" in proc.stdout

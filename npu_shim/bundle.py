@@ -186,7 +186,7 @@ def _device(entry):
 
 
 def _stdlib_names():
-    names = getattr(sys, "stdlib_module_names", None)  # Python 3.10+
+    names = getattr(sys, "stdlib_module_names", None)  # absent on the oldest Python supported
     if names is not None:
         return names
     found = set(sys.builtin_module_names)

@@ -73,7 +73,7 @@ def copy_of(small_bundle, dest):
     ("//", "is the root directory"),
     ("", "OUT_DIR is empty"),                           # bundle "$DEST" with DEST unset
     (".", "is the current directory"),
-    ("sub/..", "is the current directory"),
+    ("sub/..", "is the current directory"),            # made absolute without looking
     ("..", "holds the current directory"),
 ])
 def test_bundle_force_refuses_the_root_the_empty_string_and_the_current_directory(
@@ -81,7 +81,6 @@ def test_bundle_force_refuses_the_root_the_empty_string_and_the_current_director
     """The current directory is a previous bundle here, so only the place itself can refuse it
     (before the fix "/" and "" meant the current directory, which --force deleted)."""
     work = copy_of(small_bundle, tmp_path / "work")
-    (work / "sub").mkdir()
     before = listing(tmp_path)
     assert_refused(cli("bundle", arg, "--force", *FAST, cwd=work), words)
     assert listing(tmp_path) == before

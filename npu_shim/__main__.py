@@ -5,15 +5,17 @@ read from disk), torch or wrapt; ``check`` runs it in a child process and report
 happened (npu_shim/check.py); ``bundle`` builds the directory to mount into an image
 (npu_shim/bundle.py).
 
-Exit codes: 0 fine; 1 ``bundle`` failed; 2 an environment variable is invalid, or an
-``NPU_SHIM_*`` name is one the shim does not read (a typo); 3 a server would stop at import:
-strict mode is on and a patch would end ``unsupported`` or ``failed``, or a patch the job asks for
-explicitly (zbal with a size) cannot apply; 4 ``check`` could not run, the shim was not active in
-its process, a target module failed to import or the bundle's files differ from its MANIFEST; 5
-sglang is not found; 6 (``status --running``) a running process has a ``failed`` patch or
-processes of the same sglang disagree on a patch's state (npu_shim/running.py); 7 (``status
---running``) no live process has a state record in the directory (none written, or only stale
-ones); 64 bad usage; 141 the output's reader went away (``| head``).
+Exit codes: 0 fine; 1 ``bundle`` failed or refused its target (130 / 143: stopped by SIGINT /
+SIGTERM); 2 an environment variable is invalid, or an ``NPU_SHIM_*`` name is one the shim does not
+read (a typo); 3 a server would stop at import: strict mode is on and a patch would end
+``unsupported`` or ``failed``, or a patch the job asks for explicitly (zbal with a size) cannot
+apply; 4 ``check`` could not run, the shim was not active in its process, a target module failed
+to import, or the bundle does not match its MANIFEST (a file missing, changed or extra, or the
+MANIFEST itself missing or broken: then no check process is started); 5 (``status`` and
+``check``) no sglang is importable; 6 (``status --running``) a running process has a ``failed``
+patch or processes of the same sglang disagree on a patch's state (npu_shim/running.py); 7
+(``status --running``) no live process has a state record in the directory (none written, or only
+stale ones); 64 bad usage; 141 the output's reader went away (``| head``).
 """
 
 import argparse
@@ -201,8 +203,11 @@ def config_exit_code(states, stops=False):
 
 
 def run_bundle(args):
+    import signal
+
     from npu_shim import bundle
 
+    previous = _on_sigterm(bundle.Terminated)
     try:
         bundle.build(args.out_dir, args.python, args.wrapt_version or bundle.WRAPT_VERSION,
                      machines=tuple(args.platform) or bundle.MACHINES, force=args.force,
@@ -210,7 +215,29 @@ def run_bundle(args):
     except bundle.BundleError as exc:
         sys.stderr.write("npu-shim bundle: error: %s\n" % exc)
         return EXIT_BUNDLE_FAILED
+    except (bundle.Terminated, KeyboardInterrupt) as exc:
+        name = "SIGTERM" if isinstance(exc, bundle.Terminated) else "SIGINT"
+        sys.stderr.write("npu-shim bundle: stopped by %s; pip and the staging directory are gone\n"
+                         % name)
+        return 128 + getattr(signal, name)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _on_sigterm(exception):
+    """Make SIGTERM raise ``exception`` (so that clean-up runs, as for Ctrl-C); the handler it
+    replaces, or None where none can be set (not the main thread)."""
+    import signal
+
+    def handler(_signum, _frame):
+        raise exception()
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:
+        return None
 
 
 def run_running(args):
@@ -252,19 +279,39 @@ def run_running(args):
 def run_check(args):
     from npu_shim import check
 
+    facts = check.bundle_facts()
+    if not facts["ok"]:
+        if args.json:
+            json.dump({"started": False, "bundle": facts}, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            check.print_not_started(facts)
+        return EXIT_CHECK_FAILED
     report, error = check.run_child()
     if report is None:
         sys.stderr.write("npu-shim check: %s\n" % error)
         return EXIT_CHECK_FAILED
+    report["bundle"] = facts
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
     else:
         check.print_report(report)
+    return check_exit_code(report)
+
+
+def check_exit_code(report):
+    """As ``exit_code`` for ``status``: a bad variable first, then no sglang, then strict; then
+    EXIT_CHECK_FAILED when the shim was not active or a target module failed to import."""
     # Not active: no patch was decided, so the strict rule finds nothing and this says 4.
     code = config_exit_code(s["state"] for s in report["states"].values())
     failed_import = any(v not in ("ok", "absent") for v in report["imports"].values())
-    if not code and (not report["shim_active"] or failed_import or not report["bundle"]["ok"]):
+    if code == EXIT_BAD_ENV:
+        return code
+    # A target module whose import failed may be sglang itself: that is the failure to report.
+    if not report["sglang"]["path"] and not failed_import:
+        return EXIT_NO_SGLANG
+    if not code and (not report["shim_active"] or failed_import):
         return EXIT_CHECK_FAILED
     return code
 
@@ -294,7 +341,9 @@ def main(argv=None):
     bundle.add_argument("--platform", action="append", default=[], choices=("x86_64", "aarch64"),
                         help="machines to bundle wrapt C builds for (default: both)")
     bundle.add_argument("--wrapt-version", default=None, help="wrapt release to bundle")
-    bundle.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    bundle.add_argument("--force", action="store_true",
+                        help="replace OUT_DIR if it is a previous bundle exactly as built (its "
+                             "MANIFEST lists every file in it), and OUT_DIR.tar.gz")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:

@@ -7,11 +7,15 @@ and reports what happened there: each patch's state and reason, the targets real
 where wrapt came from, the zbal package and its Python API, torch_npu and the NPU, and
 ``sgl_kernel_npu``'s ``split_qkv_rmsnorm_rope``.  Nothing initialises the device or zbal: the
 child imports modules and reads files; no tensor is allocated and no zbal call is made.
+
+A bundle is verified against its MANIFEST in the parent first (``bundle_facts``), with only
+modules every npu_shim command has loaded: a bundle that does not match is reported and no child
+is started, since what was changed or added to it would run there (``tarfile.py`` at its top
+shadows the standard library's in any process it is on ``PYTHONPATH`` of).
 """
 
 import json
 import os
-import subprocess
 import sys
 
 CHILD_TIMEOUT_S = 300
@@ -117,17 +121,29 @@ def wrapped_targets(records):
 
 
 def bundle_facts():
-    """Whether this npu-shim is a bundle and, if so, whether its files still match its MANIFEST."""
+    """Whether this npu-shim is a bundle and, if so, whether its files still match its MANIFEST
+    (none missing, changed or extra; the MANIFEST itself there and whole)."""
     from npu_shim import bundle
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     problems = bundle.verify(root)
     if problems is None:
         return {"is_bundle": False, "ok": True, "text": "not a bundle (%s)" % root}
+    if problems and problems[0].startswith("MANIFEST: "):
+        text = "a damaged bundle: MANIFEST %s" % problems[0][len("MANIFEST: "):]
+    else:
+        text = ("files match its MANIFEST" if not problems else "%d files differ from its MANIFEST: %s"
+                % (len(problems), "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")))
     return {"is_bundle": True, "ok": not problems, "problems": problems[:20],
-            "text": "%s: %s" % (root, "files match its MANIFEST" if not problems else
-                                "%d files differ from its MANIFEST: %s" % (len(problems),
-                                                                           "; ".join(problems[:5])))}
+            "text": "%s: %s" % (root, text)}
+
+
+def print_not_started(facts):
+    """What ``check`` says instead of a report when the bundle does not match its MANIFEST."""
+    out = sys.stdout.write
+    out("npu-shim check: the check process was not started: this bundle does not match its "
+        "MANIFEST, and what changed in it would run there (rebuild it, or copy it again)\n")
+    out("  bundle: %s\n" % facts["text"])
 
 
 def sglang_facts():
@@ -168,7 +184,6 @@ def child_main():
         "wrapped": wrapped_targets(records),
         "wrapt": origin.as_dict(),
         "sglang": sglang_facts(),
-        "bundle": bundle_facts(),
         "zbal": zbal_facts(),
         "npu": npu_facts(),
         "kernel": {"ok": kernel is None, "text": "split_qkv_rmsnorm_rope usable" if kernel is None else kernel},
@@ -182,6 +197,8 @@ def child_main():
 
 def run_child(timeout=CHILD_TIMEOUT_S):
     """(report dict or None, error text or None) from a child with this process's environment."""
+    import subprocess
+
     code = "from npu_shim import check; check.child_main()"
     try:
         proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
@@ -195,6 +212,15 @@ def run_child(timeout=CHILD_TIMEOUT_S):
     return None, "the check process exited %d without a report:\n%s" % (proc.returncode, tail)
 
 
+def sglang_line(sglang, import_failed):
+    if sglang["path"]:
+        return "%s at %s" % (sglang["version"] or "unknown version", sglang["path"])
+    if import_failed:
+        return "not imported (the import failed, below)"
+    return ("NOT FOUND: no 'sglang' package is importable with this interpreter and PYTHONPATH "
+            "(put the directory that holds it on PYTHONPATH, or install sglang)")
+
+
 def print_report(report):
     out = sys.stdout.write
     out("npu-shim check: a child process (pid %d, Python %s) imported sglang's target modules\n"
@@ -202,9 +228,8 @@ def print_report(report):
     out("  shim active at start-up: %s\n" % (
         "yes (%s)" % report["sitecustomize"] if report["shim_active"] else
         "NO: npu-shim's sitecustomize did not arm it (PYTHONPATH / NPU_SHIM_ENABLED)"))
-    sg = report["sglang"]
-    out("  sglang: %s\n" % ("%s at %s" % (sg["version"] or "unknown version", sg["path"])
-                            if sg["path"] else "not imported"))
+    bad = {k: v for k, v in report["imports"].items() if v not in ("ok", "absent")}
+    out("  sglang: %s\n" % sglang_line(report["sglang"], bool(bad)))
     out("  bundle: %s\n" % report["bundle"]["text"])
     out("  wrapt: %s\n" % report["wrapt"]["text"])
     npu = report["npu"]
@@ -215,7 +240,6 @@ def print_report(report):
         "none visible" + (" (%s)" % npu["npu_error"] if npu.get("npu_error") else "")))
     out("  zbal: %s\n" % report["zbal"]["text"])
     out("  sgl_kernel_npu: %s\n" % report["kernel"]["text"])
-    bad = {k: v for k, v in report["imports"].items() if v not in ("ok", "absent")}
     for name, error in sorted(bad.items()):
         out("  import %s FAILED: %s\n" % (name, error))
     out("\n  %-20s %-12s %s\n" % ("patch", "state", "reason"))

@@ -119,16 +119,9 @@ def activity_line(info):
     return "no (its sitecustomize.py did not run: put %s on PYTHONPATH)" % root
 
 
-def terminal_writer(stream=None):
-    """``write`` for text going to an operator: each line escaped (npu_shim.log.printable), so
-    that values from the environment or sglang's files cannot drive the terminal."""
-    from npu_shim.log import printable
-
-    stream = stream or sys.stdout
-    return lambda text: stream.write("\n".join(printable(line) for line in text.split("\n")))
-
-
 def print_status(info):
+    from npu_shim.terminal import terminal_writer
+
     out = terminal_writer()
     out("npu-shim %s  (%s)\n" % (info["version"], info["location"]))
     out("  active in this interpreter: %s\n" % activity_line(info))
@@ -213,7 +206,9 @@ def run_bundle(args):
                      machines=tuple(args.platform) or bundle.MACHINES, force=args.force,
                      log=lambda line: sys.stderr.write("npu-shim bundle: %s\n" % line))
     except bundle.BundleError as exc:
-        sys.stderr.write("npu-shim bundle: error: %s\n" % exc)
+        from npu_shim.terminal import printable
+
+        sys.stderr.write("npu-shim bundle: error: %s\n" % printable(exc))
         return EXIT_BUNDLE_FAILED
     except (bundle.Terminated, KeyboardInterrupt) as exc:
         name = "SIGTERM" if isinstance(exc, bundle.Terminated) else "SIGINT"
@@ -243,7 +238,7 @@ def _on_sigterm(exception):
 def run_running(args):
     """``status --running [DIR]``: the state records of the running processes (running.py)."""
     from npu_shim import running
-    from npu_shim.log import printable
+    from npu_shim.terminal import printable
 
     dir_ = args.running or args.dir
     if not dir_:
@@ -289,7 +284,9 @@ def run_check(args):
         return EXIT_CHECK_FAILED
     report, error = check.run_child()
     if report is None:
-        sys.stderr.write("npu-shim check: %s\n" % error)
+        from npu_shim.terminal import terminal_writer
+
+        terminal_writer(sys.stderr)("npu-shim check: %s\n" % error)  # the child's own words
         return EXIT_CHECK_FAILED
     report["bundle"] = facts
     if args.json:

@@ -140,7 +140,9 @@ def bundle_facts():
 
 def print_not_started(facts):
     """What ``check`` says instead of a report when the bundle does not match its MANIFEST."""
-    out = sys.stdout.write
+    from npu_shim.terminal import terminal_writer
+
+    out = terminal_writer()
     out("npu-shim check: the check process was not started: this bundle does not match its "
         "MANIFEST, and what changed in it would run there (rebuild it, or copy it again)\n")
     out("  bundle: %s\n" % facts["text"])
@@ -222,7 +224,9 @@ def sglang_line(sglang, import_failed):
 
 
 def print_report(report):
-    out = sys.stdout.write
+    from npu_shim.terminal import terminal_writer
+
+    out = terminal_writer()
     out("npu-shim check: a child process (pid %d, Python %s) imported sglang's target modules\n"
         % (report["pid"], report["python"]))
     out("  shim active at start-up: %s\n" % (

@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from npu_shim.terminal import printable
+
 LOGGER_NAME = "npu_shim"
 logger = logging.getLogger(LOGGER_NAME)
 _reported = set()
@@ -64,27 +66,6 @@ def tag():
     if label:
         parts.append(label)
     return " ".join(parts)
-
-
-_CONTROLS = None
-
-
-def printable(text):
-    """``text`` with every character that can move a terminal's cursor, change its state or
-    reorder what it shows (C0 and C1 controls, DEL, line and paragraph separators, bidi and
-    zero-width format characters) written as a ``\\x..`` / ``\\u....`` escape: one line, as sent."""
-    global _CONTROLS
-    if _CONTROLS is None:
-        import re
-
-        _CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e"
-                               "\u2060-\u2069\ufeff]")
-    return _CONTROLS.sub(_escape, str(text))
-
-
-def _escape(match):
-    code = ord(match.group())
-    return "\\x%02x" % code if code < 0x100 else "\\u%04x" % code
 
 
 class TextFormatter(logging.Formatter):

@@ -36,7 +36,7 @@ import time
 
 from npu_shim import procinfo, statedir, statefile
 from npu_shim.framework import FAILED
-from npu_shim.log import printable
+from npu_shim.terminal import printable
 
 OFF = "disabled"  # what a patch reads in a process with the shim off
 MAX_RECORDS = 4096

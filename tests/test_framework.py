@@ -10,8 +10,9 @@ from npu_shim import patches as registry
 from npu_shim.patches import zbal as zbal_patch
 
 
-def declare(**overrides):
-    """Define a Patch subclass with a complete declaration, ``overrides`` applied."""
+def declare(omit=(), **overrides):
+    """Define a Patch subclass with a complete declaration, ``overrides`` applied and the
+    attributes named in ``omit`` left to the base class's defaults."""
     attrs = dict(
         name="demo", title="a test patch", upstream_pr="sgl-project/sglang#1",
         upstream_release="0.5.20", backport_range=("0.5.7", "0.5.19"), remove_when="never",
@@ -20,6 +21,8 @@ def declare(**overrides):
         targets=lambda self, view, ctx: [targets.Wrap("sglang.srt.a", "f", lambda *a: None, [()])],
         needs_npu=False)
     attrs.update(overrides)
+    for name in omit:
+        del attrs[name]
     return type("DemoPatch", (framework.Patch,), attrs)
 
 
@@ -58,6 +61,47 @@ def test_a_wrong_declaration_fails_when_the_class_is_defined(overrides, words):
     with pytest.raises(TypeError) as info:
         declare(**overrides)
     assert words in str(info.value) and "DemoPatch" in str(info.value)
+
+
+@pytest.mark.parametrize("omitted, words", [
+    ("upstream_pr", "title, upstream_pr and remove_when are required"),
+    ("title", "title, upstream_pr and remove_when are required"),
+    ("remove_when", "title, upstream_pr and remove_when are required"),
+    ("name", "name '' is not a lower-case identifier"),
+    ("switch", "switch must be a config.EnvVar"),
+    ("upstream_release", "backport_range must be (first, last) and upstream_release a release number"),
+    ("backport_range", "backport_range must be (first, last) and upstream_release a release number"),
+    ("modules", "modules must list the sglang modules its targets live in"),
+])
+def test_a_declaration_that_leaves_out_a_required_attribute_fails(omitted, words):
+    """Left out altogether (the base class's default), not set to a wrong value: a Patch without
+    an ``upstream_pr`` cannot be defined, so no reason ever reads 'backport of ; upstream ...'."""
+    with pytest.raises(TypeError) as info:
+        declare(omit=(omitted,))
+    assert words in str(info.value)
+
+
+def test_the_defaults_a_declaration_may_leave_out():
+    patch = declare(omit=("needs_npu",))()
+    assert (patch.needs_npu, patch.reads, patch.trigger_env, patch.error) == (True, (), {}, framework.ShimError)
+    assert patch.trigger({}) is None and patch.must_honour({}) is False
+    with pytest.raises(NotImplementedError):
+        framework.Patch.probe(patch, View())
+    with pytest.raises(NotImplementedError):
+        framework.Patch.targets(patch, View(), None)
+
+
+def test_the_applied_reason_names_the_backport_and_the_notes():
+    assert framework.decide(declare()(), View(), environ={}).reason == (
+        "backport of sgl-project/sglang#1; upstream since 0.5.20")
+
+    def noting(self, view, ctx):
+        ctx.note("fused path")
+        ctx.note("2 layers")
+        return [targets.Wrap("sglang.srt.a", "f", lambda *a: None, [()])]
+
+    decision = framework.decide(declare(targets=noting)(), View(), environ={})
+    assert decision.reason == "backport of sgl-project/sglang#1; upstream since 0.5.20 (fused path; 2 layers)"
 
 
 def test_a_target_outside_the_declared_modules_fails_the_patch_instead_of_never_applying():

@@ -665,3 +665,84 @@ def test_scheduler_signature_of_0_5_7(zb, simnpu_clean):
     FakeScheduler057(server_args(tp=8), None, 5, 6, 0, 0, None)
     (_, args), = calls(zb, "zbal_init")
     assert (args["world_size"], args["device_id"], args["rank_id"]) == (8, 5, 6)
+
+
+# -- the GVA size at its boundaries --------------------------------------------------------------------
+
+def _sized(monkeypatch, configured, in_use_bytes, total_mib=65536):
+    monkeypatch.setattr(torch.npu, "mem_get_info",
+                        lambda device=None: (total_mib * MIB - in_use_bytes, total_mib * MIB))
+    return zp.gva_size_mib(configured, 1, None)
+
+
+@pytest.mark.parametrize("left", [-1, 0, 1, 2, 127])
+def test_less_than_one_aligned_block_left_is_no_room(zb, simnpu_clean, monkeypatch, left):
+    """1 MiB left (or any amount under 128) aligns down to nothing: never a zbal_init of 0 MiB or
+    of an unaligned 1 MiB."""
+    in_use = 40000
+    with pytest.raises(zp.ZbalError) as exc:
+        _sized(monkeypatch, in_use + left, in_use * MIB)
+    after = left if left <= 0 else 0
+    assert str(exc.value).startswith(
+        "no room for the zbal GVA heap: SGLANG_ZBAL_LOCAL_MEM_SIZE=%d MiB configured, 40000 MiB "
+        "already in use (weights, KV cache, workspace) of the device's 65536 MiB total -> %d MiB "
+        "left (%d after aligning down to 128 MiB); raise SGLANG_ZBAL_LOCAL_MEM_SIZE to at least "
+        "40128 or lower --mem-fraction-static" % (in_use + left, left, after))
+
+
+@pytest.mark.parametrize("left, size", [(128, 128), (129, 128), (255, 128), (256, 256)])
+def test_one_aligned_block_or_more_left_is_the_heap(zb, simnpu_clean, monkeypatch, left, size):
+    assert _sized(monkeypatch, 40000 + left, 40000 * MIB) == (size, 40000, 65536)
+
+
+@pytest.mark.parametrize("extra_bytes, in_use_mib, outcome", [
+    (-1, 40000, 128),   # one byte under 40000 MiB in use counts as 40000 MiB
+    (0, 40000, 128),    # exactly 40000 MiB
+    (1, 40001, None),   # one byte more is a whole MiB more: 127 MiB left, no room
+])
+def test_in_use_is_rounded_up_to_the_mib_at_the_boundary(zb, simnpu_clean, monkeypatch, extra_bytes,
+                                                         in_use_mib, outcome):
+    if outcome is None:
+        with pytest.raises(zp.ZbalError, match="40001 MiB already in use .* -> 127 MiB left"):
+            _sized(monkeypatch, 40128, 40000 * MIB + extra_bytes)
+    else:
+        assert _sized(monkeypatch, 40128, 40000 * MIB + extra_bytes) == (outcome, in_use_mib, 65536)
+
+
+# -- the state record once the heap is set up ----------------------------------------------------------
+
+@pytest.fixture
+def state_dir(tmp_path, monkeypatch):
+    """NPU_SHIM_STATE_DIR set for this process, its record written from PROC.details as the
+    runtime's snapshot would; no writer thread (the writes under test are the synchronous ones)."""
+    from npu_shim import statefile
+
+    for name in ("source", "sglang_path", "shim_enabled", "last", "last_pid", "thread_pid"):
+        monkeypatch.setattr(statefile._W, name, getattr(statefile._W, name))
+    monkeypatch.setattr(statefile, "_ensure_thread", lambda: None)
+    monkeypatch.setenv("NPU_SHIM_STATE_DIR", str(tmp_path / "state"))
+    statefile.attach(lambda: {"zbal": {"state": "applied", "details": dict(PROC.details)}})
+
+    def details():
+        import json
+
+        (path,) = (tmp_path / "state").glob("*.json")
+        return json.loads(path.read_text())["patches"]["zbal"]["details"]
+
+    return details
+
+
+def test_the_record_carries_the_lazy_heap_once_it_is_set_up(zb, simnpu_clean, state_dir):
+    zb.FAKE.mix = True
+    make_scheduler(simnpu_clean)  # mix mode: the allocator only; written at once
+    assert state_dir() == {"mode": "mix", "allocator": "zbal (GVA heap after the KV cache)"}
+    simnpu_clean.set_memory(total_mib=65536, free_mib=30000)
+    FakeRunner().initialize(1.0)
+    assert state_dir() == {"mode": "mix", "allocator": "zbal (GVA heap after the KV cache)",
+                           "gva_mib": 25856, "in_use_mib": 35536, "device_total_mib": 65536,
+                           "gva_init": "before device-graph capture"}
+
+
+def test_the_record_carries_the_full_mode_heap_at_scheduler_start(zb, simnpu_clean, state_dir):
+    make_scheduler(simnpu_clean)
+    assert state_dir() == {"mode": "full", "gva_mib": 61440}

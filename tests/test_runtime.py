@@ -1,0 +1,125 @@
+"""npu_shim/runtime.py: what the runtime answers before it has decided anything, and how it
+decides when there is no sglang source to read.  Hooks, applying, reverting and reloads are
+tested in fresh interpreters by tests/test_bootstrap.py and tests/test_reliability.py."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import types
+
+import pytest
+
+from npu_shim import codeview, decision_cache, framework, procinfo, runtime, statefile
+from test_bootstrap import last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
+from test_framework import declare
+
+
+# -- before the shim started --------------------------------------------------------------------------
+
+def test_states_and_record_before_the_shim_started(tree):
+    """Armed at start-up, sglang not imported yet: nothing decided, nothing raised."""
+    proc = run(tree, """
+        import json, sys
+        import npu_shim
+        from npu_shim import runtime
+        print(json.dumps({"states": npu_shim.states(), "runtime_states": runtime.states(),
+                          "record": runtime.record("demo"), "records": runtime._RT.records,
+                          "installed": runtime._RT.installed, "sglang": "sglang" in sys.modules}))
+    """)
+    assert last_json(proc) == {"states": {}, "runtime_states": {}, "record": None, "records": None,
+                               "installed": False, "sglang": False}
+    assert proc.stderr == ""
+
+
+def test_states_and_record_in_process_while_nothing_is_decided(monkeypatch):
+    monkeypatch.setattr(runtime._RT, "records", None)
+    assert runtime.states() == {} and runtime.record("zbal") is None
+    monkeypatch.setattr(runtime._RT, "records", {})  # decided, no patch registered
+    assert runtime.states() == {} and runtime.record("zbal") is None
+
+
+# -- no sglang to read ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def undecided(monkeypatch):
+    """The runtime with one test patch (the demo of test_framework: needs no NPU, wraps
+    sglang.srt.a:f), nothing decided; the global state decide_all touches is restored after."""
+    patch = declare()()
+    monkeypatch.setattr(runtime._RT, "patches", [patch])
+    monkeypatch.setattr(runtime._RT, "records", None)
+    monkeypatch.setattr(runtime._RT, "decided_from", None)
+    for name in ("source", "sglang_path", "shim_enabled"):
+        monkeypatch.setattr(statefile._W, name, getattr(statefile._W, name))
+    monkeypatch.setitem(procinfo.SGLANG_VERSION, "value", "before")
+    for name in (decision_cache.ENV, "NPU_SHIM_STATE_DIR", "NPU_SHIM_STRICT", "NPU_SHIM_DEMO"):
+        monkeypatch.setenv(name, "")  # so that the undo also removes what deciding exports
+        monkeypatch.delenv(name)
+    return patch
+
+
+def test_sglang_view_is_none_without_an_sglang_module(monkeypatch):
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    assert runtime.sglang_view() is None
+    namespace = types.ModuleType("sglang")  # a namespace package: no __file__
+    namespace.__file__ = None
+    monkeypatch.setitem(sys.modules, "sglang", namespace)
+    assert runtime.sglang_view() is None
+
+
+def test_sglang_view_reads_the_directory_of_the_imported_package(monkeypatch, tmp_path):
+    package = types.ModuleType("sglang")
+    package.__file__ = str(tmp_path / "sglang" / "__init__.py")
+    monkeypatch.setitem(sys.modules, "sglang", package)
+    monkeypatch.setenv(decision_cache.ENV, "")
+    view = runtime.sglang_view()
+    assert isinstance(view, decision_cache.AnsweringView)
+    assert view.package_dir == str(tmp_path / "sglang")
+
+
+def test_deciding_without_sglang_says_sglang_not_found_and_exports_nothing(undecided, monkeypatch):
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    runtime.decide_all()
+    record = runtime.record("demo")
+    assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang not found")
+    assert runtime.states()["demo"]["targets"] == {}
+    assert runtime._RT.decided_from == "sglang source"
+    assert decision_cache.ENV not in os.environ  # no answers to hand to children
+    assert procinfo.SGLANG_VERSION["value"] == "before"  # no version read
+    assert statefile._W.sglang_path is None and statefile._W.source is not None
+
+
+def test_without_wrapt_and_without_sglang_on_disk_nothing_reads_applied(undecided, monkeypatch):
+    """``fail_without_wrapt`` at ``import sglang`` when the package directory cannot be found."""
+    monkeypatch.setattr(codeview, "find_package_dir", lambda name: None)
+    runtime.fail_without_wrapt("wrapt is not available: test")
+    record = runtime.record("demo")
+    assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang not found")
+    assert decision_cache.ENV not in os.environ and procinfo.SGLANG_VERSION["value"] == "before"
+
+
+def test_without_wrapt_a_patch_that_would_apply_is_failed(undecided, monkeypatch, tmp_path):
+    package = tmp_path / "sglang"
+    (package / "srt").mkdir(parents=True)
+    (package / "version.py").write_text('__version__ = "0.5.9"\n')
+    (package / "srt" / "a.py").write_text("def f():\n    return 1\n")
+    monkeypatch.setattr(codeview, "find_package_dir", lambda name: str(package))
+    runtime.fail_without_wrapt("wrapt is not available: test")
+    record = runtime.record("demo")
+    assert record.state == framework.FAILED
+    assert record.reason.startswith("wrapt is not available: test (use an npu-shim bundle")
+    assert procinfo.SGLANG_VERSION["value"] == "0.5.9"
+    assert statefile._W.sglang_path == str(package)
+
+
+def test_an_sglang_directory_gone_from_disk_is_unsupported_naming_the_target(undecided, monkeypatch,
+                                                                             tmp_path):
+    package = tmp_path / "sglang"
+    package.mkdir()
+    module = types.ModuleType("sglang")
+    module.__file__ = str(package / "__init__.py")
+    shutil.rmtree(str(package))
+    monkeypatch.setitem(sys.modules, "sglang", module)
+    runtime.decide_all()
+    record = runtime.record("demo")
+    assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang.srt.a:f not found")

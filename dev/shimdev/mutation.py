@@ -58,8 +58,9 @@ MODULES = {
     "npu_shim/finder.py": {"tests": ["tests/test_finder.py", "tests/test_reliability.py"]},
     "npu_shim/decision_cache.py": {"tests": ["tests/test_decision_cache.py"]},
     "npu_shim/config.py": {"tests": ["tests/test_framework.py", "tests/test_hostile_inputs.py"]},
-    "npu_shim/statefile.py": {"tests": ["tests/test_ops_state.py"]},
-    "npu_shim/running.py": {"tests": ["tests/test_ops_state.py"]},
+    "npu_shim/statefile.py": {"tests": ["tests/test_statefile.py", "tests/test_ops_state.py"]},
+    "npu_shim/statedir.py": {"tests": ["tests/test_statefile.py"]},
+    "npu_shim/running.py": {"tests": ["tests/test_running.py", "tests/test_ops_state.py"]},
     # the release / guard / accounting code of the MLA patch
     "npu_shim/patches/mla_weight_release.py": {
         "tests": ["tests/patches/test_mla_weight_release.py"],

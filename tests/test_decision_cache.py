@@ -93,3 +93,42 @@ def test_anything_odd_in_the_variable_means_reading_the_source(tree, raw):
 def test_another_sglang_directory_does_not_use_the_record(tree, tmp_path):
     _states, environ = parent(tree)
     assert not decision_cache.view(str(tmp_path), environ=environ).reused
+
+
+@pytest.mark.parametrize("record", [
+    {"format": decision_cache.FORMAT, "dir": "/elsewhere", "files": {}},  # another directory
+    {"format": decision_cache.FORMAT - 1, "files": {}},                   # another format, this dir
+])
+def test_a_record_of_another_directory_or_format_is_never_used(tree, record):
+    """Each alone is enough: no file identity is left to tell the record is not this tree's."""
+    record = dict({"dir": tree, "version": "9.9.9", "answers": {"module|sglang.srt.nothing": True}},
+                  **record)
+    view = decision_cache.view(tree, environ={decision_cache.ENV: json.dumps(record)})
+    assert not view.reused and view.answers == {} and view.version != "9.9.9"
+    good = dict(record, format=decision_cache.FORMAT, dir=tree)
+    assert decision_cache.view(tree, environ={decision_cache.ENV: json.dumps(good)}).reused
+
+
+def test_a_fingerprint_deciding_read_is_known_when_applying_without_reading_the_file(tmp_path,
+                                                                                   monkeypatch):
+    """The loaded code is checked against the fingerprint deciding read while its file is the one
+    read (``codeview.remember``, keyed by the file's path): applying reads nothing again."""
+    import inspect
+
+    from npu_shim import codeview
+
+    package = tmp_path / "sglang"
+    (package / "srt").mkdir(parents=True)
+    path = package / "srt" / "a.py"
+    path.write_text("def f(x):\n    return x + 1\n")
+    view = decision_cache.view(str(package), environ={})
+    fingerprint = view.function("sglang.srt.a", "f").fingerprint
+    loaded = {}
+    exec(compile(path.read_text(), str(path), "exec"), loaded)  # as the import would load it
+
+    def unread(*args, **kwargs):
+        raise AssertionError("the file was read again")
+
+    monkeypatch.setattr(codeview, "read_source", unread)
+    monkeypatch.setattr(inspect, "getsource", unread)
+    assert codeview.live_fingerprint(loaded["f"]) == fingerprint

@@ -221,3 +221,20 @@ def test_decisions_hand_the_wrappers_their_details_and_process_state():
 
     decision = framework.decide(declare(targets=targets_)(), View(), environ={})
     assert decision.process is state and decision.details == {"seen": True}
+
+
+def test_a_backport_range_of_one_release_is_a_valid_declaration():
+    patch = declare(backport_range=("0.5.9", "0.5.9"))()
+    assert [framework.expected_state(patch, v) for v in ("0.5.8", "0.5.9", "0.5.10", "0.5.20")] == [
+        "inactive", "applied", "unsupported", "upstream"]
+
+
+def test_without_wrapt_only_a_patch_that_would_apply_fails():
+    applied = framework.Decision(framework.APPLIED, "backport", ["t"], {"d": 1})
+    failed = framework.without_wrapt(applied, "wrapt is not available: x")
+    assert failed.state == framework.FAILED and failed.targets == []
+    assert failed.reason == ("wrapt is not available: x (use an npu-shim bundle: 'python -m npu_shim "
+                             "bundle DIR', or install wrapt>=1.14 in the image)")
+    for state in (framework.UPSTREAM, framework.DISABLED, framework.INACTIVE, framework.UNSUPPORTED):
+        decision = framework.Decision(state, "why")
+        assert framework.without_wrapt(decision, "wrapt is not available: x") is decision

@@ -123,3 +123,35 @@ def test_an_sglang_directory_gone_from_disk_is_unsupported_naming_the_target(und
     runtime.decide_all()
     record = runtime.record("demo")
     assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang.srt.a:f not found")
+
+
+# -- activation failing ---------------------------------------------------------------------------------
+
+def test_an_activation_that_fails_is_raised_only_in_strict_mode(monkeypatch):
+    def boom():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(runtime, "activate", boom)
+    monkeypatch.delenv("NPU_SHIM_STRICT", raising=False)
+    runtime.activate_guarded()  # logged once, the application goes on
+    monkeypatch.setenv("NPU_SHIM_STRICT", "1")
+    with pytest.raises(framework.ShimError, match=r"^npu-shim activation failed: RuntimeError\('boom'\)$"):
+        runtime.activate_guarded()
+
+
+def test_without_wrapt_before_torch_is_imported_the_npu_is_unknown(undecided, monkeypatch, tmp_path):
+    """At ``import sglang`` torch is usually not imported yet: a patch that needs an NPU is then
+    decided as if it might have one (``failed`` without wrapt), never ``inactive`` for want of one."""
+    package = tmp_path / "sglang"
+    (package / "srt").mkdir(parents=True)
+    (package / "srt" / "a.py").write_text("def f():\n    return 1\n")
+    monkeypatch.setattr(codeview, "find_package_dir", lambda name: str(package))
+    monkeypatch.setattr(runtime._RT, "patches", [declare(needs_npu=True)()])
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    runtime.fail_without_wrapt("wrapt is not available: test")
+    assert runtime.record("demo").state == framework.FAILED
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace())  # imported, and no NPU
+    runtime.fail_without_wrapt("wrapt is not available: test")
+    record = runtime.record("demo")
+    assert (record.state, record.reason) == (framework.INACTIVE,
+                                             "not running on an NPU (torch.npu is unavailable)")

@@ -118,3 +118,51 @@ def test_a_target_missing_from_the_loaded_module_is_a_lookup_error_naming_it():
     assert seen == [None] and module.NAME == 5
     change.revert()
     assert not hasattr(module, "NAME")
+
+
+def test_the_wrappers_types_read_as_wrapts_and_live_in_the_shim():
+    """What reports a wrapper's type (log lines, the tests of the patches) reads as wrapt's."""
+    def passthrough(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs)
+
+    class Box:
+        def get(self):
+            return 2
+
+    def f():
+        return 1
+
+    wrapped = targets.function_wrapper(f, passthrough)
+    Box.get = targets.function_wrapper(Box.__dict__["get"], passthrough)
+    bound = Box().get
+    assert (type(wrapped).__name__, type(bound).__name__) == ("FunctionWrapper", "BoundFunctionWrapper")
+    assert type(wrapped).__module__ == type(bound).__module__ == "npu_shim.targets"
+    assert wrapped() == 1 and bound() == 2
+
+
+def test_copies_are_rebound_only_for_a_module_imported_before_the_shim(monkeypatch):
+    """``late``: the module was imported before the shim, so other modules may hold copies of the
+    original (``from m import f``); they are pointed at the wrapper, and back on revert.  A module
+    just imported has none: nothing else is touched (a shared object stays as it is)."""
+    import sys
+
+    def f():
+        return 1
+
+    owner, holder = types.ModuleType("sglang.srt.a"), types.ModuleType("npu_shim_test_holder")
+    owner.f = holder.f = holder.alias = f
+    monkeypatch.setitem(sys.modules, owner.__name__, owner)
+    monkeypatch.setitem(sys.modules, holder.__name__, holder)
+    target = targets.Wrap(A, "f", lambda wrapped, instance, args, kwargs: wrapped() + 1, [()])
+
+    change = target.prepare(owner)
+    change.apply(late=False)
+    assert owner.f() == 2 and holder.f is f and holder.alias is f
+    change.revert()
+    assert owner.f is f
+
+    change = target.prepare(owner)
+    change.apply(late=True)
+    assert owner.f() == holder.f() == holder.alias() == 2 and holder.f is owner.f
+    change.revert()
+    assert owner.f is holder.f is holder.alias is f

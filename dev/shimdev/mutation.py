@@ -57,7 +57,8 @@ MODULES = {
                                       "tests/test_bootstrap.py"]},
     "npu_shim/finder.py": {"tests": ["tests/test_finder.py", "tests/test_reliability.py"]},
     "npu_shim/decision_cache.py": {"tests": ["tests/test_decision_cache.py"]},
-    "npu_shim/config.py": {"tests": ["tests/test_framework.py", "tests/test_hostile_inputs.py"]},
+    "npu_shim/config.py": {"tests": ["tests/test_config.py", "tests/test_framework.py",
+                                     "tests/test_hostile_inputs.py"]},
     "npu_shim/statefile.py": {"tests": ["tests/test_statefile.py", "tests/test_ops_state.py"]},
     "npu_shim/statedir.py": {"tests": ["tests/test_statefile.py"]},
     "npu_shim/running.py": {"tests": ["tests/test_running.py", "tests/test_ops_state.py"]},
@@ -405,6 +406,15 @@ def sample(mutants_by_module, size, seed=DEFAULT_SEED):
 
 # -- running --------------------------------------------------------------------------------------
 
+def survivors_of(report, mutants_by_module):
+    """The mutants an earlier report lists as survived, found again by their place and change
+    (their index may have moved since); one that no longer exists is left out."""
+    wanted = {(r["path"], r["line"], r["kind"], r["before"], r["after"])
+              for r in report["mutants"] if r["status"] == "survived"}
+    return [m for mutants in mutants_by_module.values() for m in mutants
+            if (m.path, m.line, m.kind, m.before, m.after) in wanted]
+
+
 def runner_python():
     """The test runner's venv (built by scripts/run_tests.py) when it exists, else this python."""
     cache = Path(os.environ.get("NPU_SHIM_CACHE") or Path.home() / ".cache" / "npu-shim")
@@ -488,6 +498,9 @@ def main(argv=None):
     parser.add_argument("--python", default=None, help="interpreter with pytest (default: the runner venv)")
     parser.add_argument("--out", default=None, help="write the JSON report here")
     parser.add_argument("--list", action="store_true", help="print the sample, run nothing")
+    parser.add_argument("--rerun", default=None, metavar="REPORT",
+                        help="instead of a sample: the survivors of an earlier --out report (after "
+                             "adding tests for them)")
     args = parser.parse_args(argv)
     size = QUICK_SAMPLE if args.quick else args.sample
 
@@ -509,8 +522,15 @@ def main(argv=None):
     for m in modules:
         generated[m] = module_mutants(m)
     chosen = sample(generated, size, args.seed)
-    print("%d mutants in %d modules; sample of %d (seed %d)"
-          % (sum(len(v) for v in generated.values()), len(modules), len(chosen), args.seed), flush=True)
+    if args.rerun:
+        chosen = survivors_of(json.loads(Path(args.rerun).read_text(encoding="utf-8")), generated)
+    total = sum(len(v) for v in generated.values())
+    if args.rerun:
+        print("%d mutants in %d modules; the %d survivors of %s" % (total, len(modules), len(chosen), args.rerun),
+              flush=True)
+    else:
+        print("%d mutants in %d modules; sample of %d (seed %d)" % (total, len(modules), len(chosen), args.seed),
+              flush=True)
     if args.list:
         for mutant in chosen:
             print("  " + mutant.describe())
@@ -550,7 +570,8 @@ def main(argv=None):
                 finally:
                     target.write_bytes(original)
                 verdict = {"failed": "killed", "passed": "survived"}.get(status, status)
-                entry.update(status=verdict, seconds=round(seconds, 1), detail=tail if verdict == "killed" else "")
+                entry.update(status=verdict, seconds=round(seconds, 1),
+                             detail=tail if verdict == "killed" else (tail.splitlines() or [""])[-1])
             results.append(entry)
             print("[%d/%d] %-8s %s (%s s)" % (n, len(chosen), entry["status"], mutant.describe(),
                                                entry.get("seconds", "-")), flush=True)

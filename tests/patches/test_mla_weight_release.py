@@ -738,6 +738,8 @@ def test_nothing_to_release_returns_zero_bytes(server, logs):
     m.w_kc = None
     pre.qkv_a_proj.weight = None
     assert REL.release_qkv_a(pre) == 0 and REL.release_w_kc(m) == 0
+    # neither an already released w_kc nor a missing one is looked at further (no warning about it)
+    assert not any("keeping w_kc" in line for line in logs), logs
 
 
 def test_weight_that_cannot_be_swapped_or_guarded_is_kept_whole(logs, monkeypatch):

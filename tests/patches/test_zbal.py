@@ -428,11 +428,21 @@ def test_graphs_outside_initialize_do_not_init(zb, simnpu_clean):
     assert calls(zb, "zbal_init") == []
 
 
-def test_initialize_without_graphs_inits_after_it(zb, simnpu_clean):
+def test_initialize_without_graphs_inits_after_it(zb, simnpu_clean, caplog):
+    from npu_shim import log
+
+    log.configure()  # sets the logger's level once per process: before caplog lowers it
     mix_mode_started(zb)
-    FakeRunner(call_graphs=False).initialize(1.0)
+    simnpu_clean.set_memory(total_mib=65536, free_mib=30000)
+    with caplog.at_level("INFO", logger="npu_shim"):
+        FakeRunner(call_graphs=False).initialize(1.0)
     order = kinds(simnpu_clean)
     assert order.index(("attention_backend",)) < order.index(("zbal", "zbal_init"))
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("npu_shim")] == [
+        ("WARNING", "zbal: ModelRunner.initialize did not reach init_device_graphs; initialising "
+                    "the GVA heap after it instead"),
+        ("INFO", "zbal: rank 0 initialised a 25856 MiB GVA heap (61440 MiB configured, 35536 of "
+                 "65536 MiB in use)")]
 
 
 def test_lazy_init_failure(zb, simnpu_clean):

@@ -12,6 +12,7 @@ NOT_STARTED = """
     with contextlib.redirect_stdout(out):
         check.child_main()
     report = json.loads(out.getvalue().strip().splitlines()[-1][len("npu-shim-check:"):])
+    report["bundle"] = check.bundle_facts()  # the parent's part of the report (``run_check``)
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
         check.print_report(report)

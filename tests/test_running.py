@@ -265,3 +265,22 @@ def test_records_of_other_hosts_go_stale_when_their_heartbeat_stops(tmp_path):
     assert by_file[silent][0] == "stale" and by_file[silent][1].startswith("no heartbeat for ")
     assert by_file[undated] == ("suspect", "no time of its last update")
     assert by_file[rebooted] == ("stale", "written before this host last booted")
+
+
+def test_an_empty_directory_says_how_records_get_there(tmp_path):
+    proc = status_running(str(tmp_path))
+    assert proc.returncode == 7
+    assert "no state records (set NPU_SHIM_STATE_DIR to this directory in the server's environment)" in proc.stdout
+
+
+def test_rows_by_host_then_pid_and_a_column_for_a_patch_this_shim_does_not_know(tmp_path):
+    put(tmp_path, record(pid=9, host="b-host", heartbeat_s=None))
+    put(tmp_path, record(pid=8, host="b-host", heartbeat_s=None))
+    put(tmp_path, record(pid=7, host="a-host", heartbeat_s=None,
+                         patches={"zbal": {"state": "applied"}, "newer_patch": {"state": "inactive"}}))
+    lines = status_running(str(tmp_path)).stdout.splitlines()
+    header = lines[1].split()
+    assert header[-3:] == ["zbal", "newer_patch", "updated"], header
+    assert [line.split()[:2] for line in lines[2:5]] == [["a-host", "7"], ["b-host", "8"], ["b-host", "9"]]
+    assert re.search(r" applied\s+inactive\s+\d+s ago$", lines[2]), lines[2]
+    assert re.search(r" applied\s+-\s+\d+s ago$", lines[3]), lines[3]

@@ -212,6 +212,7 @@ def test_the_record_keeps_no_command_line_argument(tree):
     assert "sk-very-secret" not in data and "--api-key" not in data and "30000" not in data
     record = json.loads(data)
     assert record["program"] == "launch_server.py" and "argv" not in record
+    assert record["format"] == 2 and record["heartbeat_s"] == statefile.HEARTBEAT_S
     assert record["uid"] == os.geteuid() and record["boot_id"] == procinfo.boot_id()
 
 
@@ -353,3 +354,33 @@ def test_an_oversized_record_is_refused_by_the_writer_with_one_line(tmp_path):
     """))
     assert proc.stdout.strip() == "False"
     assert re.search(r"the record would be \d+ bytes, over the 262144 readers accept", proc.stderr), proc.stderr
+
+
+def test_a_fork_while_the_writer_holds_its_lock_cannot_stall_the_child(tmp_path):
+    proc = write_in_child(str(tmp_path / "state"), """
+        import signal
+        statefile._W.lock.acquire()          # as the writer thread may hold it when fork() comes
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)                 # a lock inherited held would hang here
+            os._exit(0 if statefile.write(force=True) else 3)
+        statefile._W.lock.release()
+        print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    """)
+    assert proc.stdout.strip() == "0", proc.stdout + proc.stderr
+
+
+def test_a_failed_rename_leaves_no_temporary_file(tmp_path):
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    proc = write_in_child(str(state_dir), """
+        from npu_shim import procinfo
+        path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
+                            statefile.record_name(procinfo.host(), procinfo.pid_namespace(), os.getpid()))
+        os.unlink(path)
+        os.mkdir(path)       # the record's name taken by a directory: the rename fails
+        print(statefile.write(force=True))
+    """)
+    assert proc.stdout.strip() == "False", proc.stdout + proc.stderr
+    assert [n for n in files(state_dir) if n.endswith(".tmp")] == [], files(state_dir)
+    assert "cannot write the state record" in proc.stderr and "Is a directory" in proc.stderr

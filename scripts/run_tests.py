@@ -8,7 +8,9 @@
    editable install; all cached, content-addressed: a changed pin builds a new layer).  A layer
    that cannot be built stops the run (exit 1) -- nothing is skipped;
 3. pytest over tests/ in the runner venv.  Exits non-zero on any failure, and also when pytest
-   collected no test (its exit code 5).
+   collected no test (its exit code 5).  The deploy tests (tests/test_deploy.py) set up their
+   container engine themselves (dev/shimdev/containers.py: podman from apt-get where missing, its
+   images cached under the cache dir); one that cannot be set up fails those tests.
 
 Extra arguments go to pytest (e.g. ``-k zbal``).  ``NPU_SHIM_CACHE`` moves the cache.
 """

@@ -173,17 +173,13 @@ def test_docker_line_with_the_bundle_mounted_read_only(podman, fake_image, built
     assert snapshot(built_bundle) == before
 
 
-def test_status_and_check_exit_5_in_an_image_without_sglang(podman, python_image, built_bundle):
+@pytest.mark.parametrize("command", ["status", "check"])
+def test_status_and_check_exit_5_in_an_image_without_sglang(command, podman, python_image, built_bundle):
     """The bundle mounted into an image that has python3 but no sglang (the wrong image)."""
-    def run(*command):
-        return podman.run("run", "--rm", "--network=none", "-v", "%s:/opt/npu-shim:ro" % built_bundle,
-                          "-e", "PYTHONPATH=/opt/npu-shim", python_image, "python3", "-m", "npu_shim",
-                          *command, check=False)
-
-    status = run("status")
-    assert status.returncode == EXIT_NO_SGLANG, status.stdout + status.stderr
-    check = run("check")
-    assert check.returncode == EXIT_NO_SGLANG, check.stdout + check.stderr
+    proc = podman.run("run", "--rm", "--network=none", "-v", "%s:/opt/npu-shim:ro" % built_bundle,
+                      "-e", "PYTHONPATH=/opt/npu-shim", python_image, "python3", "-m", "npu_shim", command,
+                      check=False)
+    assert proc.returncode == EXIT_NO_SGLANG, proc.stdout + proc.stderr
 
 
 # -- the Dockerfile -------------------------------------------------------------------------------------

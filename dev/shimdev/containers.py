@@ -76,6 +76,10 @@ def digest_of(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def _digest_bytes(content):
+    return hashlib.sha256(content if isinstance(content, bytes) else content.encode()).hexdigest()
+
+
 def _containers_dir() -> Path:
     return sglang_envs.cache_dir() / "containers"
 
@@ -96,10 +100,10 @@ def install_engine(log=None):
     if not missing:
         return
     if shutil.which("apt-get") is None or os.geteuid() != 0:
-        raise EngineError("the container tests need %s; this test bed installs them with apt-get "
-                          "as root (Debian/Ubuntu), and here %s" % (
-                              ", ".join(missing),
-                              "there is no apt-get" if shutil.which("apt-get") is None else "we are not root"))
+        why = "there is no apt-get" if shutil.which("apt-get") is None else "this user is not root"
+        raise EngineError("%s missing: the test bed installs %s with apt-get as root (Debian, "
+                          "Ubuntu), and here %s; install them yourself"
+                          % (", ".join(missing), " ".join(APT_PACKAGES), why))
     with sglang_envs.file_lock("apt-container-engine"):
         if not missing_commands():
             return
@@ -165,21 +169,10 @@ class Podman:
     def image_exists(self, name):
         return self.run("image", "exists", name, check=False).returncode == 0
 
-    def versions(self):
-        """{"podman", "runc", "conmon", "cgroups", "storage"}: what the recipes were run with."""
-        form = ("{{.Version.Version}}|{{.Host.OCIRuntime.Version}}|{{.Host.Conmon.Version}}|"
-                "{{.Host.CgroupsVersion}}|{{.Store.GraphDriverName}}")
-        fields = self.run("info", "--format", form).stdout.strip().split("|")
-        return dict(zip(("podman", "runc", "conmon", "cgroups", "storage"),
-                        (f.splitlines()[0] for f in fields)))
-
-
-def _digest_bytes(content):
-    return hashlib.sha256(content if isinstance(content, bytes) else content.encode()).hexdigest()
 
 
 def ensure_engine(log=None) -> Podman:
-    """A working podman (installed when missing), checked by running nothing but ``info``."""
+    """A working podman (installed when missing); ``podman info`` proves it starts."""
     install_engine(log=log)
     conf = _write_if_changed(_containers_dir() / "containers.conf", containers_conf_text())
     podman = Podman(_containers_dir() / "storage", conf)
@@ -234,7 +227,7 @@ def _import(podman, tarball, tag, changes=()):
 
 def _scratch_dir():
     """Where mmdebstrap unpacks and configures: memory when there is room (dpkg syncs every file
-    it writes, which costs minutes on a disk and nothing in tmpfs)."""
+    it writes: slow on a disk, free in tmpfs)."""
     shm = "/dev/shm"
     try:
         stat = os.statvfs(shm)
@@ -326,9 +319,8 @@ def ensure_busybox_image(podman: Podman, log=None) -> str:
 def ensure_built(podman: Podman, name: str, containerfile: str, files: dict, build_args=None) -> str:
     """``localhost/npu-shim-test/<name>:<digest>`` built from ``containerfile`` with a context of
     ``files`` ({relative path: text or bytes}); the same inputs give the same image, built once."""
-    digest = digest_of({"layout": LAYOUT, "containerfile": containerfile,
-                                  "files": {k: _digest_bytes(v) for k, v in sorted(files.items())},
-                                  "args": build_args or {}})
+    digest = digest_of({"layout": LAYOUT, "containerfile": containerfile, "args": build_args or {},
+                        "files": {k: _digest_bytes(v) for k, v in sorted(files.items())}})
     tag = "localhost/npu-shim-test/%s:%s" % (name, digest)
     if podman.image_exists(tag):
         return tag

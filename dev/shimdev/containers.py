@@ -314,6 +314,19 @@ def ensure_busybox_image(podman: Podman, log=None) -> str:
     return tag
 
 
+def prepare(log=None):
+    """The engine and the base images, ahead of the tests that run them (scripts/run_tests.py
+    runs this beside building the release environments, so a cold machine pays for both once).
+    Returns the error instead of raising it: those tests fail with it themselves."""
+    try:
+        podman = ensure_engine(log=log)
+        ensure_python_image(podman, log=log)
+        ensure_busybox_image(podman, log=log)
+    except (EngineError, OSError, subprocess.SubprocessError) as exc:
+        return exc
+    return None
+
+
 # -- images built from a Containerfile ------------------------------------------------------------
 
 def ensure_built(podman: Podman, name: str, containerfile: str, files: dict, build_args=None) -> str:

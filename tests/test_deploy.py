@@ -96,6 +96,14 @@ def python_image(podman):
 
 
 @pytest.fixture(scope="session")
+def busybox_image(podman):
+    try:
+        return containers.ensure_busybox_image(podman)
+    except containers.EngineError as exc:
+        _engine_failure(exc)
+
+
+@pytest.fixture(scope="session")
 def fake_image(podman, python_image):
     try:
         return containers.ensure_built(podman, "fake-sglang", FAKE_IMAGE.format(base=python_image, site=SITE),
@@ -255,10 +263,3 @@ def test_kubernetes_manifest_plays_as_written(podman, busybox_image, fake_image,
             podman.run("kube", "down", manifest, check=False, timeout=120)
             podman.run("rmi", images["npu-shim"], images["sglang"], check=False)
 
-
-@pytest.fixture(scope="session")
-def busybox_image(podman):
-    try:
-        return containers.ensure_busybox_image(podman)
-    except containers.EngineError as exc:
-        _engine_failure(exc)

@@ -8,7 +8,10 @@
    editable install; all cached, content-addressed: a changed pin builds a new layer).  A layer
    that cannot be built stops the run (exit 1) -- nothing is skipped;
 3. pytest over tests/ in the runner venv.  Exits non-zero on any failure, and also when pytest
-   collected no test (its exit code 5).
+   collected no test (its exit code 5).  The deploy tests (tests/test_deploy.py) set up their
+   container engine themselves (dev/shimdev/containers.py: podman from apt-get where missing, its
+   images cached under the cache dir), started here beside step 2; one that cannot be set up
+   fails those tests.
 
 Extra arguments go to pytest (e.g. ``-k zbal``).  ``NPU_SHIM_CACHE`` moves the cache.
 """
@@ -16,12 +19,13 @@ Extra arguments go to pytest (e.g. ``-k zbal``).  ``NPU_SHIM_CACHE`` moves the c
 import os
 import subprocess
 import sys
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import runner, sglang_envs  # noqa: E402
+from shimdev import containers, runner, sglang_envs  # noqa: E402
 
 PYTEST_NO_TESTS = 5
 
@@ -35,8 +39,25 @@ def runner_python():
     return runner.runner_python(log=log)
 
 
+def start_containers(started):
+    """The deploy tests' engine and images, set up beside the release environments (on a cold
+    machine apt, a root file system and an import take long enough to be worth overlapping); a
+    failure is reported by those tests."""
+    def work():
+        error = containers.prepare(log=log)
+        if error:
+            log("container engine not ready (tests/test_deploy.py will fail): %s" % error)
+        else:
+            log("container engine and images ready (%.0fs)" % (time.monotonic() - started))
+
+    thread = threading.Thread(target=work, name="containers")
+    thread.start()
+    return thread
+
+
 def prepare():
     started = time.monotonic()
+    engine = start_containers(started)
     python = runner_python()
     log("runner venv ready (%.0fs)" % (time.monotonic() - started))
     for version in sglang_envs.ALL_RELEASES:
@@ -45,6 +66,7 @@ def prepare():
     envs = sglang_envs.ensure_all(log=log)
     log("layered environments of %d releases + the editable install ready (%.0fs)"
         % (len(envs) - 1, time.monotonic() - started))
+    engine.join()
     return python
 
 

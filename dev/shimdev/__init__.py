@@ -12,7 +12,9 @@ What lives here (each module says more):
 * ``demo_features``  the per-patch drivers of the demo, the import probe and the real-release tests;
 * ``expected_states`` the release table; ``mla_kernels``, ``dual_stream_kernels`` NPU kernel
                      stand-ins; ``import_probe``, ``drop_in_probe`` child-process probes;
-* ``release_report``, ``dual_stream_bench``, ``mla_real_bench`` code shared by a script and a test.
+* ``release_report``, ``dual_stream_bench``, ``mla_real_bench`` code shared by a script and a test;
+* ``containers``     podman and the local images the deploy recipes run in (tests/test_deploy.py);
+                     ``fake_launch_server`` the ``sglang.launch_server`` of those images.
 
 The one import convention: ``dev/`` (the directory holding this package) is put first on
 ``sys.path`` -- by tests/conftest.py for the tests, by the one-line prelude of each script in

@@ -73,43 +73,35 @@ def fake_sglang_files():
     return files
 
 
-def _engine_failure(exc):
-    pytest.fail("the container engine could not be set up (README, \"Drop it into an image\": the "
-                "test command sets up podman with apt-get as root on Debian/Ubuntu): %s" % exc,
-                pytrace=False)
+def _or_fail(make, *args):
+    """``make(*args)``, or the test fails saying the engine could not be set up (never skips)."""
+    try:
+        return make(*args)
+    except containers.EngineError as exc:
+        pytest.fail("the container engine could not be set up (README, \"Drop it into an image\": the "
+                    "test command sets up podman with apt-get as root on Debian/Ubuntu): %s" % exc,
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session")
 def podman():
-    try:
-        return containers.ensure_engine()
-    except containers.EngineError as exc:
-        _engine_failure(exc)
+    return _or_fail(containers.ensure_engine)
 
 
 @pytest.fixture(scope="session")
 def python_image(podman):
-    try:
-        return containers.ensure_python_image(podman)
-    except containers.EngineError as exc:
-        _engine_failure(exc)
+    return _or_fail(containers.ensure_python_image, podman)
 
 
 @pytest.fixture(scope="session")
 def busybox_image(podman):
-    try:
-        return containers.ensure_busybox_image(podman)
-    except containers.EngineError as exc:
-        _engine_failure(exc)
+    return _or_fail(containers.ensure_busybox_image, podman)
 
 
 @pytest.fixture(scope="session")
 def fake_image(podman, python_image):
-    try:
-        return containers.ensure_built(podman, "fake-sglang", FAKE_IMAGE.format(base=python_image, site=SITE),
-                                       fake_sglang_files())
-    except containers.EngineError as exc:
-        _engine_failure(exc)
+    return _or_fail(containers.ensure_built, podman, "fake-sglang",
+                    FAKE_IMAGE.format(base=python_image, site=SITE), fake_sglang_files())
 
 
 @pytest.fixture

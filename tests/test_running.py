@@ -284,3 +284,39 @@ def test_rows_by_host_then_pid_and_a_column_for_a_patch_this_shim_does_not_know(
     assert [line.split()[:2] for line in lines[2:5]] == [["a-host", "7"], ["b-host", "8"], ["b-host", "9"]]
     assert re.search(r" applied\s+inactive\s+\d+s ago$", lines[2]), lines[2]
     assert re.search(r" applied\s+-\s+\d+s ago$", lines[3]), lines[3]
+
+
+def test_user_directories_and_their_files_must_belong_to_the_user_they_name(shared_tmp):
+    shared = os.path.join(shared_tmp, "shared")
+    os.mkdir(shared)
+    os.chmod(shared, 0o1777)
+    for uid in (0, NOBODY):
+        os.mkdir(os.path.join(shared, "uid-%d" % uid))
+    os.chown(os.path.join(shared, "uid-0"), NOBODY, NOBODY)   # made by someone else
+    os.chown(os.path.join(shared, "uid-%d" % NOBODY), NOBODY, NOBODY)
+    claims_root = put(os.path.join(shared, "uid-0"), record())
+    os.chown(os.path.join(shared, "uid-0", claims_root), NOBODY, NOBODY)
+    root_file = put(os.path.join(shared, "uid-%d" % NOBODY), record(pid=os.getppid(), uid=0,
+                                                                    start_ticks=procinfo.start_ticks(os.getppid())))
+    info = strict_json(status_running(shared, "--json").stdout)
+    by_file = {p["file"]: (p["status"], p["why"]) for p in info["processes"]}
+    assert by_file["uid-0/" + claims_root] == ("suspect", "its directory uid-0/ belongs to uid %d" % NOBODY)
+    assert by_file["uid-%d/%s" % (NOBODY, root_file)] == (
+        "suspect", "the file belongs to uid 0, not to the owner of uid-%d/" % NOBODY)
+    assert info["live"] == 0
+
+
+def test_what_the_table_and_the_json_say_of_a_failed_patch_the_shim_off_and_each_role(tmp_path):
+    put(tmp_path, record(sglang_path="/opt/sglang", role={"role": "detokenizer"},
+                         patches={"zbal": {"state": "failed", "reason": "boom"}}))
+    put(tmp_path, record(pid=os.getppid(), start_ticks=procinfo.start_ticks(os.getppid()), shim_enabled=False,
+                         role={"role": "scheduler", "tp_rank": 2, "tp_size": 4}))
+    info = strict_json(status_running(str(tmp_path), "--json").stdout)
+    assert {"kind": "failed", "patch": "zbal", "pid": os.getpid(), "host": procinfo.host(),
+            "reason": "boom"} in info["problems"]
+    assert {p["pid"]: p["sglang_path"] for p in info["processes"]}[os.getpid()] == "/opt/sglang"
+    text = status_running(str(tmp_path)).stdout
+    mine = [line for line in text.splitlines() if " %d " % os.getpid() in line][0]
+    assert " detokenizer " in mine and "scheduler" not in mine and " failed " in mine
+    parent = [line for line in text.splitlines() if " %d " % os.getppid() in line][0]
+    assert " scheduler tp 2/4 " in parent and re.search(r" off\s+\d+s ago$", parent), parent

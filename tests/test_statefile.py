@@ -384,3 +384,25 @@ def test_a_failed_rename_leaves_no_temporary_file(tmp_path):
     assert proc.stdout.strip() == "False", proc.stdout + proc.stderr
     assert [n for n in files(state_dir) if n.endswith(".tmp")] == [], files(state_dir)
     assert "cannot write the state record" in proc.stderr and "Is a directory" in proc.stderr
+
+
+def test_touch_wakes_the_writer_before_its_interval(tmp_path):
+    proc = write_in_child(str(tmp_path / "state"), """
+        import json, time
+        from npu_shim import procinfo
+        statefile.INTERVAL_S = statefile.HEARTBEAT_S = 60.0   # only touch() can bring the change in time
+        details = {}
+        statefile.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": dict(details)}})
+        statefile.write()
+        path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
+                            statefile.record_name(procinfo.host(), procinfo.pid_namespace(), os.getpid()))
+        time.sleep(0.2)     # the writer thread is waiting out its interval now
+        details["n"] = 1
+        statefile.touch()
+        deadline = time.time() + 10
+        while json.load(open(path))["patches"]["p"]["details"] != {"n": 1}:
+            assert time.time() < deadline, "touch() did not wake the writer"
+            time.sleep(0.02)
+        print("woken")
+    """)
+    assert proc.stdout.strip() == "woken", proc.stdout + proc.stderr

@@ -60,7 +60,7 @@ MODULES = {
     "npu_shim/config.py": {"tests": ["tests/test_config.py", "tests/test_framework.py",
                                      "tests/test_hostile_inputs.py"]},
     "npu_shim/statefile.py": {"tests": ["tests/test_statefile.py", "tests/test_ops_state.py"]},
-    "npu_shim/statedir.py": {"tests": ["tests/test_statefile.py"]},
+    "npu_shim/statedir.py": {"tests": ["tests/test_statefile.py", "tests/test_running.py"]},
     "npu_shim/running.py": {"tests": ["tests/test_running.py", "tests/test_ops_state.py"]},
     # the release / guard / accounting code of the MLA patch
     "npu_shim/patches/mla_weight_release.py": {

@@ -238,6 +238,7 @@ def test_forged_records_are_flagged_and_not_counted(tmp_path):
     assert info["live"] == 1 and info["suspect"] == 3 and info["problems"] == []  # the forged failure ignored
     text = status_running(str(tmp_path)).stdout
     assert "WARNING: 3 record(s) are not what they say (SUSPECT above)" in text
+    assert "-- 1 live process(es), 0 stale, 3 suspect\n" in text
 
 
 def test_a_record_naming_a_process_of_another_user_is_suspect(tmp_path):

@@ -173,7 +173,7 @@ def _entries(dir_fd):
 def load(dir_):
     """[(file name, record dict or None, error or None, file facts)] for the records in ``dir_``:
     at most MAX_RECORDS read.  Raises OSError when ``dir_`` itself cannot be opened or listed."""
-    fd = os.open(dir_, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(dir_, statedir.DIR_FLAGS)
     try:
         top_owner = os.fstat(fd).st_uid
         found = []
@@ -196,8 +196,7 @@ def _read_user_dir(fd, sub, room):
     """The records of one user's subdirectory ``uid-<N>/`` (at most ``room``, plus one to show
     there are more)."""
     try:
-        sub_fd = os.open(sub, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW
-                         | getattr(os, "O_CLOEXEC", 0), dir_fd=fd)
+        sub_fd = os.open(sub, statedir.DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
     except OSError as exc:
         return [(sub + "/", None, "%s: %s" % (type(exc).__name__, exc.strerror), {})]
     try:
@@ -297,12 +296,9 @@ def this_process():
     return {"host": procinfo.host(), "boot_id": procinfo.boot_id(), "pid_ns": procinfo.pid_namespace()}
 
 
-def is_stale(record, this_host=None):
+def is_stale(record):
     """True when the record's process is known not to run any more."""
-    here = this_process()
-    if this_host is not None:
-        here["host"] = this_host
-    return judge(record, here)[0] == "stale"
+    return judge(record, this_process())[0] == "stale"
 
 
 def patch_states(record):

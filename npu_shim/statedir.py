@@ -25,8 +25,8 @@ import re
 import stat
 
 USER_DIR_PREFIX = "uid-"
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+# O_DIRECTORY: a FIFO put where a directory should be fails at once instead of blocking the open
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -67,18 +67,18 @@ def _problem_as_state_dir(st, euid):
 _ADVICE = "use your own directory, or share one: install -d -m 1777 DIR"
 
 
-def _open_child(parent_fd, name, path, create):
+def _open_child(parent_fd, name, path):
+    """The directory ``name`` in ``parent_fd``, made ``0755`` when missing; never a symlink."""
     try:
-        return os.open(name, _DIR_FLAGS | _NOFOLLOW, dir_fd=parent_fd)
+        return os.open(name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
     except FileNotFoundError:
-        if not create:
-            raise
+        pass
     try:
         os.mkdir(name, 0o755, dir_fd=parent_fd)
     except FileExistsError:
         pass  # made in between by someone else: it is checked like any other
     try:
-        return os.open(name, _DIR_FLAGS | _NOFOLLOW, dir_fd=parent_fd)
+        return os.open(name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
     except OSError as exc:
         raise _refusal(exc, path) from None
 
@@ -89,14 +89,14 @@ def _refusal(exc, path):
     return exc
 
 
-def open_directory(path, create=False):
-    """A descriptor of ``path`` opened as this module says, checked as a directory on the way
-    (not yet as a state directory).  Raises UnsafeDirectory, or the OSError of a missing one."""
+def open_directory(path):
+    """A descriptor of ``path`` opened as this module says, missing directories made, each checked
+    as a directory on the way (not yet as a state directory).  Raises UnsafeDirectory or OSError."""
     euid = os.geteuid()
     path = os.path.normpath(path)
     if not os.path.isabs(path):
         raise UnsafeDirectory(errno.EINVAL, "%s is not an absolute path" % path)
-    fd = os.open("/", _DIR_FLAGS)
+    fd = os.open("/", DIR_FLAGS)
     walked = ""
     try:
         for name in [part for part in path.split("/") if part]:
@@ -105,7 +105,7 @@ def open_directory(path, create=False):
                 raise UnsafeDirectory(errno.EPERM, "%s %s; %s" % (walked or "/", problem, _ADVICE))
             walked += "/" + name
             try:
-                child = _open_child(fd, name, walked, create)
+                child = _open_child(fd, name, walked)
             except OSError as exc:
                 raise _refusal(exc, walked) from None
             os.close(fd)
@@ -132,7 +132,7 @@ class _Dir:
         """Write ``name`` whole and atomically: a new file of ours, mode 0644, renamed over it."""
         temp = "%s%s-%d-%s%s" % (temp_prefix, safe_name(name, 80), os.getpid(), os.urandom(6).hex(),
                                  temp_suffix)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600, dir_fd=self.fd)
         try:
             try:
@@ -178,7 +178,7 @@ def open_for_writing(path):
     """The directory this process's records go to (``path``, or its ``uid-<uid>/`` where ``path``
     is shared), created when missing, checked, as a context manager.  Raises UnsafeDirectory."""
     euid = os.geteuid()
-    fd = open_directory(path, create=True)
+    fd = open_directory(path)
     try:
         st = os.fstat(fd)
         if is_shared(st):
@@ -186,7 +186,7 @@ def open_for_writing(path):
             if problem:
                 raise UnsafeDirectory(errno.EPERM, "it %s; %s" % (problem, _ADVICE))
             shown = os.path.join(path, user_dir_name(euid))
-            child = _open_child(fd, user_dir_name(euid), shown, create=True)
+            child = _open_child(fd, user_dir_name(euid), shown)
             os.close(fd)
             fd, path, st = child, shown, os.fstat(child)
         problem = _problem_as_state_dir(st, euid)
@@ -204,8 +204,7 @@ def read_regular(dir_fd, name, limit):
     Raises OSError, or ValueError saying why the file is not read (a symlink, a FIFO, a device,
     too large) -- never blocks on it and never reads more than ``limit`` + 1 bytes."""
     try:
-        fd = os.open(name, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
-                     | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise ValueError("a symlink (never followed)") from None

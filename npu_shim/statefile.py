@@ -161,14 +161,14 @@ def write(force=False):
             record = build()
             if record is None:
                 return False
-            text = json.dumps(record, sort_keys=True, default=str, allow_nan=False)
+            text = json.dumps(record, default=str, allow_nan=False)
             beat_due = time.monotonic() - _W.last_time >= HEARTBEAT_S
             if not force and not beat_due and text == _W.last and _W.last_pid == os.getpid():
                 return False
             now = time.time()
             record["updated"] = now
             record["updated_iso"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
-            data = (json.dumps(record, indent=1, sort_keys=True, default=str, allow_nan=False)
+            data = (json.dumps(record, indent=1, default=str, allow_nan=False)
                     + "\n").encode("utf-8")
             if len(data) > MAX_RECORD_BYTES:
                 raise ValueError("the record would be %d bytes, over the %d readers accept"

@@ -321,3 +321,10 @@ def test_what_the_table_and_the_json_say_of_a_failed_patch_the_shim_off_and_each
     assert " detokenizer " in mine and "scheduler" not in mine and " failed " in mine
     parent = [line for line in text.splitlines() if " %d " % os.getppid() in line][0]
     assert " scheduler tp 2/4 " in parent and re.search(r" off\s+\d+s ago$", parent), parent
+
+
+def test_a_fifo_given_as_the_directory_fails_at_once(tmp_path):
+    os.mkfifo(tmp_path / "not-a-dir")
+    proc = status_running(str(tmp_path / "not-a-dir"))
+    assert proc.returncode == 7 and proc.stderr == ""
+    assert proc.stdout.endswith(": cannot read it: Not a directory\n"), proc.stdout

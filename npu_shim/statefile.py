@@ -161,7 +161,7 @@ def write(force=False):
             record = build()
             if record is None:
                 return False
-            text = json.dumps(record, default=str, allow_nan=False)
+            text = json.dumps(record, default=str)  # what changed is compared; the file is strict
             beat_due = time.monotonic() - _W.last_time >= HEARTBEAT_S
             if not force and not beat_due and text == _W.last and _W.last_pid == os.getpid():
                 return False

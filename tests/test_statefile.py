@@ -406,3 +406,29 @@ def test_touch_wakes_the_writer_before_its_interval(tmp_path):
         print("woken")
     """)
     assert proc.stdout.strip() == "woken", proc.stdout + proc.stderr
+
+
+def test_the_exit_writes_the_final_figures(tmp_path):
+    state_dir = tmp_path / "state"
+    proc = write_in_child(str(state_dir), """
+        statefile.INTERVAL_S = statefile.HEARTBEAT_S = 60.0   # only the exit can write them in time
+        details = {}
+        statefile.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": dict(details)}})
+        statefile.write()
+        details["final"] = 1
+    """)
+    assert proc.returncode == 0, proc.stderr
+    (name,) = files(state_dir)
+    assert json.load(open(state_dir / name))["patches"]["p"]["details"] == {"final": 1}
+
+
+def test_a_nan_in_the_details_is_never_written_as_non_strict_json(tmp_path):
+    state_dir = tmp_path / "state"
+    proc = write_in_child(str(state_dir), """
+        statefile.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": {"x": float("nan")}}})
+        print(statefile.write(force=True))
+    """)
+    assert proc.stdout.strip() == "False"
+    assert "cannot write the state record" in proc.stderr and "Out of range float values" in proc.stderr
+    (name,) = files(state_dir)
+    assert "NaN" not in (state_dir / name).read_text()

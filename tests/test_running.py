@@ -328,3 +328,19 @@ def test_a_fifo_given_as_the_directory_fails_at_once(tmp_path):
     proc = status_running(str(tmp_path / "not-a-dir"))
     assert proc.returncode == 7 and proc.stderr == ""
     assert proc.stdout.endswith(": cannot read it: Not a directory\n"), proc.stdout
+
+
+def test_a_directory_of_another_user_holding_that_users_records_is_trusted(shared_tmp):
+    theirs = os.path.join(shared_tmp, "theirs")
+    os.mkdir(theirs)
+    os.chown(theirs, NOBODY, NOBODY)
+    sleeper = subprocess.Popen(["sleep", "30"], preexec_fn=as_nobody)
+    try:
+        time.sleep(0.1)
+        name = put(theirs, record(pid=sleeper.pid, uid=NOBODY, start_ticks=procinfo.start_ticks(sleeper.pid)))
+        os.chown(os.path.join(theirs, name), NOBODY, NOBODY)
+        (proc,) = strict_json(status_running(theirs, "--json").stdout)["processes"]
+        assert (proc["status"], proc["why"]) == ("live", None)
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -220,8 +220,10 @@ def quant_config(mlaprolog=True, layers=(0,)):
 
 
 def build_attention(model="glm-5", tp=16, layer_id=0, mlaprolog=True, w8a8_attr=None,
-                    w_kc_contiguous=False):
-    """A synthetic MLA attention layer (real tensors) for ``model`` at attention TP size ``tp``."""
+                    w_kc_contiguous=False, alt_stream=False):
+    """A synthetic MLA attention layer (real tensors) for ``model`` at attention TP size ``tp``;
+    ``alt_stream``: with a second stream, as DeepseekV2Model gives its layers under
+    ``SGLANG_NPU_USE_MULTI_STREAM=1``."""
     c = CONFIGS[model]
     heads = c["heads"] // tp
     m = MLAAttention()
@@ -246,7 +248,7 @@ def build_attention(model="glm-5", tp=16, layer_id=0, mlaprolog=True, w8a8_attr=
         m.w_kc = w_kc.transpose(1, 2).contiguous().transpose(1, 2)
     m.w_vc = w_vc.contiguous().transpose(1, 2).contiguous()
     m.quant_config = quant_config(mlaprolog, layers=(layer_id,))
-    m.alt_stream = None
+    m.alt_stream = torch.npu.Stream() if alt_stream else None
     return m
 
 
@@ -333,11 +335,12 @@ def publish_server_args(role, **fields):
     return args
 
 
-def run_layer(model="glm-5", tp=16, steps=2, layer_id=0, hold=None, **build):
+def run_layer(model="glm-5", tp=16, steps=2, layer_id=0, hold=None, consume=False, **build):
     """Build a layer, call the real ``npu_mla_preprocess`` ``steps`` times; report the bytes of
     the qkv_a / w_kc storages before and after, the kernels run and what they read.  ``hold(m)``:
     something taken from the layer before the first step (an alias of a weight), kept as
-    ``result["held"]``."""
+    ``result["held"]``.  ``consume``: the current stream reads every tensor the call returns, as
+    the attention after it does."""
     import importlib
 
     install()
@@ -353,6 +356,10 @@ def run_layer(model="glm-5", tp=16, steps=2, layer_id=0, hold=None, **build):
         hidden, positions, batch, context = make_batch(model)
         with context:
             out = module.npu_mla_preprocess(m, hidden, positions, batch, None)
+        if consume:
+            for tensor in out:
+                if isinstance(tensor, torch.Tensor):
+                    tensor.sum()
         outputs.append([list(t.shape) if isinstance(t, torch.Tensor) else None for t in out])
     after = {k: s.nbytes() for k, s in storages.items()}
     prolog = [args for name, args in CALLS if name == "npu_mla_prolog_v3"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from npu_shim.patches import dual_stream_experts as ds
-from shimdev import dual_stream_bench, dual_stream_kernels, mla_kernels
+from shimdev import csan_check, dual_stream_bench, dual_stream_kernels, mla_kernels
 from shimdev.simnpu import _sanitizer
 
 SMALL = dict(dual_stream_bench.DEFAULTS, tokens=6, hidden=8, shared_inter=8, experts=4, topk=2,
@@ -364,3 +364,22 @@ def test_assert_clean_names_every_report(npu):
             x.add_(1)
     with pytest.raises(_sanitizer.SanitizerError, match="1 stream sanitizer report"):
         san.assert_clean()
+
+
+# -- the CUDA Sanitizer cross-check's cases (scripts/csan_dual_stream.py) ----------------------------
+
+@pytest.mark.parametrize("name", sorted(csan_check.OURS))
+def test_the_csan_cross_checks_cases_report_here_what_it_expects(npu, name):
+    block, hidden = csan_check.build("cpu")
+    with _sanitizer.sanitize() as san, torch.no_grad():
+        csan_check.run_case(name, torch.npu, block, hidden)
+    assert kinds(san) == csan_check.OURS[name], san.reports
+
+
+def test_the_csan_cross_check_says_plainly_when_there_is_no_cuda_device(capsys):
+    available, why = csan_check.cuda_available()
+    if available:  # a machine with a device runs it for real (not from the test suite)
+        assert why
+        return
+    assert csan_check.main([], "unused") == 2
+    assert capsys.readouterr().out == "not run: %s (this cross-check needs a CUDA device)\n" % why

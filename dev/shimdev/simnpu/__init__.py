@@ -36,12 +36,12 @@ from . import _device, _stubs
 from ._device import STATE, mem_get_info, set_memory  # noqa: F401
 from ._log import EVENTS, clear_events, log  # noqa: F401
 from ._stubs import STUB_IMPORTS, StubValue  # noqa: F401
-from ._sanitizer import declare_kernel, sanitize  # noqa: F401
+from ._sanitizer import active as active_sanitizer, declare_kernel, sanitize  # noqa: F401
 
 __all__ = [
     "install", "installed", "reset", "set_memory", "mem_get_info", "EVENTS", "clear_events",
     "events", "current_stream_name", "record_allocations", "add_stub", "remove_stub",
-    "stubbed_roots", "STUB_IMPORTS", "StubValue", "allocator_backend", "sanitize", "declare_kernel",
+    "stubbed_roots", "STUB_IMPORTS", "StubValue", "allocator_backend", "sanitize", "declare_kernel", "active_sanitizer",
 ]
 
 _INSTALLED: dict | None = None

@@ -16,7 +16,9 @@ drives the release's real ``Glm4MoeSparseMoeBlock.forward_deepep`` on the synthe
   model on a stream of its own (spec v2's overlap plan stream, sglang#30965): target verify, its
   output read and freed, a draft extend on the draft's stream, the target's next layer.
 
-``EXPECTED`` says what each should report for the backport and for upstream; ``problems`` compares.
+``EXPECTED`` says what each should report for the backport and for upstream; ``problems`` compares
+(the import matrix and ``scripts/release_report.py`` through dev/shimdev/import_probe.py).  A
+release whose own code stops racing -- or starts -- shows up there: say so in README and here.
 """
 from __future__ import annotations
 

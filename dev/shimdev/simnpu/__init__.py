@@ -41,7 +41,8 @@ from ._sanitizer import active as active_sanitizer, declare_kernel, sanitize  # 
 __all__ = [
     "install", "installed", "reset", "set_memory", "mem_get_info", "EVENTS", "clear_events",
     "events", "current_stream_name", "record_allocations", "add_stub", "remove_stub",
-    "stubbed_roots", "STUB_IMPORTS", "StubValue", "allocator_backend", "sanitize", "declare_kernel", "active_sanitizer",
+    "stubbed_roots", "STUB_IMPORTS", "StubValue", "allocator_backend", "sanitize", "declare_kernel",
+    "active_sanitizer",
 ]
 
 _INSTALLED: dict | None = None

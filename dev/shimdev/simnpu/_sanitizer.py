@@ -248,26 +248,25 @@ def _tensors(value):
     return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 
-def _peek_stream():
-    """The simulated stream code runs on now, without initialising the device (torch-npu's
-    current_stream() does, and the allocator switch of zbal must still be possible afterwards)."""
+def _stream_name(get):
+    """The name of ``get()``'s stream without initialising the simulated device: torch-npu's
+    stream queries do, and zbal's allocator switch must still be possible after the sanitizer
+    looked."""
     state = _device.STATE
     was = getattr(state, "initialized", None)
     try:
-        return _device.current_stream().name
+        return get().name
     finally:
         if was is not None:
             state.initialized = was
+
+
+def _peek_stream():
+    return _stream_name(_device.current_stream)
 
 
 def _default_stream():
-    state = _device.STATE
-    was = getattr(state, "initialized", None)
-    try:
-        return _device.default_stream().name
-    finally:
-        if was is not None:
-            state.initialized = was
+    return _stream_name(_device.default_stream)
 
 
 def _pool(nbytes):

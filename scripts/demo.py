@@ -169,6 +169,9 @@ def show_features(out, version, failures, same_as=None):
             say(f"  - {name}: FAILED: {facts['error']}")
             say("    " + facts["traceback"].rstrip().replace("\n", "\n    "))
             continue
+        if isinstance(facts, dict):  # every driver runs under the simulated NPU's stream sanitizer
+            check(not facts.get("sanitizer"), f"{name}: the stream sanitizer reported: "
+                  + "; ".join(r["message"] for r in facts.get("sanitizer") or []), failures)
         shown = DISPLAYS.get(name) if facts is not None else None
         if same_as and same_as[1].get(name) == state["state"]:
             checks = []

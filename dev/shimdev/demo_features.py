@@ -10,7 +10,8 @@ interpreter started by ``realsglang.run_in_release(..., env=DEMO_ENV, zbal=True)
 * mla_weight_release -- a GLM-5-shaped MLA layer through the real ``npu_mla_preprocess`` with the
   decode role published through real ``ServerArgs`` (dev/shimdev/mla_kernels.py);
 * dual_stream_experts -- the real ``Glm4MoeSparseMoeBlock.forward_deepep`` (wrapped on 0.5.9, the
-  release's own on 0.5.10+) on a synthetic block; the stream each part ran on from simnpu.EVENTS.
+  release's own on 0.5.10+) on a synthetic block; the stream each part ran on from simnpu.EVENTS,
+  and what the stream sanitizer (on in every call) reported.
 
 The zbal and GLM-4 MoE set-ups (``zbal_fresh``, ``event_order``, ``make_scheduler``,
 ``stub_model_runner``, ``glm4_moe_bed``) are shared with tests/patches/test_zbal_real.py and
@@ -20,6 +21,7 @@ Nothing heavy at module level: the outer test process imports this module too.
 """
 from __future__ import annotations
 
+import contextlib
 import types
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -279,11 +281,11 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
     import torch.nn.functional as F
     from shimdev import simnpu
     from shimdev import dual_stream_kernels as K
+    from shimdev import mla_kernels
 
     K.install(simnpu, kernel=kernel)
 
     import sglang.srt.models.glm4_moe as m
-    import sglang.srt.server_args as server_args
     from sglang.srt.layers.layernorm import RMSNorm
     from sglang.srt.layers.rotary_embedding import get_rope
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -291,8 +293,9 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
     from npu_shim import runtime
     from npu_shim.codeview import unwrap
 
-    # What the real constructors would read from a launched server.
-    server_args._global_server_args = types.SimpleNamespace(rl_on_policy_target=None)
+    # What the real constructors read from a launched server: real ServerArgs, published as the
+    # scheduler publishes them (each release has its own way to read them back).
+    mla_kernels.publish_server_args("null")
     # ExpertLocationDispatchInfo.init_new needs EPLB metadata of a launched server; both the
     # original and the patched body read it from the module globals, so both see this stand-in.
     m.ExpertLocationDispatchInfo = types.SimpleNamespace(init_new=lambda layer_id: None)
@@ -371,16 +374,23 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
             return func(*args, **(kwargs or {}))
 
     def batch(mode):
+        # 0.5.21+ ask the batch through moe_num_token_non_padded(); earlier ones read the field.
         return types.SimpleNamespace(forward_mode=mode, num_token_non_padded=None,
+                                     moe_num_token_non_padded=lambda: None,
                                      token_to_kv_pool=types.SimpleNamespace(start_layer=0))
 
     ORDER_KINDS = ("stream_create", "wait_stream", "stream_enter", "stream_exit", "compute", "op")
+    sanitizer_reports = []  # what the stream sanitizer found in the patched calls (on in every moe())
 
     def moe(hidden, mode):
         """(patched output, original output, ordered events of the patched call)."""
         simnpu.clear_events()
-        with InPlaceLog():
+        # A driver already runs under run_drivers' sanitizer; a test calling moe() gets its own.
+        own = simnpu.active_sanitizer() is None
+        with InPlaceLog(), (simnpu.sanitize() if own else contextlib.nullcontext()) as san:
             out = block.forward_deepep(hidden, batch(mode))
+        if own:
+            sanitizer_reports.extend(report.as_dict() for report in san.reports)
         events = [list(e) for e in simnpu.EVENTS if e[0] in ORDER_KINDS]
         ref = unwrap(m.Glm4MoeSparseMoeBlock.forward_deepep)(block, hidden, batch(mode))
         return out, ref, events
@@ -496,15 +506,21 @@ def import_targets():
 
 
 def run_drivers(names):
-    """{feature: driver facts, or {"error", "traceback"}} for each feature in ``names``."""
+    """{feature: driver facts, or {"error", "traceback"}} for each feature in ``names``.  Each
+    driver runs under the simulated NPU's stream sanitizer: its reports are ``facts["sanitizer"]``."""
     import traceback
+
+    from shimdev import simnpu
 
     out = {}
     for name in names:
         if name not in DRIVERS:
             continue
         try:
-            out[name] = DRIVERS[name]()
+            with simnpu.sanitize() as san:
+                facts = DRIVERS[name]()
+            facts["sanitizer"] = [report.as_dict() for report in san.reports]
+            out[name] = facts
         except Exception as exc:
             out[name] = {"error": "%s: %s" % (type(exc).__name__, exc),
                          "traceback": traceback.format_exc()[-3000:]}

@@ -14,10 +14,28 @@ the dual-stream/fused tests need real numbers from both the original and the pat
   ``RotaryEmbedding.forward_npu`` call in torch_npu (mrope with sections [0, 0, 0] is plain rope).
 
 ``install(simnpu, kernel=...)`` puts them in place under their real module names.
+
+Each is declared (``simnpu.declare_kernel``) with the schema of what it stands for, so the stream
+sanitizer sees the reads and writes of the real kernel: torch_npu's ops from Ascend/op-plugin's
+``op_plugin/config/op_plugin_functions.yaml`` (read at 517f2e7, 2026-08-21); the fused kernel is
+a Triton launcher in sgl-kernel-npu's ``python/sgl_kernel_npu/sgl_kernel_npu/norm/
+split_qkv_rmsnorm_rope.py`` (read at f425bdf), not a registered op: it allocates q, k and v with
+``torch.empty`` and only reads its arguments, which the schema written for it says.  All four are
+functional: none writes an input.
 """
 from __future__ import annotations
 
 import torch
+
+from shimdev.simnpu import declare_kernel
+
+OP_PLUGIN = "Ascend/op-plugin op_plugin/config/op_plugin_functions.yaml"
+SGL_KERNEL_NPU = "sgl-kernel-npu norm/split_qkv_rmsnorm_rope.py (outputs from torch.empty)"
+FUSED_SCHEMA = (
+    "split_qkv_rmsnorm_rope(Tensor input, Tensor sin, Tensor cos, int q_hidden_size, "
+    "int kv_hidden_size, int head_dim, float? eps=None, Tensor? q_weight=None, "
+    "Tensor? k_weight=None, Tensor? q_bias=None, Tensor? k_bias=None, bool is_neox_style=True) "
+    "-> (Tensor, Tensor, Tensor)")
 
 
 def _rms(x, weight, eps, bias=None):
@@ -37,6 +55,7 @@ def _neox(x, cos, sin):
     return x * cos + rotated * sin
 
 
+@declare_kernel(FUSED_SCHEMA, SGL_KERNEL_NPU)
 def split_qkv_rmsnorm_rope(input, sin, cos, q_hidden_size, kv_hidden_size, head_dim, eps=None,
                            q_weight=None, k_weight=None, q_bias=None, k_bias=None):
     tokens = input.shape[0]
@@ -54,6 +73,7 @@ def split_qkv_rmsnorm_rope(input, sin, cos, q_hidden_size, kv_hidden_size, head_
     return one(q, q_weight, q_bias), one(k, k_weight, k_bias), v.clone()
 
 
+@declare_kernel(FUSED_SCHEMA, SGL_KERNEL_NPU + ", its version before partial rotary")
 def split_qkv_rmsnorm_rope_full_head(input, sin, cos, q_hidden_size, kv_hidden_size, head_dim,
                                      eps=None, q_weight=None, k_weight=None, q_bias=None,
                                      k_bias=None):
@@ -74,12 +94,17 @@ def split_qkv_rmsnorm_rope_full_head(input, sin, cos, q_hidden_size, kv_hidden_s
     return one(q, q_weight, q_bias), one(k, k_weight, k_bias), v.clone()
 
 
+@declare_kernel("npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
+                OP_PLUGIN)
 def npu_rms_norm(x, weight, epsilon=1e-6):
     out = _rms(x, weight, epsilon).to(x.dtype)
     rstd = torch.rsqrt(x.float().pow(2).mean(dim=-1, keepdim=True) + epsilon)
     return out, rstd
 
 
+@declare_kernel("npu_mrope(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, "
+                "int head_size, *, int[]? mrope_section=None, str? rotary_mode='half', "
+                "str? cache_mode='default') -> (Tensor, Tensor)", OP_PLUGIN)
 def npu_mrope(positions, query, key, cos_sin_cache, head_size, mrope_section=None,
               rotary_mode="half"):
     assert rotary_mode == "half", "reference covers neox ('half') rope only"

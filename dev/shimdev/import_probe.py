@@ -5,12 +5,14 @@ must hold of it -- shared by the import matrix (tests/test_real_sglang_import.py
 ``probe(version)`` runs one subprocess in the release's layered environment: it imports every
 module a patch targets, records the states, which functions are wrapt wrappers, whether the
 ``from ... import`` copies are the module's own function, then runs each applied feature's driver
-(dev/shimdev/demo_features.py).  ``problems(version, out, table)`` lists everything in that
-result that differs from the expected states ``table`` ({patch: state}); empty = all holds.
+(dev/shimdev/demo_features.py) under the stream sanitizer, and the dual-stream MoE path (the
+backport's or upstream's own) through dev/shimdev/stream_races.py.  ``problems(version, out,
+table)`` lists everything in that result that differs from the expected states ``table``
+({patch: state}); empty = all holds.
 """
 from __future__ import annotations
 
-from shimdev import realsglang
+from shimdev import realsglang, stream_races
 from shimdev.demo_features import DEMO_ENV
 
 from npu_shim.patches import load_all
@@ -20,7 +22,7 @@ TARGETS = sorted({module for patch in load_all() for module in patch.modules})
 MLA_MODULES = {m for patch in load_all() if patch.name == "mla_weight_release" for m in patch.modules}
 
 SNIPPET = """
-from shimdev import demo_features
+from shimdev import demo_features, stream_races
 failed = demo_features.import_targets()  # before anything else imports sglang
 import importlib.metadata, sys
 import sglang
@@ -59,6 +61,9 @@ result = {
 }
 # The drivers, after every structural fact was taken (they replace bodies and globals).
 result["drivers"] = demo_features.run_drivers([n for n, s in states.items() if s["state"] == "applied"])
+# The dual-stream MoE path, the backport's or upstream's own, under the stream sanitizer.
+if states.get("dual_stream_experts", {}).get("state") in ("applied", "upstream"):
+    result["races"] = stream_races.run()
 emit(result)
 """
 
@@ -169,4 +174,17 @@ def problems(version: str, out: dict, table: dict) -> list:
             found.append("%s driver failed: %s\n%s" % (name, facts["error"], facts.get("traceback")))
         else:
             _check(found, "%s driver" % name, CHECKS[name], facts)
+            found += ["%s driver: stream sanitizer: %s" % (name, r["message"]) for r in facts["sanitizer"]]
+    found += _race_problems(out, states.get("dual_stream_experts"))
     return found
+
+
+def _race_problems(out, state):
+    """The dual-stream races against what stream_races.EXPECTED says for the backport (applied)
+    or for upstream's own code."""
+    if state not in ("applied", "upstream"):
+        return []
+    if "races" not in out:
+        return ["dual-stream races were not run (dual_stream_experts is %s)" % state]
+    who = "backport" if state == "applied" else "upstream"
+    return ["dual-stream races (%s): %s" % (who, p) for p in stream_races.problems(out["races"], who)]

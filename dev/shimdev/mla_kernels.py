@@ -16,6 +16,17 @@ kernel really read:
 ``w_kc`` laid out as sglang's weight loader leaves it (``transpose(1, 2).contiguous().transpose(1, 2)``)
 and the fused qkv_a weight as a ``[q_lora + kv_lora + rope, hidden]`` Parameter.  ``make_batch`` gives
 hidden states, positions and a forward batch (with the attention backend / KV pool each release reads).
+
+Each kernel is declared (``simnpu.declare_kernel``) with the schema of the real op, so the stream
+sanitizer sees its reads and writes: Ascend/op-plugin's ``op_plugin/config/op_plugin_functions.yaml``
+(read at 517f2e7, 2026-08-21) for the custom ops, torch_npu's
+``torch_npu/csrc/aten/npu_native_functions.yaml`` (Ascend/pytorch, read at 9e73e70) for
+``npu_format_cast``.  ``npu_mla_prolog_v3`` writes ``kv_cache`` / ``kr_cache`` in place (``Tensor(a!)``
+there).  ``npu_kv_rmsnorm_rope_cache`` is in-place too, though its registered schema does not say
+so: the op scatters into both caches and returns them ("in-place update", torch_npu's documentation
+of the op), and op-plugin's ``npu_kv_rmsnorm_rope_cache_v2`` marks the same two arguments
+``Tensor(a!)`` / ``Tensor(b!)``; the declaration here follows what the kernel does.  (A sanitizer on
+a device that reads the registered schema would miss those writes.)
 """
 from __future__ import annotations
 
@@ -23,6 +34,31 @@ import contextlib
 import types
 
 import torch
+
+from shimdev.simnpu import declare_kernel
+
+OP_PLUGIN = "Ascend/op-plugin op_plugin/config/op_plugin_functions.yaml"
+TORCH_NPU = "Ascend/pytorch torch_npu/csrc/aten/npu_native_functions.yaml"
+MLA_PROLOG_V3 = (
+    "npu_mla_prolog_v3(Tensor token_x, Tensor weight_dq, Tensor weight_uq_qr, Tensor weight_uk, "
+    "Tensor weight_dkv_kr, Tensor rmsnorm_gamma_cq, Tensor rmsnorm_gamma_ckv, Tensor rope_sin, "
+    "Tensor rope_cos, Tensor(a!) kv_cache, Tensor(b!) kr_cache, *, Tensor? cache_index=None, "
+    "Tensor? dequant_scale_x=None, Tensor? dequant_scale_w_dq=None, Tensor? dequant_scale_w_uq_qr=None, "
+    "Tensor? dequant_scale_w_dkv_kr=None, Tensor? quant_scale_ckv=None, Tensor? quant_scale_ckr=None, "
+    "Tensor? smooth_scales_cq=None, Tensor? actual_seq_len=None, Tensor? k_nope_clip_alpha=None, "
+    "float rmsnorm_epsilon_cq=1e-05, float rmsnorm_epsilon_ckv=1e-05, str cache_mode=\"PA_BSND\", "
+    "bool query_norm_flag=False, int weight_quant_mode=0, int kv_cache_quant_mode=0, "
+    "int query_quant_mode=0, int ckvkr_repo_mode=0, int quant_scale_repo_mode=0, int tile_size=128, "
+    "float qc_qr_scale=1.0, float kc_scale=1.0, int? token_x_dtype=None, int? weight_dq_dtype=None, "
+    "int? weight_uq_qr_dtype=None, int? weight_dkv_kr_dtype=None, int? kv_cache_dtype=None) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+# The registered schema's argument list, with the two caches marked as written and returned as
+# the op documents (see the module docstring).
+KV_RMSNORM_ROPE_CACHE = (
+    "npu_kv_rmsnorm_rope_cache(Tensor kv, Tensor gamma, Tensor cos, Tensor sin, Tensor index, "
+    "Tensor(a!) k_cache, Tensor(b!) ckv_cache, *, Tensor? k_rope_scale=None, Tensor? c_kv_scale=None, "
+    "Tensor? k_rope_offset=None, Tensor? c_kv_offset=None, Tensor? v=None, float epsilon=1e-5, "
+    "str cache_mode='Norm', bool is_output_kv=False) -> (Tensor(a!), Tensor(b!), Tensor, Tensor)")
 
 CALLS: list = []
 
@@ -48,6 +84,7 @@ def _rms(x, gamma, eps):
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * gamma.float()).to(x.dtype)
 
 
+@declare_kernel(MLA_PROLOG_V3, OP_PLUGIN)
 def npu_mla_prolog_v3(**kw):
     CALLS.append(("npu_mla_prolog_v3", {k: _desc(v) for k, v in kw.items()}))
     x = kw["token_x"]
@@ -69,22 +106,30 @@ def npu_mla_prolog_v3(**kw):
     return (q_nope, q_pe, torch.ones(tokens, heads, 1), cq, torch.ones(tokens, 1))
 
 
+@declare_kernel("npu_interleave_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", OP_PLUGIN)
 def npu_interleave_rope(q_pe, cos, sin):
     CALLS.append(("npu_interleave_rope", {"x": _desc(q_pe)}))
     return q_pe.clone()
 
 
+@declare_kernel(KV_RMSNORM_ROPE_CACHE, OP_PLUGIN + " (v1's argument list; v2's write marks)")
 def npu_kv_rmsnorm_rope_cache(latent, gamma, cos, sin, index, kr_cache, kv_cache, **kw):
+    """Returns the two caches it updated in place, then (with ``is_output_kv``) the rope'd k and
+    the normalised kv, as the op does."""
     CALLS.append(("npu_kv_rmsnorm_rope_cache", {"latent": _desc(latent), "gamma": _desc(gamma)}))
     kv_lora = gamma.shape[0]
     flat = latent.reshape(-1, latent.shape[-1])
     kv = _rms(flat[:, :kv_lora], gamma, kw.get("epsilon", 1e-6))
     kv_cache.view(-1, kv_lora)[index] = kv.to(kv_cache.dtype)
     kr_cache.view(-1, flat.shape[-1] - kv_lora)[index] = flat[:, kv_lora:].to(kr_cache.dtype)
+    if not kw.get("is_output_kv"):
+        return kr_cache, kv_cache, None, None
     tokens = flat.shape[0]
-    return (flat[:, kv_lora:].view(tokens, 1, 1, -1), kv.view(tokens, 1, 1, -1), None, None)
+    return kr_cache, kv_cache, flat[:, kv_lora:].view(tokens, 1, 1, -1), kv.view(tokens, 1, 1, -1)
 
 
+@declare_kernel("npu_format_cast(Tensor self, int acl_format, *, int? customize_dtype=None, "
+                "int? input_dtype=None) -> Tensor", TORCH_NPU)
 def npu_format_cast(tensor, acl_format=29, **kw):
     """ND -> NZ cast: on a device a new tensor with its own memory (never a view of the input)."""
     CALLS.append(("npu_format_cast", {"x": _desc(tensor), "format": acl_format}))
@@ -175,8 +220,10 @@ def quant_config(mlaprolog=True, layers=(0,)):
 
 
 def build_attention(model="glm-5", tp=16, layer_id=0, mlaprolog=True, w8a8_attr=None,
-                    w_kc_contiguous=False):
-    """A synthetic MLA attention layer (real tensors) for ``model`` at attention TP size ``tp``."""
+                    w_kc_contiguous=False, alt_stream=False):
+    """A synthetic MLA attention layer (real tensors) for ``model`` at attention TP size ``tp``;
+    ``alt_stream``: with a second stream, as DeepseekV2Model gives its layers under
+    ``SGLANG_NPU_USE_MULTI_STREAM=1``."""
     c = CONFIGS[model]
     heads = c["heads"] // tp
     m = MLAAttention()
@@ -201,7 +248,7 @@ def build_attention(model="glm-5", tp=16, layer_id=0, mlaprolog=True, w8a8_attr=
         m.w_kc = w_kc.transpose(1, 2).contiguous().transpose(1, 2)
     m.w_vc = w_vc.contiguous().transpose(1, 2).contiguous()
     m.quant_config = quant_config(mlaprolog, layers=(layer_id,))
-    m.alt_stream = None
+    m.alt_stream = torch.npu.Stream() if alt_stream else None
     return m
 
 
@@ -288,11 +335,12 @@ def publish_server_args(role, **fields):
     return args
 
 
-def run_layer(model="glm-5", tp=16, steps=2, layer_id=0, hold=None, **build):
+def run_layer(model="glm-5", tp=16, steps=2, layer_id=0, hold=None, consume=False, **build):
     """Build a layer, call the real ``npu_mla_preprocess`` ``steps`` times; report the bytes of
     the qkv_a / w_kc storages before and after, the kernels run and what they read.  ``hold(m)``:
     something taken from the layer before the first step (an alias of a weight), kept as
-    ``result["held"]``."""
+    ``result["held"]``.  ``consume``: the current stream reads every tensor the call returns, as
+    the attention after it does."""
     import importlib
 
     install()
@@ -308,6 +356,10 @@ def run_layer(model="glm-5", tp=16, steps=2, layer_id=0, hold=None, **build):
         hidden, positions, batch, context = make_batch(model)
         with context:
             out = module.npu_mla_preprocess(m, hidden, positions, batch, None)
+        if consume:
+            for tensor in out:
+                if isinstance(tensor, torch.Tensor):
+                    tensor.sum()
         outputs.append([list(t.shape) if isinstance(t, torch.Tensor) else None for t in out])
     after = {k: s.nbytes() for k, s in storages.items()}
     prolog = [args for name, args in CALLS if name == "npu_mla_prolog_v3"]

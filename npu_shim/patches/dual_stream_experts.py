@@ -13,7 +13,8 @@ How (two sub-features, gated as upstream 0.5.10 gates them):
   wrapper runs shared+routed experts itself: the side stream waits for the main stream, the shared
   experts are queued on it; gate, topk and routed experts are queued on the main stream; the main
   stream waits for the side stream *before* the two outputs are added.  Decode, and empty batches,
-  go to the original method.  One side stream per process, created on first use.
+  go to the original method.  One side stream per main stream (upstream: one per process),
+  created on first use: a draft model on a stream of its own gets its own side stream.
 * fused decode path -- ``Glm4MoeAttention.forward_prepare`` is wrapped when the image's
   ``sgl_kernel_npu`` has ``norm.split_qkv_rmsnorm_rope`` with the signature upstream's call binds
   and partial-rotary support, both read from the kernel's ``def`` (``kernel_support``: the same
@@ -107,14 +108,14 @@ def _layer_key(attn):
 
 
 class DualStream:
-    """Both sub-features in one process: the side stream, the kernel and each layer's plan, and
+    """Both sub-features in one process: the side streams, the kernel and each layer's plan, and
     how often each path ran (``details["counts"]``, live in status).  A decision builds a fresh
     one (so uninstall/install starts over); ``details`` is the patch record's."""
 
     def __init__(self, details=None):
         self.details = {} if details is None else details
         self.lock = threading.Lock()
-        self.side_stream = None
+        self.side_streams = {}      # main stream -> its side stream
         self.kernel = None          # the imported split_qkv_rmsnorm_rope
         self.kernel_error = None    # why it could not be imported/used
         self.kernel_partial = None  # True/False once its signature was read (kernel_support)
@@ -126,29 +127,45 @@ class DualStream:
         self.details[key] = value
 
     def get_share_stream(self):
-        return self.side_stream
+        """The side stream of the current (main) stream, None before its first use."""
+        return self.side_streams.get(_device_module().current_stream())
 
-    # -- the side stream: device-agnostic like upstream's hardware_backend/npu/utils.py
-    def process_shared_expert(self, hidden_states, forward_func):
-        """Queue ``forward_func(hidden_states)`` on the side stream, after all the main stream has
-        queued so far (the side stream waits for it), and return its output."""
-        device = _device_module()
-        stream = self.side_stream
-        if stream is None:
+    # -- the side streams: device-agnostic like upstream's hardware_backend/npu/utils.py
+    def side_stream_for(self, main):
+        """The side stream that serves ``main``, created on its first use.
+
+        One per main stream, not one per process as upstream: the shared output is allocated on
+        the side stream, used and freed on the main stream, so its block goes back to the side
+        stream's pool with no record_stream.  That is safe only while every later allocation on
+        the side stream comes after a wait for that main stream.  A second main stream feeding the
+        same side stream (speculative decoding's draft on its own stream, sglang#30965) breaks it:
+        the side stream waits for the draft, not for the target, and hands the target's block to
+        the draft's shared experts while the target may still read it."""
+        side = self.side_streams.get(main)
+        if side is None:
             with self.lock:
-                if self.side_stream is None:
-                    self.side_stream = device.Stream()
-                    self._note("side_stream", repr(self.side_stream))
-                stream = self.side_stream
-        stream.wait_stream(device.current_stream())
-        with device.stream(stream):
+                side = self.side_streams.get(main)
+                if side is None:
+                    side = self.side_streams[main] = _device_module().Stream()
+                    self._note("side_streams", {repr(m): repr(s) for m, s in self.side_streams.items()})
+        return side
+
+    def process_shared_expert(self, hidden_states, forward_func):
+        """Queue ``forward_func(hidden_states)`` on the current stream's side stream, after all the
+        current stream has queued so far (the side stream waits for it), and return its output."""
+        device = _device_module()
+        main = device.current_stream()
+        side = self.side_stream_for(main)
+        side.wait_stream(main)
+        with device.stream(side):
             return forward_func(hidden_states)
 
     def wait_share_stream(self):
-        """The current (main) stream waits for everything queued on the side stream."""
-        stream = self.side_stream
-        if stream is not None:
-            _device_module().current_stream().wait_stream(stream)
+        """The current (main) stream waits for everything queued on its side stream."""
+        main = _device_module().current_stream()
+        side = self.side_streams.get(main)
+        if side is not None:
+            main.wait_stream(side)
 
     # -- the dual-stream forward_deepep
     def forward_deepep_wrapper(self, wrapped, instance, args, kwargs):
@@ -164,9 +181,11 @@ class DualStream:
 
         Data dependencies: both streams only read ``hidden_states`` until the main stream has waited
         for the side stream, and only then is the shared output written (``add_``).  The shared output
-        and the side stream's temporaries come from the side stream's memory pool; the next allocation
-        there happens after the next ``wait_stream(main)``, so no block is reused while the main stream
-        may still read it (hence no ``record_stream``).
+        and the side stream's temporaries come from the side stream's memory pool; the side stream
+        serves this main stream only, so its next allocation happens after its next
+        ``wait_stream(main)`` and no block is reused while the main stream may still read it (hence
+        no ``record_stream``).  Checked by the simulated NPU's stream sanitizer on 0.5.7-0.5.9's
+        code, two main streams included (tests/patches/test_dual_stream_experts*.py).
         """
         dispatch_info = unwrap(wrapped).__globals__["ExpertLocationDispatchInfo"]
         shared_output = self.process_shared_expert(hidden_states, block._forward_shared_experts)

@@ -324,6 +324,40 @@ def test_side_stream_waits_main_runs_work_and_main_waits_side(simnpu_clean):
     assert DS.get_share_stream() is None
 
 
+def _moe_layer(process, block, hidden):
+    from shimdev import dual_stream_bench
+
+    batch = types.SimpleNamespace(num_token_non_padded=None)
+    return process._forward_deepep_dual_stream(dual_stream_bench._serial_forward, block, hidden, batch)
+
+
+def test_two_main_streams_feeding_side_streams_do_not_race(simnpu_clean):
+    """Speculative decoding's target model on the default stream and its draft model on a stream of
+    its own (spec v2's overlap plan stream, as in sglang#30965), one MoE layer each, under the
+    stream sanitizer: the target's shared-experts output, used on its main stream and freed, must
+    not be handed to the draft's shared experts while the target may still read it."""
+    import torch
+    from shimdev import dual_stream_bench
+
+    torch.manual_seed(0)
+    params = dict(dual_stream_bench.DEFAULTS, tokens=6, hidden=8, shared_inter=8, experts=4, topk=2,
+                  expert_inter=4)
+    block = dual_stream_bench.build_block("cpu", torch.float32, params)
+    draft = torch.npu.Stream()
+    with simnpu_clean.sanitize() as san, torch.no_grad():
+        hidden = torch.randn(6, 8)
+        out = _moe_layer(DS, block, hidden)
+        residual = out + hidden  # the target reads its layer output on its own stream
+        del out
+        with torch.npu.stream(draft):
+            _moe_layer(DS, block, torch.randn(6, 8))
+        _moe_layer(DS, block, residual)  # the target's next layer
+    san.assert_clean()
+    # each main stream has a side stream of its own; the target's is reused by its next layer
+    assert sorted(DS.details["side_streams"].items()) == [
+        ("<simnpu Stream main>", "<simnpu Stream side-2>"), ("<simnpu Stream side-1>", "<simnpu Stream side-3>")]
+
+
 # -- which layers take the fused path -------------------------------------------------------------
 
 class _Norm:

@@ -6,10 +6,15 @@ checked by fingerprint in the unit tests): the real ``Glm4MoeSparseMoeBlock.forw
 the real methods (real ``Glm4MoeGate``, ``RMSNorm``, ``get_rope`` rotary embedding; pure-torch
 stand-ins for what needs a device or a distributed setup: qkv projection, topk, experts, shared
 experts).  The stream order is read from ``simnpu.EVENTS``; numerics are compared with the
-original (unwrapped) methods on the same objects.  0.5.11 reports ``upstream``.
+original (unwrapped) methods on the same objects.  The stream sanitizer of the simulated NPU is
+on in every dual-stream call, and dev/shimdev/stream_races.py drives the races this kind of code
+has had (two layers, in-place routed experts, a draft model on a stream of its own).  0.5.11
+reports ``upstream``.
 
 One subprocess per environment (a real import costs ~8 s).
 """
+import pytest
+
 from shimdev.realsglang import run_in_release
 
 RELEASE = "0.5.9"
@@ -19,7 +24,8 @@ SIDE = "side-1"
 # "partial", "full_head" or None (see dev/shimdev/dual_stream_kernels.py).
 BED = r'''
 from shimdev.demo_features import glm4_moe_bed
-globals().update(vars(glm4_moe_bed({kernel!r})))
+bed = glm4_moe_bed({kernel!r})
+globals().update(vars(bed))
 '''
 
 STREAMS_AND_FUSED = r'''
@@ -43,7 +49,11 @@ fused_before = state()["details"]["counts"]["fused_calls"]
 got, ref = prepare(layers[0], torch.tensor([1, 2, 3, 4]), torch.randn(4, H), ForwardMode.EXTEND)
 result["extend_equal"] = all(bool(torch.equal(g, r)) for g, r in zip(got, ref))
 result["extend_fused_calls"] = state()["details"]["counts"]["fused_calls"] - fused_before
-result["state"] = state()
+import copy
+result["state"] = copy.deepcopy(state())  # its counts are live: the races below call forward_deepep
+result["sanitizer"] = sanitizer_reports
+from shimdev import stream_races
+result["races"] = stream_races.run(bed)
 emit(result)
 '''
 
@@ -56,8 +66,14 @@ def _order(events):
     return [tuple(e) for e in events]
 
 
-def test_real_0_5_9_dual_stream_order_numerics_and_fused_decode():
-    res = _run(STREAMS_AND_FUSED, "partial", {"SGLANG_NPU_USE_MULTI_STREAM": "1"})
+@pytest.fixture(scope="module")
+def streams_and_fused():
+    """One release process for the stream order, numerics, fused decode and races."""
+    return _run(STREAMS_AND_FUSED, "partial", {"SGLANG_NPU_USE_MULTI_STREAM": "1"})
+
+
+def test_real_0_5_9_dual_stream_order_numerics_and_fused_decode(streams_and_fused):
+    res = streams_and_fused
     st = res["state"]
     assert st["state"] == "applied", st
     assert "dual-stream experts on" in st["reason"] and "decode path on" in st["reason"], st
@@ -90,7 +106,9 @@ def test_real_0_5_9_dual_stream_order_numerics_and_fused_decode():
     # Every path gives the single-stream result bit for bit.
     assert all(run["equal"] for run in moe.values()), {k: v["equal"] for k, v in moe.items()}
     assert st["details"]["counts"]["dual_stream_calls"] == 3
-    assert st["details"]["side_stream"] == "<simnpu Stream side-1>"
+    assert st["details"]["side_streams"] == {"<simnpu Stream main>": "<simnpu Stream side-1>"}
+    # The stream sanitizer was on in every call above and found nothing.
+    assert res["sanitizer"] == [], res["sanitizer"]
 
     # Fused decode: matches split -> RMSNorm -> rope of the original (float32), on both layers,
     # with cos/sin computed once per step (at the first layer).
@@ -102,6 +120,22 @@ def test_real_0_5_9_dual_stream_order_numerics_and_fused_decode():
     assert "fused_fallback" not in st["details"], st["details"]
     # Extend keeps the original path (bitwise the original's output, no fused call).
     assert res["extend_equal"] is True and res["extend_fused_calls"] == 0
+
+
+def test_real_0_5_9_dual_stream_is_race_free_under_the_stream_sanitizer(streams_and_fused):
+    """Extend and target-verify over two layers, and speculative decoding's draft (on a stream of
+    its own) between two target layers: nothing to report.  Before the backport had a side stream
+    per main stream, ``draft_and_target`` reported unsafe reuse of the shared-experts output (as
+    upstream's code still does, tests/test_real_sglang_import.py).  Routed experts that wrote their
+    input in place would race with the side stream (``in_place_routed``); sglang's NPU routed
+    path does not (dev/shimdev/stream_races.py)."""
+    from shimdev import stream_races
+
+    res = streams_and_fused
+    assert stream_races.problems(res["races"], "backport") == []
+    (race,) = res["races"]["in_place_routed"]
+    assert race["streams"] == ["side-1", "main"] and race["ops"] == ["mm", "copy_"], race
+    assert "glm4_moe.py" in race["message"] and "dual_stream_experts.py" in race["message"], race
 
 
 STREAMS_OFF = r'''

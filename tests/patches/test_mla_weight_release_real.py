@@ -72,6 +72,31 @@ out["refit"] = case("decode", args={"load_format": "dummy"})[0]
 out["spec_forced"] = case("decode", args={"speculative_algorithm": "EAGLE"}, force=True)[0]
 out["shared_w_kc"] = case("decode", w_kc_contiguous=True)[0]
 
+from shimdev import simnpu
+def sanitized(role, **build):
+    # The same case under the stream sanitizer, the layer's output read by the current stream as
+    # the attention after it does.
+    try:
+        with simnpu.sanitize() as san:
+            r = case(role, consume=True, **build)[0]
+    except AttributeError as exc:  # a simulated NPU that refuses Stream.wait_event(stream) as torch-npu does
+        return {"raised": "AttributeError: %s" % exc}
+    return {"freed": r["freed"], "kernels": r["kernels"], "reports": [x.as_dict() for x in san.reports]}
+out["sanitized_decode"] = sanitized("decode")
+out["sanitized_decode_alt_stream"] = sanitized("decode", alt_stream=True)
+out["sanitized_alt_stream_absorb"] = sanitized("decode", mlaprolog=False, alt_stream=True)
+# The same with the wait the line means (the main stream waits for the alt stream).
+real_wait_event = torch.npu.Stream.wait_event
+def meant(stream, event):
+    if isinstance(event, torch.npu.Stream):
+        return stream.wait_stream(event)
+    return real_wait_event(stream, event)
+torch.npu.Stream.wait_event = meant
+try:
+    out["sanitized_alt_stream_absorb_waiting"] = sanitized("decode", mlaprolog=False, alt_stream=True)
+finally:
+    torch.npu.Stream.wait_event = real_wait_event
+
 def predicate(attr):
     m = K.build_attention("glm-5", 16, w8a8_attr=attr)
     pre = P.NPUFusedMLAPreprocess(m.fused_qkv_a_proj_with_mqa, m.q_a_layernorm, m.kv_a_layernorm,
@@ -158,6 +183,43 @@ def test_non_mlaprolog_path_frees_nothing(scenarios):
     assert freed(case) == (0, 0), version
     assert case["uses_mlaprolog"] is False
     assert "npu_kv_rmsnorm_rope_cache" in case["kernels"] and "npu_mla_prolog_v3" not in case["kernels"]
+
+
+def _kinds(case):
+    return sorted({r["kind"] for r in case["reports"]})
+
+
+def test_release_and_mlaprolog_path_are_race_free_under_the_stream_sanitizer(scenarios):
+    """The release frees weights on the stream that loaded and last read them; the mlaprolog path
+    runs on the current stream whether the layer has an alt stream or not."""
+    version, out = scenarios
+    for key in ("sanitized_decode", "sanitized_decode_alt_stream"):
+        case = out[key]
+        assert case["reports"] == [], (version, key, case["reports"])
+        assert case["freed"] == out["decode"]["freed"] and sum(case["freed"].values()) > 0, (version, key)
+
+
+def test_the_absorb_paths_alt_stream_has_no_wait_back_to_the_main_stream(scenarios):
+    """sglang's own npu_mla_preprocess (0.5.9 - 0.5.23, not a shim change): outside mlaprolog it runs
+    the preprocessing on ``m.alt_stream`` and then calls ``current_stream().wait_event(m.alt_stream)``
+    with the stream itself.  torch-npu's Stream.wait_event calls ``event.wait(self)``, which a
+    Stream lacks: on a device that line raises AttributeError.  Where it does not raise, the main
+    stream never waits: it reads what the alt stream wrote (q_pe, q_nope, the caches), and the
+    blocks the alt stream read (hidden states, positions, slots) can be handed to the main
+    stream's next allocations.  With the wait the line means, nothing is left to report."""
+    version, out = scenarios
+    case = out["sanitized_alt_stream_absorb"]
+    if "raised" in case:  # a simulated NPU as strict as torch-npu
+        assert "wait" in case["raised"], (version, case)
+        return
+    assert _kinds(case) == ["not-an-event", "read-after-write", "unsafe-reuse"], (version, case["reports"])
+    assert out["sanitized_alt_stream_absorb_waiting"]["reports"] == [], (version, out["sanitized_alt_stream_absorb_waiting"])
+    (misuse,) = [r for r in case["reports"] if r["kind"] == "not-an-event"]
+    assert "deepseek_v2_attention_mla_npu.py" in misuse["sites"][0], misuse
+    raw = [r for r in case["reports"] if r["kind"] == "read-after-write"]
+    assert {r["streams"][1] for r in raw} == {"main"} and "main" not in {r["streams"][0] for r in raw}, raw
+    assert {"npu_kv_rmsnorm_rope_cache", "npu_interleave_rope"} & {r["ops"][0] for r in raw}, raw
+    assert case["freed"] == {"qkv_a": 0, "w_kc": 0}
 
 
 def test_unknown_role_frees_nothing_and_warns_once(scenarios):

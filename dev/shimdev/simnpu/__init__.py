@@ -21,7 +21,10 @@ Call ``simnpu.install(release=...)`` before the first sglang import.  Afterwards
   ``("zbal", fn_name, bound_kwargs)`` (fake zbal).
 
 Streams are named "main" (default stream of device 0), then "side-1", "side-2", ...; events
-"ev-1", ...  Nothing here runs asynchronously; nothing is timed.
+"ev-1", ...  Nothing here runs asynchronously; nothing is timed.  ``with simnpu.sanitize() as
+san:`` follows what the streams may do at the same time on a device and reports data races and
+unsafe block reuse (``_sanitizer.py``); ``declare_kernel(schema, source)`` gives a stand-in kernel
+the reads and writes of the real op it stands for.
 """
 from __future__ import annotations
 
@@ -33,11 +36,13 @@ from . import _device, _stubs
 from ._device import STATE, mem_get_info, set_memory  # noqa: F401
 from ._log import EVENTS, clear_events, log  # noqa: F401
 from ._stubs import STUB_IMPORTS, StubValue  # noqa: F401
+from ._sanitizer import active as active_sanitizer, declare_kernel, sanitize  # noqa: F401
 
 __all__ = [
     "install", "installed", "reset", "set_memory", "mem_get_info", "EVENTS", "clear_events",
     "events", "current_stream_name", "record_allocations", "add_stub", "remove_stub",
-    "stubbed_roots", "STUB_IMPORTS", "StubValue", "allocator_backend",
+    "stubbed_roots", "STUB_IMPORTS", "StubValue", "allocator_backend", "sanitize", "declare_kernel",
+    "active_sanitizer",
 ]
 
 _INSTALLED: dict | None = None

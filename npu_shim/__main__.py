@@ -13,7 +13,9 @@ its process, a target module failed to import or the bundle's files differ from 
 sglang is not found; 6 (``status --running``) a running process has a ``failed`` patch or
 processes of the same sglang disagree on a patch's state (npu_shim/running.py); 7 (``status
 --running``) no live process has a state record in the directory (none written, or only stale
-ones); 64 bad usage; 141 the output's reader went away (``| head``).
+ones); 8 (``check``) the NPU software stack is broken: torch_npu is installed but cannot load
+CANN's libraries, so ``import torch`` fails in every process (npu_shim/check.py, torch_problem);
+64 bad usage; 141 the output's reader went away (``| head``).
 """
 
 import argparse
@@ -32,6 +34,7 @@ EXIT_CHECK_FAILED = 4
 EXIT_NO_SGLANG = 5
 EXIT_RUNNING_PROBLEM = 6
 EXIT_NO_RECORDS = 7
+EXIT_NPU_STACK = 8
 EXIT_USAGE = 64
 EXIT_BROKEN_PIPE = 141  # as a shell reports a writer killed by SIGPIPE
 
@@ -135,7 +138,8 @@ def print_status(info):
                             if sg["path"] else "NOT FOUND: no 'sglang' package is importable with "
                                                "this interpreter and PYTHONPATH"))
     out("  wrapt: %s\n" % info["wrapt"]["text"])
-    out("  NPU: checked when sglang is imported (this command imports neither sglang nor torch)\n\n")
+    out("  NPU: checked when sglang is imported (this command imports neither sglang nor torch; "
+        "`check` does)\n\n")
     out("  %-20s %-12s %s\n" % ("patch", "state", "reason"))
     for patch in info["patches"]:
         out("  %-20s %-12s %s\n" % (patch["name"], patch["state"], patch["reason"]))
@@ -263,6 +267,9 @@ def run_check(args):
         check.print_report(report)
     # Not active: no patch was decided, so the strict rule finds nothing and this says 4.
     code = config_exit_code(s["state"] for s in report["states"].values())
+    problem = report.get("torch_problem")
+    if problem and code != EXIT_BAD_ENV:  # nothing could be imported: the one finding that counts
+        return EXIT_NPU_STACK if problem["kind"] == "cann" else EXIT_CHECK_FAILED
     failed_import = any(v not in ("ok", "absent") for v in report["imports"].values())
     if not code and (not report["shim_active"] or failed_import or not report["bundle"]["ok"]):
         return EXIT_CHECK_FAILED

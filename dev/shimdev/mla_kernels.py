@@ -175,8 +175,9 @@ def quant_config(mlaprolog=True, layers=(0,)):
 
 
 def build_attention(model="glm-5", tp=16, layer_id=0, mlaprolog=True, w8a8_attr=None,
-                    w_kc_contiguous=False):
-    """A synthetic MLA attention layer (real tensors) for ``model`` at attention TP size ``tp``."""
+                    w_kc_contiguous=False, alt_stream=False):
+    """A synthetic MLA attention layer (real tensors) for ``model`` at attention TP size ``tp``;
+    ``alt_stream``: the layer has its own side stream, as sglang gives it with dual-stream MLA."""
     c = CONFIGS[model]
     heads = c["heads"] // tp
     m = MLAAttention()
@@ -201,7 +202,7 @@ def build_attention(model="glm-5", tp=16, layer_id=0, mlaprolog=True, w8a8_attr=
         m.w_kc = w_kc.transpose(1, 2).contiguous().transpose(1, 2)
     m.w_vc = w_vc.contiguous().transpose(1, 2).contiguous()
     m.quant_config = quant_config(mlaprolog, layers=(layer_id,))
-    m.alt_stream = None
+    m.alt_stream = torch.npu.Stream() if alt_stream else None
     return m
 
 
@@ -286,6 +287,29 @@ def publish_server_args(role, **fields):
         setattr(args, key, value)
     S.set_global_server_args_for_scheduler(args)
     return args
+
+
+def run_alt_stream_step(model="glm-5", tp=16):
+    """One step of the release's own ``npu_mla_preprocess`` on the non-mlaprolog path with the
+    layer's ``alt_stream`` set.  sglang 0.5.9 - 0.5.23 end that path with
+    ``torch.npu.current_stream().wait_event(m.alt_stream)``: a Stream where torch_npu expects an
+    Event, which raises there.  Returns the error (type, message) and the bytes freed meanwhile."""
+    import importlib
+
+    install()
+    module = importlib.import_module(MLA_NPU)
+    m = build_attention(model, tp, mlaprolog=False, alt_stream=True)
+    weights = (m.fused_qkv_a_proj_with_mqa.weight, m.w_kc)
+    before = sum(w.untyped_storage().nbytes() for w in weights)
+    hidden, positions, batch, context = make_batch(model)
+    error = None
+    try:
+        with context:
+            module.npu_mla_preprocess(m, hidden, positions, batch, None)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = [type(exc).__name__, str(exc)]
+    return {"error": error, "freed": before - sum(w.untyped_storage().nbytes() for w in weights),
+            "built_preprocess": hasattr(m, "mla_preprocess")}
 
 
 def run_layer(model="glm-5", tp=16, steps=2, layer_id=0, hold=None, **build):

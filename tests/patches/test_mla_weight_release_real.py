@@ -71,6 +71,8 @@ out["lora_forced"] = case("decode", args={"enable_lora": True}, force=True)[0]
 out["refit"] = case("decode", args={"load_format": "dummy"})[0]
 out["spec_forced"] = case("decode", args={"speculative_algorithm": "EAGLE"}, force=True)[0]
 out["shared_w_kc"] = case("decode", w_kc_contiguous=True)[0]
+runtime.record("mla_weight_release").process.reset()
+out["alt_stream"] = K.run_alt_stream_step()
 
 def predicate(attr):
     m = K.build_attention("glm-5", 16, w8a8_attr=attr)
@@ -150,6 +152,20 @@ def test_prefill_frees_only_qkv_a_and_null_frees_nothing(scenarios):
     assert prefill["w_kc_type"] == "Tensor"
     assert freed(out["null"]) == (0, 0)
     assert out["null"]["kernels"] == ["npu_mla_prolog_v3", "npu_mla_prolog_v3"]
+
+
+#: What upstream's own npu_mla_preprocess raises on its alt-stream path (0.5.9 - 0.5.23:
+#: ``torch.npu.current_stream().wait_event(m.alt_stream)``; torch_npu's Stream.wait_event calls
+#: ``event.wait(self)``, and a Stream has no wait()).  The same with the patch on and off.
+UPSTREAM_ALT_STREAM_ERROR = ["AttributeError", "'Stream' object has no attribute 'wait'"]
+
+
+def test_upstream_alt_stream_path_fails_the_same_with_the_patch_on(scenarios):
+    """A backport must not make upstream's failure worse: the wrapper lets the same error through,
+    frees nothing on that path, and the next call is upstream's again (test_switch_off_touches_nothing
+    shows the same error with the patch off)."""
+    version, out = scenarios
+    assert out["alt_stream"] == {"error": UPSTREAM_ALT_STREAM_ERROR, "freed": 0, "built_preprocess": True}, version
 
 
 def test_non_mlaprolog_path_frees_nothing(scenarios):
@@ -275,7 +291,7 @@ K.publish_server_args("decode")
 r = K.run_layer("glm-5", 16)
 from sglang.srt.managers import tp_worker as TW
 emit({"state": runtime.states()["mla_weight_release"], "freed": r["freed"],
-      "wrapped": type(N.npu_mla_preprocess).__name__,
+      "alt_stream": K.run_alt_stream_step(), "wrapped": type(N.npu_mla_preprocess).__name__,
       "update_fn": type(TW.BaseTpWorker.__dict__["update_weights_from_disk"]).__name__,
       "has_method": hasattr(P.NPUFusedMLAPreprocess, "uses_mlaprolog")})
 '''
@@ -284,6 +300,7 @@ emit({"state": runtime.states()["mla_weight_release"], "freed": r["freed"],
 def test_switch_off_touches_nothing():
     out = realsglang.run_in_release("0.5.19", SWITCHED_OFF, env={"NPU_SHIM_MLA_WEIGHT_RELEASE": "0"})
     assert out["state"]["state"] == "disabled"
+    assert out["alt_stream"] == {"error": UPSTREAM_ALT_STREAM_ERROR, "freed": 0, "built_preprocess": True}
     assert out["freed"] == {"qkv_a": 0, "w_kc": 0}
     assert out["wrapped"] == "function" and out["has_method"] is False
     assert out["update_fn"] == "function"

@@ -83,7 +83,8 @@ def test_the_layer_holds_the_wheel_s_python_files_unmodified(real_wheel, layer):
         assert (layer / "zbal" / name).read_bytes() == real_wheel[name], name
     others = sorted(p.name for p in (layer / "zbal").iterdir() if p.name not in PY_FILES)
     assert others == [next(n for n in real_wheel if n.endswith(".so"))]  # the same file name
-    assert sorted(p.name for p in layer.iterdir() if p.is_dir()) == ["memfabric-lib", "zbal"]
+    assert sorted(p.name for p in layer.iterdir() if p.is_dir()) == [
+        "memfabric-lib", "memfabric_zbal-1.2.0.dist-info", "zbal"]  # the dist-info as pip installs it
 
 
 def test_the_native_module_offers_exactly_what_the_python_files_import(real_wheel, real_so):

@@ -664,7 +664,7 @@ MEMFABRIC_DIR = "memfabric-lib"
 
 def zbal_layer_dir() -> Path:
     key = {"zbal": ZBAL_PIN, "native": hashlib.sha256(ZBAL_NATIVE_SOURCE.read_bytes()).hexdigest(),
-           "python": _python_tag(), "layout": LAYOUT}
+           "python": _python_tag(), "layout": LAYOUT, "files": list(ZBAL_PY_FILES) + ["dist-info"]}
     return layered_dir() / f"zbal-{ZBAL_PIN.split('==')[1]}-{_digest(key)}"
 
 
@@ -681,9 +681,10 @@ def _compile_zbal_native(out: Path) -> str:
 
 
 def ensure_zbal_layer(*, log=None) -> Path:
-    """``CACHE/layered/zbal-1.2.0-<hash>``: the wheel's zbal/*.py unmodified, and in place of its
-    native ``zbal.cpython-*.so`` the library compiled from ZBAL_NATIVE_SOURCE under the same name
-    (an extension module and an allocator library in one file, as the real one is)."""
+    """``CACHE/layered/zbal-1.2.0-<hash>``: the wheel's zbal/*.py unmodified and its dist-info (as
+    pip installs it: the version is read from there), and in place of its native
+    ``zbal.cpython-*.so`` the library compiled from ZBAL_NATIVE_SOURCE under the same name (an
+    extension module and an allocator library in one file, as the real one is)."""
     import sysconfig
 
     wheel = ensure_zbal_wheel()
@@ -695,6 +696,9 @@ def ensure_zbal_layer(*, log=None) -> Path:
         with zipfile.ZipFile(wheel) as zf:
             for name in ZBAL_PY_FILES:
                 (package / name).write_bytes(zf.read(f"zbal/{name}"))
+            # not its RECORD: that lists the real native library's hash
+            zf.extractall(tmp, [n for n in zf.namelist() if n.split("/")[0].endswith(".dist-info")
+                                and not n.endswith("/RECORD")])
         (tmp / MEMFABRIC_DIR).mkdir()
         command = _compile_zbal_native(package / ("zbal" + sysconfig.get_config_var("EXT_SUFFIX")))
         return {"wheel": wheel.name, "files": list(ZBAL_PY_FILES), "compiled": command}

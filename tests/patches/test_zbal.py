@@ -442,6 +442,17 @@ def test_initialize_without_graphs_inits_after_it(zb, simnpu_clean):
     assert order.index(("attention_backend",)) < order.index(("zbal", "zbal_bootstrap"))
 
 
+def test_mix_mode_without_zbal_s_allocator_says_why(zb, simnpu_clean):
+    """A runner whose process never switched zbal's allocator in (no Scheduler): torch_npu would
+    refuse the swap zbal_init attempts after the weights; the shim names the cause instead."""
+    simzbal.STATE.mix = True
+    with pytest.raises(zp.ZbalError, match="cannot be swapped once used"):
+        FakeRunner(weights_mib=20000).initialize(1.0)
+    assert inits() == [] and simnpu_clean.events("change_allocator") == []
+    with pytest.raises(RuntimeError, match="Can't swap an already initialized allocator"):
+        zb.switch_to_allocator()  # what upstream's zbal_init would have run into
+
+
 def test_lazy_init_failure(zb, simnpu_clean):
     mix_mode_started(zb)
     simzbal.STATE.init_result = False

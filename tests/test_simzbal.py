@@ -14,7 +14,7 @@ from ``simzbal/zbal_native.c`` under the same name.  Checked here:
   each one the real library exports too; Python imports it as ``zbal.zbal`` and ``zbal_module``
   opens the same file;
 * the real ``zbal_init`` / ``switch_to_allocator`` run: the allocator swap through
-  ``NPUPluggableAllocator`` on that library, the five ``set_*_fn`` hooks (eight with
+  ``NPUPluggableAllocator`` on that library, the ``set_*_fn`` hooks (the pool hooks too with
   ``ZBAL_ENABLE_GRAPH=1``), ``set_device``, the bootstrap with the address zbal derives.
 """
 from __future__ import annotations
@@ -158,7 +158,7 @@ def test_zbal_init_runs_the_wheel_s_code(zbal_pkg, simnpu_clean, monkeypatch):
     assert sim.events("set_device") == [("set_device", 3)]
     (boot,) = simzbal.bootstraps()
     assert (boot["world_size"], boot["device_id"], boot["rank_id"], boot["device_mem_size"]) == (8, 3, 3, 16 << 30)
-    assert boot["ip_port"] == "tcp://10.0.0.1:29480" == simzbal.STATE.ip_port  # MASTER_PORT - 20
+    assert boot["ip_port"] == "tcp://10.0.0.1:29480" == simzbal.STATE.ip_port  # derived from MASTER_*
     # the allocator is pluggable now: a second zbal_init does not switch again
     sim.clear_events()
     simzbal.STATE.init_result = False
@@ -182,7 +182,7 @@ def test_zbal_init_without_memfabric_fails_as_the_wheel_does(zbal_pkg, simnpu_cl
     assert simnpu_clean.events() == []
 
 
-def test_graph_mode_sets_eight_hooks():
+def test_graph_mode_also_sets_the_pool_hooks():
     """ZBAL_ENABLE_GRAPH=1 is read when zbal_module is imported: a process of its own."""
     layer = realsglang.sglang_envs.ensure_zbal_layer()
     code = ("from shimdev import simnpu; simnpu.install(); import zbal; zbal.switch_to_allocator(); "

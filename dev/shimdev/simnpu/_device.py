@@ -90,10 +90,8 @@ def _get_device_index(device, optional: bool = False) -> int:
             return device.index
     if isinstance(device, _device_ctx):
         return device.idx
-    if device is None or isinstance(device, torch.device):
-        if optional:
-            return current_device()
-        raise ValueError("Expected a torch.device with a specified index or an integer, but got:{}".format(device))
+    if optional and (device is None or isinstance(device, torch.device)):
+        return current_device()
     raise ValueError("Expected a torch.device with a specified index or an integer, but got:{}".format(device))
 
 
@@ -108,6 +106,11 @@ def is_available() -> bool:
 
 def is_initialized() -> bool:
     return STATE.initialized
+
+
+def _is_in_bad_fork() -> bool:
+    # torch.manual_seed asks this before seeding the privateuse1 device through manual_seed_all
+    return False
 
 
 def init():
@@ -174,7 +177,7 @@ def mem_get_info(device=None):
 
 
 def memory_stats(device=None):
-    # the simulation keeps no allocator statistics: every figure reads 0, as before any allocation
+    # the simulation keeps no allocator statistics: every figure reads as before any allocation
     return collections.OrderedDict(memory_stats_as_nested_dict(device))
 
 
@@ -549,8 +552,9 @@ def _make_module(name: str, attrs: dict, real_names) -> types.ModuleType:
     return m
 
 
-#: What the simulated ``torch.npu`` implements (every name is one of torch_npu.npu's).
-NPU_NAMES = (
+#: What the simulated ``torch.npu`` implements (every name is one of torch_npu.npu's; the private
+#: ones are those torch itself calls on a device module).
+NPU_NAMES = ("_lazy_init", "_is_in_bad_fork",
     "is_available", "is_initialized", "init", "device_count", "current_device", "set_device",
     "get_device_name", "get_device_capability", "synchronize", "empty_cache", "mem_get_info",
     "memory_stats", "memory_stats_as_nested_dict", "memory_allocated", "max_memory_allocated",

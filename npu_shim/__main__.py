@@ -15,7 +15,9 @@ MANIFEST itself missing or broken: then no check process is started); 5 (``statu
 ``check``) no sglang is importable; 6 (``status --running``) a running process has a ``failed``
 patch or processes of the same sglang disagree on a patch's state (npu_shim/running.py); 7
 (``status --running``) no live process has a state record in the directory (none written, or only
-stale ones); 64 bad usage; 141 the output's reader went away (``| head``).
+stale ones); 8 (``check``) the NPU software stack is broken: torch_npu is installed but cannot load
+CANN's libraries, so ``import torch`` fails in every process (npu_shim/check.py, torch_problem);
+64 bad usage; 141 the output's reader went away (``| head``).
 """
 
 import argparse
@@ -34,6 +36,7 @@ EXIT_CHECK_FAILED = 4
 EXIT_NO_SGLANG = 5
 EXIT_RUNNING_PROBLEM = 6
 EXIT_NO_RECORDS = 7
+EXIT_NPU_STACK = 8
 EXIT_USAGE = 64
 EXIT_BROKEN_PIPE = 141  # as a shell reports a writer killed by SIGPIPE
 
@@ -130,7 +133,8 @@ def print_status(info):
                             if sg["path"] else "NOT FOUND: no 'sglang' package is importable with "
                                                "this interpreter and PYTHONPATH"))
     out("  wrapt: %s\n" % info["wrapt"]["text"])
-    out("  NPU: checked when sglang is imported (this command imports neither sglang nor torch)\n\n")
+    out("  NPU: checked when sglang is imported (this command imports neither sglang nor torch; "
+        "`check` does)\n\n")
     out("  %-20s %-12s %s\n" % ("patch", "state", "reason"))
     for patch in info["patches"]:
         out("  %-20s %-12s %s\n" % (patch["name"], patch["state"], patch["reason"]))
@@ -302,6 +306,9 @@ def check_exit_code(report):
     EXIT_CHECK_FAILED when the shim was not active or a target module failed to import."""
     # Not active: no patch was decided, so the strict rule finds nothing and this says 4.
     code = config_exit_code(s["state"] for s in report["states"].values())
+    problem = report.get("torch_problem")
+    if problem and code != EXIT_BAD_ENV:  # nothing could be imported: the one finding that counts
+        return EXIT_NPU_STACK if problem["kind"] == "cann" else EXIT_CHECK_FAILED
     failed_import = any(v not in ("ok", "absent") for v in report["imports"].values())
     if code == EXIT_BAD_ENV:
         return code

@@ -16,6 +16,7 @@ shadows the standard library's in any process it is on ``PYTHONPATH`` of).
 
 import json
 import os
+import re
 import sys
 
 CHILD_TIMEOUT_S = 300
@@ -28,6 +29,50 @@ def _trim(text, limit=300):
 
 
 # -- in the child ---------------------------------------------------------------------------------
+
+# What the dynamic loader says of a library it cannot find (the cause torch chains to its own
+# "Failed to load the backend extension" when torch_npu's C extension cannot load).
+_MISSING_LIBRARY = re.compile(r"(lib[\w.+-]*\.so[\w.]*): cannot open shared object file")
+CANN_FIX = ("source CANN's set_env.sh (e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh) or put "
+            "CANN's lib64 on LD_LIBRARY_PATH; TORCH_DEVICE_BACKEND_AUTOLOAD=0 imports torch without "
+            "torch_npu")
+
+
+def _chain(exc):
+    """``exc`` and the exceptions it was raised from or during, innermost last."""
+    seen = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+def torch_problem():
+    """None when ``import torch`` works.  Else what sglang's first import would die of, in one
+    line: ``kind`` "cann" when torch_npu (loaded by torch's ``torch.backends`` entry point) cannot
+    find a CANN library, naming it and the fix; "torch" for any other failure.  No torch installed
+    at all is None too: the target modules' own imports then say what is missing."""
+    try:
+        import torch  # noqa: F401 - sglang's first import does the same
+    except ModuleNotFoundError as exc:
+        if exc.name == "torch":
+            return None  # no torch at all: the target modules' imports say what is absent
+        return diagnose_torch_error(exc)
+    except BaseException as exc:  # noqa: BLE001 - RuntimeError from the entry point, ImportError, ...
+        return diagnose_torch_error(exc)
+    return None
+
+
+def diagnose_torch_error(exc):
+    """``torch_problem``'s answer for the exception ``import torch`` raised."""
+    error = _trim("%s: %s" % (type(exc).__name__, exc))
+    for link in _chain(exc):
+        found = _MISSING_LIBRARY.search(str(link))
+        if found:
+            return {"kind": "cann", "library": found.group(1), "error": error,
+                    "text": "import torch fails: torch_npu cannot load %s (CANN's libraries are not "
+                            "on the library path); %s" % (found.group(1), CANN_FIX)}
+    return {"kind": "torch", "error": error, "text": "import torch fails: %s" % error}
 
 def _module_version(dist_names, package_dir):
     """A package's installed version: its distribution's metadata, else its version file."""
@@ -169,7 +214,10 @@ def child_main():
     # With NPU_SHIM_ENABLED=0 the watcher is armed only to say "off" at ``import sglang``.
     activated_at_start = ((installer.watcher_armed() or _bootstrap._WATCHER.fired)
                           and not _bootstrap._WATCHER.off)
-    imports = import_target_modules()
+    # Every target module imports torch first: when that fails, the reason is told once and no
+    # module is tried (each would fail the same way, and later ones with Python's own KeyError).
+    broken = torch_problem()
+    imports = import_target_modules() if broken is None else {}
     records = list((runtime._RT.records or {}).values())
     origin = wrapt_loader.loaded_origin() or wrapt_loader.locate()
     from npu_shim.patches import dual_stream_experts
@@ -188,6 +236,7 @@ def child_main():
         "sglang": sglang_facts(),
         "zbal": zbal_facts(),
         "npu": npu_facts(),
+        "torch_problem": broken,
         "kernel": {"ok": kernel is None, "text": "split_qkv_rmsnorm_rope usable" if kernel is None else kernel},
         "seconds": round(time.monotonic() - started, 2),
     }
@@ -237,8 +286,11 @@ def print_report(report):
     out("  bundle: %s\n" % report["bundle"]["text"])
     out("  wrapt: %s\n" % report["wrapt"]["text"])
     npu = report["npu"]
+    problem = report.get("torch_problem")
+    if problem:
+        out("  %s BROKEN: %s\n" % ("NPU stack" if problem["kind"] == "cann" else "torch", problem["text"]))
     out("  torch %s, torch_npu %s, NPU: %s\n" % (
-        npu["torch"] or "not imported",
+        npu["torch"] or ("failed to import" if problem else "not imported"),
         (npu.get("torch_npu_version") or "?") if npu["torch_npu"] else "not installed",
         "%d visible" % npu["npu_count"] if npu["npu_available"] else
         "none visible" + (" (%s)" % npu["npu_error"] if npu.get("npu_error") else "")))
@@ -254,5 +306,7 @@ def print_report(report):
                 out("  %-20s %-12s %s %s\n" % ("", "", "wrapped:" if report["wrapped"].get(target)
                                                else "set:", target))
     if not report["states"]:
-        out("  (no patch was decided: sglang's target modules were not imported with the shim on)\n")
+        out("  (no patch was decided: %s)\n" % (
+            "torch does not import, so no sglang module was tried" if problem else
+            "sglang's target modules were not imported with the shim on"))
     out("\n  %.1f s in the child\n" % report["seconds"])

@@ -5,7 +5,7 @@
   sources with no ``__pycache__`` and ``PYTHONDONTWRITEBYTECODE=1`` (nothing compiled, nothing
   written: a read-only checkout); peak RSS of the child (``os.wait4``);
 * import overhead: the real sglang 0.5.11 target modules imported in a fresh process on the
-  simulated NPU, every patch that applies on (zbal with a size and the fake zbal on PYTHONPATH,
+  simulated NPU, every patch that applies on (zbal with a size and the zbal layer on PYTHONPATH,
   MLA release, multi-stream), with the shim on PYTHONPATH vs without; the median of each
   alternating round's ratio, and the same two processes' instructions under valgrind (cachegrind),
   which do not vary with the machine's speed;
@@ -28,7 +28,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import DEV, FAKE_ZBAL, sglang_envs  # noqa: E402
+from shimdev import DEV, sglang_envs  # noqa: E402
 from shimdev.demo_features import DEMO_ENV  # noqa: E402
 
 IMPORT_RELEASE = "0.5.11"
@@ -251,8 +251,10 @@ def _import_arms():
     code = _IMPORTS.format(release=IMPORT_RELEASE,
                            imports="".join("import %s\n" % m for m in FEATURE_IMPORTS + tuple(modules)))
     trigger = {k: v for k, v in DEMO_ENV.items() if v is not None}  # every patch's trigger set
-    rest = [str(DEV), str(FAKE_ZBAL)] + [str(p) for p in layers]
+    zbal_layer = sglang_envs.ensure_zbal_layer()
+    rest = [str(DEV), str(zbal_layer)] + [str(p) for p in layers]
     argv = [str(rel.python), "-c", code]
+    trigger.update(sglang_envs.zbal_env(zbal_layer))
     return {
         "without": (argv, dict(clean_env(rest), **trigger)),
         "with": (argv, dict(clean_env([REPO] + rest), **trigger)),
@@ -312,7 +314,7 @@ def import_rows(runs, memory_runs, count_instructions=True):
     return [
         {"what": "import overhead: real sglang 0.5.11 target modules, every applicable patch on, shim vs not",
          "how": "wall time of a fresh process that decides from the sglang source (simulated NPU and "
-                "fake zbal in both, zbal's own modules imported in both as the feature itself loads "
+                "the zbal layer in both, zbal's own modules imported in both as the feature itself loads "
                 "them; DEMO_ENV triggers: %s), %d alternating rounds (the order reversed every other "
                 "round): medians, the median of each round's ratio and where the middle half of the "
                 "rounds' ratios lie (this machine's speed varies by ~2 %% from one run to the next)"

@@ -1,4 +1,4 @@
-"""The zbal backport's own cost, side by side in one run (simulated NPU, fake zbal, medians).
+"""The zbal backport's own cost, side by side in one run (simulated NPU, memfabric-zbal's Python layer over its simulated native side, medians).
 
 zbal's wrappers run a handful of times per process (start-up memory queries, one Scheduler, one
 ModelRunner), so what matters is that they add microseconds, not milliseconds, and that deciding
@@ -21,21 +21,23 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import FAKE_ZBAL, sglang_envs  # noqa: E402
+from shimdev import sglang_envs  # noqa: E402
 
 RELEASE = "0.5.11"
 
 
 def _setup():
-    from shimdev import simnpu
+    from shimdev import simnpu, simzbal
 
     if simnpu.installed() is None:
         simnpu.install()
-    if str(FAKE_ZBAL) not in sys.path:
-        sys.path.insert(0, str(FAKE_ZBAL))  # ``import zbal`` gets the fake
-    import zbal
+    layer = sglang_envs.ensure_zbal_layer()
+    if str(layer) not in sys.path:
+        sys.path.insert(0, str(layer))  # ``import zbal``: the wheel's Python layer, simulated native side
+    os.environ.update(sglang_envs.zbal_env(layer))
+    import zbal  # noqa: F401 - the wrapper imports it; loaded here, outside the timed calls
 
-    return sglang_envs, zbal
+    return sglang_envs, simzbal
 
 
 def _original(source_root, name):
@@ -83,14 +85,14 @@ def _rows(envs, zbal, wrapt, framework, SourceView, zp, rounds, calls):
     original = _original(root, "get_available_gpu_memory")
     wrapped = wrapt.FunctionWrapper(original, zp.get_available_gpu_memory)
     result = []
-    zbal.reset_fake()
+    zbal.reset()
     for mode, mix in (("mix", True), ("full", False)):
-        zbal.FAKE.mix = mix
+        zbal.STATE.mix = mix
         plain, patched = [], []
         for _ in range(rounds):  # alternate the arms, one round each
             plain.append(_per_call_us(original, calls, 1))
             patched.append(_per_call_us(wrapped, calls, 1))
-            del zbal.CALLS[:]
+            del zbal.CALLS[:]  # zbal here: shimdev.simzbal, the native side's record
         p, w = statistics.median(plain), statistics.median(patched)
         result.append({
             "what": "get_available_gpu_memory('npu'), %s mode: added per call" % mode,

@@ -8,7 +8,8 @@ with torch, the release's sglang and dependency layers, a wrapt layer), then
 
 1. runs ``python -m npu_shim status`` there with the shim on PYTHONPATH;
 2. starts one Python process there with the shim and the simulated NPU (dev/shimdev/
-   simnpu: torch.npu on the CPU, a fake zbal, pure-torch stand-ins for the NPU kernels), imports
+   simnpu: torch.npu on the CPU; memfabric-zbal's own Python layer over a simulated native
+   library, dev/shimdev/simzbal; pure-torch stand-ins for the NPU kernels), imports
    the real sglang modules and drives each patch on a small synthetic model
    (dev/shimdev/demo_features.py);
 3. prints the patch states in that process and one short summary per feature, checking each
@@ -43,9 +44,10 @@ from shimdev import expected_states  # noqa: E402
 from shimdev import realsglang  # noqa: E402
 
 RULE = "=" * 100
-SIMULATED = ("SIMULATED NPU: torch.npu runs on the CPU (dev/shimdev/simnpu), zbal is a fake "
-             "(dev/shimdev/fake_zbal),\n  NPU kernels are pure-torch stand-ins; the sglang code is "
-             "REAL (release {v}, installed from PyPI wheels).")
+SIMULATED = ("SIMULATED NPU: torch.npu runs on the CPU (dev/shimdev/simnpu), zbal's native library is "
+             "simulated (dev/shimdev/simzbal;\n  its Python layer is memfabric-zbal 1.2.0's own), NPU "
+             "kernels are pure-torch stand-ins; the sglang code is REAL (release {v}, installed from "
+             "PyPI wheels).")
 SNIPPET = "from shimdev import demo_features\nemit(demo_features.run_all({v!r}))\n"
 #: 0.5.11 needs backports of zbal and mla_weight_release and has dual_stream_experts upstream;
 #: 0.5.9 needs all three backported.
@@ -196,26 +198,26 @@ def _arrow(order, names):
 @display("zbal")
 def show_zbal(z, state, version, failures):
     full, init = z["full_order"], z["full_init"]
-    check(full.index("zbal_init") < full.index("body_start") < full.index("alloc"),
+    check(full.index("zbal_bootstrap") < full.index("body_start") < full.index("alloc"),
           f"zbal: full-mode init order {full}", failures)
     check(init["mib"] == 61440 and (init["world_size"], init["rank_id"]) == (4, 3),
           f"zbal: zbal_init arguments {init}", failures)
-    steps = {"zbal_init": f"zbal_init({init['mib']} MiB, rank {init['rank_id']}/{init['world_size']}, "
-                          f"{init['ip_port']})",
-             "switch_to_allocator": "switch_to_allocator", "body_start": "Scheduler body",
+    steps = {"zbal_bootstrap": f"zbal bootstrap({init['mib']} MiB, rank {init['rank_id']}/"
+                               f"{init['world_size']}, {init['ip_port']})",
+             "change_allocator": "allocator swapped to zbal", "body_start": "Scheduler body",
              "alloc": "1st allocation"}
     say(f"  - zbal full mode, Scheduler.__init__: {_arrow(full, steps)}")
     mix = z["mix_order"]
-    check("zbal_init" not in mix and mix.index("switch_to_allocator") < mix.index("body_start")
+    check("zbal_bootstrap" not in mix and mix.index("change_allocator") < mix.index("body_start")
           < mix.index("alloc") and z["mix_allocator"] == "pluggable", f"zbal: mix-mode order {mix}",
           failures)
     say(f"  - zbal mix mode, Scheduler.__init__: {_arrow(mix, steps)} (no heap yet)")
     run = z["runner_order"]
-    check(run.index("attention_backend") < run.index("zbal_init") < run.index("device_graphs_body")
+    check(run.index("attention_backend") < run.index("zbal_bootstrap") < run.index("device_graphs_body")
           and z["heap_mib"] == 12800, f"zbal: lazy heap {z['heap_mib']} MiB, order {run}", failures)
     in_use = z["device_total_mib"] - z["device_free_mib"]
     runner = {"weights": "weights", "kv_cache": "KV cache", "attention_backend": "attn backend",
-              "zbal_init": f"zbal_init(GVA heap {z['heap_mib']} MiB)", "device_graphs_body": "graphs"}
+              "zbal_bootstrap": f"zbal bootstrap(GVA heap {z['heap_mib']} MiB)", "device_graphs_body": "graphs"}
     say(f"    ModelRunner.initialize: {_arrow(run, runner)}")
     say(f"    heap on a simulated 64 GB device with {in_use} MiB in use: 61440 configured - {in_use} = "
         f"{61440 - in_use}, aligned down to 128 MiB")

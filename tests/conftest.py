@@ -1,8 +1,9 @@
 """Session fixtures shared by npu-shim's tests.
 
 * ``dev/`` is put on sys.path: the dev tooling is imported as ``shimdev.<module>`` (simnpu,
-  realsglang, ...; dev/shimdev/__init__.py); ``dev/shimdev/fake_zbal`` only by tests that want
-  ``import zbal`` (fixture ``fake_zbal``).
+  realsglang, ...; dev/shimdev/__init__.py); the zbal layer (memfabric-zbal 1.2.0's own Python
+  files over the simulated native module, shimdev/simzbal) only by tests that want ``import zbal``
+  (fixture ``zbal_pkg``).
 * ``release_venv(version)`` builds/reuses a release's layered environment through
   shimdev.sglang_envs and returns the python that runs it; an environment that cannot be built
   FAILS the test (never skips).
@@ -18,7 +19,7 @@ DEV = Path(__file__).resolve().parent.parent / "dev"
 if str(DEV) not in sys.path:
     sys.path.insert(0, str(DEV))
 
-from shimdev import FAKE_ZBAL, realsglang  # noqa: E402
+from shimdev import realsglang  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -55,14 +56,21 @@ def simnpu_clean(sim):
 
 
 @pytest.fixture(scope="session")
-def fake_zbal(sim):
-    """The fake ``zbal`` package, importable in this process (after simnpu)."""
-    path = str(FAKE_ZBAL)
-    if path not in sys.path:
-        sys.path.insert(0, path)
+def zbal_pkg(sim):
+    """``zbal`` imported in this process (after simnpu): the wheel's Python files from the zbal
+    layer, its native module the simulated one (``shimdev.simzbal`` drives it)."""
+    import os
+
+    try:
+        layer = realsglang.sglang_envs.ensure_zbal_layer()
+    except realsglang.sglang_envs.EnvError as e:
+        pytest.fail(f"could not build the zbal layer: {e}", pytrace=False)
+    if str(layer) not in sys.path:
+        sys.path.insert(0, str(layer))
+    os.environ.update(realsglang.sglang_envs.zbal_env(layer))
     import zbal
 
-    assert getattr(zbal, "FAKE", None) is not None, f"'import zbal' did not give the fake: {zbal!r}"
+    assert Path(zbal.__file__).parent == layer / "zbal", f"'import zbal' did not give the layer's: {zbal!r}"
     return zbal
 
 

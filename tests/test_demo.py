@@ -38,11 +38,11 @@ def test_demo_default_release():
     assert "sglang 0.5.11 has it: glm4_moe runs shared experts through" in out
 
     # (3) one summary per feature, with the numbers the synthetic model gives.
-    assert ("zbal full mode, Scheduler.__init__: zbal_init(61440 MiB, rank 3/4, tcp://10.0.0.1:6789) "
-            "-> switch_to_allocator -> Scheduler body -> 1st allocation") in out
-    assert "zbal mix mode, Scheduler.__init__: switch_to_allocator -> Scheduler body" in out
+    assert ("zbal full mode, Scheduler.__init__: allocator swapped to zbal -> zbal bootstrap(61440 MiB, "
+            "rank 3/4, tcp://10.0.0.1:6789) -> Scheduler body -> 1st allocation") in out
+    assert "zbal mix mode, Scheduler.__init__: allocator swapped to zbal -> Scheduler body" in out
     assert ("ModelRunner.initialize: weights -> KV cache -> attn backend -> "
-            "zbal_init(GVA heap 12800 MiB) -> graphs") in out
+            "zbal bootstrap(GVA heap 12800 MiB) -> graphs") in out
     assert "get_available_gpu_memory = 10.00 GiB" in out and "device alone: 1.00" in out
     assert "get_npu_memory_capacity = 61440 MiB (device alone: 65536)" in out
     assert re.search(r"mla_weight_release: decode role, GLM-5 MLA layer at TP16: released 31\.50 MiB "

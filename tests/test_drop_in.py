@@ -593,7 +593,7 @@ def test_unpacked_or_copied_bundle_starts_from_its_pyc(how, bare_venvs, built_bu
 
 # -- the zbal package check uses ----------------------------------------------------------------------
 
-def test_zbal_api_check_accepts_the_real_wheel_and_the_fake_and_names_what_a_package_lacks(tmp_path):
+def test_zbal_api_check_accepts_the_real_wheel_and_names_what_a_package_lacks(tmp_path):
     import zipfile
 
     from shimdev import realsglang
@@ -601,13 +601,10 @@ def test_zbal_api_check_accepts_the_real_wheel_and_the_fake_and_names_what_a_pac
 
     with zipfile.ZipFile(str(realsglang.sglang_envs.ensure_zbal_wheel())) as wheel:
         wheel.extractall(str(tmp_path / "real"), [n for n in wheel.namelist() if n.startswith("zbal/")])
-    assert zbal_patch.api_problems(str(tmp_path / "real" / "zbal")) == []
-    from shimdev import FAKE_ZBAL
-
-    fake = str(FAKE_ZBAL / "zbal")
-    assert zbal_patch.api_problems(fake) == []
+    real = str(tmp_path / "real" / "zbal")
+    assert zbal_patch.api_problems(real) == []
     broken = tmp_path / "broken"
-    shutil.copytree(fake, str(broken))
+    shutil.copytree(real, str(broken))
     init = (broken / "__init__.py").read_text().replace("from .zbal_module import mem_get_info\n", "")
     (broken / "__init__.py").write_text(init)
     module = (broken / "zbal_module.py").read_text().replace("              ip_port: str = \"\"):", "):")

@@ -1,5 +1,5 @@
 """The state record and the process-tagged log in a real release (0.5.11: real sglang modules,
-simulated NPU, fake zbal): a scheduler process with zbal on in full mode."""
+simulated NPU, zbal's Python layer over its simulated native side): a scheduler process with zbal on in full mode."""
 from __future__ import annotations
 
 import json

@@ -4,7 +4,7 @@ user has it.  One subprocess per release (~10-15 s each, dev/shimdev/import_prob
 everything:
 
 * imports every module a patch targets, with every patch triggered (demo_features.DEMO_ENV: zbal
-  size and bootstrap set, the fake zbal importable, multi-stream on, the fused decode kernel
+  size and bootstrap set, zbal importable (the wheel's Python layer, simulated native side), multi-stream on, the fused decode kernel
   present), so each reaches the state the expected table gives for that release;
 * looks at the loaded modules themselves: which functions are wrapt wrappers (exactly the applied
   patches' targets), and whether the copies other modules took with ``from ... import`` are the

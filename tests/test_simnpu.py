@@ -30,9 +30,9 @@ def test_torch_npu_namespace(simnpu_clean):
 def test_stream_ordering_log(simnpu_clean):
     sim = simnpu_clean
     main = torch.npu.current_stream()
-    assert main.name == "main" and sim.current_stream_name() == "main"
+    assert sim.stream_name(main) == "main" and sim.current_stream_name() == "main"
     side = torch.get_device_module().Stream()
-    assert side.name == "side-1"
+    assert sim.stream_name(side) == "side-1"
     side.wait_stream(main)
     with torch.npu.stream(side):
         assert sim.current_stream_name() == "side-1"
@@ -59,7 +59,7 @@ def test_memory_driving(simnpu_clean):
     sim = simnpu_clean
     sim.set_memory(total_mib=32768, free_mib=1024)
     assert torch.npu.mem_get_info() == (1024 << 20, 32768 << 20)
-    assert torch.npu.memory.mem_get_info() == (1024 << 20, 32768 << 20)
+    assert not hasattr(torch.npu.memory, "mem_get_info")  # torch_npu.npu has it, .memory has not
     sim.set_memory(total_mib=49152)
     assert torch.npu.mem_get_info() == (49152 << 20, 49152 << 20)
     with pytest.raises(ValueError):
@@ -79,16 +79,53 @@ def test_memory_from_env_in_subprocess():
     assert out.stdout.split() == ["4096", "98304"]
 
 
+#: A real library with two real functions: NPUPluggableAllocator opens it as torch_npu does.
+LIBC, MALLOC, FREE = "libc.so.6", "malloc", "free"
+
+
+def pluggable(npu, path=LIBC, alloc=MALLOC, free=FREE):
+    return npu.memory.NPUPluggableAllocator(path, alloc, free)
+
+
 def test_allocator_switch_recorded(simnpu_clean):
     sim = simnpu_clean
     import torch_npu
 
     assert torch.npu.memory.get_allocator_backend() == "native"
-    alloc = torch_npu.npu.memory.NPUPluggableAllocator("/x/lib.so", "my_malloc", "my_free")
-    alloc.allocator().set_init_fn(0)  # accepted and ignored
+    alloc = pluggable(torch_npu.npu)
     torch_npu.npu.memory.change_current_allocator(alloc)
+    alloc.allocator().set_init_fn(0)  # zbal sets its hooks after the swap
     assert torch.npu.memory.get_allocator_backend() == "pluggable"
-    assert sim.events("change_allocator") == [("change_allocator", "/x/lib.so", "my_malloc", "my_free")]
+    assert sim.events("change_allocator") == [("change_allocator", LIBC, MALLOC, FREE)]
+    assert sim.events("allocator_fn") == [("allocator_fn", "set_init_fn")]
+
+
+def test_pluggable_allocator_loads_the_library_and_both_symbols(simnpu_clean):
+    """torch_npu/npu/memory.py: ctypes.CDLL(path), then getattr of each function name."""
+    npu = torch.npu
+    with pytest.raises(OSError):
+        pluggable(npu, path="/x/lib.so")
+    with pytest.raises(AttributeError, match="no_such_malloc"):
+        pluggable(npu, alloc="no_such_malloc")
+    with pytest.raises(AttributeError, match="no_such_free"):
+        pluggable(npu, free="no_such_free")
+    handle = pluggable(npu).allocator()
+    with pytest.raises(AttributeError):
+        handle.set_anything_fn(0)  # only the setters torch_npu's C++ class binds
+    with pytest.raises(TypeError):
+        handle.set_reset_fn(None)  # a function pointer, as pybind11 converts it
+    assert simnpu_clean.events() == []
+
+
+def test_a_second_allocator_swap_is_refused(simnpu_clean):
+    """A pluggable allocator is initialised when created (createCustomAllocator,
+    torch_npu/csrc/npu/NPUPluggableAllocator.cpp), so it can never be swapped out again."""
+    npu = torch.npu
+    npu.memory.change_current_allocator(pluggable(npu))
+    assert not npu.is_initialized()
+    with pytest.raises(RuntimeError, match="Can't swap an already initialized allocator"):
+        npu.memory.change_current_allocator(pluggable(npu))
+    assert len(simnpu_clean.events("change_allocator")) == 1
 
 
 def test_allocation_recording_and_order(simnpu_clean):
@@ -106,8 +143,7 @@ def test_allocation_recording_and_order(simnpu_clean):
     assert b.shape == (2, 3) and d.shape == (4,)
     # After an NPU allocation the allocator can no longer be swapped (as in torch_npu).
     with pytest.raises(RuntimeError, match="already initialized"):
-        torch_npu.npu.memory.change_current_allocator(
-            torch_npu.npu.memory.NPUPluggableAllocator("/x.so", "m", "f"))
+        torch_npu.npu.memory.change_current_allocator(pluggable(torch_npu.npu))
 
 
 def test_allocator_switched_before_first_allocation_is_assertable(simnpu_clean):
@@ -115,8 +151,7 @@ def test_allocator_switched_before_first_allocation_is_assertable(simnpu_clean):
     import torch_npu
 
     with sim.record_allocations():
-        torch_npu.npu.memory.change_current_allocator(
-            torch_npu.npu.memory.NPUPluggableAllocator("/z.so", "m", "f"))
+        torch_npu.npu.memory.change_current_allocator(pluggable(torch_npu.npu))
         torch.empty(8, device="npu")
     kinds = [e[0] for e in sim.EVENTS]
     assert kinds.index("change_allocator") < kinds.index("alloc")
@@ -168,11 +203,14 @@ def test_release_stub_sets():
 
 @pytest.mark.parametrize("first_call", [
     lambda npu: npu.set_device(0), lambda npu: npu.mem_get_info(), lambda npu: npu.synchronize(),
-    lambda npu: npu.current_stream(), lambda npu: npu.Stream(), lambda npu: npu.empty_cache(),
-    lambda npu: npu.init(),
+    lambda npu: npu.current_stream(), lambda npu: npu.Stream(), lambda npu: npu.init(),
+    lambda npu: npu.current_device(), lambda npu: npu.device(0).__enter__(),
+    lambda npu: npu.device(None), lambda npu: npu.stream(None), lambda npu: npu.get_device_name(),
+    lambda npu: npu.reset_peak_memory_stats(),
 ])
 def test_allocator_cannot_be_switched_once_the_device_is_initialised(simnpu_clean, first_call):
-    """As torch_npu: any device call initialises the device, not only the first allocation."""
+    """As torch_npu: every call that runs its _lazy_init (torch_npu/npu/utils.py,
+    __init__.py) -- a device index looked up included -- makes the swap fail afterwards."""
     import torch_npu
 
     npu = torch_npu.npu
@@ -181,4 +219,68 @@ def test_allocator_cannot_be_switched_once_the_device_is_initialised(simnpu_clea
     first_call(npu)
     assert npu.is_initialized()
     with pytest.raises(RuntimeError, match="already initialized"):
-        npu.memory.change_current_allocator(npu.memory.NPUPluggableAllocator("/z.so", "m", "f"))
+        npu.memory.change_current_allocator(pluggable(npu))
+
+
+@pytest.mark.parametrize("call", [
+    lambda npu: npu.empty_cache(), lambda npu: npu.memory_allocated(), lambda npu: npu.max_memory_reserved(),
+    lambda npu: npu.manual_seed(0), lambda npu: npu.device(-1).__enter__(), lambda npu: npu.set_device(-1),
+    lambda npu: npu.get_device_capability(), lambda npu: npu.Event(),
+])
+def test_calls_that_leave_the_device_uninitialised(simnpu_clean, call):
+    """torch_npu/npu/memory.py: empty_cache() does nothing before initialisation, the statistics
+    read 0; seeds are queued; a negative device is a no-op; an event is lazily created."""
+    npu = torch.npu
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("ignore")
+        call(npu)
+    assert not npu.is_initialized()
+    assert simnpu_clean.events() == []
+    npu.memory.change_current_allocator(pluggable(npu))  # the swap still works
+
+
+def test_device_capability_only_when_configured(simnpu_clean, monkeypatch):
+    monkeypatch.delenv("TORCH_NPU_DEVICE_CAPABILITY", raising=False)
+    with pytest.warns(UserWarning, match="TORCH_NPU_DEVICE_CAPABILITY"):
+        assert torch.npu.get_device_capability() is None
+    monkeypatch.setenv("TORCH_NPU_DEVICE_CAPABILITY", "9.0")
+    assert torch.npu.get_device_capability(0) == (9, 0)
+    monkeypatch.setenv("TORCH_NPU_DEVICE_CAPABILITY", "nine")
+    with pytest.warns(UserWarning):
+        assert torch.npu.get_device_capability() is None
+
+
+def test_stream_and_event_are_what_torch_npu_makes(simnpu_clean):
+    s = torch.npu.Stream(device=0, priority=0)
+    assert s.device == torch.device("npu", 0) and isinstance(s.device, torch.device)
+    with pytest.raises(TypeError, match="'name' is an invalid keyword argument"):
+        torch.npu.Stream(name="side")
+    with pytest.raises(TypeError):
+        torch.npu.Event(name="ev")
+    with pytest.raises(RuntimeError, match="get_priority"):
+        s.priority  # noqa: B018 - torch_npu's C++ getter refuses
+    assert "torch_npu" in __import__("sys").modules and __import__("torch_npu").__version__ == "2.13.0"
+
+
+def test_wait_event_given_a_stream_raises_as_on_the_real_stack(simnpu_clean):
+    """torch_npu/npu/streams.py: Stream.wait_event(event) is event.wait(self); a Stream has no
+    wait() (neither torch_npu's Python class nor its C++ base, torch.Stream in torch 2.13)."""
+    main, side = torch.npu.current_stream(), torch.npu.Stream()
+    with pytest.raises(AttributeError, match="'Stream' object has no attribute 'wait'"):
+        main.wait_event(side)
+    assert not hasattr(torch.Stream, "wait")  # the real torch 2.13 base class
+    ev = side.record_event()
+    main.wait_event(ev)
+    assert simnpu_clean.events("wait_event") == [("wait_event", "main", "ev-1")]
+
+
+def test_only_names_of_the_real_module_exist(simnpu_clean):
+    npu = torch.npu
+    with pytest.raises(AttributeError):
+        npu.no_such_function  # noqa: B018
+    with pytest.raises(AttributeError):
+        npu.memory.mem_get_info  # noqa: B018
+    with pytest.raises(AttributeError):
+        npu.config.allow_internal_format  # noqa: B018 - written by sglang, never readable
+    npu.config.allow_internal_format = True
+    assert callable(npu.get_device_properties)  # a real name not simulated: an inert stub

@@ -43,7 +43,7 @@ def test_zbal_size_without_memfabric_zbal_is_failed_and_fails_the_gate(source):
 
 def test_zbal_size_with_the_package_present_is_applied(source):
     proc = status(source, {"SGLANG_ZBAL_LOCAL_MEM_SIZE": "12288"}, "--json",
-                  extra_path=[str(realsglang.FAKE_ZBAL)])
+                  extra_path=[str(realsglang.sglang_envs.ensure_zbal_layer())])
     assert rows(proc)["zbal"]["state"] == "applied" and proc.returncode == 0
 
 

@@ -7,8 +7,9 @@ What lives here (each module says more):
                      the benchmarks;
 * ``realsglang``     run code in a release's environment with the simulated NPU;
 * ``simnpu``         a simulated Ascend NPU (``torch.npu`` on the CPU, a recorded event log);
-* ``fake_zbal/zbal`` memfabric-zbal 1.2.0's Python API, importable as top-level ``zbal`` only where
-                     ``FAKE_ZBAL`` (its directory) is put on the path;
+* ``simzbal``       the native half of memfabric-zbal 1.2.0, simulated (``zbal_native.c`` and the
+                     module it fills); ``import zbal`` gets the wheel's own Python files over it
+                     where the zbal layer (``sglang_envs.ensure_zbal_layer``) is on the path;
 * ``demo_features``  the per-patch drivers of the demo, the import probe and the real-release tests;
 * ``expected_states`` the release table; ``mla_kernels``, ``dual_stream_kernels`` NPU kernel
                      stand-ins; ``import_probe``, ``drop_in_probe`` child-process probes;
@@ -30,5 +31,3 @@ from pathlib import Path
 DEV = Path(__file__).resolve().parent.parent
 #: The repository root.
 REPO = DEV.parent
-#: The directory that makes the fake ``import zbal`` work when put on the path.
-FAKE_ZBAL = Path(__file__).resolve().parent / "fake_zbal"

@@ -67,10 +67,11 @@ DEMO_ENV = _demo_env()
 # ------------------------------------------------------------------------------------ zbal
 
 def zbal_fresh(mix=False, scheduler_started=False):
-    """Reset the patch's per-process state, the simulated device and the fake zbal.
+    """Reset the patch's per-process state, the simulated device and zbal's simulated native side
+    (as a fresh process: torch_npu's native allocator again, swappable once).
     ``scheduler_started``: mix mode as Scheduler.__init__ leaves it for the model runner (zbal's
     allocator switched in before the device is touched; afterwards torch_npu refuses the switch)."""
-    from shimdev import simnpu
+    from shimdev import simnpu, simzbal
     import zbal
     from npu_shim import runtime
 
@@ -78,15 +79,16 @@ def zbal_fresh(mix=False, scheduler_started=False):
     if record is not None and record.process is not None:
         record.process.__init__(record.details)  # a scheduler process sets zbal up once
     simnpu.reset()
-    zbal.reset_fake()
-    zbal.FAKE.mix = mix
+    simzbal.reset()
+    simzbal.STATE.mix = mix
     if scheduler_started:
         zbal.switch_to_allocator()
         simnpu.clear_events()  # the runner's own events start here
 
 
 def event_order():
-    """simnpu.EVENTS as names (zbal calls by their function name)."""
+    """simnpu.EVENTS as names (calls into zbal's native side by their function name:
+    ``zbal_bootstrap`` is what ``zbal_init`` ends in; the allocator swap is ``change_allocator``)."""
     from shimdev import simnpu
 
     return [e[1] if e[0] == "zbal" else e[0] for e in simnpu.EVENTS]
@@ -204,8 +206,7 @@ def stub_model_runner():
 @driver("zbal")
 def zbal_demo():
     """Init order (full / mix mode), the mix-mode lazy heap on a 64 GB device, memory queries."""
-    from shimdev import simnpu
-    import zbal
+    from shimdev import simnpu, simzbal
     import sglang.srt.utils as u
     import sglang.srt.utils.common as common
 
@@ -213,7 +214,7 @@ def zbal_demo():
     zbal_fresh()
     make_scheduler()
     out["full_order"] = event_order()
-    (init,) = [c[1] for c in zbal.CALLS if c[0] == "zbal_init"]
+    (init,) = simzbal.bootstraps()
     out["full_init"] = {k: init[k] for k in ("world_size", "rank_id", "device_id", "ip_port")}
     out["full_init"]["mib"] = init["device_mem_size"] >> 20
     zbal_fresh(mix=True)
@@ -227,14 +228,14 @@ def zbal_demo():
     simnpu.set_memory(total_mib=65536, free_mib=62000)
     Runner(weights=20000, kv=25000).initialize(1.0)
     out["runner_order"] = event_order()
-    (init,) = [c[1] for c in zbal.CALLS if c[0] == "zbal_init"]
+    (init,) = simzbal.bootstraps()
     out["heap_mib"] = init["device_mem_size"] >> 20
     out["device_total_mib"], out["device_free_mib"] = 65536, simnpu.STATE.free_mib
 
     # Full mode: free memory comes from the zbal heap, capacity is the configured size.
     zbal_fresh()
     simnpu.set_memory(total_mib=65536, free_mib=1024)
-    zbal.FAKE.heap_free, zbal.FAKE.heap_total = 10 * GIB + 5 * MIB, 60 * GIB
+    simzbal.STATE.heap_free, simzbal.STATE.heap_total = 10 * GIB + 5 * MIB, 60 * GIB
     out["mem"] = {"avail_gib": u.get_available_gpu_memory("npu", 0),
                   "avail_native_gib": common.get_available_gpu_memory.__wrapped__("npu", 0),
                   "capacity_mib": u.get_npu_memory_capacity(),

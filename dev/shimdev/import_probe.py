@@ -74,15 +74,15 @@ def check_zbal(facts):
     """zbal: init order (full / mix mode) in the real Scheduler.__init__ wrapper and the real
     ModelRunner.initialize body; mix-mode heap size; memory queries through zbal."""
     full = facts["full_order"]
-    assert full.index("zbal_init") < full.index("body_start") < full.index("alloc"), full
+    assert full.index("zbal_bootstrap") < full.index("body_start") < full.index("alloc"), full
     assert facts["full_init"] == {"world_size": 4, "rank_id": 3, "device_id": 0,
                                   "ip_port": "tcp://10.0.0.1:6789", "mib": 61440}, facts["full_init"]
     mix = facts["mix_order"]
-    assert "zbal_init" not in mix and mix.index("switch_to_allocator") < mix.index("body_start"), mix
+    assert "zbal_bootstrap" not in mix and mix.index("change_allocator") < mix.index("body_start"), mix
     assert facts["mix_allocator"] == "pluggable", facts["mix_allocator"]
     runner = facts["runner_order"]  # the release's real ModelRunner.initialize body
     assert runner.index("weights") < runner.index("kv_cache") < runner.index("attention_backend") \
-        < runner.index("zbal_init") < runner.index("device_graphs_body"), runner
+        < runner.index("zbal_bootstrap") < runner.index("device_graphs_body"), runner
     assert facts["heap_mib"] == 12800, facts["heap_mib"]  # 61440 - (65536 - (62000 - 45000)), 128 MiB-aligned
     mem = facts["mem"]
     assert mem["avail_gib"] == (10 * GIB + 5 * MIB) / GIB and mem["avail_native_gib"] == 1.0, mem

@@ -335,6 +335,29 @@ def publish_server_args(role, **fields):
     return args
 
 
+def run_alt_stream_step(model="glm-5", tp=16):
+    """One step of the release's own ``npu_mla_preprocess`` on the non-mlaprolog path with the
+    layer's ``alt_stream`` set.  sglang 0.5.9 - 0.5.23 end that path with
+    ``torch.npu.current_stream().wait_event(m.alt_stream)``: a Stream where torch_npu expects an
+    Event, which raises there.  Returns the error (type, message) and the bytes freed meanwhile."""
+    import importlib
+
+    install()
+    module = importlib.import_module(MLA_NPU)
+    m = build_attention(model, tp, mlaprolog=False, alt_stream=True)
+    weights = (m.fused_qkv_a_proj_with_mqa.weight, m.w_kc)
+    before = sum(w.untyped_storage().nbytes() for w in weights)
+    hidden, positions, batch, context = make_batch(model)
+    error = None
+    try:
+        with context:
+            module.npu_mla_preprocess(m, hidden, positions, batch, None)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = [type(exc).__name__, str(exc)]
+    return {"error": error, "freed": before - sum(w.untyped_storage().nbytes() for w in weights),
+            "built_preprocess": hasattr(m, "mla_preprocess")}
+
+
 def run_layer(model="glm-5", tp=16, steps=2, layer_id=0, hold=None, consume=False, **build):
     """Build a layer, call the real ``npu_mla_preprocess`` ``steps`` times; report the bytes of
     the qkv_a / w_kc storages before and after, the kernels run and what they read.  ``hold(m)``:

@@ -23,7 +23,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from shimdev import DEV, FAKE_ZBAL, REPO, sglang_envs
+from shimdev import DEV, REPO, sglang_envs
 
 
 class ReleaseRunError(AssertionError):
@@ -64,29 +64,37 @@ def release_python(version: str) -> Path:
 
 def release_env(env: dict | None = None, *, version: str | None = None, zbal: bool = False,
                 shim_enabled: bool | None = None, wrapt: str | None = WRAPT_DEFAULT,
-                shim_root: str | os.PathLike = REPO) -> dict:
+                shim_root: str | os.PathLike = REPO, no_cann: bool = False) -> dict:
     """The environment a release subprocess gets: the inherited env, ``PYTHONPATH`` =
-    ``shim_root``, dev/ (shimdev), [fake_zbal], [the wrapt layer], [the release's layers], then
-    the overrides in ``env`` (value None removes a variable).
+    ``shim_root``, dev/ (shimdev), [the zbal layer], [the wrapt layer], [the release's layers],
+    then the overrides in ``env`` (value None removes a variable).
 
     version      -- put that release's layers on PYTHONPATH (building them when missing); None:
                     no sglang (e.g. for a process that must not import it).
     wrapt        -- a wrapt version: its layer is on PYTHONPATH; None: wrapt is not importable
                     (the base environment has none, as a real Ascend image).
     shim_root    -- the directory first on PYTHONPATH in place of the repo root (a built bundle).
+    no_cann      -- the real torch-npu wheel last on PYTHONPATH and no CANN anywhere: an image where
+                    CANN's set_env.sh was not sourced (``import torch`` fails through torch_npu's
+                    ``torch.backends`` entry point).
     """
     e = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
-    path = [str(shim_root), str(DEV)] + ([str(FAKE_ZBAL)] if zbal else [])
+    zbal_layer = sglang_envs.ensure_zbal_layer() if zbal else None
+    path = [str(shim_root), str(DEV)] + ([str(zbal_layer)] if zbal else [])
     if version is not None:
         _, layers = sglang_envs.release_env_paths(version, wrapt=wrapt)
     else:
         layers = [sglang_envs.ensure_wrapt(wrapt)] if wrapt is not None else []
     path += [str(p) for p in layers]
+    if no_cann:
+        path.append(str(sglang_envs.ensure_torch_npu_layer()))
     e["PYTHONPATH"] = os.pathsep.join(path)
     e.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     e["PYTHONHASHSEED"] = "0"
     e.pop("PYTHONUSERBASE", None)
     e["PYTHONNOUSERSITE"] = "1"  # nothing from ~/.local (a wrapt there would defeat wrapt=None)
+    if zbal_layer is not None:
+        e.update(sglang_envs.zbal_env(zbal_layer))
     if shim_enabled is not None:
         e["NPU_SHIM_ENABLED"] = "1" if shim_enabled else "0"
     if env:
@@ -100,7 +108,7 @@ def release_env(env: dict | None = None, *, version: str | None = None, zbal: bo
 
 def release_command(version: str, env: dict | None = None, *, zbal: bool = False,
                     shim_enabled: bool | None = None, wrapt: str | None = WRAPT_DEFAULT,
-                    shim_root: str | os.PathLike = REPO) -> tuple[list[str], dict]:
+                    shim_root: str | os.PathLike = REPO, no_cann: bool = False) -> tuple[list[str], dict]:
     """``(argv prefix, env)`` to run any command in release ``version``, e.g.
     ``argv, env = release_command("0.5.11", wrapt=None)``;
     ``subprocess.run(argv + ["-m", "npu_shim", "status"], env=env)``.  The prefix is
@@ -109,7 +117,7 @@ def release_command(version: str, env: dict | None = None, *, zbal: bool = False
     path: ``from shimdev import simnpu; simnpu.install(release=...)`` where a process needs it)."""
     python = release_python(version)
     return [str(python)], release_env(env, version=version, zbal=zbal, shim_enabled=shim_enabled,
-                                      wrapt=wrapt, shim_root=shim_root)
+                                      wrapt=wrapt, shim_root=shim_root, no_cann=no_cann)
 
 
 def run_in_release(version: str, code: str, env: dict | None = None, timeout: float = 600, *,
@@ -119,7 +127,8 @@ def run_in_release(version: str, code: str, env: dict | None = None, timeout: fl
     """Run ``code`` in sglang ``version``; return what it ``emit()``-ed last (JSON).
 
     env          -- extra/overriding env vars (value None removes one); e.g. SIMNPU_FREE_MIB.
-    zbal         -- put shimdev/fake_zbal on PYTHONPATH (``import zbal`` gets the fake).
+    zbal         -- put the zbal layer on PYTHONPATH (``import zbal``: the wheel's Python files over
+                    the simulated native module, shimdev/simzbal).
     shim_enabled -- set NPU_SHIM_ENABLED to 1/0 (None: inherit).
     install_sim  -- False skips ``simnpu.install()`` (the snippet does it itself).
     wrapt        -- wrapt version on PYTHONPATH (default the pinned one); None: no wrapt at all.

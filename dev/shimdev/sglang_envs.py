@@ -282,26 +282,41 @@ def ensure_sources(version: str, *, strict: bool = True) -> Path:
 
 
 ZBAL_PIN = "memfabric-zbal==1.2.0"
+#: The torch_npu the simulated NPU is held to (tests/test_simnpu_conformance.py reads its Python
+#: files) and the no-CANN environment installs (its C extension cannot load without CANN).
+TORCH_NPU_PIN = "torch-npu==2.13.0"
 
 
-def ensure_zbal_wheel() -> Path:
-    """The real memfabric-zbal wheel in ``CACHE/zbal`` (for reading its sources; never installed)."""
-    d = cache_dir() / "zbal"
-    name, version = ZBAL_PIN.split("==")
+def _ensure_pinned_wheel(pin: str, subdir: str) -> Path:
+    """The wheel of ``pin`` in ``CACHE/<subdir>`` (``pip download --no-deps``, once)."""
+    d = cache_dir() / subdir
+    name, version = pin.split("==")
     pattern = f"{name.replace('-', '_')}-{version}-*.whl"
     hits = sorted(d.glob(pattern))
     if hits:
         return hits[0]
-    with file_lock("zbal-wheel"):
+    with file_lock(f"{subdir}-wheel"):
         hits = sorted(d.glob(pattern))
         if not hits:
             d.mkdir(parents=True, exist_ok=True)
             run(pip(sys.executable, "download", "--no-deps", "--only-binary=:all:", "-d", str(d),
-                      ZBAL_PIN), f"downloading {ZBAL_PIN}")
+                      pin), f"downloading {pin}")
             hits = sorted(d.glob(pattern))
         if not hits:
             raise EnvError(f"pip download reported success but no {pattern} is in {d}")
         return hits[0]
+
+
+def ensure_zbal_wheel() -> Path:
+    """The real memfabric-zbal wheel in ``CACHE/zbal`` (its Python files run in the zbal layer;
+    its native library is never loaded)."""
+    return _ensure_pinned_wheel(ZBAL_PIN, "zbal")
+
+
+def ensure_torch_npu_wheel() -> Path:
+    """The real torch-npu wheel in ``CACHE/torch-npu`` (read by the conformance test, unpacked
+    into the no-CANN layer)."""
+    return _ensure_pinned_wheel(TORCH_NPU_PIN, "torch-npu")
 
 
 # --------------------------------------------------------------------------------------------
@@ -628,9 +643,90 @@ def release_env_paths(version: str, *, wrapt: str | None = WRAPT_DEFAULT, log=No
 
 
 def ensure_all(*, log=None) -> list[ReleaseEnv]:
-    """Every release's layers, the editable install and the default wrapt layer (sequentially)."""
+    """Every release's layers, the editable install, the default wrapt layer, the zbal layer and
+    the no-CANN torch_npu layer (sequentially)."""
     ensure_wrapt(WRAPT_DEFAULT)
+    ensure_zbal_layer(log=log)
+    ensure_torch_npu_layer(log=log)
     return [ensure_release(v, log=log) for v in ALL_RELEASES] + [ensure_editable(log=log)]
+
+
+# -- memfabric-zbal: the wheel's Python files over a simulated native module --------------------------
+
+#: The C source of the simulated native library (dev/shimdev/simzbal/zbal_native.c).
+ZBAL_NATIVE_SOURCE = Path(__file__).resolve().parent / "simzbal" / "zbal_native.c"
+#: The wheel's files the layer takes, byte for byte.
+ZBAL_PY_FILES = ("__init__.py", "zbal_module.py", "zbal_buffer.py", "zbal_utils.py")
+#: The directory MEMFABRIC_HYBRID_LIBRARY_PATH names in the layer (empty: only the native side
+#: would load memfabric from it).
+MEMFABRIC_DIR = "memfabric-lib"
+
+
+def zbal_layer_dir() -> Path:
+    key = {"zbal": ZBAL_PIN, "native": hashlib.sha256(ZBAL_NATIVE_SOURCE.read_bytes()).hexdigest(),
+           "python": _python_tag(), "layout": LAYOUT, "files": list(ZBAL_PY_FILES) + ["dist-info"]}
+    return layered_dir() / f"zbal-{ZBAL_PIN.split('==')[1]}-{_digest(key)}"
+
+
+def _compile_zbal_native(out: Path) -> str:
+    """Build the simulated ``zbal.zbal`` extension and allocator library with the C compiler
+    (``$CC`` or ``cc``) against this interpreter's headers; returns the command line."""
+    import sysconfig
+
+    cc = os.environ.get("CC", "cc")
+    cmd = [cc, "-shared", "-fPIC", "-O1", "-Wall", "-I", sysconfig.get_paths()["include"],
+           "-o", str(out), str(ZBAL_NATIVE_SOURCE)]
+    run(cmd, "compiling the simulated zbal native library")
+    return " ".join(cmd)
+
+
+def ensure_zbal_layer(*, log=None) -> Path:
+    """``CACHE/layered/zbal-1.2.0-<hash>``: the wheel's zbal/*.py unmodified and its dist-info (as
+    pip installs it: the version is read from there), and in place of its native
+    ``zbal.cpython-*.so`` the library compiled from ZBAL_NATIVE_SOURCE under the same name (an
+    extension module and an allocator library in one file, as the real one is)."""
+    import sysconfig
+
+    wheel = ensure_zbal_wheel()
+
+    def build(tmp: Path) -> dict:
+        (log or (lambda s: None))(f"[zbal] {wheel.name}'s Python files + the simulated native library")
+        package = tmp / "zbal"
+        package.mkdir(parents=True)
+        with zipfile.ZipFile(wheel) as zf:
+            for name in ZBAL_PY_FILES:
+                (package / name).write_bytes(zf.read(f"zbal/{name}"))
+            # not its RECORD: that lists the real native library's hash
+            zf.extractall(tmp, [n for n in zf.namelist() if n.split("/")[0].endswith(".dist-info")
+                                and not n.endswith("/RECORD")])
+        (tmp / MEMFABRIC_DIR).mkdir()
+        command = _compile_zbal_native(package / ("zbal" + sysconfig.get_config_var("EXT_SUFFIX")))
+        return {"wheel": wheel.name, "files": list(ZBAL_PY_FILES), "compiled": command}
+
+    return _build_once(zbal_layer_dir(), "layered-zbal", build)
+
+
+def zbal_env(layer: Path) -> dict:
+    """The variables a process using the zbal layer gets (zbal_init reads memfabric's path)."""
+    return {"MEMFABRIC_HYBRID_LIBRARY_PATH": str(layer / MEMFABRIC_DIR)}
+
+
+# -- torch_npu without CANN: the image where set_env.sh was not sourced --------------------------------
+
+def ensure_torch_npu_layer(*, log=None) -> Path:
+    """``CACHE/layered/torch-npu-2.13.0-py3.11``: the real torch-npu wheel unpacked as pip would
+    (``--no-deps --target``; its ``torch.backends`` entry point included).  No CANN exists here, so
+    with this layer on PYTHONPATH ``import torch`` fails as on an image without set_env.sh."""
+    wheel = ensure_torch_npu_wheel()
+    d = layered_dir() / f"torch-npu-{TORCH_NPU_PIN.split('==')[1]}-py{_python_tag()}"
+
+    def build(tmp: Path) -> dict:
+        (log or (lambda s: None))(f"[torch-npu] unpacking {wheel.name} as a layer")
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(tmp)
+        return {"wheel": wheel.name}
+
+    return _build_once(d, "layered-torch-npu", build)
 
 
 # --------------------------------------------------------------------------------------------

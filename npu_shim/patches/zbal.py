@@ -57,6 +57,9 @@ Deliberate differences from upstream 0.5.12 (each a weakness seen in its code):
     * A malformed ``SGLANG_ZBAL_BOOTSTRAP_URL`` or size fails at decision time (the framework reads
       ``reads`` before probing, so this holds on upstream releases too); upstream passes any string.
     * The lazy init runs once per process (upstream asserts); a second runner is skipped.
+    * Mix mode in a process whose allocator is still torch_npu's own when the heap is due (no
+      Scheduler switched zbal's in): ``ZbalError`` saying so; upstream's ``zbal_init`` tries the
+      swap and torch_npu refuses it ("Can't swap an already initialized allocator").
 
 Upstream: sgl-project/sglang#24575, released in 0.5.12 (``hardware_backend/npu/utils.py: init_zbal,
 lazy_init_zbal_gva_mem``).
@@ -267,6 +270,22 @@ def gva_size_mib(configured, world_size, cpu_group):
     return size, in_use_mib, total_mib
 
 
+def require_zbal_allocator():
+    """Mix mode sets the heap up on zbal's allocator, switched in at Scheduler start-up.  Where it is
+    not (a ModelRunner started without sglang's Scheduler, e.g. bench_one_batch), zbal_init would
+    swap allocators now, after the weights: torch_npu refuses that with "Can't swap an already
+    initialized allocator" from inside zbal; say why instead."""
+    import torch
+
+    backend = torch.npu.memory.get_allocator_backend()
+    if backend == "native":
+        raise ZbalError(
+            "zbal mix mode: the GVA heap needs zbal's allocator, switched in before the first NPU "
+            "allocation (at sglang's Scheduler start-up), but this process allocated on torch_npu's "
+            "native allocator, which cannot be swapped once used (a ModelRunner started without "
+            "sglang's Scheduler?); unset SGLANG_ZBAL_LOCAL_MEM_SIZE for this process")
+
+
 def _world_group():
     from sglang.srt.distributed import get_world_group
 
@@ -339,6 +358,7 @@ class ZbalProcess:
         zbal = zbal_module()
         group = _world_group()
         size, in_use, total = gva_size_mib(configured_mib(), group.world_size, group.cpu_group)
+        require_zbal_allocator()
         _call_zbal_init(zbal, group.world_size, runner.gpu_id, group.rank_in_group, size,
                         "mix mode, lazy GVA heap %s" % when)
         self.gva_mib = size

@@ -319,7 +319,7 @@ def test_side_stream_waits_main_runs_work_and_main_waits_side(simnpu_clean):
                             ("wait_stream", "main", "side-1")]
     # One side stream per process, reused; a revert forgets it.
     DS.process_shared_expert(1, lambda x: x)
-    assert len(sim.events("stream_create")) == 1 and DS.get_share_stream().name == "side-1"
+    assert len(sim.events("stream_create")) == 1 and sim.stream_name(DS.get_share_stream()) == "side-1"
     DS.__init__()
     assert DS.get_share_stream() is None
 

@@ -1,5 +1,7 @@
 """zbal backport, unit level: decisions from the real release sources, and every wrapper driven on
-the simulated NPU with the fake zbal (dev/shimdev/fake_zbal).  The sglang objects the wrappers
+the simulated NPU with memfabric-zbal's own Python layer over the simulated native module
+(dev/shimdev/simzbal; its calls are what the tests observe: zbal_init's arguments as the bootstrap
+it hands to the native side).  The sglang objects the wrappers
 receive are small stand-ins here; tests/patches/test_zbal_real.py drives the real classes."""
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from npu_shim.patches import all_variables
 from npu_shim.codeview import SourceView
 from npu_shim.patches import zbal as zp
 
-from shimdev import realsglang
+from shimdev import realsglang, simzbal
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -46,20 +48,24 @@ def view(version):
 
 
 @pytest.fixture
-def zb(simnpu_clean, fake_zbal, monkeypatch):
-    """Fake zbal reset, shim state reset, size 61440 MiB set, no bootstrap URL."""
-    fake_zbal.reset_fake()
+def zb(simnpu_clean, zbal_pkg, monkeypatch):
+    """Simulated native zbal reset, shim state reset, size 61440 MiB set, no bootstrap URL (nor
+    MASTER_ADDR/PORT: zbal then derives tcp://127.0.0.1:6789)."""
+    simzbal.reset()
     PROC.__init__()
     monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", "61440")
-    monkeypatch.delenv("SGLANG_ZBAL_BOOTSTRAP_URL", raising=False)
+    for name in ("SGLANG_ZBAL_BOOTSTRAP_URL", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(zp, "_world_group", lambda: types.SimpleNamespace(
         world_size=1, rank_in_group=0, cpu_group=None))
-    yield fake_zbal
+    yield zbal_pkg
     PROC.__init__()
+    simzbal.reset()
 
 
-def calls(zbal, name=None):
-    return [c for c in zbal.CALLS if name is None or c[0] == name]
+def inits():
+    """zbal_init's arguments, as the bootstrap it handed to the native module carries them."""
+    return simzbal.bootstraps()
 
 
 def wrap_method(cls, name, wrapper):
@@ -83,7 +89,7 @@ def test_size_set_without_memfabric_zbal_is_failed_when_decided(monkeypatch):
 
 
 @pytest.mark.parametrize("version", BACKPORTED)
-def test_applied_on_backport_range_with_every_target(version, fake_zbal):
+def test_applied_on_backport_range_with_every_target(version, zbal_pkg):
     d = framework.decide(zp.PATCH, view(version), environ=ON, on_npu=True)
     assert d.state == framework.APPLIED, d.reason
     described = {t.describe() for t in d.targets}
@@ -223,11 +229,11 @@ def kinds(sim):
 def test_full_mode_zbal_init_before_the_first_allocation(zb, simnpu_clean, positional):
     make_scheduler(simnpu_clean, positional=positional)
     order = kinds(simnpu_clean)
-    assert order.index(("zbal", "zbal_init")) < order.index(("body_start",)) < order.index(("alloc",))
-    (name, args), = calls(zb, "zbal_init")
+    assert order.index(("zbal", "zbal_bootstrap")) < order.index(("body_start",)) < order.index(("alloc",))
+    args, = inits()
     assert (args["world_size"], args["device_id"], args["rank_id"]) == (4, 2, 3)
     assert args["device_mem_size"] == 61440 * MIB
-    assert args["ip_port"] == ""  # not passed: zbal derives it from MASTER_ADDR/PORT
+    assert args["ip_port"] == "tcp://127.0.0.1:6789"  # not passed: zbal derived it (no MASTER_ADDR/PORT)
     assert simnpu_clean.allocator_backend() == "pluggable"  # zbal_init switched it (native before)
     assert PROC.mode == "full" and PROC.gva_mib == 61440
 
@@ -235,23 +241,22 @@ def test_full_mode_zbal_init_before_the_first_allocation(zb, simnpu_clean, posit
 def test_bootstrap_url_is_passed_as_ip_port(zb, simnpu_clean, monkeypatch):
     monkeypatch.setenv("SGLANG_ZBAL_BOOTSTRAP_URL", "tcp://10.0.0.1:6789")
     make_scheduler(simnpu_clean)
-    (_, args), = calls(zb, "zbal_init")
-    assert args["ip_port"] == "tcp://10.0.0.1:6789" and zb.FAKE.ip_port == "tcp://10.0.0.1:6789"
+    args, = inits()
+    assert args["ip_port"] == "tcp://10.0.0.1:6789" == simzbal.STATE.ip_port
 
 
 def test_mix_mode_only_switches_the_allocator_first(zb, simnpu_clean):
-    zb.FAKE.mix = True
+    simzbal.STATE.mix = True
     make_scheduler(simnpu_clean, pp=2)  # pp_size > 1 is fine in mix mode
     order = kinds(simnpu_clean)
-    assert order.index(("zbal", "switch_to_allocator")) < order.index(("change_allocator",)) \
-        < order.index(("body_start",)) < order.index(("alloc",))
-    assert calls(zb, "zbal_init") == []
+    assert order.index(("change_allocator",)) < order.index(("body_start",)) < order.index(("alloc",))
+    assert inits() == []
     assert PROC.mode == "mix" and PROC.gva_mib is None
 
 
 def test_switch_after_an_allocation_would_be_refused(zb, simnpu_clean):
     # Why the order matters: torch_npu refuses to swap the allocator once it allocated.
-    zb.FAKE.mix = True
+    simzbal.STATE.mix = True
     with simnpu_clean.record_allocations():
         torch.empty(1, device="npu")
         with pytest.raises(RuntimeError, match="already initialized allocator"):
@@ -263,12 +268,12 @@ def test_pp_without_mix_mode_is_a_clear_error(zb, simnpu_clean):
         make_scheduler(simnpu_clean, pp=2)
     assert "only zbal mix mode supports pp_size > 1" in str(exc.value)
     assert "pp_size=2" in str(exc.value)
-    assert calls(zb, "zbal_init") == [] and simnpu_clean.events("body_start") == []
+    assert inits() == [] and simnpu_clean.events("body_start") == []
 
 
 def test_init_failure_stops_with_rank_device_size(zb, simnpu_clean, monkeypatch):
     monkeypatch.setenv("SGLANG_ZBAL_BOOTSTRAP_URL", "tcp://10.0.0.1:6789")
-    zb.FAKE.init_result = False
+    simzbal.STATE.init_result = False
     with pytest.raises(zp.ZbalInitError) as exc:
         make_scheduler(simnpu_clean)
     err = exc.value
@@ -283,7 +288,7 @@ def test_init_failure_stops_with_rank_device_size(zb, simnpu_clean, monkeypatch)
 def test_scheduler_setup_once_per_process(zb, simnpu_clean):
     make_scheduler(simnpu_clean)
     make_scheduler(simnpu_clean)
-    assert len(calls(zb, "zbal_init")) == 1
+    assert len(inits()) == 1
 
 
 # -- 2. ModelRunner: lazy GVA heap --------------------------------------------------------------------
@@ -303,6 +308,8 @@ class FakeRunner:
     def initialize(self, pre_model_load_memory):
         from shimdev import simnpu
 
+        if self.device == "npu":
+            torch.npu.set_device(self.gpu_id)  # as init_torch_distributed does before any of this
         self._use(self.weights_mib)
         simnpu.log("weights")
         self._use(self.kv_mib)
@@ -329,7 +336,7 @@ wrap_method(FakeRunner, "init_device_graphs", PROC.model_runner_init_device_grap
 def mix_mode_started(zb):
     """Mix mode as the scheduler leaves it: zbal's allocator switched in before the device was
     touched (the simulated NPU, like torch_npu, refuses the switch afterwards)."""
-    zb.FAKE.mix = True
+    simzbal.STATE.mix = True
     zb.switch_to_allocator()
 
 
@@ -339,9 +346,9 @@ def test_lazy_init_after_attention_backend_before_graph_capture(zb, simnpu_clean
     FakeRunner(weights_mib=20000, kv_mib=25000).initialize(1.0)
     order = kinds(simnpu_clean)
     assert order.index(("kv_cache",)) < order.index(("attention_backend",)) \
-        < order.index(("zbal", "zbal_init")) < order.index(("graph_capture",))
-    assert ("empty_cache",) in order[order.index(("attention_backend",)):order.index(("zbal", "zbal_init"))]
-    (_, args), = calls(zb, "zbal_init")
+        < order.index(("zbal", "zbal_bootstrap")) < order.index(("graph_capture",))
+    assert ("empty_cache",) in order[order.index(("attention_backend",)):order.index(("zbal", "zbal_bootstrap"))]
+    args, = inits()
     in_use = 65536 - (62000 - 45000)
     expected = (61440 - in_use) // 128 * 128
     assert args["device_mem_size"] == expected * MIB
@@ -359,7 +366,7 @@ def test_gva_size_from_the_device_total(zb, simnpu_clean, monkeypatch, total, fr
     monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", str(configured))
     simnpu_clean.set_memory(total_mib=total, free_mib=free)
     FakeRunner().initialize(1.0)
-    (_, args), = calls(zb, "zbal_init")
+    args, = inits()
     assert args["device_mem_size"] == expected * MIB
     assert expected % 128 == 0 and 0 <= configured - (total - free) - expected < 128
     # upstream's fixed 61.2 (GiB) total asks for something else: 2.8 GiB more on a 64 GiB card,
@@ -390,7 +397,7 @@ def test_gva_size_uses_the_largest_in_use_across_ranks(zb, simnpu_clean, monkeyp
 
 
 def test_gva_size_not_positive_is_a_clear_error(zb, simnpu_clean, monkeypatch):
-    zb.FAKE.mix = True
+    simzbal.STATE.mix = True
     monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", "40000")
     simnpu_clean.set_memory(total_mib=65536, free_mib=25600)
     with pytest.raises(zp.ZbalError) as exc:
@@ -399,33 +406,33 @@ def test_gva_size_not_positive_is_a_clear_error(zb, simnpu_clean, monkeypatch):
         "no room for the zbal GVA heap: SGLANG_ZBAL_LOCAL_MEM_SIZE=40000 MiB configured, 39936 MiB "
         "already in use (weights, KV cache, workspace) of the device's 65536 MiB total -> 64 MiB "
         "left (0 after aligning down to 128 MiB)")
-    assert calls(zb, "zbal_init") == [] and simnpu_clean.events("graph_capture") == []
+    assert inits() == [] and simnpu_clean.events("graph_capture") == []
 
 
 def test_lazy_init_once_per_process_and_never_in_a_draft_worker(zb, simnpu_clean):
     mix_mode_started(zb)
     FakeRunner(draft=True).initialize(1.0)
-    assert calls(zb, "zbal_init") == []
+    assert inits() == []
     assert PROC.details.get("draft_worker_skipped") is True
     FakeRunner().initialize(1.0)
     FakeRunner().initialize(1.0)
     FakeRunner(draft=True).initialize(1.0)
-    assert len(calls(zb, "zbal_init")) == 1
+    assert len(inits()) == 1
     assert len(simnpu_clean.events("graph_capture")) == 4
     assert PROC.details["gva_init"] == "before device-graph capture"
 
 
 def test_full_mode_and_other_devices_do_no_lazy_init(zb, simnpu_clean):
-    FakeRunner().initialize(1.0)  # full mode (FAKE.mix False)
-    zb.FAKE.mix = True
+    FakeRunner().initialize(1.0)  # full mode (simzbal.STATE.mix False)
+    simzbal.STATE.mix = True
     FakeRunner(device="cpu").initialize(1.0)
-    assert calls(zb, "zbal_init") == []
+    assert inits() == []
 
 
 def test_graphs_outside_initialize_do_not_init(zb, simnpu_clean):
-    zb.FAKE.mix = True
+    simzbal.STATE.mix = True
     FakeRunner().init_device_graphs()  # e.g. a later re-capture
-    assert calls(zb, "zbal_init") == []
+    assert inits() == []
 
 
 def test_initialize_without_graphs_inits_after_it(zb, simnpu_clean, caplog):
@@ -437,7 +444,7 @@ def test_initialize_without_graphs_inits_after_it(zb, simnpu_clean, caplog):
     with caplog.at_level("INFO", logger="npu_shim"):
         FakeRunner(call_graphs=False).initialize(1.0)
     order = kinds(simnpu_clean)
-    assert order.index(("attention_backend",)) < order.index(("zbal", "zbal_init"))
+    assert order.index(("attention_backend",)) < order.index(("zbal", "zbal_bootstrap"))
     assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("npu_shim")] == [
         ("WARNING", "zbal: ModelRunner.initialize did not reach init_device_graphs; initialising "
                     "the GVA heap after it instead"),
@@ -445,9 +452,20 @@ def test_initialize_without_graphs_inits_after_it(zb, simnpu_clean, caplog):
                  "65536 MiB in use)")]
 
 
+def test_mix_mode_without_zbal_s_allocator_says_why(zb, simnpu_clean):
+    """A runner whose process never switched zbal's allocator in (no Scheduler): torch_npu would
+    refuse the swap zbal_init attempts after the weights; the shim names the cause instead."""
+    simzbal.STATE.mix = True
+    with pytest.raises(zp.ZbalError, match="cannot be swapped once used"):
+        FakeRunner(weights_mib=20000).initialize(1.0)
+    assert inits() == [] and simnpu_clean.events("change_allocator") == []
+    with pytest.raises(RuntimeError, match="Can't swap an already initialized allocator"):
+        zb.switch_to_allocator()  # what upstream's zbal_init would have run into
+
+
 def test_lazy_init_failure(zb, simnpu_clean):
     mix_mode_started(zb)
-    zb.FAKE.init_result = False
+    simzbal.STATE.init_result = False
     with pytest.raises(zp.ZbalInitError) as exc:
         FakeRunner().initialize(1.0)
     assert "zbal_init failed (mix mode, lazy GVA heap before device-graph capture): rank 0 of 1, " \
@@ -491,7 +509,7 @@ def test_available_memory_full_mode_matches_the_original_contract(zb, simnpu_cle
     if kwargs.get("distributed"):
         kwargs = dict(kwargs, cpu_group=cpu_group)
     heap_free = 12345 * MIB + 777
-    zb.FAKE.heap_free, zb.FAKE.heap_total = heap_free, 60 * GIB
+    simzbal.STATE.heap_free, simzbal.STATE.heap_total = heap_free, 60 * GIB
     simnpu_clean.set_memory(total_mib=65536, free_mib=1000)  # device figure must NOT be used
     got = wrapped("npu", 0, **kwargs)
     empties = len(simnpu_clean.events("empty_cache"))
@@ -506,13 +524,14 @@ def test_available_memory_full_mode_matches_the_original_contract(zb, simnpu_cle
         torch.npu.mem_get_info = orig_free
     assert got == expected and type(got) is type(expected)
     assert empties == len(simnpu_clean.events("empty_cache")) == (0 if kwargs.get("empty_cache") is False else 1)
-    assert [c[0] for c in calls(zb, "mem_get_info")] == ["mem_get_info"]
+    # zbal.mem_get_info() reads the heap's statistics afresh for each figure it computes
+    assert len(simzbal.calls("get_heap_stats")) == 3
 
 
 def test_available_memory_positional_arguments(zb, simnpu_clean, cpu_group):
     original = original_function("0.5.11", "get_available_gpu_memory")
     wrapped = wrapt.FunctionWrapper(original, zp.get_available_gpu_memory)
-    zb.FAKE.heap_free = 3 * GIB
+    simzbal.STATE.heap_free = 3 * GIB
     assert wrapped("npu", 0, True, False, cpu_group) == 3.0
     assert simnpu_clean.events("empty_cache") == []
 
@@ -520,10 +539,10 @@ def test_available_memory_positional_arguments(zb, simnpu_clean, cpu_group):
 def test_available_memory_mix_mode_and_other_devices_are_the_original(zb, simnpu_clean):
     original = original_function("0.5.11", "get_available_gpu_memory")
     wrapped = wrapt.FunctionWrapper(original, zp.get_available_gpu_memory)
-    zb.FAKE.mix = True
+    simzbal.STATE.mix = True
     simnpu_clean.set_memory(total_mib=65536, free_mib=4096)
     assert wrapped("npu", 0) == original("npu", 0) == 4.0
-    assert calls(zb, "mem_get_info") == []
+    assert simzbal.calls("get_heap_stats") == []
     seen = []
     passthrough = wrapt.FunctionWrapper(lambda *a, **k: seen.append((a, k)) or 7.0,
                                         zp.get_available_gpu_memory)
@@ -544,7 +563,7 @@ def test_npu_memory_capacity_is_the_configured_size(zb, simnpu_clean, monkeypatc
     simnpu_clean.set_memory(total_mib=65536)
     assert original() == 65536
     assert wrapped() == 61440
-    zb.FAKE.mix = True
+    simzbal.STATE.mix = True
     assert wrapped() == 61440  # upstream: whatever the mode
     monkeypatch.setitem(__import__("sys").modules, "torch_npu", None)
     with pytest.raises(ImportError, match="torch_npu is required when run on npu device."):
@@ -673,7 +692,7 @@ def test_scheduler_signature_of_0_5_7(zb, simnpu_clean):
     assert params == zp.SCHEDULER_INIT_SIGS[0]
     wrap_method(FakeScheduler057, "__init__", PROC.scheduler_init_wrapper(params))
     FakeScheduler057(server_args(tp=8), None, 5, 6, 0, 0, None)
-    (_, args), = calls(zb, "zbal_init")
+    args, = inits()
     assert (args["world_size"], args["device_id"], args["rank_id"]) == (8, 5, 6)
 
 
@@ -743,7 +762,7 @@ def state_dir(tmp_path, monkeypatch):
 
 
 def test_the_record_carries_the_lazy_heap_once_it_is_set_up(zb, simnpu_clean, state_dir):
-    zb.FAKE.mix = True
+    simzbal.STATE.mix = True
     make_scheduler(simnpu_clean)  # mix mode: the allocator only; written at once
     assert state_dir() == {"mode": "mix", "allocator": "zbal (GVA heap after the KV cache)"}
     simnpu_clean.set_memory(total_mib=65536, free_mib=30000)

@@ -1,4 +1,5 @@
-"""zbal backport inside the real sglang releases (their venvs, simulated NPU, fake zbal).
+"""zbal backport inside the real sglang releases (their venvs, simulated NPU, memfabric-zbal's own
+Python layer over its simulated native module).
 
 0.5.9 and 0.5.11 (backported): one subprocess each drives the real wrapped objects --
 ``Scheduler.__init__`` with its body replaced by a recording stub (the real one needs a model and
@@ -19,7 +20,7 @@ ENV = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": "61440", "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp:
 
 BACKPORT_SNIPPET = r'''
 import os, sys, types, torch, wrapt, zbal
-from shimdev import simnpu
+from shimdev import simnpu, simzbal
 import sglang.srt.utils as u
 import sglang.srt.utils.common as common
 import sglang.srt.managers.scheduler as sch
@@ -52,7 +53,7 @@ out["wrapped"] = {
 # -- 3./4. memory queries ---------------------------------------------------------------------------
 fresh()
 simnpu.set_memory(total_mib=65536, free_mib=1024)
-zbal.FAKE.heap_free, zbal.FAKE.heap_total = 10 * GIB + 5 * MIB, 60 * GIB
+simzbal.STATE.heap_free, simzbal.STATE.heap_total = 10 * GIB + 5 * MIB, 60 * GIB
 native = common.get_available_gpu_memory.__wrapped__
 mem = {"full": u.get_available_gpu_memory("npu", 0), "native": native("npu", 0),
        "full_no_empty_cache_events": None}
@@ -63,7 +64,7 @@ import torch.distributed as dist
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 mem["full_distributed"] = u.get_available_gpu_memory("npu", 0, distributed=True, cpu_group=dist.group.WORLD)
 dist.destroy_process_group()
-zbal.FAKE.mix = True
+simzbal.STATE.mix = True
 mem["mix"] = u.get_available_gpu_memory("npu", 0)
 mem["capacity"] = u.get_npu_memory_capacity()
 mem["capacity_native"] = common.get_npu_memory_capacity.__wrapped__()
@@ -99,14 +100,14 @@ sched = {}
 fresh()
 make_scheduler()
 sched["full_order"] = order()
-sched["full_init"] = [c[1] for c in zbal.CALLS if c[0] == "zbal_init"]
+sched["full_init"] = simzbal.bootstraps()
 fresh(mix=True)
 make_scheduler(pp=2)
 sched["mix_order"] = order()
 sched["mix_allocator"] = simnpu.allocator_backend()
 for name, knobs in (("pp", dict(pp=2)), ("init_false", {})):
     fresh()
-    zbal.FAKE.init_result = name != "init_false"
+    simzbal.STATE.init_result = name != "init_false"
     try:
         make_scheduler(**knobs)
         sched[name] = None
@@ -122,17 +123,17 @@ fresh(mix=True, scheduler_started=True)
 runner["draft_calls"] = None
 simnpu.set_memory(total_mib=65536, free_mib=62000)
 Runner(draft=True).initialize(1.0)
-runner["draft_calls"] = [c[0] for c in zbal.CALLS if c[0] == "zbal_init"]
+runner["draft_calls"] = simzbal.bootstraps()
 runner["draft_order"] = order()
 simnpu.clear_events()
 Runner(weights=20000, kv=25000).initialize(1.0)
 runner["order"] = order()
-runner["init"] = [c[1] for c in zbal.CALLS if c[0] == "zbal_init"]
+runner["init"] = simzbal.bootstraps()
 Runner().initialize(1.0)  # a second runner in the process: no second heap
-runner["inits_after_second"] = len([c for c in zbal.CALLS if c[0] == "zbal_init"])
+runner["inits_after_second"] = len(simzbal.bootstraps())
 fresh(mix=False)
 Runner(weights=20000, kv=25000).initialize(1.0)
-runner["full_mode_inits"] = len([c for c in zbal.CALLS if c[0] == "zbal_init"])
+runner["full_mode_inits"] = len(simzbal.bootstraps())
 fresh(mix=True, scheduler_started=True)
 os.environ["SGLANG_ZBAL_LOCAL_MEM_SIZE"] = "40000"
 simnpu.set_memory(total_mib=65536, free_mib=62000)
@@ -206,13 +207,13 @@ def check_backport(version, out):
 
     sched = out["scheduler"]
     full = sched["full_order"]
-    assert full.index("zbal_init") < full.index("body_start") < full.index("alloc")
+    assert full.index("zbal_bootstrap") < full.index("body_start") < full.index("alloc")
     (init,) = sched["full_init"]
     assert (init["world_size"], init["device_id"], init["rank_id"]) == (4, 0, 3)
     assert init["device_mem_size"] == 61440 << 20 and init["ip_port"] == "tcp://10.0.0.1:6789"
     mix = sched["mix_order"]
-    assert "zbal_init" not in mix and sched["mix_allocator"] == "pluggable"
-    assert mix.index("switch_to_allocator") < mix.index("body_start") < mix.index("alloc")
+    assert "zbal_bootstrap" not in mix and sched["mix_allocator"] == "pluggable"
+    assert mix.index("change_allocator") < mix.index("body_start") < mix.index("alloc")
     assert sched["pp"][0] == "ZbalError" and "only zbal mix mode supports pp_size > 1" in sched["pp"][1]
     assert sched["pp"][2] is False
     name, message, body_ran = sched["init_false"]
@@ -225,7 +226,7 @@ def check_backport(version, out):
     assert runner["draft_order"] == ["weights", "kv_cache", "attention_backend", "device_graphs_body"]
     o = runner["order"]
     assert o.index("weights") < o.index("kv_cache") < o.index("attention_backend") \
-        < o.index("zbal_init") < o.index("device_graphs_body")
+        < o.index("zbal_bootstrap") < o.index("device_graphs_body")
     (init,) = runner["init"]
     in_use = 65536 - (62000 - 45000)
     assert init["device_mem_size"] == (61440 - in_use) // 128 * 128 << 20 == 12800 << 20
@@ -285,6 +286,7 @@ def test_zbal_missing_stops_at_the_first_import(release_venv):
 
 UPSTREAM_SNIPPET = r'''
 import wrapt, zbal
+from shimdev import simzbal
 import sglang.srt.utils as u
 import sglang.srt.managers.scheduler as sch
 import sglang.srt.model_executor.model_runner as mr
@@ -300,7 +302,7 @@ emit({
                 w(ps.init_distributed_environment)],
     "own": [hasattr(sch.Scheduler, "init_zbal_on_npu"), hasattr(npu_utils, "init_zbal"),
             hasattr(npu_utils, "lazy_init_zbal_gva_mem")],
-    "calls": list(zbal.CALLS),
+    "calls": list(simzbal.CALLS),
 })
 '''
 

@@ -11,20 +11,23 @@ Call ``simnpu.install(release=...)`` before the first sglang import.  Afterwards
 * the stub packages a release imports (``torch_npu``, ``torchair``, ``sgl_kernel_npu``, ``triton``,
   ``torchvision``, and ``sgl_kernel`` / ``acl`` where needed) are importable;
 * every stream / event / device / allocator action is appended to ``EVENTS`` (one ordered log,
-  shared with the fake zbal):
+  shared with zbal's simulated native side, shimdev.simzbal):
 
   ``("set_device", i)``, ``("synchronize", i)``, ``("empty_cache",)``,
   ``("stream_create", name)``, ``("stream_enter", name)``, ``("stream_exit", name)``,
   ``("set_stream", name)``, ``("wait_stream", waiter, waited)``, ``("wait_event", stream, ev)``,
   ``("event_record", ev, stream)``, ``("event_sync", ev)``, ``("stream_sync", name)``,
-  ``("change_allocator", so_path, malloc_name, free_name)``, ``("alloc", shape, device)``,
-  ``("zbal", fn_name, bound_kwargs)`` (fake zbal).
+  ``("change_allocator", so_path, malloc_name, free_name)``, ``("allocator_fn", set_name)`` (a
+  ``set_*_fn`` call on the pluggable allocator), ``("alloc", shape, device)``,
+  ``("zbal", native_fn_name, fields)`` (the simulated native zbal, shimdev.simzbal).
 
-Streams are named "main" (default stream of device 0), then "side-1", "side-2", ...; events
-"ev-1", ...  Nothing here runs asynchronously; nothing is timed.  ``with simnpu.sanitize() as
+Streams are named "main" (default stream of device 0), then "side-1", "side-2", ... (``stream_name(s)``);
+events "ev-1", ...  Nothing here runs asynchronously; nothing is timed.  ``with simnpu.sanitize() as
 san:`` follows what the streams may do at the same time on a device and reports data races and
 unsafe block reuse (``_sanitizer.py``); ``declare_kernel(schema, source)`` gives a stand-in kernel
-the reads and writes of the real op it stands for.
+the reads and writes of the real op it stands for.  The namespace is held to torch-npu 2.13.0
+(``_device.py``; tests/test_simnpu_conformance.py): it initialises the device, refuses allocator
+swaps and rejects stream arguments where torch_npu does.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import os
 import sys
 
 from . import _device, _stubs
-from ._device import STATE, mem_get_info, set_memory  # noqa: F401
+from ._device import STATE, mem_get_info, set_memory, stream_name  # noqa: F401
 from ._log import EVENTS, clear_events, log  # noqa: F401
 from ._stubs import STUB_IMPORTS, StubValue  # noqa: F401
 from ._sanitizer import active as active_sanitizer, declare_kernel, sanitize  # noqa: F401
@@ -41,8 +44,8 @@ from ._sanitizer import active as active_sanitizer, declare_kernel, sanitize  # 
 __all__ = [
     "install", "installed", "reset", "set_memory", "mem_get_info", "EVENTS", "clear_events",
     "events", "current_stream_name", "record_allocations", "add_stub", "remove_stub",
-    "stubbed_roots", "STUB_IMPORTS", "StubValue", "allocator_backend", "sanitize", "declare_kernel",
-    "active_sanitizer",
+    "stubbed_roots", "STUB_IMPORTS", "StubValue", "allocator_backend", "stream_name", "sanitize",
+    "declare_kernel", "active_sanitizer",
 ]
 
 _INSTALLED: dict | None = None
@@ -156,7 +159,7 @@ def events(kind: str | None = None) -> list[tuple]:
 
 def current_stream_name() -> str:
     """Name of the stream code is running on now ("main", "side-1", ...)."""
-    return _device.current_stream().name
+    return _device.current_stream_name()
 
 
 def allocator_backend() -> str:

@@ -1,4 +1,4 @@
-"""The one ordered event log shared by the simulated NPU and the fake zbal."""
+"""The one ordered event log shared by the simulated NPU and zbal's simulated native side."""
 from __future__ import annotations
 
 import threading

@@ -32,9 +32,6 @@ do at the same time on a device::
   allocation, the unwaited use, the free and the new allocation.  A free is the storage's death
   (its last tensor gone) or ``untyped_storage().resize_`` to fewer bytes (how sglang releases
   weights).
-* Misuse.  ``stream.wait_event(a_stream)`` is reported (``not-an-event``): torch-npu's
-  ``Stream.wait_event`` calls ``event.wait(self)`` and a Stream has no ``wait``, so on a device
-  it raises; whatever the simulated NPU does with it, no edge is made.
 
 Tensors that existed before the sanitizer started count as allocated on the device's default
 stream (where sglang loads weights).  Storages are whole blocks: two streams writing disjoint
@@ -143,7 +140,7 @@ class Block:
 
 class Report:
     """One finding: ``kind`` is read-after-write, write-after-read, write-after-write,
-    unsafe-reuse, not-an-event or stand-in-mismatch; ``streams``, ``ops`` and ``sites`` (strings)
+    unsafe-reuse or stand-in-mismatch; ``streams``, ``ops`` and ``sites`` (strings)
     name who did what where; ``count`` how often the same finding recurred."""
 
     def __init__(self, kind, message, streams=(), ops=(), sites=()):
@@ -255,7 +252,7 @@ def _stream_name(get):
     state = _device.STATE
     was = getattr(state, "initialized", None)
     try:
-        return get().name
+        return _device.stream_name(get())
     finally:
         if was is not None:
             state.initialized = was
@@ -517,18 +514,6 @@ class Sanitizer:
             with self.lock:
                 handler(self, *event[1:])
 
-    def _wait_event(self, stream, event):
-        if event in self.clocks.streams and event not in self.clocks.events:
-            site = _site()
-            self.report("not-an-event",
-                        "%s.wait_event() was given the stream %s, not an event, at %s: torch-npu's "
-                        "Stream.wait_event calls event.wait(stream), which a Stream does not have "
-                        "(AttributeError on a device); no wait is made"
-                        % (stream, event, format_site(site)),
-                        streams=(stream, event), sites=(format_site(site, 1),))
-            return
-        self.clocks.wait_event(stream, event)
-
     def _empty_cache(self):
         # Cached blocks go back to the driver, which synchronises before freeing device memory.
         self.pools.clear()
@@ -570,7 +555,7 @@ class Sanitizer:
 
         def record_stream(tensor, stream):
             if isinstance(stream, _device.Stream):
-                self.record_stream(tensor, stream.name)
+                self.record_stream(tensor, _device.stream_name(stream))
                 return None
             return real_record(tensor, stream)
 
@@ -605,7 +590,7 @@ _EVENT_HANDLERS = {
     "set_stream": lambda san, name: san.clocks.of(name),
     "wait_stream": lambda san, waiter, waited: san.clocks.wait_stream(waiter, waited),
     "event_record": lambda san, event, stream: san.clocks.record(event, stream),
-    "wait_event": lambda san, stream, event: san._wait_event(stream, event),
+    "wait_event": lambda san, stream, event: san.clocks.wait_event(stream, event),
     "stream_sync": lambda san, name: san.clocks.host_waits(san.clocks.of(name)),
     "event_sync": lambda san, event: san.clocks.host_waits(san.clocks.events.get(event, {})),
     "synchronize": lambda san, device: san.clocks.sync_device(),

@@ -229,5 +229,5 @@ def absent_for(release: str | None) -> set[str]:
     return absent
 
 
-VERSIONS = {"cutlass": "4.5.2", "cuda": "13.0.0", "triton": "3.4.0", "torch_npu": "2.8.0.post1", "torchvision": "0.28.0",
+VERSIONS = {"cutlass": "4.5.2", "cuda": "13.0.0", "triton": "3.4.0", "torch_npu": "2.13.0", "torchvision": "0.28.0",
             "torchair": "0.1", "sgl_kernel_npu": "2026.1.0", "sgl_kernel": "0.3.20", "acl": "0"}

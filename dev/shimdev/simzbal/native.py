@@ -1,0 +1,181 @@
+"""What the simulated ``zbal.zbal`` extension module holds (zbal_native.c calls ``populate``).
+
+Names and call shapes are those the wheel's Python files use (tests/test_simzbal.py checks that
+they import nothing else and that each name is a registered string of the real native module);
+the behaviour is driven by ``shimdev.simzbal.STATE``.
+"""
+from __future__ import annotations
+
+import enum
+import sys
+import types
+
+from shimdev import simzbal
+
+
+class ZBALBootstrapType(enum.IntEnum):
+    BOOT_BY_MEMFABRIC = 0
+    BOOT_BY_BUTT = 1
+
+
+class ZBALBootstrapOption:
+    """A bound C struct: only its fields can be set, as pybind11 allows."""
+
+    __slots__ = tuple(simzbal.BOOTSTRAP_FIELDS)
+
+    def __init__(self):
+        for name in self.__slots__:
+            setattr(self, name, 0)
+        self.ipPort = ""
+        self.btType = ZBALBootstrapType.BOOT_BY_MEMFABRIC
+
+    def fields(self):
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def zbal_version():
+    return simzbal.STATE.version
+
+
+def zbal_bootstrap(opt):
+    simzbal.record("zbal_bootstrap", opt.fields())
+    simzbal.STATE.initialized = bool(simzbal.STATE.init_result)
+    simzbal.STATE.ip_port = opt.ipPort
+    return 0 if simzbal.STATE.init_result else -1
+
+
+def zbal_unbootstrap(flags=0):
+    simzbal.record("zbal_unbootstrap", {"flags": flags})
+    simzbal.STATE.initialized = False
+    return 0
+
+
+def zbal_comm_destroy_all(flags=0):
+    simzbal.record("zbal_comm_destroy_all", {"flags": flags})
+    return 0
+
+
+def zbal_set_logger_level(level):
+    simzbal.record("zbal_set_logger_level", {"level": level})
+
+
+class ProcessGroupZBAL:
+    """The c10d backend class zbal registers for "npu"; no collective is simulated."""
+
+    class Options:
+        def __init__(self):
+            self.is_high_priority_stream = False
+            self.op_timeout = None
+            self.global_ranks_in_group = []
+            self.group_id = ""
+
+    def __init__(self, store, rank, size, options=None):
+        self.store, self._rank, self._size, self.options = store, rank, size, options
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+    def get_zbal_comm_name(self):
+        return "zbal_comm_%d_%d" % (self._rank, self._size)
+
+    def init_zbal_comm_meta(self):
+        return None
+
+
+# -- zbal.zbal.allocator ---------------------------------------------------------------------------
+
+def get_heap_stats():
+    """(used bytes, total bytes) of the heap: zbal.mem_get_info() turns it into (free, total)."""
+    state = simzbal.STATE
+    simzbal.record("get_heap_stats")
+    return state.heap_total - state.heap_free, state.heap_total
+
+
+def is_mix_alloc():
+    simzbal.record("is_mix_alloc")
+    return bool(simzbal.STATE.mix)
+
+
+def simulate_init(*args):
+    simzbal.record("simulate_init", {"args": args})
+
+
+def record_memory_history(*args):
+    simzbal.record("record_memory_history", {"args": args})
+
+
+def dump_snapshot(*args):
+    simzbal.record("dump_snapshot", {"args": args})
+
+
+# -- zbal.zbal.deepep_adaptor ------------------------------------------------------------------------
+
+class Config:
+    def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6, num_max_nvl_chunked_recv_tokens=256,
+                 num_max_rdma_chunked_send_tokens=6, num_max_rdma_chunked_recv_tokens=128):
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+    def __eq__(self, other):
+        return isinstance(other, Config) and vars(self) == vars(other)
+
+
+class EventHandle:
+    def current_stream_wait(self):
+        return None
+
+
+def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
+    return num_max_dispatch_tokens_per_rank * hidden * num_ranks * 2 * 2
+
+
+class Buffer:
+    """The runtime behind zbal_buffer.Buffer: constructed, but its kernels need a device."""
+
+    def __init__(self, rank, group_size, num_nvl_bytes, num_rdma_bytes, low_latency_mode, group_name):
+        simzbal.record("deepep_buffer", {"rank": rank, "group_size": group_size, "group_name": group_name})
+        self.rank, self.group_size = rank, group_size
+
+    def get_num_rdma_ranks(self):
+        return 1
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def not_simulated(*args, **kwargs):
+            raise NotImplementedError("simulated zbal: deepep_adaptor.Buffer.%s needs a device" % name)
+        return not_simulated
+
+
+# -- the module --------------------------------------------------------------------------------------
+
+MODULE_NAMES = ("ZBALBootstrapType", "ZBALBootstrapOption", "zbal_version", "zbal_bootstrap",
+                "zbal_unbootstrap", "zbal_comm_destroy_all", "zbal_set_logger_level", "ProcessGroupZBAL")
+ALLOCATOR_NAMES = ("get_heap_stats", "is_mix_alloc", "simulate_init", "record_memory_history",
+                   "dump_snapshot")
+DEEPEP_NAMES = ("Config", "EventHandle", "Buffer", "get_low_latency_rdma_size_hint")
+
+
+def _submodule(parent, leaf, names):
+    """A pybind11-style submodule, registered in sys.modules so ``from zbal.zbal.<leaf> import x``
+    works although zbal.zbal is no package."""
+    module = types.ModuleType("%s.%s" % (parent.__name__, leaf))
+    for name in names:
+        setattr(module, name, globals()[name])
+    setattr(parent, leaf, module)
+    sys.modules[module.__name__] = module
+    return module
+
+
+def populate(module):
+    for name in MODULE_NAMES:
+        setattr(module, name, globals()[name])
+    _submodule(module, "allocator", ALLOCATOR_NAMES)
+    _submodule(module, "deepep_adaptor", DEEPEP_NAMES)

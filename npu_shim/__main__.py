@@ -5,19 +5,8 @@ read from disk), torch or wrapt; ``check`` runs it in a child process and report
 happened (npu_shim/check.py); ``bundle`` builds the directory to mount into an image
 (npu_shim/bundle.py).
 
-Exit codes: 0 fine; 1 ``bundle`` failed or refused its target (130 / 143: stopped by SIGINT /
-SIGTERM); 2 an environment variable is invalid, or an ``NPU_SHIM_*`` name is one the shim does not
-read (a typo); 3 a server would stop at import: strict mode is on and a patch would end
-``unsupported`` or ``failed``, or a patch the job asks for explicitly (zbal with a size) cannot
-apply; 4 ``check`` could not run, the shim was not active in its process, a target module failed
-to import, or the bundle does not match its MANIFEST (a file missing, changed or extra, or the
-MANIFEST itself missing or broken: then no check process is started); 5 (``status`` and
-``check``) no sglang is importable; 6 (``status --running``) a running process has a ``failed``
-patch or processes of the same sglang disagree on a patch's state (npu_shim/running.py); 7
-(``status --running``) no live process has a state record in the directory (none written, or only
-stale ones); 8 (``check``) the NPU software stack is broken: torch_npu is installed but cannot load
-CANN's libraries, so ``import torch`` fails in every process (npu_shim/check.py, torch_problem);
-64 bad usage; 141 the output's reader went away (``| head``).
+Exit codes: the ``EXIT_*`` constants below; what each one means for each command is listed once,
+in docs/operations.md ("Exit codes"), and tests/test_readme.py holds that list to these constants.
 """
 
 import argparse

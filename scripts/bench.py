@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""All benchmarks in one table: `python3 scripts/bench.py [--quick] [--write-readme]`.
+"""All benchmarks in one table: `python3 scripts/bench.py [--quick] [--write-docs]`.
 
 Each row is measured side by side in this one run (ratios of medians over alternating runs; these
 machines are noisy) by the script named in the row; the rows are declared in
@@ -8,8 +8,8 @@ itself in the test runner's venv, built by the same code the test command uses
 (dev/shimdev/runner.py); the release environments it needs are built like the tests' (shimdev).
 A missed target says MISSED; a row that cannot be measured here says "not measured: why"; a
 benchmark that fails gives each of its rows a one-line "not measured: ... failed: ..." cell, and
-the exit status is then 1.  ``--write-readme`` writes the table of this run into README.md's
-Performance section (between the bench-table markers).
+the exit status is then 1.  ``--write-docs`` (formerly ``--write-readme``) writes the table of
+this run into docs/performance.md (between the bench-table markers, ``bench_rows.DOC``).
 """
 
 import argparse
@@ -68,13 +68,14 @@ def collect(quick, only=None, log=print):
     return bench_rows.collect(chosen, log=log)
 
 
-def write_readme(table, header):
-    path = os.path.join(REPO, "README.md")
+def write_doc(table, header, path=None):
+    """Put this run's header line and table between bench_rows.DOC's markers (``path``: another file)."""
+    path = path or os.path.join(REPO, bench_rows.DOC)
     with open(path, encoding="utf-8") as handle:
         text = handle.read()
-    start, end = bench_rows.README_START, bench_rows.README_END
+    start, end = bench_rows.TABLE_START, bench_rows.TABLE_END
     if start not in text or end not in text:
-        raise SystemExit("README.md has no %s ... %s markers" % (start, end))
+        raise SystemExit("%s has no %s ... %s markers" % (bench_rows.DOC, start, end))
     head, rest = text.split(start, 1)
     tail = rest.split(end, 1)[1]
     new = "%s%s\n%s\n\n%s\n%s%s" % (head, start, header, table, end, tail)
@@ -102,13 +103,13 @@ def in_runner_venv():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--write-readme", action="store_true",
-                        help="write this run's table into README.md (a full run: every benchmark)")
+    parser.add_argument("--write-docs", "--write-readme", dest="write_docs", action="store_true",
+                        help="write this run's table into %s (a full run: every benchmark)" % bench_rows.DOC)
     parser.add_argument("--only", action="append", metavar="SCRIPT",
-                        help="run only this benchmark (repeatable); not with --write-readme")
+                        help="run only this benchmark (repeatable); not with --write-docs")
     args = parser.parse_args()
-    if args.write_readme and args.only:
-        parser.error("--write-readme writes the whole table: run every benchmark (no --only)")
+    if args.write_docs and args.only:
+        parser.error("--write-docs writes the whole table: run every benchmark (no --only)")
     in_runner_venv()
     started = datetime.datetime.utcnow()
     where = machine()
@@ -124,9 +125,9 @@ def main():
     print(table)
     for problem in problems:
         print("[bench] error: " + problem)
-    if args.write_readme:
-        write_readme(table, header)
-        print("[bench] README.md's Performance table rewritten from this run")
+    if args.write_docs:
+        write_doc(table, header)
+        print("[bench] %s's table rewritten from this run" % bench_rows.DOC)
     return 1 if problems else 0
 
 

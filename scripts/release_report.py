@@ -2,7 +2,7 @@
 """For maintainers, when upstream publishes an sglang release (what it does: dev/shimdev/release_report.py):
 
     python3 scripts/release_report.py VERSION     # e.g. 0.5.24; "latest" = the newest on PyPI
-    python3 scripts/release_report.py --write-readme
+    python3 scripts/release_report.py --write-docs   # docs/releases.md, docs/configuration.md
 """
 import os
 import sys

@@ -1,35 +1,131 @@
-"""README.md must not drift from the code: the variables table and the states table."""
+"""README.md, CHANGELOG.md and docs/ must not drift from the code: the variables, states and exit-code tables,
+the commands they document, their links, the README's two commands and its size."""
 
+import glob
+import importlib
 import os
 import re
 
-from npu_shim import config, framework
+import pytest
+
+from npu_shim import framework
 from npu_shim.patches import all_variables
+from shimdev import release_report, sglang_envs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md", "CHANGELOG.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "**", "*.md"),
+                                                                       recursive=True))
+EXIT_CODES_PAGE = "docs/operations.md"
+EXIT_TABLE_HEADER = "| code | meaning |"
 
 
-def readme():
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as handle:
+def read(page):
+    with open(os.path.join(REPO, page), encoding="utf-8") as handle:
         return handle.read()
 
 
 def test_env_table_lists_every_variable_with_its_type_default_and_doc():
-    block = readme().split("<!-- env-table -->")[1].split("<!-- /env-table -->")[0]
+    text = read(release_report.ENV_DOC)
+    assert text.count(release_report.ENV_START) == 1
+    block = text.split(release_report.ENV_START)[1].split(release_report.ENV_END)[0]
     rows = [line for line in block.strip().splitlines()[2:]]
     expected = ["| `%s` | %s | `%r` | %s |" % (v.name, v.kind, v.default, v.doc) for v in all_variables()]
     assert rows == expected
 
 
 def test_states_table_lists_every_state():
-    text = readme()
+    text = read(EXIT_CODES_PAGE)
     listed = re.findall(r"^\| `(\w+)` \| ", text.split("## Patch states")[1].split("##")[0], re.M)
     assert listed == list(framework.STATES)
 
 
+def exit_constants():
+    main = importlib.import_module("npu_shim.__main__")
+    return main, {name: value for name, value in vars(main).items() if name.startswith("EXIT_")}
+
+
+def test_exit_codes_are_documented_once_and_exactly_the_commands_codes():
+    main, constants = exit_constants()
+    assert constants, "no EXIT_* constants in npu_shim.__main__"
+    tables = [page for page in PAGES if EXIT_TABLE_HEADER in read(page)]
+    assert tables == [EXIT_CODES_PAGE], "exit codes are documented in one place only"
+    block = read(EXIT_CODES_PAGE).split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    documented = set()
+    for line in block.split(EXIT_TABLE_HEADER, 1)[1].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        documented |= {int(code) for code in line.split("|")[1].split("/")}
+    # 0: fine; 130 / 143: bundle stopped by SIGINT / SIGTERM (the signal's shell code, no constant)
+    assert documented == {0, 130, 143} | set(constants.values())
+    assert EXIT_CODES_PAGE in main.__doc__, "the module docstring points to the one list"
+    assert not re.search(r"\b64\b|\b141\b", main.__doc__), "the docstring lists the codes again"
+
+
 def test_readme_gives_exactly_the_two_commands_ci_runs():
-    text = readme()
+    text = read("README.md")
     assert "python3 scripts/demo.py" in text and "python3 scripts/run_tests.py" in text
     with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as handle:
         ci = [l for l in handle.read().splitlines() if l.strip() and not l.startswith("#")]
     assert ci[-1] == "exec python3 scripts/run_tests.py"
+
+
+def test_readme_stays_a_page_for_users():
+    text = read("README.md")
+    assert len(text.splitlines()) <= 150
+    for heading in ("## What has been validated where", "## Quick start", "## Before you roll out",
+                    "## Try it without an NPU, and run the tests"):
+        assert heading in text, heading
+    first, last = sglang_envs.ALL_RELEASES[0], sglang_envs.ALL_RELEASES[-1]
+    assert "every release from %s to %s" % (first, last) in text
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_relative_link_leads_to_a_file(page):
+    here = os.path.dirname(os.path.join(REPO, page))
+    for target in re.findall(r"\]\(([^)\s]+)\)", read(page)):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        path = target.split("#", 1)[0]
+        assert os.path.exists(os.path.normpath(os.path.join(here, path))), (page, target)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_reference_to_the_project_tracker(page):
+    found = re.findall(r"\b[Ii]ssues? \d+|§", read(page))
+    assert not found, (page, found)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_documented_scripts_exist(page):
+    for script in re.findall(r"python3? (scripts/[\w/]+\.py)", read(page)):
+        assert os.path.isfile(os.path.join(REPO, script)), (page, script)
+
+
+def documented_commands():
+    """(page, subcommand, options) for every ``python -m npu_shim SUB --opt ...`` in the pages."""
+    found = []
+    for page in PAGES:
+        for line in read(page).splitlines():
+            for match in re.finditer(r"python3? -m npu_shim (\w+)((?: +(?:--?[\w-]+|[A-Z$/<][\w/$.<>-]*))*)", line):
+                found.append((page, match.group(1), [word for word in match.group(2).split()
+                                                     if word.startswith("-")]))
+    return found
+
+
+def test_documented_commands_and_options_are_the_commands():
+    main, _ = exit_constants()
+    commands = documented_commands()
+    assert {sub for _, sub, _ in commands} >= {"status", "check", "env", "bundle"}
+    helps = {}
+    for page, sub, options in commands:
+        if sub not in helps:
+            import contextlib
+            import io
+
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                code = main.main([sub, "--help"])
+            assert code == 0, (page, sub)
+            helps[sub] = out.getvalue()
+        for option in options:
+            assert re.search(r"(^|[\s\[,])%s\b" % re.escape(option), helps[sub]), (page, sub, option)

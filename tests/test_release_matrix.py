@@ -3,12 +3,12 @@
 For each release the wheel is downloaded once (cached), its ``sglang/`` tree extracted, and each
 patch is decided exactly as the runtime decides it (probe, then every target resolved with a known
 signature), with the patch switched on and its trigger assumed set.  The expected table
-(dev/shimdev/expected_states.py) is the one README.md shows users; test_readme_table_matches
+(dev/shimdev/expected_states.py) is the one docs/releases.md shows users; test_docs_table_matches
 keeps the two identical.
 
 Adding a release: one line in dev/shimdev/sglang_envs.py RELEASES (or POST_RELEASES) and its row in
 expected_states.py (``python3 scripts/release_report.py VERSION`` prints it), then
-``python3 scripts/release_report.py --write-readme``.
+``python3 scripts/release_report.py --write-docs``.
 """
 
 import os
@@ -21,7 +21,7 @@ from npu_shim import framework
 from npu_shim.codeview import SourceView
 from npu_shim.patches import load_all
 
-from shimdev.expected_states import EXPECTED, PATCH_ORDER, README_END, README_START, render_table
+from shimdev.expected_states import DOC, EXPECTED, PATCH_ORDER, TABLE_END, TABLE_START, render_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,15 +60,16 @@ def test_release(version):
             assert reason.startswith("sglang %s has it: " % version)
 
 
-def readme_block():
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as handle:
+def docs_block():
+    with open(os.path.join(REPO, DOC), encoding="utf-8") as handle:
         text = handle.read()
-    return text.split(README_START)[1].split(README_END)[0]
+    assert text.count(TABLE_START) == 1 and text.count(TABLE_END) == 1
+    return text.split(TABLE_START)[1].split(TABLE_END)[0]
 
 
-def readme_table():
+def docs_table():
     rows, header = {}, None
-    for line in readme_block().strip().splitlines():
+    for line in docs_block().strip().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if cells[0] == "sglang":
             header = cells[1:]
@@ -77,8 +78,8 @@ def readme_table():
     return rows
 
 
-def test_readme_table_matches():
-    assert readme_table() == EXPECTED
-    # generated from the declarations: `python3 scripts/release_report.py --write-readme`
-    assert readme_block().strip() == render_table()
-    assert "Each cell: the patch switched on, its trigger set (`SGLANG_ZBAL_LOCAL_MEM_SIZE=" in readme_block()
+def test_docs_table_matches():
+    assert docs_table() == EXPECTED
+    # generated from the declarations: `python3 scripts/release_report.py --write-docs`
+    assert docs_block().strip() == render_table()
+    assert "Each cell: the patch switched on, its trigger set (`SGLANG_ZBAL_LOCAL_MEM_SIZE=" in docs_block()

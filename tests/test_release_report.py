@@ -73,6 +73,6 @@ def test_a_changed_pinned_body_is_reported(tmp_path):
                for l in lines), lines
 
 
-def test_write_readme_is_a_no_op_on_a_current_readme():
-    p = run("--write-readme", timeout=60)
+def test_write_docs_is_a_no_op_on_current_docs():
+    p = run("--write-docs", timeout=60)
     assert p.returncode == 0 and "already up to date" in p.stdout, p.stdout + p.stderr

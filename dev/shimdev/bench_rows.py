@@ -2,12 +2,13 @@
 
 bench.py refuses a row a script produces that is not declared here, and gives every declared row a
 cell even when its script failed ("not measured: ..."); tests/test_bench_table.py checks that
-README.md's Performance table has exactly these rows, in this order, between ``README_START`` and
-``README_END`` (``python3 scripts/bench.py --write-readme`` writes it from a run).
+``DOC``'s table has exactly these rows, in this order, between ``TABLE_START`` and ``TABLE_END``
+(``python3 scripts/bench.py --write-docs`` writes it from a run).
 """
 
-README_START = "<!-- bench-table -->"
-README_END = "<!-- /bench-table -->"
+DOC = "docs/performance.md"  # the page that shows the table, relative to the repository
+TABLE_START = "<!-- bench-table -->"
+TABLE_END = "<!-- /bench-table -->"
 HEADER = ("| what | how | measured | target | result | script |", "|---|---|---|---|---|---|")
 
 MLA_CASES = tuple((model, tp, "decode") for model in ("DeepSeek-V3", "GLM-5") for tp in (1, 8, 16)) + \
@@ -96,8 +97,8 @@ def render(rows):
     return "\n".join(lines)
 
 
-def readme_rows(text):
-    """The ``what`` cells of README.md's bench table, in order."""
-    block = text.split(README_START, 1)[1].split(README_END, 1)[0]
+def doc_rows(text):
+    """The ``what`` cells of the bench table in ``text`` (DOC's), in order."""
+    block = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0]
     lines = [line for line in block.splitlines() if line.startswith("| ")]
     return [line.split(" | ")[0][2:] for line in lines[1:]]

@@ -5,8 +5,8 @@ A patch declares ``backport_range`` and ``upstream_release`` (npu_shim/framework
 on and its trigger set: ``inactive`` before the range (nothing to backport onto), ``applied`` in
 it, ``upstream`` from ``upstream_release``.  The static matrix (tests/test_release_matrix.py, every
 release's source), the import matrix (tests/test_real_sglang_import.py, real modules executed) and
-README.md's supported-release table (``render_table()``, written by ``python3
-scripts/release_report.py --write-readme``) all check the real decisions against this, so a
+docs/releases.md's supported-release table (``render_table()``, written by ``python3
+scripts/release_report.py --write-docs``) all check the real decisions against this, so a
 declaration that is wrong about the code fails a test, and a new patch needs no row anywhere.
 """
 
@@ -28,7 +28,7 @@ EXPECTED = {version: expected(version) for version in RELEASES}
 
 
 def row(version, states):
-    """One line of the README table (what release_report.py prints)."""
+    """One line of the supported-release table (what release_report.py prints)."""
     return "| %s | %s |" % (version, " | ".join(states[name] for name in PATCH_ORDER))
 
 
@@ -41,11 +41,12 @@ def assumptions():
             "(trigger unset, no NPU) -- `python -m npu_shim status` says which." % triggers)
 
 
-README_START, README_END = "<!-- release-table -->", "<!-- /release-table -->"
+DOC = "docs/releases.md"  # the page that shows the table, relative to the repository
+TABLE_START, TABLE_END = "<!-- release-table -->", "<!-- /release-table -->"
 
 
 def render_table():
-    """README.md's supported-release table (between README_START and README_END)."""
+    """DOC's supported-release table (between TABLE_START and TABLE_END)."""
     lines = [assumptions(), "", "| sglang | %s |" % " | ".join(PATCH_ORDER),
              "|---|%s" % ("---|" * len(PATCH_ORDER))]
     lines += [row(version, states) for version, states in EXPECTED.items()]

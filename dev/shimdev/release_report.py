@@ -2,7 +2,7 @@
 tests/test_release_report.py imports), when upstream publishes an sglang release:
 
     python3 scripts/release_report.py VERSION     # e.g. 0.5.24; "latest" = the newest on PyPI
-    python3 scripts/release_report.py --write-readme
+    python3 scripts/release_report.py --write-docs
 
 For VERSION it
 
@@ -16,12 +16,13 @@ For VERSION it
    applied feature's driver, checked as the import matrix checks them
    (dev/shimdev/import_probe.py);
 4. compares with what the patches' declarations promise for VERSION (backport_range and
-   upstream_release: dev/shimdev/expected_states.py), and prints the README row.
+   upstream_release: dev/shimdev/expected_states.py), and prints the release table's row.
 
 Exit status 0 when the import agrees with the source decision and both with the declarations; 1
 otherwise (change the patch whose declaration is wrong); 2 on bad usage or when the release
-cannot be fetched or built.  ``--write-readme`` rewrites README.md's generated tables (supported
-releases, environment variables).
+cannot be fetched or built.  ``--write-docs`` (formerly ``--write-readme``) rewrites the generated
+tables: the supported releases in docs/releases.md, the environment variables in
+docs/configuration.md.
 """
 from __future__ import annotations
 
@@ -111,8 +112,12 @@ def moved(prev_view, new_view):
     return lines
 
 
+ENV_DOC = "docs/configuration.md"  # the page that shows the variable table, relative to the repository
+ENV_START, ENV_END = "<!-- env-table -->", "<!-- /env-table -->"
+
+
 def env_table():
-    """README.md's environment-variable table (between <!-- env-table --> markers)."""
+    """ENV_DOC's environment-variable table (between ENV_START and ENV_END)."""
     from npu_shim.patches import all_variables
 
     lines = ["| variable | type | default | meaning |", "|---|---|---|---|"]
@@ -126,17 +131,23 @@ def _replace_between(text, start, end, body):
     return "%s%s\n%s\n%s%s" % (head, start, body, end, tail)
 
 
-def write_readme() -> bool:
-    """Rewrite README.md's generated tables (supported releases, from the patches' declarations;
-    environment variables, from ``all_variables()``); True when it changed."""
-    path = REPO / "README.md"
+def _rewrite(relpath, start, end, body) -> bool:
+    path = REPO / relpath
     text = path.read_text(encoding="utf-8")
-    new = _replace_between(text, expected_states.README_START, expected_states.README_END,
-                           expected_states.render_table())
-    new = _replace_between(new, "<!-- env-table -->", "<!-- /env-table -->", env_table())
+    new = _replace_between(text, start, end, body)
     if new != text:
         path.write_text(new, encoding="utf-8")
     return new != text
+
+
+def write_docs() -> bool:
+    """Rewrite the generated tables: supported releases (from the patches' declarations) in
+    expected_states.DOC, environment variables (from ``all_variables()``) in ENV_DOC; True when
+    either changed."""
+    releases = _rewrite(expected_states.DOC, expected_states.TABLE_START, expected_states.TABLE_END,
+                        expected_states.render_table())
+    variables = _rewrite(ENV_DOC, ENV_START, ENV_END, env_table())
+    return releases or variables
 
 
 def report(version: str) -> int:
@@ -190,26 +201,28 @@ def report(version: str) -> int:
     for name in (n for n in states if promised[n] != states[n]):
         say("   ! %s: declared %s, decided %s: fix %s's declaration (or the code)"
             % (name, promised[name], states[name], name))
-    say("   README row (python3 scripts/release_report.py --write-readme):")
+    say("   its row in %s (python3 scripts/release_report.py --write-docs):" % expected_states.DOC)
     say("   " + expected_states.row(version, states))
     if not known:
         say("   new release: add it to RELEASES (or POST_RELEASES) in dev/shimdev/sglang_envs.py, then "
-            "--write-readme")
+            "--write-docs")
     return 0 if agree and not found else 1
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="release_report.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("version", nargs="?", help='an sglang version on PyPI, or "latest"')
-    ap.add_argument("--write-readme", action="store_true",
-                    help="rewrite README.md's supported-release table from the expected table")
+    ap.add_argument("--write-docs", "--write-readme", dest="write_docs", action="store_true",
+                    help="rewrite the supported-release table (%s) and the variable table (%s)"
+                         % (expected_states.DOC, ENV_DOC))
     a = ap.parse_args(argv)
-    if a.write_readme:
-        say("README.md release table %s" % ("rewritten" if write_readme() else "already up to date"))
+    if a.write_docs:
+        say("generated tables in %s and %s %s" % (expected_states.DOC, ENV_DOC,
+                                                  "rewritten" if write_docs() else "already up to date"))
         if not a.version:
             return 0
     if not a.version:
-        ap.error("give a VERSION (or --write-readme)")
+        ap.error("give a VERSION (or --write-docs)")
     try:
         version = latest_on_pypi() if a.version == "latest" else a.version
         return report(version)

@@ -1,4 +1,4 @@
-"""The deploy recipes of README's "Drop it into an image" and docs/deploy/, run in real containers.
+"""The deploy recipes of docs/deploy/ (README.md there), run in real containers.
 
 The engine is podman (dev/shimdev/containers.py sets it up: installed with apt when missing, its
 own containers.conf and storage under the cache).  The image is Debian's python3 and nothing else
@@ -34,7 +34,7 @@ SITE = "usr/local/lib/python3.11/dist-packages"
 LAUNCH = ["python", "-m", "sglang.launch_server", "--model-path", "/models/demo", "--device", "npu"]
 SUMMARY = re.compile(r"^\[npu-shim %s sglang 0\.5\.9 pid ([0-9]+)(?: [^\]]*)?\] demo=applied$"
                      % re.escape(npu_shim.__version__), re.M)
-EXIT_NO_SGLANG = 5  # README's exit codes: no sglang importable (status and check)
+EXIT_NO_SGLANG = 5  # docs/operations.md's exit codes: no sglang importable (status and check)
 
 # The image's own sitecustomize (Debian keeps it in /etc/python3.11): makes the demo patch the
 # only one, as the image of tests/test_bootstrap.py does; the shim has to chain it.
@@ -78,7 +78,7 @@ def _or_fail(make, *args):
     try:
         return make(*args)
     except containers.EngineError as exc:
-        pytest.fail("the container engine could not be set up (README, \"Drop it into an image\": the "
+        pytest.fail("the container engine could not be set up (docs/development.md: the "
                     "test command sets up podman with apt-get as root on Debian/Ubuntu): %s" % exc,
                     pytrace=False)
 
@@ -157,7 +157,7 @@ def assert_status_and_check(run, shim_dir, build):
 # -- docker run, as podman run ---------------------------------------------------------------------------
 
 def test_docker_line_with_the_bundle_mounted_read_only(podman, fake_image, built_bundle):
-    """README: ``docker run ... -v /srv/npu-shim:/opt/npu-shim:ro -e PYTHONPATH=/opt/npu-shim
+    """docs/deploy/README.md: ``docker run ... -v /srv/npu-shim:/opt/npu-shim:ro -e PYTHONPATH=/opt/npu-shim
     -e SGLANG_ZBAL_LOCAL_MEM_SIZE=49152 IMAGE python -m sglang.launch_server ...``"""
     before = snapshot(built_bundle)
 

@@ -1,5 +1,5 @@
 """scripts/mutation.py (dev/shimdev/mutation.py): the mutants it makes and the sample it draws.
-Nothing is mutated or run here; the run itself is by hand (README, Reliability)."""
+Nothing is mutated or run here; the run itself is by hand (docs/reliability.md)."""
 from __future__ import annotations
 
 import ast

@@ -13,7 +13,7 @@ One place for:
 
   - ONE base venv (``base-<hash>``): torch==2.13.0 (CPU) and the pins most releases share.  It has
     no wrapt: a real Ascend image has none (sglang's NPU dependency set does not contain it;
-    README, "Quick start on an Ascend image");
+    docs/deploy/README.md);
   - per release, the sglang wheel unpacked with ``pip install --no-deps --target``
     (``sglang-<v>``), and a dependency layer (``deps-<hash>``) holding exactly what that
     release's pins change relative to the base (pip resolves them against the base with

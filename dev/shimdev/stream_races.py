@@ -18,7 +18,7 @@ drives the release's real ``Glm4MoeSparseMoeBlock.forward_deepep`` on the synthe
 
 ``EXPECTED`` says what each should report for the backport and for upstream; ``problems`` compares
 (the import matrix and ``scripts/release_report.py`` through dev/shimdev/import_probe.py).  A
-release whose own code stops racing -- or starts -- shows up there: say so in README and here.
+release whose own code stops racing -- or starts -- shows up there: say so in docs/reliability.md and here.
 """
 from __future__ import annotations
 

@@ -79,14 +79,24 @@ def test_readme_stays_a_page_for_users():
     assert "every release from %s to %s" % (first, last) in text
 
 
+def anchors(path):
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces -> '-'."""
+    with open(path, encoding="utf-8") as handle:
+        headings = re.findall(r"^#+ (.+)$", handle.read(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
 @pytest.mark.parametrize("page", PAGES)
-def test_every_relative_link_leads_to_a_file(page):
+def test_every_relative_link_leads_to_a_file_and_its_heading(page):
     here = os.path.dirname(os.path.join(REPO, page))
     for target in re.findall(r"\]\(([^)\s]+)\)", read(page)):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"[a-z]+:", target):
             continue
-        path = target.split("#", 1)[0]
-        assert os.path.exists(os.path.normpath(os.path.join(here, path))), (page, target)
+        path, _, anchor = target.partition("#")
+        full = os.path.normpath(os.path.join(here, path)) if path else os.path.join(REPO, page)
+        assert os.path.exists(full), (page, target)
+        if anchor:
+            assert anchor in anchors(full), (page, target)
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -99,6 +109,12 @@ def test_no_reference_to_the_project_tracker(page):
 def test_documented_scripts_exist(page):
     for script in re.findall(r"python3? (scripts/[\w/]+\.py)", read(page)):
         assert os.path.isfile(os.path.join(REPO, script)), (page, script)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p != "CHANGELOG.md"])  # its old entries name old files
+def test_every_file_of_the_repository_a_page_names_exists(page):
+    for path in re.findall(r"(?<![\w/.~-])((?:npu_shim|tests|dev|scripts|docs)/[\w/.-]*\w\.(?:py|md|c|yaml))", read(page)):
+        assert os.path.isfile(os.path.join(REPO, path)), (page, path)
 
 
 def documented_commands():

@@ -18,7 +18,9 @@ patch or processes of the same sglang disagree on a patch's state (npu_shim/runn
 (``status --running``) no live process has a state record in the directory (none written, or only
 stale ones); 8 (``check``) the NPU software stack is broken: torch_npu is installed but cannot load
 CANN's libraries, so ``import torch`` fails in every process (npu_shim/check.py, torch_problem);
-64 bad usage; 141 the output's reader went away (``| head``).
+9 (``selftest``) a step failed on the device or did not finish within its time bound; 10
+(``selftest``) refused: sglang's own processes hold the device, or it has too little free memory;
+11 (``selftest``) no NPU or CUDA device is visible to torch (npu_shim/selftest.py); 64 bad usage; 141 the output's reader went away (``| head``).
 """
 
 import argparse
@@ -342,9 +344,12 @@ def main(argv=None):
                                                "in child processes (one line per patch)")
     selftest.add_argument("--json", action="store_true", help="machine-readable output")
     selftest.add_argument("--zbal-mib", type=int, default=1024, metavar="MIB",
-                          help="size of the zbal heap to set up (default 1024)")
+                          help="size of the zbal heap to set up (default 1024; "
+                               "npu_shim/selftest.py DEFAULT_ZBAL_MIB)")
     selftest.add_argument("--device-index", type=int, default=0, metavar="N",
                           help="the device to test (default 0, of those visible)")
+    selftest.add_argument("--timeout", type=int, default=60, metavar="S",
+                          help="bound on the whole run, in seconds (default 60)")
     selftest.add_argument("--patch", action="append", metavar="NAME",
                           help="run this patch's step whatever its state here (repeatable)")
     env = sub.add_parser("env", help="list the environment variables with their docs")
@@ -373,7 +378,7 @@ def main(argv=None):
     if args.command == "check":
         return run_check(args)
     if args.command == "selftest":
-        from npu_shim import selftest as selftest_command
+        from npu_shim import selftest as selftest_command  # imports no torch: its children do
 
         return selftest_command.main(args)
     if args.running is not None:

@@ -21,12 +21,13 @@ The work is done in child processes (a second one for zbal: its allocator goes i
 touches the device), so nothing stays on the device.  zbal and mla_weight_release are NPU-only:
 on a CUDA machine they say ``n/a on cuda``.  ``--patch NAME`` runs a patch's step whatever its state
 (e.g. ``dual_stream_experts`` on a CUDA machine without sglang).  The whole run is bounded
-(``TIMEOUT_S``); a progress line per step goes to stderr.
+(``TIMEOUT_S``, 60 s; ``--timeout``); a progress line per step goes to stderr.
 
 Exit codes (besides ``check``'s 2, 4, 5 and 8, with the same meaning): 0 every step ran and passed
 (or no patch applies here: nothing to test); 9 a step failed or did not finish within the time
 bound; 10 refused: sglang processes hold the device (live state records in
-``NPU_SHIM_STATE_DIR``, or an sglang process on this host), or it has too little free memory; 11 no
+``NPU_SHIM_STATE_DIR``, or an sglang process on this host with a device file open), or the device
+has too little free memory; 11 no
 NPU or CUDA device is visible to torch.
 """
 
@@ -38,6 +39,7 @@ import threading
 import time
 
 TIMEOUT_S = 60
+CHILD_CODE = "from npu_shim import selftest_child; selftest_child.main()"
 DEFAULT_ZBAL_MIB = 1024
 PREFIX = "npu-shim selftest: "
 
@@ -52,10 +54,34 @@ def _cmdline(proc, pid):
         return ""
 
 
+# Device files a process that uses the device has open: Ascend's, NVIDIA's.
+DEVICE_FILES = ("/dev/davinci", "/dev/nvidia")
+
+
+def _holds_device(proc, pid):
+    """Whether the process has a device file open; True where its descriptors cannot be read
+    (another user's process: assume it may)."""
+    fd_dir = os.path.join(proc, pid, "fd")
+    try:
+        fds = os.listdir(fd_dir)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    for fd in fds:
+        try:
+            target = os.readlink(os.path.join(fd_dir, fd))
+        except OSError:
+            continue
+        if target.startswith(DEVICE_FILES) and target[len("/dev/"):] not in ("nvidiactl", "nvidia-uvm"):
+            return True
+    return False
+
+
 def sglang_processes(proc="/proc"):
-    """(pid, command line) of sglang server processes on this host, known by the title sglang gives
-    them (``sglang::scheduler_TP0`` ...) or by ``sglang.launch_server``; this process and its parent
-    excluded."""
+    """(pid, command line) of the sglang server processes on this host that have a device open:
+    known by the title sglang gives them (``sglang::scheduler_TP0`` ...) or by
+    ``sglang.launch_server`` on their command line; this process and its parent excluded."""
     from npu_shim import procinfo
 
     mine = {os.getpid(), os.getppid()}
@@ -68,7 +94,9 @@ def sglang_processes(proc="/proc"):
         if not name.isdigit() or int(name) in mine:
             continue
         line = _cmdline(proc, name)
-        if procinfo.role_from_title(line.split(" ", 1)[0]) or "sglang.launch_server" in line:
+        if not (procinfo.role_from_title(line.split(" ", 1)[0]) or "sglang.launch_server" in line):
+            continue
+        if _holds_device(proc, name):
             found.append((int(name), line[:120]))
     return sorted(found)
 
@@ -95,9 +123,9 @@ def holders(environ=None, proc="/proc"):
                                       ", ".join(str(p) for p in pids[:8])))
     seen = sglang_processes(proc)
     if seen:
-        return ("%d sglang process%s on this host (pid %s: %s): a server is running on this node"
-                % (len(seen), "" if len(seen) == 1 else "es", ", ".join(str(p) for p, _ in seen[:8]),
-                   seen[0][1]))
+        return ("%d sglang process%s on this host hold%s the device (pid %s: %s)"
+                % (len(seen), "" if len(seen) == 1 else "es", "s" if len(seen) == 1 else "",
+                   ", ".join(str(p) for p, _ in seen[:8]), seen[0][1]))
     return None
 
 
@@ -114,12 +142,11 @@ def child_env():
     return env
 
 
-def run_stage(stage, options, deadline, log):
+def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
     """(report or None, error or None) of one child; progress lines go to ``log`` as they come."""
     from npu_shim import selftest_child as child
 
-    code = "from npu_shim import selftest_child; selftest_child.main()"
-    proc = subprocess.Popen([sys.executable, "-c", code, stage, json.dumps(options)],
+    proc = subprocess.Popen([sys.executable, "-c", CHILD_CODE, stage, json.dumps(options)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=child_env())
     lines, errors, last = [], [], ["starting"]
@@ -143,7 +170,7 @@ def run_stage(stage, options, deadline, log):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        return None, "did not finish within the %d s bound (at: %s)" % (TIMEOUT_S, last[0])
+        return None, "did not finish within the %d s bound (at: %s)" % (bound, last[0])
     for reader in readers:
         reader.join(5)
     for line in reversed(lines):
@@ -159,7 +186,8 @@ def run(options, log=None):
 
     log = log or (lambda line: None)
     started = time.monotonic()
-    deadline = started + TIMEOUT_S
+    bound = options.get("timeout") or TIMEOUT_S
+    deadline = started + bound
     result = {"options": options, "patches": {}, "refused": None, "error": None}
 
     def done(code, **extra):
@@ -173,7 +201,7 @@ def run(options, log=None):
     if taken:
         return done(cli.EXIT_SELFTEST_REFUSED, refused=taken)
     log("starting the selftest process (sglang's target modules, then the device)")
-    report, error = run_stage("main", options, deadline, log)
+    report, error = run_stage("main", options, deadline, log, bound)
     if report is None:
         code = cli.EXIT_SELFTEST_FAILED if error.startswith("did not finish") else cli.EXIT_CHECK_FAILED
         return done(code, error=error)
@@ -203,7 +231,7 @@ def run(options, log=None):
     outcomes = dict(report.get("results") or {})
     if report.get("zbal_next"):
         log("starting the zbal process (zbal's allocator goes in before anything touches the device)")
-        zreport, zerror = run_stage("zbal", options, deadline, log)
+        zreport, zerror = run_stage("zbal", options, deadline, log, bound)
         outcomes.update((zreport or {}).get("results") or
                         {"zbal": {"result": "FAILED", "line": zerror, "facts": {}}})
     for name, outcome in outcomes.items():
@@ -229,18 +257,19 @@ def print_result(result, out):
     if result["refused"]:
         out(PREFIX + "refused: %s\n" % result["refused"])
         return
-    if result["error"] and not result["patches"]:
-        out(PREFIX + "%s\n" % result["error"])
+    if result["error"] and all(p["result"] == "skipped" for p in result["patches"].values()):
+        out(PREFIX + "%s\n" % result["error"])  # nothing ran: the reason is the whole answer
         return
     out("npu-shim selftest on %s\n" % device_line(result.get("device")))
     if result["error"]:
         out("  %s\n" % result["error"])
+    out("\n  %-20s %-8s %-12s %s\n" % ("patch", "selftest", "state", "what was checked"))
     for name, patch in result["patches"].items():
         result_text = patch["result"] if patch["result"] != "skipped" else "-"
         state = patch["state"] or "-"
         if patch["forced"]:
             state += " (--patch)"
-        out("  %-20s %-8s %s: %s\n" % (name, result_text, state, patch["line"]))
+        out("  %-20s %-8s %-12s %s\n" % (name, result_text, state, patch["line"]))
     out("  %.1f s\n" % result["seconds"])
 
 
@@ -250,14 +279,14 @@ def main(args):
     from npu_shim.terminal import terminal_writer
 
     unknown = [n for n in args.patch or () if n not in known_names()]
-    if unknown or args.zbal_mib <= 0 or args.device_index < 0:
+    if unknown or args.zbal_mib <= 0 or args.device_index < 0 or args.timeout <= 0:
         sys.stderr.write(PREFIX + ("--patch %s: no such patch (%s)" % (unknown[0], ", ".join(known_names()))
-                                   if unknown else "--zbal-mib and --device-index take a positive number")
-                         + "\n")
+                                   if unknown else "--zbal-mib, --timeout and --device-index take a "
+                                                   "positive number") + "\n")
         return cli.EXIT_USAGE
 
     options = {"zbal_mib": args.zbal_mib, "device_index": args.device_index,
-               "patches": list(args.patch or ())}
+               "patches": list(args.patch or ()), "timeout": args.timeout}
     err = terminal_writer(sys.stderr)
     result = run(options, log=lambda line: err(PREFIX + line + "\n") or sys.stderr.flush())
     if args.json:

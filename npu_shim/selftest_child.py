@@ -62,7 +62,7 @@ def plan(states, kind, forced=()):
     for name in known_names():
         state = (states.get(name) or {}).get("state")
         if state != "applied" and name not in forced:
-            decided[name] = "not applied here (%s)" % (state or "not decided")
+            decided[name] = "not applied here" if state else "not decided here (no target module imported)"
         elif kind is None:
             decided[name] = "no device"
         elif kind == "cuda" and name in NPU_ONLY:
@@ -244,7 +244,7 @@ def zbal_step(torch, index, zbal_mib, simulated):
         torch.npu.empty_cache()
         free, total = torch.npu.mem_get_info()
         in_use = -(-(int(total) - int(free)) // MIB)
-        configured = in_use + zbal_mib + zbal_patch.ALIGN_MIB
+        configured = in_use + zbal_mib  # the heap is what is configured beyond what is in use
         os.environ[zbal_patch.LOCAL_MEM_SIZE.name] = str(configured)
         runner = types.SimpleNamespace(device="npu", gpu_id=index, is_draft_worker=False)
         zbal_patch._world_group = _one_rank_world

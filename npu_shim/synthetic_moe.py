@@ -69,22 +69,36 @@ class _NoDispatchInfo:
 ExpertLocationDispatchInfo = _NoDispatchInfo
 
 
+_MLP = []
+
+
+def mlp_class():
+    """``Mlp(hidden, inter)``: a gated SiLU MLP (``gate_up``, ``down``), a GLM-4.x expert's shape
+    (the class is made on first use: importing this module imports no torch)."""
+    if not _MLP:
+        import torch
+        import torch.nn.functional as F
+
+        class Mlp(torch.nn.Module):
+            def __init__(self, hidden, inter):
+                super().__init__()
+                self.gate_up = torch.nn.Linear(hidden, 2 * inter, bias=False)
+                self.down = torch.nn.Linear(inter, hidden, bias=False)
+
+            def forward(self, x):
+                gate, up = self.gate_up(x).chunk(2, dim=-1)
+                return self.down(F.silu(gate) * up)
+
+        _MLP.append(Mlp)
+    return _MLP[0]
+
+
 def build_block(device, dtype, p):
     import torch
-    import torch.nn.functional as F
 
     torch.manual_seed(0)
     H, E, K = p["hidden"], p["experts"], p["topk"]
-
-    class Mlp(torch.nn.Module):
-        def __init__(self, inter):
-            super().__init__()
-            self.gate_up = torch.nn.Linear(H, 2 * inter, bias=False)
-            self.down = torch.nn.Linear(inter, H, bias=False)
-
-        def forward(self, x):
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-            return self.down(F.silu(gate) * up)
+    Mlp = mlp_class()
 
     class TopK:
         def __call__(self, hidden_states, router_logits, num_token_non_padded=None,
@@ -98,7 +112,7 @@ def build_block(device, dtype, p):
 
         def __init__(self):
             super().__init__()
-            self.experts = torch.nn.ModuleList(Mlp(p["expert_inter"]) for _ in range(E))
+            self.experts = torch.nn.ModuleList(Mlp(H, p["expert_inter"]) for _ in range(E))
 
         def forward(self, hidden_states, topk_output):
             weights, ids = topk_output
@@ -119,7 +133,7 @@ def build_block(device, dtype, p):
             self.gate = torch.nn.Linear(H, E, bias=False)
             self.topk = TopK()
             self.experts = Experts()
-            self.shared_experts = Mlp(p["shared_inter"])
+            self.shared_experts = Mlp(H, p["shared_inter"])
 
         def _forward_shared_experts(self, hidden_states):
             return self.shared_experts(hidden_states)
@@ -150,15 +164,17 @@ def routed_only(self, hidden_states, forward_batch):
 def sample_ms(fn, device_module, reps):
     """Mean milliseconds of one of ``reps`` calls of ``fn``: device time between two events on the
     current stream where the device module has timing events, else wall time after synchronize."""
-    event = getattr(device_module, "Event", None)
-    if event is None:
+    try:
+        begin, end = device_module.Event(enable_timing=True), device_module.Event(enable_timing=True)
+    except (AttributeError, TypeError):  # torch.cpu: an Event without timing
+        begin = None
+    if begin is None:
         device_module.synchronize()
         start = time.perf_counter()
         for _ in range(reps):
             fn()
         device_module.synchronize()
         return (time.perf_counter() - start) * 1000.0 / reps
-    begin, end = event(enable_timing=True), event(enable_timing=True)
     begin.record()
     for _ in range(reps):
         fn()

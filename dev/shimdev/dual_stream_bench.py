@@ -10,8 +10,10 @@ one shared expert MLP) is run three ways on one device, side by side in one proc
   for the side stream before the combine);
 * the parts alone -- shared experts only, routed path only; ideal = max(shared, routed).
 
-It prints serial, overlapped and ideal time (medians), overlapped/ideal, and the fraction of the
-ideal saving (serial - ideal) that the overlap realises; target >= 90 %.  The stream helpers use
+It prints serial, overlapped and ideal time (medians of device time between two events on the main
+stream), overlapped/ideal, and the fraction of the ideal saving (serial - ideal) that the overlap
+realises; target >= 90 %.  Block and measurement are npu_shim/synthetic_moe.py's, the code
+``python -m npu_shim selftest`` runs on the device.  The stream helpers use
 ``torch.get_device_module()`` as upstream does, so the same code runs on CUDA and on an NPU.
 Without either device it says so and measures nothing.
 

@@ -33,3 +33,10 @@ echo "selftest --json exit $?" >> "$OUT/selftest.exit"
 timeout 240 "$PY" scripts/bench_dual_stream.py > "$OUT/bench_dual_stream.txt" 2>&1
 echo "bench_dual_stream exit $?" | tee "$OUT/bench.exit"
 cat "$OUT/bench_dual_stream.txt"
+
+# The table row as scripts/bench.py writes it (it needs torch and wrapt in this python).
+if "$PY" -c "import torch, wrapt" 2>/dev/null; then
+  timeout 240 "$PY" scripts/bench.py --only bench_dual_stream > "$OUT/bench_row.txt" 2>&1
+  echo "bench.py --only bench_dual_stream exit $?" | tee -a "$OUT/bench.exit"
+  tail -3 "$OUT/bench_row.txt"
+fi

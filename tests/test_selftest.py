@@ -463,3 +463,86 @@ def test_the_bench_row_and_the_selftest_share_one_measurement():
     (row,) = dual_stream_bench.rows("cpu", tokens=8, hidden=16, shared_inter=16, experts=4, topk=2,
                                     expert_inter=8, samples=1, reps=1, warmup=1)
     assert "outputs equal: True" in row["measured"] and row["ok"] is None
+
+
+class _CudaLike:
+    """A stand-in for ``torch.cuda`` on CPU: the stream and event calls the measurement and the
+    shim's dual-stream body make, recorded (each name and keyword is torch.cuda's, checked below)."""
+
+    def __init__(self):
+        self.calls, self.clock = [], [0.0]
+        self.main = self.Stream("main")
+        self.stack = [self.main]
+
+    def Stream(self, name=None):  # noqa: N802 - torch.cuda.Stream
+        module = self
+
+        class Stream:
+            def __init__(self):
+                self.name = name or "side-%d" % len([c for c in module.calls if c[0] == "stream"])
+                module.calls.append(("stream", self.name))
+
+            def wait_stream(self, other):
+                module.calls.append(("wait_stream", self.name, other.name))
+
+        return Stream()
+
+    def current_stream(self):
+        return self.stack[-1]
+
+    def stream(self, stream):
+        import contextlib
+
+        @contextlib.contextmanager
+        def on():
+            self.stack.append(stream)
+            self.clock[0] += 1.0
+            try:
+                yield
+            finally:
+                self.stack.pop()
+        return on()
+
+    def Event(self, enable_timing=False):  # noqa: N802 - torch.cuda.Event
+        module = self
+
+        class Event:
+            def record(self, stream=None):
+                self.at = module.clock[0]
+                module.calls.append(("record", enable_timing))
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end_event):
+                return end_event.at - self.at
+
+        return Event()
+
+    def synchronize(self):
+        self.calls.append(("synchronize",))
+
+
+def test_measure_through_a_cuda_like_module_uses_its_streams_and_timing_events():
+    import inspect
+
+    import torch
+
+    for name in ("Stream", "Event", "current_stream", "stream", "synchronize", "mem_get_info",
+                 "memory_allocated", "memory_reserved", "empty_cache", "set_device", "get_device_name"):
+        assert hasattr(torch.cuda, name), name  # what the selftest calls on torch.cuda exists
+    assert "enable_timing" in inspect.signature(torch.cuda.Event.__new__).parameters
+    assert list(inspect.signature(torch.cuda.Event.elapsed_time).parameters) == ["self", "end_event"]
+    cuda = _CudaLike()
+    real_get = torch.get_device_module
+    r = synthetic_moe.measure("cpu", device_module=cuda, tokens=8, hidden=16, shared_inter=16, experts=4,
+                              topk=2, expert_inter=8, samples=2, reps=2, warmup=1)
+    assert torch.get_device_module is real_get  # put back
+    assert r["equal"] is True
+    # one side stream, made by the device module; it waits for main, main waits for it
+    assert [c for c in cuda.calls if c[0] == "stream"] == [("stream", "main"), ("stream", "side-1")]
+    assert ("wait_stream", "side-1", "main") in cuda.calls and ("wait_stream", "main", "side-1") in cuda.calls
+    records = [c for c in cuda.calls if c[0] == "record"]
+    assert records and all(timing for _, timing in records)  # every event is a timing event
+    # the clock moves only where the side stream is entered: the overlapped runs alone show time
+    assert r["overlapped"] == 1.0 and r["serial"] == r["shared"] == r["routed"] == 0.0

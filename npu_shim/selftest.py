@@ -197,6 +197,12 @@ def run(options, log=None):
     if cli.config_exit_code(()) == cli.EXIT_BAD_ENV:
         return done(cli.EXIT_BAD_ENV, error="an NPU_SHIM_* or SGLANG_* variable is invalid or unknown "
                                             "(`python -m npu_shim status` says which)")
+    from npu_shim import check
+
+    bundle = check.bundle_facts()  # as ``check``: what changed in a bundle would run in the children
+    if not bundle["ok"]:
+        return done(cli.EXIT_CHECK_FAILED, error="the selftest processes were not started: this bundle "
+                                                 "does not match its MANIFEST (%s)" % bundle["text"])
     taken = holders()
     if taken:
         return done(cli.EXIT_SELFTEST_REFUSED, refused=taken)
@@ -288,7 +294,12 @@ def main(args):
     options = {"zbal_mib": args.zbal_mib, "device_index": args.device_index,
                "patches": list(args.patch or ()), "timeout": args.timeout}
     err = terminal_writer(sys.stderr)
-    result = run(options, log=lambda line: err(PREFIX + line + "\n") or sys.stderr.flush())
+
+    def log(line):
+        err(PREFIX + line + "\n")
+        sys.stderr.flush()
+
+    result = run(options, log=log)
     if args.json:
         json.dump(result, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")

@@ -324,6 +324,16 @@ def test_bad_variable_and_bad_usage(monkeypatch, capsys):
     assert cli.main(["selftest", "--timeout", "0"]) == cli.EXIT_USAGE
 
 
+def test_a_bundle_that_does_not_match_its_manifest_starts_no_child(monkeypatch):
+    from npu_shim import check
+
+    monkeypatch.setattr(check, "bundle_facts", lambda: {"ok": False, "text": "/b: 1 files differ"})
+    monkeypatch.setattr(selftest, "run_stage", lambda *a: pytest.fail("a child was started"))
+    result = selftest.run({"zbal_mib": 64, "device_index": 0, "patches": []})
+    assert result["exit"] == cli.EXIT_CHECK_FAILED
+    assert result["error"].endswith("does not match its MANIFEST (/b: 1 files differ)")
+
+
 def test_exit_codes_are_distinct_and_documented():
     codes = [v for k, v in vars(cli).items() if k.startswith("EXIT_")]
     assert len(codes) == len(set(codes))

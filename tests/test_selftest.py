@@ -556,3 +556,17 @@ def test_measure_through_a_cuda_like_module_uses_its_streams_and_timing_events()
     assert records and all(timing for _, timing in records)  # every event is a timing event
     # the clock moves only where the side stream is entered: the overlapped runs alone show time
     assert r["overlapped"] == 1.0 and r["serial"] == r["shared"] == r["routed"] == 0.0
+
+
+def test_the_selftest_needs_nothing_from_dev_and_its_parent_no_torch():
+    """The shim ships without dev/: its selftest modules import nothing from there; the parent's
+    modules import no torch at load (only the children do)."""
+    code = ("import sys; from npu_shim import selftest, selftest_child, synthetic_moe; "
+            "print(sorted(n for n in ('torch', 'wrapt', 'shimdev') if n in sys.modules))")
+    env = {"PYTHONPATH": str(realsglang.REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    for name in ("selftest.py", "selftest_child.py", "synthetic_moe.py"):
+        with open(os.path.join(realsglang.REPO, "npu_shim", name), encoding="utf-8") as handle:
+            assert "shimdev" not in handle.read(), name

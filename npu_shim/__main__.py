@@ -1,8 +1,9 @@
-"""``python -m npu_shim status|check|env|bundle``.
+"""``python -m npu_shim status|check|selftest|env|bundle``.
 
 ``status`` says what the shim would do in this interpreter without importing sglang (its source is
 read from disk), torch or wrapt; ``check`` runs it in a child process and reports what really
-happened (npu_shim/check.py); ``bundle`` builds the directory to mount into an image
+happened (npu_shim/check.py); ``selftest`` exercises the applied patches on the device
+(npu_shim/selftest.py); ``bundle`` builds the directory to mount into an image
 (npu_shim/bundle.py).
 
 Exit codes: the ``EXIT_*`` constants below; what each one means for each command is listed once,
@@ -26,6 +27,9 @@ EXIT_NO_SGLANG = 5
 EXIT_RUNNING_PROBLEM = 6
 EXIT_NO_RECORDS = 7
 EXIT_NPU_STACK = 8
+EXIT_SELFTEST_FAILED = 9
+EXIT_SELFTEST_REFUSED = 10
+EXIT_NO_DEVICE = 11
 EXIT_USAGE = 64
 EXIT_BROKEN_PIPE = 141  # as a shell reports a writer killed by SIGPIPE
 
@@ -323,6 +327,18 @@ def main(argv=None):
     check = sub.add_parser("check", help="run the shim in a child process as a server would, "
                                          "import sglang's target modules and report what happened")
     check.add_argument("--json", action="store_true", help="machine-readable output")
+    selftest = sub.add_parser("selftest", help="exercise each applied patch on this node's device, "
+                                               "in child processes (one line per patch)")
+    selftest.add_argument("--json", action="store_true", help="machine-readable output")
+    selftest.add_argument("--zbal-mib", type=int, default=1024, metavar="MIB",
+                          help="size of the zbal heap to set up (default 1024; "
+                               "npu_shim/selftest.py DEFAULT_ZBAL_MIB)")
+    selftest.add_argument("--device-index", type=int, default=0, metavar="N",
+                          help="the device to test (default 0, of those visible)")
+    selftest.add_argument("--timeout", type=int, default=60, metavar="S",
+                          help="bound on the whole run, in seconds (default 60)")
+    selftest.add_argument("--patch", action="append", metavar="NAME",
+                          help="run this patch's step whatever its state here (repeatable)")
     env = sub.add_parser("env", help="list the environment variables with their docs")
     env.add_argument("--json", action="store_true", help="machine-readable output")
     bundle = sub.add_parser("bundle", help="build a self-contained directory (shim + wrapt builds + "
@@ -348,6 +364,10 @@ def main(argv=None):
         return run_bundle(args)
     if args.command == "check":
         return run_check(args)
+    if args.command == "selftest":
+        from npu_shim import selftest as selftest_command  # imports no torch: its children do
+
+        return selftest_command.main(args)
     if args.running is not None:
         return run_running(args)
     if args.dir is not None:

@@ -70,7 +70,7 @@ def test_a_removed_wait_share_stream_is_reported(npu, block, monkeypatch):
     (race,) = [r for r in san.reports if r.kind == "write-after-write"]
     # both call sites: the shared experts' output written on the side stream, add_ on main
     assert race.streams == ("side-1", "main") and race.ops[1] == "add_", race
-    assert "dual_stream_bench.py" in race.sites[0] and "dual_stream_experts.py" in race.sites[1], race
+    assert "synthetic_moe.py" in race.sites[0] and "dual_stream_experts.py" in race.sites[1], race
 
 
 def test_a_wait_moved_after_add_is_reported(npu, block, monkeypatch):

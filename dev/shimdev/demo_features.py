@@ -279,7 +279,7 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
     and 0.5.8 build their NPU rotary embedding only for head sizes 64/128/256/512 (others take a
     vllm kernel)."""
     import torch
-    import torch.nn.functional as F
+    from npu_shim import synthetic_moe
     from shimdev import simnpu
     from shimdev import dual_stream_kernels as K
     from shimdev import mla_kernels
@@ -311,16 +311,6 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
         def hook(module, args):
             simnpu.log("compute", name, where())
         return hook
-
-    class SharedMLP(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate_up = torch.nn.Linear(H, 2 * I, bias=False)
-            self.down = torch.nn.Linear(I, H, bias=False)
-
-        def forward(self, x):
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-            return self.down(F.silu(gate) * up)
 
     class TopKRef:
         # 0.5.20+ read the scaling-factor fusion from the config (same answer as the experts' flag).
@@ -358,7 +348,7 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
     block.routed_scaling_factor = 2.5
     block.gate = m.Glm4MoeGate(types.SimpleNamespace(n_routed_experts=E, hidden_size=H))  # real
     torch.nn.init.normal_(block.gate.weight)
-    block.shared_experts = SharedMLP()
+    block.shared_experts = synthetic_moe.mlp_class()(H, I)  # the selftest's shared-expert MLP
     block.topk = TopKRef()
     block.experts = ExpertsRef()
     block.gate.register_forward_pre_hook(logged("gate"))

@@ -1,0 +1,308 @@
+"""``python -m npu_shim selftest``: do the patches that apply here work on this node's device?
+
+Run it like ``check``: with the server's ``PYTHONPATH`` and variables, on the node, while no server
+uses the device.  For each patch ``applied`` in that environment it exercises, at small scale and on
+the device, what the patch relies on (npu_shim/selftest_child.py), and prints one line per patch:
+
+* ``zbal``: zbal set up as the shim's ``Scheduler.__init__`` wrapper sets it up (full mode: a heap
+  of ``--zbal-mib``; mix mode: the allocator switch, an allocation, then the lazy GVA heap), a
+  tensor allocated through it, the allocator backend, and the shim's memory queries
+  (``get_available_gpu_memory``, ``get_npu_memory_capacity``) against zbal's ``mem_get_info``;
+* ``mla_weight_release``: one layer's fused qkv_a weight and ``w_kc`` of DeepSeek-V3 and of GLM-5,
+  released through the shim's ``release``: ``memory_allocated`` (and ``memory_reserved`` after
+  ``empty_cache``) drop by what the weights added, a touch raises ``ReleasedWeightError``, a weight
+  with a live view is kept;
+* ``dual_stream_experts``: the shim's dual-stream body on a GLM-4.5-Air-shaped MoE block at three
+  batch sizes: output equal to single-stream, and serial / overlapped time from device events with
+  the share of the ideal saving (serial - max(shared, routed)) achieved (npu_shim/synthetic_moe.py,
+  the code the benchmark row runs).  Reported against its target (>= 90 %), never failed on it.
+
+The work is done in child processes (a second one for zbal: its allocator goes in before anything
+touches the device), so nothing stays on the device.  zbal and mla_weight_release are NPU-only:
+on a CUDA machine they say ``n/a on cuda``.  ``--patch NAME`` runs a patch's step whatever its state
+(e.g. ``dual_stream_experts`` on a CUDA machine without sglang).  The whole run is bounded
+(``TIMEOUT_S``, 60 s; ``--timeout``); a progress line per step goes to stderr.
+
+Exit codes (besides ``check``'s 2, 4, 5 and 8, with the same meaning): 0 every step ran and passed
+(or no patch applies here: nothing to test); 9 a step failed or did not finish within the time
+bound; 10 refused: sglang processes hold the device (live state records in
+``NPU_SHIM_STATE_DIR``, or an sglang process on this host with a device file open), or the device
+has too little free memory; 11 no
+NPU or CUDA device is visible to torch.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+TIMEOUT_S = 60
+CHILD_CODE = "from npu_shim import selftest_child; selftest_child.main()"
+DEFAULT_ZBAL_MIB = 1024
+PREFIX = "npu-shim selftest: "
+
+
+# -- refusal: sglang's own processes hold the device ------------------------------------------------
+
+def _cmdline(proc, pid):
+    try:
+        with open(os.path.join(proc, pid, "cmdline"), "rb") as handle:
+            return handle.read(4096).replace(b"\0", b" ").decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+# Device files a process that uses the device has open: Ascend's, NVIDIA's.
+DEVICE_FILES = ("/dev/davinci", "/dev/nvidia")
+
+
+def _holds_device(proc, pid):
+    """Whether the process has a device file open; True where its descriptors cannot be read
+    (another user's process: assume it may)."""
+    fd_dir = os.path.join(proc, pid, "fd")
+    try:
+        fds = os.listdir(fd_dir)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    for fd in fds:
+        try:
+            target = os.readlink(os.path.join(fd_dir, fd))
+        except OSError:
+            continue
+        if target.startswith(DEVICE_FILES) and target[len("/dev/"):] not in ("nvidiactl", "nvidia-uvm"):
+            return True
+    return False
+
+
+def sglang_processes(proc="/proc"):
+    """(pid, command line) of the sglang server processes on this host that have a device open:
+    known by the title sglang gives them (``sglang::scheduler_TP0`` ...) or by
+    ``sglang.launch_server`` on their command line; this process and its parent excluded."""
+    from npu_shim import procinfo
+
+    mine = {os.getpid(), os.getppid()}
+    found = []
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit() or int(name) in mine:
+            continue
+        line = _cmdline(proc, name)
+        if not (procinfo.role_from_title(line.split(" ", 1)[0]) or "sglang.launch_server" in line):
+            continue
+        if _holds_device(proc, name):
+            found.append((int(name), line[:120]))
+    return sorted(found)
+
+
+def holders(environ=None, proc="/proc"):
+    """Why the device is taken, or None: live state records in NPU_SHIM_STATE_DIR first, then
+    sglang processes seen on this host."""
+    from npu_shim import config, running
+
+    environ = os.environ if environ is None else environ
+    try:
+        dir_ = config.STATE_DIR.read(environ)
+    except config.ConfigError:
+        dir_ = None
+    if dir_:
+        try:
+            info = running.analyse(dir_)
+        except OSError:
+            info = None
+        if info and info["live"]:
+            pids = sorted(p["pid"] for p in info["processes"] if p["status"] == "live")
+            return ("%d live sglang process%s with state records in %s (pid %s): a server is running "
+                    "on this node" % (len(pids), "" if len(pids) == 1 else "es", dir_,
+                                      ", ".join(str(p) for p in pids[:8])))
+    seen = sglang_processes(proc)
+    if seen:
+        return ("%d sglang process%s on this host hold%s the device (pid %s: %s)"
+                % (len(seen), "" if len(seen) == 1 else "es", "s" if len(seen) == 1 else "",
+                   ", ".join(str(p) for p, _ in seen[:8]), seen[0][1]))
+    return None
+
+
+# -- the children --------------------------------------------------------------------------------
+
+def child_env():
+    """This environment for a child, less NPU_SHIM_STATE_DIR: a selftest process is no server and
+    writes no state record."""
+    from npu_shim import config
+
+    env = dict(os.environ)
+    for name in (config.STATE_DIR.name,) + tuple(config.STATE_DIR.aliases):
+        env.pop(name, None)
+    return env
+
+
+def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
+    """(report or None, error or None) of one child; progress lines go to ``log`` as they come."""
+    from npu_shim import selftest_child as child
+
+    proc = subprocess.Popen([sys.executable, "-c", CHILD_CODE, stage, json.dumps(options)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=child_env())
+    lines, errors, last = [], [], ["starting"]
+
+    def read_out():
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            if line.startswith(child.PROGRESS):
+                last[0] = line[len(child.PROGRESS):]
+                log(last[0])
+            lines.append(line)
+
+    def read_err():
+        errors.extend(proc.stderr)
+
+    readers = [threading.Thread(target=read_out, daemon=True), threading.Thread(target=read_err, daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None, "did not finish within the %d s bound (at: %s)" % (bound, last[0])
+    for reader in readers:
+        reader.join(5)
+    for line in reversed(lines):
+        if line.startswith(child.MARK):
+            return json.loads(line[len(child.MARK):]), None
+    tail = "\n".join("".join(errors).strip().splitlines()[-15:] or lines[-15:])
+    return None, "the selftest process exited %d without a report:\n%s" % (proc.returncode, tail)
+
+
+def run(options, log=None):
+    """The whole selftest as one dict (its ``exit`` the exit status); nothing printed but ``log``."""
+    from npu_shim import __main__ as cli
+
+    log = log or (lambda line: None)
+    started = time.monotonic()
+    bound = options.get("timeout") or TIMEOUT_S
+    deadline = started + bound
+    result = {"options": options, "patches": {}, "refused": None, "error": None}
+
+    def done(code, **extra):
+        result.update(extra, exit=code, seconds=round(time.monotonic() - started, 2))
+        return result
+
+    if cli.config_exit_code(()) == cli.EXIT_BAD_ENV:
+        return done(cli.EXIT_BAD_ENV, error="an NPU_SHIM_* or SGLANG_* variable is invalid or unknown "
+                                            "(`python -m npu_shim status` says which)")
+    from npu_shim import check
+
+    bundle = check.bundle_facts()  # as ``check``: what changed in a bundle would run in the children
+    if not bundle["ok"]:
+        return done(cli.EXIT_CHECK_FAILED, error="the selftest processes were not started: this bundle "
+                                                 "does not match its MANIFEST (%s)" % bundle["text"])
+    taken = holders()
+    if taken:
+        return done(cli.EXIT_SELFTEST_REFUSED, refused=taken)
+    log("starting the selftest process (sglang's target modules, then the device)")
+    report, error = run_stage("main", options, deadline, log, bound)
+    if report is None:
+        code = cli.EXIT_SELFTEST_FAILED if error.startswith("did not finish") else cli.EXIT_CHECK_FAILED
+        return done(code, error=error)
+    result["main"] = report
+    problem = report.get("torch_problem")
+    if problem:
+        return done(cli.EXIT_NPU_STACK if problem["kind"] == "cann" else cli.EXIT_CHECK_FAILED,
+                    error=problem["text"])
+    result["device"] = report["device"]
+    states = report["states"]
+    for name, why in report["plan"].items():
+        state = states.get(name) or {}
+        result["patches"][name] = {"state": state.get("state"), "reason": state.get("reason"),
+                                   "forced": name in options["patches"], "result": "skipped",
+                                   "line": why}
+    if not options["patches"]:
+        if not report["sglang"]["path"]:
+            return done(cli.EXIT_NO_SGLANG, error="no sglang is importable with this interpreter and "
+                                                  "PYTHONPATH (--patch NAME runs a step without it)")
+        if not report["shim_active"]:
+            return done(cli.EXIT_CHECK_FAILED, error="the shim was not active in the selftest process "
+                                                     "(PYTHONPATH / NPU_SHIM_ENABLED): run `check`")
+    if report["device"]["kind"] is None:
+        return done(cli.EXIT_NO_DEVICE, error=report["device"]["name"])
+    if report.get("refused"):
+        return done(cli.EXIT_SELFTEST_REFUSED, refused=report["refused"])
+    outcomes = dict(report.get("results") or {})
+    if report.get("zbal_next"):
+        log("starting the zbal process (zbal's allocator goes in before anything touches the device)")
+        zreport, zerror = run_stage("zbal", options, deadline, log, bound)
+        outcomes.update((zreport or {}).get("results") or
+                        {"zbal": {"result": "FAILED", "line": zerror, "facts": {}}})
+    for name, outcome in outcomes.items():
+        result["patches"][name].update(outcome)
+    failed = any(p["result"] == "FAILED" for p in result["patches"].values())
+    return done(cli.EXIT_SELFTEST_FAILED if failed else 0)
+
+
+# -- output --------------------------------------------------------------------------------------
+
+def device_line(device):
+    if not device or device.get("kind") is None:
+        return "none"
+    text = "%s %d (%s)" % (device["kind"], device["index"], device["name"])
+    if "free_mib" in device:
+        text += ", %d of %d MiB free" % (device["free_mib"], device["total_mib"])
+    if device.get("simulated"):
+        text += "; simulated: the flow is real, timings and allocator figures are not"
+    return text
+
+
+def print_result(result, out):
+    if result["refused"]:
+        out(PREFIX + "refused: %s\n" % result["refused"])
+        return
+    if result["error"] and all(p["result"] == "skipped" for p in result["patches"].values()):
+        out(PREFIX + "%s\n" % result["error"])  # nothing ran: the reason is the whole answer
+        return
+    out("npu-shim selftest on %s\n" % device_line(result.get("device")))
+    if result["error"]:
+        out("  %s\n" % result["error"])
+    out("\n  %-20s %-8s %-12s %s\n" % ("patch", "selftest", "state", "what was checked"))
+    for name, patch in result["patches"].items():
+        result_text = patch["result"] if patch["result"] != "skipped" else "-"
+        state = patch["state"] or "-"
+        if patch["forced"]:
+            state += " (--patch)"
+        out("  %-20s %-8s %-12s %s\n" % (name, result_text, state, patch["line"]))
+    out("  %.1f s\n" % result["seconds"])
+
+
+def main(args):
+    from npu_shim import __main__ as cli
+    from npu_shim.patches import known_names
+    from npu_shim.terminal import terminal_writer
+
+    unknown = [n for n in args.patch or () if n not in known_names()]
+    if unknown or args.zbal_mib <= 0 or args.device_index < 0 or args.timeout <= 0:
+        sys.stderr.write(PREFIX + ("--patch %s: no such patch (%s)" % (unknown[0], ", ".join(known_names()))
+                                   if unknown else "--zbal-mib, --timeout and --device-index take a "
+                                                   "positive number") + "\n")
+        return cli.EXIT_USAGE
+
+    options = {"zbal_mib": args.zbal_mib, "device_index": args.device_index,
+               "patches": list(args.patch or ()), "timeout": args.timeout}
+    err = terminal_writer(sys.stderr)
+
+    def log(line):
+        err(PREFIX + line + "\n")
+        sys.stderr.flush()
+
+    result = run(options, log=log)
+    if args.json:
+        json.dump(result, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print_result(result, terminal_writer())
+    return result["exit"]

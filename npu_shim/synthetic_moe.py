@@ -1,0 +1,242 @@
+"""A synthetic GLM-4.x-style MoE block and the dual-stream overlap measured on it, with device events.
+
+Used by ``python -m npu_shim selftest`` (npu_shim/selftest_child.py) and by the benchmark row
+(scripts/bench_dual_stream.py, dev/shimdev/dual_stream_bench.py): one piece of code, so the row and
+the selftest measure the same thing.  The block has a router gate, top-k, routed experts run expert
+by expert, and one shared-expert MLP; it runs
+
+* serial     -- 0.5.9's ``forward_deepep`` order, everything on the current (main) stream;
+* overlapped -- the shim's own dual-stream body (``DualStream._forward_deepep_dual_stream``:
+  shared experts on the side stream, gate -> topk -> routed experts on the main one, main waits
+  for the side stream before the combine);
+* each part alone -- shared only, routed only: ideal = max(shared, routed).
+
+Times are device time between two events recorded on the main stream
+(``Event(enable_timing=True)``, ``elapsed_time``: torch.cuda and torch_npu alike), medians of
+samples of ``reps`` calls.  A device module without ``Event`` (CPU) is timed with the wall clock
+after ``synchronize``.  The stream helpers go through ``torch.get_device_module()`` as upstream's,
+so the same code runs on CUDA and on an NPU.  Imports torch only when called.
+"""
+
+import statistics
+import time
+
+# GLM-4.5-Air's MoE layer (hidden 4096, expert and shared MLP 1408, top-8 of 128 routed experts,
+# one shared expert), with 16 routed experts run one by one: the selftest's shape.
+GLM4_AIR = dict(hidden=4096, shared_inter=1408, experts=16, topk=8, expert_inter=1408)
+SELFTEST_TOKENS = (256, 1024, 4096)
+DEFAULTS = dict(tokens=512, hidden=2048, shared_inter=4096, experts=8, topk=2, expert_inter=1024,
+                samples=15, reps=10, warmup=5)
+TARGET_FRACTION = 0.9
+
+
+def find_device(torch=None):
+    """(kind, name, simulated) of this machine's accelerator without initialising it: kind "npu"
+    (torch.npu, loading torch_npu if torch did not) before "cuda", or None (name then says why);
+    simulated is True for the tests' simulated NPU (its module says ``__simnpu__``)."""
+    if torch is None:
+        import torch
+    npu = getattr(torch, "npu", None)
+    if npu is None:
+        try:
+            import torch_npu  # noqa: F401 - registers torch.npu where torch did not autoload it
+        except Exception:  # noqa: BLE001 - no NPU stack on this machine
+            pass
+        npu = getattr(torch, "npu", None)
+    if npu is not None:
+        try:
+            if npu.is_available() and npu.device_count() > 0:
+                simulated = bool(getattr(npu, "__simnpu__", False))
+                return "npu", "simulated NPU" if simulated else npu.get_device_name(0), simulated
+        except Exception:  # noqa: BLE001 - a broken driver: look for CUDA instead
+            pass
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda", cuda.get_device_name(0), False
+    return None, "no NPU or CUDA device visible to torch", False
+
+
+class _NoDispatchInfo:
+    """What ExpertLocationDispatchInfo.init_new returns without EPLB: None."""
+
+    @staticmethod
+    def init_new(layer_id):
+        return None
+
+
+# The dual-stream body reads ExpertLocationDispatchInfo from the globals of the function it stands
+# in for; serial_forward (below) is that function here.
+ExpertLocationDispatchInfo = _NoDispatchInfo
+
+
+_MLP = []
+
+
+def mlp_class():
+    """``Mlp(hidden, inter)``: a gated SiLU MLP (``gate_up``, ``down``), a GLM-4.x expert's shape
+    (the class is made on first use: importing this module imports no torch)."""
+    if not _MLP:
+        import torch
+        import torch.nn.functional as F
+
+        class Mlp(torch.nn.Module):
+            def __init__(self, hidden, inter):
+                super().__init__()
+                self.gate_up = torch.nn.Linear(hidden, 2 * inter, bias=False)
+                self.down = torch.nn.Linear(inter, hidden, bias=False)
+
+            def forward(self, x):
+                gate, up = self.gate_up(x).chunk(2, dim=-1)
+                return self.down(F.silu(gate) * up)
+
+        _MLP.append(Mlp)
+    return _MLP[0]
+
+
+def build_block(device, dtype, p):
+    import torch
+
+    torch.manual_seed(0)
+    H, E, K = p["hidden"], p["experts"], p["topk"]
+    Mlp = mlp_class()
+
+    class TopK:
+        def __call__(self, hidden_states, router_logits, num_token_non_padded=None,
+                     expert_location_dispatch_info=None):
+            weights, ids = torch.softmax(router_logits.float(), dim=-1).topk(K, dim=-1)
+            return (weights / weights.sum(dim=-1, keepdim=True)).to(hidden_states.dtype), ids
+
+    class Experts(torch.nn.Module):
+        """Routed experts, one expert at a time (small GEMMs: the device is far from full)."""
+        should_fuse_routed_scaling_factor_in_topk = False
+
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(Mlp(H, p["expert_inter"]) for _ in range(E))
+
+        def forward(self, hidden_states, topk_output):
+            weights, ids = topk_output
+            out = torch.zeros_like(hidden_states)
+            for e, mlp in enumerate(self.experts):
+                token, slot = (ids == e).nonzero(as_tuple=True)
+                if token.numel():
+                    y = mlp(hidden_states[token]) * weights[token, slot].unsqueeze(-1)
+                    out.index_add_(0, token, y)
+            return out
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer_id = 0
+            self.num_fused_shared_experts = 0
+            self.routed_scaling_factor = 2.5
+            self.gate = torch.nn.Linear(H, E, bias=False)
+            self.topk = TopK()
+            self.experts = Experts()
+            self.shared_experts = Mlp(H, p["shared_inter"])
+
+        def _forward_shared_experts(self, hidden_states):
+            return self.shared_experts(hidden_states)
+
+    return Block().to(device=device, dtype=dtype)
+
+
+def serial_forward(self, hidden_states, forward_batch):
+    """0.5.9's forward_deepep order, single stream (the shim's dual-stream body mirrors it)."""
+    router_logits = self.gate(hidden_states)
+    shared_output = self._forward_shared_experts(hidden_states)
+    topk_output = self.topk(hidden_states, router_logits,
+                            num_token_non_padded=forward_batch.num_token_non_padded,
+                            expert_location_dispatch_info=ExpertLocationDispatchInfo.init_new(
+                                layer_id=self.layer_id))
+    final = self.experts(hidden_states=hidden_states, topk_output=topk_output)
+    shared_output.add_(final, alpha=self.routed_scaling_factor)
+    return shared_output
+
+
+def routed_only(self, hidden_states, forward_batch):
+    router_logits = self.gate(hidden_states)
+    topk_output = self.topk(hidden_states, router_logits)
+    final = self.experts(hidden_states=hidden_states, topk_output=topk_output)
+    return final.mul_(self.routed_scaling_factor)
+
+
+def sample_ms(fn, device_module, reps):
+    """Mean milliseconds of one of ``reps`` calls of ``fn``: device time between two events on the
+    current stream where the device module has timing events, else wall time after synchronize."""
+    try:
+        begin, end = device_module.Event(enable_timing=True), device_module.Event(enable_timing=True)
+    except (AttributeError, TypeError):  # torch.cpu: an Event without timing
+        begin = None
+    if begin is None:
+        device_module.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        device_module.synchronize()
+        return (time.perf_counter() - start) * 1000.0 / reps
+    begin.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return float(begin.elapsed_time(end)) / reps
+
+
+def median_ms(fn, device_module, p):
+    for _ in range(p["warmup"]):
+        fn()
+    device_module.synchronize()
+    return statistics.median(sample_ms(fn, device_module, p["reps"]) for _ in range(p["samples"]))
+
+
+def measure(device, device_module=None, dtype=None, **overrides):
+    """{serial, serial_again, overlapped, shared, routed, ideal (ms), equal (bool), params} for the
+    block on ``device`` (a torch device string); ``device_module`` the module whose streams and
+    events to use (default ``torch.get_device_module(device)``)."""
+    import types
+
+    import torch
+
+    from npu_shim.patches import dual_stream_experts as ds
+
+    p = dict(DEFAULTS, **overrides)
+    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+    dm = device_module or torch.get_device_module(device)
+    block = build_block(device, dtype, p)
+    hidden = torch.randn(p["tokens"], p["hidden"], device=device, dtype=dtype)
+    batch = types.SimpleNamespace(num_token_non_padded=None)
+    # The stream helpers ask torch.get_device_module() (no argument, as upstream): make it name
+    # this device module even where the accelerator default differs (``--device cpu`` on a GPU box).
+    real_get = torch.get_device_module
+    torch.get_device_module = lambda d=None: dm if d is None else real_get(d)
+    try:
+        with torch.no_grad():
+            process = ds.DualStream()  # the shim's per-process state, as a decision builds it
+            fns = {
+                "serial": lambda: serial_forward(block, hidden, batch),
+                "overlapped": lambda: process._forward_deepep_dual_stream(serial_forward, block, hidden, batch),
+                "shared": lambda: block._forward_shared_experts(hidden),
+                "routed": lambda: routed_only(block, hidden, batch),
+            }
+            equal = bool(torch.equal(fns["serial"](), fns["overlapped"]()))
+            result = {name: median_ms(fn, dm, p) for name, fn in fns.items()}
+            # Serial once more after the rest: a drift between the two would show up here.
+            result["serial_again"] = median_ms(fns["serial"], dm, p)
+    finally:
+        torch.get_device_module = real_get
+    result["ideal"] = max(result["shared"], result["routed"])
+    result["equal"] = equal
+    result["params"] = p
+    return summarise(result)
+
+
+def summarise(result):
+    """Adds ``serial_median`` (of the two serial runs), ``possible`` (serial - ideal) and
+    ``fraction`` (the achieved share of it; None where there is nothing to save: zero times)."""
+    serial = statistics.median([result["serial"], result["serial_again"]])
+    possible = serial - result["ideal"]
+    result["serial_median"] = serial
+    result["possible"] = possible
+    result["fraction"] = (serial - result["overlapped"]) / possible if possible > 0 else None
+    return result

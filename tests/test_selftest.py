@@ -1,0 +1,573 @@
+"""``python -m npu_shim selftest`` (npu_shim/selftest.py, selftest_child.py, synthetic_moe.py).
+
+End to end on the simulated NPU: sglang 0.5.9's real source (every patch ``applied`` there with
+zbal's size and the multi-stream variable set), memfabric-zbal 1.2.0's own Python layer over the
+simulated native module, and the simulated NPU in every process through an image sitecustomize
+chained by the shim's (as torch_npu is on an Ascend image).  Then the refusals, the exit codes, the
+time bound, and the decisions a CUDA machine takes, with stand-in device modules.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+
+from npu_shim import __main__ as cli
+from npu_shim import selftest, selftest_child, synthetic_moe
+from shimdev import realsglang
+
+RELEASE = "0.5.9"
+ENV = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": "61440", "SGLANG_NPU_USE_MULTI_STREAM": "1",
+       "NPU_SHIM_STRICT": None, "NPU_SHIM_ZBAL": None, "NPU_SHIM_STATE_DIR": None}
+# The image's own sitecustomize: the simulated NPU in every process; knobs for the tests.
+IMAGE_SITECUSTOMIZE = """\
+import atexit, json, os
+from shimdev import simnpu
+if os.environ.get("SIM_NO_NPU") == "1":
+    simnpu.install_without_npu(release=os.environ.get("SIM_RELEASE"))
+else:
+    simnpu.install(release=os.environ.get("SIM_RELEASE"))
+if os.environ.get("SIM_ZBAL_MIX") == "1":
+    from shimdev import simzbal
+    simzbal.STATE.mix = True
+if os.environ.get("SIM_ZBAL_LOG"):
+    def _dump():
+        from shimdev import simzbal
+        if simzbal.calls():
+            with open(os.environ["SIM_ZBAL_LOG"], "w") as handle:
+                json.dump({"bootstraps": simzbal.bootstraps(), "mix": simzbal.STATE.mix}, handle, default=str)
+    atexit.register(_dump)
+"""
+
+
+def _command(tmp_path, env=None, release=RELEASE, zbal=True):
+    image = tmp_path / "image-site"
+    image.mkdir(exist_ok=True)
+    (image / "sitecustomize.py").write_text(IMAGE_SITECUSTOMIZE)
+    if release is None:
+        argv = [str(realsglang.release_python(RELEASE))]
+        full = realsglang.release_env(dict(ENV, **(env or {})), zbal=zbal)
+    else:
+        argv, full = realsglang.release_command(release, dict(ENV, **(env or {})), zbal=zbal)
+        full["SIM_RELEASE"] = release
+    entries = full["PYTHONPATH"].split(os.pathsep)
+    full["PYTHONPATH"] = os.pathsep.join(entries[:1] + [str(image)] + entries[1:])
+    return argv, full
+
+
+def selftest_run(tmp_path, *args, env=None, release=RELEASE, zbal=True):
+    argv, full = _command(tmp_path, env, release, zbal)
+    started = time.monotonic()
+    # A generous bound here: this test machine's cores are shared (the 60 s default is tested below).
+    proc = subprocess.run(argv + ["-m", "npu_shim", "selftest", "--timeout", "240"] + list(args), env=full, cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    proc.wall = time.monotonic() - started
+    return proc
+
+
+def progress_lines(stderr):
+    return [line[len(selftest.PREFIX):] for line in stderr.splitlines() if line.startswith(selftest.PREFIX)]
+
+
+# -- end to end on the simulated NPU ----------------------------------------------------------------
+
+def test_full_mode_json_every_applied_patch_passes_within_the_bound(release_venv, tmp_path):
+    release_venv(RELEASE)
+    log = tmp_path / "zbal.json"
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    proc = selftest_run(tmp_path, "--json", "--zbal-mib", "512",
+                        env={"SIM_ZBAL_LOG": str(log), "NPU_SHIM_STATE_DIR": str(state_dir)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["exit"] == 0 and out["refused"] is None and out["error"] is None
+    assert out["seconds"] < 240 and out["options"]["timeout"] == 240
+    assert out["device"]["kind"] == "npu" and out["device"]["simulated"] is True
+    patches = out["patches"]
+    assert list(patches) == ["zbal", "mla_weight_release", "dual_stream_experts"]
+    assert {n: (p["state"], p["result"]) for n, p in patches.items()} == {
+        n: ("applied", "ok") for n in patches}
+    # zbal: full mode through the shim's ZbalProcess, the chosen heap handed to zbal_init
+    z = patches["zbal"]["facts"]
+    assert (z["mode"], z["heap_mib"], z["backend"], z["shim_capacity_mib"]) == ("full", 512, "pluggable", 512)
+    assert z["shim_free_gib"] == z["zbal_free"] / (1 << 30) and z["problems"] == []
+    (boot,) = json.loads(log.read_text())["bootstraps"]
+    assert (boot["world_size"], boot["rank_id"], boot["device_id"], boot["device_mem_size"]) == (1, 0, 0, 512 << 20)
+    # mla: one layer of each public config, the weights' bytes exactly
+    m = patches["mla_weight_release"]["facts"]
+    for name, c in selftest_child.MLA_CONFIGS.items():
+        nbytes = 2 * ((c["q_lora"] + c["kv_lora"] + c["rope"]) * c["hidden"] + c["heads"] * c["nope"] * c["kv_lora"])
+        assert m[name]["bytes"] == m[name]["released"] == m[name]["allocated_drop"] == nbytes
+        assert m[name]["touch_raises"] and m[name]["view_kept"] and m[name]["ok"]
+    d = patches["dual_stream_experts"]
+    assert [f["tokens"] for f in d["facts"]] == list(selftest_child.SIMULATED_TOKENS)
+    assert all(f["equal"] for f in d["facts"]) and "timings are meaningless" in d["line"]
+    # a progress line per step, on stderr (stdout is the JSON)
+    steps = progress_lines(proc.stderr)
+    assert steps[0].startswith("starting the selftest process") and len(steps) >= 10
+    assert sum(s.startswith("mla_weight_release: ") for s in steps) == len(selftest_child.MLA_CONFIGS)
+    assert sum(s.startswith("dual_stream_experts: ") for s in steps) == len(selftest_child.SIMULATED_TOKENS)
+    assert any(s.startswith("zbal: full mode") for s in steps)
+    assert os.listdir(state_dir) == []  # the selftest's processes are no servers: no state record
+
+
+def test_mix_mode_text_switch_allocation_then_lazy_heap(release_venv, tmp_path):
+    release_venv(RELEASE)
+    log = tmp_path / "zbal.json"
+    proc = selftest_run(tmp_path, env={"SIM_ZBAL_MIX": "1", "SIM_ZBAL_LOG": str(log)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("npu-shim selftest on npu 0 (simulated NPU), 65536 of 65536 MiB free")
+    assert "timings and allocator figures are not" in lines[0]
+    rows = {line.split()[0]: line for line in lines if line.startswith("  ") and line.split()[0] in
+            ("zbal", "mla_weight_release", "dual_stream_experts")}
+    assert len(rows) == 3 and all(row.split()[1:3] == ["ok", "applied"] for row in rows.values())
+    assert "mix mode: %d MiB heap, allocator backend pluggable" % selftest.DEFAULT_ZBAL_MIB in rows["zbal"]
+    assert "timings are meaningless on the simulated NPU" in rows["dual_stream_experts"]
+    # the heap: one zbal_init, after the switch and the allocation, of in use + the chosen size
+    (boot,) = json.loads(log.read_text())["bootstraps"]
+    assert boot["device_mem_size"] == selftest.DEFAULT_ZBAL_MIB << 20
+    steps = progress_lines(proc.stderr)
+    order = [i for i, s in enumerate(steps) if s.startswith(("zbal: mix mode: setting", "zbal: mix mode: lazy"))]
+    assert len(order) == 2 and order[0] < order[1]
+
+
+def test_a_patch_not_applied_here_is_not_exercised(release_venv, tmp_path):
+    release_venv(RELEASE)
+    proc = selftest_run(tmp_path, "--json", env={"SGLANG_ZBAL_LOCAL_MEM_SIZE": None,
+                                                  "SGLANG_NPU_USE_MULTI_STREAM": None})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    patches = json.loads(proc.stdout)["patches"]
+    assert (patches["zbal"]["state"], patches["zbal"]["result"], patches["zbal"]["line"]) == (
+        "inactive", "skipped", "not applied here")
+    assert patches["mla_weight_release"]["result"] == "ok"
+    assert "zbal" not in " ".join(progress_lines(proc.stderr))  # no zbal process started
+
+
+def test_refused_with_one_line_when_the_device_has_too_little_free_memory(release_venv, tmp_path):
+    release_venv(RELEASE)
+    proc = selftest_run(tmp_path, env={"SIMNPU_FREE_MIB": "1000"})
+    assert proc.returncode == cli.EXIT_SELFTEST_REFUSED == 10, proc.stderr[-3000:]
+    assert proc.stdout == ("npu-shim selftest: refused: npu 0 has 1000 MiB free of 65536 MiB; the "
+                           "selftest needs 2048 MiB (is a server using it?)\n")
+
+
+def test_no_device_exits_11(release_venv, tmp_path):
+    release_venv(RELEASE)
+    proc = selftest_run(tmp_path, "--json", env={"SIM_NO_NPU": "1"})
+    assert proc.returncode == cli.EXIT_NO_DEVICE == 11, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["device"]["kind"] is None and out["error"] == "no NPU or CUDA device visible to torch"
+
+
+def test_patch_option_runs_a_step_without_sglang_and_no_sglang_exits_5(release_venv, tmp_path):
+    """What a CUDA machine without sglang does (``--patch dual_stream_experts``), on the simulated
+    NPU; without ``--patch`` there is nothing to decide: exit 5, as ``check``."""
+    release_venv(RELEASE)
+    proc = selftest_run(tmp_path, "--json", "--patch", "dual_stream_experts", release=None, zbal=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    patches = json.loads(proc.stdout)["patches"]
+    assert patches["dual_stream_experts"]["forced"] and patches["dual_stream_experts"]["result"] == "ok"
+    assert patches["zbal"]["line"] == "not decided here (no target module imported)"
+    proc = selftest_run(tmp_path, release=None, zbal=False)
+    assert proc.returncode == cli.EXIT_NO_SGLANG == 5
+    assert proc.stdout.startswith("npu-shim selftest: no sglang is importable")
+
+
+HOLDER = """
+import sys, time
+import sglang.srt.utils.common  # the shim decides: this process writes its state record
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_refused_without_a_child_while_a_server_process_has_a_live_record(release_venv, tmp_path):
+    """A live sglang process with a state record in NPU_SHIM_STATE_DIR: refused with one line before
+    any child starts; the parent imports no torch."""
+    release_venv(RELEASE)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    argv, env = _command(tmp_path, {"NPU_SHIM_STATE_DIR": str(state_dir)})
+    holder = subprocess.Popen(argv + ["-c", HOLDER], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 30
+        while not os.listdir(state_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        code = ("import sys; from npu_shim import __main__ as cli; rc = cli.main(['selftest']); "
+                "print('torch imported:', 'torch' in sys.modules); sys.exit(rc)")
+        plain = dict(os.environ, PYTHONPATH=str(realsglang.REPO), NPU_SHIM_STATE_DIR=str(state_dir))
+        proc = subprocess.run([sys.executable, "-c", code], env=plain, capture_output=True, text=True, timeout=60)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == cli.EXIT_SELFTEST_REFUSED, proc.stdout + proc.stderr
+    first, second = proc.stdout.splitlines()
+    assert first == ("npu-shim selftest: refused: 1 live sglang process with state records in %s "
+                     "(pid %d): a server is running on this node" % (state_dir, holder.pid))
+    assert second == "torch imported: False"
+    assert proc.stderr == ""  # no progress line: no child was started
+
+
+def test_refused_when_live_state_records_say_a_server_runs(monkeypatch, tmp_path):
+    from npu_shim import running
+
+    live = {"live": 2, "processes": [{"pid": 41, "status": "live"}, {"pid": 40, "status": "live"},
+                                      {"pid": 9, "status": "stale"}]}
+    monkeypatch.setattr(running, "analyse", lambda dir_: live if dir_ == str(tmp_path) else {})
+    why = selftest.holders({"NPU_SHIM_STATE_DIR": str(tmp_path)}, proc=str(tmp_path / "no-proc"))
+    assert why == ("2 live sglang processes with state records in %s (pid 40, 41): a server is "
+                   "running on this node" % tmp_path)
+    live["live"] = 0
+    assert selftest.holders({"NPU_SHIM_STATE_DIR": str(tmp_path)}, proc=str(tmp_path / "no-proc")) is None
+
+
+def test_sglang_processes_with_a_device_file_open(tmp_path):
+    procs = {11: (b"sglang::scheduler_DP0_TP3\0", ["/dev/davinci3", "/dev/null"]),
+             12: (b"python3\0-m\0sglang.launch_server\0--model\0m\0", ["/dev/nvidia0"]),
+             13: (b"sglang::detokenizer\0", ["/dev/null"]),  # no device open: not a holder
+             14: (b"python3\0-m\0npu_shim\0selftest\0", ["/dev/davinci0"]),
+             15: (b"sglang::scheduler_TP1\0", ["/dev/nvidiactl"])}
+    for pid, (cmdline, files) in procs.items():
+        fd = tmp_path / str(pid) / "fd"
+        fd.mkdir(parents=True)
+        (tmp_path / str(pid) / "cmdline").write_bytes(cmdline)
+        for number, target in enumerate(files):
+            os.symlink(target, str(fd / str(number)))
+    (tmp_path / "self").mkdir()
+    assert selftest.sglang_processes(str(tmp_path)) == [
+        (11, "sglang::scheduler_DP0_TP3"), (12, "python3 -m sglang.launch_server --model m")]
+    assert selftest.holders({}, proc=str(tmp_path)) == (
+        "2 sglang processes on this host hold the device (pid 11, 12: sglang::scheduler_DP0_TP3)")
+
+
+# -- time bound, failures and exit codes -------------------------------------------------------------
+
+def test_a_child_past_the_bound_is_killed_and_the_run_exits_9(monkeypatch):
+    monkeypatch.setattr(selftest, "CHILD_CODE", "import sys, time; sys.stdout.write('%sstep one\\n'); "
+                        "sys.stdout.flush(); time.sleep(60)" % selftest_child.PROGRESS)
+    monkeypatch.setattr(selftest, "TIMEOUT_S", 2)
+    monkeypatch.setattr(selftest, "holders", lambda: None)
+    seen = []
+    started = time.monotonic()
+    result = selftest.run({"zbal_mib": 64, "device_index": 0, "patches": []}, log=seen.append)
+    assert time.monotonic() - started < 10
+    assert result["exit"] == cli.EXIT_SELFTEST_FAILED == 9
+    assert result["error"] == "did not finish within the 2 s bound (at: step one)"
+    assert seen[-1] == "step one"
+    result = selftest.run({"zbal_mib": 64, "device_index": 0, "patches": [], "timeout": 1})
+    assert result["exit"] == 9 and result["error"].startswith("did not finish within the 1 s bound (at: ")
+    assert result["seconds"] < 5
+
+
+def test_a_child_without_a_report_exits_4_with_its_words(monkeypatch):
+    monkeypatch.setattr(selftest, "CHILD_CODE", "import sys; sys.stderr.write('ImportError: nothing\\n'); sys.exit(3)")
+    monkeypatch.setattr(selftest, "holders", lambda: None)
+    result = selftest.run({"zbal_mib": 64, "device_index": 0, "patches": []})
+    assert result["exit"] == cli.EXIT_CHECK_FAILED
+    assert result["error"] == "the selftest process exited 3 without a report:\nImportError: nothing"
+
+
+def _report(plan, results, zbal_next=False, **device):
+    return {"stage": "main", "torch_problem": None, "shim_active": True, "sglang": {"path": "/s"},
+            "states": {n: {"state": "applied", "reason": "r"} for n in plan},
+            "device": dict({"kind": "npu", "name": "n", "simulated": False, "index": 0}, **device),
+            "plan": plan, "results": results, "zbal_next": zbal_next}
+
+
+def test_a_failed_step_exits_9_and_a_failed_zbal_process_counts(monkeypatch):
+    ok = {"result": "ok", "line": "fine", "facts": {}}
+    plan = {"zbal": None, "mla_weight_release": None, "dual_stream_experts": None}
+    stages = {"main": (_report(plan, {"mla_weight_release": ok, "dual_stream_experts": ok}, zbal_next=True), None),
+              "zbal": (None, "the selftest process exited 1 without a report:\nZbalError: boom")}
+    monkeypatch.setattr(selftest, "run_stage", lambda stage, *a: stages[stage])
+    monkeypatch.setattr(selftest, "holders", lambda: None)
+    result = selftest.run({"zbal_mib": 64, "device_index": 0, "patches": []})
+    assert result["exit"] == 9
+    assert result["patches"]["zbal"]["result"] == "FAILED" and "ZbalError: boom" in result["patches"]["zbal"]["line"]
+    stages["zbal"] = ({"results": {"zbal": ok}}, None)
+    assert selftest.run({"zbal_mib": 64, "device_index": 0, "patches": []})["exit"] == 0
+
+
+@pytest.mark.parametrize("report, code", [
+    (dict(_report({}, {}), torch_problem={"kind": "cann", "text": "t"}), 8),
+    (dict(_report({}, {}), torch_problem={"kind": "torch", "text": "t"}), 4),
+    (dict(_report({}, {}), sglang={"path": None}), 5),
+    (dict(_report({}, {}), shim_active=False), 4),
+    (_report({"zbal": "no device"}, {}, kind=None, name="no NPU or CUDA device visible to torch"), 11),
+    (dict(_report({"zbal": None}, {}), refused="npu 0 has 1 MiB free"), 10),
+])
+def test_exit_codes(monkeypatch, report, code):
+    monkeypatch.setattr(selftest, "run_stage", lambda stage, *a: (report, None))
+    monkeypatch.setattr(selftest, "holders", lambda: None)
+    for name in list(os.environ):
+        if name.startswith(("NPU_SHIM_", "SGLANG_")):
+            monkeypatch.delenv(name)
+    assert selftest.run({"zbal_mib": 64, "device_index": 0, "patches": []})["exit"] == code
+
+
+def test_bad_variable_and_bad_usage(monkeypatch, capsys):
+    monkeypatch.setattr(selftest, "run_stage", lambda *a: pytest.fail("no child for a bad variable"))
+    monkeypatch.setenv("NPU_SHIM_STRICTT", "1")
+    assert cli.main(["selftest"]) == cli.EXIT_BAD_ENV
+    assert capsys.readouterr().out.startswith("npu-shim selftest: an NPU_SHIM_* or SGLANG_* variable")
+    monkeypatch.delenv("NPU_SHIM_STRICTT")
+    assert cli.main(["selftest", "--patch", "zbla"]) == cli.EXIT_USAGE
+    assert "--patch zbla: no such patch (zbal, mla_weight_release, dual_stream_experts)" in capsys.readouterr().err
+    assert cli.main(["selftest", "--zbal-mib", "0"]) == cli.EXIT_USAGE
+    assert cli.main(["selftest", "--timeout", "0"]) == cli.EXIT_USAGE
+
+
+def test_a_bundle_that_does_not_match_its_manifest_starts_no_child(monkeypatch):
+    from npu_shim import check
+
+    monkeypatch.setattr(check, "bundle_facts", lambda: {"ok": False, "text": "/b: 1 files differ"})
+    monkeypatch.setattr(selftest, "run_stage", lambda *a: pytest.fail("a child was started"))
+    result = selftest.run({"zbal_mib": 64, "device_index": 0, "patches": []})
+    assert result["exit"] == cli.EXIT_CHECK_FAILED
+    assert result["error"].endswith("does not match its MANIFEST (/b: 1 files differ)")
+
+
+def test_exit_codes_are_distinct_and_documented():
+    codes = [v for k, v in vars(cli).items() if k.startswith("EXIT_")]
+    assert len(codes) == len(set(codes))
+    assert (cli.EXIT_SELFTEST_FAILED, cli.EXIT_SELFTEST_REFUSED, cli.EXIT_NO_DEVICE) == (9, 10, 11)
+    assert selftest.TIMEOUT_S == 60 and cli.main(["selftest", "--help"]) == 0
+    main_doc, doc = " ".join(cli.__doc__.split()), " ".join(selftest.__doc__.split())
+    for code in (9, 10, 11):
+        assert "%d (``selftest``)" % code in main_doc
+    for words in ("9 a step failed", "10 refused", "11 no NPU or CUDA device"):
+        assert words in doc
+    doc = open(os.path.join(realsglang.REPO, "docs", "rolling-out.md")).read()
+    for code in (0, 2, 4, 5, 8, 9, 10, 11):
+        assert "| %d |" % code in doc
+
+
+# -- CUDA and the device-agnostic parts, with stand-in device modules --------------------------------
+
+def test_plan_on_cuda_npu_and_without_a_device():
+    applied = {n: {"state": "applied"} for n in ("zbal", "mla_weight_release", "dual_stream_experts")}
+    assert selftest_child.plan(applied, "cuda") == {
+        "zbal": "n/a on cuda", "mla_weight_release": "n/a on cuda", "dual_stream_experts": None}
+    assert selftest_child.plan(applied, "npu") == dict.fromkeys(applied)
+    assert set(selftest_child.plan(applied, None).values()) == {"no device"}
+    inactive = dict(applied, zbal={"state": "inactive"})
+    assert selftest_child.plan(inactive, "npu")["zbal"] == "not applied here"
+    assert selftest_child.plan({}, "cuda", forced=("dual_stream_experts",)) == {
+        "zbal": "not decided here (no target module imported)",
+        "mla_weight_release": "not decided here (no target module imported)", "dual_stream_experts": None}
+    assert selftest_child.need_mib(["zbal"], 1024) == 1536
+    assert selftest_child.need_mib(["dual_stream_experts"], 1024) == selftest_child.STEPS_MIB
+
+
+def _module(available, name="dev", count=1, simulated=False):
+    module = types.SimpleNamespace(is_available=lambda: available, device_count=lambda: count,
+                                   get_device_name=lambda index=0: name)
+    if simulated:
+        module.__simnpu__ = True
+    return module
+
+
+def test_find_device_prefers_the_npu_then_cuda():
+    cuda = _module(True, "NVIDIA H200")
+    assert synthetic_moe.find_device(types.SimpleNamespace(npu=None, cuda=cuda)) == ("cuda", "NVIDIA H200", False)
+    both = types.SimpleNamespace(npu=_module(True, "Ascend910B3"), cuda=cuda)
+    assert synthetic_moe.find_device(both) == ("npu", "Ascend910B3", False)
+    sim = types.SimpleNamespace(npu=_module(True, simulated=True), cuda=_module(False))
+    assert synthetic_moe.find_device(sim) == ("npu", "simulated NPU", True)
+    none = types.SimpleNamespace(npu=_module(True, count=0), cuda=_module(False))
+    assert synthetic_moe.find_device(none) == (None, "no NPU or CUDA device visible to torch", False)
+
+
+class _Event:
+    """torch.cuda.Event's timing interface: elapsed_time in ms between two recorded events."""
+    clock = [0.0]
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.at = None
+
+    def record(self, stream=None):
+        self.at = self.clock[0]
+
+    def synchronize(self):
+        assert self.at is not None
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+def test_sample_ms_reads_device_events_and_falls_back_to_the_wall_clock():
+    dm = types.SimpleNamespace(Event=_Event, synchronize=lambda: None)
+
+    def work():
+        _Event.clock[0] += 3.0  # 3 ms of device time per call
+
+    assert synthetic_moe.sample_ms(work, dm, 4) == 3.0
+    wall = synthetic_moe.sample_ms(lambda: time.sleep(0.01), types.SimpleNamespace(synchronize=lambda: None), 2)
+    assert 9.0 <= wall < 200.0
+
+
+def test_summarise_the_share_of_the_ideal_saving():
+    r = synthetic_moe.summarise({"serial": 10.0, "serial_again": 10.0, "overlapped": 7.0, "ideal": 6.0})
+    assert (r["serial_median"], r["possible"], r["fraction"]) == (10.0, 4.0, 0.75)
+    assert synthetic_moe.summarise({"serial": 0.0, "serial_again": 0.0, "overlapped": 0.0, "ideal": 0.0})["fraction"] is None
+
+
+def test_dual_stream_step_on_a_device_reports_times_and_the_target(monkeypatch):
+    import torch
+
+    fake = dict(serial_median=10.0, overlapped=6.4, shared=4.0, routed=6.0, ideal=6.0, possible=4.0,
+                fraction=0.9, equal=True)
+    monkeypatch.setattr(synthetic_moe, "measure", lambda device, device_module, **p: dict(fake, tokens=p["tokens"]))
+    ok, line, facts = selftest_child.dual_stream_step(torch, None, "cuda:0", False)
+    assert ok and [f["tokens"] for f in facts] == list(synthetic_moe.SELFTEST_TOKENS)
+    assert line.startswith("256 tokens: serial 10.000 ms, overlapped 6.400 ms, saving 90 % of the ideal "
+                           "(serial - max(shared, routed) = 4.000 ms)")
+    assert line.endswith("outputs equal to single-stream: yes; target >= 90 % of the ideal saving: met")
+    fake.update(equal=False, fraction=0.5)
+    ok, line, _ = selftest_child.dual_stream_step(torch, None, "cuda:0", False)
+    assert not ok and "outputs DIFFER" in line and line.endswith("not met")
+
+
+class _StuckAllocator:
+    """A device module whose allocator never gives memory back (what the step must catch)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def synchronize(self):
+        pass
+
+    def memory_allocated(self, index):
+        return 1 << 30
+
+    def memory_reserved(self, index):
+        return 1 << 30
+
+    def empty_cache(self):
+        self.calls.append("empty_cache")
+
+
+def test_mla_step_fails_when_memory_does_not_drop():
+    import torch
+
+    dm = _StuckAllocator()
+    ok, line, facts = selftest_child.mla_step(torch, dm, "cpu", False, 0)
+    assert not ok and "MISMATCH" in line and dm.calls  # empty_cache before each reserved figure
+    assert all(f["released"] == f["bytes"] and f["allocated_drop"] == 0 for f in facts.values())
+    assert all(f["touch_raises"] and f["view_kept"] for f in facts.values())
+
+
+def test_the_bench_row_and_the_selftest_share_one_measurement():
+    from shimdev import dual_stream_bench
+
+    assert dual_stream_bench.synthetic_moe is synthetic_moe
+    assert dual_stream_bench.build_block is synthetic_moe.build_block
+    (row,) = dual_stream_bench.rows("cpu", tokens=8, hidden=16, shared_inter=16, experts=4, topk=2,
+                                    expert_inter=8, samples=1, reps=1, warmup=1)
+    assert "outputs equal: True" in row["measured"] and row["ok"] is None
+
+
+class _CudaLike:
+    """A stand-in for ``torch.cuda`` on CPU: the stream and event calls the measurement and the
+    shim's dual-stream body make, recorded (each name and keyword is torch.cuda's, checked below)."""
+
+    def __init__(self):
+        self.calls, self.clock = [], [0.0]
+        self.main = self.Stream("main")
+        self.stack = [self.main]
+
+    def Stream(self, name=None):  # noqa: N802 - torch.cuda.Stream
+        module = self
+
+        class Stream:
+            def __init__(self):
+                self.name = name or "side-%d" % len([c for c in module.calls if c[0] == "stream"])
+                module.calls.append(("stream", self.name))
+
+            def wait_stream(self, other):
+                module.calls.append(("wait_stream", self.name, other.name))
+
+        return Stream()
+
+    def current_stream(self):
+        return self.stack[-1]
+
+    def stream(self, stream):
+        import contextlib
+
+        @contextlib.contextmanager
+        def on():
+            self.stack.append(stream)
+            self.clock[0] += 1.0
+            try:
+                yield
+            finally:
+                self.stack.pop()
+        return on()
+
+    def Event(self, enable_timing=False):  # noqa: N802 - torch.cuda.Event
+        module = self
+
+        class Event:
+            def record(self, stream=None):
+                self.at = module.clock[0]
+                module.calls.append(("record", enable_timing))
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end_event):
+                return end_event.at - self.at
+
+        return Event()
+
+    def synchronize(self):
+        self.calls.append(("synchronize",))
+
+
+def test_measure_through_a_cuda_like_module_uses_its_streams_and_timing_events():
+    import inspect
+
+    import torch
+
+    for name in ("Stream", "Event", "current_stream", "stream", "synchronize", "mem_get_info",
+                 "memory_allocated", "memory_reserved", "empty_cache", "set_device", "get_device_name"):
+        assert hasattr(torch.cuda, name), name  # what the selftest calls on torch.cuda exists
+    assert "enable_timing" in inspect.signature(torch.cuda.Event.__new__).parameters
+    assert list(inspect.signature(torch.cuda.Event.elapsed_time).parameters) == ["self", "end_event"]
+    cuda = _CudaLike()
+    real_get = torch.get_device_module
+    r = synthetic_moe.measure("cpu", device_module=cuda, tokens=8, hidden=16, shared_inter=16, experts=4,
+                              topk=2, expert_inter=8, samples=2, reps=2, warmup=1)
+    assert torch.get_device_module is real_get  # put back
+    assert r["equal"] is True
+    # one side stream, made by the device module; it waits for main, main waits for it
+    assert [c for c in cuda.calls if c[0] == "stream"] == [("stream", "main"), ("stream", "side-1")]
+    assert ("wait_stream", "side-1", "main") in cuda.calls and ("wait_stream", "main", "side-1") in cuda.calls
+    records = [c for c in cuda.calls if c[0] == "record"]
+    assert records and all(timing for _, timing in records)  # every event is a timing event
+    # the clock moves only where the side stream is entered: the overlapped runs alone show time
+    assert r["overlapped"] == 1.0 and r["serial"] == r["shared"] == r["routed"] == 0.0
+
+
+def test_the_selftest_needs_nothing_from_dev_and_its_parent_no_torch():
+    """The shim ships without dev/: its selftest modules import nothing from there; the parent's
+    modules import no torch at load (only the children do)."""
+    code = ("import sys; from npu_shim import selftest, selftest_child, synthetic_moe; "
+            "print(sorted(n for n in ('torch', 'wrapt', 'shimdev') if n in sys.modules))")
+    env = {"PYTHONPATH": str(realsglang.REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    for name in ("selftest.py", "selftest_child.py", "synthetic_moe.py"):
+        with open(os.path.join(realsglang.REPO, "npu_shim", name), encoding="utf-8") as handle:
+            assert not re.search(r"^\s*(from|import)\s+shimdev", handle.read(), re.M), name

@@ -23,12 +23,8 @@ on a CUDA machine they say ``n/a on cuda``.  ``--patch NAME`` runs a patch's ste
 (e.g. ``dual_stream_experts`` on a CUDA machine without sglang).  The whole run is bounded
 (``TIMEOUT_S``, 60 s; ``--timeout``); a progress line per step goes to stderr.
 
-Exit codes (besides ``check``'s 2, 4, 5 and 8, with the same meaning): 0 every step ran and passed
-(or no patch applies here: nothing to test); 9 a step failed or did not finish within the time
-bound; 10 refused: sglang processes hold the device (live state records in
-``NPU_SHIM_STATE_DIR``, or an sglang process on this host with a device file open), or the device
-has too little free memory; 11 no
-NPU or CUDA device is visible to torch.
+Exit codes: ``EXIT_SELFTEST_FAILED``, ``EXIT_SELFTEST_REFUSED`` and ``EXIT_NO_DEVICE`` of
+``npu_shim.__main__``, with ``check``'s; what each means is listed once, in docs/operations.md.
 """
 
 import json

@@ -68,21 +68,6 @@ def collect(quick, only=None, log=print):
     return bench_rows.collect(chosen, log=log)
 
 
-def write_doc(table, header, path=None):
-    """Put this run's header line and table between bench_rows.DOC's markers (``path``: another file)."""
-    path = path or os.path.join(REPO, bench_rows.DOC)
-    with open(path, encoding="utf-8") as handle:
-        text = handle.read()
-    start, end = bench_rows.TABLE_START, bench_rows.TABLE_END
-    if start not in text or end not in text:
-        raise SystemExit("%s has no %s ... %s markers" % (bench_rows.DOC, start, end))
-    head, rest = text.split(start, 1)
-    tail = rest.split(end, 1)[1]
-    new = "%s%s\n%s\n\n%s\n%s%s" % (head, start, header, table, end, tail)
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(new)
-
-
 def in_runner_venv():
     """Re-run this script in the test runner's venv (torch, wrapt, pytest: built by the test
     command's own code when missing) unless this interpreter already has torch and wrapt."""
@@ -126,7 +111,7 @@ def main():
     for problem in problems:
         print("[bench] error: " + problem)
     if args.write_docs:
-        write_doc(table, header)
+        bench_rows.write_doc(table, header, os.path.join(REPO, bench_rows.DOC))
         print("[bench] %s's table rewritten from this run" % bench_rows.DOC)
     return 1 if problems else 0
 

@@ -61,17 +61,12 @@ def test_a_failing_benchmark_gives_one_line_cells_and_a_problem():
 
 
 def test_write_docs_puts_a_run_between_the_markers_and_leaves_the_rest(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_script", os.path.join(REPO, "scripts", "bench.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     text = doc()
     page = tmp_path / "performance.md"
     page.write_text(text.replace("| ok | bench_zbal |", "| stale | bench_zbal |"), encoding="utf-8")
     rows = [{"what": what, "how": "h", "measured": "1 ms", "target": "t", "ok": True, "script": script}
             for script, what in bench_rows.ROWS]
-    bench.write_doc(bench_rows.render(rows), "`python3 scripts/bench.py` on a test run.", path=str(page))
+    bench_rows.write_doc(bench_rows.render(rows), "`python3 scripts/bench.py` on a test run.", str(page))
     written = page.read_text(encoding="utf-8")
     head, rest = text.split(bench_rows.TABLE_START, 1)
     assert written.startswith(head + bench_rows.TABLE_START + "\n`python3 scripts/bench.py` on a test run.\n\n")

@@ -102,3 +102,15 @@ def doc_rows(text):
     block = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0]
     lines = [line for line in block.splitlines() if line.startswith("| ")]
     return [line.split(" | ")[0][2:] for line in lines[1:]]
+
+
+def write_doc(table, header, path):
+    """Put a run's header line and table between the markers of the page at ``path`` (``DOC``)."""
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    if TABLE_START not in text or TABLE_END not in text:
+        raise SystemExit("%s has no %s ... %s markers" % (path, TABLE_START, TABLE_END))
+    head, rest = text.split(TABLE_START, 1)
+    tail = rest.split(TABLE_END, 1)[1]
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write("%s%s\n%s\n\n%s\n%s%s" % (head, TABLE_START, header, table, TABLE_END, tail))

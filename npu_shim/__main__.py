@@ -2,8 +2,8 @@
 
 ``status`` says what the shim would do in this interpreter without importing sglang (its source is
 read from disk), torch or wrapt; ``check`` runs it in a child process and reports what really
-happened (npu_shim/check.py); ``bundle`` builds the directory to mount into an image
-(npu_shim/bundle.py).
+happened (npu_shim/cli/check.py); ``bundle`` builds the directory to mount into an image
+(npu_shim/cli/bundle.py).
 
 Exit codes: 0 fine; 1 ``bundle`` failed or refused its target (130 / 143: stopped by SIGINT /
 SIGTERM); 2 an environment variable is invalid, or an ``NPU_SHIM_*`` name is one the shim does not
@@ -13,10 +13,10 @@ apply; 4 ``check`` could not run, the shim was not active in its process, a targ
 to import, or the bundle does not match its MANIFEST (a file missing, changed or extra, or the
 MANIFEST itself missing or broken: then no check process is started); 5 (``status`` and
 ``check``) no sglang is importable; 6 (``status --running``) a running process has a ``failed``
-patch or processes of the same sglang disagree on a patch's state (npu_shim/running.py); 7
+patch or processes of the same sglang disagree on a patch's state (npu_shim/cli/running_records.py); 7
 (``status --running``) no live process has a state record in the directory (none written, or only
 stale ones); 8 (``check``) the NPU software stack is broken: torch_npu is installed but cannot load
-CANN's libraries, so ``import torch`` fails in every process (npu_shim/check.py, torch_problem);
+CANN's libraries, so ``import torch`` fails in every process (npu_shim/cli/check.py, torch_problem);
 64 bad usage; 141 the output's reader went away (``| head``).
 """
 
@@ -26,8 +26,9 @@ import os
 import sys
 
 import npu_shim
-from npu_shim import config, framework, wrapt_loader
-from npu_shim.codeview import SourceView, find_package_dir
+from npu_shim.core import config, framework
+from npu_shim.runtime import wrapt_loader
+from npu_shim.source.codeview import SourceView, find_package_dir
 
 EXIT_BUNDLE_FAILED = 1
 EXIT_BAD_ENV = 2
@@ -61,7 +62,7 @@ def shim_on_path():
 
 
 def collect():
-    from npu_shim.patches import all_variables, load_all
+    from npu_shim.core.loading import all_variables, load_all
 
     patches = load_all()
     variables = all_variables(patches)
@@ -123,7 +124,7 @@ def activity_line(info):
 
 
 def print_status(info):
-    from npu_shim.terminal import terminal_writer
+    from npu_shim.ops.terminal import terminal_writer
 
     out = terminal_writer()
     out("npu-shim %s  (%s)\n" % (info["version"], info["location"]))
@@ -155,7 +156,7 @@ def print_status(info):
 
 
 def env_rows():
-    from npu_shim.patches import all_variables
+    from npu_shim.core.loading import all_variables
 
     return [{"name": var.name, "kind": var.kind, "default": var.default, "doc": var.doc,
              "aliases": list(var.aliases)} for var in all_variables()]
@@ -188,7 +189,7 @@ def config_exit_code(states, stops=False):
     EXIT_STRICT when a server would stop at import: strict mode is on and a patch is
     ``unsupported`` or ``failed`` (``inactive``: nothing to do, is fine), or ``stops`` (a patch
     the job asks for explicitly cannot apply); else 0.  The same rule for ``status`` and ``check``."""
-    from npu_shim.patches import all_variables
+    from npu_shim.core.loading import all_variables
 
     variables = all_variables()
     values = config.read_all(variables)
@@ -202,7 +203,7 @@ def config_exit_code(states, stops=False):
 def run_bundle(args):
     import signal
 
-    from npu_shim import bundle
+    from npu_shim.cli import bundle
 
     previous = _on_sigterm(bundle.Terminated)
     try:
@@ -210,7 +211,7 @@ def run_bundle(args):
                      machines=tuple(args.platform) or bundle.MACHINES, force=args.force,
                      log=lambda line: sys.stderr.write("npu-shim bundle: %s\n" % line))
     except bundle.BundleError as exc:
-        from npu_shim.terminal import printable
+        from npu_shim.ops.terminal import printable
 
         sys.stderr.write("npu-shim bundle: error: %s\n" % printable(exc))
         return EXIT_BUNDLE_FAILED
@@ -240,9 +241,9 @@ def _on_sigterm(exception):
 
 
 def run_running(args):
-    """``status --running [DIR]``: the state records of the running processes (running.py)."""
-    from npu_shim import running
-    from npu_shim.terminal import printable
+    """``status --running [DIR]``: the state records of the running processes (running_records.py)."""
+    from npu_shim.cli import running_records
+    from npu_shim.ops.terminal import printable
 
     dir_ = args.running or args.dir
     if not dir_:
@@ -256,7 +257,7 @@ def run_running(args):
                              "server's processes write their records to)\n" % config.STATE_DIR.name)
             return EXIT_USAGE
     try:
-        info = running.analyse(dir_)
+        info = running_records.analyse(dir_)
     except OSError as exc:
         error = "no such directory" if isinstance(exc, FileNotFoundError) else \
             "cannot read it: %s" % (exc.strerror or exc)
@@ -271,12 +272,12 @@ def run_running(args):
     elif "error" in info:
         sys.stdout.write(printable("npu-shim status --running: %s: %s" % (dir_, info["error"])) + "\n")
     else:
-        running.print_table(info)
+        running_records.print_table(info)
     return code
 
 
 def run_check(args):
-    from npu_shim import check
+    from npu_shim.cli import check
 
     facts = check.bundle_facts()
     if not facts["ok"]:
@@ -288,7 +289,7 @@ def run_check(args):
         return EXIT_CHECK_FAILED
     report, error = check.run_child()
     if report is None:
-        from npu_shim.terminal import terminal_writer
+        from npu_shim.ops.terminal import terminal_writer
 
         terminal_writer(sys.stderr)("npu-shim check: %s\n" % error)  # the child's own words
         return EXIT_CHECK_FAILED

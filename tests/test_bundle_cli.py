@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from npu_shim import bundle
+from npu_shim.cli import bundle
 from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
 from test_drop_in import _check, bare_venvs, tree  # noqa: F401 - fixtures
 
@@ -229,7 +229,7 @@ def test_bundle_refuses_a_hostile_out_dir_before_building(make, force, words, tm
 # wrapper process only: the seam is a module attribute, never an environment variable).
 WRAPPER = """
 import sys
-from npu_shim import bundle
+from npu_shim.cli import bundle
 bundle._PIP = (sys.executable, sys.argv.pop(1))
 from npu_shim.__main__ import main
 sys.exit(main(sys.argv[1:]))
@@ -344,7 +344,7 @@ def test_check_fails_on_a_bundle_whose_manifest_is_damaged(damage, words, bare_v
     """Before the fix a missing or broken MANIFEST read as "not a bundle" (exit 0) whatever had
     been edited -- and a FIFO in its place hung check."""
     copy = copy_of(small_bundle, tmp_path / "npu-shim")
-    with open(str(copy / "npu_shim" / "config.py"), "a") as handle:
+    with open(str(copy / "npu_shim" / "core" / "config.py"), "a") as handle:
         handle.write("\n# edited in place\n")
     damage(copy)
     proc = _check(bare_venvs(THIS_PYTHON), tree, copy)
@@ -362,11 +362,11 @@ def test_verify_names_extra_files_folders_and_pyc_and_never_follows_links(small_
     (copy / "npu_shim" / "drafts").mkdir()
     (copy / "npu_shim" / "drafts" / "a.py").write_text("")
     (copy / "json").mkdir()
-    os.remove(str(copy / "npu_shim" / "log.py"))
-    os.symlink("/etc/passwd", str(copy / "npu_shim" / "log.py"))
+    os.remove(str(copy / "npu_shim" / "ops" / "log.py"))
+    os.symlink("/etc/passwd", str(copy / "npu_shim" / "ops" / "log.py"))
     os.mkfifo(str(copy / "npu_shim" / "fifo"))
     assert bundle.verify(str(copy)) == [
-        "npu_shim/log.py: changed",
+        "npu_shim/ops/log.py: changed",
         "json/: extra (shadows the standard library's json)",
         "npu_shim/__pycache__/config.cpython-399.pyc: extra",
         "npu_shim/drafts/: extra",
@@ -382,7 +382,7 @@ def test_check_verifies_the_bundle_with_only_modules_already_loaded(bare_venvs, 
         import json, sys
         import npu_shim.__main__
         before = set(sys.modules)
-        from npu_shim import check
+        from npu_shim.cli import check
         facts = check.bundle_facts()
         new = sorted(m for m in set(sys.modules) - before if not m.startswith("npu_shim"))
         print(json.dumps({"new": new, "ok": facts["ok"], "is_bundle": facts["is_bundle"]}))

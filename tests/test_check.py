@@ -1,4 +1,4 @@
-"""npu_shim/check.py where the shim never started: what the check child reports, and what
+"""npu_shim/cli/check.py where the shim never started: what the check child reports, and what
 ``print_report`` makes of it (the command itself, against bundles and bare venvs:
 tests/test_drop_in.py)."""
 
@@ -6,11 +6,13 @@ from test_bootstrap import last_json, run, tree  # noqa: F401 - ``tree`` is a fi
 
 NOT_STARTED = """
     import contextlib, io, json
-    from npu_shim import check, runtime
-    before = {"wrapped": check.wrapped_targets([]), "records": runtime._RT.records}
+    from npu_shim import _bootstrap
+    from npu_shim.cli import check
+    from npu_shim.runtime import activation
+    before = {"wrapped": check.wrapped_targets([]), "records": activation.RUNTIME.records}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        check.child_main()
+        check.child_main(_bootstrap.WATCHER)
     report = json.loads(out.getvalue().strip().splitlines()[-1][len("npu-shim-check:"):])
     report["bundle"] = check.bundle_facts()  # the parent's part of the report (``run_check``)
     text = io.StringIO()

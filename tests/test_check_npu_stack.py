@@ -16,7 +16,7 @@ import tempfile
 import pytest
 
 from npu_shim import __main__ as cli
-from npu_shim import check
+from npu_shim.cli import check
 from shimdev import realsglang
 
 RELEASE = "0.5.11"

@@ -1,6 +1,6 @@
 """codeview: a function read from its own lines is the function the whole-module parse gives.
 
-The fast path (npu_shim/ownlines.py: ``locate_def``/``parse_def``, ``may_define``,
+The fast path (npu_shim/source/fastscan.py: ``locate_def``/``parse_def``, ``may_define``,
 ``assigned_at_top``, ``assigned_in_top_block``) answers without parsing the module; these tests hold it to the whole
 parse: on hand-made hostile sources, on every function of every module the patches read in every
 release, and on the decisions themselves.
@@ -11,9 +11,10 @@ import textwrap
 
 import pytest
 
-from npu_shim import codeview, decision_cache, framework, ownlines
-from npu_shim.codeview import ModuleSource
-from npu_shim.patches import load_all
+from npu_shim.core import framework
+from npu_shim.source import answers, codeview, fastscan
+from npu_shim.source.codeview import ModuleSource
+from npu_shim.core.loading import load_all
 from shimdev import sglang_envs
 
 HOSTILE = textwrap.dedent('''\
@@ -171,7 +172,7 @@ def test_every_function_read_from_its_lines_is_the_one_the_whole_parse_gives():
     reference = whole(HOSTILE)
     fast = 0
     for qualname, info in reference.functions.items():
-        node = ownlines.def_node(HOSTILE, qualname)
+        node = fastscan.def_node(HOSTILE, qualname)
         if node is None:
             continue
         fast += 1
@@ -221,9 +222,9 @@ def _decide_every_patch(view):
 
 
 def _forced_whole(monkeypatch):
-    monkeypatch.setattr(ownlines, "locate_def", lambda source, qualname: None)
-    monkeypatch.setattr(ownlines, "assigned_at_top", lambda text, name: False)
-    monkeypatch.setattr(ownlines, "assigned_in_top_block", lambda text, name: False)
+    monkeypatch.setattr(fastscan, "locate_def", lambda source, qualname: None)
+    monkeypatch.setattr(fastscan, "assigned_at_top", lambda text, name: False)
+    monkeypatch.setattr(fastscan, "assigned_in_top_block", lambda text, name: False)
     monkeypatch.setattr(ModuleSource, "_may_define", lambda self, name, function: True)
 
 
@@ -232,11 +233,11 @@ def test_a_release_gives_the_same_answers_read_fast_or_whole(version, monkeypatc
     """Every answer the patches' decisions ask of the release's source, fast path vs the whole
     parse; and every function of every module read, one by one."""
     package = os.path.join(str(sglang_envs.ensure_sources(version)), "sglang")
-    fast = decision_cache.AnsweringView(package)
+    fast = answers.AnsweringView(package)
     _decide_every_patch(fast)
     with monkeypatch.context() as patched:
         _forced_whole(patched)
-        reference = decision_cache.AnsweringView(package)
+        reference = answers.AnsweringView(package)
         _decide_every_patch(reference)
     assert fast.answers == reference.answers
     for dotted in fast.files:
@@ -244,7 +245,7 @@ def test_a_release_gives_the_same_answers_read_fast_or_whole(version, monkeypatc
         if module is None:
             continue
         for qualname, info in whole(module.text).functions.items():
-            node = ownlines.def_node(module.text, qualname)
+            node = fastscan.def_node(module.text, qualname)
             if node is not None:
                 got = ModuleSource(module.path, module.text).function(qualname)
                 assert (got.params, got.fingerprint) == (info.params, info.fingerprint), (dotted, qualname)
@@ -294,7 +295,7 @@ def test_the_loaded_code_has_the_fingerprint_its_source_has(read_from_its_lines,
     import logging
 
     if not read_from_its_lines:
-        monkeypatch.setattr(ownlines, "read_def", lambda text, qualname, body=True: None)
+        monkeypatch.setattr(fastscan, "read_def", lambda text, qualname, body=True: None)
     checked = 0
     for module in (argparse, dataclasses, logging, codeview):
         for function, info in _loaded_functions(module):

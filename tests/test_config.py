@@ -1,11 +1,11 @@
-"""npu_shim/config.py in process: each parser's boundaries and messages, and what an EnvVar says
+"""npu_shim/core/config.py in process: each parser's boundaries and messages, and what an EnvVar says
 about itself.  Every variable against hostile values, through ``status``: test_hostile_inputs.py;
 switches and the allow-list: test_framework.py."""
 from __future__ import annotations
 
 import pytest
 
-from npu_shim import config
+from npu_shim.core import config
 
 SIZE = config.mib("NPU_SHIM_TEST_SIZE", "a test size")
 URL = config.url("NPU_SHIM_TEST_URL", "a test url")

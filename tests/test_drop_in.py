@@ -19,7 +19,8 @@ import textwrap
 
 import pytest
 
-from npu_shim import bundle, installer, runtime, wrapt_loader
+from npu_shim.cli import bundle
+from npu_shim.runtime import activation, installer, wrapt_loader
 from test_bootstrap import DEMO_PATCH
 from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
 
@@ -38,7 +39,7 @@ REPORT = """
 import json, sys
 import npu_shim
 from sglang.srt.utils import get_npu_memory_capacity
-from npu_shim import wrapt_loader
+from npu_shim.runtime import wrapt_loader
 origin = wrapt_loader.loaded_origin()
 state = npu_shim.states().get("demo", {})
 try:
@@ -182,7 +183,7 @@ def test_wrapt_version_is_read_from_source_of_1x_and_2x(tmp_path):
 _PRIVATE_LOAD = """
 import json, sys
 %s
-from npu_shim import wrapt_loader
+from npu_shim.runtime import wrapt_loader
 w = wrapt_loader.load()
 calls = []
 def original(x):
@@ -272,9 +273,9 @@ def test_bundle_holds_every_build_pyc_and_a_manifest_that_verifies(built_bundle)
 def test_bundle_verify_names_a_changed_file(built_bundle, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(str(built_bundle), str(copy))
-    (copy / "npu_shim" / "config.py").write_text("# edited\n")
+    (copy / "npu_shim" / "core" / "config.py").write_text("# edited\n")
     os.remove(str(copy / "sitecustomize.py"))
-    assert sorted(bundle.verify(str(copy))) == ["npu_shim/config.py: changed", "sitecustomize.py: missing"]
+    assert sorted(bundle.verify(str(copy))) == ["npu_shim/core/config.py: changed", "sitecustomize.py: missing"]
 
 
 def test_bundle_refuses_a_non_empty_target_and_leaves_it_alone(tmp_path):
@@ -388,7 +389,7 @@ def test_without_wrapt_patches_fail_in_one_line_each_and_sglang_still_imports(ba
 def test_without_wrapt_a_feature_asked_for_explicitly_stops_the_process(bare_venvs, tree):
     proc = run(bare_venvs("3.11"), tree, REPORT, REPO, env={"DEMO_MUST_HONOUR": "1"}, check=False)
     assert proc.returncode == 1
-    assert ("npu_shim.framework.ShimError: npu-shim: demo was requested but is failed: wrapt is not "
+    assert ("npu_shim.core.framework.ShimError: npu-shim: demo was requested but is failed: wrapt is not "
             "available") in proc.stderr
     assert proc.stdout == ""
 
@@ -555,11 +556,11 @@ def test_check_fails_where_the_shim_is_not_active_or_wrapt_is_missing(bare_venvs
 def test_check_fails_on_a_bundle_whose_files_changed(bare_venvs, built_bundle, tree, tmp_path):
     copy = tmp_path / "npu-shim"
     shutil.copytree(str(built_bundle), str(copy))
-    with open(str(copy / "npu_shim" / "log.py"), "a") as handle:
+    with open(str(copy / "npu_shim" / "ops" / "log.py"), "a") as handle:
         handle.write("\n# edited in place\n")
     proc = _check(bare_venvs("3.11"), tree, copy)
     assert proc.returncode == 4
-    assert "1 files differ from its MANIFEST: npu_shim/log.py: changed" in proc.stdout
+    assert "1 files differ from its MANIFEST: npu_shim/ops/log.py: changed" in proc.stdout
 
 
 @pytest.mark.parametrize("how", ["tar -xzf", "cp -r"])
@@ -583,7 +584,8 @@ def test_unpacked_or_copied_bundle_starts_from_its_pyc(how, bare_venvs, built_bu
         pyc = os.path.join(str(root), folder, "__pycache__", name + ".cpython-311.pyc")
         return "code object from '%s'" % pyc in proc.stderr
 
-    for module in ("sitecustomize", "npu_shim/__init__", "npu_shim/runtime", "npu_shim/wrapt_loader"):
+    for module in ("sitecustomize", "npu_shim/__init__", "npu_shim/runtime/activation",
+                   "npu_shim/runtime/wrapt_loader"):
         assert loaded_from_pyc(module), module
     assert "matches %s" % os.path.join(str(root), "sitecustomize.py") in proc.stderr
     # sitecustomize.py is the bootstrap itself: the file is not loaded a second time by its own name.

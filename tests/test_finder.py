@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from npu_shim import finder, runtime
+from npu_shim.runtime import activation, finder
 from test_bootstrap import last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 
 
@@ -17,8 +17,8 @@ def test_wrapts_import_finder_is_asked_only_about_modules_with_a_hook_waiting(tr
         import json, sys
         import sglang
         asked = []
-        from npu_shim import runtime
-        hook_finder = runtime._FINDER.hook_finder
+        from npu_shim.runtime import activation
+        hook_finder = activation.RUNTIME.finder.hook_finder
         find_spec = hook_finder.find_spec
         hook_finder.find_spec = lambda name, *rest: asked.append(name) or find_spec(name, *rest)
         import colorsys
@@ -27,7 +27,7 @@ def test_wrapts_import_finder_is_asked_only_about_modules_with_a_hook_waiting(tr
         print(json.dumps({"finders": [type(f).__name__ for f in sys.meta_path
                                       if "ImportHookFinder" in type(f).__name__
                                       or type(f).__module__.startswith(("npu_shim", "sitecustomize"))],
-                          "through_watcher": _bootstrap._WATCHER.then == runtime._FINDER.find_spec,
+                          "through_watcher": _bootstrap.WATCHER.then == activation.RUNTIME.finder.find_spec,
                           "wrapt": type(hook_finder).__module__, "asked": sorted(set(asked)),
                           "value": common.get_npu_memory_capacity()}))
     """)
@@ -40,7 +40,7 @@ def test_wrapts_import_finder_is_asked_only_about_modules_with_a_hook_waiting(tr
 
 
 def test_the_shim_finder_ignores_imports_and_unhooked_modules():
-    watcher = runtime._FINDER
+    watcher = activation.RUNTIME.finder
     assert watcher.find_spec("json", None, None) is None
     assert watcher.find_spec("json", None, importlib.import_module("json")) is None
 
@@ -56,20 +56,20 @@ def test_an_application_that_imported_wrapt_first_keeps_wrapts_own_finder(tree):
         fired = []
         wrapt.register_post_import_hook(lambda module: fired.append(module.__name__), "colorsys")
         import sglang
-        from npu_shim import runtime, wrapt_loader
+        from npu_shim.runtime import activation, wrapt_loader
         from sglang.srt.utils import common
         import colorsys
         patched = common.get_npu_memory_capacity()
         importlib.reload(common)
         print(json.dumps({
             "taken": wrapt_loader.take_import_finder(),
-            "pending": runtime._FINDER.pending, "hook_finder": runtime._FINDER.hook_finder is None,
+            "pending": activation.RUNTIME.finder.pending, "hook_finder": activation.RUNTIME.finder.hook_finder is None,
             "loaded": wrapt_loader.load() is wrapt, "origin": wrapt_loader.loaded_origin().source,
             "private": sorted(m for m in sys.modules if m.startswith("npu_shim._wrapt")),
             "wrapt_finders": [type(f).__module__ for f in sys.meta_path
                               if type(f).__name__ == "ImportHookFinder"],
             "fired": fired, "patched": patched, "after_reload": common.get_npu_memory_capacity(),
-            "state": runtime.states()["demo"]["state"]}))
+            "state": activation.RUNTIME.states()["demo"]["state"]}))
     """)
     assert last_json(proc) == {
         "taken": None, "pending": {}, "hook_finder": True, "loaded": True, "origin": "image",
@@ -86,8 +86,8 @@ def own_meta_path(monkeypatch):
     from npu_shim import _bootstrap
 
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    monkeypatch.setattr(_bootstrap._WATCHER, "fired", False)
-    monkeypatch.setattr(_bootstrap._WATCHER, "then", None)
+    monkeypatch.setattr(_bootstrap.WATCHER, "fired", False)
+    monkeypatch.setattr(_bootstrap.WATCHER, "then", None)
     return sys.meta_path
 
 
@@ -120,18 +120,18 @@ def test_once_the_watcher_fired_the_finder_answers_through_it(own_meta_path):
 
     shim = finder.ShimFinder(lambda name: False, lambda module: None)
     before = list(own_meta_path)
-    _bootstrap._WATCHER.fired = True
-    if _bootstrap._WATCHER not in own_meta_path:
-        own_meta_path.append(_bootstrap._WATCHER)
-        before.append(_bootstrap._WATCHER)
-    shim.install()
-    assert own_meta_path == before and _bootstrap._WATCHER.then == shim.find_spec
-    shim.uninstall()
-    assert _bootstrap._WATCHER.then is None
+    _bootstrap.WATCHER.fired = True
+    if _bootstrap.WATCHER not in own_meta_path:
+        own_meta_path.append(_bootstrap.WATCHER)
+        before.append(_bootstrap.WATCHER)
+    shim.install(_bootstrap.WATCHER)
+    assert own_meta_path == before and _bootstrap.WATCHER.then == shim.find_spec
+    shim.uninstall(_bootstrap.WATCHER)
+    assert _bootstrap.WATCHER.then is None
     # fired, but no longer in sys.meta_path (uninstall() removed it): the finder goes first
-    own_meta_path.remove(_bootstrap._WATCHER)
-    shim.install()
-    assert own_meta_path[0] is shim and _bootstrap._WATCHER.then is None
+    own_meta_path.remove(_bootstrap.WATCHER)
+    shim.install(_bootstrap.WATCHER)
+    assert own_meta_path[0] is shim and _bootstrap.WATCHER.then is None
 
 
 def test_a_finder_in_front_does_not_stop_reloads_being_reapplied(tree):
@@ -141,16 +141,16 @@ def test_a_finder_in_front_does_not_stop_reloads_being_reapplied(tree):
         import importlib, json, sys
         from sglang.srt.utils import common
         import npu_shim
-        from npu_shim import runtime
+        from npu_shim.runtime import activation
         npu_shim.install()
-        first = sys.meta_path.index(runtime._FINDER)
+        first = sys.meta_path.index(activation.RUNTIME.finder)
         class Nobody:
             def find_spec(self, fullname, path=None, target=None):
                 return None
         sys.meta_path.insert(0, Nobody())
         importlib.reload(common)
-        print(json.dumps({"first": first, "now": sys.meta_path.index(runtime._FINDER),
+        print(json.dumps({"first": first, "now": sys.meta_path.index(activation.RUNTIME.finder),
                           "value": common.get_npu_memory_capacity(),
-                          "state": runtime.states()["demo"]["state"]}))
+                          "state": activation.RUNTIME.states()["demo"]["state"]}))
     """, shim=False)
     assert last_json(proc) == {"first": 0, "now": 1, "value": 1001, "state": "applied"}

@@ -1,12 +1,14 @@
-"""npu_shim/framework.py: declarations that cannot be wrong, deciding, switches and the allow-list."""
+"""npu_shim/core/framework.py: declarations that cannot be wrong, deciding, switches and the allow-list."""
 from __future__ import annotations
 
 import types
 
 import pytest
 
-from npu_shim import config, framework, targets
-from npu_shim import patches as registry
+from npu_shim.core import config, framework
+from npu_shim.runtime import targets
+from npu_shim.core import loading
+from npu_shim.patches import registry as patch_registry
 from npu_shim.patches import zbal as zbal_patch
 
 
@@ -117,7 +119,7 @@ def test_a_target_outside_the_declared_modules_fails_the_patch_instead_of_never_
 
 
 def test_every_registered_patch_is_declared_consistently():
-    for patch in registry.load_all():
+    for patch in loading.load_all():
         assert not getattr(patch, "broken", None), patch.broken
         assert framework.declaration_problems(type(patch)) == []
         assert patch.switch.name == "NPU_SHIM_" + patch.name.upper()
@@ -126,9 +128,9 @@ def test_every_registered_patch_is_declared_consistently():
 # -- one broken feature module fails only its patch -------------------------------------------------
 
 def test_a_feature_module_that_cannot_load_fails_only_its_own_patch(monkeypatch):
-    monkeypatch.setattr(registry, "PATCH_MODULES",
+    monkeypatch.setattr(patch_registry, "PATCH_MODULES",
                         ["npu_shim.patches.zbal", "npu_shim.patches.no_such_feature"])
-    zbal, broken = registry.load_all()
+    zbal, broken = loading.load_all()
     assert zbal is zbal_patch.PATCH
     assert broken.name == "no_such_feature" and broken.switch.name == "NPU_SHIM_NO_SUCH_FEATURE"
     decision = framework.decide(broken, View(), environ={})
@@ -141,7 +143,7 @@ def test_a_patch_named_unlike_its_module_is_broken(monkeypatch):
     fake = types.ModuleType("npu_shim.patches.renamed")
     fake.PATCH = zbal_patch.PATCH
     monkeypatch.setitem(__import__("sys").modules, "npu_shim.patches.renamed", fake)
-    broken = registry.load("npu_shim.patches.renamed")
+    broken = loading.load("npu_shim.patches.renamed")
     assert broken.broken == "npu_shim.patches.renamed.PATCH is named 'zbal', not 'renamed'"
 
 
@@ -157,7 +159,7 @@ def test_a_patch_named_unlike_its_module_is_broken(monkeypatch):
     ({"NPU_SHIM_OLD_DEMO": "0", "NPU_SHIM_DEMO": "1"}, framework.APPLIED, None),  # the name wins
 ])
 def test_switches(environ, state, reason, monkeypatch):
-    monkeypatch.setattr(registry, "known_names", lambda: ["zbal", "demo"])
+    monkeypatch.setattr(patch_registry, "known_names", lambda: ["zbal", "demo"])
     patch = declare(switch=config.switch("demo", "test", aliases=("NPU_SHIM_OLD_DEMO",)))()
     decision = framework.decide(patch, View(), environ=environ)
     assert decision.state == state
@@ -186,7 +188,7 @@ def test_dual_stream_switch_is_named_after_the_patch_and_the_old_name_still_work
 def test_unknown_shim_variables_are_named_with_a_suggestion():
     environ = {"NPU_SHIM_ENABLE": "0", "NPU_SHIM_DUAL_STREAM": "0", "NPU_SHIM_CACHE": "/x",
                "NPU_SHIM_SOURCE_ANSWERS": "{}", "NPU_SHIM_ZBAL_SIZE": "1", "SGLANG_OTHER": "1"}
-    found = dict(config.unknown_names(registry.all_variables(), environ))
+    found = dict(config.unknown_names(loading.all_variables(), environ))
     assert found == {"NPU_SHIM_ENABLE": "NPU_SHIM_ENABLED", "NPU_SHIM_ZBAL_SIZE": "NPU_SHIM_ZBAL"}
 
 

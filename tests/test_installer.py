@@ -1,4 +1,4 @@
-"""npu_shim/installer.py: ``install()`` / ``uninstall()`` in a fresh interpreter each, against the
+"""npu_shim/runtime/installer.py: ``install()`` / ``uninstall()`` in a fresh interpreter each, against the
 fake sglang tree and demo patch of tests/test_bootstrap.py (install twice, uninstall restoring
 copies and the children's environment: tests/test_bootstrap.py, tests/test_drop_in.py)."""
 
@@ -15,12 +15,13 @@ def test_uninstall_before_the_shim_started_turns_it_off_and_install_arms_it_agai
     proc = run(tree, """
         import json, sys
         import npu_shim
-        from npu_shim import _bootstrap, runtime
+        from npu_shim import _bootstrap
+        from npu_shim.runtime import activation
         npu_shim.uninstall()   # armed at start-up, nothing decided yet
-        off = {"states": npu_shim.states(), "armed": _bootstrap._WATCHER in sys.meta_path}
+        off = {"states": npu_shim.states(), "armed": _bootstrap.WATCHER in sys.meta_path}
         from sglang.srt.utils import common
         off["value"] = common.get_npu_memory_capacity()
-        off["runtime"] = "npu_shim._wrapt" in sys.modules or runtime._RT.installed
+        off["runtime"] = "npu_shim._wrapt" in sys.modules or activation.RUNTIME.installed
         again = npu_shim.install()  # sglang is imported now: patched in place
         print(json.dumps({"off": off, "again": again, "value": common.get_npu_memory_capacity(),
                           "state": npu_shim.states()["demo"]["state"]}))
@@ -34,9 +35,9 @@ def test_uninstall_before_the_shim_started_turns_it_off_and_install_arms_it_agai
 # still holds the fake sglang and the repository, and nothing runs at start-up.
 WITHOUT_WRAPT = """
 import importlib.util, json, sys
-import npu_shim, npu_shim.patches
-npu_shim.patches.PATCH_MODULES[:] = ["demo"]
-from npu_shim import runtime
+import npu_shim, npu_shim.patches.registry
+npu_shim.patches.registry.PATCH_MODULES[:] = ["demo"]
+from npu_shim.runtime import activation
 
 def shim_finders():
     return [type(f).__name__ for f in sys.meta_path if type(f).__module__.startswith("npu_shim")]
@@ -48,7 +49,7 @@ from sglang.srt.utils import common      # the watcher fires; no wrapt: every pa
 seen["state_1"] = npu_shim.states()["demo"]["state"]
 seen["reason_1"] = npu_shim.states()["demo"]["reason"]
 npu_shim.uninstall()
-seen["after_uninstall"] = [npu_shim.states(), shim_finders(), runtime._RT.installed]
+seen["after_uninstall"] = [npu_shim.states(), shim_finders(), activation.RUNTIME.installed]
 seen["install_2"] = npu_shim.install()   # after sglang: activates at once
 seen["state_2"] = npu_shim.states()["demo"]["state"]
 seen["reason_2"] = npu_shim.states()["demo"]["reason"]

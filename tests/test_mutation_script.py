@@ -109,7 +109,7 @@ def test_every_module_in_the_list_has_its_scope_and_its_test_files():
 
 
 def test_list_prints_the_sample_and_runs_nothing(capsys):
-    assert mutation.main(["--list", "--sample", "3", "--modules", "npu_shim/finder.py"]) == 0
+    assert mutation.main(["--list", "--sample", "3", "--modules", "npu_shim/runtime/finder.py"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("mutants in 1 modules; sample of 3 (seed 1)")
-    assert len(out) == 4 and all(line.startswith("  npu_shim/finder.py:") for line in out[1:])
+    assert len(out) == 4 and all(line.startswith("  npu_shim/runtime/finder.py:") for line in out[1:])

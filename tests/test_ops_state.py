@@ -13,7 +13,8 @@ import textwrap
 from test_bootstrap import REPO, TAG, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 
 import npu_shim
-from npu_shim import procinfo, running, statefile
+from npu_shim.cli import running_records
+from npu_shim.ops import procinfo, statefile
 
 # A process that looks like sglang's scheduler TP3 of DP0 (sglang sets this title itself).
 AS_SCHEDULER = """
@@ -50,14 +51,15 @@ def test_state_record_has_role_versions_states_and_follows_details_and_state_cha
     proc = run(tree, AS_SCHEDULER + textwrap.dedent("""
         import json, os, socket, time
         import npu_shim
-        from npu_shim import runtime, statefile
+        from npu_shim.ops import statefile
+        from npu_shim.runtime import activation
         statefile.INTERVAL_S = 0.05
         from sglang.srt.utils import common
-        from npu_shim import procinfo
+        from npu_shim.ops import procinfo
         path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
                             statefile.record_name(socket.gethostname(), procinfo.pid_namespace(), os.getpid()))
         first = json.load(open(path))
-        runtime.record("demo").details["calls"] = 7   # a wrapper's live details: no call into the shim
+        activation.RUNTIME.record("demo").details["calls"] = 7   # a wrapper's live details: no call into the shim
         deadline = time.time() + 10
         while json.load(open(path))["patches"]["demo"]["details"].get("calls") != 7 and time.time() < deadline:
             time.sleep(0.02)
@@ -100,12 +102,12 @@ def test_unwritable_state_dir_is_one_error_line_and_the_application_runs_on(tree
     blocker = tree / "not-a-dir"
     blocker.write_text("a file where the directory should be")
     proc = run(tree, """
-        from npu_shim import statefile
+        from npu_shim.ops import statefile
         statefile.INTERVAL_S = 0.05
         from sglang.srt.utils import common
         import time
-        from npu_shim import runtime
-        runtime.record("demo").details["x"] = 1
+        from npu_shim.runtime import activation
+        activation.RUNTIME.record("demo").details["x"] = 1
         time.sleep(0.3)
         print(common.get_npu_memory_capacity())
     """, env={"NPU_SHIM_STATE_DIR": str(blocker / "state")})
@@ -230,7 +232,7 @@ def test_status_running_disagreement_failed_and_stale(tmp_path):
 def test_status_running_shim_off_in_one_process_disagrees(tmp_path):
     _write(tmp_path, _record(os.getpid(), {"zbal": "applied"}))
     _write(tmp_path, _record(os.getppid(), {}, enabled=False))
-    info = running.analyse(str(tmp_path))
+    info = running_records.analyse(str(tmp_path))
     assert info["problems"] == [{"kind": "disagree", "patch": "zbal", "sglang": "0.5.11",
                                  "states": {"applied": [os.getpid()], "disabled": [os.getppid()]}}]
 
@@ -298,16 +300,16 @@ def test_an_exited_process_not_yet_reaped_is_stale():
     while not procinfo.is_zombie(child.pid) and time.time() < deadline:
         time.sleep(0.02)
     try:
-        assert running.is_stale(_record(child.pid, {}))  # a zombie: exited, its parent not told yet
-        assert not running.is_stale(_record(os.getpid(), {}, start_ticks=procinfo.start_ticks()))
-        assert running.is_stale(_record(os.getpid(), {}, start_ticks=1))  # the pid was reused
-        assert not running.is_stale(_record(child.pid, {}, host="elsewhere"))  # cannot be checked
+        assert running_records.is_stale(_record(child.pid, {}))  # a zombie: exited, its parent not told yet
+        assert not running_records.is_stale(_record(os.getpid(), {}, start_ticks=procinfo.start_ticks()))
+        assert running_records.is_stale(_record(os.getpid(), {}, start_ticks=1))  # the pid was reused
+        assert not running_records.is_stale(_record(child.pid, {}, host="elsewhere"))  # cannot be checked
     finally:
         child.wait()
 
 
 def test_a_record_is_never_written_without_its_patches(tmp_path, monkeypatch):
-    from npu_shim import statefile
+    from npu_shim.ops import statefile
 
     monkeypatch.setenv("NPU_SHIM_STATE_DIR", str(tmp_path))
     monkeypatch.setattr(statefile._W, "thread_pid", os.getpid())  # no writer thread in this test

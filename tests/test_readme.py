@@ -3,8 +3,8 @@
 import os
 import re
 
-from npu_shim import config, framework
-from npu_shim.patches import all_variables
+from npu_shim.core import config, framework
+from npu_shim.core.loading import all_variables
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

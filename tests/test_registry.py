@@ -1,4 +1,4 @@
-"""The registry (npu_shim/patches/__init__.py ``PATCH_MODULES``), each feature module's own
+"""The registry (npu_shim/patches/registry.py ``PATCH_MODULES``), each feature module's own
 declaration and docstring, and README's patch table say the same thing."""
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import os
 import re
 import sys
 
-from npu_shim import patches as registry
+from npu_shim.core import loading
+from npu_shim.patches import registry as patch_registry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,17 +21,17 @@ def readme_patch_rows():
 
 
 def test_every_registered_module_is_a_patch_of_its_own_name():
-    names = [m.rsplit(".", 1)[-1] for m in registry.PATCH_MODULES]
-    assert names == registry.known_names()
-    assert [p.name for p in registry.load_all()] == names
-    here = sorted(f[:-3] for f in os.listdir(os.path.dirname(registry.__file__))
-                  if f.endswith(".py") and f != "__init__.py")
+    names = [m.rsplit(".", 1)[-1] for m in patch_registry.PATCH_MODULES]
+    assert names == patch_registry.known_names()
+    assert [p.name for p in loading.load_all()] == names
+    here = sorted(f[:-3] for f in os.listdir(os.path.dirname(patch_registry.__file__))
+                  if f.endswith(".py") and f not in ("__init__.py", "registry.py"))
     assert here == sorted(names), "a feature module that is not registered (or the reverse)"
 
 
 def test_readme_has_one_row_per_patch_with_its_upstream():
     rows = readme_patch_rows()
-    patches = registry.load_all()
+    patches = loading.load_all()
     assert [row[0] for row in rows] == ["`%s`" % p.name for p in patches]
     for row, patch in zip(rows, patches):
         number = patch.upstream_pr.split("#")[1]
@@ -38,7 +39,7 @@ def test_readme_has_one_row_per_patch_with_its_upstream():
 
 
 def test_each_module_says_why_how_upstream_and_when_to_remove_it():
-    for patch in registry.load_all():
+    for patch in loading.load_all():
         doc = sys.modules[type(patch).__module__].__doc__
         for word in ("Why", "How", "Upstream: " + patch.upstream_pr, "Remove when " + patch.remove_when):
             assert word in doc, (patch.name, word)
@@ -48,8 +49,9 @@ def test_each_module_says_why_how_upstream_and_when_to_remove_it():
 def test_registry_loads_no_feature_module_until_asked():
     import subprocess
 
-    code = ("import sys; from npu_shim.patches import known_names; known_names(); "
-            "print(sorted(m for m in sys.modules if m.startswith('npu_shim.patches.')))")
+    code = ("import sys; from npu_shim.patches.registry import known_names; known_names(); "
+            "print(sorted(m for m in sys.modules if m.startswith('npu_shim.patches.') "
+            "and m != 'npu_shim.patches.registry'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                          env=dict(os.environ, PYTHONPATH=REPO))
     assert out.stdout.strip() == "[]", out.stderr

@@ -54,7 +54,7 @@ def test_what_moved_between_releases_is_named():
 
 
 def test_a_changed_pinned_body_is_reported(tmp_path):
-    from npu_shim.codeview import SourceView
+    from npu_shim.source.codeview import SourceView
 
     mod = load_report()
     src = Path(str(sglang_envs.ensure_sources("0.5.9"))) / "sglang"

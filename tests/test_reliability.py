@@ -172,12 +172,13 @@ def test_states_name_every_target_and_exactly_the_wrappers_applied(tree):
 
 
 def test_record_lists_only_applied_wraps_as_wrappers():
-    from npu_shim import framework, targets, runtime
+    from npu_shim.core import framework
+    from npu_shim.runtime import activation, targets
 
     wrap = targets.Wrap("m", "f", None, [()])
     other = targets.Wrap("m", "g", None, [()])
     replace = targets.Replace("m", "X", lambda original: 1)
-    record = runtime.PatchRecord(types.SimpleNamespace(name="p"),
+    record = activation.PatchRecord(types.SimpleNamespace(name="p"),
                                  framework.Decision(framework.APPLIED, "why", [wrap, other, replace]))
     record.applied = {wrap.describe(), replace.describe()}
     assert record.as_dict() == {
@@ -191,7 +192,7 @@ def test_record_lists_only_applied_wraps_as_wrappers():
 def test_running_on_npu_is_false_without_torch_without_npu_and_when_asking_fails(monkeypatch):
     import sys
 
-    from npu_shim import runtime
+    from npu_shim.runtime import activation
 
     def npu(available):
         def is_available():
@@ -203,14 +204,15 @@ def test_running_on_npu_is_false_without_torch_without_npu_and_when_asking_fails
     for torch, expected in ((None, False), (types.SimpleNamespace(), False), (npu(False), False),
                             (npu(RuntimeError("driver")), False), (npu(True), True)):
         monkeypatch.setitem(sys.modules, "torch", torch)
-        assert runtime.running_on_npu() is expected, torch
+        assert activation.running_on_npu() is expected, torch
 
 
 def _record(state, must_honour=False):
-    from npu_shim import framework, targets, runtime
+    from npu_shim.core import framework
+    from npu_shim.runtime import activation, targets
 
     patch = types.SimpleNamespace(name="p", must_honour=lambda environ: must_honour)
-    return runtime.PatchRecord(patch, framework.Decision(state, "because"))
+    return activation.PatchRecord(patch, framework.Decision(state, "because"))
 
 
 def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(caplog, monkeypatch):
@@ -218,62 +220,65 @@ def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(c
 
     import pytest
 
-    from npu_shim import reporting, runtime
-    from npu_shim.framework import ShimError
+    from npu_shim.ops import summary
+    from npu_shim.runtime import activation
+    from npu_shim.core.framework import ShimError
 
-    from npu_shim import log
+    from npu_shim.ops import log
 
     monkeypatch.delenv("NPU_SHIM_STRICT", raising=False)
     log.configure()  # sets the logger's level once per process: before caplog lowers it
     with caplog.at_level(logging.DEBUG, logger="npu_shim"):
         for state in ("failed", "unsupported", "applied", "inactive"):
-            reporting.report(_record(state))
+            summary.report(_record(state))
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("ERROR", "p: failed (because)"), ("WARNING", "p: unsupported (because)"),
         ("DEBUG", "p: applied (because)"), ("DEBUG", "p: inactive (because)")]
-    runtime.enforce(_record("failed"))  # not requested, not strict: logged only
-    runtime.enforce(_record("applied", must_honour=True))
+    activation.enforce(_record("failed"))  # not requested, not strict: logged only
+    activation.enforce(_record("applied", must_honour=True))
     with pytest.raises(ShimError, match="^npu-shim: p was requested but is unsupported: because$"):
-        runtime.enforce(_record("unsupported", must_honour=True))
+        activation.enforce(_record("unsupported", must_honour=True))
     monkeypatch.setenv("NPU_SHIM_STRICT", "1")
     with pytest.raises(ShimError, match=r"^npu-shim \(strict\): p is failed: because$"):
-        runtime.enforce(_record("failed"))
+        activation.enforce(_record("failed"))
 
 
 def test_hooks_of_an_earlier_install_do_nothing(monkeypatch):
-    from npu_shim import runtime
+    from npu_shim.runtime import activation
 
     calls = []
-    monkeypatch.setattr(runtime, "apply_module", calls.append)
-    monkeypatch.setattr(runtime._RT, "records", {})
-    monkeypatch.setattr(runtime._RT, "installed", True)
-    monkeypatch.setattr(runtime._RT, "generation", 7)
+    monkeypatch.setattr(activation.RUNTIME, "apply_module", calls.append)
+    monkeypatch.setattr(activation.RUNTIME, "records", {})
+    monkeypatch.setattr(activation.RUNTIME, "installed", True)
+    monkeypatch.setattr(activation.RUNTIME, "generation", 7)
     module = types.ModuleType("sglang.x")
-    runtime._make_hook(6)(module)  # an earlier install
-    monkeypatch.setattr(runtime._RT, "installed", False)
-    runtime._make_hook(7)(module)  # this install, since uninstalled
+    activation.RUNTIME.import_hook(6)(module)  # an earlier install
+    monkeypatch.setattr(activation.RUNTIME, "installed", False)
+    activation.RUNTIME.import_hook(7)(module)  # this install, since uninstalled
     assert calls == []
-    monkeypatch.setattr(runtime._RT, "installed", True)
-    runtime._make_hook(7)(module)
+    monkeypatch.setattr(activation.RUNTIME, "installed", True)
+    activation.RUNTIME.import_hook(7)(module)
     assert calls == [module]
 
 
 def test_record_of_a_decided_patch_holds_the_details_its_decision_handed_out(monkeypatch):
-    from npu_shim import framework, runtime
+    from npu_shim.core import framework
+    from npu_shim.runtime import activation
 
     details = {}
     decision = framework.Decision("applied", "ok", details=details)
-    record = runtime.PatchRecord(types.SimpleNamespace(name="p"), decision)
-    monkeypatch.setattr(runtime._RT, "records", {"p": record})
-    assert runtime.record("p") is record and runtime.record("q") is None
+    record = activation.PatchRecord(types.SimpleNamespace(name="p"), decision)
+    monkeypatch.setattr(activation.RUNTIME, "records", {"p": record})
+    assert activation.RUNTIME.record("p") is record and activation.RUNTIME.record("q") is None
     details["released_mib"] = 1.5  # what a wrapper writes through its closure
     assert record.details == {"released_mib": 1.5} and record.as_dict()["details"] == {"released_mib": 1.5}
-    monkeypatch.setattr(runtime._RT, "records", None)
-    assert runtime.record("p") is None
+    monkeypatch.setattr(activation.RUNTIME, "records", None)
+    assert activation.RUNTIME.record("p") is None
 
 
 def test_a_module_is_applied_for_every_applied_patch_after_one_that_is_not(monkeypatch):
-    from npu_shim import framework, targets, runtime
+    from npu_shim.core import framework
+    from npu_shim.runtime import activation, targets
 
     module = types.ModuleType("sglang.fake_target")
 
@@ -282,15 +287,15 @@ def test_a_module_is_applied_for_every_applied_patch_after_one_that_is_not(monke
 
     module.f = f
     skipped = _record("unsupported")
-    applied = runtime.PatchRecord(types.SimpleNamespace(name="q", must_honour=lambda e: False),
+    applied = activation.PatchRecord(types.SimpleNamespace(name="q", must_honour=lambda e: False),
                                   framework.Decision(framework.APPLIED, "ok", [
                                       targets.Wrap("sglang.fake_target", "f",
                                                     lambda w, i, a, k: w() + 1, [()])]))
-    monkeypatch.setattr(runtime._RT, "records", {"p": skipped, "q": applied})
-    monkeypatch.setattr(runtime._RT, "late_modules", set())
-    runtime.apply_module(module)
+    monkeypatch.setattr(activation.RUNTIME, "records", {"p": skipped, "q": applied})
+    monkeypatch.setattr(activation.RUNTIME, "imported_before", set())
+    activation.RUNTIME.apply_module(module)
     assert module.f() == 2 and applied.applied == {"sglang.fake_target:f"}
-    runtime.revert_record(applied)
+    activation.revert_record(applied)
     assert module.f is f
 
 
@@ -301,7 +306,7 @@ def test_wrappers_pickle_and_copy_by_reference_in_process(monkeypatch):
     import pickle
     import sys
 
-    from npu_shim.targets import function_wrapper
+    from npu_shim.runtime.targets import function_wrapper
 
     module = types.ModuleType("npu_shim_pickle_probe")
     exec("def f(x):\n    return x + 1\n\nclass Box:\n    def __init__(self, v):\n        self.v = v\n"
@@ -321,5 +326,5 @@ def test_wrappers_pickle_and_copy_by_reference_in_process(monkeypatch):
     assert unbound.__wrapped__ is module.Box.__dict__["get"].__wrapped__ and unbound(box) == 5
     for bound in (pickle.loads(pickle.dumps(box.get)), copy.deepcopy(box.get)):
         assert bound() == 5 and bound.__self__ is not box and type(bound.__self__) is module.Box
-        assert type(bound).__module__ == "npu_shim.targets"
+        assert type(bound).__module__ == "npu_shim.runtime.targets"
     assert copy.copy(box.get)() == 5

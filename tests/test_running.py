@@ -1,4 +1,4 @@
-"""``status --running`` (npu_shim/running.py) reads a directory anyone may have filled: bounded in time
+"""``status --running`` (npu_shim/cli/running_records.py) reads a directory anyone may have filled: bounded in time
 and memory, never a traceback, never a raw control character on the terminal, strict JSON, and
 forged records flagged.  Everything through the CLI, in a real process."""
 
@@ -14,7 +14,7 @@ import pytest
 from test_statefile import NOBODY, SYSTEM_PYTHON, as_nobody, shared_tmp  # noqa: F401 - a fixture
 
 import npu_shim
-from npu_shim import procinfo, statefile
+from npu_shim.ops import procinfo, statefile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 60

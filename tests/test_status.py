@@ -94,7 +94,7 @@ def test_a_sitecustomize_that_shadows_ours_is_named(source, tmp_path):
 
 
 def test_env_lists_every_variable_as_json():
-    from npu_shim.patches import all_variables
+    from npu_shim.core.loading import all_variables
 
     proc = subprocess.run([sys.executable, "-m", "npu_shim", "env", "--json"], capture_output=True,
                           text=True, timeout=60, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))

@@ -1,4 +1,4 @@
-"""npu_shim/targets.py: what a Wrap / Replace says about the source before anything changes.
+"""npu_shim/runtime/targets.py: what a Wrap / Replace says about the source before anything changes.
 
 A target that the source lacks must make the *decision* ``unsupported``, with the target named:
 nothing may read ``applied`` and only learn at apply time (in a server process, when the hook
@@ -11,7 +11,8 @@ import types
 
 import pytest
 
-from npu_shim import config, framework, targets
+from npu_shim.core import config, framework
+from npu_shim.runtime import targets
 
 
 class View:
@@ -114,7 +115,7 @@ def test_a_target_missing_from_the_loaded_module_is_a_lookup_error_naming_it():
     seen = []
     change = targets.Replace(A, "NAME", lambda original: seen.append(original) or 5,
                              must_exist=False).prepare(module)
-    change.apply(late=False)
+    change.apply(imported_before=False)
     assert seen == [None] and module.NAME == 5
     change.revert()
     assert not hasattr(module, "NAME")
@@ -136,7 +137,7 @@ def test_the_wrappers_types_read_as_wrapts_and_live_in_the_shim():
     Box.get = targets.function_wrapper(Box.__dict__["get"], passthrough)
     bound = Box().get
     assert (type(wrapped).__name__, type(bound).__name__) == ("FunctionWrapper", "BoundFunctionWrapper")
-    assert type(wrapped).__module__ == type(bound).__module__ == "npu_shim.targets"
+    assert type(wrapped).__module__ == type(bound).__module__ == "npu_shim.runtime.targets"
     assert wrapped() == 1 and bound() == 2
 
 
@@ -156,13 +157,13 @@ def test_copies_are_rebound_only_for_a_module_imported_before_the_shim(monkeypat
     target = targets.Wrap(A, "f", lambda wrapped, instance, args, kwargs: wrapped() + 1, [()])
 
     change = target.prepare(owner)
-    change.apply(late=False)
+    change.apply(imported_before=False)
     assert owner.f() == 2 and holder.f is f and holder.alias is f
     change.revert()
     assert owner.f is f
 
     change = target.prepare(owner)
-    change.apply(late=True)
+    change.apply(imported_before=True)
     assert owner.f() == holder.f() == holder.alias() == 2 and holder.f is owner.f
     change.revert()
     assert owner.f is holder.f is holder.alias is f

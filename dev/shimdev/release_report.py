@@ -51,15 +51,15 @@ def latest_on_pypi() -> str:
 
 def release_view(version, strict=False):
     """A SourceView of a release's source (its wheel, unpacked once)."""
-    from npu_shim.codeview import SourceView
+    from npu_shim.source.codeview import SourceView
 
     return SourceView(os.path.join(str(sglang_envs.ensure_sources(version, strict=strict)), "sglang"))
 
 
 def static_decisions(view):
     """{patch: Decision} from the source, each patch switched on and its trigger assumed set."""
-    from npu_shim import framework
-    from npu_shim.patches import load_all
+    from npu_shim.core import framework
+    from npu_shim.core.loading import load_all
 
     return {p.name: framework.decide(p, view, environ={}, on_npu=None, assume_triggered=True)
             for p in load_all()}
@@ -67,8 +67,9 @@ def static_decisions(view):
 
 def moved(prev_view, new_view):
     """Lines: what changed for the shim between two releases' sources."""
-    from npu_shim import framework, targets
-    from npu_shim.patches import load_all
+    from npu_shim.core import framework
+    from npu_shim.runtime import targets
+    from npu_shim.core.loading import load_all
 
     lines = []
     for patch in load_all():
@@ -113,7 +114,7 @@ def moved(prev_view, new_view):
 
 def env_table():
     """README.md's environment-variable table (between <!-- env-table --> markers)."""
-    from npu_shim.patches import all_variables
+    from npu_shim.core.loading import all_variables
 
     lines = ["| variable | type | default | meaning |", "|---|---|---|---|"]
     lines += ["| `%s` | %s | `%r` | %s |" % (v.name, v.kind, v.default, v.doc) for v in all_variables()]

@@ -44,10 +44,10 @@ import importlib.util
 import os
 import threading
 
-from npu_shim import config
-from npu_shim.codeview import SourceError, parse_source, read_source, unwrap
-from npu_shim.framework import Patch
-from npu_shim.targets import Wrap, bind_arguments
+from npu_shim.core import config
+from npu_shim.source.codeview import SourceError, parse_source, read_source, unwrap
+from npu_shim.core.framework import Patch
+from npu_shim.runtime.targets import Wrap, bind_arguments
 
 GLM4_MOE = "sglang.srt.models.glm4_moe"
 NPU_UTILS = "sglang.srt.hardware_backend.npu.utils"

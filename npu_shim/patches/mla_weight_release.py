@@ -88,9 +88,10 @@ import logging
 import re
 import sys
 
-from npu_shim import config, log
-from npu_shim.framework import Patch
-from npu_shim.targets import Replace, Wrap
+from npu_shim.core import config
+from npu_shim.ops import log
+from npu_shim.core.framework import Patch
+from npu_shim.runtime.targets import Replace, Wrap
 
 MLA_PRE = "sglang.srt.hardware_backend.npu.attention.mla_preprocess"
 MLA_NPU = "sglang.srt.hardware_backend.npu.modules.deepseek_v2_attention_mla_npu"

@@ -68,9 +68,10 @@ Remove when every supported image runs sglang >= 0.5.12.
 
 import importlib.util
 
-from npu_shim import config, log, procinfo, statefile
-from npu_shim.framework import Patch, ShimError
-from npu_shim.targets import Replace, Wrap, bind_arguments
+from npu_shim.core import config
+from npu_shim.ops import log, procinfo, statefile
+from npu_shim.core.framework import Patch, ShimError
+from npu_shim.runtime.targets import Replace, Wrap, bind_arguments
 
 SCHEDULER = "sglang.srt.managers.scheduler"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner"

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from npu_shim import framework, targets
-from npu_shim.codeview import SourceView
+from npu_shim.core import framework
+from npu_shim.runtime import targets
+from npu_shim.source.codeview import SourceView
 from npu_shim.patches import dual_stream_experts as ds
 from shimdev import realsglang
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 import wrapt
 
-from npu_shim import config, framework
-from npu_shim.codeview import SourceView
+from npu_shim.core import config, framework
+from npu_shim.source.codeview import SourceView
 from npu_shim.patches import mla_weight_release as R
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

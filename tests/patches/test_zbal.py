@@ -14,9 +14,10 @@ import pytest
 import torch
 import wrapt
 
-from npu_shim import config, framework, runtime, targets
-from npu_shim.patches import all_variables
-from npu_shim.codeview import SourceView
+from npu_shim.core import config, framework
+from npu_shim.runtime import activation, targets
+from npu_shim.core.loading import all_variables
+from npu_shim.source.codeview import SourceView
 from npu_shim.patches import zbal as zp
 
 from shimdev import realsglang, simzbal
@@ -152,13 +153,13 @@ def test_must_honour_when_the_size_asks_for_zbal(environ, honour):
 
 
 def test_a_bad_url_with_zbal_requested_raises_at_decision(monkeypatch):
-    # runtime.enforce is what the first import hook runs after deciding.
+    # activation.enforce is what the first import hook runs after deciding.
     monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", "61440")
     monkeypatch.setenv("SGLANG_ZBAL_BOOTSTRAP_URL", "http://10.0.0.1:6789")
     d = framework.decide(zp.PATCH, view("0.5.11"), environ=dict(os.environ), on_npu=True)
-    record = runtime.PatchRecord(zp.PATCH, d)
+    record = activation.PatchRecord(zp.PATCH, d)
     with pytest.raises(framework.ShimError) as exc:
-        runtime.enforce(record)
+        activation.enforce(record)
     assert "SGLANG_ZBAL_BOOTSTRAP_URL='http://10.0.0.1:6789' is invalid" in str(exc.value)
 
 
@@ -436,7 +437,7 @@ def test_graphs_outside_initialize_do_not_init(zb, simnpu_clean):
 
 
 def test_initialize_without_graphs_inits_after_it(zb, simnpu_clean, caplog):
-    from npu_shim import log
+    from npu_shim.ops import log
 
     log.configure()  # sets the logger's level once per process: before caplog lowers it
     mix_mode_started(zb)
@@ -581,7 +582,7 @@ def test_deepep_uses_zbal_buffer_and_config(zb, monkeypatch):
     monkeypatch.setitem(sys.modules, bystander.__name__, bystander)
     changes = [t.prepare(deepep) for t in targets]
     for change in changes:
-        change.apply(late=True)  # as if the shim arrived after sglang was imported
+        change.apply(imported_before=True)  # as if the shim arrived after sglang was imported
     import zbal.zbal.deepep_adaptor
     import zbal.zbal_buffer
 
@@ -600,7 +601,7 @@ def test_deepep_without_deep_ep_installed(zb):
     deepep = types.ModuleType(zp.DEEPEP)
     deepep.use_deepep = False
     for t in [t for t in zp.PATCH.targets(view("0.5.11"), ASSUMED()) if t.module == zp.DEEPEP]:
-        t.prepare(deepep).apply(late=False)
+        t.prepare(deepep).apply(imported_before=False)
     assert deepep.Buffer.__module__ == "zbal.zbal_buffer" and deepep.use_deepep is True
 
 
@@ -611,7 +612,7 @@ def test_backend_map_gives_zbal_for_npu(zb):
     target = next(t for t in zp.PATCH.targets(view("0.5.11"), ASSUMED())
                   if t.describe().endswith("_DEVICE_TO_DISTRIBUTED_BACKEND"))
     change = target.prepare(ps)
-    change.apply(late=False)
+    change.apply(imported_before=False)
     assert ps._DEVICE_TO_DISTRIBUTED_BACKEND == {"cuda": "nccl", "hpu": "hccl", "cpu": "gloo", "npu": "zbal"}
     assert original["npu"] == "hccl"  # a copy: the original is restored on revert
     change.revert()
@@ -744,7 +745,7 @@ def test_in_use_is_rounded_up_to_the_mib_at_the_boundary(zb, simnpu_clean, monke
 def state_dir(tmp_path, monkeypatch):
     """NPU_SHIM_STATE_DIR set for this process, its record written from PROC.details as the
     runtime's snapshot would; no writer thread (the writes under test are the synchronous ones)."""
-    from npu_shim import statefile
+    from npu_shim.ops import statefile
 
     for name in ("source", "sglang_path", "shim_enabled", "last", "last_pid", "thread_pid"):
         monkeypatch.setattr(statefile._W, name, getattr(statefile._W, name))

@@ -63,8 +63,9 @@ class Origin:
 
 
 def vendor_dir():
-    """``npu_shim/_vendor/wrapt`` beside this module (present in a bundle, absent in the repo)."""
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vendor", "wrapt")
+    """``npu_shim/_vendor/wrapt`` (present in a bundle, absent in the repo)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(package, "_vendor", "wrapt")
 
 
 def version_of(package_dir):
@@ -86,7 +87,7 @@ def _text(version):
 
 def find_image_wrapt():
     """(package dir, version tuple or None) of the ``wrapt`` this interpreter would import, or None."""
-    from npu_shim.codeview import find_package_dir
+    from npu_shim.source.codeview import find_package_dir
 
     path = find_package_dir("wrapt")
     return (path, version_of(path)) if path else None

@@ -2,11 +2,11 @@
 
 Each process that imports sglang keeps one JSON file, ``<host>-<pid namespace>-<pid>.json``
 (``python -m npu_shim status --running`` gathers them): who wrote it (pid, user, host, boot id, PID
-namespace, start time), its role (npu_shim/procinfo.py), shim / sglang / Python versions, the main
+namespace, start time), its role (npu_shim/ops/procinfo.py), shim / sglang / Python versions, the main
 module (never the command line's arguments: they may carry an API key) and every patch's state,
 reason and details.  Nothing is written while the variable is unset.
 
-The directory is trusted only as far as the kernel guarantees it (npu_shim/statedir.py): every
+The directory is trusted only as far as the kernel guarantees it (npu_shim/ops/statedir.py): every
 directory on the way must belong to root or this user and be writable by nobody else unless it is
 sticky, the last one must belong to this user, and nothing is followed through a symlink.  A
 sticky directory writable by others (``install -d -m 1777 /dev/shm/npu-shim``: one directory
@@ -36,12 +36,13 @@ import os
 import threading
 import time
 
-from npu_shim import config, log, procinfo
+from npu_shim.core import config
+from npu_shim.ops import log, procinfo
 
 FORMAT = 2
 INTERVAL_S = 5.0
 HEARTBEAT_S = 30.0
-MAX_RECORD_BYTES = 256 * 1024  # the reader's cap on one record too (npu_shim/running.py)
+MAX_RECORD_BYTES = 256 * 1024  # the reader's cap on one record too (npu_shim/cli/running_records.py)
 TEMP_PREFIX = ".npu-shim-"
 TEMP_SUFFIX = ".tmp"
 TEMP_MAX_AGE_S = 60.0
@@ -99,7 +100,7 @@ def directory():
 
 def record_name(host, pid_ns, pid):
     """The file name of a process's record: host, PID namespace and pid name one process."""
-    from npu_shim import statedir  # only where records are written or read
+    from npu_shim.ops import statedir  # only where records are written or read
 
     return "%s-%s-%d.json" % (statedir.safe_name(host), pid_ns if pid_ns is not None else "x", pid)
 
@@ -116,7 +117,7 @@ def build():
     read consistently this time (a wrapper kept mutating one in another thread: try later)."""
     import platform
 
-    from npu_shim import __version__
+    from npu_shim._version import __version__
 
     patches = {}
     if _W.source is not None:
@@ -173,7 +174,7 @@ def write(force=False):
             if len(data) > MAX_RECORD_BYTES:
                 raise ValueError("the record would be %d bytes, over the %d readers accept"
                                  % (len(data), MAX_RECORD_BYTES))
-            from npu_shim import statedir
+            from npu_shim.ops import statedir
 
             with statedir.open_for_writing(dir_) as handle:
                 if _W.swept_pid != os.getpid():
@@ -194,7 +195,7 @@ def write(force=False):
 
 
 def _why(exc):
-    from npu_shim import statedir
+    from npu_shim.ops import statedir
 
     if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, statedir.UnsafeDirectory):
         return exc.strerror  # the path is already on the line

@@ -2,7 +2,7 @@
 
 The import system asks every finder in ``sys.meta_path`` about every import (~4,600 in an sglang
 process, ~5 K instructions a finder and an import), so the shim keeps one: the start-up watcher
-(``_bootstrap.SglangImportWatcher``) hands each import to ``ShimFinder`` once it fired, and
+(``_bootstrap.SglangImportWatcher``, handed in by the runtime) hands each import to ``ShimFinder`` once it fired, and
 ``ShimFinder`` stands in for wrapt's own post-import finder.  It answers almost every import with
 a dict lookup or two:
 
@@ -17,33 +17,30 @@ import sys
 
 
 class ShimFinder:
-    pending = {}        # wrapt's {module name: hooks waiting}, once its finder is taken
-    hook_finder = None  # that finder, kept out of sys.meta_path
-
     def __init__(self, watches, reapply):
         self._watches = watches  # (name) -> True for a hooked module of a process that decided
         self._reapply = reapply  # (module) -> the patches re-applied to its reloaded code
+        self.pending = {}        # wrapt's {module name: hooks waiting}, once its finder is taken
+        self.hook_finder = None  # that finder, kept out of sys.meta_path
+        self.watcher = None      # the start-up watcher that hands imports on to this finder
 
     def take(self, taken):
         if taken is not None:
             self.pending, self.hook_finder = taken
 
-    def install(self):
-        """Answer through the start-up watcher when it fired (it is in sys.meta_path already, and
-        a list the import system may be walking right now is not reordered), else from the front
-        of sys.meta_path (``install()`` after sglang was imported)."""
-        from npu_shim import _bootstrap
-
-        watcher = _bootstrap._WATCHER
-        if watcher.fired and watcher in sys.meta_path:
+    def install(self, watcher=None):
+        """Answer through the start-up ``watcher`` when it fired (it is in sys.meta_path already,
+        and a list the import system may be walking right now is not reordered), else from the
+        front of sys.meta_path (``install()`` after sglang was imported)."""
+        self.watcher = watcher
+        if watcher is not None and watcher.fired and watcher in sys.meta_path:
             watcher.then = self.find_spec
         elif self not in sys.meta_path:
             sys.meta_path.insert(0, self)
 
-    def uninstall(self):
-        from npu_shim import _bootstrap
-
-        _bootstrap._WATCHER.then = None
+    def uninstall(self, watcher=None):
+        if watcher is not None:
+            watcher.then = None
         while self in sys.meta_path:
             sys.meta_path.remove(self)
 
@@ -52,10 +49,8 @@ class ShimFinder:
             return self.hook_finder.find_spec(fullname, path, target)
         if target is None or not self._watches(fullname):
             return None
-        from npu_shim import _bootstrap
-
         for finder in sys.meta_path:
-            if finder is self or finder is _bootstrap._WATCHER or not hasattr(finder, "find_spec"):
+            if finder is self or finder is self.watcher or not hasattr(finder, "find_spec"):
                 continue  # (the watcher hands on to this finder)
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:

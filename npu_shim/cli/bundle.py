@@ -33,7 +33,10 @@ import os
 import stat
 import sys
 
-import npu_shim
+from npu_shim._version import __version__
+
+# The npu_shim package being bundled (this module is npu_shim/cli/bundle.py).
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WRAPT_VERSION = "2.5.2"
 PYTHONS = ("3.9", "3.10", "3.11", "3.12", "3.13")
@@ -278,7 +281,7 @@ def _refused_place(path):
         places.append(("the current directory", os.getcwd()))
     except OSError:
         pass  # removed: it cannot be OUT_DIR
-    source = os.path.dirname(os.path.abspath(npu_shim.__file__))
+    source = _PACKAGE
     places.append(("the npu_shim package being bundled", source))
     for what, given in places:
         for place in {given, os.path.realpath(given)}:
@@ -471,7 +474,7 @@ def _copy_shim(root):
     """sitecustomize.py and the npu_shim package (sources only) into root."""
     import shutil
 
-    source_package = os.path.dirname(os.path.abspath(npu_shim.__file__))
+    source_package = _PACKAGE
     source_root = os.path.dirname(source_package)
     bootstrap = os.path.join(source_root, "sitecustomize.py")
     if not os.path.isfile(bootstrap):
@@ -555,7 +558,7 @@ def write_manifest(root, wrapt_version, builds, pythons):
             files.append({"path": os.path.relpath(path, root), "size": os.path.getsize(path),
                           "sha256": _sha256(path)})
     manifest = {
-        "npu_shim": npu_shim.__version__,
+        "npu_shim": __version__,
         "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "wrapt": {"version": wrapt_version, "builds": sorted(builds)},
         "pyc": ["cpython-%s" % version for _, version in pythons],

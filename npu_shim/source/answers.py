@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 
-from npu_shim.codeview import SourceView, file_identity, remember
+from npu_shim.source.codeview import SourceView, file_identity, remember
 
 ENV = "NPU_SHIM_SOURCE_ANSWERS"
 # 2: a function is [params, fingerprint -- null until asked for --, first line in its file]

@@ -7,7 +7,7 @@ or nothing), ``python -m npu_shim status`` can answer without importing sglang, 
 can ask the same questions of every released wheel.
 
 A function is read from its own lines when they can be told apart without parsing the module,
-and a module-level name found the same way (npu_shim/ownlines.py).  Where that is not certain, or
+and a module-level name found the same way (npu_shim/source/fastscan.py).  Where that is not certain, or
 where the answer is "not there", the whole module is parsed, once, and answers as before.  Either
 way the function's AST is the one the whole parse gives (same fingerprint, same parameters).
 
@@ -24,12 +24,9 @@ import hashlib
 import os
 import re
 
-from npu_shim import ownlines
-from npu_shim.log import one_line
-
-
-class SourceError(ValueError):
-    """A source file the shim cannot decode or parse (one line: which file and why)."""
+from npu_shim.source import fastscan
+from npu_shim.core.framework import SourceError  # noqa: F401 - raised here, caught by deciding
+from npu_shim.ops.log import one_line
 
 
 def read_source(path):
@@ -167,7 +164,7 @@ def remember(path, qualname, first_line, fingerprint, identity):
 def live_fingerprint(func):
     """``fingerprint_node`` of an imported function, from the source file it was loaded from:
     known already when this process read that def of that file (``remember``) and the file is
-    still the one read; else the def read from its own lines (``ownlines.read_def``) when it starts on the
+    still the one read; else the def read from its own lines (``fastscan.read_def``) when it starts on the
     line the loaded code says; else through ``inspect``.  The file's lines ``inspect`` reads are
     not left in ``linecache`` (every sglang process would keep them)."""
     import inspect
@@ -182,7 +179,7 @@ def live_fingerprint(func):
             return known[1]
     if code is not None and "<" not in qualname:  # not a lambda, nor a def inside a function
         try:
-            found = ownlines.read_def(read_source(code.co_filename), qualname)
+            found = fastscan.read_def(read_source(code.co_filename), qualname)
         except (OSError, SourceError):
             found = None
         if found is not None and found[1] == code.co_firstlineno:
@@ -206,7 +203,7 @@ def _is_static(node):
 def _definitions(body):
     """({qualname: FunctionInfo}, {module-level name}) of a module's statements."""
     functions = {}
-    for node in ownlines.walk_block(body):
+    for node in fastscan.walk_block(body):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             functions[node.name] = FunctionInfo(node.name, _params(node.args, False), node)
         elif isinstance(node, ast.ClassDef):
@@ -214,7 +211,7 @@ def _definitions(body):
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     qualname = node.name + "." + item.name
                     functions[qualname] = FunctionInfo(qualname, _params(item.args, not _is_static(item)), item)
-    return functions, ownlines.defined_names(body)
+    return functions, fastscan.defined_names(body)
 
 
 class ModuleSource:
@@ -225,7 +222,7 @@ class ModuleSource:
         self.text = text
         self._whole = None  # (functions, globals) once the whole module is parsed
         self._read = {}     # qualname -> FunctionInfo read from its own lines
-        self._indexed = None  # ownlines.Text, once the text is read from
+        self._indexed = None  # fastscan.Text, once the text is read from
 
     @property
     def functions(self):
@@ -244,13 +241,13 @@ class ModuleSource:
         if self._whole is None:
             if not self._may_define(qualname.rsplit(".", 1)[-1], function=True):
                 return None
-            where = ownlines.locate_def(self._text(), qualname)
+            where = fastscan.locate_def(self._text(), qualname)
             # The header alone gives the parameters; most functions are asked for nothing else, and
             # the large ones (Scheduler.__init__, ModelRunner.initialize) are most of the text.
-            node = ownlines.parse_def(where, body=False) if where is not None else None
-            read_body = lambda: ownlines.parse_def(where) or self._whole_def(qualname)  # noqa: E731
+            node = fastscan.parse_def(where, body=False) if where is not None else None
+            read_body = lambda: fastscan.parse_def(where) or self._whole_def(qualname)  # noqa: E731
             if node is None and where is not None:  # a one-line def: its body is on its header's line
-                node, read_body = ownlines.parse_def(where), None
+                node, read_body = fastscan.parse_def(where), None
             if node is not None:
                 method = "." in qualname
                 info = FunctionInfo(qualname, _params(node.args, method and not _is_static(node)), node,
@@ -264,15 +261,15 @@ class ModuleSource:
         if self._whole is None:
             if not self._may_define(qualname.rsplit(".", 1)[-1], function="." in qualname):
                 return False
-            if "." not in qualname and (ownlines.assigned_at_top(self._text(), qualname)
-                                        or ownlines.assigned_in_top_block(self._text(), qualname)):
+            if "." not in qualname and (fastscan.assigned_at_top(self._text(), qualname)
+                                        or fastscan.assigned_in_top_block(self._text(), qualname)):
                 return True
         return self.function(qualname) is not None or qualname in self.globals
 
     def _may_define(self, name, function):
         """False when the text cannot define ``name``: no ``def name(`` for a function or method,
         the name nowhere at all for any other (a sure "absent" without parsing)."""
-        return ownlines.may_define(self.text, name, function)
+        return fastscan.may_define(self.text, name, function)
 
     def _whole_def(self, qualname):
         """The def of ``qualname`` with its body, from the whole parse (its own lines did not parse)."""
@@ -284,7 +281,7 @@ class ModuleSource:
 
     def _text(self):
         if self._indexed is None:
-            self._indexed = ownlines.Text(self.text)
+            self._indexed = fastscan.Text(self.text)
         return self._indexed
 
     def _parse_whole(self):
@@ -339,14 +336,12 @@ def find_package_dir(name):
     since asking it about sglang would activate the shim."""
     import sys
 
-    from npu_shim._bootstrap import SglangImportWatcher
-
     module = sys.modules.get(name)
     if module is not None and getattr(module, "__path__", None):
         return list(module.__path__)[0]
     for finder in sys.meta_path:
         find_spec = getattr(finder, "find_spec", None)
-        if find_spec is None or isinstance(finder, SglangImportWatcher):
+        if find_spec is None or getattr(finder, "is_npu_shim_watcher", False):
             continue
         try:
             spec = find_spec(name, None)
@@ -375,16 +370,6 @@ def read_version(package_dir):
             # a version is a PEP 440 string; anything else (a newline, an escape) is not one
             return match.group(1) if _VERSION_TEXT.fullmatch(match.group(1)) else None
     return None
-
-
-def version_tuple(text):
-    """'0.5.10.post1' -> (0, 5, 10); unknown text -> ()."""
-    numbers = []
-    for part in (text or "").split("."):
-        if not part.isdigit():
-            break
-        numbers.append(int(part))
-    return tuple(numbers)
 
 
 def unwrap(func):

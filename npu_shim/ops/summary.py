@@ -1,10 +1,7 @@
-"""What a process says about the shim: its one summary line and each patch's reason (log), and the
-snapshot its state record is written from (npu_shim/statefile.py)."""
+"""What a process says about the shim: its one summary line and each patch's reason (log)."""
 
-import os
-
-from npu_shim import config, log, procinfo, statefile
-from npu_shim.framework import FAILED, UNSUPPORTED
+from npu_shim.core.framework import FAILED, UNSUPPORTED
+from npu_shim.ops import log
 
 
 def report(record):
@@ -47,33 +44,3 @@ def report_all(records):
                      "reasons": {name: record.reason for name, record in records.items()}})
     for record in records.values():
         report(record)
-
-
-def state_snapshot():
-    """{patch: {"state", "reason", "details", "targets_applied"}} for the state record."""
-    from npu_shim.runtime import _RT
-
-    records = _RT.records
-    return {name: {"state": r.state, "reason": r.reason, "details": dict(r.details),
-                   "targets_applied": "%d/%d" % (len(r.applied), len(r.targets))}
-            for name, r in (records or {}).items()}
-
-
-def say_off():
-    """The watcher saw ``import sglang`` with the shim off (NPU_SHIM_ENABLED=0): one line, and the
-    state record says so too.  Never raises."""
-    try:
-        from npu_shim.codeview import find_package_dir, read_version
-
-        package_dir = find_package_dir("sglang")
-        if package_dir:
-            procinfo.SGLANG_VERSION["value"] = read_version(package_dir)
-        log.info("off (%s=%s): sglang is not patched in this process"
-                 % (config.ENABLED.name, os.environ.get(config.ENABLED.name, "").strip()),
-                 fields={"event": "off"})
-        statefile.write_off_record(package_dir)
-    except Exception as exc:  # noqa: BLE001
-        try:
-            log.error_once("off", "shim off; could not say more: %r" % (exc,))
-        except Exception:  # noqa: BLE001
-            pass

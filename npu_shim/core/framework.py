@@ -3,7 +3,7 @@
 A feature module ``npu_shim/patches/<name>.py`` defines ``PATCH``, an instance of a ``Patch``
 subclass that says in one place: the upstream PR it backports and the release that has it, the
 releases it backports to, its switch and the variables it reads, a ``probe`` that recognises
-upstream's own implementation in the running code, and its ``targets`` (npu_shim/targets.py).
+upstream's own implementation in the running code, and its ``targets`` (npu_shim/runtime/targets.py).
 The declaration is checked when the class is defined, and every target against ``modules`` when
 the patch is decided.  ``decide`` turns it into one of the states below from the sglang *source*
 (``codeview.SourceView``), before anything is changed; the runtime then applies the targets.
@@ -11,8 +11,7 @@ the patch is decided.  ``decide`` turns it into one of the states below from the
 
 import re
 
-from npu_shim import config
-from npu_shim.codeview import SourceError, version_tuple
+from npu_shim.core import config
 
 APPLIED = "applied"          # backported into the running sglang
 UPSTREAM = "upstream"        # stood down: the running sglang has the feature itself
@@ -25,6 +24,22 @@ PROBLEMS = (UNSUPPORTED, FAILED)  # the states strict mode refuses
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
 _RELEASE = re.compile(r"[0-9]+(\.[0-9]+)+\Z")
+
+
+class SourceError(ValueError):
+    """A source file the shim cannot decode or parse (one line: which file and why); the source
+    reader (npu_shim/source/codeview.py) raises it, and it leaves the patch that asked
+    ``unsupported``."""
+
+
+def version_tuple(text):
+    """'0.5.10.post1' -> (0, 5, 10); unknown text -> ()."""
+    numbers = []
+    for part in (text or "").split("."):
+        if not part.isdigit():
+            break
+        numbers.append(int(part))
+    return tuple(numbers)
 
 
 class ShimError(RuntimeError):

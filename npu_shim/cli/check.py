@@ -78,7 +78,7 @@ def _module_version(dist_names, package_dir):
     """A package's installed version: its distribution's metadata, else its version file."""
     from importlib import metadata
 
-    from npu_shim.codeview import read_version
+    from npu_shim.source.codeview import read_version
 
     for name in dist_names:
         try:
@@ -93,7 +93,7 @@ def import_target_modules():
     each went: "ok", "absent" (a module this release does not have) or the error in one line."""
     import importlib
 
-    from npu_shim.patches import load_all, target_modules
+    from npu_shim.core.loading import load_all, target_modules
 
     imports = {}
     for name in target_modules(load_all()):
@@ -110,7 +110,7 @@ def import_target_modules():
 def zbal_facts():
     """The zbal package the shim would use, read from its files (never imported: importing loads
     the native library, which needs CANN), and whether it has the Python API the shim calls."""
-    from npu_shim.codeview import find_package_dir
+    from npu_shim.source.codeview import find_package_dir
     from npu_shim.patches import zbal as zbal_patch
 
     package_dir = find_package_dir("zbal")
@@ -127,7 +127,7 @@ def zbal_facts():
 
 def npu_facts():
     torch = sys.modules.get("torch")
-    from npu_shim.codeview import find_package_dir
+    from npu_shim.source.codeview import find_package_dir
 
     loaded = sys.modules.get("torch_npu")  # sglang imports it on an NPU image
     facts = {"torch_npu": getattr(loaded, "__file__", None) or find_package_dir("torch_npu"),
@@ -147,7 +147,7 @@ def npu_facts():
 
 def wrapped_targets(records):
     """{target: True/False}: whether the live attribute really is the shim's wrapper."""
-    from npu_shim import targets, wrapt_loader
+    from npu_shim.runtime import targets, wrapt_loader
 
     origin = wrapt_loader.loaded_origin()
     wrapper_type = wrapt_loader.load().FunctionWrapper if origin else None
@@ -168,9 +168,9 @@ def wrapped_targets(records):
 def bundle_facts():
     """Whether this npu-shim is a bundle and, if so, whether its files still match its MANIFEST
     (none missing, changed or extra; the MANIFEST itself there and whole)."""
-    from npu_shim import bundle
+    from npu_shim.cli import bundle
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     problems = bundle.verify(root)
     if problems is None:
         return {"is_bundle": False, "ok": True, "text": "not a bundle (%s)" % root}
@@ -185,7 +185,7 @@ def bundle_facts():
 
 def print_not_started(facts):
     """What ``check`` says instead of a report when the bundle does not match its MANIFEST."""
-    from npu_shim.terminal import terminal_writer
+    from npu_shim.ops.terminal import terminal_writer
 
     out = terminal_writer()
     out("npu-shim check: the check process was not started: this bundle does not match its "
@@ -194,31 +194,29 @@ def print_not_started(facts):
 
 
 def sglang_facts():
-    from npu_shim.codeview import read_version
+    from npu_shim.source.codeview import read_version
 
     path = getattr(sys.modules.get("sglang"), "__file__", None)
     path = os.path.dirname(path) if path else None
     return {"path": path, "version": read_version(path) if path else None}
 
 
-def child_main():
-    """Runs in the child: import every target module, then print one JSON line."""
+def child_main(watcher):
+    """Runs in the child: import every target module, then print one JSON line.  ``watcher``: the
+    start-up watcher (npu_shim/_bootstrap.py), handed in by the child's command line."""
     import time
-
-    from npu_shim import _bootstrap
 
     started = time.monotonic()
     sitecustomize = getattr(sys.modules.get("sitecustomize"), "__file__", None)
-    from npu_shim import installer, runtime, wrapt_loader
+    from npu_shim.runtime import activation, installer, wrapt_loader
 
     # With NPU_SHIM_ENABLED=0 the watcher is armed only to say "off" at ``import sglang``.
-    activated_at_start = ((installer.watcher_armed() or _bootstrap._WATCHER.fired)
-                          and not _bootstrap._WATCHER.off)
+    activated_at_start = (installer.watcher_armed(watcher) or watcher.fired) and not watcher.off
     # Every target module imports torch first: when that fails, the reason is told once and no
     # module is tried (each would fail the same way, and later ones with Python's own KeyError).
     broken = torch_problem()
     imports = import_target_modules() if broken is None else {}
-    records = list((runtime._RT.records or {}).values())
+    records = list((activation.RUNTIME.records or {}).values())
     origin = wrapt_loader.loaded_origin() or wrapt_loader.locate()
     from npu_shim.patches import dual_stream_experts
 
@@ -230,7 +228,7 @@ def child_main():
         "sitecustomize": sitecustomize,
         "shim_active": bool(activated_at_start),
         "imports": imports,
-        "states": runtime.states(),
+        "states": activation.RUNTIME.states(),
         "wrapped": wrapped_targets(records),
         "wrapt": origin.as_dict(),
         "sglang": sglang_facts(),
@@ -250,7 +248,7 @@ def run_child(timeout=CHILD_TIMEOUT_S):
     """(report dict or None, error text or None) from a child with this process's environment."""
     import subprocess
 
-    code = "from npu_shim import check; check.child_main()"
+    code = "from npu_shim import _bootstrap; from npu_shim.cli import check; check.child_main(_bootstrap.WATCHER)"
     try:
         proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, timeout=timeout)
@@ -273,7 +271,7 @@ def sglang_line(sglang, import_failed):
 
 
 def print_report(report):
-    from npu_shim.terminal import terminal_writer
+    from npu_shim.ops.terminal import terminal_writer
 
     out = terminal_writer()
     out("npu-shim check: a child process (pid %d, Python %s) imported sglang's target modules\n"

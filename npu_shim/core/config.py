@@ -8,16 +8,19 @@ reads it ends ``failed``; strict mode raises).
 
 The shim-wide variables live here; a patch declares its own switch (``switch(name, doc)``: always
 ``NPU_SHIM_<PATCH NAME>``) and the variables only it reads in its own module, with the parsers
-below, so ``npu_shim.patches.all_variables()`` is the full list.  Only ``os`` and ``re`` are
-imported (and the bootstrap's spelling of booleans): ``status`` and the runtime load this, and
-the bootstrap on its error path.
+below, so ``npu_shim.core.loading.all_variables()`` is the full list.  Only ``os`` and ``re`` are
+imported (and the registry's list of patch names, for ``NPU_SHIM_PATCHES``): ``status`` and the
+runtime load this, and the bootstrap on its error path.
 """
 
 import os
 import re
 
-from npu_shim._bootstrap import FALSE_WORDS, TRUE_WORDS
 
+# How every boolean variable is spelled.  The bootstrap spells them too, in its own copy (it runs
+# in every process and imports nothing of the shim); tests/core/test_config.py holds them equal.
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _URL = re.compile(r"^tcp://(?P<host>\[[^\]]*\]|[^:/\[\]]*):(?P<port>[^:]*)$")
 _DIGITS = re.compile(r"[0-9]+")  # ASCII only: int() would also take "１２２８８"
@@ -187,7 +190,7 @@ def switch(patch_name, doc, aliases=()):
 
 
 def _parse_names(raw):
-    from npu_shim.patches import known_names  # the registry list only: no feature module loads
+    from npu_shim.patches.registry import known_names  # a list of names: no feature module loads
 
     known = known_names()
     names = tuple(n.strip() for n in raw.split(",") if n.strip())

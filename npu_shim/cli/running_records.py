@@ -1,6 +1,6 @@
 """``python -m npu_shim status --running [DIR]``: what the shim did in the running processes.
 
-Reads the records every sglang process keeps in ``NPU_SHIM_STATE_DIR`` (npu_shim/statefile.py)
+Reads the records every sglang process keeps in ``NPU_SHIM_STATE_DIR`` (npu_shim/ops/statefile.py)
 and puts them in one table, process x patch.  Everything in the directory is hostile input: at
 most ``MAX_RECORDS`` files are read, each a regular file of at most ``statefile.MAX_RECORD_BYTES``
 opened without following a symlink or blocking on a FIFO, parsed as strict JSON (no NaN, no
@@ -34,9 +34,9 @@ import re
 import sys
 import time
 
-from npu_shim import procinfo, statedir, statefile
-from npu_shim.framework import FAILED
-from npu_shim.terminal import printable
+from npu_shim.ops import procinfo, statedir, statefile
+from npu_shim.core.framework import FAILED
+from npu_shim.ops.terminal import printable
 
 OFF = "disabled"  # what a patch reads in a process with the shim off
 MAX_RECORDS = 4096
@@ -325,7 +325,7 @@ def analyse(dir_):
         record["stale"] = status == "stale"
         processes.append(record)
     live = [p for p in processes if p["status"] == "live"]
-    from npu_shim.patches import known_names
+    from npu_shim.patches.registry import known_names
 
     seen_names = {n for p in processes for n in patch_states(p)}
     names = [n for n in known_names() if n in seen_names]  # registry order, then any other

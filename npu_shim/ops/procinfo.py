@@ -27,7 +27,7 @@ _noted = None  # the role a wrapper told us (note_scheduler)
 _TITLE = re.compile(r"sglang::(?P<role>[a-z_]+?)(?:_(?P<ranks>(?:[A-Z_]+[0-9]+_?)+))?(?::\d+)?\Z")
 _RANK = re.compile(r"([A-Z_]+?)([0-9]+)")
 _MAIN_ROLES = {"sglang.launch_server": "http_server"}
-SGLANG_VERSION = {"value": None}  # set by the runtime once the running sglang's source is read
+_sglang_version = None  # note_sglang_version: the running sglang's, once its source is read
 
 
 def note_scheduler(tp_rank=None, tp_size=None, pp_rank=None, pp_size=None, dp_rank=None, dp_size=None):
@@ -165,5 +165,11 @@ def is_zombie(pid):
     return bool(fields) and fields[0] in (b"Z", b"X")
 
 
+def note_sglang_version(version):
+    """The running sglang's version, read from its source (the runtime, or the off line)."""
+    global _sglang_version
+    _sglang_version = version
+
+
 def sglang_version():
-    return SGLANG_VERSION["value"]
+    return _sglang_version

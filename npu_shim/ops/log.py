@@ -1,6 +1,6 @@
 """The shim's one logger, ``npu_shim``; lines read ``[npu-shim 0.2.2 sglang 0.5.11 pid 812 tp 3/16]
 <message>`` -- the shim's version, then as far as known the running sglang's, the pid and the
-process's sglang role (npu_shim/procinfo.py), so that 16 ranks x N processes can be told apart.
+process's sglang role (npu_shim/ops/procinfo.py), so that 16 ranks x N processes can be told apart.
 
 If the application has configured no handler for it (or for the root logger) by the time the shim
 first logs, a stderr handler is attached so the shim's lines are seen in every process.  With
@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from npu_shim.terminal import printable
+from npu_shim.ops.terminal import printable
 
 LOGGER_NAME = "npu_shim"
 logger = logging.getLogger(LOGGER_NAME)
@@ -28,7 +28,7 @@ def configure():
     if _configured:
         return
     _configured = True
-    from npu_shim import config
+    from npu_shim.core import config
 
     try:
         level, problem = config.LOG_LEVEL.read(), None
@@ -52,7 +52,8 @@ def configure():
 
 def tag():
     """``npu-shim 0.2.2 sglang 0.5.11 pid 812 tp 3/16``: who says it (parts not yet known left out)."""
-    from npu_shim import __version__, procinfo
+    from npu_shim._version import __version__
+    from npu_shim.ops import procinfo
 
     parts = ["npu-shim", __version__]
     sglang = procinfo.sglang_version()
@@ -77,7 +78,8 @@ class TextFormatter(logging.Formatter):
 
 def json_fields():
     """The fields every JSON line carries."""
-    from npu_shim import __version__, procinfo
+    from npu_shim._version import __version__
+    from npu_shim.ops import procinfo
 
     fields = {"pid": os.getpid(), "host": procinfo.host(), "shim": __version__,
               "sglang": procinfo.sglang_version()}

@@ -14,7 +14,7 @@ Each is checked on the source before anything changes (``check_source``) and on 
 module when its hook fires (``prepare``), which builds the ``Change`` the runtime applies.
 """
 
-from npu_shim.codeview import SourceError, live_fingerprint, live_params
+from npu_shim.source.codeview import SourceError, live_fingerprint, live_params
 
 _MISSING = object()
 
@@ -31,10 +31,10 @@ class Change:
         # True/False or a dict other code also holds, which must be replaced in place only.
         self.rebind_copies = rebind_copies and original is not _MISSING and _is_module(owner)
 
-    def apply(self, late):
-        """``late``: the module was imported before the shim, so copies of it may exist."""
+    def apply(self, imported_before):
+        """``imported_before``: the module was imported before the shim, so copies of it may exist."""
         setattr(self.owner, self.attr, self.replacement)
-        if late and self.rebind_copies:
+        if imported_before and self.rebind_copies:
             rebind(self.original, self.replacement, skip=self.owner)
 
     def revert(self):
@@ -220,7 +220,7 @@ def _owner_class(function):
 
 
 def _make_wrapper_class():
-    from npu_shim import wrapt_loader
+    from npu_shim.runtime import wrapt_loader
 
     wrapt = wrapt_loader.load()
 

@@ -8,7 +8,7 @@ happened (npu_shim/cli/check.py); ``bundle`` builds the directory to mount into 
 Exit codes: 0 fine; 1 ``bundle`` failed or refused its target (130 / 143: stopped by SIGINT /
 SIGTERM); 2 an environment variable is invalid, or an ``NPU_SHIM_*`` name is one the shim does not
 read (a typo); 3 a server would stop at import: strict mode is on and a patch would end
-``unsupported`` or ``failed``, or a patch the job asks for explicitly (zbal with a size) cannot
+``unsupported`` or ``failed``, or a patch the job asks for explicitly (``Patch.must_honour``) cannot
 apply; 4 ``check`` could not run, the shim was not active in its process, a target module failed
 to import, or the bundle does not match its MANIFEST (a file missing, changed or extra, or the
 MANIFEST itself missing or broken: then no check process is started); 5 (``status`` and

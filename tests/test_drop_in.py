@@ -520,6 +520,16 @@ def _check(python, tree, first, env=None, *args):
                           env=full_env, capture_output=True, text=True, timeout=120)
 
 
+def test_patch_facts_in_an_image_without_their_packages():
+    """What ``check`` shows for zbal and dual_stream_experts where neither memfabric-zbal nor
+    sgl-kernel-npu is installed (this interpreter)."""
+    from npu_shim.patches import dual_stream_experts, zbal as zbal_patch
+
+    report = dict(zbal_patch.PATCH.check_facts(), **dual_stream_experts.PATCH.check_facts())
+    assert report["zbal"]["found"] is False and report["kernel"]["ok"] is False
+    assert (report["zbal"]["label"], report["kernel"]["label"]) == ("zbal", "sgl_kernel_npu")
+
+
 def test_check_reports_what_happened_in_a_real_process(bare_venvs, built_bundle, tree):
     proc = _check(bare_venvs("3.11"), tree, built_bundle, None, "--json")
     assert proc.returncode == 0, proc.stderr
@@ -532,7 +542,9 @@ def test_check_reports_what_happened_in_a_real_process(bare_venvs, built_bundle,
     assert report["bundle"] == {"is_bundle": True, "ok": True, "problems": [],
                                 "text": "%s: files match its MANIFEST" % built_bundle}
     assert report["sglang"] == {"path": str(tree / "pkgs" / "sglang"), "version": "0.5.9"}
-    assert report["zbal"]["found"] is False and report["kernel"]["ok"] is False
+    # Only the registered patches say something about the image (here: the demo patch, nothing);
+    # zbal's and dual_stream_experts' own facts: test_patch_facts_in_an_image_without_their_packages.
+    assert report["patch_facts"] == []
     assert report["npu"]["npu_available"] is False
     assert report["seconds"] < 60
     text = _check(bare_venvs("3.11"), tree, built_bundle).stdout

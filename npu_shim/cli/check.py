@@ -4,9 +4,9 @@
 environment -- so the shim activates in it exactly as in a server process (``sitecustomize`` on
 ``PYTHONPATH``, or the ``.pth`` of a pip install) -- imports every sglang module a patch targets,
 and reports what happened there: each patch's state and reason, the targets really wrapped,
-where wrapt came from, the zbal package and its Python API, torch_npu and the NPU, and
-``sgl_kernel_npu``'s ``split_qkv_rmsnorm_rope``.  Nothing initialises the device or zbal: the
-child imports modules and reads files; no tensor is allocated and no zbal call is made.
+where wrapt came from, torch_npu and the NPU, and what each patch says about the image
+(``Patch.check_facts``: the packages it needs, read from their files).  Nothing initialises the
+device or a patch's package: the child imports modules and reads files; no tensor is allocated.
 
 A bundle is verified against its MANIFEST in the parent first (``bundle_facts``), with only
 modules every npu_shim command has loaded: a bundle that does not match is reported and no child
@@ -74,20 +74,6 @@ def diagnose_torch_error(exc):
                             "on the library path); %s" % (found.group(1), CANN_FIX)}
     return {"kind": "torch", "error": error, "text": "import torch fails: %s" % error}
 
-def _module_version(dist_names, package_dir):
-    """A package's installed version: its distribution's metadata, else its version file."""
-    from importlib import metadata
-
-    from npu_shim.source.codeview import read_version
-
-    for name in dist_names:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return read_version(package_dir)
-
-
 def import_target_modules():
     """Import every module a patch targets (so the shim patches them, as in a server) and say how
     each went: "ok", "absent" (a module this release does not have) or the error in one line."""
@@ -107,33 +93,16 @@ def import_target_modules():
     return imports
 
 
-def zbal_facts():
-    """The zbal package the shim would use, read from its files (never imported: importing loads
-    the native library, which needs CANN), and whether it has the Python API the shim calls."""
-    from npu_shim.source.codeview import find_package_dir
-    from npu_shim.patches import zbal as zbal_patch
-
-    package_dir = find_package_dir("zbal")
-    if package_dir is None:
-        return {"found": False, "text": "not installed (needed only with SGLANG_ZBAL_LOCAL_MEM_SIZE)"}
-    version = _module_version(("memfabric-zbal", "memfabric_zbal"), package_dir)
-    missing = zbal_patch.api_problems(package_dir)
-    text = "%s at %s: %s" % (version or "unknown version", package_dir,
-                             "API as memfabric-zbal 1.1.2/1.2.0" if not missing else
-                             "API differs: " + "; ".join(missing))
-    return {"found": True, "version": version, "path": package_dir, "api_ok": not missing,
-            "api_problems": missing, "text": text}
-
-
 def npu_facts():
-    torch = sys.modules.get("torch")
+    from npu_shim.source import codeview
     from npu_shim.source.codeview import find_package_dir
 
+    torch = sys.modules.get("torch")
     loaded = sys.modules.get("torch_npu")  # sglang imports it on an NPU image
     facts = {"torch_npu": getattr(loaded, "__file__", None) or find_package_dir("torch_npu"),
              "torch": getattr(torch, "__version__", None)}
     if facts["torch_npu"]:
-        facts["torch_npu_version"] = getattr(loaded, "__version__", None) or _module_version(
+        facts["torch_npu_version"] = getattr(loaded, "__version__", None) or codeview.module_version(
             ("torch_npu", "torch-npu"), os.path.dirname(facts["torch_npu"]))
     npu = getattr(torch, "npu", None)
     try:
@@ -208,6 +177,7 @@ def child_main(watcher):
 
     started = time.monotonic()
     sitecustomize = getattr(sys.modules.get("sitecustomize"), "__file__", None)
+    from npu_shim.core.loading import load_all
     from npu_shim.runtime import activation, installer, wrapt_loader
 
     # With NPU_SHIM_ENABLED=0 the watcher is armed only to say "off" at ``import sglang``.
@@ -218,9 +188,9 @@ def child_main(watcher):
     imports = import_target_modules() if broken is None else {}
     records = list((activation.RUNTIME.records or {}).values())
     origin = wrapt_loader.loaded_origin() or wrapt_loader.locate()
-    from npu_shim.patches import dual_stream_experts
-
-    kernel = dual_stream_experts.kernel_problem()
+    facts = {}
+    for patch in load_all():
+        facts.update(patch.check_facts())
     report = {
         "pid": os.getpid(),
         "python": "%d.%d.%d" % sys.version_info[:3],
@@ -232,12 +202,12 @@ def child_main(watcher):
         "wrapped": wrapped_targets(records),
         "wrapt": origin.as_dict(),
         "sglang": sglang_facts(),
-        "zbal": zbal_facts(),
         "npu": npu_facts(),
         "torch_problem": broken,
-        "kernel": {"ok": kernel is None, "text": "split_qkv_rmsnorm_rope usable" if kernel is None else kernel},
         "seconds": round(time.monotonic() - started, 2),
+        "patch_facts": list(facts),  # the patches' own facts, each under its key, in this order
     }
+    report.update(facts)
     sys.stdout.write("\n" + _MARK + json.dumps(report, default=str) + "\n")
     sys.stdout.flush()
 
@@ -292,8 +262,8 @@ def print_report(report):
         (npu.get("torch_npu_version") or "?") if npu["torch_npu"] else "not installed",
         "%d visible" % npu["npu_count"] if npu["npu_available"] else
         "none visible" + (" (%s)" % npu["npu_error"] if npu.get("npu_error") else "")))
-    out("  zbal: %s\n" % report["zbal"]["text"])
-    out("  sgl_kernel_npu: %s\n" % report["kernel"]["text"])
+    for key in report.get("patch_facts", ()):
+        out("  %s: %s\n" % (report[key].get("label", key), report[key]["text"]))
     for name, error in sorted(bad.items()):
         out("  import %s FAILED: %s\n" % (name, error))
     out("\n  %-20s %-12s %s\n" % ("patch", "state", "reason"))

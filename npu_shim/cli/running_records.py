@@ -364,23 +364,30 @@ def role_text(record):
     return label or "unknown"
 
 
-def state_text(record, name):
+def state_text(record, name, patches=None):
+    """A table cell: the patch's state, and the details its patch says are worth a column
+    (``Patch.running_details``; ``patches``: {name: Patch}, the registered ones by default)."""
     if record.get("shim_enabled") is False:
         return "off"
     entry = (record.get("patches") or {}).get(name)
     if not isinstance(entry, dict):
         return "-"
     text = entry.get("state") or "?"
-    details = entry.get("details") or {}
-    extra = []
-    if isinstance(details.get("mode"), str):
-        extra.append(details["mode"][:16])
-    if _int(details.get("gva_mib")) is not None:
-        extra.append("%d MiB" % details["gva_mib"])
-    released = details.get("released_mib")
-    if isinstance(released, (int, float)) and not isinstance(released, bool):
-        extra.append("-%s MiB" % released)
+    patch = (registered_patches() if patches is None else patches).get(name)
+    extra = patch.running_details(entry.get("details") or {}) if patch is not None else []
     return text + ("(%s)" % ", ".join(extra) if extra else "")
+
+
+def registered_patches():
+    """{name: Patch} of the registered patches (loaded once per command)."""
+    if not _PATCHES:
+        from npu_shim.core.loading import load_all
+
+        _PATCHES.update((patch.name, patch) for patch in load_all())
+    return _PATCHES
+
+
+_PATCHES = {}
 
 
 def _age(updated, now):

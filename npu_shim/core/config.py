@@ -1,6 +1,6 @@
 """Every environment variable the shim reads, declared once and parsed in one place.
 
-Upstream's own names are kept verbatim (``SGLANG_ZBAL_*``, ``SGLANG_NPU_USE_MULTI_STREAM``) so a
+Upstream's own names are kept verbatim (a patch reads upstream's ``SGLANG_*`` variables) so a
 job configured for a newer sglang configures the shim identically; the shim's own knobs live under
 ``NPU_SHIM_``.  Parsing never raises: a bad value becomes a ``ConfigError`` whose message names the
 variable, the value and the accepted form, and the consumer decides what that means (a patch that
@@ -45,7 +45,7 @@ def _parse_bool(raw):
 def _parse_mib(raw):
     value = raw.strip()
     if value.startswith("-") and _DIGITS.fullmatch(value[1:]):
-        raise ValueError("expected a whole number of MiB >= 0 (0 turns zbal off)")
+        raise ValueError("expected a whole number of MiB >= 0 (0 turns it off)")
     if not _DIGITS.fullmatch(value):
         raise ValueError("expected a whole number of MiB, e.g. 12288 for 12 GiB (no unit suffix; "
                          "ASCII digits)")

@@ -89,6 +89,22 @@ class Patch:
     def origin(self):
         return "backport of %s; upstream since %s" % (self.upstream_pr, self.upstream_release)
 
+    # -- what the patch says about itself (the core and the commands name no patch)
+    def check_facts(self):
+        """{report key: {"label", "text", ...}}: what ``python -m npu_shim check`` shows about the
+        image for this patch (read from files; nothing is imported or initialised)."""
+        return {}
+
+    def summary_details(self, details):
+        """The words the summary line adds after this patch's state (``applied(full, 49152
+        MiB)``), from its record's details."""
+        return []
+
+    def running_details(self, details):
+        """The same for ``status --running``, from a record another process wrote (untrusted:
+        every value's type is checked)."""
+        return []
+
 
 def declaration_problems(cls):
     """What is wrong with a Patch subclass's declaration ([] when nothing)."""

@@ -27,6 +27,15 @@ class BrokenPatch:
     def must_honour(self, environ):
         return False
 
+    def check_facts(self):
+        return {}
+
+    def summary_details(self, details):
+        return []
+
+    def running_details(self, details):
+        return []
+
     def origin(self):
         return "feature module npu_shim.patches.%s" % self.name
 

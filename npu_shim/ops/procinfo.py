@@ -5,8 +5,8 @@ server), one scheduler per TP/PP/DP rank, a detokenizer, and with DP attention a
 controller -- all spawned children with the same command line.  The role is learned, best source
 first:
 
-1. a wrapper that sees the scheduler's own arguments (zbal's ``Scheduler.__init__`` wrapper calls
-   ``note_scheduler``): role and ranks with their sizes, e.g. ``tp 3/16``;
+1. a wrapper that sees the scheduler's own arguments (a patch's ``Scheduler.__init__`` wrapper
+   calls ``note_scheduler``): role and ranks with their sizes, e.g. ``tp 3/16``;
 2. the process title sglang sets (``sglang::scheduler_DP0_TP3``, ``sglang::detokenizer``,
    ``sglang::data_parallel_controller``, ``sglang::tokenizer_worker:PID``), read through the
    ``setproctitle`` module sglang itself imported -- ranks without sizes;

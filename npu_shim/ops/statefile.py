@@ -17,7 +17,7 @@ and a write.
 When it is written (always the whole record, atomically: a temporary file created exclusively in
 the same directory, its mode set through its descriptor, then renamed over the record):
 * synchronously when the patches are decided, when a patch changes state, when a module's targets
-  are applied, when a wrapper calls ``touch(now=True)`` (zbal after setting up its heap), and at
+  are applied, when a wrapper calls ``touch(now=True)`` (a patch that set something up), and at
   exit (``atexit``: the final figures);
 * by one daemon thread per process, armed with the first attempt (so a failed first write is
   retried), that wakes every ``INTERVAL_S`` seconds or at once on ``touch()``, rewrites the record

@@ -18,14 +18,7 @@ def report(record):
 
 def short_details(record):
     """What the summary line adds after a state, from the details the wrappers keep."""
-    details = record.details or {}
-    parts = []
-    if details.get("mode"):
-        parts.append(str(details["mode"]))
-    if isinstance(details.get("gva_mib"), int):
-        parts.append("%d MiB" % details["gva_mib"])
-    if details.get("released_mib") is not None:
-        parts.append("released %s MiB" % details["released_mib"])
+    parts = record.patch.summary_details(record.details or {})
     return "(%s)" % ", ".join(parts) if parts else ""
 
 
@@ -36,8 +29,8 @@ def summary_line(records):
 
 def report_all(records):
     """The process's summary line at INFO (tagged by the log handler with versions, pid and role:
-    ``[npu-shim 0.2.2 sglang 0.5.11 pid 812 tp 3/16] zbal=applied mla_weight_release=applied
-    dual_stream_experts=upstream``), then each patch's reason (``report``)."""
+    ``[npu-shim VERSION sglang VERSION pid PID tp 3/16] NAME=STATE(DETAILS) ...``), then each
+    patch's reason (``report``)."""
     log.info(summary_line(records),
              fields={"event": "summary",
                      "states": {name: record.state for name, record in records.items()},

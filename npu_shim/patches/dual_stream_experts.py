@@ -442,6 +442,11 @@ class DualStreamExperts(Patch):
     def kernel_problem(self):
         return kernel_problem()
 
+    def check_facts(self):
+        kernel = self.kernel_problem()
+        return {"kernel": {"label": "sgl_kernel_npu", "ok": kernel is None,
+                           "text": "%s usable" % KERNEL_NAME if kernel is None else kernel}}
+
     def targets(self, view, ctx):
         # Nothing makes the whole patch inactive: the fused path is on by default on an NPU, as
         # upstream; the streams only when the job asks (or when asked "would it apply if on?").

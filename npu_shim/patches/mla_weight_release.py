@@ -701,6 +701,15 @@ class MlaWeightRelease(Patch):
             return "%s.uses_mlaprolog exists (and the release with it)" % CLASS
         return None
 
+    def summary_details(self, details):
+        return [] if details.get("released_mib") is None else ["released %s MiB" % details["released_mib"]]
+
+    def running_details(self, details):
+        released = details.get("released_mib")
+        if isinstance(released, (int, float)) and not isinstance(released, bool):
+            return ["-%s MiB" % released]
+        return []
+
     def targets(self, view, ctx):
         entry = (MLA_NPU, "npu_mla_preprocess")
         weight = (MLA_PRE, CLASS + ".mlaprolog_preprocess_weight")

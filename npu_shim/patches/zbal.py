@@ -502,6 +502,36 @@ class ZbalPatch(Patch):
         except config.ConfigError:
             return True  # an invalid size is a request we cannot read, not a request for nothing
 
+    def check_facts(self):
+        """The zbal package the shim would use, read from its files (never imported: importing
+        loads the native library, which needs CANN), and whether it has the Python API called."""
+        from npu_shim.source.codeview import find_package_dir, module_version
+
+        package_dir = find_package_dir("zbal")
+        if package_dir is None:
+            return {"zbal": {"label": "zbal", "found": False,
+                             "text": "not installed (needed only with SGLANG_ZBAL_LOCAL_MEM_SIZE)"}}
+        version = module_version(("memfabric-zbal", "memfabric_zbal"), package_dir)
+        missing = api_problems(package_dir)
+        text = "%s at %s: %s" % (version or "unknown version", package_dir,
+                                 "API as memfabric-zbal 1.1.2/1.2.0" if not missing else
+                                 "API differs: " + "; ".join(missing))
+        return {"zbal": {"label": "zbal", "found": True, "version": version, "path": package_dir,
+                         "api_ok": not missing, "api_problems": missing, "text": text}}
+
+    def summary_details(self, details):
+        parts = [str(details["mode"])] if details.get("mode") else []
+        if isinstance(details.get("gva_mib"), int):
+            parts.append("%d MiB" % details["gva_mib"])
+        return parts
+
+    def running_details(self, details):
+        parts = [details["mode"][:16]] if isinstance(details.get("mode"), str) else []
+        size = details.get("gva_mib")
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+            parts.append("%d MiB" % size)
+        return parts
+
     def targets(self, view, ctx):
         if not ctx.assume_triggered and not zbal_findable():
             ctx.fail(missing_message())

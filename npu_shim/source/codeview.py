@@ -1,6 +1,6 @@
 """Read the running sglang's code from its source files, without importing it.
 
-Probes and target checks ask questions of a ``SourceView`` ("does Scheduler.init_zbal_on_npu
+Probes and target checks ask questions of a ``SourceView`` ("does Scheduler.init_foo
 exist?", "what are the parameters of ModelRunner.initialize?").  Answering from the ``.py`` files
 means the shim can decide everything about a patch before the first target module executes (all
 or nothing), ``python -m npu_shim status`` can answer without importing sglang, and the test suite
@@ -355,6 +355,18 @@ def find_package_dir(name):
 
 _VERSION = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?["']([^"']+)["']""", re.M)
 _VERSION_TEXT = re.compile(r"[0-9A-Za-z.+!_-]{1,64}")
+
+
+def module_version(dist_names, package_dir):
+    """A package's installed version: its distribution's metadata, else its version file."""
+    from importlib import metadata
+
+    for name in dist_names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return read_version(package_dir)
 
 
 def read_version(package_dir):

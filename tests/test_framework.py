@@ -195,12 +195,15 @@ def test_unknown_shim_variables_are_named_with_a_suggestion():
 # -- states: nothing to do (inactive) vs should apply but cannot (unsupported) -----------------------
 
 def test_nothing_to_do_is_inactive_and_cannot_is_unsupported():
-    def say(method):
-        return lambda self, view, ctx: (getattr(ctx, method)("why"), [])[1]
+    def say(verdict):
+        def targets_(self, view, ctx):
+            raise verdict("why")
 
-    for method, state in (("nothing_to_do", framework.INACTIVE), ("refuse", framework.UNSUPPORTED),
-                          ("fail", framework.FAILED)):
-        decision = framework.decide(declare(targets=say(method))(), View(), environ={})
+        return targets_
+
+    for verdict, state in ((framework.Inactive, framework.INACTIVE), (framework.Unsupported, framework.UNSUPPORTED),
+                           (framework.Failed, framework.FAILED)):
+        decision = framework.decide(declare(targets=say(verdict))(), View(), environ={})
         assert (decision.state, decision.reason) == (state, "why")
     assert framework.PROBLEMS == (framework.UNSUPPORTED, framework.FAILED)
 

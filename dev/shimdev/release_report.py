@@ -80,9 +80,10 @@ def moved(prev_view, new_view):
             lines.append("%s: the probe no longer finds the upstream feature (was: %s)" % (patch.name, before))
         if before:
             continue  # upstream before: the shim had no targets to compare
-        ctx = framework.DecideContext({}, True)
         try:
-            listed = patch.targets(prev_view, ctx)
+            listed = framework.targets_for(patch, prev_view, {})[1]
+        except framework.Verdict:
+            continue  # nothing to list for the previous release
         except Exception as exc:  # a release the patch cannot even list targets for
             lines.append("%s: cannot list the previous release's targets (%r)" % (patch.name, exc))
             continue

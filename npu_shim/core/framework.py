@@ -42,6 +42,35 @@ def version_tuple(text):
     return tuple(numbers)
 
 
+class Verdict(Exception):
+    """How a patch's decision ends other than ``applied``: raised from anywhere in ``trigger``,
+    ``new_process_state`` or ``targets`` with the reason (the one way a patch says "not here")."""
+
+    state = None
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Inactive(Verdict):
+    """This sglang or job has nothing for the patch to do."""
+
+    state = INACTIVE
+
+
+class Unsupported(Verdict):
+    """The patch should apply but cannot here (code it does not know)."""
+
+    state = UNSUPPORTED
+
+
+class Failed(Verdict):
+    """The job asks for the patch but it cannot work as configured."""
+
+    state = FAILED
+
+
 class ShimError(RuntimeError):
     """Raised to the application only in strict mode, or when a feature the user explicitly
     configured cannot be honoured (running without it would be silently wrong)."""
@@ -62,6 +91,8 @@ class Patch:
     modules = ()           # every module its targets can live in (hooks are put on these)
     needs_npu = True
     error = ShimError      # what the process raises when a requested patch cannot be honoured
+    requires = None        # a method run before any target of the patch changes a loaded module;
+                           # it raises (with the reason) when an apply-time precondition fails
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -74,11 +105,18 @@ class Patch:
         raise NotImplementedError
 
     def trigger(self, environ):
-        """Why the patch has nothing to do in this job (inactive), else None."""
+        """Raise ``Inactive(reason)`` when the patch has nothing to do in this job."""
+        return None
+
+    def new_process_state(self, view, details):
+        """The object the patch's wrappers share in this process (what they set up and count), or
+        None; made once per decision (so uninstall/install starts over) and handed to ``targets``
+        as ``ctx.process``; ``details``: the record's, which status shows."""
         return None
 
     def targets(self, view, ctx):
-        """The Wrap/Replace targets for this release (``ctx``: a DecideContext)."""
+        """The Wrap/Replace targets for this release (``ctx``: a DecideContext); raise a
+        ``Verdict`` (``Inactive``, ``Unsupported``, ``Failed``) where there are none to apply."""
         raise NotImplementedError
 
     def must_honour(self, environ):
@@ -145,28 +183,15 @@ def expected_state(patch, version):
 class DecideContext:
     """What ``Patch.targets`` may consult and say while the patch is being decided."""
 
-    def __init__(self, environ, assume_triggered, details=None):
+    def __init__(self, environ, assume_triggered, details=None, process=None):
         self.environ = environ                    # None: os.environ (as EnvVar.read takes it)
         self.assume_triggered = assume_triggered  # "would it apply if switched on?"
         self.details = {} if details is None else details  # the record's: status shows them
-        self.process = None                       # the wrappers' per-process state, if any
+        self.process = process                    # Patch.new_process_state's object, if any
         self.notes = []                           # appended to the ``applied`` reason
-        self.verdict = None                       # (state, reason) that ends the decision
 
     def note(self, text):
         self.notes.append(text)
-
-    def refuse(self, reason):
-        """The patch should apply but cannot here: ``unsupported``."""
-        self.verdict = (UNSUPPORTED, reason)
-
-    def nothing_to_do(self, reason):
-        """This sglang or job has nothing for the patch to do: ``inactive``."""
-        self.verdict = (INACTIVE, reason)
-
-    def fail(self, reason):
-        """The job asks for the patch but it cannot work as configured: ``failed``."""
-        self.verdict = (FAILED, reason)
 
 
 class Decision:
@@ -215,6 +240,8 @@ def decide(patch, view, environ=None, on_npu=None, assume_triggered=False):
         return _decide_from_source(patch, view, environ, on_npu, assume_triggered)
     except SourceError as exc:  # a file the patch reads does not decode or parse
         return Decision(UNSUPPORTED, str(exc))
+    except Verdict as verdict:
+        return Decision(verdict.state, verdict.reason)
 
 
 def _decide_from_source(patch, view, environ, on_npu, assume_triggered):
@@ -222,15 +249,10 @@ def _decide_from_source(patch, view, environ, on_npu, assume_triggered):
     if evidence:
         return Decision(UPSTREAM, "sglang %s has it: %s" % (view.version or "?", evidence))
     if not assume_triggered:
-        reason = patch.trigger(environ)
-        if reason:
-            return Decision(INACTIVE, reason)
+        patch.trigger(environ)
     if patch.needs_npu and on_npu is False:
         return Decision(INACTIVE, "not running on an NPU (torch.npu is unavailable)")
-    ctx = DecideContext(environ, assume_triggered)
-    targets = patch.targets(view, ctx)
-    if ctx.verdict:
-        return Decision(*ctx.verdict)
+    ctx, targets = targets_for(patch, view, environ, assume_triggered)
     stray = sorted({t.module for t in targets} - set(patch.modules))
     if stray:
         return Decision(FAILED, "declaration error: targets in %s, which %s.modules does not list "
@@ -240,6 +262,20 @@ def _decide_from_source(patch, view, environ, on_npu, assume_triggered):
         return Decision(UNSUPPORTED, "; ".join(problems))
     reason = patch.origin() + (" (%s)" % "; ".join(ctx.notes) if ctx.notes else "")
     return Decision(APPLIED, reason, targets, ctx.details, ctx.process)
+
+
+def targets_for(patch, view, environ=None, assume_triggered=True):
+    """(ctx, targets) as a decision lists them: the patch's process state made and handed in, its
+    ``requires`` put on every target that has none of its own.  Raises a ``Verdict`` where the
+    patch has none to apply here."""
+    details = {}
+    ctx = DecideContext(environ, assume_triggered, details, patch.new_process_state(view, details))
+    targets = patch.targets(view, ctx)
+    if patch.requires is not None:
+        for target in targets:
+            if target.requires is None:
+                target.requires = patch.requires
+    return ctx, targets
 
 
 def without_wrapt(decision, reason):

@@ -46,7 +46,7 @@ import threading
 
 from npu_shim.core import config
 from npu_shim.source.codeview import SourceError, parse_source, read_source, unwrap
-from npu_shim.core.framework import Patch
+from npu_shim.core.framework import Inactive, Patch, Unsupported
 from npu_shim.runtime.targets import Wrap, bind_arguments
 
 GLM4_MOE = "sglang.srt.models.glm4_moe"
@@ -442,6 +442,9 @@ class DualStreamExperts(Patch):
     def kernel_problem(self):
         return kernel_problem()
 
+    def new_process_state(self, view, details):
+        return DualStream(details)
+
     def check_facts(self):
         kernel = self.kernel_problem()
         return {"kernel": {"label": "sgl_kernel_npu", "ok": kernel is None,
@@ -452,7 +455,7 @@ class DualStreamExperts(Patch):
         # upstream; the streams only when the job asks (or when asked "would it apply if on?").
         streams = ctx.assume_triggered or MULTI_STREAM.read(ctx.environ)
         kernel = self.kernel_problem()
-        process = ctx.process = DualStream(ctx.details)
+        process = ctx.process
         deepep = Wrap(GLM4_MOE, DEEPEP, process.forward_deepep_wrapper, [DEEPEP_PARAMS],
                       pins={(GLM4_MOE, DEEPEP): DEEPEP_FINGERPRINTS})
         prepare = Wrap(GLM4_MOE, PREPARE, process.forward_prepare_wrapper, [PREPARE_PARAMS],
@@ -470,10 +473,7 @@ class DualStreamExperts(Patch):
             parts.append("fused qkv-rmsnorm-rope decode path %s: %s"
                          % ("off" if getattr(kernel, "absent", False) else "unsupported", kernel))
         if not chosen:
-            if getattr(kernel, "absent", False):
-                ctx.nothing_to_do("; ".join(parts))
-            else:
-                ctx.refuse("; ".join(parts))
+            raise (Inactive if getattr(kernel, "absent", False) else Unsupported)("; ".join(parts))
         for part in parts:
             ctx.note(part)
         return chosen

@@ -90,7 +90,7 @@ import sys
 
 from npu_shim.core import config
 from npu_shim.ops import log
-from npu_shim.core.framework import Patch
+from npu_shim.core.framework import Inactive, Patch, Unsupported
 from npu_shim.runtime.targets import Replace, Wrap
 
 MLA_PRE = "sglang.srt.hardware_backend.npu.attention.mla_preprocess"
@@ -710,29 +710,32 @@ class MlaWeightRelease(Patch):
             return ["-%s MiB" % released]
         return []
 
+    def new_process_state(self, view, details):
+        """What the decision read from the code, for the wrappers: forward()'s W8A8 attribute and
+        where the disaggregation role is published."""
+        forward = FORWARD_FINGERPRINTS.get(fingerprint(view, MLA_PRE, CLASS + ".forward"))
+        role_source = "get_disagg" if view.has(RUNTIME_CONTEXT, "get_disagg") else "server_args"
+        return Release(w8a8_attr=forward, role_source=role_source, details=details)
+
     def targets(self, view, ctx):
         entry = (MLA_NPU, "npu_mla_preprocess")
         weight = (MLA_PRE, CLASS + ".mlaprolog_preprocess_weight")
         if view.function(MLA_PRE, CLASS + ".forward_mlaprolog") is None and view.function(*entry) is None:
-            ctx.nothing_to_do("this sglang has no mlaprolog path (it appears in 0.5.9), so there is "
-                              "nothing to release")
-            return []
-        for missing in [d for d in (entry, weight) if view.function(*d) is None]:
-            ctx.refuse("%s:%s not found, although this sglang has the mlaprolog path "
-                       "(%s.forward_mlaprolog): renamed or moved in this image, so the shim cannot "
-                       "tell what would still read the weights" % (missing + (CLASS,)))
-            return []
+            raise Inactive("this sglang has no mlaprolog path (it appears in 0.5.9), so there is "
+                           "nothing to release")
+        missing = [d for d in (entry, weight) if view.function(*d) is None]
+        if missing:
+            raise Unsupported("%s:%s not found, although this sglang has the mlaprolog path "
+                              "(%s.forward_mlaprolog): renamed or moved in this image, so the shim "
+                              "cannot tell what would still read the weights" % (missing[0] + (CLASS,)))
         caller = next((c for c in (SCHEDULER_MIXIN, SCHEDULER_UPDATER)
                        if view.function(c[0], c[1] + ".update_weights_from_disk") is not None), None)
         if caller is None:
-            ctx.refuse("the scheduler's update_weights_from_disk was not found (%s.%s or %s.%s): the "
-                       "shim cannot tell how a refused weight update would be answered, so it releases "
-                       "nothing" % (SCHEDULER_MIXIN + SCHEDULER_UPDATER))
-            return []
+            raise Unsupported("the scheduler's update_weights_from_disk was not found (%s.%s or %s.%s): "
+                              "the shim cannot tell how a refused weight update would be answered, so "
+                              "it releases nothing" % (SCHEDULER_MIXIN + SCHEDULER_UPDATER))
         forward = (MLA_PRE, CLASS + ".forward")
-        release = ctx.process = Release(w8a8_attr=FORWARD_FINGERPRINTS.get(fingerprint(view, *forward)),
-                          role_source="get_disagg" if view.has(RUNTIME_CONTEXT, "get_disagg")
-                          else "server_args", details=ctx.details)
+        release = ctx.process
         ctx.note("frees memory only where the disaggregation role is prefill (qkv_a) or decode "
                  "(qkv_a, w_kc), and not with LoRA, weight updates or speculative decoding; once "
                  "it has, update_weights_* requests are refused")

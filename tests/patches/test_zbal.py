@@ -37,10 +37,6 @@ _VIEWS = {}
 PROC = zp.ZbalProcess()
 
 
-def ASSUMED():
-    return framework.DecideContext({}, True)
-
-
 def view(version):
     if version not in _VIEWS:
         root = realsglang.sglang_envs.ensure_sources(version)
@@ -166,12 +162,12 @@ def test_a_bad_url_with_zbal_requested_raises_at_decision(monkeypatch):
 def test_source_checks_guard_what_the_wrappers_rely_on():
     # The NPU branch order (attention backend, then graphs) and the query's NPU branch are checked.
     v = view("0.5.11")
-    for target in zp.PATCH.targets(v, ASSUMED()):
+    for target in framework.targets_for(zp.PATCH, v)[1]:
         assert target.check_source(v) is None, target.describe()
     broken = types.SimpleNamespace(
         function=v.function, has=v.has,
         module=lambda name: types.SimpleNamespace(contains=lambda pattern: False))
-    problems = [t.check_source(broken) for t in zp.PATCH.targets(v, ASSUMED()) if isinstance(t, targets.Wrap)]
+    problems = [t.check_source(broken) for t in framework.targets_for(zp.PATCH, v)[1] if isinstance(t, targets.Wrap)]
     assert any("init_attention_backend(); init_device_graphs()" in (p or "") for p in problems)
     assert any("NPU branch the full-mode query re-states" in (p or "") for p in problems)
 
@@ -180,7 +176,7 @@ def test_source_checks_guard_what_the_wrappers_rely_on():
 
 def test_zbal_missing_fails_before_anything_is_patched(zb, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "zbal", None)  # find_spec -> None, import fails
-    target = zp.PATCH.targets(view("0.5.11"), ASSUMED())[0]
+    target = framework.targets_for(zp.PATCH, view("0.5.11"))[1][0]
     module = types.ModuleType("sglang.srt.utils.common")
     module.get_available_gpu_memory = lambda device, gpu_id, distributed=False, empty_cache=True, cpu_group=None: 0
     with pytest.raises(zp.ZbalError) as exc:
@@ -576,7 +572,7 @@ def test_npu_memory_capacity_is_the_configured_size(zb, simnpu_clean, monkeypatc
 def test_deepep_uses_zbal_buffer_and_config(zb, monkeypatch):
     deepep = types.ModuleType(zp.DEEPEP)
     deepep.Buffer, deepep.Config, deepep.use_deepep = object, dict, False
-    targets = [t for t in zp.PATCH.targets(view("0.5.9"), ASSUMED()) if t.module == zp.DEEPEP]
+    targets = [t for t in framework.targets_for(zp.PATCH, view("0.5.9"))[1] if t.module == zp.DEEPEP]
     bystander = types.ModuleType("npu_shim_test_bystander")
     bystander.flag, bystander.Buffer = False, object  # same objects, must not be rebound
     monkeypatch.setitem(sys.modules, bystander.__name__, bystander)
@@ -600,7 +596,7 @@ def test_deepep_without_deep_ep_installed(zb):
     # deep_ep missing: the module has no Buffer/Config and use_deepep False; zbal supplies them.
     deepep = types.ModuleType(zp.DEEPEP)
     deepep.use_deepep = False
-    for t in [t for t in zp.PATCH.targets(view("0.5.11"), ASSUMED()) if t.module == zp.DEEPEP]:
+    for t in [t for t in framework.targets_for(zp.PATCH, view("0.5.11"))[1] if t.module == zp.DEEPEP]:
         t.prepare(deepep).apply(imported_before=False)
     assert deepep.Buffer.__module__ == "zbal.zbal_buffer" and deepep.use_deepep is True
 
@@ -609,7 +605,7 @@ def test_backend_map_gives_zbal_for_npu(zb):
     ps = types.ModuleType(zp.PARALLEL_STATE)
     original = {"cuda": "nccl", "hpu": "hccl", "cpu": "gloo", "npu": "hccl"}
     ps._DEVICE_TO_DISTRIBUTED_BACKEND = original
-    target = next(t for t in zp.PATCH.targets(view("0.5.11"), ASSUMED())
+    target = next(t for t in framework.targets_for(zp.PATCH, view("0.5.11"))[1]
                   if t.describe().endswith("_DEVICE_TO_DISTRIBUTED_BACKEND"))
     change = target.prepare(ps)
     change.apply(imported_before=False)

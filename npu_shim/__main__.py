@@ -56,11 +56,6 @@ def sitecustomize_facts():
     return bool(path) and os.path.realpath(path) == os.path.realpath(ours), path
 
 
-def shim_on_path():
-    """Whether the sitecustomize Python loaded at start-up is npu-shim's."""
-    return sitecustomize_facts()[0]
-
-
 def collect():
     from npu_shim.core.loading import all_variables, load_all
 

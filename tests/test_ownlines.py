@@ -4,7 +4,7 @@ parse then answers; test_codeview.py holds every answer to the whole parse)."""
 import pytest
 
 from npu_shim.source import fastscan
-from test_codeview import HOSTILE
+from test_codeview import HOSTILE, def_node
 
 
 @pytest.mark.parametrize("qualname", [
@@ -12,7 +12,7 @@ from test_codeview import HOSTILE
     "Scheduler.helper",
 ])
 def test_the_usual_shapes_are_read_without_parsing_the_module(qualname):
-    assert fastscan.def_node(HOSTILE, qualname) is not None
+    assert def_node(HOSTILE, qualname) is not None
 
 
 @pytest.mark.parametrize("qualname, why", [
@@ -27,11 +27,11 @@ def test_the_usual_shapes_are_read_without_parsing_the_module(qualname):
     ("Scheduler.last", "a line at column 0 inside a string"),
 ])
 def test_what_cannot_be_told_apart_for_certain_is_left_to_the_whole_parse(qualname, why):
-    assert fastscan.def_node(HOSTILE, qualname) is None, why
+    assert def_node(HOSTILE, qualname) is None, why
 
 
 def test_tabs_are_left_to_the_whole_parse():
-    assert fastscan.def_node("def f(x):\n\treturn x\n", "f") is None
+    assert def_node("def f(x):\n\treturn x\n", "f") is None
 
 @pytest.mark.parametrize("name, present", [
     ("use_fast", True), ("checked", True), ("platform_only", True), ("after_a_bracket", True),

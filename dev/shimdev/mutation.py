@@ -68,9 +68,9 @@ MODULES = {
         "scope": ["_find_released", "_guard_torch_function", "_guard_repr", "guarded_class",
                   "is_released", "storage_holders", "_base_chain", "_chain_refs",
                   "_base_held_elsewhere", "release", "_shares_storage", "_exclusive",
-                  "Release.release_allowed", "Release._account", "Release._note_guarded",
-                  "Release.released_weights", "Release.release_qkv_a", "Release.release_w_kc",
-                  "Release._release"]},
+                  "FreedWeights.free_allowed", "FreedWeights._account", "FreedWeights._note_guarded",
+                  "FreedWeights.released_weights", "FreedWeights.free_qkv_a", "FreedWeights.free_w_kc",
+                  "FreedWeights._free"]},
     # zbal's heap size and its set-up (full mode, the lazy GVA heap of mix mode)
     "npu_shim/patches/zbal.py": {
         "tests": ["tests/patches/test_zbal.py"],

@@ -161,6 +161,7 @@ def warning_once(key, message):
     warning(message)
 
 
-def process_tag():
-    """``pid N`` (the full tag, ``tag()``, starts every line our handler writes)."""
+def pid_text():
+    """``pid N``: this process in a message's own words (the full tag, ``tag()``, starts every line
+    the shim's handler writes)."""
     return "pid %d" % os.getpid()

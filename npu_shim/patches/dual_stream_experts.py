@@ -126,10 +126,6 @@ class DualStream:
     def _note(self, key, value):
         self.details[key] = value
 
-    def get_share_stream(self):
-        """The side stream of the current (main) stream, None before its first use."""
-        return self.side_streams.get(_device_module().current_stream())
-
     # -- the side streams: device-agnostic like upstream's hardware_backend/npu/utils.py
     def side_stream_for(self, main):
         """The side stream that serves ``main``, created on its first use.
@@ -365,17 +361,24 @@ def loaded_kernel_support(kernel):
 
 # -- kernel availability, decided before anything is patched -------------------------------------
 
-class KernelProblem(str):
-    """Why the fused path cannot be used; ``absent``: the image has no such kernel (an older or no
-    sgl-kernel-npu: nothing to do) rather than one the shim cannot call (unsupported)."""
+class KernelProblem:
+    """Why the fused path cannot be used (``text``; ``str()`` of it); ``absent``: the image has no
+    such kernel (an older or no sgl-kernel-npu: nothing to do) rather than one the shim cannot
+    call (unsupported)."""
 
-    absent = False
+    def __init__(self, text, absent=False):
+        self.text = text
+        self.absent = absent
+
+    def __str__(self):
+        return self.text
+
+    def __repr__(self):
+        return "KernelProblem(%r, absent=%r)" % (self.text, self.absent)
 
 
 def _absent(text):
-    problem = KernelProblem(text)
-    problem.absent = True
-    return problem
+    return KernelProblem(text, absent=True)
 
 
 def kernel_problem():
@@ -448,7 +451,7 @@ class DualStreamExperts(Patch):
     def check_facts(self):
         kernel = self.kernel_problem()
         return {"kernel": {"label": "sgl_kernel_npu", "ok": kernel is None,
-                           "text": "%s usable" % KERNEL_NAME if kernel is None else kernel}}
+                           "text": "%s usable" % KERNEL_NAME if kernel is None else str(kernel)}}
 
     def targets(self, view, ctx):
         # Nothing makes the whole patch inactive: the fused path is on by default on an NPU, as
@@ -471,7 +474,7 @@ class DualStreamExperts(Patch):
             parts.append("fused qkv-rmsnorm-rope decode path on")
         else:
             parts.append("fused qkv-rmsnorm-rope decode path %s: %s"
-                         % ("off" if getattr(kernel, "absent", False) else "unsupported", kernel))
+                         % ("off" if getattr(kernel, "absent", False) else "unsupported", str(kernel)))
         if not chosen:
             raise (Inactive if getattr(kernel, "absent", False) else Unsupported)("; ".join(parts))
         for part in parts:

@@ -27,7 +27,7 @@ How
     2. Role: ``runtime_context.get_disagg().disaggregation_mode`` where it exists (0.5.17+), else
        ``get_global_server_args().disaggregation_mode``; read when each layer decides.  Which of
        the two, and forward()'s W8A8 attribute, are read from the code when the patch is decided
-       and handed to the wrappers through ``Release`` (one per decision).  Unknown
+       and handed to the wrappers through ``FreedWeights`` (one per decision).  Unknown
        (not published yet, no such field, odd value): nothing is released and one warning says so.
     3. ``mlaprolog_preprocess_weight`` is wrapped: after it made the q_a / kv_a copies, the fused
        ``qkv_a_proj.weight`` is released when role != ``null``.
@@ -381,13 +381,19 @@ def _base_held_elsewhere(chain):
     return any(refs > _BASE_REFS[0] for refs in _chain_refs(chain))
 
 
-def _warn(key, level, message):
+def _log_line(level, message):
     log.log(level, "mla_weight_release: " + message)
 
 
-def release(tensor, what, once=_warn):
+def _each_time(key, level, message):
+    """``free_weight``'s ``once`` where no process state keeps track (``FreedWeights.once`` says
+    each ``key`` once per process): every message is logged, ``key`` is not used."""
+    _log_line(level, message)
+
+
+def free_weight(tensor, what, once=_each_time):
     """Free ``tensor``'s memory and guard the object; returns the bytes freed (0: kept).
-    ``once(key, level, message)`` says why a weight is kept (``Release.once``: once per process).
+    ``once(key, level, message)`` says why a weight is kept (``FreedWeights.once``: once per process).
 
     Nothing is freed that anything but the weight itself and its own ``_base`` chain holds: the
     storage's real holders (the C++ use count) decide.  Otherwise the weight is kept whole and one
@@ -470,7 +476,7 @@ def _layer_list(layers):
 
 # --------------------------------------------------------------------------- the release in a process
 
-class Release:
+class FreedWeights:
     """The release in one process: what the decision read from the code (forward()'s W8A8
     attribute, where the role is published), the wrappers built on it, and what they freed.  A
     decision builds a fresh one (so uninstall/install starts over); ``details`` is the patch
@@ -493,7 +499,7 @@ class Release:
     def once(self, key, level, message):
         if key not in self.said:
             self.said.add(key)
-            _warn(key, level, message)
+            _log_line(level, message)
 
     def uses_mlaprolog(self, preprocess):
         return uses_mlaprolog(preprocess, self.w8a8_attr)
@@ -508,7 +514,7 @@ class Release:
         self.details.update(skipped=detail)
         return result
 
-    def release_allowed(self, kind):
+    def free_allowed(self, kind):
         """(role, None) when ``kind`` ("qkv_a" / "w_kc") may be released in this process, else
         (role or None, why not); every 'no' other than the role itself is logged once."""
         role, why = self.disagg_role()
@@ -557,7 +563,7 @@ class Release:
         total = sum(self.released_bytes.values())
         log.info("mla_weight_release: %s: %.1f MiB in %d layers (qkv_a %.1f MiB, w_kc %.1f MiB) in %s"
                  % (prefix, total / MIB, len(self.layers), self.released_bytes["qkv_a"] / MIB,
-                    self.released_bytes["w_kc"] / MIB, log.process_tag()))
+                    self.released_bytes["w_kc"] / MIB, log.pid_text()))
 
     def _note_guarded(self, kind, layer, tensor):
         """A guarded weight raises on every touch, freed or not (memory still held elsewhere):
@@ -593,11 +599,11 @@ class Release:
         message = self.update_refusal(op)
         self.details["updates_refused"] = self.details.get("updates_refused", 0) + 1
         log.warning("mla_weight_release: refused %s: MLA weights are released in %s (%s=0 keeps "
-                    "them)" % (op, log.process_tag(), SWITCH.name))
+                    "them)" % (op, log.pid_text(), SWITCH.name))
         return False, message
 
     # -- the wrappers
-    def release_qkv_a(self, preprocess):
+    def free_qkv_a(self, preprocess):
         """After ``mlaprolog_preprocess_weight``: free the fused qkv_a weight (role != null)."""
         layer = getattr(preprocess, "layer_id", "?")
         what = "qkv_a_proj.weight of layer %s" % layer
@@ -608,7 +614,7 @@ class Release:
             self.once("disagree", logging.WARNING, "keeping %s: mlaprolog_preprocess_weight ran "
                                                    "although forward() would not route to mlaprolog" % what)
             return 0
-        role, no = self.release_allowed("qkv_a")
+        role, no = self.free_allowed("qkv_a")
         if no:
             return 0
         copies = [getattr(preprocess, name, None) for name in ("q_a_proj_weight", "kv_a_proj_weight")]
@@ -616,9 +622,9 @@ class Release:
             self.once("qkv-shared", logging.WARNING, "keeping %s: its q_a/kv_a copies share its memory, "
                                                      "or its storage holds more than this weight" % what)
             return 0
-        return self._release("qkv_a", layer, weight, what)
+        return self._free("qkv_a", layer, weight, what)
 
-    def release_w_kc(self, m):
+    def free_w_kc(self, m):
         """After ``npu_mla_preprocess`` first built ``m.mla_preprocess``: free ``m.w_kc`` (decode)."""
         layer = getattr(m, "layer_id", "?")
         what = "w_kc of layer %s" % layer
@@ -628,7 +634,7 @@ class Release:
         preprocess = m.mla_preprocess
         if not self.uses_mlaprolog(preprocess):
             return 0
-        role, no = self.release_allowed("w_kc")
+        role, no = self.free_allowed("w_kc")
         if no:
             return 0
         own = getattr(preprocess, "w_kc", None)
@@ -636,10 +642,10 @@ class Release:
             self.once("wkc-shared", logging.WARNING, "keeping %s: the preprocessor's w_kc shares its "
                                                      "memory, or its storage holds more than this weight" % what)
             return 0
-        return self._release("w_kc", layer, w_kc, what)
+        return self._free("w_kc", layer, w_kc, what)
 
-    def _release(self, kind, layer, tensor, what):
-        nbytes = release(tensor, what, self.once)
+    def _free(self, kind, layer, tensor, what):
+        nbytes = free_weight(tensor, what, self.once)
         self._note_guarded(kind, layer, tensor)
         if nbytes:
             self._account(kind, layer, nbytes, what)
@@ -662,7 +668,7 @@ class Release:
         result = wrapped(*args, **kwargs)
         try:
             if not had and hasattr(m, "mla_preprocess"):
-                self.release_w_kc(m)
+                self.free_w_kc(m)
         except Exception as exc:  # noqa: BLE001 - never break the forward pass over an optimisation
             self.once("error", logging.ERROR, "keeping w_kc: deciding the release raised %r" % (exc,))
         if self.first_marked:
@@ -675,7 +681,7 @@ class Release:
     def wrap_preprocess_weight(self, wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
         try:
-            self.release_qkv_a(instance)
+            self.free_qkv_a(instance)
         except Exception as exc:  # noqa: BLE001
             self.once("error", logging.ERROR,
                       "keeping qkv_a_proj.weight: deciding the release raised %r" % (exc,))
@@ -715,7 +721,7 @@ class MlaWeightRelease(Patch):
         where the disaggregation role is published."""
         forward = FORWARD_FINGERPRINTS.get(fingerprint(view, MLA_PRE, CLASS + ".forward"))
         role_source = "get_disagg" if view.has(RUNTIME_CONTEXT, "get_disagg") else "server_args"
-        return Release(w8a8_attr=forward, role_source=role_source, details=details)
+        return FreedWeights(w8a8_attr=forward, role_source=role_source, details=details)
 
     def targets(self, view, ctx):
         entry = (MLA_NPU, "npu_mla_preprocess")

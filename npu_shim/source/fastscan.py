@@ -263,18 +263,11 @@ def _top_statement(lines, index):
     return "\n".join(lines[top:end]) + "\n"
 
 
-def def_node(text, qualname, body=True):
-    """The FunctionDef of ``qualname`` parsed from its own lines (decorators included), or None
-    where those lines cannot be told apart for certain without parsing the whole module.
-    ``body=False``: only the decorators and the signature are parsed (the node's body is
-    ``pass``)."""
-    found = read_def(text, qualname, body)
-    return found[0] if found is not None else None
-
-
 def read_def(text, qualname, body=True):
-    """``def_node``'s node and the line number its first line (decorators included) has in the
-    file, or None.  ``text``: a str, or the module's _Text."""
+    """(the FunctionDef of ``qualname`` parsed from its own lines, decorators included; the line
+    number its first line has in the file), or None where those lines cannot be told apart for
+    certain without parsing the whole module.  ``body=False``: only the decorators and the
+    signature are parsed (the node's body is ``pass``).  ``text``: a str, or the module's _Text."""
     where = locate_def(as_text(text), qualname)
     node = parse_def(where, body) if where is not None else None
     return (node, where.top + 1) if node is not None else None

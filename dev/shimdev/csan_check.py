@@ -1,7 +1,7 @@
 """The shim's dual-stream body under PyTorch's own CUDA Sanitizer (``TORCH_CUDA_SANITIZER=1``): a
 cross-check, on a CUDA device, of the simulated NPU's stream sanitizer (run by
 scripts/csan_dual_stream.py; its cases are also run under the simulated NPU's sanitizer by
-tests/test_simnpu_sanitizer.py, which keeps ``OURS`` honest).
+tests/dev/test_simnpu_sanitizer.py, which keeps ``OURS`` honest).
 
 Each case drives ``DualStream._forward_deepep_dual_stream`` (npu_shim/patches/dual_stream_experts.py)
 on the benchmark's synthetic MoE block (dev/shimdev/dual_stream_bench.py) through

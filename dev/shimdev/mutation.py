@@ -51,17 +51,17 @@ QUICK_SAMPLE = 12
 # module -> the test files that mirror it (run for each of its mutants), and, for a module only
 # partly under test here, the defs whose code is mutated ("Class" = every method, "Class.method").
 MODULES = {
-    "npu_shim/core/framework.py": {"tests": ["tests/test_framework.py"]},
-    "npu_shim/runtime/targets.py": {"tests": ["tests/test_targets.py", "tests/test_reliability.py"]},
-    "npu_shim/runtime/activation.py": {"tests": ["tests/test_runtime.py", "tests/test_reliability.py",
+    "npu_shim/core/framework.py": {"tests": ["tests/core/test_framework.py"]},
+    "npu_shim/runtime/targets.py": {"tests": ["tests/runtime/test_targets.py", "tests/runtime/test_reliability.py"]},
+    "npu_shim/runtime/activation.py": {"tests": ["tests/runtime/test_activation.py", "tests/runtime/test_reliability.py",
                                       "tests/test_bootstrap.py"]},
-    "npu_shim/runtime/finder.py": {"tests": ["tests/test_finder.py", "tests/test_reliability.py"]},
-    "npu_shim/source/answers.py": {"tests": ["tests/test_decision_cache.py"]},
-    "npu_shim/core/config.py": {"tests": ["tests/test_config.py", "tests/test_framework.py",
+    "npu_shim/runtime/finder.py": {"tests": ["tests/runtime/test_finder.py", "tests/runtime/test_reliability.py"]},
+    "npu_shim/source/answers.py": {"tests": ["tests/source/test_answers.py"]},
+    "npu_shim/core/config.py": {"tests": ["tests/core/test_config.py", "tests/core/test_framework.py",
                                      "tests/test_hostile_inputs.py"]},
-    "npu_shim/ops/statefile.py": {"tests": ["tests/test_statefile.py", "tests/test_ops_state.py"]},
-    "npu_shim/ops/statedir.py": {"tests": ["tests/test_statefile.py", "tests/test_running.py"]},
-    "npu_shim/cli/running_records.py": {"tests": ["tests/test_running.py", "tests/test_ops_state.py"]},
+    "npu_shim/ops/statefile.py": {"tests": ["tests/ops/test_statefile.py", "tests/ops/test_ops_state.py"]},
+    "npu_shim/ops/statedir.py": {"tests": ["tests/ops/test_statefile.py", "tests/cli/test_running_records.py"]},
+    "npu_shim/cli/running_records.py": {"tests": ["tests/cli/test_running_records.py", "tests/ops/test_ops_state.py"]},
     # the release / guard / accounting code of the MLA patch
     "npu_shim/patches/mla_weight_release.py": {
         "tests": ["tests/patches/test_mla_weight_release.py"],

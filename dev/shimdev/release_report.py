@@ -1,5 +1,5 @@
 """For maintainers (the command is scripts/release_report.py; this module holds its code, which
-tests/test_release_report.py imports), when upstream publishes an sglang release:
+tests/dev/test_release_report.py imports), when upstream publishes an sglang release:
 
     python3 scripts/release_report.py VERSION     # e.g. 0.5.24; "latest" = the newest on PyPI
     python3 scripts/release_report.py --write-readme

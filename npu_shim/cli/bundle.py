@@ -50,7 +50,7 @@ MANYLINUX = {
 }
 _LEGACY_GLIBC = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
 _PIP_TIMEOUT_S = 600
-# The command that runs pip.  tests/test_bundle_cli.py replaces it (in its wrapper process, never
+# The command that runs pip.  tests/cli/test_bundle.py replaces it (in its wrapper process, never
 # through the environment) with a stand-in that waits, to stop a build while "pip" runs.
 _PIP = (sys.executable, "-m", "pip")
 _MANIFEST_MAX_BYTES = 16 << 20

@@ -42,10 +42,11 @@ def _parse_bool(raw):
     raise ValueError("expected a boolean: one of 1/0, true/false, yes/no, on/off")
 
 
-def _parse_mib(raw):
+def _parse_mib(raw, zero_means=None):
     value = raw.strip()
     if value.startswith("-") and _DIGITS.fullmatch(value[1:]):
-        raise ValueError("expected a whole number of MiB >= 0 (0 turns it off)")
+        raise ValueError("expected a whole number of MiB >= 0%s"
+                         % (" (0 %s)" % zero_means if zero_means else ""))
     if not _DIGITS.fullmatch(value):
         raise ValueError("expected a whole number of MiB, e.g. 12288 for 12 GiB (no unit suffix; "
                          "ASCII digits)")
@@ -167,9 +168,10 @@ def boolean(name, default, doc, aliases=()):
     return EnvVar(name, "bool", default, doc, _parse_bool, aliases)
 
 
-def mib(name, doc):
-    """A size in MiB, 0 by default, at most MAX_MIB."""
-    return EnvVar(name, "MiB", 0, doc, _parse_mib)
+def mib(name, doc, zero_means=None):
+    """A size in MiB, 0 by default, at most MAX_MIB; ``zero_means``: what 0 does, for messages
+    (e.g. "turns X off")."""
+    return EnvVar(name, "MiB", 0, doc, lambda raw: _parse_mib(raw, zero_means))
 
 
 def url(name, doc):

@@ -131,7 +131,8 @@ SWITCH = config.switch("zbal", "Switch for the zbal allocator backport (also nee
 LOCAL_MEM_SIZE = config.mib(
     "SGLANG_ZBAL_LOCAL_MEM_SIZE",
     "Device memory zbal manages, in MiB (at most 1048576 = 1 TiB); > 0 turns zbal on (upstream name "
-    "and meaning; on sglang >= 0.5.12 upstream's own zbal reads it, whatever NPU_SHIM_ZBAL says).")
+    "and meaning; on sglang >= 0.5.12 upstream's own zbal reads it, whatever NPU_SHIM_ZBAL says).",
+    zero_means="turns zbal off")
 BOOTSTRAP_URL = config.url(
     "SGLANG_ZBAL_BOOTSTRAP_URL",
     "tcp://HOST:PORT (hostname, IPv4 or [IPv6]; port 1-65535) of zbal's bootstrap server; empty "

@@ -16,7 +16,7 @@ decides.  Here:
 
 Every answer is one the whole parse would give, or "not sure" (None / False): the name defined
 twice or inside an ``if``, a decorator spanning lines, tabs, a column-0 line inside the def.
-tests/test_ownlines.py and tests/test_codeview.py hold them to the whole parse, on hand-made
+tests/source/test_fastscan.py and tests/source/test_codeview.py hold them to the whole parse, on hand-made
 hostile sources and on every function of every module the patches read in every release.
 """
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from shimdev.expected_states import EXPECTED, row
 from shimdev import sglang_envs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "release_report.py"
 
 

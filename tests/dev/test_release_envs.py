@@ -17,7 +17,7 @@ import pytest
 from shimdev import realsglang
 from shimdev import sglang_envs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 FACTS = r"""
 import importlib.metadata, importlib.util, json, os, subprocess, sys

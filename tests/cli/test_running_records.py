@@ -16,7 +16,7 @@ from test_statefile import NOBODY, SYSTEM_PYTHON, as_nobody, shared_tmp  # noqa:
 import npu_shim
 from npu_shim.ops import procinfo, statefile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 60
 
 

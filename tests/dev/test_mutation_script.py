@@ -9,7 +9,7 @@ import pytest
 
 from shimdev import mutation
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TINY = '''"""A module docstring."""
 import os

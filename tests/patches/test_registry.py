@@ -9,7 +9,7 @@ import sys
 from npu_shim.core import loading
 from npu_shim.patches import registry as patch_registry
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def readme_patch_rows():

@@ -19,9 +19,10 @@ import pytest
 
 from npu_shim.cli import bundle
 from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
-from test_drop_in import _check, bare_venvs, tree  # noqa: F401 - fixtures
+from test_check_image import _check
+from test_drop_in import bare_venvs, tree  # noqa: F401 - fixtures
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 THIS_PYTHON = "%d.%d" % sys.version_info[:2]
 FAST = ["--python", sys.executable, "--platform", "x86_64"]
 

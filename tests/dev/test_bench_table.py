@@ -5,7 +5,7 @@ import os
 
 from shimdev import bench_rows
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def readme():

@@ -7,7 +7,7 @@ import pytest
 
 from npu_shim.core import config
 
-SIZE = config.mib("NPU_SHIM_TEST_SIZE", "a test size")
+SIZE = config.mib("NPU_SHIM_TEST_SIZE", "a test size", zero_means="turns zbal off")
 URL = config.url("NPU_SHIM_TEST_URL", "a test url")
 FLAG = config.boolean("NPU_SHIM_TEST_FLAG", True, "a test flag", aliases=("NPU_SHIM_OLD_FLAG",))
 

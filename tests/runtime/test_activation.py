@@ -1,6 +1,6 @@
 """npu_shim/runtime/activation.py: what the runtime answers before it has decided anything, and how it
 decides when there is no sglang source to read.  Hooks, applying, reverting and reloads are
-tested in fresh interpreters by tests/test_bootstrap.py and tests/test_reliability.py."""
+tested in fresh interpreters by tests/test_bootstrap.py and tests/runtime/test_reliability.py."""
 from __future__ import annotations
 
 import os

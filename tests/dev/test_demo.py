@@ -10,7 +10,7 @@ from pathlib import Path
 
 from shimdev.expected_states import PATCH_ORDER, expected
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_demo_default_release():

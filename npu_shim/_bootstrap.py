@@ -22,7 +22,7 @@ class SglangImportWatcher:
     """A meta-path finder that finds nothing itself: it notices the first ``import sglang``, and
     then hands every import to the active shim's finder (``finder.ShimFinder``) -- one finder
     of ours in sys.meta_path, not two: the import system asks each finder about each of the
-    ~4,600 imports of an sglang process (~5 K instructions a finder and an import)."""
+    thousands of imports of an sglang process (scripts/bench_drop_in.py measures the cost)."""
 
     is_npu_shim_watcher = True  # what find_package_dir skips (asking it would activate the shim)
     fired = False
@@ -99,7 +99,7 @@ def chain_next_sitecustomize(our_file):
     ``site.py`` reports them and go no further.
     """
     # The import system's own PathFinder and module_from_spec: importing importlib for them
-    # would cost every process ~0.4 ms.
+    # would cost every process its import (scripts/bench_drop_in.py).
     path_finder = next(f for f in sys.meta_path if getattr(f, "__name__", None) == "PathFinder")
     ours = os.path.dirname(our_file)
     keys = sys.path

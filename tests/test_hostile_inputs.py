@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 11): the shim answers each with a clear message, a documented exit code
+"""Hostile inputs: the shim answers each with a clear message, a documented exit code
 and never a traceback or a signal.  Where a crash is possible the probe runs in a subprocess.
 
 * tampered target sources read by ``python -m npu_shim status`` (syntax error, coding cookie, BOM,
@@ -240,7 +240,7 @@ def test_sizes_and_urls_accept_exactly_the_documented_forms():
             url(bad)
 
 
-# ---------------------------------------------------------------------- not on an NPU (§8)
+# ---------------------------------------------------------------------- not on an NPU
 
 OFF_NPU = r'''
 import importlib, sys

@@ -1,4 +1,4 @@
-"""The shim's one logger, ``npu_shim``; lines read ``[npu-shim 0.2.2 sglang 0.5.11 pid 812 tp 3/16]
+"""The shim's one logger, ``npu_shim``; lines read ``[npu-shim VERSION sglang VERSION pid 812 tp 3/16]
 <message>`` -- the shim's version, then as far as known the running sglang's, the pid and the
 process's sglang role (npu_shim/ops/procinfo.py), so that 16 ranks x N processes can be told apart.
 
@@ -51,7 +51,7 @@ def configure():
 
 
 def tag():
-    """``npu-shim 0.2.2 sglang 0.5.11 pid 812 tp 3/16``: who says it (parts not yet known left out)."""
+    """``npu-shim VERSION sglang VERSION pid 812 tp 3/16``: who says it (parts not yet known left out)."""
     from npu_shim._version import __version__
     from npu_shim.ops import procinfo
 

@@ -36,7 +36,7 @@ How
        ``w_kc is not None``.  Later calls only delegate (one dict lookup; see
        ``scripts/bench_mla_release.py``).
 
-    5. Weight updates (issue 14 §6).  ``/update_weights_from_disk`` and the tensor / distributed /
+    5. Weight updates.  ``/update_weights_from_disk`` and the tensor / distributed /
        IPC variants exist on every 0.5.9 - 0.5.19 server whatever its flags.  Loading into a
        released weight raises ``ReleasedWeightError`` inside the scheduler: 0.5.9 - 0.5.19's disk
        update then "rolls back to original weights" by loading again outside its ``try`` (raises

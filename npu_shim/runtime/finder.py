@@ -1,7 +1,7 @@
 """The shim's one meta-path finder while it is active.
 
-The import system asks every finder in ``sys.meta_path`` about every import (~4,600 in an sglang
-process, ~5 K instructions a finder and an import), so the shim keeps one: the start-up watcher
+The import system asks every finder in ``sys.meta_path`` about every import (thousands in an
+sglang process; scripts/bench_drop_in.py measures what each finder costs), so the shim keeps one: the start-up watcher
 (``_bootstrap.SglangImportWatcher``, handed in by the runtime) hands each import to ``ShimFinder`` once it fired, and
 ``ShimFinder`` stands in for wrapt's own post-import finder.  It answers almost every import with
 a dict lookup or two:

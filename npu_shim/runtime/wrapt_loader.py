@@ -13,7 +13,7 @@ The shim uses three names: ``FunctionWrapper``, ``BoundFunctionWrapper`` and
 ``register_post_import_hook``.  It loads only the modules that define them (and what those
 import) under the private name ``npu_shim._wrapt``, without running the package's
 ``__init__``.  ``import wrapt`` would also load the decorators, proxies, locks, caches and
-monkey-patching helpers, which are ~60 % of wrapt's memory in every sglang process.  The
+monkey-patching helpers, most of wrapt's memory in every sglang process.  The
 application's ``wrapt``, present or absent, stays what it would be without the shim.  When the
 application has already imported the same wrapt, that module is used and nothing is loaded twice.
 
@@ -193,8 +193,8 @@ def take_import_finder():
     """(dict of module names with post-import hooks waiting, wrapt's ImportHookFinder) when the
     wrapt ``load()`` returned is the shim's private copy: that finder is then kept out of
     sys.meta_path, and the shim's own finder hands it only the modules in that dict.  wrapt's
-    takes a lock on every import of every module (~4 ms over sglang's ~3,600 imports in every
-    process).  None where wrapt's own finder stays: the application's wrapt, reused, serves the
+    takes a lock on every import of every module (in every process, over thousands of
+    imports).  None where wrapt's own finder stays: the application's wrapt, reused, serves the
     application's hooks too; or the private copy's finder is in sys.meta_path already."""
     global _TAKEN
     importer = sys.modules.get(PRIVATE_NAME + ".importer")

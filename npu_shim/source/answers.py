@@ -1,7 +1,7 @@
 """The answers sglang's source gave, handed from the process that decided to the ones it starts.
 
-Deciding reads ~10 sglang modules (~0.7 MB of source on 0.5.11, of which the functions it checks
-are parsed: ~30 ms).  The launcher decides first; sglang then spawns its scheduler, detokenizer
+Deciding reads about ten sglang modules (the functions it checks are parsed; what that costs:
+scripts/bench_shim_cost.py).  The launcher decides first; sglang then spawns its scheduler, detokenizer
 and other workers, which would read the same files again.  After deciding, the runtime puts every
 answer its view gave (``has``, ``function`` params and -- where it was asked for --
 fingerprint, ``module`` exists, ``contains``) and the identity

@@ -2,8 +2,8 @@
 the module (``codeview`` parses the whole module where these cannot be sure).
 
 sglang's target functions live in its largest files (scheduler.py, model_runner.py,
-utils/common.py: ~0.5 MB together); parsing them whole cost ~100-200 ms in every process that
-decides.  Here:
+utils/common.py); parsing them whole costs every process that decides more than reading the
+few defs it needs (scripts/bench_shim_cost.py).  Here:
 
 * ``locate_def`` finds the lines of ``f`` or ``Class.method`` by their text -- one class header and
   one def header at the class body's indentation, outside any triple-quoted string, with
@@ -157,7 +157,7 @@ def as_text(text):
 
 
 # Searched for with str.find and checked around each hit, rather than with a regular expression per
-# name: compiling one costs more than the search (~40 us; ~50 names in a deciding process).
+# name: compiling one costs more than the search (and a deciding process looks up dozens).
 _OPENS = re.compile(r"\s*\(")                       # after a def's name
 _ASSIGNS = re.compile(r"[ ]*(?::[^=\n]*)?=(?!=)")     # after an assigned name: ``= ``, ``: T = ``
 _COLUMN_0 = re.compile(r"\n[^ \n#]")                # a line that starts at column 0 (after its \n:

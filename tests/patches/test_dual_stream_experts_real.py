@@ -11,7 +11,7 @@ on in every dual-stream call, and dev/shimdev/stream_races.py drives the races t
 has had (two layers, in-place routed experts, a draft model on a stream of its own).  0.5.11
 reports ``upstream``.
 
-One subprocess per environment (a real import costs ~8 s).
+One subprocess per environment (a real import is slow).
 """
 import pytest
 

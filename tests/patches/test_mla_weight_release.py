@@ -87,7 +87,7 @@ def test_states_across_every_release():
 
 
 def test_weight_update_targets_pin_the_worker_and_the_scheduler_side_of_every_release():
-    """Issue 14 §6: each 0.5.9 - 0.5.19 release's BaseTpWorker.<op> (wrapped) and the scheduler
+    """Each 0.5.9 - 0.5.19 release's BaseTpWorker.<op> (wrapped) and the scheduler
     method that answers the request with its (success, message) are code the shim has read."""
     for version in sglang_envs.ALL_RELEASES:
         key = sglang_envs.version_key(version)

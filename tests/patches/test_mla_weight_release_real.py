@@ -341,7 +341,7 @@ emit(out)
 
 
 def test_aliases_taken_before_the_first_step_keep_their_weight_in_a_release():
-    """Issue 11 §1: each alias read after the decode step used to segfault the process."""
+    """Each alias read after the decode step used to segfault the process."""
     out = realsglang.run_in_release("0.5.11", ALIASES)
     for kind, result in out.items():
         assert result["kept"] and result["sum_is_finite"], (kind, result)

@@ -1,4 +1,4 @@
-"""Issue 14 §6: weight updates on a server whose MLA weights the shim released, in real releases.
+"""Weight updates on a server whose MLA weights the shim released, in real releases.
 
 The request goes through the release's own update path as far as it runs on CPU: the scheduler's
 real handler (``SchedulerUpdateWeightsMixin`` in 0.5.9 - 0.5.12, ``SchedulerWeightUpdaterManager``

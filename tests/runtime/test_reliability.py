@@ -1,4 +1,4 @@
-"""States never lie and half-applied patches never stay (issue 11 §4, §8), each case in a fresh
+"""States never lie and half-applied patches never stay, each case in a fresh
 interpreter with the fake sglang tree and demo patch of test_bootstrap.py."""
 
 import importlib

@@ -115,7 +115,7 @@ def _load_wrapt_beside(python, version, before):
 def test_only_the_wrappers_and_the_import_hooks_are_loaded_and_the_application_keeps_its_wrapt(
         version, loaded, bare_venvs):
     """The image's wrapt, loaded privately without its __init__ (whose decorators, proxies, locks
-    and caches are ~60 % of wrapt's memory); the C extension still loads; the application's own
+    and caches are most of wrapt's memory); the C extension still loads; the application's own
     ``import wrapt`` afterwards gets the whole image wrapt."""
     out = _load_wrapt_beside(bare_venvs("3.11"), version, before="")
     assert out["result"] == 2 and out["calls"] == [[1]] and out["hooked"] == ["colorsys"]

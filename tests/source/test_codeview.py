@@ -263,7 +263,7 @@ def SourceViewOf(package):  # noqa: N802 - reads like the class it builds
 
 def test_deciding_on_0_5_11_parses_no_module_whole():
     """What makes deciding cheap: on 0.5.11 (the benchmark's release) every answer comes from the
-    fast path -- scheduler.py, model_runner.py, utils/common.py, parallel_state.py (~0.5 MB), and
+    fast path -- scheduler.py, model_runner.py, utils/common.py, parallel_state.py, and
     deepep.py, whose ``use_deepep`` is assigned inside a module-level try."""
     package = os.path.join(str(sglang_envs.ensure_sources("0.5.11")), "sglang")
     view = codeview.SourceView(package)

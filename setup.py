@@ -7,7 +7,7 @@ import os
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-PTH_NAME = "npu_shim-activate.pth"  # npu_shim/installer.py's PTH_NAME
+PTH_NAME = "npu_shim-activate.pth"  # npu_shim/runtime/installer.py's PTH_NAME
 # One line: site.py executes .pth lines that start with "import".  Costs a dict lookup when unset.
 PTH_LINE = ("import os; os.environ.get('NPU_SHIM_ACTIVATE', '').strip().lower() in "
             "('1', 'true', 'yes', 'on') and __import__('npu_shim._bootstrap')._bootstrap.start()\n")

@@ -5,25 +5,30 @@ call ``npu_shim.install()`` yourself.  Nothing heavy is imported here: this modu
 interpreter start-up in every process of the image.
 """
 
-__version__ = "0.2.2"
+from npu_shim._version import __version__  # noqa: F401
 
 
 def install():
     """Arm the shim in this process (patching sglang modules already imported); False if it was."""
-    from npu_shim import installer
+    from npu_shim import _bootstrap
+    from npu_shim.runtime import activation, installer
 
-    return installer.install()
+    if not activation.RUNTIME.install(_bootstrap.WATCHER):
+        return False
+    installer.reach_children()
+    return True
 
 
 def uninstall():
     """Restore every original function and rebound copy; the shim is then off in this process."""
-    from npu_shim import installer
+    from npu_shim import _bootstrap
+    from npu_shim.runtime import activation
 
-    installer.uninstall()
+    activation.RUNTIME.uninstall(_bootstrap.WATCHER)
 
 
 def states():
     """{patch name: {"state", "reason", "targets", "details"}} for this process."""
-    from npu_shim import runtime
+    from npu_shim.runtime import activation
 
-    return runtime.states()
+    return activation.RUNTIME.states()

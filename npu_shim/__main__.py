@@ -2,9 +2,9 @@
 
 ``status`` says what the shim would do in this interpreter without importing sglang (its source is
 read from disk), torch or wrapt; ``check`` runs it in a child process and reports what really
-happened (npu_shim/check.py); ``selftest`` exercises the applied patches on the device
+happened (npu_shim/cli/check.py); ``selftest`` exercises the applied patches on the device
 (npu_shim/selftest.py); ``bundle`` builds the directory to mount into an image
-(npu_shim/bundle.py).
+(npu_shim/cli/bundle.py).
 
 Exit codes: the ``EXIT_*`` constants below; what each one means for each command is listed once,
 in docs/operations.md ("Exit codes"), and tests/test_readme.py holds that list to these constants.
@@ -16,8 +16,9 @@ import os
 import sys
 
 import npu_shim
-from npu_shim import config, framework, wrapt_loader
-from npu_shim.codeview import SourceView, find_package_dir
+from npu_shim.core import config, framework
+from npu_shim.runtime import wrapt_loader
+from npu_shim.source.codeview import SourceView, find_package_dir
 
 EXIT_BUNDLE_FAILED = 1
 EXIT_BAD_ENV = 2
@@ -48,13 +49,8 @@ def sitecustomize_facts():
     return bool(path) and os.path.realpath(path) == os.path.realpath(ours), path
 
 
-def shim_on_path():
-    """Whether the sitecustomize Python loaded at start-up is npu-shim's."""
-    return sitecustomize_facts()[0]
-
-
 def collect():
-    from npu_shim.patches import all_variables, load_all
+    from npu_shim.core.loading import all_variables, load_all
 
     patches = load_all()
     variables = all_variables(patches)
@@ -116,7 +112,7 @@ def activity_line(info):
 
 
 def print_status(info):
-    from npu_shim.terminal import terminal_writer
+    from npu_shim.ops.terminal import terminal_writer
 
     out = terminal_writer()
     out("npu-shim %s  (%s)\n" % (info["version"], info["location"]))
@@ -148,7 +144,7 @@ def print_status(info):
 
 
 def env_rows():
-    from npu_shim.patches import all_variables
+    from npu_shim.core.loading import all_variables
 
     return [{"name": var.name, "kind": var.kind, "default": var.default, "doc": var.doc,
              "aliases": list(var.aliases)} for var in all_variables()]
@@ -181,7 +177,7 @@ def config_exit_code(states, stops=False):
     EXIT_STRICT when a server would stop at import: strict mode is on and a patch is
     ``unsupported`` or ``failed`` (``inactive``: nothing to do, is fine), or ``stops`` (a patch
     the job asks for explicitly cannot apply); else 0.  The same rule for ``status`` and ``check``."""
-    from npu_shim.patches import all_variables
+    from npu_shim.core.loading import all_variables
 
     variables = all_variables()
     values = config.read_all(variables)
@@ -195,7 +191,7 @@ def config_exit_code(states, stops=False):
 def run_bundle(args):
     import signal
 
-    from npu_shim import bundle
+    from npu_shim.cli import bundle
 
     previous = _on_sigterm(bundle.Terminated)
     try:
@@ -203,7 +199,7 @@ def run_bundle(args):
                      machines=tuple(args.platform) or bundle.MACHINES, force=args.force,
                      log=lambda line: sys.stderr.write("npu-shim bundle: %s\n" % line))
     except bundle.BundleError as exc:
-        from npu_shim.terminal import printable
+        from npu_shim.ops.terminal import printable
 
         sys.stderr.write("npu-shim bundle: error: %s\n" % printable(exc))
         return EXIT_BUNDLE_FAILED
@@ -233,9 +229,9 @@ def _on_sigterm(exception):
 
 
 def run_running(args):
-    """``status --running [DIR]``: the state records of the running processes (running.py)."""
-    from npu_shim import running
-    from npu_shim.terminal import printable
+    """``status --running [DIR]``: the state records of the running processes (running_records.py)."""
+    from npu_shim.cli import running_records
+    from npu_shim.ops.terminal import printable
 
     dir_ = args.running or args.dir
     if not dir_:
@@ -249,7 +245,7 @@ def run_running(args):
                              "server's processes write their records to)\n" % config.STATE_DIR.name)
             return EXIT_USAGE
     try:
-        info = running.analyse(dir_)
+        info = running_records.analyse(dir_)
     except OSError as exc:
         error = "no such directory" if isinstance(exc, FileNotFoundError) else \
             "cannot read it: %s" % (exc.strerror or exc)
@@ -264,12 +260,12 @@ def run_running(args):
     elif "error" in info:
         sys.stdout.write(printable("npu-shim status --running: %s: %s" % (dir_, info["error"])) + "\n")
     else:
-        running.print_table(info)
+        running_records.print_table(info)
     return code
 
 
 def run_check(args):
-    from npu_shim import check
+    from npu_shim.cli import check
 
     facts = check.bundle_facts()
     if not facts["ok"]:
@@ -281,7 +277,7 @@ def run_check(args):
         return EXIT_CHECK_FAILED
     report, error = check.run_child()
     if report is None:
-        from npu_shim.terminal import terminal_writer
+        from npu_shim.ops.terminal import terminal_writer
 
         terminal_writer(sys.stderr)("npu-shim check: %s\n" % error)  # the child's own words
         return EXIT_CHECK_FAILED

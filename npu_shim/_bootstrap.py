@@ -6,13 +6,14 @@ copy), so with the shim on ``PYTHONPATH`` this one module is all a process loads
 registers itself as ``npu_shim._bootstrap`` for ``install()`` and the runtime.  A pip install runs
 ``start()`` from its ``.pth`` instead.  Every code object here is unmarshalled by every process:
 keep it small (scripts/bench_drop_in.py counts the instructions).  Only ``sys`` and ``os`` are
-touched; the first ``import sglang`` hands over to ``npu_shim.runtime``.
+touched; the first ``import sglang`` hands over to ``npu_shim.runtime.activation`` (the watcher
+passes itself to the runtime).
 """
 
 import os
 import sys
 
-# How every boolean variable is spelled (config.py parses with these too).
+# How every boolean variable is spelled: npu_shim/core/config.py's TRUE_WORDS / FALSE_WORDS.
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -21,8 +22,9 @@ class SglangImportWatcher:
     """A meta-path finder that finds nothing itself: it notices the first ``import sglang``, and
     then hands every import to the active shim's finder (``finder.ShimFinder``) -- one finder
     of ours in sys.meta_path, not two: the import system asks each finder about each of the
-    ~4,600 imports of an sglang process (~5 K instructions a finder and an import)."""
+    thousands of imports of an sglang process (scripts/bench_drop_in.py measures the cost)."""
 
+    is_npu_shim_watcher = True  # what find_package_dir skips (asking it would activate the shim)
     fired = False
     off = False  # NPU_SHIM_ENABLED=0: only say so when sglang is imported
     then = None  # the active shim's finder's find_spec, once activated through this watcher
@@ -37,27 +39,27 @@ class SglangImportWatcher:
         # an entry would make it skip the finder after us (editable installs live there).
         self.fired = True
         if self.off:
-            from npu_shim import reporting
+            from npu_shim.runtime import off
 
-            reporting.say_off()
+            off.say_off()
             return None
-        from npu_shim import runtime  # deferred: wrapt and the patches load only from here
+        from npu_shim.runtime import activation  # deferred: wrapt and the patches load only from here
 
-        runtime.activate_guarded()
+        activation.RUNTIME.activate_guarded(self)
         return None  # let the normal finders import sglang
 
+    def arm(self):
+        """Put the watcher first in sys.meta_path (idempotent).  False when sglang was already
+        imported."""
+        if "sglang" in sys.modules:
+            return False
+        self.fired = False
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+        return True
 
-_WATCHER = SglangImportWatcher()
 
-
-def arm():
-    """Install the watcher (idempotent).  Returns False when sglang was already imported."""
-    if "sglang" in sys.modules:
-        return False
-    _WATCHER.fired = False
-    if _WATCHER not in sys.meta_path:
-        sys.meta_path.insert(0, _WATCHER)
-    return True
+WATCHER = SglangImportWatcher()
 
 
 def start():
@@ -67,12 +69,13 @@ def start():
     try:
         raw = os.environ.get("NPU_SHIM_ENABLED", "").strip().lower()
         if raw == "" or raw in TRUE_WORDS:
-            arm()
+            WATCHER.arm()
         elif raw in FALSE_WORDS:
-            _WATCHER.off = True
-            arm()
+            WATCHER.off = True
+            WATCHER.arm()
         else:
-            from npu_shim import config, log  # only on this error path
+            from npu_shim.core import config
+            from npu_shim.ops import log  # only on this error path
 
             try:
                 config.ENABLED.read()
@@ -80,7 +83,7 @@ def start():
                 log.error_once("config", "shim off: %s" % exc)
     except Exception as exc:  # noqa: BLE001 - nothing may reach the application from start-up
         try:
-            from npu_shim import log
+            from npu_shim.ops import log
 
             log.error_once("bootstrap", "shim off: bootstrap failed: %r" % (exc,))
         except Exception:  # noqa: BLE001
@@ -96,7 +99,7 @@ def chain_next_sitecustomize(our_file):
     ``site.py`` reports them and go no further.
     """
     # The import system's own PathFinder and module_from_spec: importing importlib for them
-    # would cost every process ~0.4 ms.
+    # would cost every process its import (scripts/bench_drop_in.py).
     path_finder = next(f for f in sys.meta_path if getattr(f, "__name__", None) == "PathFinder")
     ours = os.path.dirname(our_file)
     keys = sys.path

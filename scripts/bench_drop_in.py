@@ -29,7 +29,7 @@ from bench_shim_cost import alternate, clean_env, instructions_side_by_side  # n
 
 
 def build_bundle(workdir):
-    from npu_shim import bundle
+    from npu_shim.cli import bundle
 
     out = os.path.join(workdir, "npu-shim")
     bundle.build(out, log=lambda line: None)
@@ -82,7 +82,7 @@ def instruction_rows(bundle_dir):
 _WRAPPER_COST = """
 import json, sys
 sys.path[:0] = [{scripts!r}, {repo!r}]
-from npu_shim import wrapt_loader
+from npu_shim.runtime import wrapt_loader
 import bench_mla_release  # scripts/, a sibling benchmark: its hot_path_ns
 wrapt = wrapt_loader._load_private({path!r})
 raw, shim = bench_mla_release.hot_path_ns(wrapt=wrapt)
@@ -91,7 +91,7 @@ print(json.dumps([raw, shim, "npu_shim._wrapt._wrappers" in sys.modules]))
 
 
 def wrapper_rows(bundle_dir):
-    from npu_shim import wrapt_loader
+    from npu_shim.runtime import wrapt_loader
 
     vendor = os.path.join(bundle_dir, "npu_shim", "_vendor", "wrapt")
     builds = wrapt_loader.bundled_builds(vendor)

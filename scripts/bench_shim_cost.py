@@ -203,9 +203,9 @@ try:
     out["traced"] = tracemalloc.get_traced_memory()[0] if tracemalloc.is_tracing() else None
 except ImportError:
     out["traced"] = None
-rt = sys.modules.get("npu_shim.runtime")
+rt = sys.modules.get("npu_shim.runtime.activation")
 out["states"] = {{n: s["state"] for n, s in rt.states().items()}} if rt else None
-out["decided_from"] = rt._RT.decided_from if rt else None
+out["decided_from"] = rt.RUNTIME.decided_from if rt else None
 import os
 out["answers"] = os.environ.get("NPU_SHIM_SOURCE_ANSWERS")
 print(json.dumps(out))
@@ -219,7 +219,7 @@ print(json.dumps(out))
 # alternating runs and the instruction counts include it.
 _OWN_TIMERS = """
 import time as _time
-import npu_shim.runtime as _runtime
+import npu_shim.runtime.activation as _runtime
 _spent = {}
 def _timed(name, function):
     def timed(*args, **kwargs):
@@ -244,9 +244,9 @@ def _with_own_timers(argv):
 
 
 def _import_arms():
-    from npu_shim import patches
+    from npu_shim.core import loading
 
-    modules = patches.target_modules(patches.load_all())
+    modules = loading.target_modules(loading.load_all())
     rel, layers = sglang_envs.release_env_paths(IMPORT_RELEASE)  # wrapt layer + the release's layers
     code = _IMPORTS.format(release=IMPORT_RELEASE,
                            imports="".join("import %s\n" % m for m in FEATURE_IMPORTS + tuple(modules)))

@@ -65,8 +65,8 @@ def rows(rounds=15, calls=2000):
     envs, zbal = _setup()
     import wrapt
 
-    from npu_shim import framework
-    from npu_shim.codeview import SourceView
+    from npu_shim.core import framework
+    from npu_shim.source.codeview import SourceView
     from npu_shim.patches import zbal as zp
 
     saved = os.environ.get("SGLANG_ZBAL_LOCAL_MEM_SIZE")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Mutation testing of the shim's own code, by hand (not in CI; what it does: dev/shimdev/mutation.py):
 
-    python3 scripts/mutation.py --out /tmp/mutation.json     # seed 1, 120 mutants (~1 h on 2 cores)
+    python3 scripts/mutation.py --out /tmp/mutation.json     # seed 1, 120 mutants (an hour or so)
     python3 scripts/mutation.py --quick                      # a smoke run: 12 mutants
     python3 scripts/mutation.py --list                       # the sample, nothing run
 """

@@ -1,5 +1,10 @@
 """Session fixtures shared by npu-shim's tests.
 
+* the tests mirror the package: ``tests/<room>/test_<module>.py`` (``core``, ``ops``, ``source``,
+  ``runtime``, ``patches``, ``cli``), the dev tooling's own tests in ``tests/dev/``, the whole
+  shim's (drop-in, bootstrap, hostile inputs, the layering) here.  The folders have no
+  ``__init__.py``: each is put on sys.path, so a test module imports another's helpers by its
+  name (``from test_bootstrap import run``) wherever it lives; names are unique across folders.
 * ``dev/`` is put on sys.path: the dev tooling is imported as ``shimdev.<module>`` (simnpu,
   realsglang, ...; dev/shimdev/__init__.py); the zbal layer (memfabric-zbal 1.2.0's own Python
   files over the simulated native module, shimdev/simzbal) only by tests that want ``import zbal``
@@ -15,9 +20,11 @@ from pathlib import Path
 
 import pytest
 
-DEV = Path(__file__).resolve().parent.parent / "dev"
-if str(DEV) not in sys.path:
-    sys.path.insert(0, str(DEV))
+TESTS = Path(__file__).resolve().parent
+DEV = TESTS.parent / "dev"
+for _folder in [DEV, TESTS] + sorted(p for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 from shimdev import realsglang  # noqa: E402
 

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 import npu_shim
-from npu_shim.patches import all_variables
+from npu_shim.core.loading import all_variables
 from npu_shim.patches import zbal as zbal_patch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,8 @@ __all__ = ["get_npu_memory_capacity", "Scheduler"]
 
 DEMO_PATCH = '''
 import os
-from npu_shim import config, framework, targets
+from npu_shim.core import config, framework
+from npu_shim.runtime import targets
 
 def add_one(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs) + 1
@@ -79,8 +80,8 @@ IMAGE_SITECUSTOMIZE = '''
 import os
 with open(os.environ["CHAIN_MARKER"], "a") as f:
     f.write("ran\\n")
-import npu_shim.patches
-npu_shim.patches.PATCH_MODULES[:] = ["demo"]
+import npu_shim.patches.registry
+npu_shim.patches.registry.PATCH_MODULES[:] = ["demo"]
 '''
 
 
@@ -234,7 +235,7 @@ def test_master_switch_off_leaves_sglang_untouched(tree):
     assert re.fullmatch(TAG + r" off \(NPU_SHIM_ENABLED=0\): sglang is not patched in this process",
                         proc.stderr.strip()), proc.stderr
     # ... and never by a process that does not import it
-    quiet = run(tree, "import json, sys; print(json.dumps('npu_shim.runtime' in sys.modules))",
+    quiet = run(tree, "import json, sys; print(json.dumps('npu_shim.runtime.activation' in sys.modules))",
                 env={"NPU_SHIM_ENABLED": "0"})
     assert quiet.stderr == "" and last_json(quiet) is False
 
@@ -273,7 +274,7 @@ def test_bad_env_values_give_one_clear_message(tree, name, value, message):
 
 
 def test_bad_bootstrap_url_message():
-    from npu_shim import config
+    from npu_shim.core import config
 
     with pytest.raises(config.ConfigError) as info:
         zbal_patch.BOOTSTRAP_URL.read({"SGLANG_ZBAL_BOOTSTRAP_URL": "10.0.0.1:6789"})
@@ -371,7 +372,7 @@ def test_status_reports_invalid_env_with_exit_code_2(tree):
 
 
 def test_env_command_lists_every_variable():
-    from npu_shim import config
+    from npu_shim.core import config
 
     proc = subprocess.run([sys.executable, "-m", "npu_shim", "env"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
@@ -386,13 +387,13 @@ def test_children_decide_from_the_answers_the_parent_read(tree):
     proc = run(tree, """
         import json, os, subprocess, sys
         from sglang.srt.utils import common
-        from npu_shim import runtime
-        child = ("import json; from sglang.srt.utils import common; from npu_shim import runtime; "
-                 "print(json.dumps([runtime._RT.decided_from, runtime.states()['demo']['state']]))")
+        from npu_shim.runtime import activation
+        child = ("import json; from sglang.srt.utils import common; from npu_shim.runtime import activation; "
+                 "print(json.dumps([activation.RUNTIME.decided_from, activation.RUNTIME.states()['demo']['state']]))")
         first = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout
         os.utime(common.__file__)  # the file changed (as far as anyone can tell): read it again
         second = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout
-        print(json.dumps({"parent": runtime._RT.decided_from, "first": json.loads(first),
+        print(json.dumps({"parent": activation.RUNTIME.decided_from, "first": json.loads(first),
                           "second": json.loads(second)}))
     """)
     out = last_json(proc)

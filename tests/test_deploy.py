@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import npu_shim
-from npu_shim import bundle
+from npu_shim.cli import bundle
 from shimdev import containers, sglang_envs
 from shimdev import fake_launch_server
 from test_bootstrap import DEMO_PATCH, FAKE_COMMON
@@ -40,11 +40,11 @@ EXIT_NO_SGLANG = 5  # docs/operations.md's exit codes: no sglang importable (sta
 # only one, as the image of tests/test_bootstrap.py does; the shim has to chain it.
 IMAGE_SITECUSTOMIZE = """\
 try:
-    import npu_shim.patches
+    import npu_shim.patches.registry
 except ImportError:
     pass
 else:
-    npu_shim.patches.PATCH_MODULES[:] = ["demo"]
+    npu_shim.patches.registry.PATCH_MODULES[:] = ["demo"]
 """
 
 FAKE_IMAGE = """\

@@ -19,7 +19,8 @@ import textwrap
 
 import pytest
 
-from npu_shim import bundle, installer, runtime, wrapt_loader
+from npu_shim.cli import bundle
+from npu_shim.runtime import activation, installer, wrapt_loader
 from test_bootstrap import DEMO_PATCH
 from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
 
@@ -38,7 +39,7 @@ REPORT = """
 import json, sys
 import npu_shim
 from sglang.srt.utils import get_npu_memory_capacity
-from npu_shim import wrapt_loader
+from npu_shim.runtime import wrapt_loader
 origin = wrapt_loader.loaded_origin()
 state = npu_shim.states().get("demo", {})
 try:
@@ -125,124 +126,6 @@ def last_json(proc):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# -- choosing the wrapt build -----------------------------------------------------------------------
-
-BUILDS = ["cp39-x86_64-glibc2.5", "cp311-x86_64-glibc2.5", "cp311-aarch64-glibc2.17",
-          "cp313-aarch64-glibc2.17", "py3-none-any"]
-
-
-@pytest.mark.parametrize("facts, expected", [
-    (("cpython", (3, 11), "x86_64", (2, 36)), "cp311-x86_64-glibc2.5"),
-    (("cpython", (3, 11), "aarch64", (2, 35)), "cp311-aarch64-glibc2.17"),
-    (("cpython", (3, 11), "arm64", (2, 35)), "cp311-aarch64-glibc2.17"),
-    (("cpython", (3, 9), "x86_64", (2, 17)), "cp39-x86_64-glibc2.5"),
-    (("cpython", (3, 13), "aarch64", (2, 17)), "cp313-aarch64-glibc2.17"),
-    (("cpython", (3, 13), "aarch64", (2, 12)), "py3-none-any"),   # glibc older than the wheel's
-    (("cpython", (3, 9), "aarch64", (2, 35)), "py3-none-any"),    # no C build for this pair
-    (("cpython", (3, 14), "x86_64", (2, 36)), "py3-none-any"),    # a Python the bundle predates
-    (("cpython", (3, 11), "x86_64", None), "py3-none-any"),       # musl: no manylinux wheel runs
-    (("pypy", (3, 10), "x86_64", (2, 36)), "py3-none-any"),
-])
-def test_select_build_per_python_and_platform(facts, expected):
-    build, note = wrapt_loader.select_build(BUILDS, *facts)
-    assert build == expected
-    if expected == "py3-none-any":
-        assert note.startswith("no C build for %s %d.%d" % (facts[0], facts[1][0], facts[1][1]))
-        assert note.endswith(": pure-Python wrapt")
-    else:
-        assert note is None
-
-
-def test_select_build_without_any_usable_build():
-    build, note = wrapt_loader.select_build(["cp311-x86_64-glibc2.5"], "cpython", (3, 12), "x86_64", (2, 36))
-    assert build is None and note.endswith("and no pure-Python build")
-
-
-@pytest.mark.parametrize("name, glibc", [
-    ("wrapt-2.5.2-cp311-cp311-manylinux1_x86_64.manylinux_2_28_x86_64.manylinux_2_5_x86_64.whl", (2, 5)),
-    ("wrapt-2.5.2-cp312-cp312-manylinux2014_aarch64.manylinux_2_17_aarch64.manylinux_2_28_aarch64.whl", (2, 17)),
-    ("x-1-cp311-cp311-manylinux_2_34_x86_64.whl", (2, 34)),
-])
-def test_oldest_glibc_of_a_wheel(name, glibc):
-    assert bundle.oldest_glibc(name) == glibc
-
-
-def test_wrapt_version_is_read_from_source_of_1x_and_2x(tmp_path):
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "__init__.py").write_text("__version_info__ = ('1', '14', '1')\n")
-    (tmp_path / "new").mkdir()
-    (tmp_path / "new" / "__init__.py").write_text('__version_info__ = ("2", "5", "2")\n')
-    assert wrapt_loader.version_of(str(tmp_path / "old")) == (1, 14, 1)
-    assert wrapt_loader.version_of(str(tmp_path / "new")) == (2, 5, 2)
-    assert wrapt_loader.version_of(str(tmp_path / "none")) is None
-
-
-# -- loading only what the shim uses ---------------------------------------------------------------
-
-_PRIVATE_LOAD = """
-import json, sys
-%s
-from npu_shim import wrapt_loader
-w = wrapt_loader.load()
-calls = []
-def original(x):
-    return x + 1
-wrapped = w.FunctionWrapper(original, lambda f, inst, args, kwargs: calls.append(args) or f(*args, **kwargs))
-hooked = []
-w.register_post_import_hook(lambda module: hooked.append(module.__name__), "colorsys")
-import colorsys
-loaded = sorted(n for n in sys.modules if n.startswith(("wrapt", "npu_shim._wrapt")))
-try:
-    import wrapt  # what the application gets afterwards
-    app = [wrapt.__version__, hasattr(wrapt, "decorator"), hasattr(wrapt, "ObjectProxy")]
-except ImportError:
-    app = None
-print(json.dumps({"result": wrapped(1), "calls": calls, "hooked": hooked, "loaded": loaded,
-                  "same_as_app": w is sys.modules.get("wrapt"), "app": app,
-                  "origin": wrapt_loader.loaded_origin().describe()}))
-"""
-
-
-def _load_wrapt_beside(python, version, before):
-    """_PRIVATE_LOAD's report from ``python`` with the image's wrapt ``version`` on PYTHONPATH,
-    after the application's own ``before``."""
-    from shimdev import sglang_envs
-
-    layer = str(sglang_envs.ensure_wrapt(version))
-    env = dict({k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "PYTHON"))},
-               PYTHONPATH=os.pathsep.join([REPO, layer]), PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run([python, "-c", _PRIVATE_LOAD % before], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("version, loaded", [
-    ("2.5.2", ["npu_shim._wrapt", "npu_shim._wrapt.__wrapt__", "npu_shim._wrapt._wrappers",
-               "npu_shim._wrapt.exceptions", "npu_shim._wrapt.importer", "npu_shim._wrapt.wrappers"]),
-    ("1.14.1", ["npu_shim._wrapt", "npu_shim._wrapt._wrappers", "npu_shim._wrapt.arguments",
-                "npu_shim._wrapt.decorators",
-                "npu_shim._wrapt.importer", "npu_shim._wrapt.wrappers"]),
-])
-def test_only_the_wrappers_and_the_import_hooks_are_loaded_and_the_application_keeps_its_wrapt(
-        version, loaded, bare_venvs):
-    """The image's wrapt, loaded privately without its __init__ (whose decorators, proxies, locks
-    and caches are ~60 % of wrapt's memory); the C extension still loads; the application's own
-    ``import wrapt`` afterwards gets the whole image wrapt."""
-    out = _load_wrapt_beside(bare_venvs("3.11"), version, before="")
-    assert out["result"] == 2 and out["calls"] == [[1]] and out["hooked"] == ["colorsys"]
-    assert out["loaded"] == loaded  # and no "wrapt" among them: nothing was imported under its name
-    assert out["same_as_app"] is False
-    assert out["app"] == [version, True, True]
-    assert out["origin"] == "image %s" % version
-
-
-def test_a_wrapt_the_application_already_imported_is_used_as_it_is(bare_venvs):
-    out = _load_wrapt_beside(bare_venvs("3.11"), "2.5.2", before="import wrapt")
-    assert out["result"] == 2 and out["hooked"] == ["colorsys"] and out["same_as_app"] is True
-    assert not [name for name in out["loaded"] if name.startswith("npu_shim._wrapt")]
-
-
 # -- the bundle ------------------------------------------------------------------------------------
 
 def test_bundle_holds_every_build_pyc_and_a_manifest_that_verifies(built_bundle):
@@ -272,9 +155,9 @@ def test_bundle_holds_every_build_pyc_and_a_manifest_that_verifies(built_bundle)
 def test_bundle_verify_names_a_changed_file(built_bundle, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(str(built_bundle), str(copy))
-    (copy / "npu_shim" / "config.py").write_text("# edited\n")
+    (copy / "npu_shim" / "core" / "config.py").write_text("# edited\n")
     os.remove(str(copy / "sitecustomize.py"))
-    assert sorted(bundle.verify(str(copy))) == ["npu_shim/config.py: changed", "sitecustomize.py: missing"]
+    assert sorted(bundle.verify(str(copy))) == ["npu_shim/core/config.py: changed", "sitecustomize.py: missing"]
 
 
 def test_bundle_refuses_a_non_empty_target_and_leaves_it_alone(tmp_path):
@@ -388,7 +271,7 @@ def test_without_wrapt_patches_fail_in_one_line_each_and_sglang_still_imports(ba
 def test_without_wrapt_a_feature_asked_for_explicitly_stops_the_process(bare_venvs, tree):
     proc = run(bare_venvs("3.11"), tree, REPORT, REPO, env={"DEMO_MUST_HONOUR": "1"}, check=False)
     assert proc.returncode == 1
-    assert ("npu_shim.framework.ShimError: npu-shim: demo was requested but is failed: wrapt is not "
+    assert ("npu_shim.core.framework.ShimError: npu-shim: demo was requested but is failed: wrapt is not "
             "available") in proc.stderr
     assert proc.stdout == ""
 
@@ -506,110 +389,3 @@ def test_pip_install_then_install_reaches_children(pip_installed, tree):
     out = _run_children_main(pip_installed, tree, None)
     patched = [1001, "applied"]
     assert out == {"spawn": patched, "forkserver": patched, "subprocess": patched, "parent": patched}
-
-
-# -- check: the truth from a real process ------------------------------------------------------------
-
-def _check(python, tree, first, env=None, *args):
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_", "PYTHON"))}
-    full_env.update({"PYTHONPATH": os.pathsep.join([str(first), str(tree / "image"), str(tree / "pkgs")]),
-                     "CHAIN_MARKER": str(tree / "marker"), "PYTHONDONTWRITEBYTECODE": "1"})
-    full_env.update(env or {})
-    return subprocess.run([python, "-m", "npu_shim", "check"] + list(args), cwd=str(tree),
-                          env=full_env, capture_output=True, text=True, timeout=120)
-
-
-def test_check_reports_what_happened_in_a_real_process(bare_venvs, built_bundle, tree):
-    proc = _check(bare_venvs("3.11"), tree, built_bundle, None, "--json")
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
-    assert report["shim_active"] and report["sitecustomize"] == str(built_bundle / "sitecustomize.py")
-    assert report["states"]["demo"]["state"] == "applied"
-    assert report["wrapped"] == {"sglang.srt.utils.common:get_npu_memory_capacity": True,
-                                 "sglang.srt.utils.common:Scheduler.__init__": True}
-    assert report["wrapt"]["source"] == "bundle" and report["wrapt"]["build"] == "cp311-x86_64-glibc2.5"
-    assert report["bundle"] == {"is_bundle": True, "ok": True, "problems": [],
-                                "text": "%s: files match its MANIFEST" % built_bundle}
-    assert report["sglang"] == {"path": str(tree / "pkgs" / "sglang"), "version": "0.5.9"}
-    assert report["zbal"]["found"] is False and report["kernel"]["ok"] is False
-    assert report["npu"]["npu_available"] is False
-    assert report["seconds"] < 60
-    text = _check(bare_venvs("3.11"), tree, built_bundle).stdout
-    assert "  wrapt: bundle %s [cp311-x86_64-glibc2.5]\n" % bundle.WRAPT_VERSION in text
-    assert "wrapped: sglang.srt.utils.common:get_npu_memory_capacity" in text
-
-
-def test_check_fails_where_the_shim_is_not_active_or_wrapt_is_missing(bare_venvs, tree):
-    proc = _check(bare_venvs("3.11"), tree, REPO, None, "--json")
-    report = json.loads(proc.stdout)
-    assert proc.returncode == 0  # active, but no wrapt: every patch says so, as it would in a server
-    assert report["states"]["demo"]["state"] == "failed" and report["wrapt"]["source"] == "missing"
-    assert report["wrapped"] == {}  # nothing could be wrapped
-    strict = _check(bare_venvs("3.11"), tree, REPO, {"NPU_SHIM_STRICT": "1"})
-    assert strict.returncode == 3
-    off = _check(bare_venvs("3.11"), tree, REPO, {"NPU_SHIM_ENABLED": "0"})
-    assert off.returncode == 4
-    assert "shim active at start-up: NO" in off.stdout
-
-
-def test_check_fails_on_a_bundle_whose_files_changed(bare_venvs, built_bundle, tree, tmp_path):
-    copy = tmp_path / "npu-shim"
-    shutil.copytree(str(built_bundle), str(copy))
-    with open(str(copy / "npu_shim" / "log.py"), "a") as handle:
-        handle.write("\n# edited in place\n")
-    proc = _check(bare_venvs("3.11"), tree, copy)
-    assert proc.returncode == 4
-    assert "1 files differ from its MANIFEST: npu_shim/log.py: changed" in proc.stdout
-
-
-@pytest.mark.parametrize("how", ["tar -xzf", "cp -r"])
-def test_unpacked_or_copied_bundle_starts_from_its_pyc(how, bare_venvs, built_bundle, tree, tmp_path):
-    """The .pyc are checked-hash: valid after a tar extraction and after a copy that lost every
-    mtime, so no process compiles the shim (and none could write a .pyc on a read-only mount)."""
-    dest = tmp_path / "shim"
-    dest.mkdir()
-    if how == "tar -xzf":
-        subprocess.run(["tar", "-xzf", str(built_bundle) + ".tar.gz", "-C", str(dest)], check=True)
-        root = dest / built_bundle.name
-    else:
-        root = dest / "npu-shim"
-        subprocess.run(["cp", "-r", str(built_bundle), str(root)], check=True)  # new mtimes
-    assert bundle.verify(str(root)) == []
-    proc = run(bare_venvs("3.11"), tree, REPORT, root, env={"PYTHONVERBOSE": "1"}, readonly=root)
-    out = last_json(proc)
-    assert out["state"] == "applied" and out["origin"]["source"] == "bundle" and out["c_ext"]
-    def loaded_from_pyc(module):
-        folder, name = os.path.split(module)
-        pyc = os.path.join(str(root), folder, "__pycache__", name + ".cpython-311.pyc")
-        return "code object from '%s'" % pyc in proc.stderr
-
-    for module in ("sitecustomize", "npu_shim/__init__", "npu_shim/runtime", "npu_shim/wrapt_loader"):
-        assert loaded_from_pyc(module), module
-    assert "matches %s" % os.path.join(str(root), "sitecustomize.py") in proc.stderr
-    # sitecustomize.py is the bootstrap itself: the file is not loaded a second time by its own name.
-    assert not loaded_from_pyc("npu_shim/_bootstrap")
-    assert "npu_shim/_bootstrap.py" not in proc.stderr
-
-
-# -- the zbal package check uses ----------------------------------------------------------------------
-
-def test_zbal_api_check_accepts_the_real_wheel_and_names_what_a_package_lacks(tmp_path):
-    import zipfile
-
-    from shimdev import realsglang
-    from npu_shim.patches import zbal as zbal_patch
-
-    with zipfile.ZipFile(str(realsglang.sglang_envs.ensure_zbal_wheel())) as wheel:
-        wheel.extractall(str(tmp_path / "real"), [n for n in wheel.namelist() if n.startswith("zbal/")])
-    real = str(tmp_path / "real" / "zbal")
-    assert zbal_patch.api_problems(real) == []
-    broken = tmp_path / "broken"
-    shutil.copytree(real, str(broken))
-    init = (broken / "__init__.py").read_text().replace("from .zbal_module import mem_get_info\n", "")
-    (broken / "__init__.py").write_text(init)
-    module = (broken / "zbal_module.py").read_text().replace("              ip_port: str = \"\"):", "):")
-    (broken / "zbal_module.py").write_text(module)
-    os.remove(str(broken / "zbal_buffer.py"))
-    assert zbal_patch.api_problems(str(broken)) == [
-        "__init__.py has no mem_get_info", "zbal_buffer.py unreadable (FileNotFoundError)",
-        "zbal_init has no parameter ip_port"]

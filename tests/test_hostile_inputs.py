@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 11): the shim answers each with a clear message, a documented exit code
+"""Hostile inputs: the shim answers each with a clear message, a documented exit code
 and never a traceback or a signal.  Where a crash is possible the probe runs in a subprocess.
 
 * tampered target sources read by ``python -m npu_shim status`` (syntax error, coding cookie, BOM,
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from npu_shim.patches import all_variables
+from npu_shim.core.loading import all_variables
 from npu_shim.patches import zbal as zbal_patch
 from shimdev import realsglang
 
@@ -106,10 +106,10 @@ PICKLE = r'''
 import copy, importlib, pickle
 import dill
 import npu_shim
-from npu_shim import runtime
+from npu_shim.runtime import activation
 importlib.import_module("sglang.srt.managers.scheduler")
 for patch in ("zbal", "mla_weight_release", "dual_stream_experts"):
-    for module in runtime.record(patch).patch.modules:
+    for module in activation.RUNTIME.record(patch).patch.modules:
         importlib.import_module(module)
 
 def resolve(target):
@@ -142,7 +142,7 @@ for name, state in npu_shim.states().items():
                                          x.__func__ is obj.__func__ if hasattr(x, "__func__") else
                                          x.__wrapped__.__func__ is obj.__wrapped__.__func__
                                          for x in (back, dill_back, copied)),
-                    "still_wrapped": all(type(x).__module__ == "npu_shim.targets"
+                    "still_wrapped": all(type(x).__module__ == "npu_shim.runtime.targets"
                                          for x in (back, dill_back, copied)),
                     "global_by_name": how == "" and not isinstance(owner, type)
                                       and back is obj and copied is obj,
@@ -177,7 +177,7 @@ def test_every_wrapped_target_pickles_and_copies_like_the_plain_function():
 
 
 def test_every_log_line_is_one_line_of_at_most_300_characters(caplog):
-    from npu_shim import log
+    from npu_shim.ops import log
 
     with caplog.at_level("INFO", logger="npu_shim"):
         log.error("while patching x: " + "source line\n" * 2000)
@@ -203,7 +203,7 @@ def test_every_variable_rejects_each_bad_value_in_one_line(tmp_path, value):
     """Every variable set to the same hostile value at once: ``status`` exits 2 (or 5, no sglang
     here, where the value is acceptable for every variable) and names each invalid variable in
     one line."""
-    from npu_shim import config
+    from npu_shim.core import config
 
     env = {os.fsencode(k): os.fsencode(v) for k, v in clean_env(PYTHONPATH=REPO).items()}
     raw = value if isinstance(value, bytes) else value.encode()
@@ -221,7 +221,7 @@ def test_every_variable_rejects_each_bad_value_in_one_line(tmp_path, value):
 
 
 def test_sizes_and_urls_accept_exactly_the_documented_forms():
-    from npu_shim import config
+    from npu_shim.core import config
 
     def url(value):
         return zbal_patch.BOOTSTRAP_URL.read({zbal_patch.BOOTSTRAP_URL.name: value})
@@ -240,14 +240,14 @@ def test_sizes_and_urls_accept_exactly_the_documented_forms():
             url(bad)
 
 
-# ---------------------------------------------------------------------- not on an NPU (§8)
+# ---------------------------------------------------------------------- not on an NPU
 
 OFF_NPU = r'''
 import importlib, sys
 from shimdev import simnpu
 simnpu.install_without_npu("0.5.11")
 import npu_shim
-from npu_shim import wrapt_loader
+from npu_shim.runtime import wrapt_loader
 # Every hooked module that imports on a plain CPU torch (the NPU-only ones need torch_npu).
 imported = []
 for name in ("sglang.srt.utils.common", "sglang.srt.distributed.parallel_state",

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from npu_shim import framework
-from npu_shim.patches import all_variables
+from npu_shim.core import config, framework
+from npu_shim.core.loading import all_variables
 from shimdev import release_report, sglang_envs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,6 +1,6 @@
 """Import matrix: the real sglang modules of every release of the table (post releases included) and
 of the editable install, executed on the simulated NPU with the shim on PYTHONPATH exactly as a
-user has it.  One subprocess per release (~10-15 s each, dev/shimdev/import_probe.py) does
+user has it.  One subprocess per release (dev/shimdev/import_probe.py) does
 everything:
 
 * imports every module a patch targets, with every patch triggered (demo_features.DEMO_ENV: zbal

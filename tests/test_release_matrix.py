@@ -17,9 +17,9 @@ import re
 import pytest
 from shimdev import sglang_envs
 
-from npu_shim import framework
-from npu_shim.codeview import SourceView
-from npu_shim.patches import load_all
+from npu_shim.core import framework
+from npu_shim.source.codeview import SourceView
+from npu_shim.core.loading import load_all
 
 from shimdev.expected_states import DOC, EXPECTED, PATCH_ORDER, TABLE_END, TABLE_START, render_table
 

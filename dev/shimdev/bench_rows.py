@@ -1,7 +1,7 @@
 """The rows of scripts/bench.py's table, declared once: which script measures each, in table order.
 
 bench.py refuses a row a script produces that is not declared here, and gives every declared row a
-cell even when its script failed ("not measured: ..."); tests/test_bench_table.py checks that
+cell even when its script failed ("not measured: ..."); tests/dev/test_bench_table.py checks that
 ``DOC``'s table has exactly these rows, in this order, between ``TABLE_START`` and ``TABLE_END``
 (``python3 scripts/bench.py --write-docs`` writes it from a run).
 """

@@ -1,9 +1,9 @@
 """The shim's dual-stream body under PyTorch's own CUDA Sanitizer (``TORCH_CUDA_SANITIZER=1``): a
 cross-check, on a CUDA device, of the simulated NPU's stream sanitizer (run by
 scripts/csan_dual_stream.py; its cases are also run under the simulated NPU's sanitizer by
-tests/test_simnpu_sanitizer.py, which keeps ``OURS`` honest).
+tests/dev/test_simnpu_sanitizer.py, which keeps ``OURS`` honest).
 
-Each case drives ``DualStream._forward_deepep_dual_stream`` (npu_shim/patches/dual_stream_experts.py)
+Each case drives ``DualStream._forward_deepep_dual_stream`` (npu_shim/patches/_impl/dual_stream_experts.py)
 on the benchmark's synthetic MoE block (npu_shim/synthetic_moe.py) through
 ``torch.get_device_module()``, so the same code runs on the simulated NPU and on CUDA.  On CUDA each
 case runs in a child process with ``TORCH_CUDA_SANITIZER=1`` (CSAN must be on before the first

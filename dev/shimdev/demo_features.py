@@ -49,7 +49,7 @@ def _demo_env():
     """Every patch switched on and triggered: each variable any patch reads unset (None: removed
     from the child's environment), then each patch's declared ``trigger_env`` -- so a new patch is
     triggered here without an edit -- and the drivers' own sizes."""
-    from npu_shim.patches import all_variables, load_all
+    from npu_shim.core.loading import all_variables, load_all
 
     env = {var.name: None for var in all_variables()}
     env.update({alias: None for var in all_variables() for alias in var.aliases})
@@ -73,9 +73,9 @@ def zbal_fresh(mix=False, scheduler_started=False):
     allocator switched in before the device is touched; afterwards torch_npu refuses the switch)."""
     from shimdev import simnpu, simzbal
     import zbal
-    from npu_shim import runtime
+    from npu_shim.runtime import activation
 
-    record = runtime.record("zbal")
+    record = activation.RUNTIME.record("zbal")
     if record is not None and record.process is not None:
         record.process.__init__(record.details)  # a scheduler process sets zbal up once
     simnpu.reset()
@@ -249,10 +249,10 @@ def zbal_demo():
 def mla_demo(model="glm-5", tp=16):
     """Decode role: bytes released from one synthetic MLA layer; touching a released weight."""
     from shimdev import mla_kernels as K
-    from npu_shim import runtime
+    from npu_shim.runtime import activation
     from npu_shim.patches import mla_weight_release as R
 
-    record = runtime.record("mla_weight_release")  # None until its modules are imported
+    record = activation.RUNTIME.record("mla_weight_release")  # None until its modules are imported
     if record is not None:
         record.process.reset()
     K.publish_server_args("decode")
@@ -261,7 +261,7 @@ def mla_demo(model="glm-5", tp=16):
     out = {"model": model, "tp": tp, "freed": r["freed"], "expected": r["expected"],
            "before": r["before"], "kernels": r["kernels"], "outputs_equal": r["outputs"][0] == r["outputs"][1],
            "qkv_type": r["qkv_type"], "w_kc_type": r["w_kc_type"],
-           "details": dict(runtime.record("mla_weight_release").details)}
+           "details": dict(activation.RUNTIME.record("mla_weight_release").details)}
     try:
         m.w_kc.sum()
         out["touch"] = None
@@ -291,8 +291,8 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
     from sglang.srt.layers.rotary_embedding import get_rope
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from torch.overrides import TorchFunctionMode
-    from npu_shim import runtime
-    from npu_shim.codeview import unwrap
+    from npu_shim.runtime import activation
+    from npu_shim.source.codeview import unwrap
 
     # What the real constructors read from a launched server: real ServerArgs, published as the
     # scheduler publishes them (each release has its own way to read them back).
@@ -431,7 +431,7 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
         return max(float((g.float() - r.float()).abs().max()) for g, r in zip(got, ref))
 
     def state():
-        return runtime.states()["dual_stream_experts"]
+        return activation.RUNTIME.states()["dual_stream_experts"]
 
     def wrapped_names():
         return {
@@ -483,7 +483,7 @@ def import_targets():
 
     from shimdev import dual_stream_kernels
     from shimdev import simnpu
-    from npu_shim.patches import load_all
+    from npu_shim.core.loading import load_all
 
     dual_stream_kernels.install(simnpu, kernel="partial")
     failed = {}
@@ -526,10 +526,10 @@ def run_all(release):
     if broken:
         raise RuntimeError("target modules failed to import: %s" % broken)
     import sglang
-    from npu_shim import runtime
+    from npu_shim.runtime import activation
 
     out = {"release": release, "states": {}, "sglang_file": sglang.__file__, "missing_modules": sorted(failed)}
-    for name, st in runtime.states().items():
+    for name, st in activation.RUNTIME.states().items():
         out["states"][name] = {"state": st["state"], "reason": st["reason"],
                                "details": st.get("details") or {}}
     # upstream/off: the shim has nothing of its own to show, except where the release's own code

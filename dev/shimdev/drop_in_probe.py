@@ -9,7 +9,7 @@ import sys
 def import_targets():
     """Import every module any patch targets as ``check`` does (one a release does not have is
     skipped); any other failure fails the probe."""
-    from npu_shim.check import import_target_modules
+    from npu_shim.cli.check import import_target_modules
 
     failed = {name: how for name, how in import_target_modules().items() if how not in ("ok", "absent")}
     if failed:
@@ -18,7 +18,7 @@ def import_targets():
 
 def report():
     import npu_shim
-    from npu_shim import wrapt_loader
+    from npu_shim.runtime import wrapt_loader
 
     import_targets()
     states = npu_shim.states()

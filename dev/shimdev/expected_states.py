@@ -1,6 +1,6 @@
 """What each patch does on each supported release, derived from its declaration.
 
-A patch declares ``backport_range`` and ``upstream_release`` (npu_shim/framework.py);
+A patch declares ``backport_range`` and ``upstream_release`` (npu_shim/core/framework.py);
 ``framework.expected_state`` turns them into the state it must reach on a release with its switch
 on and its trigger set: ``inactive`` before the range (nothing to backport onto), ``applied`` in
 it, ``upstream`` from ``upstream_release``.  The static matrix (tests/test_release_matrix.py, every
@@ -11,8 +11,8 @@ declaration that is wrong about the code fails a test, and a new patch needs no 
 """
 
 from shimdev import realsglang
-from npu_shim.framework import expected_state
-from npu_shim.patches import load_all
+from npu_shim.core.framework import expected_state
+from npu_shim.core.loading import load_all
 
 PATCHES = load_all()
 PATCH_ORDER = tuple(p.name for p in PATCHES)

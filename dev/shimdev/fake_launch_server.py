@@ -46,7 +46,7 @@ def spawned():
 
 def wrapt_origin():
     try:
-        from npu_shim import wrapt_loader
+        from npu_shim.runtime import wrapt_loader
     except ImportError:
         return None
     origin = wrapt_loader.loaded_origin()

@@ -15,7 +15,7 @@ from __future__ import annotations
 from shimdev import realsglang, stream_races
 from shimdev.demo_features import DEMO_ENV
 
-from npu_shim.patches import load_all
+from npu_shim.core.loading import load_all
 
 # Every module a patch hooks (0.5.7/0.5.8 lack the MLA ones: "failed" is checked against that).
 TARGETS = sorted({module for patch in load_all() for module in patch.modules})
@@ -27,7 +27,7 @@ failed = demo_features.import_targets()  # before anything else imports sglang
 import importlib.metadata, sys
 import sglang
 import npu_shim
-from npu_shim import wrapt_loader
+from npu_shim.runtime import wrapt_loader
 wrapt = wrapt_loader.load()  # the shim's own (npu_shim._wrapt): its wrappers' classes
 from sglang.srt.utils.common import is_npu
 

@@ -18,13 +18,13 @@ from shimdev.demo_features import DEMO_ENV
 RELEASE = "0.5.11"
 
 _SNIPPET = r'''
-from npu_shim import runtime
+from npu_shim.runtime import activation
 from npu_shim.patches import mla_weight_release as R
 from shimdev import mla_kernels as K
 
 results = []
 for model, tp, role in {cases!r}:
-    record = runtime.record("mla_weight_release")  # None until the first layer imported its modules
+    record = activation.RUNTIME.record("mla_weight_release")  # None until the first layer imported its modules
     if record is not None:
         record.process.reset()
     K.publish_server_args(role)
@@ -37,7 +37,7 @@ for model, tp, role in {cases!r}:
                     "freed": r["freed"], "before": r["before"], "after": r["after"],
                     "shape": {{"qkv_a": shape_qkv, "w_kc": shape_w_kc}},
                     "kernels": r["kernels"]}})
-emit({{"state": runtime.states()["mla_weight_release"]["state"], "results": results}})
+emit({{"state": activation.RUNTIME.states()["mla_weight_release"]["state"], "results": results}})
 '''
 
 

@@ -51,26 +51,26 @@ QUICK_SAMPLE = 12
 # module -> the test files that mirror it (run for each of its mutants), and, for a module only
 # partly under test here, the defs whose code is mutated ("Class" = every method, "Class.method").
 MODULES = {
-    "npu_shim/framework.py": {"tests": ["tests/test_framework.py"]},
-    "npu_shim/targets.py": {"tests": ["tests/test_targets.py", "tests/test_reliability.py"]},
-    "npu_shim/runtime.py": {"tests": ["tests/test_runtime.py", "tests/test_reliability.py",
+    "npu_shim/core/framework.py": {"tests": ["tests/core/test_framework.py"]},
+    "npu_shim/runtime/targets.py": {"tests": ["tests/runtime/test_targets.py", "tests/runtime/test_reliability.py"]},
+    "npu_shim/runtime/activation.py": {"tests": ["tests/runtime/test_activation.py", "tests/runtime/test_reliability.py",
                                       "tests/test_bootstrap.py"]},
-    "npu_shim/finder.py": {"tests": ["tests/test_finder.py", "tests/test_reliability.py"]},
-    "npu_shim/decision_cache.py": {"tests": ["tests/test_decision_cache.py"]},
-    "npu_shim/config.py": {"tests": ["tests/test_config.py", "tests/test_framework.py",
+    "npu_shim/runtime/finder.py": {"tests": ["tests/runtime/test_finder.py", "tests/runtime/test_reliability.py"]},
+    "npu_shim/source/answers.py": {"tests": ["tests/source/test_answers.py"]},
+    "npu_shim/core/config.py": {"tests": ["tests/core/test_config.py", "tests/core/test_framework.py",
                                      "tests/test_hostile_inputs.py"]},
-    "npu_shim/statefile.py": {"tests": ["tests/test_statefile.py", "tests/test_ops_state.py"]},
-    "npu_shim/statedir.py": {"tests": ["tests/test_statefile.py", "tests/test_running.py"]},
-    "npu_shim/running.py": {"tests": ["tests/test_running.py", "tests/test_ops_state.py"]},
+    "npu_shim/ops/statefile.py": {"tests": ["tests/ops/test_statefile.py", "tests/ops/test_ops_state.py"]},
+    "npu_shim/ops/statedir.py": {"tests": ["tests/ops/test_statefile.py", "tests/cli/test_running_records.py"]},
+    "npu_shim/cli/running_records.py": {"tests": ["tests/cli/test_running_records.py", "tests/ops/test_ops_state.py"]},
     # the release / guard / accounting code of the MLA patch
     "npu_shim/patches/mla_weight_release.py": {
         "tests": ["tests/patches/test_mla_weight_release.py"],
         "scope": ["_find_released", "_guard_torch_function", "_guard_repr", "guarded_class",
                   "is_released", "storage_holders", "_base_chain", "_chain_refs",
                   "_base_held_elsewhere", "release", "_shares_storage", "_exclusive",
-                  "Release.release_allowed", "Release._account", "Release._note_guarded",
-                  "Release.released_weights", "Release.release_qkv_a", "Release.release_w_kc",
-                  "Release._release"]},
+                  "FreedWeights.free_allowed", "FreedWeights._account", "FreedWeights._note_guarded",
+                  "FreedWeights.released_weights", "FreedWeights.free_qkv_a", "FreedWeights.free_w_kc",
+                  "FreedWeights._free"]},
     # zbal's heap size and its set-up (full mode, the lazy GVA heap of mix mode)
     "npu_shim/patches/zbal.py": {
         "tests": ["tests/patches/test_zbal.py"],
@@ -95,7 +95,7 @@ class Mutant:
     """One mutation of one file: ``text`` is the whole mutated source."""
 
     def __init__(self, path, index, line, kind, before, after, text):
-        self.path = path      # relative to the repository, e.g. npu_shim/framework.py
+        self.path = path      # relative to the repository, e.g. npu_shim/core/framework.py
         self.index = index    # its place among the file's mutants (stable for a given source)
         self.line = line
         self.kind = kind

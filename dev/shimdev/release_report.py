@@ -1,5 +1,5 @@
 """For maintainers (the command is scripts/release_report.py; this module holds its code, which
-tests/test_release_report.py imports), when upstream publishes an sglang release:
+tests/dev/test_release_report.py imports), when upstream publishes an sglang release:
 
     python3 scripts/release_report.py VERSION     # e.g. 0.5.24; "latest" = the newest on PyPI
     python3 scripts/release_report.py --write-docs
@@ -52,15 +52,15 @@ def latest_on_pypi() -> str:
 
 def release_view(version, strict=False):
     """A SourceView of a release's source (its wheel, unpacked once)."""
-    from npu_shim.codeview import SourceView
+    from npu_shim.source.codeview import SourceView
 
     return SourceView(os.path.join(str(sglang_envs.ensure_sources(version, strict=strict)), "sglang"))
 
 
 def static_decisions(view):
     """{patch: Decision} from the source, each patch switched on and its trigger assumed set."""
-    from npu_shim import framework
-    from npu_shim.patches import load_all
+    from npu_shim.core import framework
+    from npu_shim.core.loading import load_all
 
     return {p.name: framework.decide(p, view, environ={}, on_npu=None, assume_triggered=True)
             for p in load_all()}
@@ -68,8 +68,9 @@ def static_decisions(view):
 
 def moved(prev_view, new_view):
     """Lines: what changed for the shim between two releases' sources."""
-    from npu_shim import framework, targets
-    from npu_shim.patches import load_all
+    from npu_shim.core import framework
+    from npu_shim.runtime import targets
+    from npu_shim.core.loading import load_all
 
     lines = []
     for patch in load_all():
@@ -80,9 +81,10 @@ def moved(prev_view, new_view):
             lines.append("%s: the probe no longer finds the upstream feature (was: %s)" % (patch.name, before))
         if before:
             continue  # upstream before: the shim had no targets to compare
-        ctx = framework.DecideContext({}, True)
         try:
-            listed = patch.targets(prev_view, ctx)
+            listed = framework.targets_for(patch, prev_view, {})[1]
+        except framework.Verdict:
+            continue  # nothing to list for the previous release
         except Exception as exc:  # a release the patch cannot even list targets for
             lines.append("%s: cannot list the previous release's targets (%r)" % (patch.name, exc))
             continue
@@ -118,7 +120,7 @@ ENV_START, ENV_END = "<!-- env-table -->", "<!-- /env-table -->"
 
 def env_table():
     """ENV_DOC's environment-variable table (between ENV_START and ENV_END)."""
-    from npu_shim.patches import all_variables
+    from npu_shim.core.loading import all_variables
 
     lines = ["| variable | type | default | meaning |", "|---|---|---|---|"]
     lines += ["| `%s` | %s | `%r` | %s |" % (v.name, v.kind, v.default, v.doc) for v in all_variables()]

@@ -282,7 +282,7 @@ def ensure_sources(version: str, *, strict: bool = True) -> Path:
 
 
 ZBAL_PIN = "memfabric-zbal==1.2.0"
-#: The torch_npu the simulated NPU is held to (tests/test_simnpu_conformance.py reads its Python
+#: The torch_npu the simulated NPU is held to (tests/dev/test_simnpu_conformance.py reads its Python
 #: files) and the no-CANN environment installs (its C extension cannot load without CANN).
 TORCH_NPU_PIN = "torch-npu==2.13.0"
 

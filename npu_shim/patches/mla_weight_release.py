@@ -27,7 +27,7 @@ How
     2. Role: ``runtime_context.get_disagg().disaggregation_mode`` where it exists (0.5.17+), else
        ``get_global_server_args().disaggregation_mode``; read when each layer decides.  Which of
        the two, and forward()'s W8A8 attribute, are read from the code when the patch is decided
-       and handed to the wrappers through ``Release`` (one per decision).  Unknown
+       and handed to the wrappers through ``FreedWeights`` (one per decision).  Unknown
        (not published yet, no such field, odd value): nothing is released and one warning says so.
     3. ``mlaprolog_preprocess_weight`` is wrapped: after it made the q_a / kv_a copies, the fused
        ``qkv_a_proj.weight`` is released when role != ``null``.
@@ -36,7 +36,7 @@ How
        ``w_kc is not None``.  Later calls only delegate (one dict lookup; see
        ``scripts/bench_mla_release.py``).
 
-    5. Weight updates (issue 14 §6).  ``/update_weights_from_disk`` and the tensor / distributed /
+    5. Weight updates.  ``/update_weights_from_disk`` and the tensor / distributed /
        IPC variants exist on every 0.5.9 - 0.5.19 server whatever its flags.  Loading into a
        released weight raises ``ReleasedWeightError`` inside the scheduler: 0.5.9 - 0.5.19's disk
        update then "rolls back to original weights" by loading again outside its ``try`` (raises
@@ -88,9 +88,10 @@ import logging
 import re
 import sys
 
-from npu_shim import config, log
-from npu_shim.framework import Patch
-from npu_shim.targets import Replace, Wrap
+from npu_shim.core import config
+from npu_shim.ops import log
+from npu_shim.core.framework import Inactive, Patch, Unsupported
+from npu_shim.runtime.targets import Replace, Wrap
 
 MLA_PRE = "sglang.srt.hardware_backend.npu.attention.mla_preprocess"
 MLA_NPU = "sglang.srt.hardware_backend.npu.modules.deepseek_v2_attention_mla_npu"
@@ -380,13 +381,19 @@ def _base_held_elsewhere(chain):
     return any(refs > _BASE_REFS[0] for refs in _chain_refs(chain))
 
 
-def _warn(key, level, message):
+def _log_line(level, message):
     log.log(level, "mla_weight_release: " + message)
 
 
-def release(tensor, what, once=_warn):
+def _each_time(key, level, message):
+    """``free_weight``'s ``once`` where no process state keeps track (``FreedWeights.once`` says
+    each ``key`` once per process): every message is logged, ``key`` is not used."""
+    _log_line(level, message)
+
+
+def free_weight(tensor, what, once=_each_time):
     """Free ``tensor``'s memory and guard the object; returns the bytes freed (0: kept).
-    ``once(key, level, message)`` says why a weight is kept (``Release.once``: once per process).
+    ``once(key, level, message)`` says why a weight is kept (``FreedWeights.once``: once per process).
 
     Nothing is freed that anything but the weight itself and its own ``_base`` chain holds: the
     storage's real holders (the C++ use count) decide.  Otherwise the weight is kept whole and one
@@ -469,7 +476,7 @@ def _layer_list(layers):
 
 # --------------------------------------------------------------------------- the release in a process
 
-class Release:
+class FreedWeights:
     """The release in one process: what the decision read from the code (forward()'s W8A8
     attribute, where the role is published), the wrappers built on it, and what they freed.  A
     decision builds a fresh one (so uninstall/install starts over); ``details`` is the patch
@@ -492,7 +499,7 @@ class Release:
     def once(self, key, level, message):
         if key not in self.said:
             self.said.add(key)
-            _warn(key, level, message)
+            _log_line(level, message)
 
     def uses_mlaprolog(self, preprocess):
         return uses_mlaprolog(preprocess, self.w8a8_attr)
@@ -507,7 +514,7 @@ class Release:
         self.details.update(skipped=detail)
         return result
 
-    def release_allowed(self, kind):
+    def free_allowed(self, kind):
         """(role, None) when ``kind`` ("qkv_a" / "w_kc") may be released in this process, else
         (role or None, why not); every 'no' other than the role itself is logged once."""
         role, why = self.disagg_role()
@@ -556,7 +563,7 @@ class Release:
         total = sum(self.released_bytes.values())
         log.info("mla_weight_release: %s: %.1f MiB in %d layers (qkv_a %.1f MiB, w_kc %.1f MiB) in %s"
                  % (prefix, total / MIB, len(self.layers), self.released_bytes["qkv_a"] / MIB,
-                    self.released_bytes["w_kc"] / MIB, log.process_tag()))
+                    self.released_bytes["w_kc"] / MIB, log.pid_text()))
 
     def _note_guarded(self, kind, layer, tensor):
         """A guarded weight raises on every touch, freed or not (memory still held elsewhere):
@@ -592,11 +599,11 @@ class Release:
         message = self.update_refusal(op)
         self.details["updates_refused"] = self.details.get("updates_refused", 0) + 1
         log.warning("mla_weight_release: refused %s: MLA weights are released in %s (%s=0 keeps "
-                    "them)" % (op, log.process_tag(), SWITCH.name))
+                    "them)" % (op, log.pid_text(), SWITCH.name))
         return False, message
 
     # -- the wrappers
-    def release_qkv_a(self, preprocess):
+    def free_qkv_a(self, preprocess):
         """After ``mlaprolog_preprocess_weight``: free the fused qkv_a weight (role != null)."""
         layer = getattr(preprocess, "layer_id", "?")
         what = "qkv_a_proj.weight of layer %s" % layer
@@ -607,7 +614,7 @@ class Release:
             self.once("disagree", logging.WARNING, "keeping %s: mlaprolog_preprocess_weight ran "
                                                    "although forward() would not route to mlaprolog" % what)
             return 0
-        role, no = self.release_allowed("qkv_a")
+        role, no = self.free_allowed("qkv_a")
         if no:
             return 0
         copies = [getattr(preprocess, name, None) for name in ("q_a_proj_weight", "kv_a_proj_weight")]
@@ -615,9 +622,9 @@ class Release:
             self.once("qkv-shared", logging.WARNING, "keeping %s: its q_a/kv_a copies share its memory, "
                                                      "or its storage holds more than this weight" % what)
             return 0
-        return self._release("qkv_a", layer, weight, what)
+        return self._free("qkv_a", layer, weight, what)
 
-    def release_w_kc(self, m):
+    def free_w_kc(self, m):
         """After ``npu_mla_preprocess`` first built ``m.mla_preprocess``: free ``m.w_kc`` (decode)."""
         layer = getattr(m, "layer_id", "?")
         what = "w_kc of layer %s" % layer
@@ -627,7 +634,7 @@ class Release:
         preprocess = m.mla_preprocess
         if not self.uses_mlaprolog(preprocess):
             return 0
-        role, no = self.release_allowed("w_kc")
+        role, no = self.free_allowed("w_kc")
         if no:
             return 0
         own = getattr(preprocess, "w_kc", None)
@@ -635,10 +642,10 @@ class Release:
             self.once("wkc-shared", logging.WARNING, "keeping %s: the preprocessor's w_kc shares its "
                                                      "memory, or its storage holds more than this weight" % what)
             return 0
-        return self._release("w_kc", layer, w_kc, what)
+        return self._free("w_kc", layer, w_kc, what)
 
-    def _release(self, kind, layer, tensor, what):
-        nbytes = release(tensor, what, self.once)
+    def _free(self, kind, layer, tensor, what):
+        nbytes = free_weight(tensor, what, self.once)
         self._note_guarded(kind, layer, tensor)
         if nbytes:
             self._account(kind, layer, nbytes, what)
@@ -661,7 +668,7 @@ class Release:
         result = wrapped(*args, **kwargs)
         try:
             if not had and hasattr(m, "mla_preprocess"):
-                self.release_w_kc(m)
+                self.free_w_kc(m)
         except Exception as exc:  # noqa: BLE001 - never break the forward pass over an optimisation
             self.once("error", logging.ERROR, "keeping w_kc: deciding the release raised %r" % (exc,))
         if self.first_marked:
@@ -674,7 +681,7 @@ class Release:
     def wrap_preprocess_weight(self, wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
         try:
-            self.release_qkv_a(instance)
+            self.free_qkv_a(instance)
         except Exception as exc:  # noqa: BLE001
             self.once("error", logging.ERROR,
                       "keeping qkv_a_proj.weight: deciding the release raised %r" % (exc,))
@@ -700,29 +707,41 @@ class MlaWeightRelease(Patch):
             return "%s.uses_mlaprolog exists (and the release with it)" % CLASS
         return None
 
+    def summary_details(self, details):
+        return [] if details.get("released_mib") is None else ["released %s MiB" % details["released_mib"]]
+
+    def running_details(self, details):
+        released = details.get("released_mib")
+        if isinstance(released, (int, float)) and not isinstance(released, bool):
+            return ["-%s MiB" % released]
+        return []
+
+    def new_process_state(self, view, details):
+        """What the decision read from the code, for the wrappers: forward()'s W8A8 attribute and
+        where the disaggregation role is published."""
+        forward = FORWARD_FINGERPRINTS.get(fingerprint(view, MLA_PRE, CLASS + ".forward"))
+        role_source = "get_disagg" if view.has(RUNTIME_CONTEXT, "get_disagg") else "server_args"
+        return FreedWeights(w8a8_attr=forward, role_source=role_source, details=details)
+
     def targets(self, view, ctx):
         entry = (MLA_NPU, "npu_mla_preprocess")
         weight = (MLA_PRE, CLASS + ".mlaprolog_preprocess_weight")
         if view.function(MLA_PRE, CLASS + ".forward_mlaprolog") is None and view.function(*entry) is None:
-            ctx.nothing_to_do("this sglang has no mlaprolog path (it appears in 0.5.9), so there is "
-                              "nothing to release")
-            return []
-        for missing in [d for d in (entry, weight) if view.function(*d) is None]:
-            ctx.refuse("%s:%s not found, although this sglang has the mlaprolog path "
-                       "(%s.forward_mlaprolog): renamed or moved in this image, so the shim cannot "
-                       "tell what would still read the weights" % (missing + (CLASS,)))
-            return []
+            raise Inactive("this sglang has no mlaprolog path (it appears in 0.5.9), so there is "
+                           "nothing to release")
+        missing = [d for d in (entry, weight) if view.function(*d) is None]
+        if missing:
+            raise Unsupported("%s:%s not found, although this sglang has the mlaprolog path "
+                              "(%s.forward_mlaprolog): renamed or moved in this image, so the shim "
+                              "cannot tell what would still read the weights" % (missing[0] + (CLASS,)))
         caller = next((c for c in (SCHEDULER_MIXIN, SCHEDULER_UPDATER)
                        if view.function(c[0], c[1] + ".update_weights_from_disk") is not None), None)
         if caller is None:
-            ctx.refuse("the scheduler's update_weights_from_disk was not found (%s.%s or %s.%s): the "
-                       "shim cannot tell how a refused weight update would be answered, so it releases "
-                       "nothing" % (SCHEDULER_MIXIN + SCHEDULER_UPDATER))
-            return []
+            raise Unsupported("the scheduler's update_weights_from_disk was not found (%s.%s or %s.%s): "
+                              "the shim cannot tell how a refused weight update would be answered, so "
+                              "it releases nothing" % (SCHEDULER_MIXIN + SCHEDULER_UPDATER))
         forward = (MLA_PRE, CLASS + ".forward")
-        release = ctx.process = Release(w8a8_attr=FORWARD_FINGERPRINTS.get(fingerprint(view, *forward)),
-                          role_source="get_disagg" if view.has(RUNTIME_CONTEXT, "get_disagg")
-                          else "server_args", details=ctx.details)
+        release = ctx.process
         ctx.note("frees memory only where the disaggregation role is prefill (qkv_a) or decode "
                  "(qkv_a, w_kc), and not with LoRA, weight updates or speculative decoding; once "
                  "it has, update_weights_* requests are refused")

@@ -68,9 +68,10 @@ Remove when every supported image runs sglang >= 0.5.12.
 
 import importlib.util
 
-from npu_shim import config, log, procinfo, statefile
-from npu_shim.framework import Patch, ShimError
-from npu_shim.targets import Replace, Wrap, bind_arguments
+from npu_shim.core import config
+from npu_shim.ops import log, procinfo, statefile
+from npu_shim.core.framework import Failed, Inactive, Patch, ShimError
+from npu_shim.runtime.targets import Replace, Wrap, bind_arguments
 
 SCHEDULER = "sglang.srt.managers.scheduler"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
@@ -130,7 +131,8 @@ SWITCH = config.switch("zbal", "Switch for the zbal allocator backport (also nee
 LOCAL_MEM_SIZE = config.mib(
     "SGLANG_ZBAL_LOCAL_MEM_SIZE",
     "Device memory zbal manages, in MiB (at most 1048576 = 1 TiB); > 0 turns zbal on (upstream name "
-    "and meaning; on sglang >= 0.5.12 upstream's own zbal reads it, whatever NPU_SHIM_ZBAL says).")
+    "and meaning; on sglang >= 0.5.12 upstream's own zbal reads it, whatever NPU_SHIM_ZBAL says).",
+    zero_means="turns zbal off")
 BOOTSTRAP_URL = config.url(
     "SGLANG_ZBAL_BOOTSTRAP_URL",
     "tcp://HOST:PORT (hostname, IPv4 or [IPv6]; port 1-65535) of zbal's bootstrap server; empty "
@@ -490,8 +492,14 @@ class ZbalPatch(Patch):
 
     def trigger(self, environ):
         if LOCAL_MEM_SIZE.read(environ) <= 0:
-            return "SGLANG_ZBAL_LOCAL_MEM_SIZE is unset or 0"
-        return None
+            raise Inactive("SGLANG_ZBAL_LOCAL_MEM_SIZE is unset or 0")
+
+    def requires(self):
+        """Every target: zbal must be findable when its module is patched."""
+        require_zbal()
+
+    def new_process_state(self, view, details):
+        return ZbalProcess(details)
 
     def must_honour(self, environ):
         if not LOCAL_MEM_SIZE.is_set(environ):
@@ -501,41 +509,67 @@ class ZbalPatch(Patch):
         except config.ConfigError:
             return True  # an invalid size is a request we cannot read, not a request for nothing
 
+    def check_facts(self):
+        """The zbal package the shim would use, read from its files (never imported: importing
+        loads the native library, which needs CANN), and whether it has the Python API called."""
+        from npu_shim.source.codeview import find_package_dir, module_version
+
+        package_dir = find_package_dir("zbal")
+        if package_dir is None:
+            return {"zbal": {"label": "zbal", "found": False,
+                             "text": "not installed (needed only with SGLANG_ZBAL_LOCAL_MEM_SIZE)"}}
+        version = module_version(("memfabric-zbal", "memfabric_zbal"), package_dir)
+        missing = api_problems(package_dir)
+        text = "%s at %s: %s" % (version or "unknown version", package_dir,
+                                 "API as memfabric-zbal 1.1.2/1.2.0" if not missing else
+                                 "API differs: " + "; ".join(missing))
+        return {"zbal": {"label": "zbal", "found": True, "version": version, "path": package_dir,
+                         "api_ok": not missing, "api_problems": missing, "text": text}}
+
+    def summary_details(self, details):
+        parts = [str(details["mode"])] if details.get("mode") else []
+        if isinstance(details.get("gva_mib"), int):
+            parts.append("%d MiB" % details["gva_mib"])
+        return parts
+
+    def running_details(self, details):
+        parts = [details["mode"][:16]] if isinstance(details.get("mode"), str) else []
+        size = details.get("gva_mib")
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+            parts.append("%d MiB" % size)
+        return parts
+
     def targets(self, view, ctx):
         if not ctx.assume_triggered and not zbal_findable():
-            ctx.fail(missing_message())
-            return []
-        process = ctx.process = ZbalProcess(ctx.details)
+            raise Failed(missing_message())
+        process = ctx.process
         sched = view.function(SCHEDULER, "Scheduler.__init__")
         sched_params = sched.params if sched else SCHEDULER_INIT_SIGS[-1]
         dist = view.function(PARALLEL_STATE, "init_distributed_environment")
         dist_params = dist.params if dist and "backend" in dist.params else INIT_DIST_SIGS[0]
         has_map = view.has(PARALLEL_STATE, "_DEVICE_TO_DISTRIBUTED_BACKEND")
-        needs = {"requires": require_zbal}
         targets = [
             Wrap(COMMON, "get_available_gpu_memory", get_available_gpu_memory, (AVAILABLE_SIG,),
-                 source_has=[(_AVAILABLE_NPU_BRANCH, "the NPU branch the full-mode query re-states")],
-                 **needs),
-            Wrap(COMMON, "get_npu_memory_capacity", get_npu_memory_capacity, ((),), **needs),
+                 source_has=[(_AVAILABLE_NPU_BRANCH, "the NPU branch the full-mode query re-states")]),
+            Wrap(COMMON, "get_npu_memory_capacity", get_npu_memory_capacity, ((),)),
             Wrap(PARALLEL_STATE, "init_distributed_environment",
-                 process.init_dist_wrapper(dist_params, hccl_means_npu=not has_map), INIT_DIST_SIGS,
-                 **needs),
+                 process.init_dist_wrapper(dist_params, hccl_means_npu=not has_map), INIT_DIST_SIGS),
         ]
         # Replaced in their own module only: the originals are shared objects -- deep_ep's
         # ``Buffer``, ``use_deepep`` is ``False`` -- read through ``deepep``'s globals.
         if has_map:
-            targets.append(Replace(PARALLEL_STATE, "_DEVICE_TO_DISTRIBUTED_BACKEND", _backend_map, **needs))
+            targets.append(Replace(PARALLEL_STATE, "_DEVICE_TO_DISTRIBUTED_BACKEND", _backend_map))
         targets += [
-            Replace(DEEPEP, "Buffer", _zbal_deepep("Buffer"), must_exist=False, **needs),
-            Replace(DEEPEP, "Config", _zbal_deepep("Config"), must_exist=False, **needs),
-            Replace(DEEPEP, "use_deepep", lambda original: True, **needs),
+            Replace(DEEPEP, "Buffer", _zbal_deepep("Buffer"), must_exist=False),
+            Replace(DEEPEP, "Config", _zbal_deepep("Config"), must_exist=False),
+            Replace(DEEPEP, "use_deepep", lambda original: True),
             Wrap(MODEL_RUNNER, "ModelRunner.initialize", process.model_runner_initialize,
-                 INITIALIZE_SIGS, **needs),
+                 INITIALIZE_SIGS),
             Wrap(MODEL_RUNNER, "ModelRunner.init_device_graphs", process.model_runner_init_device_graphs,
                  ((),), source_has=[(_NPU_BRANCH, "the NPU branch 'init_attention_backend(); "
-                                                  "init_device_graphs()' of initialize")], **needs),
+                                                  "init_device_graphs()' of initialize")]),
             Wrap(SCHEDULER, "Scheduler.__init__", process.scheduler_init_wrapper(sched_params),
-                 SCHEDULER_INIT_SIGS, **needs),
+                 SCHEDULER_INIT_SIGS),
         ]
         return targets
 

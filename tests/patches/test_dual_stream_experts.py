@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from npu_shim import framework, targets
-from npu_shim.codeview import SourceView
+from npu_shim.core import framework
+from npu_shim.runtime import targets
+from npu_shim.source.codeview import SourceView
 from npu_shim.patches import dual_stream_experts as ds
 from shimdev import realsglang
 
@@ -27,6 +28,11 @@ OFF = {}
 
 def view_of(version):
     return SourceView(str(envs.ensure_sources(version) / "sglang"), version=version)
+
+
+def share_stream():
+    """The side stream of the current (main) stream, None before its first use."""
+    return DS.side_streams.get(ds._device_module().current_stream())
 
 
 @pytest.fixture
@@ -262,13 +268,13 @@ def test_kernel_check_reads_the_installed_package_without_importing_it(on_path):
 
 
 def test_kernel_check_reasons(on_path):
-    assert ds.kernel_problem() == "sgl_kernel_npu is not installed"
+    assert str(ds.kernel_problem()) == "sgl_kernel_npu is not installed"
     _fake_kernel_package(on_path, None)
-    assert "has no norm/split_qkv_rmsnorm_rope.py" in ds.kernel_problem()
+    assert "has no norm/split_qkv_rmsnorm_rope.py" in str(ds.kernel_problem())
     (on_path / "sgl_kernel_npu" / "norm" / "split_qkv_rmsnorm_rope.py").write_text(OLD_KERNEL)
-    assert "no partial-rotary support" in ds.kernel_problem()
+    assert "no partial-rotary support" in str(ds.kernel_problem())
     (on_path / "sgl_kernel_npu" / "norm" / "split_qkv_rmsnorm_rope.py").write_text("x = 1\n")
-    assert "defines no split_qkv_rmsnorm_rope()" in ds.kernel_problem()
+    assert "defines no split_qkv_rmsnorm_rope()" in str(ds.kernel_problem())
 
 
 @pytest.mark.parametrize("when,decision,call_time", [
@@ -288,7 +294,7 @@ def test_kernel_history_is_judged_by_signature_the_same_before_and_at_call_time(
     16 head dims)."""
     _fake_kernel_package(on_path, HISTORY[when])
     problem = ds.kernel_problem()
-    assert (problem is None) if decision is None else (decision in problem), problem
+    assert (problem is None) if decision is None else (decision in str(problem)), problem
     assert "sgl_kernel_npu" not in sys.modules  # read, not imported
     (on_path / "sgl_kernel_npu" / "__init__.py").write_text("")  # now the process imports it
     DS.__init__()
@@ -299,7 +305,7 @@ def test_kernel_history_is_judged_by_signature_the_same_before_and_at_call_time(
 
 
 def test_kernel_the_shim_cannot_read_keeps_the_original_path(monkeypatch):
-    monkeypatch.setattr(ds, "importlib", types.SimpleNamespace(
+    monkeypatch.setattr(ds.implementation(), "importlib", types.SimpleNamespace(
         import_module=lambda name: types.SimpleNamespace(split_qkv_rmsnorm_rope=len)))  # a builtin
     assert "cannot read the source of the loaded split_qkv_rmsnorm_rope" in DS._plan_layer(_attn())
 
@@ -319,9 +325,9 @@ def test_side_stream_waits_main_runs_work_and_main_waits_side(simnpu_clean):
                             ("wait_stream", "main", "side-1")]
     # One side stream per process, reused; a revert forgets it.
     DS.process_shared_expert(1, lambda x: x)
-    assert len(sim.events("stream_create")) == 1 and sim.stream_name(DS.get_share_stream()) == "side-1"
+    assert len(sim.events("stream_create")) == 1 and sim.stream_name(share_stream()) == "side-1"
     DS.__init__()
-    assert DS.get_share_stream() is None
+    assert share_stream() is None
 
 
 def _moe_layer(process, block, hidden):
@@ -384,7 +390,7 @@ def _attn(**kw):
 def test_layer_plan(monkeypatch):
     from shimdev import dual_stream_kernels as K
 
-    monkeypatch.setattr(ds, "importlib", types.SimpleNamespace(
+    monkeypatch.setattr(ds.implementation(), "importlib", types.SimpleNamespace(
         import_module=lambda name: types.SimpleNamespace(split_qkv_rmsnorm_rope=K.split_qkv_rmsnorm_rope)))
     assert DS._plan_layer(_attn()) is None
     assert DS.kernel_partial is True
@@ -393,7 +399,7 @@ def test_layer_plan(monkeypatch):
     assert "not a neox-style" in DS._plan_layer(_attn(rotary_emb=_Rope(8, neox=False)))
     # The old kernel (whole-head rope) is fine only where the rope covers the whole head.
     DS.__init__()
-    monkeypatch.setattr(ds, "importlib", types.SimpleNamespace(
+    monkeypatch.setattr(ds.implementation(), "importlib", types.SimpleNamespace(
         import_module=lambda name: types.SimpleNamespace(split_qkv_rmsnorm_rope=K.split_qkv_rmsnorm_rope_full_head)))
     assert "rotates 8 of 16 head dims" in DS._plan_layer(_attn())
     assert DS._plan_layer(_attn(rotary_emb=_Rope(16))) is None
@@ -403,7 +409,7 @@ def test_missing_kernel_at_call_time_keeps_the_original_path(monkeypatch):
     def missing(name):
         raise ImportError("No module named %r" % name)
 
-    monkeypatch.setattr(ds, "importlib", types.SimpleNamespace(import_module=missing))
+    monkeypatch.setattr(ds.implementation(), "importlib", types.SimpleNamespace(import_module=missing))
     import torch
 
     assert DS._fused_kernel_for(_attn(), torch.arange(3)) is None
@@ -437,4 +443,4 @@ def test_bench_cpu_smoke_runs_the_shims_dual_stream_body_with_equal_output():
                            samples=1, reps=1, warmup=1)
     assert row["ok"] is None
     assert "outputs equal: True" in row["measured"] and "CPU smoke run" in row["measured"]
-    assert DS.get_share_stream() is None  # the bench leaves no stream state behind
+    assert share_stream() is None  # the bench leaves no stream state behind

@@ -14,8 +14,8 @@ import pytest
 import torch
 import wrapt
 
-from npu_shim import config, framework
-from npu_shim.codeview import SourceView
+from npu_shim.core import config, framework
+from npu_shim.source.codeview import SourceView
 from npu_shim.patches import mla_weight_release as R
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,7 +23,7 @@ from shimdev import sglang_envs
 
 
 # The wrappers' per-process state, as a decision builds it for 0.5.10 - 0.5.16 (each test afresh).
-REL = R.Release("quantization_config", "server_args")
+REL = R.FreedWeights("quantization_config", "server_args")
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +87,7 @@ def test_states_across_every_release():
 
 
 def test_weight_update_targets_pin_the_worker_and_the_scheduler_side_of_every_release():
-    """Issue 14 §6: each 0.5.9 - 0.5.19 release's BaseTpWorker.<op> (wrapped) and the scheduler
+    """Each 0.5.9 - 0.5.19 release's BaseTpWorker.<op> (wrapped) and the scheduler
     method that answers the request with its (success, message) are code the shim has read."""
     for version in sglang_envs.ALL_RELEASES:
         key = sglang_envs.version_key(version)
@@ -209,7 +209,7 @@ def test_release_frees_the_storage_and_guards_every_reference(make):
     alias = tensor  # another holder of the same object (e.g. a module attribute)
     storage = tensor.untyped_storage()
     nbytes = storage.nbytes()
-    assert R.release(tensor, "w_kc of layer 7", REL.once) == nbytes > 0
+    assert R.free_weight(tensor, "w_kc of layer 7", REL.once) == nbytes > 0
     assert storage.nbytes() == 0
     assert isinstance(alias, cls) and R.is_released(alias)
     for touch in (lambda: alias.sum(), lambda: alias + 1, lambda: alias.shape, lambda: alias.data,
@@ -224,14 +224,14 @@ def test_release_frees_the_storage_and_guards_every_reference(make):
     with pytest.raises(R.ReleasedWeightError, match="`sum` touched it"):
         alias.sum()
     assert "released by npu-shim: w_kc of layer 7" in repr(alias) == str(alias)
-    assert R.release(alias, "again", REL.once) == 0  # idempotent
+    assert R.free_weight(alias, "again", REL.once) == 0  # idempotent
     if isinstance(tensor, SglangLikeParameter):
         assert tensor._weight_loader == "loader"  # attributes survive
 
 
 def test_released_parameter_in_a_module_fails_state_dict_and_loading_clearly():
     linear = torch.nn.Linear(8, 4, bias=False)
-    R.release(linear.weight, "qkv_a_proj.weight of layer 3", REL.once)
+    R.free_weight(linear.weight, "qkv_a_proj.weight of layer 3", REL.once)
     assert [name for name, _ in linear.named_parameters()] == ["weight"]
     with pytest.raises(R.ReleasedWeightError, match="qkv_a_proj.weight of layer 3"):
         linear(torch.ones(2, 8))
@@ -252,7 +252,7 @@ def test_touching_a_released_weight_exits_with_an_exception_not_a_signal():
         import torch
         from npu_shim.patches import mla_weight_release as R
         t = torch.randn(64, 64)
-        R.release(t, "w_kc of layer 5")
+        R.free_weight(t, "w_kc of layer 5")
         print("released", flush=True)
         t.sum()
     """)
@@ -278,7 +278,7 @@ qkv = torch.nn.Parameter(torch.randn(24, 32), requires_grad=False)          # as
 w_kc = torch.randn(4, 8, 12).transpose(1, 2).contiguous().transpose(1, 2)  # as sglang lays out w_kc
 weight = {weight}
 alias = {alias}
-freed = R.release(weight, "w_kc of layer 3")
+freed = R.free_weight(weight, "w_kc of layer 3")
 print("released", freed, flush=True)
 with torch._C.DisableTorchFunctionSubclass():  # what C++ / subclass-blind code sees
     base = weight._base
@@ -323,12 +323,12 @@ def test_keeping_an_aliased_weight_warns_once_with_the_holder_count(logs):
     weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     views = [weight.view(-1), weight.t(), weight.detach()]
     for _ in range(2):
-        assert R.release(weight, "qkv_a_proj.weight of layer 1", REL.once) == 0
+        assert R.free_weight(weight, "qkv_a_proj.weight of layer 1", REL.once) == 0
     warnings = [line for line in logs if "other holder" in line]
     assert len(warnings) == 1 and "has 3 other holders" in warnings[0]
     assert float(sum(v.sum() for v in views)) == pytest.approx(3 * float(weight.sum()), rel=1e-4)
     del views
-    assert R.release(weight, "qkv_a_proj.weight of layer 1", REL.once) == 8 * 8 * 4
+    assert R.free_weight(weight, "qkv_a_proj.weight of layer 1", REL.once) == 8 * 8 * 4
 
 
 # --------------------------------------------------------------------------- predicate
@@ -380,14 +380,14 @@ def server(monkeypatch):
 def test_role_gates(server):
     for role, qkv, wkc in (("null", False, False), ("prefill", True, False), ("decode", True, True)):
         server["role"] = role
-        assert (REL.release_allowed("qkv_a")[1] is None) is qkv, role
-        assert (REL.release_allowed("w_kc")[1] is None) is wkc, role
+        assert (REL.free_allowed("qkv_a")[1] is None) is qkv, role
+        assert (REL.free_allowed("w_kc")[1] is None) is wkc, role
 
 
 def test_unknown_role_warns_once(server, logs):
     server["role_error"] = "ValueError('config namespace disagg not published')"
     for _ in range(3):
-        assert REL.release_allowed("qkv_a") == (None, server["role_error"])
+        assert REL.free_allowed("qkv_a") == (None, server["role_error"])
     warnings = [line for line in logs if "role is unknown" in line]
     assert len(warnings) == 1 and "not published" in warnings[0]
 
@@ -403,23 +403,23 @@ def test_unknown_role_warns_once(server, logs):
 ])
 def test_weight_updates_block_unless_forced(server, logs, monkeypatch, field, value, word):
     setattr(server["args"], field, value)
-    assert REL.release_allowed("w_kc")[1] == "weight updates"
+    assert REL.free_allowed("w_kc")[1] == "weight updates"
     assert any(word in line and "NPU_SHIM_MLA_RELEASE_FORCE=1" in line for line in logs)
     monkeypatch.setenv("NPU_SHIM_MLA_RELEASE_FORCE", "1")
-    assert REL.release_allowed("w_kc") == ("decode", None)
+    assert REL.free_allowed("w_kc") == ("decode", None)
     assert any("releasing although" in line for line in logs)
 
 
 def test_speculative_decoding_blocks_even_forced(server, logs, monkeypatch):
     server["args"].speculative_algorithm = "EAGLE"
     monkeypatch.setenv("NPU_SHIM_MLA_RELEASE_FORCE", "1")
-    assert REL.release_allowed("qkv_a")[1] == "other readers"
+    assert REL.free_allowed("qkv_a")[1] == "other readers"
     assert any("speculative decoding (EAGLE)" in line for line in logs)
 
 
 def test_unreadable_server_args_release_nothing(server, logs):
     server["args"] = ValueError("Global server args is not set yet!")
-    assert REL.release_allowed("qkv_a")[1] == "server args unknown"
+    assert REL.free_allowed("qkv_a")[1] == "server args unknown"
     assert any("server args cannot be read" in line for line in logs)
 
 
@@ -486,7 +486,7 @@ def test_decode_releases_once_per_layer_then_only_delegates(server, logs, monkey
     assert not [line for line in logs if "MiB in" in line]  # summary waits for a full pass
 
     calls = []
-    monkeypatch.setattr(REL, "release_w_kc", lambda m: calls.append(m))
+    monkeypatch.setattr(REL, "free_w_kc", lambda m: calls.append(m))
     monkeypatch.setattr(REL, "_first_calls", lambda *a: calls.append(a))
     second = step(layers[1:])
     for a, b in zip(first[1:], second):
@@ -546,7 +546,7 @@ def test_decision_errors_never_break_the_forward(server, logs, monkeypatch):
     def boom(*a):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(REL, "release_allowed", boom)
+    monkeypatch.setattr(REL, "free_allowed", boom)
     m = layer(0)
     out = step([m])[0]
     assert out[0].shape == (2, 16)
@@ -665,7 +665,7 @@ def _prepared(m, copy):
 ])
 def test_qkv_a_whose_copies_share_its_memory_is_kept(server, logs, copy, word):
     pre = _prepared(layer(0), copy)
-    assert REL.release_qkv_a(pre) == 0
+    assert REL.free_qkv_a(pre) == 0
     assert not R.is_released(pre.qkv_a_proj.weight)
     assert any(word in line for line in logs)
     assert not any("other holder" in line for line in logs)  # decided before the holder count
@@ -677,7 +677,7 @@ def test_qkv_a_that_is_part_of_a_larger_storage_is_kept(server, logs):
     m.fused_qkv_a_proj_with_mqa.weight.data = big[:24 * 32].view(24, 32)
     del big  # the weight is the storage's only holder, but holds 100 values besides itself
     pre = _prepared(m, lambda t: t.clone())
-    assert REL.release_qkv_a(pre) == 0 and not R.is_released(pre.qkv_a_proj.weight)
+    assert REL.free_qkv_a(pre) == 0 and not R.is_released(pre.qkv_a_proj.weight)
     assert any("storage holds more than this weight" in line for line in logs)
 
 
@@ -690,7 +690,7 @@ def test_w_kc_shared_with_or_distinct_from_the_preprocessors(server, logs, own):
     m.mla_preprocess = FakePreprocess(m)
     m.mla_preprocess.w_kc = own(m.w_kc)
     shares = m.mla_preprocess.w_kc.numel() > 0
-    assert (REL.release_w_kc(m) == 0) is shares
+    assert (REL.free_w_kc(m) == 0) is shares
     assert R.is_released(m.w_kc) is not shares
     assert any("preprocessor's w_kc shares its memory" in line for line in logs) is shares
 
@@ -699,13 +699,13 @@ def test_w_kc_that_is_part_of_a_larger_storage_is_kept(server, logs):
     m = layer(0)
     m.w_kc = torch.randn(4 * 8 * 12 + 10)[:4 * 8 * 12].view(4, 8, 12)
     m.mla_preprocess = FakePreprocess(m)
-    assert REL.release_w_kc(m) == 0 and not R.is_released(m.w_kc)
+    assert REL.free_w_kc(m) == 0 and not R.is_released(m.w_kc)
     assert any("storage holds more than this weight" in line for line in logs)
 
 
 def test_accounting_in_status_details_and_summary_lines(server, logs, monkeypatch):
     record = types.SimpleNamespace(details=REL.details)  # the record's dict, handed to the Release
-    monkeypatch.setattr(R.log, "process_tag", lambda: "pid 42")
+    monkeypatch.setattr(R.log, "pid_text", lambda: "pid 42")
     layers = [layer(0), layer(1)]
     step(layers)
     step(layers)  # layer 0 again: the first pass is done, the summary is logged
@@ -724,20 +724,20 @@ def test_nothing_to_release_returns_zero_bytes(server, logs):
     pre = _prepared(m, lambda t: t.clone())
     m.mla_preprocess = pre
     server["role"] = "null"
-    assert REL.release_qkv_a(pre) == 0 and REL.release_w_kc(m) == 0  # role
+    assert REL.free_qkv_a(pre) == 0 and REL.free_w_kc(m) == 0  # role
     server["role"] = "decode"
     no_mlaprolog = layer(1, mlaprolog=False)
     no_mlaprolog.mla_preprocess = _prepared(no_mlaprolog, lambda t: t.clone())
-    assert REL.release_qkv_a(no_mlaprolog.mla_preprocess) == 0 and REL.release_w_kc(no_mlaprolog) == 0
+    assert REL.free_qkv_a(no_mlaprolog.mla_preprocess) == 0 and REL.free_w_kc(no_mlaprolog) == 0
     assert any("keeping qkv_a_proj.weight of layer 1: mlaprolog_preprocess_weight ran although "
                "forward() would not route to mlaprolog" in line for line in logs)
-    assert REL.release_qkv_a(pre) > 0 and REL.release_w_kc(m) > 0
+    assert REL.free_qkv_a(pre) > 0 and REL.free_w_kc(m) > 0
     assert "released by npu-shim: qkv_a_proj.weight of layer 0;" in repr(pre.qkv_a_proj.weight)
     assert "released by npu-shim: w_kc of layer 0;" in repr(m.w_kc)
-    assert REL.release_qkv_a(pre) == 0 and REL.release_w_kc(m) == 0  # already released
+    assert REL.free_qkv_a(pre) == 0 and REL.free_w_kc(m) == 0  # already released
     m.w_kc = None
     pre.qkv_a_proj.weight = None
-    assert REL.release_qkv_a(pre) == 0 and REL.release_w_kc(m) == 0
+    assert REL.free_qkv_a(pre) == 0 and REL.free_w_kc(m) == 0
     # neither an already released w_kc nor a missing one is looked at further (no warning about it)
     assert not any("keeping w_kc" in line for line in logs), logs
 
@@ -748,14 +748,14 @@ def test_weight_that_cannot_be_swapped_or_guarded_is_kept_whole(logs, monkeypatc
     weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     values = weight.clone()
     ref = weakref.ref(weight)  # swap_tensors refuses a tensor that has weakrefs
-    assert R.release(weight, "w_kc of layer 4", REL.once) == 0 and not R.is_released(weight)
+    assert R.free_weight(weight, "w_kc of layer 4", REL.once) == 0 and not R.is_released(weight)
     assert torch.equal(weight, values) and ref() is weight
     assert any("keeping w_kc of layer 4: it is held where it cannot be replaced" in l for l in logs)
     other = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     values = other.clone()
     slotted = type("Slotted", (torch.nn.Parameter,), {"__slots__": ("x",)})
     monkeypatch.setattr(R, "guarded_class", lambda cls: slotted)  # __class__ assignment fails
-    assert R.release(other, "w_kc of layer 5", REL.once) == 0 and type(other) is torch.nn.Parameter
+    assert R.free_weight(other, "w_kc of layer 5", REL.once) == 0 and type(other) is torch.nn.Parameter
     assert torch.equal(other, values)
     assert any("keeping w_kc of layer 5: its class Parameter cannot be guarded" in l for l in logs)
 
@@ -766,7 +766,7 @@ def test_memory_still_held_after_the_swap_is_not_freed(logs, monkeypatch):
     base = torch.randn(4, 12, 8)
     weight = base.transpose(1, 2)
     monkeypatch.setattr(R, "_base_held_elsewhere", lambda chain: False)
-    assert R.release(weight, "w_kc of layer 6", REL.once) == 0 and R.is_released(weight)
+    assert R.free_weight(weight, "w_kc of layer 6", REL.once) == 0 and R.is_released(weight)
     assert base.untyped_storage().nbytes() == 4 * 12 * 8 * 4
     assert any("w_kc of layer 6 is guarded but its memory still has 1 holder;" in l for l in logs)
 

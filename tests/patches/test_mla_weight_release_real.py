@@ -15,7 +15,7 @@ SCENARIOS = r'''
 import logging, os
 import torch
 from shimdev import mla_kernels as K
-from npu_shim import runtime
+from npu_shim.runtime import activation
 from npu_shim.patches import mla_weight_release as R
 from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P
 from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
@@ -27,7 +27,7 @@ class Capture(logging.Handler):
 logging.getLogger("npu_shim").addHandler(Capture())
 
 def case(role, model="glm-5", tp=16, args=None, force=False, **build):
-    runtime.record("mla_weight_release").process.reset()
+    activation.RUNTIME.record("mla_weight_release").process.reset()
     del LOG[:]
     K.publish_server_args(role, **(args or {}))
     if force:
@@ -38,7 +38,7 @@ def case(role, model="glm-5", tp=16, args=None, force=False, **build):
         os.environ.pop("NPU_SHIM_MLA_RELEASE_FORCE", None)
     m = r.pop("layer")
     r["log"] = list(LOG)
-    r["details"] = dict(runtime.record("mla_weight_release").details)
+    r["details"] = dict(activation.RUNTIME.record("mla_weight_release").details)
     return r, m
 
 def touch(fn):
@@ -49,7 +49,7 @@ def touch(fn):
     return "no error"
 
 from sglang.srt.managers import tp_worker as TW
-out = {"state": runtime.states()["mla_weight_release"]["state"],
+out = {"state": activation.RUNTIME.states()["mla_weight_release"]["state"],
        "wrapped": type(N.npu_mla_preprocess).__name__,
        "updates_wrapped": sorted(op for op in R.UPDATE_OPS
                                  if type(TW.BaseTpWorker.__dict__[op]).__name__ == "FunctionWrapper"),
@@ -71,7 +71,7 @@ out["lora_forced"] = case("decode", args={"enable_lora": True}, force=True)[0]
 out["refit"] = case("decode", args={"load_format": "dummy"})[0]
 out["spec_forced"] = case("decode", args={"speculative_algorithm": "EAGLE"}, force=True)[0]
 out["shared_w_kc"] = case("decode", w_kc_contiguous=True)[0]
-runtime.record("mla_weight_release").process.reset()
+activation.RUNTIME.record("mla_weight_release").process.reset()
 out["alt_stream"] = K.run_alt_stream_step()
 
 from shimdev import simnpu
@@ -116,7 +116,7 @@ def predicate(attr):
                                   m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
                                   m.quant_config)
     return pre.uses_mlaprolog()
-attr = runtime.record("mla_weight_release").process.w8a8_attr
+attr = activation.RUNTIME.record("mla_weight_release").process.w8a8_attr
 out["w8a8_attr"] = attr
 out["predicate_w8a8"] = predicate(attr)
 other = {"quant_config": "quantization_config", "quantization_config": "quant_config"}
@@ -341,7 +341,7 @@ emit(out)
 
 
 def test_aliases_taken_before_the_first_step_keep_their_weight_in_a_release():
-    """Issue 11 §1: each alias read after the decode step used to segfault the process."""
+    """Each alias read after the decode step used to segfault the process."""
     out = realsglang.run_in_release("0.5.11", ALIASES)
     for kind, result in out.items():
         assert result["kept"] and result["sum_is_finite"], (kind, result)
@@ -352,13 +352,13 @@ def test_aliases_taken_before_the_first_step_keep_their_weight_in_a_release():
 
 SWITCHED_OFF = r'''
 from shimdev import mla_kernels as K
-from npu_shim import runtime
+from npu_shim.runtime import activation
 from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P
 from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
 K.publish_server_args("decode")
 r = K.run_layer("glm-5", 16)
 from sglang.srt.managers import tp_worker as TW
-emit({"state": runtime.states()["mla_weight_release"], "freed": r["freed"],
+emit({"state": activation.RUNTIME.states()["mla_weight_release"], "freed": r["freed"],
       "alt_stream": K.run_alt_stream_step(), "wrapped": type(N.npu_mla_preprocess).__name__,
       "update_fn": type(TW.BaseTpWorker.__dict__["update_weights_from_disk"]).__name__,
       "has_method": hasattr(P.NPUFusedMLAPreprocess, "uses_mlaprolog")})
@@ -375,10 +375,10 @@ def test_switch_off_touches_nothing():
 
 
 UPSTREAM = r'''
-from npu_shim import runtime
+from npu_shim.runtime import activation
 from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P
 from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
-emit({"state": runtime.states()["mla_weight_release"],
+emit({"state": activation.RUNTIME.states()["mla_weight_release"],
       "wrapped": type(N.npu_mla_preprocess).__name__,
       "weight_fn": type(P.NPUFusedMLAPreprocess.__dict__["mlaprolog_preprocess_weight"]).__name__,
       "uses_module": P.NPUFusedMLAPreprocess.uses_mlaprolog.__module__})

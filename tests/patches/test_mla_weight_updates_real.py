@@ -1,4 +1,4 @@
-"""Issue 14 §6: weight updates on a server whose MLA weights the shim released, in real releases.
+"""Weight updates on a server whose MLA weights the shim released, in real releases.
 
 The request goes through the release's own update path as far as it runs on CPU: the scheduler's
 real handler (``SchedulerUpdateWeightsMixin`` in 0.5.9 - 0.5.12, ``SchedulerWeightUpdaterManager``
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from shimdev import mla_kernels as K
 from safetensors.torch import save_file
-from npu_shim import runtime
+from npu_shim.runtime import activation
 from npu_shim.patches import mla_weight_release as R
 from sglang.srt.managers import io_struct as IO
 from sglang.srt.managers import tp_worker as TW
@@ -33,7 +33,7 @@ NEW = hasattr(__import__("sglang.srt.model_executor.model_runner", fromlist=["x"
 # accelerator, which the simulated NPU is not): recorded, so each handler is seen to get there.
 BARRIERS = []
 dist.barrier = lambda group=None, **kw: BARRIERS.append(group)
-release = runtime.record("mla_weight_release").process
+release = activation.RUNTIME.record("mla_weight_release").process
 
 
 class Model(torch.nn.Module):
@@ -172,7 +172,7 @@ out["barriers"] = len(BARRIERS)
 out["untouched"] = bool(torch.equal(m.q_a_layernorm.weight, before))
 out["still_released"] = [type(m.fused_qkv_a_proj_with_mqa.weight).__name__, type(m.w_kc).__name__]
 out["serves"] = serve(m)
-out["details"] = dict(runtime.record("mla_weight_release").details)
+out["details"] = dict(activation.RUNTIME.record("mla_weight_release").details)
 
 # -- what the shim prevents: the release's own update on released weights (wrapper bypassed).
 unwrapped = TW.BaseTpWorker.update_weights_from_disk.__wrapped__

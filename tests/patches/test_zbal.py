@@ -14,9 +14,10 @@ import pytest
 import torch
 import wrapt
 
-from npu_shim import config, framework, runtime, targets
-from npu_shim.patches import all_variables
-from npu_shim.codeview import SourceView
+from npu_shim.core import config, framework
+from npu_shim.runtime import activation, targets
+from npu_shim.core.loading import all_variables
+from npu_shim.source.codeview import SourceView
 from npu_shim.patches import zbal as zp
 
 from shimdev import realsglang, simzbal
@@ -34,10 +35,6 @@ _VIEWS = {}
 
 # The wrappers' per-process state, as a decision builds it (the fixture starts each test afresh).
 PROC = zp.ZbalProcess()
-
-
-def ASSUMED():
-    return framework.DecideContext({}, True)
 
 
 def view(version):
@@ -152,25 +149,25 @@ def test_must_honour_when_the_size_asks_for_zbal(environ, honour):
 
 
 def test_a_bad_url_with_zbal_requested_raises_at_decision(monkeypatch):
-    # runtime.enforce is what the first import hook runs after deciding.
+    # activation.enforce is what the first import hook runs after deciding.
     monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", "61440")
     monkeypatch.setenv("SGLANG_ZBAL_BOOTSTRAP_URL", "http://10.0.0.1:6789")
     d = framework.decide(zp.PATCH, view("0.5.11"), environ=dict(os.environ), on_npu=True)
-    record = runtime.PatchRecord(zp.PATCH, d)
+    record = activation.PatchRecord(zp.PATCH, d)
     with pytest.raises(framework.ShimError) as exc:
-        runtime.enforce(record)
+        activation.enforce(record)
     assert "SGLANG_ZBAL_BOOTSTRAP_URL='http://10.0.0.1:6789' is invalid" in str(exc.value)
 
 
 def test_source_checks_guard_what_the_wrappers_rely_on():
     # The NPU branch order (attention backend, then graphs) and the query's NPU branch are checked.
     v = view("0.5.11")
-    for target in zp.PATCH.targets(v, ASSUMED()):
+    for target in framework.targets_for(zp.PATCH, v)[1]:
         assert target.check_source(v) is None, target.describe()
     broken = types.SimpleNamespace(
         function=v.function, has=v.has,
         module=lambda name: types.SimpleNamespace(contains=lambda pattern: False))
-    problems = [t.check_source(broken) for t in zp.PATCH.targets(v, ASSUMED()) if isinstance(t, targets.Wrap)]
+    problems = [t.check_source(broken) for t in framework.targets_for(zp.PATCH, v)[1] if isinstance(t, targets.Wrap)]
     assert any("init_attention_backend(); init_device_graphs()" in (p or "") for p in problems)
     assert any("NPU branch the full-mode query re-states" in (p or "") for p in problems)
 
@@ -179,7 +176,7 @@ def test_source_checks_guard_what_the_wrappers_rely_on():
 
 def test_zbal_missing_fails_before_anything_is_patched(zb, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "zbal", None)  # find_spec -> None, import fails
-    target = zp.PATCH.targets(view("0.5.11"), ASSUMED())[0]
+    target = framework.targets_for(zp.PATCH, view("0.5.11"))[1][0]
     module = types.ModuleType("sglang.srt.utils.common")
     module.get_available_gpu_memory = lambda device, gpu_id, distributed=False, empty_cache=True, cpu_group=None: 0
     with pytest.raises(zp.ZbalError) as exc:
@@ -436,7 +433,7 @@ def test_graphs_outside_initialize_do_not_init(zb, simnpu_clean):
 
 
 def test_initialize_without_graphs_inits_after_it(zb, simnpu_clean, caplog):
-    from npu_shim import log
+    from npu_shim.ops import log
 
     log.configure()  # sets the logger's level once per process: before caplog lowers it
     mix_mode_started(zb)
@@ -575,13 +572,13 @@ def test_npu_memory_capacity_is_the_configured_size(zb, simnpu_clean, monkeypatc
 def test_deepep_uses_zbal_buffer_and_config(zb, monkeypatch):
     deepep = types.ModuleType(zp.DEEPEP)
     deepep.Buffer, deepep.Config, deepep.use_deepep = object, dict, False
-    targets = [t for t in zp.PATCH.targets(view("0.5.9"), ASSUMED()) if t.module == zp.DEEPEP]
+    targets = [t for t in framework.targets_for(zp.PATCH, view("0.5.9"))[1] if t.module == zp.DEEPEP]
     bystander = types.ModuleType("npu_shim_test_bystander")
     bystander.flag, bystander.Buffer = False, object  # same objects, must not be rebound
     monkeypatch.setitem(sys.modules, bystander.__name__, bystander)
     changes = [t.prepare(deepep) for t in targets]
     for change in changes:
-        change.apply(late=True)  # as if the shim arrived after sglang was imported
+        change.apply(imported_before=True)  # as if the shim arrived after sglang was imported
     import zbal.zbal.deepep_adaptor
     import zbal.zbal_buffer
 
@@ -599,8 +596,8 @@ def test_deepep_without_deep_ep_installed(zb):
     # deep_ep missing: the module has no Buffer/Config and use_deepep False; zbal supplies them.
     deepep = types.ModuleType(zp.DEEPEP)
     deepep.use_deepep = False
-    for t in [t for t in zp.PATCH.targets(view("0.5.11"), ASSUMED()) if t.module == zp.DEEPEP]:
-        t.prepare(deepep).apply(late=False)
+    for t in [t for t in framework.targets_for(zp.PATCH, view("0.5.11"))[1] if t.module == zp.DEEPEP]:
+        t.prepare(deepep).apply(imported_before=False)
     assert deepep.Buffer.__module__ == "zbal.zbal_buffer" and deepep.use_deepep is True
 
 
@@ -608,10 +605,10 @@ def test_backend_map_gives_zbal_for_npu(zb):
     ps = types.ModuleType(zp.PARALLEL_STATE)
     original = {"cuda": "nccl", "hpu": "hccl", "cpu": "gloo", "npu": "hccl"}
     ps._DEVICE_TO_DISTRIBUTED_BACKEND = original
-    target = next(t for t in zp.PATCH.targets(view("0.5.11"), ASSUMED())
+    target = next(t for t in framework.targets_for(zp.PATCH, view("0.5.11"))[1]
                   if t.describe().endswith("_DEVICE_TO_DISTRIBUTED_BACKEND"))
     change = target.prepare(ps)
-    change.apply(late=False)
+    change.apply(imported_before=False)
     assert ps._DEVICE_TO_DISTRIBUTED_BACKEND == {"cuda": "nccl", "hpu": "hccl", "cpu": "gloo", "npu": "zbal"}
     assert original["npu"] == "hccl"  # a copy: the original is restored on revert
     change.revert()
@@ -744,7 +741,7 @@ def test_in_use_is_rounded_up_to_the_mib_at_the_boundary(zb, simnpu_clean, monke
 def state_dir(tmp_path, monkeypatch):
     """NPU_SHIM_STATE_DIR set for this process, its record written from PROC.details as the
     runtime's snapshot would; no writer thread (the writes under test are the synchronous ones)."""
-    from npu_shim import statefile
+    from npu_shim.ops import statefile
 
     for name in ("source", "sglang_path", "shim_enabled", "last", "last_pid", "thread_pid"):
         monkeypatch.setattr(statefile._W, name, getattr(statefile._W, name))

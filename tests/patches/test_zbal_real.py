@@ -28,12 +28,12 @@ import sglang.srt.model_executor.model_runner as mr
 import sglang.srt.layers.moe.token_dispatcher.deepep as dp
 import sglang.srt.distributed.parallel_state as ps
 import npu_shim
-from npu_shim import runtime
-from npu_shim.framework import ShimError
+from npu_shim.runtime import activation
+from npu_shim.core.framework import ShimError
 from npu_shim.patches import zbal as zp
 
 GIB, MIB = 1 << 30, 1 << 20
-out = {"state": runtime.states()["zbal"]}
+out = {"state": activation.RUNTIME.states()["zbal"]}
 
 from shimdev.demo_features import zbal_fresh as fresh, event_order as order, make_scheduler, stub_model_runner
 
@@ -158,9 +158,9 @@ def redecide(env, hide_zbal=False):
         sys.modules["zbal"] = None
     try:
         npu_shim.install()
-        result = {"state": runtime.states()["zbal"]["state"], "error": None}
+        result = {"state": activation.RUNTIME.states()["zbal"]["state"], "error": None}
     except ShimError as exc:
-        result = {"state": runtime.states()["zbal"]["state"], "error": str(exc)}
+        result = {"state": activation.RUNTIME.states()["zbal"]["state"], "error": str(exc)}
     finally:
         for k, v in saved.items():
             if v is None: os.environ.pop(k, None)
@@ -261,7 +261,7 @@ def test_backport_in_real_release(version, release_venv):
 
 
 MISSING_SNIPPET = r'''
-from npu_shim.framework import ShimError
+from npu_shim.core.framework import ShimError
 try:
     import sglang.srt.utils  # its utils.common is the first target module
     emit({"error": None})
@@ -293,10 +293,10 @@ import sglang.srt.model_executor.model_runner as mr
 import sglang.srt.distributed.parallel_state as ps
 import sglang.srt.layers.moe.token_dispatcher.deepep as dp
 import sglang.srt.hardware_backend.npu.utils as npu_utils
-from npu_shim import runtime
+from npu_shim.runtime import activation
 w = lambda o: isinstance(o, wrapt.FunctionWrapper)
 emit({
-    "state": runtime.states()["zbal"],
+    "state": activation.RUNTIME.states()["zbal"],
     "wrapped": [w(sch.Scheduler.__dict__["__init__"]), w(mr.ModelRunner.__dict__["initialize"]),
                 w(u.get_available_gpu_memory), w(u.get_npu_memory_capacity),
                 w(ps.init_distributed_environment)],

@@ -26,7 +26,7 @@ events "ev-1", ...  Nothing here runs asynchronously; nothing is timed.  ``with 
 san:`` follows what the streams may do at the same time on a device and reports data races and
 unsafe block reuse (``_sanitizer.py``); ``declare_kernel(schema, source)`` gives a stand-in kernel
 the reads and writes of the real op it stands for.  The namespace is held to torch-npu 2.13.0
-(``_device.py``; tests/test_simnpu_conformance.py): it initialises the device, refuses allocator
+(``_device.py``; tests/dev/test_simnpu_conformance.py): it initialises the device, refuses allocator
 swaps and rejects stream arguments where torch_npu does.
 """
 from __future__ import annotations

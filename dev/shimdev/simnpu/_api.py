@@ -1,5 +1,5 @@
 """The public names of torch-npu 2.13.0's ``torch_npu.npu`` and ``torch_npu.npu.memory``, as read
-from the wheel's Python files (tests/test_simnpu_conformance.py reads them again and fails when
+from the wheel's Python files (tests/dev/test_simnpu_conformance.py reads them again and fails when
 this list differs).  The simulated modules answer exactly these names: the ones they implement
 (``_device.py``), the rest with inert stubs; any other name is an AttributeError, as there.
 """

@@ -1,6 +1,6 @@
 """The simulated ``torch.npu`` namespace (also ``torch_npu.npu``): device, memory, streams, events.
 
-Held to torch-npu 2.13.0 (tests/test_simnpu_conformance.py checks names and parameters against the
+Held to torch-npu 2.13.0 (tests/dev/test_simnpu_conformance.py checks names and parameters against the
 wheel): what initialises the device, what refuses an allocator swap and what a stream accepts
 follow its Python layer (``torch_npu/npu/utils.py``, ``memory.py``, ``streams.py``, ``__init__.py``)
 and, where that calls into C++, Ascend/pytorch's sources as named at each place.

@@ -1,6 +1,6 @@
 """What the simulated ``zbal.zbal`` extension module holds (zbal_native.c calls ``populate``).
 
-Names and call shapes are those the wheel's Python files use (tests/test_simzbal.py checks that
+Names and call shapes are those the wheel's Python files use (tests/dev/test_simzbal.py checks that
 they import nothing else and that each name is a registered string of the real native module);
 the behaviour is driven by ``shimdev.simzbal.STATE``.
 """

@@ -1,0 +1,709 @@
+"""``python -m npu_shim bundle OUT_DIR``: one self-contained directory to mount into an image.
+
+An Ascend sglang image has no wrapt, and its mounts are read-only with ``PYTHONDONTWRITEBYTECODE=1``
+set, so the bundle brings what the shim needs and is compiled ahead of time:
+
+    OUT_DIR/sitecustomize.py                 the bootstrap (put OUT_DIR first on PYTHONPATH)
+    OUT_DIR/npu_shim/                        the package
+    OUT_DIR/npu_shim/_vendor/wrapt/<build>/  wrapt per CPython 3.9-3.13 x (x86_64, aarch64), and
+                                             py3-none-any (pure Python) as the fallback
+    __pycache__/*.pyc                        checked-hash .pyc for every interpreter given
+                                             (valid whatever the files' mtimes become)
+    OUT_DIR/MANIFEST                         JSON: versions, builds, interpreters, sha256 per file
+    OUT_DIR/SHA256SUMS                       the same hashes for ``sha256sum -c``
+    OUT_DIR.tar.gz                           the whole directory
+
+Wheels come from PyPI through pip (``pip download --only-binary``); nothing is built from source.
+
+Every target is checked before anything is downloaded or created (``check_target``): OUT_DIR must
+be absent, an empty directory, or -- with ``force`` -- a previous bundle exactly as built (its
+MANIFEST names npu_shim and lists every file in it); ``/``, the current directory and its parents,
+the home directory, links, mount points and other files are refused.  The bundle is assembled in
+a staging directory beside OUT_DIR, then swapped in by renames: a previous bundle is renamed aside
+into the staging directory (deleted with it) and renamed back if the swap fails.
+
+Only the build imports tarfile, zipfile, shutil, subprocess and the like: ``check`` verifies a
+bundle with this module, and a file beside ``sitecustomize.py`` named like one of them would run
+in that process.
+"""
+
+import hashlib
+import json
+import os
+import stat
+import sys
+
+from npu_shim._version import __version__
+
+# The npu_shim package being bundled (this module is npu_shim/cli/bundle.py).
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+WRAPT_VERSION = "2.5.2"
+PYTHONS = ("3.9", "3.10", "3.11", "3.12", "3.13")
+MACHINES = ("x86_64", "aarch64")
+# Oldest first: pip matches a wheel's tags exactly, so every manylinux name wrapt publishes is given.
+MANYLINUX = {
+    "x86_64": ("manylinux1_x86_64", "manylinux_2_5_x86_64", "manylinux2010_x86_64",
+               "manylinux_2_12_x86_64", "manylinux2014_x86_64", "manylinux_2_17_x86_64",
+               "manylinux_2_28_x86_64"),
+    "aarch64": ("manylinux2014_aarch64", "manylinux_2_17_aarch64", "manylinux_2_28_aarch64"),
+}
+_LEGACY_GLIBC = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
+_PIP_TIMEOUT_S = 600
+# The command that runs pip.  tests/cli/test_bundle.py replaces it (in its wrapper process, never
+# through the environment) with a stand-in that waits, to stop a build while "pip" runs.
+_PIP = (sys.executable, "-m", "pip")
+_MANIFEST_MAX_BYTES = 16 << 20
+# Written beside the listed files, so never listed themselves.
+_OWN_FILES = ("MANIFEST", "SHA256SUMS")
+
+
+class BundleError(RuntimeError):
+    """The bundle could not be built; nothing was left at OUT_DIR."""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived during a build: the CLI raises this from its handler, so the build's
+    clean-up runs (a BaseException, as KeyboardInterrupt: no ``except Exception`` swallows it)."""
+
+
+def _shown(path):
+    """A path as one line of a message: control characters and undecodable bytes escaped."""
+    return path if path.isprintable() else ascii(path)
+
+
+# -- reading a bundle (check uses these: only modules every npu_shim command has loaded) -----------
+
+def _open_regular(path):
+    """A binary handle on a regular file, never through a link, never blocking on a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError("not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with _open_regular(path) as handle:
+        for block in iter(lambda: handle.read(1 << 16), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _listed_path_problem(path):
+    """Why a MANIFEST path cannot be one of the bundle's files (absolute, '..', ...), or None."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        return "a path that is not a file name"
+    if os.path.isabs(path) or os.path.normpath(path) != path or path.split(os.sep)[0] == "..":
+        return "%s is not a plain path inside the bundle" % _shown(path)
+    return None
+
+
+def _manifest_problem(manifest):
+    """Why parsed JSON is not one of our MANIFESTs, or None."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("npu_shim"), str):
+        return "does not name npu_shim"
+    files = manifest.get("files")
+    if not isinstance(files, list):
+        return "lists no files"
+    for entry in files:
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)
+                and isinstance(entry.get("sha256"), str)):
+            return "has an entry without path, size and sha256"
+        problem = _listed_path_problem(entry.get("path"))
+        if problem:
+            return "lists " + problem
+    return None
+
+
+def read_manifest(root):
+    """(the MANIFEST of the bundle at root, None), or (None, why not): "missing" when there is none."""
+    path = os.path.join(root, "MANIFEST")
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None, "missing"
+    except OSError as exc:
+        return None, "unreadable (%s)" % exc.strerror
+    if not stat.S_ISREG(info.st_mode):
+        return None, "not a regular file"
+    if info.st_size > _MANIFEST_MAX_BYTES:
+        return None, "too large to be one of ours"
+    try:
+        with _open_regular(path) as handle:
+            manifest = json.loads(handle.read(_MANIFEST_MAX_BYTES + 1).decode("utf-8"))
+    except OSError as exc:
+        return None, "unreadable (%s)" % (exc.strerror or exc)
+    except (ValueError, RecursionError) as exc:  # truncated, edited, not JSON, nested too deep
+        return None, "does not parse (%s)" % " ".join(str(exc).split())[:120]
+    problem = _manifest_problem(manifest)
+    return (manifest, None) if problem is None else (None, problem)
+
+
+def _looks_like_bundle(root):
+    """Whether a directory without a MANIFEST was a bundle: only a bundle has these."""
+    return (os.path.lexists(os.path.join(root, "SHA256SUMS"))
+            or os.path.lexists(os.path.join(root, "npu_shim", "_vendor")))
+
+
+def unlisted(root, manifest):
+    """[(path, why)] for what is under root but not in its MANIFEST, sorted: "extra" for a file,
+    link or folder it does not list (a folder holding no listed file as "dir/", its contents not
+    named), "a mount point" and "unreadable" for folders it cannot vouch for.  MANIFEST and
+    SHA256SUMS are not listed in themselves; links are entries, never followed."""
+    listed = {entry["path"] for entry in manifest["files"]}
+    folders = {""}
+    for path in listed:
+        while path:
+            path = os.path.dirname(path)
+            folders.add(path)
+    device = os.lstat(root).st_dev
+    found, pending = [], [""]
+    while pending:
+        folder = pending.pop()
+        try:
+            entries = list(os.scandir(os.path.join(root, folder)))
+        except OSError as exc:
+            found.append((folder + os.sep, "unreadable (%s)" % exc.strerror))
+            continue
+        for entry in entries:
+            path = os.path.join(folder, entry.name)
+            if entry.is_dir(follow_symlinks=False):
+                if path not in folders:
+                    found.append((path + os.sep, "extra"))
+                elif _device(entry) != device:
+                    found.append((path + os.sep, "a mount point"))
+                else:
+                    pending.append(path)
+            elif path not in listed and not (not folder and entry.name in _OWN_FILES):
+                found.append((path, "extra"))
+    return sorted(found)
+
+
+def _device(entry):
+    try:
+        return entry.stat(follow_symlinks=False).st_dev
+    except OSError:  # gone since it was listed: not the folder that was checked
+        return None
+
+
+def _stdlib_names():
+    names = getattr(sys, "stdlib_module_names", None)  # absent on the oldest Python supported
+    if names is not None:
+        return names
+    found = set(sys.builtin_module_names)
+    lib = os.path.dirname(os.__file__)
+    for folder in (lib, os.path.join(lib, "lib-dynload")):
+        try:
+            found.update(name.split(".")[0] for name in os.listdir(folder))
+        except OSError:
+            pass
+    return found
+
+
+def _shadows(path):
+    """The standard-library module an extra entry at the bundle's top shadows, or None: the
+    bundle comes first on PYTHONPATH, so ``tarfile.py`` there is what ``import tarfile`` runs."""
+    if os.sep in path.rstrip(os.sep):
+        return None
+    name = path.rstrip(os.sep).split(".")[0]
+    # A folder (a package), a link (maybe to one), a module file.
+    importable = path.endswith((os.sep, ".py", ".pyc", ".so")) or "." not in path
+    return name if importable and name in _stdlib_names() else None
+
+
+def _describe_unlisted(path, why):
+    shadowed = _shadows(path) if why == "extra" else None
+    return "%s: %s%s" % (_shown(path), why, " (shadows the standard library's %s)" % shadowed
+                                            if shadowed else "")
+
+
+def _listed_file_problem(root, entry):
+    path = os.path.join(root, entry["path"])
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return "%s: missing" % _shown(entry["path"])
+    except OSError as exc:
+        return "%s: unreadable (%s)" % (_shown(entry["path"]), exc.strerror)
+    if not stat.S_ISREG(info.st_mode) or info.st_size != entry["size"]:
+        return "%s: changed" % _shown(entry["path"])
+    try:
+        same = _sha256(path) == entry["sha256"]
+    except OSError:
+        same = False  # swapped for something else since lstat
+    return None if same else "%s: changed" % _shown(entry["path"])
+
+
+def verify(root):
+    """How a bundle differs from its MANIFEST -- "PATH: missing", "PATH: changed", "PATH: extra"
+    -- ([] when intact); ["MANIFEST: missing"] (or what is wrong with it) for a directory that
+    was a bundle and lost its MANIFEST, or whose MANIFEST is broken; None if it is no bundle."""
+    manifest, problem = read_manifest(root)
+    if manifest is None:
+        if problem == "missing" and not _looks_like_bundle(root):
+            return None
+        return ["MANIFEST: %s" % problem]
+    problems = [_listed_file_problem(root, entry) for entry in manifest["files"]]
+    problems = [p for p in problems if p]
+    return problems + [_describe_unlisted(path, why) for path, why in unlisted(root, manifest)]
+
+
+# -- the target: checked before anything is downloaded or created ----------------------------------
+
+def _identity(path):
+    """What is at path (device, inode, kind; None when nothing), to see it unchanged later."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return info.st_dev, info.st_ino, stat.S_IFMT(info.st_mode)
+
+
+def _home_dirs():
+    """The home directory as $HOME says and as the password database says."""
+    found = [os.path.expanduser("~")]
+    try:
+        import pwd
+
+        found.append(pwd.getpwuid(os.getuid()).pw_dir)
+    except (ImportError, KeyError):
+        pass
+    return [path for path in found if os.path.isabs(path)]
+
+
+def _refused_place(path):
+    """Why OUT_DIR may never be replaced, whatever is in it, or None: it is (or holds) the current
+    directory or the home directory, or it is, holds or is inside the npu_shim being bundled."""
+    places = [("the home directory", home) for home in _home_dirs()]
+    try:
+        places.append(("the current directory", os.getcwd()))
+    except OSError:
+        pass  # removed: it cannot be OUT_DIR
+    source = _PACKAGE
+    places.append(("the npu_shim package being bundled", source))
+    for what, given in places:
+        for place in {given, os.path.realpath(given)}:
+            for name in {path, os.path.realpath(path)}:
+                if name == place:
+                    return "%s is %s" % (_shown(path), what)
+                if place.startswith(name + os.sep):
+                    return "%s holds %s" % (_shown(path), what)
+                if given == source and name.startswith(place + os.sep):
+                    return "%s is inside %s" % (_shown(path), what)
+    return None
+
+
+def _absolute(out_dir):
+    """OUT_DIR made absolute, refusing the empty string and "/" (``$DEST/`` with DEST unset)."""
+    if not out_dir.strip():
+        raise BundleError("OUT_DIR is empty (is a variable in it unset?)")
+    if "\0" in out_dir:
+        raise BundleError("OUT_DIR %s holds a NUL character" % ascii(out_dir))
+    try:
+        path = os.path.abspath(out_dir)
+    except OSError as exc:  # a relative OUT_DIR and a current directory that was removed
+        raise BundleError("OUT_DIR %s: %s" % (_shown(out_dir), exc.strerror)) from None
+    if os.path.dirname(path) == path:
+        raise BundleError("OUT_DIR %s is the root directory (is a variable in it unset?)"
+                          % _shown(out_dir))
+    return path
+
+
+def _not_a_previous_bundle(path):
+    """Why the directory at path is not a previous bundle exactly as built, or None."""
+    manifest, problem = read_manifest(path)
+    if manifest is None:
+        return "its MANIFEST %s" % problem if problem != "missing" else "it has no MANIFEST"
+    found = unlisted(path, manifest)
+    if found:
+        return "it holds what its MANIFEST does not list: %s%s" % (
+            ", ".join(_shown(p) if why == "extra" else "%s (%s)" % (_shown(p), why)
+                      for p, why in found[:5]), ", ..." if len(found) > 5 else "")
+    return None
+
+
+def _check_out_dir(path, force):
+    try:
+        info = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return _check_parents(path)
+    except OSError as exc:
+        raise BundleError("%s: %s" % (_shown(path), exc.strerror)) from None
+    if stat.S_ISLNK(info.st_mode):
+        raise BundleError("%s is a symbolic link (to %s): give a directory or a new path"
+                          % (_shown(path), _link_target(path)))
+    if not stat.S_ISDIR(info.st_mode):
+        raise BundleError("%s exists and is not a directory" % _shown(path))
+    if os.path.ismount(path):
+        raise BundleError("%s is a mount point: give a new directory inside it" % _shown(path))
+    try:
+        if not os.listdir(path):
+            return
+    except OSError as exc:
+        raise BundleError("%s: %s" % (_shown(path), exc.strerror)) from None
+    if not force:
+        raise BundleError("%s exists and is not empty (use --force to replace a previous bundle)"
+                          % _shown(path))
+    why = _not_a_previous_bundle(path)
+    if why:
+        raise BundleError("%s is not a previous npu-shim bundle (%s); --force replaces only one"
+                          % (_shown(path), why))
+
+
+def _link_target(path):
+    try:
+        return _shown(os.readlink(path))
+    except OSError:  # replaced since lstat
+        return "?"
+
+
+def _check_parents(path):
+    """A new OUT_DIR: the nearest existing folder above it must be a directory."""
+    parent = os.path.dirname(path)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise BundleError("%s cannot be created: %s is not a directory" % (_shown(path),
+                                                                           _shown(parent)))
+
+
+def _check_archive(archive, force):
+    try:
+        info = os.lstat(archive)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise BundleError("%s: %s" % (_shown(archive), exc.strerror)) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise BundleError("%s exists and is not a regular file (%s)" % (
+            _shown(archive), "a symbolic link" if stat.S_ISLNK(info.st_mode) else
+            "a directory" if stat.S_ISDIR(info.st_mode) else "a special file"))
+    if not force:
+        raise BundleError("%s exists (use --force to replace it)" % _shown(archive))
+
+
+def check_target(out_dir, force=False):
+    """(absolute OUT_DIR, what is there now, what is at OUT_DIR.tar.gz now), after refusing --
+    with BundleError, one line -- every target a build must not write to or replace."""
+    path = _absolute(out_dir)
+    refused = _refused_place(path)
+    if refused:
+        raise BundleError(refused)
+    _check_out_dir(path, force)
+    _check_archive(path + ".tar.gz", force)
+    return path, _identity(path), _identity(path + ".tar.gz")
+
+
+# -- building ---------------------------------------------------------------------------------------
+
+def oldest_glibc(wheel_name):
+    """The lowest glibc any of a wheel file's manylinux tags needs, e.g. (2, 5)."""
+    import re
+
+    platforms = wheel_name[:-len(".whl")].split("-")[-1].split(".")
+    found = []
+    for tag in platforms:
+        match = re.match(r"manylinux_(\d+)_(\d+)_", tag)
+        if match:
+            found.append((int(match.group(1)), int(match.group(2))))
+        elif tag.split("_")[0] in _LEGACY_GLIBC:
+            found.append(_LEGACY_GLIBC[tag.split("_")[0]])
+    if not found:
+        raise BundleError("%s has no manylinux tag" % wheel_name)
+    return min(found)
+
+
+def _pip_download(args, dest, what):
+    import subprocess
+
+    command = list(_PIP) + ["download", "-q", "--disable-pip-version-check", "--no-deps",
+                            "--only-binary=:all:", "-d", dest] + args
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # pip must not run with the shim active
+    try:
+        # On any exception (Terminated, KeyboardInterrupt) run() kills pip before re-raising.
+        proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env, timeout=_PIP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise BundleError("%s: pip timed out after %ds" % (what, _PIP_TIMEOUT_S)) from None
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
+        raise BundleError("%s failed: %s\n%s" % (what, " ".join(command), tail))
+    wheels = [name for name in os.listdir(dest) if name.endswith(".whl")]
+    if len(wheels) != 1:
+        raise BundleError("%s: expected one wheel in %s, found %s" % (what, dest, wheels or "none"))
+    return os.path.join(dest, wheels[0])
+
+
+def download_wrapt(workdir, version, pythons, machines):
+    """{build folder name: wheel path} for every C build plus the pure-Python one."""
+    wheels = {}
+    for python in pythons:
+        abi = "cp" + python.replace(".", "")
+        for machine in machines:
+            dest = os.path.join(workdir, "%s-%s" % (abi, machine))
+            os.makedirs(dest)
+            args = ["--python-version", python, "--implementation", "cp", "--abi", abi]
+            for platform in MANYLINUX[machine]:
+                args += ["--platform", platform]
+            wheel = _pip_download(args + ["wrapt==%s" % version], dest,
+                                  "wrapt %s for CPython %s on %s" % (version, python, machine))
+            glibc = oldest_glibc(os.path.basename(wheel))
+            wheels["%s-%s-glibc%d.%d" % (abi, machine, glibc[0], glibc[1])] = wheel
+    dest = os.path.join(workdir, "pure")
+    os.makedirs(dest)
+    wheels["py3-none-any"] = _pip_download(["--platform", "any", "wrapt==%s" % version], dest,
+                                           "wrapt %s pure-Python wheel" % version)
+    return wheels
+
+
+def _extract_package(wheel, dest):
+    """Extract the ``wrapt/`` package of a wheel (not its stubs or dist-info) into dest/wrapt."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        members = [m for m in archive.namelist() if m.startswith("wrapt/") and not m.endswith(".c")]
+        if "wrapt/__init__.py" not in members:
+            raise BundleError("%s holds no wrapt package" % wheel)
+        archive.extractall(dest, members)
+
+
+def _copy_shim(root):
+    """sitecustomize.py and the npu_shim package (sources only) into root."""
+    import shutil
+
+    source_package = _PACKAGE
+    source_root = os.path.dirname(source_package)
+    bootstrap = os.path.join(source_root, "sitecustomize.py")
+    if not os.path.isfile(bootstrap):
+        raise BundleError("no sitecustomize.py beside %s: bundle from a checkout of npu-shim"
+                          % source_package)
+    shutil.copy2(bootstrap, root)
+    shutil.copytree(source_package, os.path.join(root, "npu_shim"),
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "_vendor"))
+
+
+def interpreters(requested):
+    """[(path, "3.11")] for the interpreters to compile .pyc with: those requested, else this one,
+    every ``python3.9`` .. ``python3.13`` on PATH and every CPython 3.9-3.13 pyenv has."""
+    import shutil
+    import subprocess
+
+    candidates = list(requested) or [sys.executable] + [
+        found for found in (shutil.which("python" + v) for v in PYTHONS) if found] + _pyenv_pythons()
+    result, seen = [], set()
+    for path in candidates:
+        try:
+            version = subprocess.run(
+                [path, "-c", "import sys; print('%d.%d %s' % (sys.version_info[:2] + "
+                             "(sys.implementation.name,)))"],
+                capture_output=True, text=True, timeout=60, check=True).stdout.split()
+        except (OSError, subprocess.SubprocessError) as exc:
+            if requested:
+                raise BundleError("cannot run --python %s: %s" % (path, exc)) from None
+            continue
+        if version[1] != "cpython" or version[0] not in PYTHONS:
+            if requested:
+                raise BundleError("--python %s is %s %s; the bundle supports CPython %s"
+                                  % (path, version[1], version[0], ", ".join(PYTHONS)))
+            continue
+        if version[0] not in seen:
+            seen.add(version[0])
+            result.append((path, version[0]))
+    return result
+
+
+def _pyenv_pythons():
+    """Interpreters pyenv has installed (its shims on PATH run only the selected ones)."""
+    import glob
+
+    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    return sorted(glob.glob(os.path.join(root, "versions", "3.*", "bin", "python3")))
+
+
+_COMPILE = """\
+import compileall, os, py_compile, re, sys
+root = sys.argv[1]
+tag = "cp%d%d-" % sys.version_info[:2]
+vendor = os.path.join(root, "npu_shim", "_vendor", "wrapt")
+ok = compileall.compile_file(os.path.join(root, "sitecustomize.py"), quiet=2,
+                             invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+skip = re.compile(re.escape(vendor + os.sep) + r"(?!(%s|py3-none-any))" % re.escape(tag))
+ok &= compileall.compile_dir(os.path.join(root, "npu_shim"), quiet=2, rx=skip,
+                             invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+sys.exit(0 if ok else 1)
+"""
+
+
+def compile_pyc(root, pythons):
+    import subprocess
+
+    for path, version in pythons:
+        proc = subprocess.run([path, "-c", _COMPILE, root], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise BundleError("compiling .pyc with %s (%s) failed:\n%s%s"
+                              % (path, version, proc.stdout[-2000:], proc.stderr[-2000:]))
+
+
+def write_manifest(root, wrapt_version, builds, pythons):
+    import time
+
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs.sort()
+        for name in sorted(names):
+            path = os.path.join(folder, name)
+            files.append({"path": os.path.relpath(path, root), "size": os.path.getsize(path),
+                          "sha256": _sha256(path)})
+    manifest = {
+        "npu_shim": __version__,
+        "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "wrapt": {"version": wrapt_version, "builds": sorted(builds)},
+        "pyc": ["cpython-%s" % version for _, version in pythons],
+        "files": files,
+    }
+    with open(os.path.join(root, "MANIFEST"), "w") as handle:
+        json.dump(manifest, handle, indent=1)
+        handle.write("\n")
+    with open(os.path.join(root, "SHA256SUMS"), "w") as handle:
+        handle.writelines("%s  %s\n" % (f["sha256"], f["path"]) for f in files)
+    return manifest
+
+
+def _make_parents(parent):
+    """Create the folders above a new OUT_DIR; the topmost created (to remove on failure) or None."""
+    top = None
+    folder = parent
+    while not os.path.lexists(folder):
+        top, folder = folder, os.path.dirname(folder)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        raise BundleError("cannot create %s: %s" % (_shown(parent), exc.strerror)) from None
+    return top
+
+
+def _remove_made_parents(parent, top):
+    """Remove the folders _make_parents created, where they are still empty."""
+    folder = parent
+    while top and folder != os.path.dirname(top):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+        folder = os.path.dirname(folder)
+
+
+def _hold_signals():
+    """Hold SIGTERM and SIGINT until the returned function is called (they are then delivered):
+    the swap and its undo must not stop half-way."""
+    import signal
+
+    if not hasattr(signal, "pthread_sigmask"):
+        return lambda: None
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    return lambda: signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _swap_in(staging, out_dir, had_dir):
+    """Rename the new bundle and its archive into place.  A previous OUT_DIR is first renamed aside
+    into staging (deleted with it) and renamed back if either rename fails."""
+    root, aside = os.path.join(staging, "bundle"), os.path.join(staging, "previous")
+    if had_dir:
+        try:
+            os.rename(out_dir, aside)
+        except OSError as exc:
+            raise BundleError("cannot move the previous %s aside: %s"
+                              % (_shown(out_dir), exc.strerror)) from None
+    try:
+        os.rename(root, out_dir)
+        try:
+            os.replace(os.path.join(staging, "bundle.tar.gz"), out_dir + ".tar.gz")
+        except OSError:
+            os.rename(out_dir, root)
+            raise
+    except OSError as exc:
+        failed = "cannot put the bundle at %s: %s" % (_shown(out_dir), exc.strerror)
+        if not had_dir:
+            raise BundleError(failed) from None
+        try:
+            os.rename(aside, out_dir)
+        except OSError:
+            raise BundleError("%s; the previous bundle is kept at %s" % (failed, aside)) from None
+        raise BundleError(failed + " (the previous one is back)") from None
+
+
+def _assemble(staging, name, wrapt_version, pythons, machines, compilers, log):
+    """The complete bundle in staging/bundle and its archive in staging/bundle.tar.gz."""
+    import tarfile
+
+    root = os.path.join(staging, "bundle")
+    os.makedirs(root)
+    _copy_shim(root)
+    log("downloading wrapt %s for CPython %s on %s, and its pure-Python wheel"
+        % (wrapt_version, ", ".join(pythons), ", ".join(machines)))
+    wheels = download_wrapt(os.path.join(staging, "wheels"), wrapt_version, pythons, machines)
+    vendor = os.path.join(root, "npu_shim", "_vendor", "wrapt")
+    for build_name, wheel in sorted(wheels.items()):
+        _extract_package(wheel, os.path.join(vendor, build_name))
+    log("compiling .pyc (checked-hash) with CPython %s" % ", ".join(v for _, v in compilers))
+    compile_pyc(root, compilers)
+    manifest = write_manifest(root, wrapt_version, wheels, compilers)
+    with tarfile.open(os.path.join(staging, "bundle.tar.gz"), "w:gz") as tar:
+        tar.add(root, arcname=name)
+    return manifest
+
+
+def _remove_staging(staging, keep):
+    import shutil
+
+    if keep is None:
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    for name in os.listdir(staging):
+        if name != keep:
+            shutil.rmtree(os.path.join(staging, name), ignore_errors=True)
+
+
+def build(out_dir, python_paths=(), wrapt_version=WRAPT_VERSION, pythons=PYTHONS,
+          machines=MACHINES, force=False, log=print):
+    """Build the bundle at ``out_dir`` (and ``out_dir.tar.gz``); returns the manifest.  Every
+    refusal comes before anything is downloaded or created (``check_target``)."""
+    import tempfile
+
+    target = check_target(out_dir, force)
+    out_dir = target[0]
+    compilers = interpreters(python_paths)
+    if not compilers:
+        raise BundleError("no CPython %s interpreter found to compile .pyc with" % "/".join(PYTHONS))
+    parent = os.path.dirname(out_dir)
+    made = _make_parents(parent)
+    release, swapped = None, False
+    try:
+        staging = tempfile.mkdtemp(prefix=".npu-shim-bundle-", dir=parent)
+    except OSError as exc:
+        _remove_made_parents(parent, made)
+        raise BundleError("cannot create a staging directory in %s: %s"
+                          % (_shown(parent), exc.strerror)) from None
+    try:
+        manifest = _assemble(staging, os.path.basename(out_dir), wrapt_version, pythons, machines,
+                             compilers, log)
+        release = _hold_signals()
+        # The build took a while: what is at OUT_DIR must still be what was checked.
+        if check_target(out_dir, force) != target:
+            raise BundleError("%s or its .tar.gz changed during the build; nothing was replaced"
+                              % _shown(out_dir))
+        _swap_in(staging, out_dir, target[1] is not None)
+        swapped = True
+    finally:
+        release = release or _hold_signals()
+        # A previous bundle still aside after a failed swap could not be put back: it stays.
+        stuck = not swapped and os.path.lexists(os.path.join(staging, "previous"))
+        _remove_staging(staging, "previous" if stuck else None)
+        if not swapped:
+            _remove_made_parents(parent, made)
+        release()
+    log("bundle: %s (%d files), %s.tar.gz" % (out_dir, len(manifest["files"]), out_dir))
+    return manifest

@@ -1,0 +1,439 @@
+"""``python -m npu_shim status --running [DIR]``: what the shim did in the running processes.
+
+Reads the records every sglang process keeps in ``NPU_SHIM_STATE_DIR`` (npu_shim/ops/statefile.py)
+and puts them in one table, process x patch.  Everything in the directory is hostile input: at
+most ``MAX_RECORDS`` files are read, each a regular file of at most ``statefile.MAX_RECORD_BYTES``
+opened without following a symlink or blocking on a FIFO, parsed as strict JSON (no NaN, no
+Infinity, bounded nesting) and checked field by field; a file that fails is listed as unreadable
+with the reason, and every text a record carries is escaped before it reaches a terminal.
+
+Each record is *live*, *stale* or *suspect*:
+* its process can be seen from here (this host's boot and this PID namespace): stale when the
+  pid is gone, has exited and awaits its parent, or belongs to a process started at another time;
+* it cannot (another host, another container's PID namespace): stale when its heartbeat stopped,
+  no rewrite for ``STALE_BEATS`` heartbeats (the record says its heartbeat interval);
+* suspect when it is not what it says: the file's owner is not the user the record names, a user
+  directory (``uid-N/``) or its files belong to someone else, the file name is not the one its
+  writer gives its own record, or the process it names runs as another user or gives no start time.
+Stale and suspect records are shown, never counted.
+
+Problems (exit code EXIT_RUNNING_PROBLEM):
+* a live process has a ``failed`` patch;
+* processes *disagree*: among live processes of the same sglang version, one patch has different
+  states.  Only processes that decided the patch are compared: a process that never imported any
+  module a patch targets (a detokenizer on some releases, a helper process) has no state for it,
+  which is not a disagreement.  A process where the shim is off (``NPU_SHIM_ENABLED=0``) counts
+  as ``disabled`` for every patch, so a server half on, half off disagrees.  Processes of
+  different sglang versions are compared separately (two servers sharing a directory).
+"""
+
+import json
+import math
+import os
+import re
+import sys
+import time
+
+from npu_shim.ops import procinfo, statedir, statefile
+from npu_shim.core.framework import FAILED
+from npu_shim.ops.terminal import printable
+
+OFF = "disabled"  # what a patch reads in a process with the shim off
+MAX_RECORDS = 4096
+STALE_BEATS = 3
+PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT
+_MAX_TEXT = 300
+_OLD_NAME = re.compile(r"(?P<host>.+)-(?P<pid>[0-9]+)\.json\Z")  # npu-shim 0.2.2 and before
+
+
+class BadRecord(ValueError):
+    pass
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+def _reject_constant(name):
+    raise BadRecord("not strict JSON (%s)" % name)
+
+
+def _finite_float(text):
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadRecord("not strict JSON (a number out of range)")
+    return value
+
+
+def parse(data):
+    """A record's bytes as a dict: strict JSON (no NaN or Infinity), an object at the top."""
+    try:
+        value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant,
+                           parse_float=_finite_float)
+    except RecursionError:
+        raise BadRecord("nested too deeply") from None
+    except UnicodeDecodeError:
+        raise BadRecord("not UTF-8") from None
+    except BadRecord:
+        raise
+    except ValueError as exc:
+        raise BadRecord("not JSON: %s" % exc) from None
+    if not isinstance(value, dict):
+        raise BadRecord("not a state record (not a JSON object)")
+    return value
+
+
+def _text(value):
+    return value[:_MAX_TEXT] if isinstance(value, str) else None
+
+
+def _int(value, low=0, high=None):
+    if isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high):
+        return value
+    return None
+
+
+def _role(value):
+    if not isinstance(value, dict) or not isinstance(value.get("role"), str):
+        return {"role": "unknown"}
+    role = {"role": value["role"][:64]}
+    for key, item in value.items():
+        if isinstance(key, str) and key.endswith(("_rank", "_size")) and _int(item, 0, 1 << 20) is not None:
+            role[key[:16]] = item
+    return role
+
+
+def _patches(value):
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRecord("'patches' is not an object")
+    patches = {}
+    for name, entry in list(value.items())[:64]:
+        if not isinstance(entry, dict):
+            patches[name[:64]] = {"state": "?", "reason": None, "details": {}}
+            continue
+        details = entry.get("details")
+        patches[name[:64]] = {"state": _text(entry.get("state")) or "?",
+                              "reason": _text(entry.get("reason")),
+                              "details": details if isinstance(details, dict) else {}}
+    return patches
+
+
+def validate(raw):
+    """The fields ``status --running`` uses, each of its type or None; BadRecord when the record
+    cannot name a process (no valid pid or host) or its patches are not an object."""
+    pid = _int(raw.get("pid"), 1, PID_MAX)
+    if pid is None:
+        raise BadRecord("'pid' is not a process id")
+    host = _text(raw.get("host"))
+    if not host:
+        raise BadRecord("'host' is not a host name")
+    updated = raw.get("updated")
+    heartbeat = raw.get("heartbeat_s")
+    return {
+        "format": _int(raw.get("format")),
+        "pid": pid,
+        "ppid": _int(raw.get("ppid")),
+        "uid": _int(raw.get("uid")),
+        "host": host,
+        "boot_id": _text(raw.get("boot_id")),
+        "pid_ns": _int(raw.get("pid_ns")),
+        "start_ticks": _int(raw.get("start_ticks")),
+        "role": _role(raw.get("role")),
+        "shim": _text(raw.get("shim")),
+        "shim_enabled": raw.get("shim_enabled") is not False,
+        "sglang": _text(raw.get("sglang")),
+        "sglang_path": _text(raw.get("sglang_path")),
+        "python": _text(raw.get("python")),
+        "program": _text(raw.get("program")),
+        "heartbeat_s": float(heartbeat) if isinstance(heartbeat, (int, float)) and not isinstance(
+            heartbeat, bool) and 0 < heartbeat <= 3600 else None,
+        "updated": float(updated) if isinstance(updated, (int, float)) and not isinstance(updated, bool) else None,
+        "patches": _patches(raw.get("patches")),
+    }
+
+
+def _entries(dir_fd):
+    """(subdirectory or '', name, owner uid of that subdirectory or None) of the record files:
+    ``*.json`` in the directory and in its ``uid-<N>/`` subdirectories (real ones only)."""
+    found = []
+    with os.scandir(dir_fd) as listing:
+        for entry in listing:
+            name = entry.name
+            if name.startswith("."):
+                continue  # temporary files of a write in progress
+            if name.endswith(".json"):
+                found.append(("", name))
+            elif name.startswith(statedir.USER_DIR_PREFIX) and entry.is_dir(follow_symlinks=False):
+                found.append((name, None))
+            if len(found) > MAX_RECORDS:
+                break
+    return sorted(found)
+
+
+def load(dir_):
+    """[(file name, record dict or None, error or None, file facts)] for the records in ``dir_``:
+    at most MAX_RECORDS read.  Raises OSError when ``dir_`` itself cannot be opened or listed."""
+    fd = os.open(dir_, statedir.DIR_FLAGS)
+    try:
+        top_owner = os.fstat(fd).st_uid
+        found = []
+        for sub, name in _entries(fd):
+            if name is not None:
+                found.append(_read_one(fd, name, name, top_owner, None))
+            else:
+                found.extend(_read_user_dir(fd, sub, MAX_RECORDS - len(found)))
+            if len(found) >= MAX_RECORDS:
+                break
+        if len(found) >= MAX_RECORDS:
+            del found[MAX_RECORDS:]
+            found.append(("...", None, "more than %d records: the rest were not read" % MAX_RECORDS, {}))
+        return found
+    finally:
+        os.close(fd)
+
+
+def _read_user_dir(fd, sub, room):
+    """The records of one user's subdirectory ``uid-<N>/`` (at most ``room``, plus one to show
+    there are more)."""
+    try:
+        sub_fd = os.open(sub, statedir.DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+    except OSError as exc:
+        return [(sub + "/", None, "%s: %s" % (type(exc).__name__, exc.strerror), {})]
+    try:
+        owner = os.fstat(sub_fd).st_uid
+        return [_read_one(sub_fd, inner, sub + "/" + inner, owner, sub)
+                for _sub, inner in _entries(sub_fd)[:room + 1] if inner is not None]
+    finally:
+        os.close(sub_fd)
+
+
+def _read_one(dir_fd, name, shown, dir_owner, user_dir):
+    try:
+        data, st = statedir.read_regular(dir_fd, name, statefile.MAX_RECORD_BYTES)
+        record = validate(parse(data))
+    except OSError as exc:
+        return shown, None, "%s: %s" % (type(exc).__name__, exc.strerror or exc), {}
+    except ValueError as exc:  # BadRecord, and read_regular's refusals
+        return shown, None, str(exc), {}
+    facts = {"name": name, "owner": st.st_uid, "dir_owner": dir_owner, "user_dir": user_dir}
+    return shown, record, None, facts
+
+
+# -- judging -------------------------------------------------------------------------------------
+
+def suspicion(record, facts):
+    """Why a record is not what it says, from its file alone; None when nothing is wrong."""
+    owner, uid = facts.get("owner"), record.get("uid")
+    user_dir = facts.get("user_dir")
+    if user_dir is not None:
+        if user_dir != statedir.user_dir_name(facts.get("dir_owner")):
+            return "its directory %s/ belongs to uid %s" % (user_dir, facts.get("dir_owner"))
+        if owner != facts.get("dir_owner"):
+            return "the file belongs to uid %s, not to the owner of %s/" % (owner, user_dir)
+    elif owner != facts.get("dir_owner") and owner != 0:
+        return "the file belongs to uid %s, who owns neither the directory nor is root" % owner
+    if uid is not None and owner is not None and uid != owner:
+        return "the file belongs to uid %s, the record says it was written by uid %s" % (owner, uid)
+    name = facts.get("name")
+    if name is not None:
+        if record.get("format") is not None and record["format"] >= 2:
+            expected = statefile.record_name(record["host"], record.get("pid_ns"), record["pid"])
+        else:
+            old = _OLD_NAME.match(name)
+            expected = name if old and int(old.group("pid")) == record["pid"] else None
+        if name != expected:
+            return "named %s, but its writer would name it %s" % (name, expected or "otherwise")
+    return None
+
+
+def visible_here(record, here):
+    """Whether this process can see the record's process (same boot of this host, same PID
+    namespace); records of npu-shim 0.2.2 and before name only the host."""
+    if record.get("pid_ns") is None and record.get("boot_id") is None:
+        return record["host"] == here["host"]
+    return (record.get("boot_id") == here["boot_id"] and record.get("pid_ns") == here["pid_ns"]
+            and record["host"] == here["host"])
+
+
+def judge(record, here, now=None):
+    """("live" | "stale" | "suspect", why or None) of a record whose file checked out."""
+    if visible_here(record, here):
+        pid = record["pid"]
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "stale", "pid %d is not running" % pid
+        except PermissionError:
+            pass  # it exists, as another user
+        except (OSError, OverflowError):
+            return "suspect", "pid %d cannot be looked up" % pid
+        if procinfo.is_zombie(pid):
+            return "stale", "pid %d has exited" % pid
+        recorded, started = record.get("start_ticks"), procinfo.start_ticks(pid)
+        if recorded is None and started is not None:
+            return "suspect", "it names running pid %d but gives no start time to prove it" % pid
+        if recorded is not None and started is not None and recorded != started:
+            return "stale", "pid %d now belongs to a later process" % pid
+        runs_as = procinfo.process_uid(pid)
+        if record.get("uid") is not None and runs_as is not None and runs_as != record["uid"]:
+            return "suspect", "pid %d runs as uid %d, not as the uid %d it names" % (pid, runs_as, record["uid"])
+        return "live", None
+    if record.get("boot_id") and record.get("boot_id") != here["boot_id"] and record["host"] == here["host"]:
+        return "stale", "written before this host last booted"
+    beat = record.get("heartbeat_s")
+    if beat is None:
+        return "live", None  # npu-shim 0.2.2 and before: no heartbeat to judge by
+    updated = record.get("updated")
+    now = time.time() if now is None else now
+    if updated is None:
+        return "suspect", "no time of its last update"
+    if now - updated > STALE_BEATS * beat + statefile.INTERVAL_S:
+        return "stale", "no heartbeat for %ds" % (now - updated)
+    return "live", None
+
+
+def this_process():
+    return {"host": procinfo.host(), "boot_id": procinfo.boot_id(), "pid_ns": procinfo.pid_namespace()}
+
+
+def is_stale(record):
+    """True when the record's process is known not to run any more."""
+    return judge(record, this_process())[0] == "stale"
+
+
+def patch_states(record):
+    """{patch: state} of one record (the shim off: every known patch ``disabled``)."""
+    return {name: p.get("state") for name, p in (record.get("patches") or {}).items()}
+
+
+def analyse(dir_):
+    """Everything ``status --running`` prints, as one dict (OSError: ``dir_`` cannot be read)."""
+    entries = load(dir_)
+    here = this_process()
+    processes, unreadable = [], []
+    for name, record, error, facts in entries:
+        if record is None:
+            unreadable.append({"file": name, "error": error})
+            continue
+        record = dict(record)
+        record["file"] = name
+        why = suspicion(record, facts)
+        status = "suspect" if why else None
+        if status is None:
+            status, why = judge(record, here)
+        record["status"], record["why"] = status, why
+        record["stale"] = status == "stale"
+        processes.append(record)
+    live = [p for p in processes if p["status"] == "live"]
+    from npu_shim.patches.registry import known_names
+
+    seen_names = {n for p in processes for n in patch_states(p)}
+    names = [n for n in known_names() if n in seen_names]  # registry order, then any other
+    names += sorted(seen_names - set(names))
+    problems = []
+    for p in live:
+        for name, state in patch_states(p).items():
+            if state == FAILED:
+                problems.append({"kind": "failed", "patch": name, "pid": p["pid"], "host": p["host"],
+                                 "reason": p["patches"][name]["reason"]})
+    by_version = {}
+    for p in live:
+        by_version.setdefault(p.get("sglang"), []).append(p)
+    for version, group in sorted(by_version.items(), key=lambda item: str(item[0])):
+        for name in names:
+            seen = {}
+            for p in group:
+                state = OFF if p.get("shim_enabled") is False else patch_states(p).get(name)
+                if state is not None:
+                    seen.setdefault(state, []).append(p["pid"])
+            if len(seen) > 1:
+                problems.append({"kind": "disagree", "patch": name, "sglang": version,
+                                 "states": {s: sorted(pids) for s, pids in seen.items()}})
+    return {"dir": dir_, "patches": names, "processes": processes, "unreadable": unreadable,
+            "live": len(live), "stale": sum(p["status"] == "stale" for p in processes),
+            "suspect": sum(p["status"] == "suspect" for p in processes), "problems": problems}
+
+
+# -- printing ------------------------------------------------------------------------------------
+
+def role_text(record):
+    role = record.get("role") or {}
+    label = procinfo.role_label(role)
+    if role.get("role") == "scheduler" and label and not label.startswith("scheduler"):
+        label = "scheduler " + label
+    return label or "unknown"
+
+
+def state_text(record, name, patches=None):
+    """A table cell: the patch's state, and the details its patch says are worth a column
+    (``Patch.running_details``; ``patches``: {name: Patch}, the registered ones by default)."""
+    if record.get("shim_enabled") is False:
+        return "off"
+    entry = (record.get("patches") or {}).get(name)
+    if not isinstance(entry, dict):
+        return "-"
+    text = entry.get("state") or "?"
+    patch = (registered_patches() if patches is None else patches).get(name)
+    extra = patch.running_details(entry.get("details") or {}) if patch is not None else []
+    return text + ("(%s)" % ", ".join(extra) if extra else "")
+
+
+def registered_patches():
+    """{name: Patch} of the registered patches (loaded once per command)."""
+    if not _PATCHES:
+        from npu_shim.core.loading import load_all
+
+        _PATCHES.update((patch.name, patch) for patch in load_all())
+    return _PATCHES
+
+
+_PATCHES = {}
+
+
+def _age(updated, now):
+    if updated is None:
+        return "?"
+    return "%ds ago" % max(0, now - updated) if now >= updated else "in %ds (clock ahead)" % (updated - now)
+
+
+def print_table(info, out=None):
+    write = (out or sys.stdout).write
+
+    def out_line(text):
+        write(printable(text) + "\n")
+
+    out_line("npu-shim status --running: %s -- %d live process(es), %d stale%s"
+             % (info["dir"], info["live"], info["stale"],
+                ", %d suspect" % info["suspect"] if info.get("suspect") else ""))
+    if not info["processes"]:
+        out_line("  no state records (set NPU_SHIM_STATE_DIR to this directory in the server's "
+                 "environment)")
+    headers = ["host", "pid", "role", "shim", "sglang"] + [printable(n[:40]) for n in info["patches"]] + ["updated"]
+    rows = []
+    now = time.time()
+    for p in sorted(info["processes"], key=lambda r: (r["host"], r["pid"], r["file"])):
+        flag = {"stale": " STALE (%s)", "suspect": " SUSPECT (%s)"}.get(p["status"])
+        rows.append([p["host"][:64], str(p["pid"]), role_text(p)[:40], str(p.get("shim"))[:20],
+                     str(p.get("sglang"))[:20]] + [state_text(p, n)[:60] for n in info["patches"]]
+                    + [_age(p.get("updated"), now) + (flag % p["why"] if flag else "")])
+    rows = [[printable(cell) for cell in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    for row in [headers] + rows:
+        out_line("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    for bad in info["unreadable"]:
+        out_line("  unreadable: %s (%s)" % (bad["file"], bad["error"]))
+    for problem in info["problems"]:
+        if problem["kind"] == "failed":
+            out_line("PROBLEM: %s failed in pid %s on %s: %s"
+                     % (problem["patch"], problem["pid"], problem["host"], problem["reason"]))
+        else:
+            out_line("PROBLEM: processes of sglang %s disagree on %s: %s" % (
+                problem["sglang"], problem["patch"],
+                "; ".join("%s in pid %s" % (s, ", ".join(map(str, pids)))
+                          for s, pids in sorted(problem["states"].items()))))
+    if info.get("suspect"):
+        out_line("WARNING: %d record(s) are not what they say (SUSPECT above): not counted; look "
+                 "at who can write to %s" % (info["suspect"], info["dir"]))
+    if not info["problems"] and info["live"]:
+        out_line("ok: no failed patch, every live process agrees")
+

@@ -1,0 +1,286 @@
+"""The patch model: what a patch declares and how it is decided (nothing is changed here).
+
+A feature module ``npu_shim/patches/<name>.py`` defines ``PATCH``, an instance of a ``Patch``
+subclass that says in one place: the upstream PR it backports and the release that has it, the
+releases it backports to, its switch and the variables it reads, a ``probe`` that recognises
+upstream's own implementation in the running code, and its ``targets`` (npu_shim/runtime/targets.py).
+The declaration is checked when the class is defined, and every target against ``modules`` when
+the patch is decided.  ``decide`` turns it into one of the states below from the sglang *source*
+(``codeview.SourceView``), before anything is changed; the runtime then applies the targets.
+"""
+
+import re
+
+from npu_shim.core import config
+
+APPLIED = "applied"          # backported into the running sglang
+UPSTREAM = "upstream"        # stood down: the running sglang has the feature itself
+DISABLED = "disabled"        # switched off (its switch, NPU_SHIM_PATCHES or NPU_SHIM_ENABLED)
+INACTIVE = "inactive"        # nothing to do here: trigger not set, no NPU, no such code path
+UNSUPPORTED = "unsupported"  # should apply but cannot: a target's code is not what the shim knows
+FAILED = "failed"            # an error: bad configuration, a broken declaration, applying raised
+STATES = (APPLIED, UPSTREAM, DISABLED, INACTIVE, UNSUPPORTED, FAILED)
+PROBLEMS = (UNSUPPORTED, FAILED)  # the states strict mode refuses
+
+_NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
+_RELEASE = re.compile(r"[0-9]+(\.[0-9]+)+\Z")
+
+
+class SourceError(ValueError):
+    """A source file the shim cannot decode or parse (one line: which file and why); the source
+    reader (npu_shim/source/codeview.py) raises it, and it leaves the patch that asked
+    ``unsupported``."""
+
+
+def version_tuple(text):
+    """'0.5.10.post1' -> (0, 5, 10); unknown text -> ()."""
+    numbers = []
+    for part in (text or "").split("."):
+        if not part.isdigit():
+            break
+        numbers.append(int(part))
+    return tuple(numbers)
+
+
+class Verdict(Exception):
+    """How a patch's decision ends other than ``applied``: raised from anywhere in ``trigger``,
+    ``new_process_state`` or ``targets`` with the reason (the one way a patch says "not here")."""
+
+    state = None
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Inactive(Verdict):
+    """This sglang or job has nothing for the patch to do."""
+
+    state = INACTIVE
+
+
+class Unsupported(Verdict):
+    """The patch should apply but cannot here (code it does not know)."""
+
+    state = UNSUPPORTED
+
+
+class Failed(Verdict):
+    """The job asks for the patch but it cannot work as configured."""
+
+    state = FAILED
+
+
+class ShimError(RuntimeError):
+    """Raised to the application only in strict mode, or when a feature the user explicitly
+    configured cannot be honoured (running without it would be silently wrong)."""
+
+
+class Patch:
+    """Base class: a feature module subclasses it and fills in the class attributes."""
+
+    name = ""              # short id: the module's name, used in logs, status and NPU_SHIM_PATCHES
+    title = ""             # one line: what it does
+    upstream_pr = ""       # e.g. "sgl-project/sglang#19246"
+    upstream_release = ""  # first sglang release that has it, e.g. "0.5.10"
+    backport_range = ()    # (first, last) release the shim backports it to, e.g. ("0.5.7", "0.5.9")
+    remove_when = ""       # when this patch can be deleted
+    switch = None          # config.EnvVar (config.switch(name)) that turns it off
+    reads = ()             # other config.EnvVar it depends on; a bad value fails the patch
+    trigger_env = {}       # the variables that turn it on (tests, the demo and the release table)
+    modules = ()           # every module its targets can live in (hooks are put on these)
+    needs_npu = True
+    error = ShimError      # what the process raises when a requested patch cannot be honoured
+    requires = None        # a method run before any target of the patch changes a loaded module;
+                           # it raises (with the reason) when an apply-time precondition fails
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        problems = declaration_problems(cls)
+        if problems:
+            raise TypeError("patch %s is declared wrongly: %s" % (cls.__name__, "; ".join(problems)))
+
+    def probe(self, view):
+        """Evidence (a short string) that the running sglang already has the feature, else None."""
+        raise NotImplementedError
+
+    def trigger(self, environ):
+        """Raise ``Inactive(reason)`` when the patch has nothing to do in this job."""
+        return None
+
+    def new_process_state(self, view, details):
+        """The object the patch's wrappers share in this process (what they set up and count), or
+        None; made once per decision (so uninstall/install starts over) and handed to ``targets``
+        as ``ctx.process``; ``details``: the record's, which status shows."""
+        return None
+
+    def targets(self, view, ctx):
+        """The Wrap/Replace targets for this release (``ctx``: a DecideContext); raise a
+        ``Verdict`` (``Inactive``, ``Unsupported``, ``Failed``) where there are none to apply."""
+        raise NotImplementedError
+
+    def must_honour(self, environ):
+        """True when the user explicitly asked for the feature, so that failing to apply it must
+        stop the process rather than run silently without it."""
+        return False
+
+    def origin(self):
+        return "backport of %s; upstream since %s" % (self.upstream_pr, self.upstream_release)
+
+    # -- what the patch says about itself (the core and the commands name no patch)
+    def check_facts(self):
+        """{report key: {"label", "text", ...}}: what ``python -m npu_shim check`` shows about the
+        image for this patch (read from files; nothing is imported or initialised)."""
+        return {}
+
+    def summary_details(self, details):
+        """The words the summary line adds after this patch's state (``applied(full, 49152
+        MiB)``), from its record's details."""
+        return []
+
+    def running_details(self, details):
+        """The same for ``status --running``, from a record another process wrote (untrusted:
+        every value's type is checked)."""
+        return []
+
+
+def declaration_problems(cls):
+    """What is wrong with a Patch subclass's declaration ([] when nothing)."""
+    problems = []
+    if not _NAME.match(cls.name or ""):
+        problems.append("name %r is not a lower-case identifier" % (cls.name,))
+    if not isinstance(cls.switch, config.EnvVar):
+        problems.append("switch must be a config.EnvVar (config.switch(name, doc))")
+    elif cls.switch.name != config.switch_name(cls.name):
+        problems.append("switch is %s, expected %s" % (cls.switch.name, config.switch_name(cls.name)))
+    if not all(isinstance(var, config.EnvVar) for var in cls.reads):
+        problems.append("reads must hold config.EnvVar only")
+    if not (cls.title and cls.upstream_pr and cls.remove_when):
+        problems.append("title, upstream_pr and remove_when are required")
+    releases = list(cls.backport_range) + [cls.upstream_release]
+    if len(cls.backport_range) != 2 or not all(_RELEASE.match(r or "") for r in releases):
+        problems.append("backport_range must be (first, last) and upstream_release a release number")
+    elif not version_tuple(releases[0]) <= version_tuple(releases[1]) < version_tuple(releases[2]):
+        problems.append("backport_range %s - %s must end before upstream_release %s" % tuple(releases))
+    if not cls.modules or not all(m.startswith("sglang.") for m in cls.modules):
+        problems.append("modules must list the sglang modules its targets live in")
+    return problems
+
+
+def expected_state(patch, version):
+    """The state the patch's declaration promises on ``version`` with its trigger set and its
+    switch on: ``upstream`` from upstream_release, ``applied`` in backport_range, ``inactive``
+    before it (no code to backport onto), ``unsupported`` between the range and upstream."""
+    key = version_tuple(version)
+    if key >= version_tuple(patch.upstream_release):
+        return UPSTREAM
+    first, last = (version_tuple(r) for r in patch.backport_range)
+    if key < first:
+        return INACTIVE
+    return APPLIED if key[:len(last)] <= last else UNSUPPORTED
+
+
+class DecideContext:
+    """What ``Patch.targets`` may consult and say while the patch is being decided."""
+
+    def __init__(self, environ, assume_triggered, details=None, process=None):
+        self.environ = environ                    # None: os.environ (as EnvVar.read takes it)
+        self.assume_triggered = assume_triggered  # "would it apply if switched on?"
+        self.details = {} if details is None else details  # the record's: status shows them
+        self.process = process                    # Patch.new_process_state's object, if any
+        self.notes = []                           # appended to the ``applied`` reason
+
+    def note(self, text):
+        self.notes.append(text)
+
+
+class Decision:
+    def __init__(self, state, reason, targets=(), details=None, process=None):
+        self.state = state
+        self.reason = reason
+        self.targets = list(targets)
+        self.details = {} if details is None else details
+        self.process = process
+
+    def __repr__(self):
+        return "Decision(%s: %s)" % (self.state, self.reason)
+
+
+def switched_off(patch, environ=None):
+    """Why the patch is ``disabled`` (master switch, allow-list, its own switch), else None."""
+    if not config.ENABLED.read(environ):
+        return "%s=0" % config.ENABLED.name
+    allowed = config.PATCHES.read(environ)
+    if allowed is not None and patch.name not in allowed:
+        return "not in %s" % config.PATCHES.name
+    if not patch.switch.read(environ):
+        return "%s=0" % patch.switch.name_set(environ)
+    return None
+
+
+def decide(patch, view, environ=None, on_npu=None, assume_triggered=False):
+    """The patch's state for this sglang source and environment; changes nothing.
+
+    ``on_npu`` None means "not known" (static use: the status command, the release matrix);
+    ``assume_triggered`` skips the env trigger (to ask "would it apply if switched on?").
+    """
+    try:
+        off = switched_off(patch, environ)
+        if off:
+            return Decision(DISABLED, off)
+        if getattr(patch, "broken", None):
+            return Decision(FAILED, patch.broken)
+        for var in patch.reads:
+            var.read(environ)
+    except config.ConfigError as exc:
+        return Decision(FAILED, str(exc))
+    if view is None:
+        return Decision(UNSUPPORTED, "sglang not found")
+    try:
+        return _decide_from_source(patch, view, environ, on_npu, assume_triggered)
+    except SourceError as exc:  # a file the patch reads does not decode or parse
+        return Decision(UNSUPPORTED, str(exc))
+    except Verdict as verdict:
+        return Decision(verdict.state, verdict.reason)
+
+
+def _decide_from_source(patch, view, environ, on_npu, assume_triggered):
+    evidence = patch.probe(view)
+    if evidence:
+        return Decision(UPSTREAM, "sglang %s has it: %s" % (view.version or "?", evidence))
+    if not assume_triggered:
+        patch.trigger(environ)
+    if patch.needs_npu and on_npu is False:
+        return Decision(INACTIVE, "not running on an NPU (torch.npu is unavailable)")
+    ctx, targets = targets_for(patch, view, environ, assume_triggered)
+    stray = sorted({t.module for t in targets} - set(patch.modules))
+    if stray:
+        return Decision(FAILED, "declaration error: targets in %s, which %s.modules does not list "
+                                "(no hook would apply them)" % (", ".join(stray), type(patch).__name__))
+    problems = [p for p in (t.check_source(view) for t in targets) if p]
+    if problems:
+        return Decision(UNSUPPORTED, "; ".join(problems))
+    reason = patch.origin() + (" (%s)" % "; ".join(ctx.notes) if ctx.notes else "")
+    return Decision(APPLIED, reason, targets, ctx.details, ctx.process)
+
+
+def targets_for(patch, view, environ=None, assume_triggered=True):
+    """(ctx, targets) as a decision lists them: the patch's process state made and handed in, its
+    ``requires`` put on every target that has none of its own.  Raises a ``Verdict`` where the
+    patch has none to apply here."""
+    details = {}
+    ctx = DecideContext(environ, assume_triggered, details, patch.new_process_state(view, details))
+    targets = patch.targets(view, ctx)
+    if patch.requires is not None:
+        for target in targets:
+            if target.requires is None:
+                target.requires = patch.requires
+    return ctx, targets
+
+
+def without_wrapt(decision, reason):
+    """A patch that would apply cannot where wrapt is missing: it is ``failed`` with the reason."""
+    if decision.state != APPLIED:
+        return decision
+    return Decision(FAILED, "%s (use an npu-shim bundle: 'python -m npu_shim bundle DIR', or "
+                            "install wrapt>=1.14 in the image)" % reason)

@@ -1,0 +1,73 @@
+"""Loading the registered patches (npu_shim/patches/registry.py) and what the rest asks of them:
+the modules their targets live in, the variables they read.  A feature module that cannot be
+loaded becomes a ``BrokenPatch``: that patch alone is ``failed``; the others work."""
+
+import importlib
+
+from npu_shim.core import config
+from npu_shim.patches import registry
+
+
+class BrokenPatch:
+    """Stands in for a feature module that cannot be loaded (an import error, a declaration
+    error, no ``PATCH``): that patch alone is ``failed`` with the reason; the others work."""
+
+    title = "(could not be loaded)"
+    upstream_pr = upstream_release = remove_when = ""
+    backport_range = ()
+    reads = ()
+    modules = ()
+    trigger_env = {}
+
+    def __init__(self, name, reason):
+        self.name = name
+        self.broken = reason
+        self.switch = config.switch(name, "")
+
+    def must_honour(self, environ):
+        return False
+
+    def check_facts(self):
+        return {}
+
+    def summary_details(self, details):
+        return []
+
+    def running_details(self, details):
+        return []
+
+    def origin(self):
+        return "feature module npu_shim.patches.%s" % self.name
+
+
+def load(module_name):
+    """The module's PATCH, or a BrokenPatch saying why it cannot be had."""
+    name = module_name.rsplit(".", 1)[-1]
+    try:
+        patch = importlib.import_module(module_name).PATCH
+    except Exception as exc:  # noqa: BLE001 - one broken feature must not take the others down
+        return BrokenPatch(name, "feature module %s cannot be loaded: %r" % (module_name, exc))
+    if getattr(patch, "name", None) != name:
+        return BrokenPatch(name, "%s.PATCH is named %r, not %r" % (module_name, getattr(patch, "name", None), name))
+    return patch
+
+
+def load_all():
+    """The Patch of every registered module, in registry order."""
+    return [load(name) for name in registry.PATCH_MODULES]
+
+
+def target_modules(patches):
+    """Every module any of ``patches`` may touch, each once, in declaration order."""
+    modules = []
+    for patch in patches:
+        modules += [m for m in patch.modules if m not in modules]
+    return modules
+
+
+def all_variables(patches=None):
+    """Every variable the shim reads: its own, then each patch's switch and the others it reads."""
+    found = list(config.SHIM_VARIABLES)
+    for patch in load_all() if patches is None else patches:
+        found += [var for var in (patch.switch,) + tuple(patch.reads) if var not in found]
+    return found

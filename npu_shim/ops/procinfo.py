@@ -1,0 +1,175 @@
+"""Who this process is, as far as it can tell: its sglang role and ranks, versions, host.
+
+sglang runs one launcher process (``python -m sglang.launch_server``: tokenizer manager and HTTP
+server), one scheduler per TP/PP/DP rank, a detokenizer, and with DP attention a data-parallel
+controller -- all spawned children with the same command line.  The role is learned, best source
+first:
+
+1. a wrapper that sees the scheduler's own arguments (a patch's ``Scheduler.__init__`` wrapper
+   calls ``note_scheduler``): role and ranks with their sizes, e.g. ``tp 3/16``;
+2. the process title sglang sets (``sglang::scheduler_DP0_TP3``, ``sglang::detokenizer``,
+   ``sglang::data_parallel_controller``, ``sglang::tokenizer_worker:PID``), read through the
+   ``setproctitle`` module sglang itself imported -- ranks without sizes;
+3. the main module: ``sglang.launch_server`` is the launcher/HTTP server;
+4. otherwise ``unknown``.  A spawned scheduler decides its patches while ``run_scheduler_process``
+   is being unpickled, before sglang sets its title: at that moment it is still ``unknown``, and
+   the state record (``NPU_SHIM_STATE_DIR``) picks the role up at its next write.
+
+Nothing here imports anything heavy; every answer is computed when asked (titles change).
+"""
+
+import os
+import re
+import socket
+import sys
+
+_noted = None  # the role a wrapper told us (note_scheduler)
+_TITLE = re.compile(r"sglang::(?P<role>[a-z_]+?)(?:_(?P<ranks>(?:[A-Z_]+[0-9]+_?)+))?(?::\d+)?\Z")
+_RANK = re.compile(r"([A-Z_]+?)([0-9]+)")
+_MAIN_ROLES = {"sglang.launch_server": "http_server"}
+_sglang_version = None  # note_sglang_version: the running sglang's, once its source is read
+
+
+def note_scheduler(tp_rank=None, tp_size=None, pp_rank=None, pp_size=None, dp_rank=None, dp_size=None):
+    """A scheduler's ranks, from its own ``__init__`` arguments (the most reliable source)."""
+    global _noted
+    role = {"role": "scheduler", "source": "Scheduler.__init__"}
+    for key, value in (("tp_rank", tp_rank), ("tp_size", tp_size), ("pp_rank", pp_rank),
+                       ("pp_size", pp_size), ("dp_rank", dp_rank), ("dp_size", dp_size)):
+        if isinstance(value, int) and not isinstance(value, bool):
+            role[key] = value
+    _noted = (os.getpid(), role)
+
+
+def _title():
+    module = sys.modules.get("setproctitle")
+    try:
+        return module.getproctitle() if module is not None else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def role_from_title(title):
+    """{"role", ranks...} from an sglang process title, or None."""
+    match = _TITLE.match((title or "").strip())
+    if not match:
+        return None
+    role = {"role": match.group("role"), "source": "process title"}
+    for name, number in _RANK.findall(match.group("ranks") or ""):
+        role[name.strip("_").lower() + "_rank"] = int(number)
+    return role
+
+
+def role():
+    """This process's role, as a dict: always "role" and "source", ranks where known."""
+    if _noted is not None and _noted[0] == os.getpid():
+        return dict(_noted[1])
+    titled = role_from_title(_title())
+    if titled:
+        return titled
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", None)
+    if name in _MAIN_ROLES:
+        return {"role": _MAIN_ROLES[name], "source": "main module %s" % name}
+    return {"role": "unknown", "source": "no sglang role seen yet"}
+
+
+def role_label(info=None):
+    """Short text for a log tag: ``tp 3/16``, ``scheduler dp 0 tp 3``, ``detokenizer``, ''
+    (unknown)."""
+    info = role() if info is None else info
+    kind = info.get("role")
+    if kind == "unknown":
+        return ""
+    parts = [] if kind == "scheduler" and "tp_rank" in info else [kind]
+    for axis in ("dp", "pp", "tp"):
+        rank = info.get(axis + "_rank")
+        if rank is None:
+            continue
+        size = info.get(axis + "_size")
+        if axis != "tp" and size == 1:
+            continue  # pp 0/1, dp 0/1 say nothing
+        parts.append("%s %d%s" % (axis, rank, "/%d" % size if size else ""))
+    return " ".join(parts)
+
+
+def host():
+    try:
+        return socket.gethostname()
+    except Exception:  # noqa: BLE001
+        return "localhost"
+
+
+def pid_namespace():
+    """This process's PID namespace as the kernel names it (the inode of ``/proc/self/ns/pid``),
+    or None off Linux: two containers with host networking share the hostname, not this."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def boot_id():
+    """The kernel's boot id (Linux): two hosts of one name, or one host after a reboot, differ."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as handle:
+            text = handle.read(64).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return text if re.fullmatch(r"[0-9a-f-]{36}", text) else None
+
+
+def process_uid(pid):
+    """The user a process of this PID namespace runs as (the owner of ``/proc/PID``), or None."""
+    try:
+        return os.stat("/proc/%d" % pid).st_uid
+    except (OSError, OverflowError, ValueError):
+        return None
+
+
+def main_module():
+    """``sglang.launch_server`` for ``python -m sglang.launch_server``, a script's base name, or
+    None: what a record says of the command line (its arguments may hold secrets: never kept)."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name:
+        return name
+    path = getattr(main, "__file__", None) or (sys.argv[0] if sys.argv else None)
+    return os.path.basename(path) if path else None
+
+
+def _stat(pid=None):
+    """The fields of ``/proc/PID/stat`` after the command name (Linux), or None."""
+    try:
+        with open("/proc/%s/stat" % (int(pid) if pid else "self"), "rb") as handle:
+            data = handle.read(4096)
+        return data[data.rindex(b")") + 2:].split()
+    except (OSError, ValueError, OverflowError, TypeError):
+        return None
+
+
+def start_ticks(pid=None):
+    """The process's start time in clock ticks since boot (Linux ``/proc``), or None: with the pid
+    it names one process, even after the pid is reused."""
+    fields = _stat(pid)
+    try:
+        return int(fields[19]) if fields else None
+    except (ValueError, IndexError):
+        return None
+
+
+def is_zombie(pid):
+    """The process has exited and waits for its parent to reap it (Linux), else False."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] in (b"Z", b"X")
+
+
+def note_sglang_version(version):
+    """The running sglang's version, read from its source (the runtime, or the off line)."""
+    global _sglang_version
+    _sglang_version = version
+
+
+def sglang_version():
+    return _sglang_version

@@ -1,0 +1,334 @@
+"""The shim inside a process that imports sglang: one ``Runtime`` (``RUNTIME``) that hooks,
+decides, applies and reverts.
+
+Timeline in a process:
+1. ``Runtime.activate`` (first ``import sglang``, handed the start-up watcher that saw it, or
+   ``install()``): wrapt is loaded and a post-import hook is registered on every module any patch
+   may touch.
+2. The first of those hooks decides every patch at once (``framework.decide``) from the sglang
+   source on disk and logs one summary line for the process (``summary.report_all``: each reason
+   at DEBUG, ``unsupported`` at WARNING, ``failed`` at ERROR): everything is validated before
+   anything changes.  With ``NPU_SHIM_STATE_DIR`` set the process's state record is written then,
+   and again whenever it changes (npu_shim/ops/statefile.py).
+3. Each hook then applies the targets that live in its module; a target whose loaded code does
+   not match fails its whole patch, which is reverted everywhere.
+4. ``importlib.reload`` of a patched module (which post-import hooks never see) re-applies its
+   targets to the new code, checked like the first time (npu_shim/runtime/finder.py).
+No exception leaves a hook unless strict mode is on or a patch the user explicitly asked for
+(``Patch.must_honour``) cannot be applied.
+"""
+
+import os
+import sys
+import threading
+
+from npu_shim.core import config, framework, loading
+from npu_shim.core.framework import APPLIED, FAILED, PROBLEMS, ShimError
+from npu_shim.ops import log, procinfo, statefile, summary
+from npu_shim.runtime import installer, wrapt_loader
+from npu_shim.runtime.finder import ShimFinder
+from npu_shim.runtime.targets import Wrap
+from npu_shim.source import answers, codeview
+
+
+class PatchRecord:
+    """What happened to one patch in this process."""
+
+    def __init__(self, patch, decision):
+        self.patch = patch
+        self.state = decision.state
+        self.reason = decision.reason
+        self.targets = decision.targets
+        self.changes = []        # targets.Change, in the order applied
+        self.applied = set()     # describe() of targets applied so far
+        self.details = decision.details  # what the patch's wrappers report (e.g. MiB released)
+        self.process = decision.process  # the wrappers' per-process state (ctx.process)
+
+    def as_dict(self):
+        return {
+            "name": self.patch.name,
+            "state": self.state,
+            "reason": self.reason,
+            "targets": {t.describe(): t.describe() in self.applied for t in self.targets},
+            "wrappers": sorted(t.describe() for t in self.targets
+                               if isinstance(t, Wrap) and t.describe() in self.applied),
+            "details": dict(self.details),
+        }
+
+
+def strict():
+    try:
+        return config.STRICT.read()
+    except config.ConfigError as exc:
+        log.error_once(log.config_key(config.STRICT), "%s (strict mode off)" % exc)
+        return False
+
+
+def report_invalid_variables(records, patches):
+    """Each invalid variable once, at activation: those a patch read are in its ``failed`` line
+    already; the others (e.g. strict mode, the log level, a switched-off patch's) are said here,
+    and so is every ``NPU_SHIM_*`` name the shim does not read (a typo is not silently ignored)."""
+    from npu_shim.core.loading import all_variables
+
+    strict()
+    log.configure()  # reports a bad log level
+    said = " ".join(record.reason for record in records.values())
+    variables = loading.all_variables(patches)
+    for var in variables:
+        try:
+            var.read()
+        except config.ConfigError as exc:
+            if str(exc) not in said:
+                log.error_once(log.config_key(var), "%s (ignored)" % exc)
+    for name, suggestion in config.unknown_names(variables):
+        log.warning_once("unknown:" + name, "%s is not a variable npu-shim reads (ignored)%s"
+                         % (name, "; did you mean %s?" % suggestion if suggestion else ""))
+
+
+def sglang_view():
+    package = sys.modules.get("sglang")
+    path = getattr(package, "__file__", None)
+    if not path:
+        return None
+    return answers.view(os.path.dirname(path))
+
+
+def running_on_npu():
+    """The same test sglang's ``is_npu()`` makes; torch is loaded by the time a target imports."""
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and hasattr(torch, "npu") and torch.npu.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def enforce(record):
+    """Raise when a patch that did not apply must not be silently skipped."""
+    if record.state not in PROBLEMS:
+        return
+    if record.patch.must_honour(os.environ):
+        raise getattr(record.patch, "error", ShimError)(
+            "npu-shim: %s was requested but is %s: %s" % (record.patch.name, record.state, record.reason))
+    if strict():
+        raise ShimError("npu-shim (strict): %s is %s: %s"
+                        % (record.patch.name, record.state, record.reason))
+
+
+def revert_record(record):
+    for change in reversed(record.changes):
+        change.revert()
+    record.changes = []
+    record.applied = set()
+
+
+class Runtime:
+    """The shim in this process: the patches, their records, the hooks and the finder.  The
+    start-up watcher (npu_shim/_bootstrap.py) is handed in by whoever activates (the watcher
+    itself, or ``install()``); nothing else reaches into this object's fields."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.installed = False
+        self.generation = 0
+        self.patches = None           # loaded Patch instances
+        self.records = None           # {name: PatchRecord} once decided
+        self.decided_from = None      # "sglang source", or "inherited answers" (source/answers.py)
+        self.imported_before = set()  # target modules already imported when the shim activated
+        self.hooked = set()           # every module a patch may touch
+        self.watcher = None           # the start-up watcher, once handed in
+        self.finder = ShimFinder(self.watches, self.reapply_after_reload)
+
+    # -- activation
+    def activate_guarded(self, watcher=None):
+        """``activate`` for the import watcher: errors are logged once, raised only in strict mode."""
+        try:
+            self.activate(watcher)
+        except ShimError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            log.error_once("activate", "shim off: activation failed: %r" % (exc,))
+            if strict():
+                raise ShimError("npu-shim activation failed: %r" % (exc,)) from exc
+
+    def activate(self, watcher=None):
+        """Register the post-import hooks (idempotent within one install)."""
+        with self.lock:
+            if self.installed:
+                return
+            if watcher is not None:
+                self.watcher = watcher
+            self.installed = True
+            self.generation += 1
+            generation = self.generation
+            self.patches = loading.load_all()
+            self.records = None
+            modules = loading.target_modules(self.patches)
+            self.imported_before = {m for m in modules if m in sys.modules}
+            try:
+                wrapt = wrapt_loader.load()
+            except Exception as exc:  # noqa: BLE001 - WraptUnavailable, or a bundled build that broke
+                self.fail_without_wrapt(str(exc) if isinstance(exc, wrapt_loader.WraptUnavailable)
+                                        else "wrapt could not be loaded: %r" % (exc,))
+                return
+            self.hooked = set(modules)
+            self.finder.take(wrapt_loader.take_import_finder())
+            self.finder.install(self.watcher)
+
+        for name in modules:
+            # Fires at once for a module that is already imported (install() after sglang).
+            wrapt.register_post_import_hook(self.import_hook(generation), name)
+
+    def import_hook(self, generation):
+        """The post-import hook of one install (``generation``): decides every patch on the first
+        call, then applies the targets of the module it is called with."""
+        def on_import(module):
+            if generation != self.generation or not self.installed:
+                return  # an earlier install, since uninstalled
+            try:
+                with self.lock:
+                    if self.records is None:
+                        self.decide_all()
+                    self.apply_module(module)
+            except ShimError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - never break the application's import
+                log.error_once("hook:" + module.__name__, "hook on %s failed: %r" % (module.__name__, exc))
+                if strict():
+                    raise ShimError("npu-shim hook on %s failed: %r" % (module.__name__, exc)) from exc
+
+        return on_import
+
+    # -- deciding
+    def decide_all(self):
+        """Decide every patch in a hook (sglang is imported and torch loaded, so the NPU is known),
+        log one line each and enforce ``must_honour``/strict mode."""
+        self._decide(sglang_view(), running_on_npu())
+
+    def fail_without_wrapt(self, reason):
+        """No wrapt: nothing can be wrapped, so say per patch what does not happen (and stop the
+        process where the user explicitly asked for a feature, as for any other failure).  Decided
+        when ``import sglang`` starts (nothing else can run later): every patch that would apply
+        is ``failed`` with the reason."""
+        package_dir = codeview.find_package_dir("sglang")
+        view = answers.view(package_dir) if package_dir else None
+        # torch is usually not imported yet at ``import sglang``: the NPU is then unknown (None).
+        on_npu = running_on_npu() if "torch" in sys.modules else None
+        self._decide(view, on_npu, missing_wrapt=reason)
+
+    def _decide(self, view, on_npu, missing_wrapt=None):
+        records = {}
+        for patch in self.patches:
+            try:
+                decision = framework.decide(patch, view, on_npu=on_npu)
+            except Exception as exc:  # noqa: BLE001
+                decision = framework.Decision(FAILED, "deciding raised %r" % (exc,))
+            if missing_wrapt is not None:
+                decision = framework.without_wrapt(decision, missing_wrapt)
+            records[patch.name] = PatchRecord(patch, decision)
+        # The parsed source is dropped here (the view is local): every sglang process keeps only
+        # the decisions.  Children get the answers the sources gave (source/answers.py).
+        inherited = getattr(view, "reused", False) and not getattr(view, "_modules", None)
+        self.decided_from = "inherited answers" if inherited else "sglang source"
+        if view is not None:
+            answers.export(view)
+            procinfo.note_sglang_version(view.version)
+        self.records = records
+        summary.report_all(records)
+        report_invalid_variables(records, self.patches)
+        statefile.attach(self.state_snapshot, getattr(view, "package_dir", None))
+        statefile.write()
+        for record in records.values():
+            enforce(record)
+
+    # -- applying
+    def watches(self, name):
+        """A hooked module of a process that decided (the finder re-applies it after a reload)."""
+        return name in self.hooked and self.records is not None
+
+    def apply_module(self, module, imported_before=None):
+        name = module.__name__
+        if imported_before is None:
+            imported_before = name in self.imported_before
+        for record in self.records.values():
+            if record.state != APPLIED:
+                continue
+            targets = [t for t in record.targets if t.module == name]
+            try:
+                # All of this module's targets are checked against the loaded code before any is set.
+                changes = [t.prepare(module) for t in targets]
+                for target, change in zip(targets, changes):
+                    change.apply(imported_before)
+                    record.changes.append(change)
+                    record.applied.add(target.describe())
+            except Exception as exc:  # noqa: BLE001
+                revert_record(record)
+                record.state, record.reason = FAILED, "while patching %s: %s" % (name, exc)
+                summary.report(record)
+                statefile.write()
+                enforce(record)
+        statefile.write()
+
+    def reapply_after_reload(self, module):
+        """Re-apply the patches to a hooked module's code after ``importlib.reload`` ran it (the
+        finder's loader calls this); a failure is logged, not raised, unless it is the shim's own."""
+        try:
+            with self.lock:
+                if self.records is not None:
+                    # Copies other modules took keep the code they took, as after any reload.
+                    self.apply_module(module, imported_before=False)
+        except ShimError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - never break the application's reload
+            log.error_once("reload:" + module.__name__,
+                           "re-applying after reload of %s failed: %r" % (module.__name__, exc))
+
+    # -- install() / uninstall()
+    def install(self, watcher):
+        """Arm the shim in this process; patches already imported sglang modules in place.  False
+        when it is armed or active already."""
+        with self.lock:
+            if self.installed or (installer.watcher_armed(watcher) and not watcher.off):
+                return False
+            # An explicit install() decides every patch even with NPU_SHIM_ENABLED=0 (each then
+            # reads ``disabled``), as it always has; the start-up watcher only says "off".
+            watcher.off = False
+            self.watcher = watcher
+            if "sglang" in sys.modules:
+                self.activate(watcher)
+            else:
+                watcher.arm()
+        return True
+
+    def uninstall(self, watcher):
+        """Restore every original (and every rebound copy); the shim is then off in this process."""
+        with self.lock:
+            while watcher in sys.meta_path:
+                sys.meta_path.remove(watcher)
+            self.finder.uninstall(watcher)
+            if self.records:
+                for record in self.records.values():
+                    revert_record(record)
+            self.installed = False
+            self.generation += 1
+            self.records = None
+            self.patches = None
+        statefile.write()
+
+    # -- what the process says
+    def record(self, name):
+        """The PatchRecord of a decided patch, or None."""
+        records = self.records
+        return records.get(name) if records else None
+
+    def states(self):
+        """{patch name: record dict} for this process; empty before sglang's targets are imported."""
+        return {name: r.as_dict() for name, r in (self.records or {}).items()}
+
+    def state_snapshot(self):
+        """{patch: {"state", "reason", "details", "targets_applied"}} for the state record."""
+        return {name: {"state": r.state, "reason": r.reason, "details": dict(r.details),
+                       "targets_applied": "%d/%d" % (len(r.applied), len(r.targets))}
+                for name, r in (self.records or {}).items()}
+
+
+RUNTIME = Runtime()

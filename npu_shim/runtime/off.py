@@ -1,0 +1,25 @@
+"""The shim switched off (``NPU_SHIM_ENABLED=0``): what the start-up watcher says when it sees
+``import sglang`` -- one line, and the state record says so too."""
+
+import os
+
+from npu_shim.core import config
+from npu_shim.ops import log, procinfo, statefile
+from npu_shim.source.codeview import find_package_dir, read_version
+
+
+def say_off():
+    """One INFO line and an ``off`` state record; never raises."""
+    try:
+        package_dir = find_package_dir("sglang")
+        if package_dir:
+            procinfo.note_sglang_version(read_version(package_dir))
+        log.info("off (%s=%s): sglang is not patched in this process"
+                 % (config.ENABLED.name, os.environ.get(config.ENABLED.name, "").strip()),
+                 fields={"event": "off"})
+        statefile.write_off_record(package_dir)
+    except Exception as exc:  # noqa: BLE001
+        try:
+            log.error_once("off", "shim off; could not say more: %r" % (exc,))
+        except Exception:  # noqa: BLE001
+            pass

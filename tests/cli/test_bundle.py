@@ -1,0 +1,424 @@
+"""``bundle`` and ``check`` on hostile input, through the CLI in a subprocess: targets refused
+before anything is downloaded or created, ``--force`` replacing only a previous bundle, SIGTERM
+during a build, a bundle with files added or its MANIFEST damaged, and no sglang at all.
+
+The builds here bundle the .pyc of one interpreter (this one) and wrapt's x86_64 builds (``FAST``):
+what is checked does not depend on how many there are.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from npu_shim.cli import bundle
+from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
+from test_check_image import _check
+from test_drop_in import bare_venvs, tree  # noqa: F401 - fixtures
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+THIS_PYTHON = "%d.%d" % sys.version_info[:2]
+FAST = ["--python", sys.executable, "--platform", "x86_64"]
+
+
+def cli(*args, cwd=REPO, env=None, timeout=600):
+    full_env = dict(os.environ, PYTHONPATH=REPO)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "npu_shim"] + [str(a) for a in args], cwd=str(cwd),
+                          env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_refused(proc, words):
+    """Exit 1 with one error line saying ``words``, before anything was downloaded or built."""
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("npu-shim bundle: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert words in proc.stderr, proc.stderr
+
+
+def listing(folder):
+    """Every path under folder, links not followed: (kind, inode, size, mtime) each."""
+    found = {}
+    for parent, dirs, names in os.walk(str(folder)):
+        for name in dirs + names:
+            path = os.path.join(parent, name)
+            info = os.lstat(path)
+            found[os.path.relpath(path, str(folder))] = (info.st_mode, info.st_ino, info.st_size,
+                                                         info.st_mtime_ns)
+    return found
+
+
+@pytest.fixture(scope="module")
+def small_bundle(tmp_path_factory):
+    out = tmp_path_factory.mktemp("small") / "npu-shim"
+    proc = cli("bundle", out, *FAST)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def copy_of(small_bundle, dest):
+    shutil.copytree(str(small_bundle), str(dest), symlinks=True)
+    assert bundle.verify(str(dest)) == []
+    return dest
+
+
+# -- bundle: what is refused, before anything is downloaded or created -----------------------------
+
+@pytest.mark.parametrize("arg, words", [
+    ("/", "OUT_DIR / is the root directory"),          # bundle $DEST/ with DEST unset
+    ("//", "is the root directory"),
+    ("", "OUT_DIR is empty"),                           # bundle "$DEST" with DEST unset
+    (".", "is the current directory"),
+    ("sub/..", "is the current directory"),            # made absolute without looking
+    ("..", "holds the current directory"),
+])
+def test_bundle_force_refuses_the_root_the_empty_string_and_the_current_directory(
+        arg, words, small_bundle, tmp_path):
+    """The current directory is a previous bundle here, so only the place itself can refuse it
+    (before the fix "/" and "" meant the current directory, which --force deleted)."""
+    work = copy_of(small_bundle, tmp_path / "work")
+    before = listing(tmp_path)
+    assert_refused(cli("bundle", arg, "--force", *FAST, cwd=work), words)
+    assert listing(tmp_path) == before
+
+
+def test_bundle_force_refuses_the_home_directory(small_bundle, tmp_path):
+    home = copy_of(small_bundle, tmp_path / "home")
+    before = listing(tmp_path)
+    assert_refused(cli("bundle", home, "--force", *FAST, env={"HOME": str(home)}),
+                   "is the home directory")
+    assert listing(tmp_path) == before
+
+
+def test_bundle_force_refuses_the_package_it_bundles_and_what_is_around_or_in_it(tmp_path):
+    """On a copy of the sources: were the rule broken, --force would delete them."""
+    source = tmp_path / "source"
+    shutil.copytree(os.path.join(REPO, "npu_shim"), str(source / "npu_shim"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(os.path.join(REPO, "sitecustomize.py"), str(source / "sitecustomize.py"))
+    (tmp_path / "elsewhere").mkdir()
+    before = listing(tmp_path)
+    for target, words in ((source / "npu_shim", "is the npu_shim package being bundled"),
+                          (source, "holds the npu_shim package being bundled"),
+                          (source / "npu_shim" / "patches" / "new", "is inside the npu_shim package")):
+        assert_refused(cli("bundle", target, "--force", *FAST, cwd=tmp_path / "elsewhere",
+                           env={"PYTHONPATH": str(source)}), words)
+    assert listing(tmp_path) == before
+
+
+def _notes(out, small_bundle):
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+
+
+def _bundle_plus_a_file(out, small_bundle):
+    copy_of(small_bundle, out)
+    (out / "notes.txt").write_text("mine")
+
+
+def _bundle_plus_a_folder(out, small_bundle):
+    copy_of(small_bundle, out)
+    (out / "npu_shim" / "drafts").mkdir()
+
+
+def _manifest_not_ours(out, small_bundle):
+    out.mkdir()
+    (out / "MANIFEST").write_text(json.dumps({"files": []}))
+    (out / "SHA256SUMS").write_text("")
+
+
+def _manifest_truncated(out, small_bundle):
+    copy_of(small_bundle, out)
+    text = (out / "MANIFEST").read_text()
+    (out / "MANIFEST").write_text(text[:len(text) // 2])
+
+
+@pytest.mark.parametrize("make, words", [
+    (_notes, "is not a previous npu-shim bundle (it has no MANIFEST)"),
+    (_bundle_plus_a_file, "its MANIFEST does not list: notes.txt"),
+    (_bundle_plus_a_folder, "its MANIFEST does not list: npu_shim/drafts/"),
+    (_manifest_not_ours, "its MANIFEST does not name npu_shim"),
+    (_manifest_truncated, "its MANIFEST does not parse"),
+])
+def test_bundle_force_replaces_nothing_but_a_previous_bundle(make, words, small_bundle, tmp_path):
+    out = tmp_path / "out"
+    make(out, small_bundle)
+    before = listing(tmp_path)
+    assert_refused(cli("bundle", out, "--force", *FAST), words)
+    assert listing(tmp_path) == before
+
+
+def test_bundle_force_replaces_a_previous_bundle_and_its_archive(small_bundle, tmp_path):
+    out = copy_of(small_bundle, tmp_path / "npu-shim")
+    shutil.copy2(str(small_bundle) + ".tar.gz", str(out) + ".tar.gz")
+    old = {p: os.lstat(p).st_ino for p in (str(out), str(out) + ".tar.gz")}
+    without = cli("bundle", out, *FAST)
+    assert_refused(without, "exists and is not empty (use --force")
+    proc = cli("bundle", out, "--force", *FAST)
+    assert proc.returncode == 0, proc.stderr
+    assert all(os.lstat(p).st_ino != inode for p, inode in old.items())
+    assert bundle.verify(str(out)) == []
+    assert sorted(os.listdir(str(tmp_path))) == ["npu-shim", "npu-shim.tar.gz"]  # no staging left
+
+
+def _regular_file(out):
+    out.write_text("mine")
+
+
+def _link_to_a_directory(out):
+    (out.parent / "real").mkdir()
+    out.symlink_to(out.parent / "real")
+
+
+def _link_to_a_file(out):
+    (out.parent / "real").write_text("mine")
+    out.symlink_to(out.parent / "real")
+
+
+def _dangling_link(out):
+    out.symlink_to(out.parent / "nowhere")
+
+
+def _below_a_file(out):
+    (out.parent / "real").write_text("mine")
+    return out.parent / "real" / "npu-shim"
+
+
+def _archive_a_directory(out):
+    (out.parent / "npu-shim.tar.gz").mkdir()
+
+
+def _archive_a_link(out):
+    (out.parent / "elsewhere.tar.gz").write_text("mine")
+    (out.parent / "npu-shim.tar.gz").symlink_to(out.parent / "elsewhere.tar.gz")
+
+
+def _archive_exists(out):
+    (out.parent / "npu-shim.tar.gz").write_text("mine")
+
+
+@pytest.mark.parametrize("make, force, words", [
+    (_regular_file, True, "exists and is not a directory"),
+    (_link_to_a_directory, True, "is a symbolic link (to "),
+    (_link_to_a_file, False, "is a symbolic link (to "),
+    (_dangling_link, False, "is a symbolic link (to "),
+    (_below_a_file, False, "cannot be created: %s is not a directory"),
+    (_archive_a_directory, True, "npu-shim.tar.gz exists and is not a regular file (a directory)"),
+    (_archive_a_link, True, "npu-shim.tar.gz exists and is not a regular file (a symbolic link)"),
+    (_archive_exists, False, "npu-shim.tar.gz exists (use --force to replace it)"),
+])
+def test_bundle_refuses_a_hostile_out_dir_before_building(make, force, words, tmp_path):
+    """One error line, exit 1, nothing created or changed -- and nothing downloaded first (before
+    the fix most of these tracebacked, some after a full build or with OUT_DIR already replaced;
+    an existing OUT_DIR.tar.gz was overwritten)."""
+    out = make(tmp_path / "npu-shim") or tmp_path / "npu-shim"
+    before = listing(tmp_path)
+    proc = cli("bundle", out, *(["--force"] if force else []), *FAST)
+    assert_refused(proc, words.replace("%s", str(tmp_path / "real")))
+    assert "downloading" not in proc.stderr
+    assert listing(tmp_path) == before
+
+
+# -- bundle: SIGTERM during the build ---------------------------------------------------------------
+
+# The CLI with pip replaced by a stand-in that writes its pid and waits (bundle._PIP, set in this
+# wrapper process only: the seam is a module attribute, never an environment variable).
+WRAPPER = """
+import sys
+from npu_shim.cli import bundle
+bundle._PIP = (sys.executable, sys.argv.pop(1))
+from npu_shim.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+SLOW_PIP = """
+import os, time
+with open(os.environ["SLOW_PIP_PID"], "w") as handle:
+    handle.write(str(os.getpid()))
+time.sleep(300)
+"""
+
+
+def _alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_during_a_build_kills_pip_and_removes_the_staging_directory(tmp_path):
+    slow_pip = tmp_path / "slow_pip.py"
+    slow_pip.write_text(SLOW_PIP)
+    pid_file, parent = tmp_path / "pip.pid", tmp_path / "target"
+    parent.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", WRAPPER, str(slow_pip), "bundle",
+                             str(parent / "npu-shim")] + FAST, cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=REPO, SLOW_PIP_PID=str(pid_file)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pip_pid = None
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pid_file.exists(), "the stand-in pip never ran: %s" % proc.communicate()[1]
+        time.sleep(0.2)
+        pip_pid = int(pid_file.read_text())
+        assert [n for n in os.listdir(str(parent)) if n.startswith(".npu-shim-bundle-")]
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        assert err.splitlines()[-1] == ("npu-shim bundle: stopped by SIGTERM; pip and the staging "
+                                        "directory are gone"), err
+        assert "Traceback" not in err
+        assert os.listdir(str(parent)) == []  # no staging directory, no OUT_DIR
+        assert not _alive(pip_pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if pip_pid and _alive(pip_pid):
+            os.kill(pip_pid, signal.SIGKILL)
+
+
+# -- check: the bundle is verified first ------------------------------------------------------------
+
+SHADOW = """
+import os
+with open(os.environ["SHADOW_MARKER"], "a") as handle:
+    handle.write(__name__ + "\\n")
+"""
+
+
+def test_check_refuses_a_bundle_with_modules_added_that_shadow_the_standard_library(
+        bare_venvs, small_bundle, tree, tmp_path):
+    """Before the fix the added tarfile.py ran inside check, which said "files match its MANIFEST"
+    and exited 0."""
+    copy = copy_of(small_bundle, tmp_path / "npu-shim")
+    for name in ("tarfile", "zipfile"):
+        (copy / (name + ".py")).write_text(SHADOW)
+    marker = tmp_path / "shadowed"  # not "marker": the image sitecustomize writes that one
+    proc = _check(bare_venvs(THIS_PYTHON), tree, copy, {"SHADOW_MARKER": str(marker)})
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert not marker.exists(), marker.read_text()
+    assert "the check process was not started" in proc.stdout
+    assert ("2 files differ from its MANIFEST: tarfile.py: extra (shadows the standard library's "
+            "tarfile); zipfile.py: extra (shadows the standard library's zipfile)") in proc.stdout
+    report = json.loads(_check(bare_venvs(THIS_PYTHON), tree, copy, {"SHADOW_MARKER": str(marker)},
+                               "--json").stdout)
+    assert report["started"] is False and report["bundle"]["ok"] is False
+    assert not marker.exists()
+
+
+def _manifest_deleted(root):
+    os.remove(str(root / "MANIFEST"))
+
+
+def _manifest_cut(root):
+    text = (root / "MANIFEST").read_text()
+    (root / "MANIFEST").write_text(text[:len(text) // 3])
+
+
+def _manifest_without_files(root):
+    manifest = json.loads((root / "MANIFEST").read_text())
+    del manifest["files"]
+    (root / "MANIFEST").write_text(json.dumps(manifest))
+
+
+def _manifest_a_fifo(root):
+    os.remove(str(root / "MANIFEST"))
+    os.mkfifo(str(root / "MANIFEST"))  # opening it to read would wait for a writer forever
+
+
+@pytest.mark.parametrize("damage, words", [
+    (_manifest_deleted, "a damaged bundle: MANIFEST missing"),
+    (_manifest_cut, "a damaged bundle: MANIFEST does not parse"),
+    (_manifest_without_files, "a damaged bundle: MANIFEST lists no files"),
+    (_manifest_a_fifo, "a damaged bundle: MANIFEST not a regular file"),
+])
+def test_check_fails_on_a_bundle_whose_manifest_is_damaged(damage, words, bare_venvs, small_bundle,
+                                                           tree, tmp_path):
+    """Before the fix a missing or broken MANIFEST read as "not a bundle" (exit 0) whatever had
+    been edited -- and a FIFO in its place hung check."""
+    copy = copy_of(small_bundle, tmp_path / "npu-shim")
+    with open(str(copy / "npu_shim" / "core" / "config.py"), "a") as handle:
+        handle.write("\n# edited in place\n")
+    damage(copy)
+    proc = _check(bare_venvs(THIS_PYTHON), tree, copy)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "  bundle: %s: %s" % (copy, words) in proc.stdout
+
+
+def test_verify_names_extra_files_folders_and_pyc_and_never_follows_links(small_bundle, tmp_path):
+    """The .pyc compiled before the MANIFEST was written are listed; one written later (an
+    interpreter without PYTHONDONTWRITEBYTECODE) is extra: a .pyc carries code."""
+    copy = copy_of(small_bundle, tmp_path / "npu-shim")
+    pycache = copy / "npu_shim" / "__pycache__"
+    assert [n for n in os.listdir(str(pycache)) if n.endswith(".pyc")]  # listed, so not extra
+    (pycache / "config.cpython-399.pyc").write_bytes(b"code")
+    (copy / "npu_shim" / "drafts").mkdir()
+    (copy / "npu_shim" / "drafts" / "a.py").write_text("")
+    (copy / "json").mkdir()
+    os.remove(str(copy / "npu_shim" / "ops" / "log.py"))
+    os.symlink("/etc/passwd", str(copy / "npu_shim" / "ops" / "log.py"))
+    os.mkfifo(str(copy / "npu_shim" / "fifo"))
+    assert bundle.verify(str(copy)) == [
+        "npu_shim/ops/log.py: changed",
+        "json/: extra (shadows the standard library's json)",
+        "npu_shim/__pycache__/config.cpython-399.pyc: extra",
+        "npu_shim/drafts/: extra",
+        "npu_shim/fifo: extra",
+    ]
+
+
+def test_check_verifies_the_bundle_with_only_modules_already_loaded(bare_venvs, small_bundle,
+                                                                    tmp_path):
+    """Verifying imports no module a file beside sitecustomize.py could shadow: before the fix,
+    ``check`` imported subprocess, and verifying imported tarfile, zipfile, shutil, ..."""
+    code = textwrap.dedent("""
+        import json, sys
+        import npu_shim.__main__
+        before = set(sys.modules)
+        from npu_shim.cli import check
+        facts = check.bundle_facts()
+        new = sorted(m for m in set(sys.modules) - before if not m.startswith("npu_shim"))
+        print(json.dumps({"new": new, "ok": facts["ok"], "is_bundle": facts["is_bundle"]}))
+    """)
+    proc = subprocess.run([bare_venvs(THIS_PYTHON), "-c", code], capture_output=True, text=True,
+                          cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=str(small_bundle),
+                                                      PYTHONDONTWRITEBYTECODE="1"), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"new": [], "ok": True, "is_bundle": True}
+
+
+# -- check: no sglang --------------------------------------------------------------------------------
+
+def _check_without_sglang(python, first, cwd, *args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_", "PYTHON"))}
+    env.update({"PYTHONPATH": str(first), "PYTHONDONTWRITEBYTECODE": "1"})
+    return subprocess.run([python, "-m", "npu_shim", "check"] + list(args), cwd=str(cwd), env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("shim", ["bundle", "checkout"])
+def test_check_exits_5_when_no_sglang_is_importable(shim, bare_venvs, small_bundle, tmp_path):
+    """Before the fix every target module read as "absent" and check exited 0."""
+    first = small_bundle if shim == "bundle" else REPO
+    proc = _check_without_sglang(bare_venvs(THIS_PYTHON), first, tmp_path)
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    assert ("  sglang: NOT FOUND: no 'sglang' package is importable with this interpreter and "
+            "PYTHONPATH (put the directory that holds it on PYTHONPATH, or install sglang)\n") in proc.stdout
+    as_json = _check_without_sglang(bare_venvs(THIS_PYTHON), first, tmp_path, "--json")
+    assert as_json.returncode == 5 and json.loads(as_json.stdout)["sglang"]["path"] is None
+
+
+def test_check_exits_4_when_sglang_is_there_but_fails_to_import(bare_venvs, small_bundle, tree):
+    (tree / "pkgs" / "sglang" / "__init__.py").write_text("raise RuntimeError('broken')\n")
+    proc = _check(bare_venvs(THIS_PYTHON), tree, small_bundle)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "  sglang: not imported (the import failed, below)\n" in proc.stdout
+    assert "FAILED: RuntimeError: broken" in proc.stdout

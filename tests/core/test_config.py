@@ -1,0 +1,62 @@
+"""npu_shim/core/config.py in process: each parser's boundaries and messages, and what an EnvVar says
+about itself.  Every variable against hostile values, through ``status``: test_hostile_inputs.py;
+switches and the allow-list: test_framework.py."""
+from __future__ import annotations
+
+import pytest
+
+from npu_shim.core import config
+
+SIZE = config.mib("NPU_SHIM_TEST_SIZE", "a test size", zero_means="turns zbal off")
+URL = config.url("NPU_SHIM_TEST_URL", "a test url")
+FLAG = config.boolean("NPU_SHIM_TEST_FLAG", True, "a test flag", aliases=("NPU_SHIM_OLD_FLAG",))
+
+
+def error(var, raw):
+    with pytest.raises(config.ConfigError) as info:
+        var.read({var.name: raw})
+    return str(info.value)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ("-5", "expected a whole number of MiB >= 0 (0 turns zbal off)"),
+    (" -0 ", "expected a whole number of MiB >= 0 (0 turns zbal off)"),
+    ("-x", "expected a whole number of MiB, e.g. 12288 for 12 GiB (no unit suffix; ASCII digits)"),
+    ("12G", "expected a whole number of MiB, e.g. 12288 for 12 GiB (no unit suffix; ASCII digits)"),
+    ("1048577", "expected at most 1048576 MiB (1 TiB, more than any NPU holds)"),
+    ("0000000000001", "expected at most 1048576 MiB (1 TiB, more than any NPU holds)"),  # 13 digits
+])
+def test_a_size_that_is_not_a_whole_number_of_mib_says_which_rule_it_broke(raw, message):
+    assert error(SIZE, raw) == "NPU_SHIM_TEST_SIZE=%r is invalid: %s" % (raw, message)
+
+
+def test_sizes_up_to_the_limit_are_read_as_mib():
+    for raw, value in (("0", 0), (" 12288 ", 12288), ("1048576", 1 << 20), ("000000000001", 1)):
+        assert SIZE.read({SIZE.name: raw}) == value
+    assert SIZE.read({}) == 0 and SIZE.read({SIZE.name: "  "}) == 0
+
+
+def test_a_host_name_may_have_253_characters_and_no_more():
+    name = ".".join(["a" * 63] * 3 + ["b" * 61])  # 4 labels of at most 63: 253 characters
+    assert len(name) == 253
+    assert URL.read({URL.name: "tcp://%s:1" % name}) == "tcp://%s:1" % name
+    assert "is invalid: expected tcp://HOST:PORT" in error(URL, "tcp://%s:1" % (name + "c"))
+
+
+def test_a_value_is_shown_whole_up_to_60_characters_then_cut():
+    exactly = "x" * 60
+    assert error(SIZE, exactly) == "NPU_SHIM_TEST_SIZE=%r is invalid: expected a whole number of MiB, " \
+                                   "e.g. 12288 for 12 GiB (no unit suffix; ASCII digits)" % exactly
+    assert error(SIZE, exactly + "y").startswith("NPU_SHIM_TEST_SIZE=%r... is invalid:" % exactly)
+
+
+def test_is_set_follows_the_name_or_an_alias_with_a_non_blank_value():
+    assert FLAG.is_set({"NPU_SHIM_TEST_FLAG": "0"}) is True
+    assert FLAG.is_set({"NPU_SHIM_OLD_FLAG": "0"}) is True
+    assert FLAG.is_set({"NPU_SHIM_TEST_FLAG": " "}) is False and FLAG.is_set({}) is False
+    assert FLAG.name_set({"NPU_SHIM_OLD_FLAG": "1", "NPU_SHIM_TEST_FLAG": "0"}) == "NPU_SHIM_TEST_FLAG"
+
+
+def test_an_env_var_reads_as_its_name():
+    assert repr(FLAG) == "EnvVar(NPU_SHIM_TEST_FLAG)"
+    assert (FLAG.kind, SIZE.kind, URL.kind, URL.default) == ("bool", "MiB", "url", "")

@@ -1,0 +1,245 @@
+"""npu_shim/core/framework.py: declarations that cannot be wrong, deciding, switches and the allow-list."""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from npu_shim.core import config, framework
+from npu_shim.runtime import targets
+from npu_shim.core import loading
+from npu_shim.patches import registry as patch_registry
+from npu_shim.patches import zbal as zbal_patch
+
+
+def declare(omit=(), **overrides):
+    """Define a Patch subclass with a complete declaration, ``overrides`` applied and the
+    attributes named in ``omit`` left to the base class's defaults."""
+    attrs = dict(
+        name="demo", title="a test patch", upstream_pr="sgl-project/sglang#1",
+        upstream_release="0.5.20", backport_range=("0.5.7", "0.5.19"), remove_when="never",
+        switch=config.switch("demo", "test switch"), modules=("sglang.srt.a",),
+        probe=lambda self, view: None,
+        targets=lambda self, view, ctx: [targets.Wrap("sglang.srt.a", "f", lambda *a: None, [()])],
+        needs_npu=False)
+    attrs.update(overrides)
+    for name in omit:
+        del attrs[name]
+    return type("DemoPatch", (framework.Patch,), attrs)
+
+
+class View:
+    """A stand-in SourceView: module ``sglang.srt.a`` with ``f()``, and whatever ``extra`` adds."""
+
+    version = "0.5.9"
+
+    def __init__(self, **functions):
+        self.functions = {("sglang.srt.a", "f"): types.SimpleNamespace(params=(), fingerprint="x")}
+        self.functions.update(functions)
+
+    def function(self, dotted, qualname):
+        return self.functions.get((dotted, qualname))
+
+    def module(self, dotted):
+        return object() if any(d == dotted for d, _ in self.functions) else None
+
+    def has(self, dotted, qualname):
+        return (dotted, qualname) in self.functions
+
+
+# -- declarations ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"switch": None}, "switch must be a config.EnvVar"),
+    ({"switch": config.boolean("NPU_SHIM_OTHER", True, "x")}, "switch is NPU_SHIM_OTHER, expected NPU_SHIM_DEMO"),
+    ({"name": "Demo-Patch"}, "is not a lower-case identifier"),
+    ({"upstream_pr": ""}, "title, upstream_pr and remove_when are required"),
+    ({"backport_range": ("0.5.7",)}, "backport_range must be (first, last)"),
+    ({"backport_range": ("0.5.7", "0.5.21")}, "must end before upstream_release 0.5.20"),
+    ({"modules": ()}, "modules must list the sglang modules"),
+    ({"reads": ("SGLANG_X",)}, "reads must hold config.EnvVar only"),
+])
+def test_a_wrong_declaration_fails_when_the_class_is_defined(overrides, words):
+    with pytest.raises(TypeError) as info:
+        declare(**overrides)
+    assert words in str(info.value) and "DemoPatch" in str(info.value)
+
+
+@pytest.mark.parametrize("omitted, words", [
+    ("upstream_pr", "title, upstream_pr and remove_when are required"),
+    ("title", "title, upstream_pr and remove_when are required"),
+    ("remove_when", "title, upstream_pr and remove_when are required"),
+    ("name", "name '' is not a lower-case identifier"),
+    ("switch", "switch must be a config.EnvVar"),
+    ("upstream_release", "backport_range must be (first, last) and upstream_release a release number"),
+    ("backport_range", "backport_range must be (first, last) and upstream_release a release number"),
+    ("modules", "modules must list the sglang modules its targets live in"),
+])
+def test_a_declaration_that_leaves_out_a_required_attribute_fails(omitted, words):
+    """Left out altogether (the base class's default), not set to a wrong value: a Patch without
+    an ``upstream_pr`` cannot be defined, so no reason ever reads 'backport of ; upstream ...'."""
+    with pytest.raises(TypeError) as info:
+        declare(omit=(omitted,))
+    assert words in str(info.value)
+
+
+def test_the_defaults_a_declaration_may_leave_out():
+    patch = declare(omit=("needs_npu",))()
+    assert (patch.needs_npu, patch.reads, patch.trigger_env, patch.error) == (True, (), {}, framework.ShimError)
+    assert patch.trigger({}) is None and patch.must_honour({}) is False
+    with pytest.raises(NotImplementedError):
+        framework.Patch.probe(patch, View())
+    with pytest.raises(NotImplementedError):
+        framework.Patch.targets(patch, View(), None)
+
+
+def test_the_applied_reason_names_the_backport_and_the_notes():
+    assert framework.decide(declare()(), View(), environ={}).reason == (
+        "backport of sgl-project/sglang#1; upstream since 0.5.20")
+
+    def noting(self, view, ctx):
+        ctx.note("fused path")
+        ctx.note("2 layers")
+        return [targets.Wrap("sglang.srt.a", "f", lambda *a: None, [()])]
+
+    decision = framework.decide(declare(targets=noting)(), View(), environ={})
+    assert decision.reason == "backport of sgl-project/sglang#1; upstream since 0.5.20 (fused path; 2 layers)"
+
+
+def test_a_target_outside_the_declared_modules_fails_the_patch_instead_of_never_applying():
+    patch = declare(targets=lambda self, view, ctx: [
+        targets.Wrap("sglang.srt.a", "f", lambda *a: None, [()]),
+        targets.Wrap("sglang.srt.b", "g", lambda *a: None, [()])])()
+    view = View(**{"sglang.srt.b": None})
+    view.functions[("sglang.srt.b", "g")] = types.SimpleNamespace(params=(), fingerprint="y")
+    decision = framework.decide(patch, view, environ={})
+    assert decision.state == framework.FAILED
+    assert decision.reason.startswith("declaration error: targets in sglang.srt.b, which DemoPatch.modules "
+                                      "does not list")
+
+
+def test_every_registered_patch_is_declared_consistently():
+    for patch in loading.load_all():
+        assert not getattr(patch, "broken", None), patch.broken
+        assert framework.declaration_problems(type(patch)) == []
+        assert patch.switch.name == "NPU_SHIM_" + patch.name.upper()
+
+
+# -- one broken feature module fails only its patch -------------------------------------------------
+
+def test_a_feature_module_that_cannot_load_fails_only_its_own_patch(monkeypatch):
+    monkeypatch.setattr(patch_registry, "PATCH_MODULES",
+                        ["npu_shim.patches.zbal", "npu_shim.patches.no_such_feature"])
+    zbal, broken = loading.load_all()
+    assert zbal is zbal_patch.PATCH
+    assert broken.name == "no_such_feature" and broken.switch.name == "NPU_SHIM_NO_SUCH_FEATURE"
+    decision = framework.decide(broken, View(), environ={})
+    assert decision.state == framework.FAILED
+    assert "feature module npu_shim.patches.no_such_feature cannot be loaded" in decision.reason
+    assert framework.decide(broken, View(), environ={"NPU_SHIM_ENABLED": "0"}).state == framework.DISABLED
+
+
+def test_a_patch_named_unlike_its_module_is_broken(monkeypatch):
+    fake = types.ModuleType("npu_shim.patches.renamed")
+    fake.PATCH = zbal_patch.PATCH
+    monkeypatch.setitem(__import__("sys").modules, "npu_shim.patches.renamed", fake)
+    broken = loading.load("npu_shim.patches.renamed")
+    assert broken.broken == "npu_shim.patches.renamed.PATCH is named 'zbal', not 'renamed'"
+
+
+# -- switches: master, allow-list, the patch's own (and its older name) ------------------------------
+
+@pytest.mark.parametrize("environ, state, reason", [
+    ({}, framework.APPLIED, None),
+    ({"NPU_SHIM_ENABLED": "0"}, framework.DISABLED, "NPU_SHIM_ENABLED=0"),
+    ({"NPU_SHIM_PATCHES": "zbal"}, framework.DISABLED, "not in NPU_SHIM_PATCHES"),
+    ({"NPU_SHIM_PATCHES": "zbal, demo"}, framework.APPLIED, None),
+    ({"NPU_SHIM_DEMO": "off"}, framework.DISABLED, "NPU_SHIM_DEMO=0"),
+    ({"NPU_SHIM_OLD_DEMO": "0"}, framework.DISABLED, "NPU_SHIM_OLD_DEMO=0"),
+    ({"NPU_SHIM_OLD_DEMO": "0", "NPU_SHIM_DEMO": "1"}, framework.APPLIED, None),  # the name wins
+])
+def test_switches(environ, state, reason, monkeypatch):
+    monkeypatch.setattr(patch_registry, "known_names", lambda: ["zbal", "demo"])
+    patch = declare(switch=config.switch("demo", "test", aliases=("NPU_SHIM_OLD_DEMO",)))()
+    decision = framework.decide(patch, View(), environ=environ)
+    assert decision.state == state
+    if reason:
+        assert decision.reason == reason
+
+
+def test_an_allow_list_naming_no_patch_is_an_invalid_variable():
+    with pytest.raises(config.ConfigError) as info:
+        config.PATCHES.read({"NPU_SHIM_PATCHES": "zbal,dual_stream"})
+    assert str(info.value) == ("NPU_SHIM_PATCHES='zbal,dual_stream' is invalid: expected patch names "
+                               "separated by commas, out of: zbal, mla_weight_release, dual_stream_experts")
+    decision = framework.decide(zbal_patch.PATCH, View(), environ={"NPU_SHIM_PATCHES": "zbal,dual_stream"})
+    assert decision.state == framework.FAILED and "NPU_SHIM_PATCHES=" in decision.reason
+
+
+def test_dual_stream_switch_is_named_after_the_patch_and_the_old_name_still_works():
+    from npu_shim.patches import dual_stream_experts as ds
+
+    assert ds.PATCH.switch.name == "NPU_SHIM_DUAL_STREAM_EXPERTS"
+    for name in ("NPU_SHIM_DUAL_STREAM_EXPERTS", "NPU_SHIM_DUAL_STREAM"):
+        decision = framework.decide(ds.PATCH, View(), environ={name: "0"})
+        assert (decision.state, decision.reason) == (framework.DISABLED, name + "=0")
+
+
+def test_unknown_shim_variables_are_named_with_a_suggestion():
+    environ = {"NPU_SHIM_ENABLE": "0", "NPU_SHIM_DUAL_STREAM": "0", "NPU_SHIM_CACHE": "/x",
+               "NPU_SHIM_SOURCE_ANSWERS": "{}", "NPU_SHIM_ZBAL_SIZE": "1", "SGLANG_OTHER": "1"}
+    found = dict(config.unknown_names(loading.all_variables(), environ))
+    assert found == {"NPU_SHIM_ENABLE": "NPU_SHIM_ENABLED", "NPU_SHIM_ZBAL_SIZE": "NPU_SHIM_ZBAL"}
+
+
+# -- states: nothing to do (inactive) vs should apply but cannot (unsupported) -----------------------
+
+def test_nothing_to_do_is_inactive_and_cannot_is_unsupported():
+    def say(verdict):
+        def targets_(self, view, ctx):
+            raise verdict("why")
+
+        return targets_
+
+    for verdict, state in ((framework.Inactive, framework.INACTIVE), (framework.Unsupported, framework.UNSUPPORTED),
+                           (framework.Failed, framework.FAILED)):
+        decision = framework.decide(declare(targets=say(verdict))(), View(), environ={})
+        assert (decision.state, decision.reason) == (state, "why")
+    assert framework.PROBLEMS == (framework.UNSUPPORTED, framework.FAILED)
+
+
+def test_expected_state_follows_the_declaration():
+    patch = declare(backport_range=("0.5.9", "0.5.11"), upstream_release="0.5.13")()
+    got = {v: framework.expected_state(patch, v) for v in
+           ("0.5.8.post1", "0.5.9", "0.5.10.post2.dev3+g5d1c3a7", "0.5.11", "0.5.12", "0.5.13", "0.5.20")}
+    assert got == {"0.5.8.post1": "inactive", "0.5.9": "applied", "0.5.10.post2.dev3+g5d1c3a7": "applied",
+                   "0.5.11": "applied", "0.5.12": "unsupported", "0.5.13": "upstream", "0.5.20": "upstream"}
+
+
+def test_decisions_hand_the_wrappers_their_details_and_process_state():
+    state = object()
+
+    def targets_(self, view, ctx):
+        ctx.process = state
+        ctx.details["seen"] = True
+        return [targets.Wrap("sglang.srt.a", "f", lambda *a: None, [()])]
+
+    decision = framework.decide(declare(targets=targets_)(), View(), environ={})
+    assert decision.process is state and decision.details == {"seen": True}
+
+
+def test_a_backport_range_of_one_release_is_a_valid_declaration():
+    patch = declare(backport_range=("0.5.9", "0.5.9"))()
+    assert [framework.expected_state(patch, v) for v in ("0.5.8", "0.5.9", "0.5.10", "0.5.20")] == [
+        "inactive", "applied", "unsupported", "upstream"]
+
+
+def test_without_wrapt_only_a_patch_that_would_apply_fails():
+    applied = framework.Decision(framework.APPLIED, "backport", ["t"], {"d": 1})
+    failed = framework.without_wrapt(applied, "wrapt is not available: x")
+    assert failed.state == framework.FAILED and failed.targets == []
+    assert failed.reason == ("wrapt is not available: x (use an npu-shim bundle: 'python -m npu_shim "
+                             "bundle DIR', or install wrapt>=1.14 in the image)")
+    for state in (framework.UPSTREAM, framework.DISABLED, framework.INACTIVE, framework.UNSUPPORTED):
+        decision = framework.Decision(state, "why")
+        assert framework.without_wrapt(decision, "wrapt is not available: x") is decision

@@ -1,0 +1,57 @@
+"""The registry (npu_shim/patches/registry.py ``PATCH_MODULES``), each feature module's own
+declaration and docstring, and README's patch table say the same thing."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+from npu_shim.core import loading
+from npu_shim.patches import registry as patch_registry
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def readme_patch_rows():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as handle:
+        text = handle.read()
+    table = text.split("| patch | what it brings | upstream |")[1].split("\n\n")[0]
+    return [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in table.strip().splitlines()[1:]]
+
+
+def test_every_registered_module_is_a_patch_of_its_own_name():
+    names = [m.rsplit(".", 1)[-1] for m in patch_registry.PATCH_MODULES]
+    assert names == patch_registry.known_names()
+    assert [p.name for p in loading.load_all()] == names
+    here = sorted(f[:-3] for f in os.listdir(os.path.dirname(patch_registry.__file__))
+                  if f.endswith(".py") and f not in ("__init__.py", "registry.py"))
+    assert here == sorted(names), "a feature module that is not registered (or the reverse)"
+
+
+def test_readme_has_one_row_per_patch_with_its_upstream():
+    rows = readme_patch_rows()
+    patches = loading.load_all()
+    assert [row[0] for row in rows] == ["`%s`" % p.name for p in patches]
+    for row, patch in zip(rows, patches):
+        number = patch.upstream_pr.split("#")[1]
+        assert row[2] == "sglang#%s, %s" % (number, patch.upstream_release), row
+
+
+def test_each_module_says_why_how_upstream_and_when_to_remove_it():
+    for patch in loading.load_all():
+        doc = sys.modules[type(patch).__module__].__doc__
+        for word in ("Why", "How", "Upstream: " + patch.upstream_pr, "Remove when " + patch.remove_when):
+            assert word in doc, (patch.name, word)
+        assert re.search(r"\b%s\b" % re.escape(patch.upstream_release), doc)
+
+
+def test_registry_loads_no_feature_module_until_asked():
+    import subprocess
+
+    code = ("import sys; from npu_shim.patches.registry import known_names; known_names(); "
+            "print(sorted(m for m in sys.modules if m.startswith('npu_shim.patches.') "
+            "and m != 'npu_shim.patches.registry'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.stdout.strip() == "[]", out.stderr

@@ -1,0 +1,160 @@
+"""npu_shim/runtime/activation.py: what the runtime answers before it has decided anything, and how it
+decides when there is no sglang source to read.  Hooks, applying, reverting and reloads are
+tested in fresh interpreters by tests/test_bootstrap.py and tests/runtime/test_reliability.py."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import types
+
+import pytest
+
+from npu_shim.core import framework
+from npu_shim.ops import procinfo, statefile
+from npu_shim.runtime import activation
+from npu_shim.source import answers, codeview
+from test_bootstrap import last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
+from test_framework import declare
+
+
+# -- before the shim started --------------------------------------------------------------------------
+
+def test_states_and_record_before_the_shim_started(tree):
+    """Armed at start-up, sglang not imported yet: nothing decided, nothing raised."""
+    proc = run(tree, """
+        import json, sys
+        import npu_shim
+        from npu_shim.runtime import activation
+        print(json.dumps({"states": npu_shim.states(), "runtime_states": activation.RUNTIME.states(),
+                          "record": activation.RUNTIME.record("demo"), "records": activation.RUNTIME.records,
+                          "installed": activation.RUNTIME.installed, "sglang": "sglang" in sys.modules}))
+    """)
+    assert last_json(proc) == {"states": {}, "runtime_states": {}, "record": None, "records": None,
+                               "installed": False, "sglang": False}
+    assert proc.stderr == ""
+
+
+def test_states_and_record_in_process_while_nothing_is_decided(monkeypatch):
+    monkeypatch.setattr(activation.RUNTIME, "records", None)
+    assert activation.RUNTIME.states() == {} and activation.RUNTIME.record("zbal") is None
+    monkeypatch.setattr(activation.RUNTIME, "records", {})  # decided, no patch registered
+    assert activation.RUNTIME.states() == {} and activation.RUNTIME.record("zbal") is None
+
+
+# -- no sglang to read ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def undecided(monkeypatch):
+    """The runtime with one test patch (the demo of test_framework: needs no NPU, wraps
+    sglang.srt.a:f), nothing decided; the global state decide_all touches is restored after."""
+    patch = declare()()
+    monkeypatch.setattr(activation.RUNTIME, "patches", [patch])
+    monkeypatch.setattr(activation.RUNTIME, "records", None)
+    monkeypatch.setattr(activation.RUNTIME, "decided_from", None)
+    for name in ("source", "sglang_path", "shim_enabled"):
+        monkeypatch.setattr(statefile._W, name, getattr(statefile._W, name))
+    monkeypatch.setattr(procinfo, "_sglang_version", "before")
+    for name in (answers.ENV, "NPU_SHIM_STATE_DIR", "NPU_SHIM_STRICT", "NPU_SHIM_DEMO"):
+        monkeypatch.setenv(name, "")  # so that the undo also removes what deciding exports
+        monkeypatch.delenv(name)
+    return patch
+
+
+def test_sglang_view_is_none_without_an_sglang_module(monkeypatch):
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    assert activation.sglang_view() is None
+    namespace = types.ModuleType("sglang")  # a namespace package: no __file__
+    namespace.__file__ = None
+    monkeypatch.setitem(sys.modules, "sglang", namespace)
+    assert activation.sglang_view() is None
+
+
+def test_sglang_view_reads_the_directory_of_the_imported_package(monkeypatch, tmp_path):
+    package = types.ModuleType("sglang")
+    package.__file__ = str(tmp_path / "sglang" / "__init__.py")
+    monkeypatch.setitem(sys.modules, "sglang", package)
+    monkeypatch.setenv(answers.ENV, "")
+    view = activation.sglang_view()
+    assert isinstance(view, answers.AnsweringView)
+    assert view.package_dir == str(tmp_path / "sglang")
+
+
+def test_deciding_without_sglang_says_sglang_not_found_and_exports_nothing(undecided, monkeypatch):
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    activation.RUNTIME.decide_all()
+    record = activation.RUNTIME.record("demo")
+    assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang not found")
+    assert activation.RUNTIME.states()["demo"]["targets"] == {}
+    assert activation.RUNTIME.decided_from == "sglang source"
+    assert answers.ENV not in os.environ  # no answers to hand to children
+    assert procinfo.sglang_version() == "before"  # no version read
+    assert statefile._W.sglang_path is None and statefile._W.source is not None
+
+
+def test_without_wrapt_and_without_sglang_on_disk_nothing_reads_applied(undecided, monkeypatch):
+    """``fail_without_wrapt`` at ``import sglang`` when the package directory cannot be found."""
+    monkeypatch.setattr(codeview, "find_package_dir", lambda name: None)
+    activation.RUNTIME.fail_without_wrapt("wrapt is not available: test")
+    record = activation.RUNTIME.record("demo")
+    assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang not found")
+    assert answers.ENV not in os.environ and procinfo.sglang_version() == "before"
+
+
+def test_without_wrapt_a_patch_that_would_apply_is_failed(undecided, monkeypatch, tmp_path):
+    package = tmp_path / "sglang"
+    (package / "srt").mkdir(parents=True)
+    (package / "version.py").write_text('__version__ = "0.5.9"\n')
+    (package / "srt" / "a.py").write_text("def f():\n    return 1\n")
+    monkeypatch.setattr(codeview, "find_package_dir", lambda name: str(package))
+    activation.RUNTIME.fail_without_wrapt("wrapt is not available: test")
+    record = activation.RUNTIME.record("demo")
+    assert record.state == framework.FAILED
+    assert record.reason.startswith("wrapt is not available: test (use an npu-shim bundle")
+    assert procinfo.sglang_version() == "0.5.9"
+    assert statefile._W.sglang_path == str(package)
+
+
+def test_an_sglang_directory_gone_from_disk_is_unsupported_naming_the_target(undecided, monkeypatch,
+                                                                             tmp_path):
+    package = tmp_path / "sglang"
+    package.mkdir()
+    module = types.ModuleType("sglang")
+    module.__file__ = str(package / "__init__.py")
+    shutil.rmtree(str(package))
+    monkeypatch.setitem(sys.modules, "sglang", module)
+    activation.RUNTIME.decide_all()
+    record = activation.RUNTIME.record("demo")
+    assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang.srt.a:f not found")
+
+
+# -- activation failing ---------------------------------------------------------------------------------
+
+def test_an_activation_that_fails_is_raised_only_in_strict_mode(monkeypatch):
+    def boom(watcher=None):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(activation.RUNTIME, "activate", boom)
+    monkeypatch.delenv("NPU_SHIM_STRICT", raising=False)
+    activation.RUNTIME.activate_guarded()  # logged once, the application goes on
+    monkeypatch.setenv("NPU_SHIM_STRICT", "1")
+    with pytest.raises(framework.ShimError, match=r"^npu-shim activation failed: RuntimeError\('boom'\)$"):
+        activation.RUNTIME.activate_guarded()
+
+
+def test_without_wrapt_before_torch_is_imported_the_npu_is_unknown(undecided, monkeypatch, tmp_path):
+    """At ``import sglang`` torch is usually not imported yet: a patch that needs an NPU is then
+    decided as if it might have one (``failed`` without wrapt), never ``inactive`` for want of one."""
+    package = tmp_path / "sglang"
+    (package / "srt").mkdir(parents=True)
+    (package / "srt" / "a.py").write_text("def f():\n    return 1\n")
+    monkeypatch.setattr(codeview, "find_package_dir", lambda name: str(package))
+    monkeypatch.setattr(activation.RUNTIME, "patches", [declare(needs_npu=True)()])
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    activation.RUNTIME.fail_without_wrapt("wrapt is not available: test")
+    assert activation.RUNTIME.record("demo").state == framework.FAILED
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace())  # imported, and no NPU
+    activation.RUNTIME.fail_without_wrapt("wrapt is not available: test")
+    record = activation.RUNTIME.record("demo")
+    assert (record.state, record.reason) == (framework.INACTIVE,
+                                             "not running on an NPU (torch.npu is unavailable)")

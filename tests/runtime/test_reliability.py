@@ -1,0 +1,330 @@
+"""States never lie and half-applied patches never stay, each case in a fresh
+interpreter with the fake sglang tree and demo patch of test_bootstrap.py."""
+
+import importlib
+import types
+
+import npu_shim
+from test_bootstrap import DEMO_PATCH, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
+
+RELOAD = """
+    import importlib, json, npu_shim
+    from sglang.srt.utils import common
+    before = common.get_npu_memory_capacity()
+    with open(common.__file__, "a") as f:
+        f.write(%r)
+    importlib.reload(common)
+    state = npu_shim.states()["demo"]
+    print(json.dumps({"before": before, "after": common.get_npu_memory_capacity(),
+                      "init": getattr(common.Scheduler(None, 0), "patched", False),
+                      "state": state["state"], "targets": state["targets"], "reason": state["reason"]}))
+"""
+
+
+def test_reload_of_a_patched_module_reapplies_the_patch(tree):
+    proc = run(tree, RELOAD % "\n# reloaded\n")
+    out = last_json(proc)
+    assert out["before"] == out["after"] == 1001 and out["init"] is True
+    assert out["state"] == "applied" and all(out["targets"].values())
+
+
+def test_reload_into_code_the_shim_does_not_know_reverts_and_says_so(tree):
+    proc = run(tree, RELOAD % "\nclass Scheduler:\n    def __init__(self, a, b, c=None):\n        pass\n")
+    out = last_json(proc)
+    assert out["before"] == 1001 and out["after"] == 1000 and out["init"] is False
+    assert out["state"] == "failed" and not any(out["targets"].values())
+    assert "Scheduler.__init__ has signature (a, b, c)" in out["reason"]
+    assert "] demo: failed (while patching sglang.srt.utils.common" in proc.stderr
+
+
+def test_uninstall_after_reload_restores_the_reloaded_code(tree):
+    proc = run(tree, """
+        import importlib, json, sys, npu_shim
+        from sglang.srt.utils import common
+        importlib.reload(common)
+        npu_shim.uninstall()
+        print(json.dumps({"value": common.get_npu_memory_capacity(),
+                          # wrapt's own ImportHookFinder (the shim's private copy) included: it
+                          # was never in sys.meta_path, the shim's finder stood in for it
+                          "watchers": [type(f).__name__ for f in sys.meta_path
+                                       if type(f).__module__.startswith("npu_shim")],
+                          "loader": type(common.__loader__).__name__}))
+    """)
+    out = last_json(proc)
+    assert out == {"value": 1000, "watchers": [], "loader": "SourceFileLoader"}
+
+
+TWO_MODULES = DEMO_PATCH.replace(
+    'modules = ("sglang.srt.utils.common",)',
+    'modules = ("sglang.srt.utils.common", "sglang.srt.other")').replace(
+    """            targets.Wrap("sglang.srt.utils.common", "Scheduler.__init__", mark_init,
+                          [("server_args", "gpu_id")]),""",
+    """            targets.Wrap("sglang.srt.other", "late", add_one, [("x",)]),""")
+
+
+def test_second_module_failing_reverts_what_the_first_one_applied(tree):
+    """The loaded ``late`` is not the code its source shows (rebound at import), so applying the
+    patch to the second module fails after the first module was patched."""
+    assert TWO_MODULES != DEMO_PATCH
+    (tree / "image" / "demo.py").write_text(TWO_MODULES)
+    (tree / "pkgs" / "sglang" / "srt" / "other.py").write_text(
+        "def late(x):\n    return x\n\nlate = lambda x, y=0: x\n")
+    proc = run(tree, """
+        import json, npu_shim
+        from sglang.srt.utils import common
+        first = common.get_npu_memory_capacity()
+        from sglang.srt import other
+        state = npu_shim.states()["demo"]
+        print(json.dumps({"first": first, "after": common.get_npu_memory_capacity(),
+                          "late": type(other.late).__name__, "state": state["state"],
+                          "targets": state["targets"], "reason": state["reason"]}))
+    """)
+    out = last_json(proc)
+    assert out["first"] == 1001  # applied to the first module ...
+    assert out["after"] == 1000 and out["late"] == "function"  # ... and reverted there
+    assert out["state"] == "failed" and not any(out["targets"].values())
+    assert "while patching sglang.srt.other" in out["reason"] and "signature (x, y)" in out["reason"]
+    # uninstall after the failure, then install again: nothing left over, the patch applies anew
+    again = run(tree, """
+        import json, npu_shim
+        from sglang.srt.utils import common
+        from sglang.srt import other
+        npu_shim.uninstall()
+        print(json.dumps([npu_shim.install(), npu_shim.install(), common.get_npu_memory_capacity(),
+                          npu_shim.states()["demo"]["state"]]))
+    """)
+    assert last_json(again) == [True, False, 1000, "failed"]
+    strict = run(tree, "from sglang.srt.utils import common\nfrom sglang.srt import other\n",
+                 env={"NPU_SHIM_STRICT": "1"}, check=False)
+    assert strict.returncode == 1
+    assert "ShimError: npu-shim (strict): demo is failed: while patching sglang.srt.other" in strict.stderr
+
+
+def test_bad_variables_are_each_reported_once_with_the_prefix_at_activation(tree):
+    proc = run(tree, """
+        import logging
+        from sglang.srt.utils import common
+        common.get_npu_memory_capacity()
+        import npu_shim
+        npu_shim.states()
+    """, env={"NPU_SHIM_LOG_LEVEL": "loud", "NPU_SHIM_STRICT": "maybe",
+              "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://[:]:1", "SGLANG_ZBAL_LOCAL_MEM_SIZE": "１２２８８"})
+    lines = proc.stderr.strip().splitlines()
+    assert lines and all(line.startswith("[npu-shim %s sglang 0.5.9 pid " % npu_shim.__version__) for line in lines), lines
+    for name in ("NPU_SHIM_LOG_LEVEL", "NPU_SHIM_STRICT", "SGLANG_ZBAL_BOOTSTRAP_URL",
+                 "SGLANG_ZBAL_LOCAL_MEM_SIZE"):
+        assert sum(name + "=" in line for line in lines) == 1, (name, lines)
+    # the one the demo patch reads is in its ``failed`` line; the others say what happens instead
+    assert any("demo: failed (SGLANG_ZBAL_LOCAL_MEM_SIZE=" in line for line in lines)
+    assert any("NPU_SHIM_LOG_LEVEL='loud' is invalid" in line and "using INFO" in line for line in lines)
+    assert any("NPU_SHIM_STRICT='maybe' is invalid" in line and "strict mode off" in line
+               for line in lines)
+
+
+# ------------------------------------------------------------------------------ chaining
+
+
+def _plain_python(tree, code):
+    """The same start-up without the shim: the image's sitecustomize is Python's own."""
+    return run(tree, code, shim=False, check=False)
+
+
+def test_image_sitecustomize_import_errors_are_reported_as_python_does(tree):
+    for body, reported in (("raise ImportError('gone', name='sitecustomize')\n", False),
+                           ("import module_that_is_not_there\n", True)):
+        (tree / "image" / "sitecustomize.py").write_text(body)
+        ours, plain = run(tree, "print('alive')", check=False), _plain_python(tree, "print('alive')")
+        assert ours.stdout.strip() == plain.stdout.strip() == "alive"
+        assert ("Error in sitecustomize" in ours.stderr) is reported, ours.stderr
+        assert ours.stderr == plain.stderr, (ours.stderr, plain.stderr)
+
+
+def test_repo_on_the_path_twice_through_a_symlink_never_chains_to_itself(tree):
+    import os
+
+    from test_bootstrap import REPO
+
+    link = tree / "repo-link"
+    link.symlink_to(REPO)
+    for order in ([REPO, str(link)], [str(link), REPO]):
+        path = os.pathsep.join(order + [str(tree / "image"), str(tree / "pkgs")])
+        (tree / "marker").write_text("")
+        proc = run(tree, """
+            import json, os, sys
+            print(json.dumps(os.path.realpath(sys.modules["npu_shim.chained_sitecustomize"].__file__)))
+        """, env={"PYTHONPATH": path})
+        assert last_json(proc) == os.path.realpath(str(tree / "image" / "sitecustomize.py")), order
+        assert (tree / "marker").read_text() == "ran\n" and proc.stderr == ""
+
+
+def test_states_name_every_target_and_exactly_the_wrappers_applied(tree):
+    proc = run(tree, """
+        import json, npu_shim
+        from sglang.srt.utils import common
+        print(json.dumps(npu_shim.states()["demo"]))
+    """)
+    state = last_json(proc)
+    targets = ["sglang.srt.utils.common:get_npu_memory_capacity",
+               "sglang.srt.utils.common:Scheduler.__init__"]
+    assert state["name"] == "demo" and state["state"] == "applied" and state["details"] == {}
+    assert state["targets"] == {t: True for t in targets}
+    assert state["wrappers"] == sorted(targets)
+
+
+def test_record_lists_only_applied_wraps_as_wrappers():
+    from npu_shim.core import framework
+    from npu_shim.runtime import activation, targets
+
+    wrap = targets.Wrap("m", "f", None, [()])
+    other = targets.Wrap("m", "g", None, [()])
+    replace = targets.Replace("m", "X", lambda original: 1)
+    record = activation.PatchRecord(types.SimpleNamespace(name="p"),
+                                 framework.Decision(framework.APPLIED, "why", [wrap, other, replace]))
+    record.applied = {wrap.describe(), replace.describe()}
+    assert record.as_dict() == {
+        "name": "p", "state": "applied", "reason": "why",
+        "targets": {"m:f": True, "m:g": False, "m:X": True}, "wrappers": ["m:f"], "details": {}}
+
+
+# ------------------------------------------------------------------- runtime, in process
+
+
+def test_running_on_npu_is_false_without_torch_without_npu_and_when_asking_fails(monkeypatch):
+    import sys
+
+    from npu_shim.runtime import activation
+
+    def npu(available):
+        def is_available():
+            if isinstance(available, Exception):
+                raise available
+            return available
+        return types.SimpleNamespace(npu=types.SimpleNamespace(is_available=is_available))
+
+    for torch, expected in ((None, False), (types.SimpleNamespace(), False), (npu(False), False),
+                            (npu(RuntimeError("driver")), False), (npu(True), True)):
+        monkeypatch.setitem(sys.modules, "torch", torch)
+        assert activation.running_on_npu() is expected, torch
+
+
+def _record(state, must_honour=False):
+    from npu_shim.core import framework
+    from npu_shim.runtime import activation, targets
+
+    patch = types.SimpleNamespace(name="p", must_honour=lambda environ: must_honour)
+    return activation.PatchRecord(patch, framework.Decision(state, "because"))
+
+
+def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(caplog, monkeypatch):
+    import logging
+
+    import pytest
+
+    from npu_shim.ops import summary
+    from npu_shim.runtime import activation
+    from npu_shim.core.framework import ShimError
+
+    from npu_shim.ops import log
+
+    monkeypatch.delenv("NPU_SHIM_STRICT", raising=False)
+    log.configure()  # sets the logger's level once per process: before caplog lowers it
+    with caplog.at_level(logging.DEBUG, logger="npu_shim"):
+        for state in ("failed", "unsupported", "applied", "inactive"):
+            summary.report(_record(state))
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("ERROR", "p: failed (because)"), ("WARNING", "p: unsupported (because)"),
+        ("DEBUG", "p: applied (because)"), ("DEBUG", "p: inactive (because)")]
+    activation.enforce(_record("failed"))  # not requested, not strict: logged only
+    activation.enforce(_record("applied", must_honour=True))
+    with pytest.raises(ShimError, match="^npu-shim: p was requested but is unsupported: because$"):
+        activation.enforce(_record("unsupported", must_honour=True))
+    monkeypatch.setenv("NPU_SHIM_STRICT", "1")
+    with pytest.raises(ShimError, match=r"^npu-shim \(strict\): p is failed: because$"):
+        activation.enforce(_record("failed"))
+
+
+def test_hooks_of_an_earlier_install_do_nothing(monkeypatch):
+    from npu_shim.runtime import activation
+
+    calls = []
+    monkeypatch.setattr(activation.RUNTIME, "apply_module", calls.append)
+    monkeypatch.setattr(activation.RUNTIME, "records", {})
+    monkeypatch.setattr(activation.RUNTIME, "installed", True)
+    monkeypatch.setattr(activation.RUNTIME, "generation", 7)
+    module = types.ModuleType("sglang.x")
+    activation.RUNTIME.import_hook(6)(module)  # an earlier install
+    monkeypatch.setattr(activation.RUNTIME, "installed", False)
+    activation.RUNTIME.import_hook(7)(module)  # this install, since uninstalled
+    assert calls == []
+    monkeypatch.setattr(activation.RUNTIME, "installed", True)
+    activation.RUNTIME.import_hook(7)(module)
+    assert calls == [module]
+
+
+def test_record_of_a_decided_patch_holds_the_details_its_decision_handed_out(monkeypatch):
+    from npu_shim.core import framework
+    from npu_shim.runtime import activation
+
+    details = {}
+    decision = framework.Decision("applied", "ok", details=details)
+    record = activation.PatchRecord(types.SimpleNamespace(name="p"), decision)
+    monkeypatch.setattr(activation.RUNTIME, "records", {"p": record})
+    assert activation.RUNTIME.record("p") is record and activation.RUNTIME.record("q") is None
+    details["released_mib"] = 1.5  # what a wrapper writes through its closure
+    assert record.details == {"released_mib": 1.5} and record.as_dict()["details"] == {"released_mib": 1.5}
+    monkeypatch.setattr(activation.RUNTIME, "records", None)
+    assert activation.RUNTIME.record("p") is None
+
+
+def test_a_module_is_applied_for_every_applied_patch_after_one_that_is_not(monkeypatch):
+    from npu_shim.core import framework
+    from npu_shim.runtime import activation, targets
+
+    module = types.ModuleType("sglang.fake_target")
+
+    def f():
+        return 1
+
+    module.f = f
+    skipped = _record("unsupported")
+    applied = activation.PatchRecord(types.SimpleNamespace(name="q", must_honour=lambda e: False),
+                                  framework.Decision(framework.APPLIED, "ok", [
+                                      targets.Wrap("sglang.fake_target", "f",
+                                                    lambda w, i, a, k: w() + 1, [()])]))
+    monkeypatch.setattr(activation.RUNTIME, "records", {"p": skipped, "q": applied})
+    monkeypatch.setattr(activation.RUNTIME, "imported_before", set())
+    activation.RUNTIME.apply_module(module)
+    assert module.f() == 2 and applied.applied == {"sglang.fake_target:f"}
+    activation.revert_record(applied)
+    assert module.f is f
+
+
+def test_wrappers_pickle_and_copy_by_reference_in_process(monkeypatch):
+    """The fast twin of test_hostile_inputs' real-release test: a module-level function, a method
+    on its class and bound to an instance, each wrapped as the shim wraps targets."""
+    import copy
+    import pickle
+    import sys
+
+    from npu_shim.runtime.targets import function_wrapper
+
+    module = types.ModuleType("npu_shim_pickle_probe")
+    exec("def f(x):\n    return x + 1\n\nclass Box:\n    def __init__(self, v):\n        self.v = v\n"
+         "    def get(self):\n        return self.v\n", module.__dict__)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    def passthrough(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs)
+
+    module.f = function_wrapper(module.f, passthrough)
+    module.Box.get = function_wrapper(module.Box.__dict__["get"], passthrough)
+    box = module.Box(5)
+    assert pickle.loads(pickle.dumps(module.f)) is module.f and copy.deepcopy(module.f) is module.f
+    assert copy.copy(module.f) is module.f
+    assert b"npu_shim_pickle_probe" in pickle.dumps(module.f)  # a global by name, like f itself
+    unbound = pickle.loads(pickle.dumps(module.Box.get))
+    assert unbound.__wrapped__ is module.Box.__dict__["get"].__wrapped__ and unbound(box) == 5
+    for bound in (pickle.loads(pickle.dumps(box.get)), copy.deepcopy(box.get)):
+        assert bound() == 5 and bound.__self__ is not box and type(bound.__self__) is module.Box
+        assert type(bound).__module__ == "npu_shim.runtime.targets"
+    assert copy.copy(box.get)() == 5

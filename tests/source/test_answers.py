@@ -1,0 +1,135 @@
+"""npu_shim/source/answers.py: a child decides from the answers its parent's source gave, never
+from a file that changed since."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from shimdev import realsglang
+from npu_shim.core import framework
+from npu_shim.source import answers
+from npu_shim.core.loading import load_all
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    """A private copy of the real 0.5.11 source (files are touched and edited below)."""
+    src = os.path.join(str(realsglang.sglang_envs.ensure_sources("0.5.11")), "sglang")
+    dst = tmp_path_factory.mktemp("src") / "sglang"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.so", "*.pyc", "__pycache__"))
+    return str(dst)
+
+
+ENV = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": "12288"}
+
+
+def decide_all(view):
+    return {p.name: (d.state, d.reason) for p in load_all()
+            for d in [framework.decide(p, view, environ=ENV, on_npu=True, assume_triggered=True)]}
+
+
+def parent(tree):
+    view = answers.view(tree, environ={})
+    states = decide_all(view)
+    environ = {}
+    answers.export(view, environ)
+    return states, environ
+
+
+def test_a_child_decides_the_same_without_parsing_anything(tree):
+    states, environ = parent(tree)
+    assert states["zbal"][0] == "applied" and states["mla_weight_release"][0] == "applied"
+    record = json.loads(environ[answers.ENV])
+    assert record["dir"] == tree and record["answers"] and record["files"]
+    assert len(environ[answers.ENV]) < 16384  # an environment variable, not a file
+    child = answers.view(tree, environ=environ)
+    assert child.reused
+    assert decide_all(child) == states
+    assert child._modules == {}  # no sglang file was read, let alone parsed
+
+
+def test_a_file_changed_since_is_never_trusted(tree):
+    states, environ = parent(tree)
+    path = os.path.join(tree, "srt", "utils", "common.py")
+    before = os.stat(path)
+    with open(path, "ab") as handle:
+        handle.write(b"\n# edited\n")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # mtime put back: ctime tells
+    try:
+        child = answers.view(tree, environ=environ)
+        assert not child.reused
+        assert decide_all(child) == states and child._modules  # read from the source again
+    finally:
+        with open(path, "rb") as handle:
+            data = handle.read()
+        with open(path, "wb") as handle:
+            handle.write(data[:-len(b"\n# edited\n")])
+
+
+def test_a_module_that_appeared_since_is_noticed(tree):
+    _states, environ = parent(tree)
+    record = json.loads(environ[answers.ENV])
+    missing = [d for d, ids in record["files"].items() if ids == [None, None]]
+    assert missing, "the decision asked about at least one module this release does not have"
+    parts = missing[0].split(".")[1:]
+    path = os.path.join(tree, *parts) + ".py"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    open(path, "w").close()
+    try:
+        assert not answers.view(tree, environ=environ).reused
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("raw", ["", "{", "[]", '{"format": 1}', '{"format": 99, "dir": "x"}', "null"])
+def test_anything_odd_in_the_variable_means_reading_the_source(tree, raw):
+    view = answers.view(tree, environ={answers.ENV: raw})
+    assert not view.reused
+    assert decide_all(view)["zbal"][0] == "applied"
+
+
+def test_another_sglang_directory_does_not_use_the_record(tree, tmp_path):
+    _states, environ = parent(tree)
+    assert not answers.view(str(tmp_path), environ=environ).reused
+
+
+@pytest.mark.parametrize("record", [
+    {"format": answers.FORMAT, "dir": "/elsewhere", "files": {}},  # another directory
+    {"format": answers.FORMAT - 1, "files": {}},                   # another format, this dir
+])
+def test_a_record_of_another_directory_or_format_is_never_used(tree, record):
+    """Each alone is enough: no file identity is left to tell the record is not this tree's."""
+    record = dict({"dir": tree, "version": "9.9.9", "answers": {"module|sglang.srt.nothing": True}},
+                  **record)
+    view = answers.view(tree, environ={answers.ENV: json.dumps(record)})
+    assert not view.reused and view.answers == {} and view.version != "9.9.9"
+    good = dict(record, format=answers.FORMAT, dir=tree)
+    assert answers.view(tree, environ={answers.ENV: json.dumps(good)}).reused
+
+
+def test_a_fingerprint_deciding_read_is_known_when_applying_without_reading_the_file(tmp_path,
+                                                                                   monkeypatch):
+    """The loaded code is checked against the fingerprint deciding read while its file is the one
+    read (``codeview.remember``, keyed by the file's path): applying reads nothing again."""
+    import inspect
+
+    from npu_shim.source import codeview
+
+    package = tmp_path / "sglang"
+    (package / "srt").mkdir(parents=True)
+    path = package / "srt" / "a.py"
+    path.write_text("def f(x):\n    return x + 1\n")
+    view = answers.view(str(package), environ={})
+    fingerprint = view.function("sglang.srt.a", "f").fingerprint
+    loaded = {}
+    exec(compile(path.read_text(), str(path), "exec"), loaded)  # as the import would load it
+
+    def unread(*args, **kwargs):
+        raise AssertionError("the file was read again")
+
+    monkeypatch.setattr(codeview, "read_source", unread)
+    monkeypatch.setattr(inspect, "getsource", unread)
+    assert codeview.live_fingerprint(loaded["f"]) == fingerprint

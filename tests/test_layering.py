@@ -1,0 +1,148 @@
+"""The package's rooms and the one way imports go between them.
+
+Every module under ``npu_shim/`` (the vendored wrapt left out) is parsed with ``ast``; every
+``import`` in it counts, those inside functions included (they run too, only later).  Layers,
+lowest first -- a module may import its own layer and the ones below, never one above, and no
+import may close a circle, inside a layer or across:
+
+0. leaves: ``_version`` and the registry (``patches/registry.py``: a list of names);
+1. ``core``: the variables, the patch model and deciding, loading the registered patches;
+2. ``ops``: logging, process identity, state records, the summary line, text for a terminal;
+3. ``source``: reading sglang's code without importing it (view, fast scan, inherited answers);
+4. ``runtime``: one process's activation, finder, wrapt, targets and wrappers, install();
+5. ``patches``: the feature modules;
+6. ``cli``: ``python -m npu_shim``'s commands;
+7. the entry points: ``npu_shim`` (install/uninstall/states), ``__main__``, ``_bootstrap``.
+
+A parent package is imported implicitly with its modules: that is not counted, and every
+sub-package ``__init__`` must be empty (nothing loads with it; memory in every sglang process).
+"""
+
+import ast
+import os
+
+import pytest
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "npu_shim")
+LAYERS = [
+    ("npu_shim._version", "npu_shim.patches.registry"),
+    ("npu_shim.core",),
+    ("npu_shim.ops",),
+    ("npu_shim.source",),
+    ("npu_shim.runtime",),
+    ("npu_shim.patches",),
+    ("npu_shim.cli",),
+    ("npu_shim", "npu_shim.__main__", "npu_shim._bootstrap"),
+]
+SUBPACKAGES = ("core", "ops", "source", "runtime", "patches", "cli")
+
+
+def modules():
+    """{dotted name: path} of every module of the package (not the vendored wrapt)."""
+    found = {}
+    for folder, dirs, files in os.walk(PACKAGE):
+        dirs[:] = sorted(d for d in dirs if d not in ("_vendor", "__pycache__"))
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path[:-3], os.path.dirname(PACKAGE)).replace(os.sep, ".")
+                found[dotted[:-len(".__init__")] if dotted.endswith(".__init__") else dotted] = path
+    return found
+
+
+def imports_of(name, path, known):
+    """The package's modules ``name`` imports (anywhere in it), each once."""
+    with open(path, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read(), path)
+    is_package = path.endswith("__init__.py")
+    targets = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            wanted = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".")[:None if is_package else -1]
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            wanted = ["%s.%s" % (base, alias.name) for alias in node.names] + [base]
+            # "from pkg import module" imports the module; "from module import name" the module
+            wanted = [w for w in wanted[:-1] if w in known] or [wanted[-1]]
+        else:
+            continue
+        for target in wanted:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                targets.add(target)
+    return targets
+
+
+def layer_of(name):
+    best = None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if name == prefix or (name.startswith(prefix + ".") and prefix != "npu_shim"):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    return best[0] if best else None
+
+
+def graph():
+    known = modules()
+    return {name: imports_of(name, path, known) for name, path in known.items()}
+
+
+def cycle_in(edges):
+    """One import circle as a list of modules, or None."""
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        stack.append(node)
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == "open":
+                return stack[stack.index(target):] + [target]
+            if target not in state:
+                found = visit(target, stack)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(edges):
+        if node not in state:
+            found = visit(node, [])
+            if found:
+                return found
+    return None
+
+
+def test_every_module_has_a_layer():
+    assert [name for name in modules() if layer_of(name) is None] == []
+
+
+def test_no_import_goes_up_a_layer():
+    wrong = sorted("%s (layer %d) imports %s (layer %d)" % (name, layer_of(name), target, layer_of(target))
+                   for name, targets in graph().items() for target in targets
+                   if layer_of(target) > layer_of(name))
+    assert wrong == []
+
+
+def test_no_import_circle():
+    assert cycle_in(graph()) is None
+
+
+@pytest.mark.parametrize("sub", SUBPACKAGES)
+def test_subpackage_inits_are_empty(sub):
+    with open(os.path.join(PACKAGE, sub, "__init__.py"), encoding="utf-8") as handle:
+        assert handle.read() == ""
+
+
+def test_the_checks_see_a_circle_and_an_upward_import():
+    """The checker itself: a circle through a function-level import is found."""
+    assert cycle_in({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle_in({"a": {"b"}, "b": set()}) is None
+    assert layer_of("npu_shim.core.config") < layer_of("npu_shim.ops.log") < layer_of("npu_shim.cli.check")
+    assert layer_of("npu_shim.patches.registry") == 0 < layer_of("npu_shim.patches.zbal")

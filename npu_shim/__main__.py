@@ -3,11 +3,12 @@
 ``status`` says what the shim would do in this interpreter without importing sglang (its source is
 read from disk), torch or wrapt; ``check`` runs it in a child process and reports what really
 happened (npu_shim/cli/check.py); ``selftest`` exercises the applied patches on the device
-(npu_shim/selftest.py); ``bundle`` builds the directory to mount into an image
+(npu_shim/cli/selftest.py); ``bundle`` builds the directory to mount into an image
 (npu_shim/cli/bundle.py).
 
-Exit codes: the ``EXIT_*`` constants below; what each one means for each command is listed once,
-in docs/operations.md ("Exit codes"), and tests/test_readme.py holds that list to these constants.
+Exit codes: the ``EXIT_*`` constants (npu_shim/cli/exit_codes.py, imported here); what each one
+means for each command is listed once, in docs/operations.md ("Exit codes"), and
+tests/test_readme.py holds that list to these constants.
 """
 
 import argparse
@@ -20,19 +21,10 @@ from npu_shim.core import config, framework
 from npu_shim.runtime import wrapt_loader
 from npu_shim.source.codeview import SourceView, find_package_dir
 
-EXIT_BUNDLE_FAILED = 1
-EXIT_BAD_ENV = 2
-EXIT_STRICT = 3
-EXIT_CHECK_FAILED = 4
-EXIT_NO_SGLANG = 5
-EXIT_RUNNING_PROBLEM = 6
-EXIT_NO_RECORDS = 7
-EXIT_NPU_STACK = 8
-EXIT_SELFTEST_FAILED = 9
-EXIT_SELFTEST_REFUSED = 10
-EXIT_NO_DEVICE = 11
-EXIT_USAGE = 64
-EXIT_BROKEN_PIPE = 141  # as a shell reports a writer killed by SIGPIPE
+from npu_shim.cli.exit_codes import (  # noqa: F401 - the codes, importable from here too
+    EXIT_BAD_ENV, EXIT_BROKEN_PIPE, EXIT_BUNDLE_FAILED, EXIT_CHECK_FAILED, EXIT_NO_DEVICE, EXIT_NO_RECORDS,
+    EXIT_NO_SGLANG, EXIT_NPU_STACK, EXIT_RUNNING_PROBLEM, EXIT_SELFTEST_FAILED, EXIT_SELFTEST_REFUSED,
+    EXIT_STRICT, EXIT_USAGE, config_exit_code)
 
 
 def find_sglang():
@@ -170,22 +162,6 @@ def exit_code(info):
     if code == EXIT_BAD_ENV or info["sglang"]["path"]:
         return code
     return EXIT_NO_SGLANG
-
-
-def config_exit_code(states, stops=False):
-    """EXIT_BAD_ENV for an invalid variable or an ``NPU_SHIM_*`` name the shim does not read;
-    EXIT_STRICT when a server would stop at import: strict mode is on and a patch is
-    ``unsupported`` or ``failed`` (``inactive``: nothing to do, is fine), or ``stops`` (a patch
-    the job asks for explicitly cannot apply); else 0.  The same rule for ``status`` and ``check``."""
-    from npu_shim.core.loading import all_variables
-
-    variables = all_variables()
-    values = config.read_all(variables)
-    if any(error for _value, error in values.values()) or config.unknown_names(variables):
-        return EXIT_BAD_ENV
-    if stops or (values[config.STRICT.name][0] and any(state in framework.PROBLEMS for state in states)):
-        return EXIT_STRICT  # in a server the process stops at import, as the check process did
-    return 0
 
 
 def run_bundle(args):
@@ -326,9 +302,12 @@ def main(argv=None):
     selftest = sub.add_parser("selftest", help="exercise each applied patch on this node's device, "
                                                "in child processes (one line per patch)")
     selftest.add_argument("--json", action="store_true", help="machine-readable output")
-    selftest.add_argument("--zbal-mib", type=int, default=1024, metavar="MIB",
-                          help="size of the zbal heap to set up (default 1024; "
-                               "npu_shim/selftest.py DEFAULT_ZBAL_MIB)")
+    from npu_shim.core.loading import load_all
+
+    for patch in load_all():  # the options a patch's own step reads
+        for flag, key, default, text in patch.selftest_options:
+            selftest.add_argument(flag, dest=key, type=int, default=default, metavar="N",
+                                  help="%s (default %d)" % (text, default))
     selftest.add_argument("--device-index", type=int, default=0, metavar="N",
                           help="the device to test (default 0, of those visible)")
     selftest.add_argument("--timeout", type=int, default=60, metavar="S",
@@ -361,7 +340,7 @@ def main(argv=None):
     if args.command == "check":
         return run_check(args)
     if args.command == "selftest":
-        from npu_shim import selftest as selftest_command  # imports no torch: its children do
+        from npu_shim.cli import selftest as selftest_command  # imports no torch: its children do
 
         return selftest_command.main(args)
     if args.running is not None:

@@ -279,7 +279,7 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
     and 0.5.8 build their NPU rotary embedding only for head sizes 64/128/256/512 (others take a
     vllm kernel)."""
     import torch
-    from npu_shim import synthetic_moe
+    from npu_shim.patches._selftest import synthetic_moe
     from shimdev import simnpu
     from shimdev import dual_stream_kernels as K
     from shimdev import mla_kernels

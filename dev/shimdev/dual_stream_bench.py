@@ -12,7 +12,7 @@ one shared expert MLP) is run three ways on one device, side by side in one proc
 
 It prints serial, overlapped and ideal time (medians of device time between two events on the main
 stream), overlapped/ideal, and the fraction of the ideal saving (serial - ideal) that the overlap
-realises; target >= 90 %.  Block and measurement are npu_shim/synthetic_moe.py's, the code
+realises; target >= 90 %.  Block and measurement are npu_shim/patches/_selftest/synthetic_moe.py's, the code
 ``python -m npu_shim selftest`` runs on the device.  The stream helpers use
 ``torch.get_device_module()`` as upstream does, so the same code runs on CUDA and on an NPU.
 Without either device it says so and measures nothing.
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import argparse
 
-from npu_shim import synthetic_moe
-from npu_shim.synthetic_moe import DEFAULTS, build_block, serial_forward as _serial_forward  # noqa: F401
+from npu_shim.patches._selftest import synthetic_moe
+from npu_shim.patches._selftest.synthetic_moe import DEFAULTS, build_block, serial_forward as _serial_forward  # noqa: F401
 
 WHAT = "dual-stream overlap (CUDA or NPU when present)"
 TARGET = ">= 90 % of the ideal saving (serial - max(shared, routed))"
@@ -34,19 +34,21 @@ TARGET = ">= 90 % of the ideal saving (serial - max(shared, routed))"
 
 def find_device():
     """('cuda'|'npu', name) for a real accelerator, else (None, why not); the simulated NPU of the
-    tests is no device here (npu_shim.synthetic_moe.find_device, as the selftest finds it)."""
+    tests is no device here (npu_shim.cli.selftest_child.find_device, as the selftest finds it)."""
     try:
         import torch  # noqa: F401
     except ImportError:
         return None, "torch is not installed"
-    kind, name, simulated = synthetic_moe.find_device()
+    from npu_shim.cli.selftest_child import find_device as find_accelerator
+
+    kind, name, simulated = find_accelerator()
     if kind is None or simulated:
         return None, "no CUDA or NPU device on this machine"
     return kind, name
 
 
 def measure(device, **overrides):
-    """npu_shim.synthetic_moe.measure: the same code as ``python -m npu_shim selftest``."""
+    """npu_shim.patches._selftest.synthetic_moe.measure: the same code as ``python -m npu_shim selftest``."""
     return synthetic_moe.measure(device, **overrides)
 
 

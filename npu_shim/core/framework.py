@@ -127,6 +127,16 @@ class Patch:
     def origin(self):
         return "backport of %s; upstream since %s" % (self.upstream_pr, self.upstream_release)
 
+    # -- python -m npu_shim selftest: what the patch exercises on a device
+    selftest_module = ""          # dotted module whose ``run(step)`` does it ("": nothing to run)
+    selftest_devices = ("npu",)   # device kinds the step runs on ("n/a on <kind>" elsewhere)
+    selftest_alone = False        # its step runs in a process of its own, before anything touches the device
+    selftest_options = ()         # (flag, options key, default, help) of the ``selftest`` options it reads
+
+    def selftest_mib(self, options):
+        """Free device memory (MiB) the step needs, with this run's ``options``."""
+        return 0
+
     # -- what the patch says about itself (the core and the commands name no patch)
     def check_facts(self):
         """{report key: {"label", "text", ...}}: what ``python -m npu_shim check`` shows about the

@@ -81,6 +81,12 @@ class DualStreamExperts(Patch):
     trigger_env = {MULTI_STREAM.name: "1"}
     modules = (GLM4_MOE,)
 
+    selftest_module = "npu_shim.patches._selftest.dual_stream_experts"
+    selftest_devices = ("npu", "cuda")  # the streams go through torch.get_device_module()
+
+    def selftest_mib(self, options):
+        return 2048  # the GLM-4.5-Air-shaped block and its activations, with room to spare
+
     def probe(self, view):
         module = view.module(GLM4_MOE)
         if (module is not None and module.contains(r"process_shared_expert\(")

@@ -702,6 +702,11 @@ class MlaWeightRelease(Patch):
     trigger_env = {}  # on by default; the disaggregation role decides in the server
     modules = (MLA_PRE, MLA_NPU, TP_WORKER)
 
+    selftest_module = "npu_shim.patches._selftest.mla_weight_release"
+
+    def selftest_mib(self, options):
+        return 2048  # two layers' weights, one at a time, with room to spare
+
     def probe(self, view):
         if view.has(MLA_PRE, CLASS + ".uses_mlaprolog"):
             return "%s.uses_mlaprolog exists (and the release with it)" % CLASS

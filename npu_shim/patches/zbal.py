@@ -356,9 +356,10 @@ class ZbalProcess:
             return False
         return bool(zbal_module().is_mix_alloc())
 
-    def lazy_init(self, runner, when):
+    def lazy_init(self, runner, when, group=None):
+        """``group``: the world group (sglang's own where None; ``selftest`` passes a one-rank one)."""
         zbal = zbal_module()
-        group = _world_group()
+        group = group or _world_group()
         size, in_use, total = gva_size_mib(configured_mib(), group.world_size, group.cpu_group)
         require_zbal_allocator()
         _call_zbal_init(zbal, group.world_size, runner.gpu_id, group.rank_in_group, size,
@@ -482,6 +483,13 @@ class ZbalPatch(Patch):
     trigger_env = {LOCAL_MEM_SIZE.name: "12288"}
     modules = (COMMON, PARALLEL_STATE, DEEPEP, MODEL_RUNNER, SCHEDULER)
     error = ZbalError
+
+    selftest_module = "npu_shim.patches._selftest.zbal"
+    selftest_alone = True  # zbal's allocator goes in before anything else touches the device
+    selftest_options = (("--zbal-mib", "zbal_mib", 1024, "size of the zbal heap the selftest sets up, MiB"),)
+
+    def selftest_mib(self, options):
+        return options["zbal_mib"] + 512
 
     def probe(self, view):
         if view.has(SCHEDULER, "Scheduler.init_zbal_on_npu"):

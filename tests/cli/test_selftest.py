@@ -1,4 +1,5 @@
-"""``python -m npu_shim selftest`` (npu_shim/selftest.py, selftest_child.py, synthetic_moe.py).
+"""``python -m npu_shim selftest`` (npu_shim/cli/selftest.py, selftest_child.py, and the patches' own
+steps under npu_shim/patches/_selftest/).
 
 End to end on the simulated NPU: sglang 0.5.9's real source (every patch ``applied`` there with
 zbal's size and the multi-stream variable set), memfabric-zbal 1.2.0's own Python layer over the
@@ -19,7 +20,13 @@ import types
 import pytest
 
 from npu_shim import __main__ as cli
-from npu_shim import selftest, selftest_child, synthetic_moe
+from npu_shim.cli import selftest, selftest_child
+from npu_shim.patches import zbal as zbal_patch
+from npu_shim.patches._selftest import dual_stream_experts as dual_stream_selftest
+from npu_shim.patches._selftest import mla_weight_release as mla_selftest
+from npu_shim.patches._selftest import synthetic_moe
+
+DEFAULT_ZBAL_MIB = zbal_patch.ZbalPatch.selftest_options[0][2]  # --zbal-mib's default
 from shimdev import realsglang
 
 RELEASE = "0.5.9"
@@ -101,18 +108,18 @@ def test_full_mode_json_every_applied_patch_passes_within_the_bound(release_venv
     assert (boot["world_size"], boot["rank_id"], boot["device_id"], boot["device_mem_size"]) == (1, 0, 0, 512 << 20)
     # mla: one layer of each public config, the weights' bytes exactly
     m = patches["mla_weight_release"]["facts"]
-    for name, c in selftest_child.MLA_CONFIGS.items():
+    for name, c in mla_selftest.MLA_CONFIGS.items():
         nbytes = 2 * ((c["q_lora"] + c["kv_lora"] + c["rope"]) * c["hidden"] + c["heads"] * c["nope"] * c["kv_lora"])
         assert m[name]["bytes"] == m[name]["released"] == m[name]["allocated_drop"] == nbytes
         assert m[name]["touch_raises"] and m[name]["view_kept"] and m[name]["ok"]
     d = patches["dual_stream_experts"]
-    assert [f["tokens"] for f in d["facts"]] == list(selftest_child.SIMULATED_TOKENS)
+    assert [f["tokens"] for f in d["facts"]] == list(dual_stream_selftest.SIMULATED_TOKENS)
     assert all(f["equal"] for f in d["facts"]) and "timings are meaningless" in d["line"]
     # a progress line per step, on stderr (stdout is the JSON)
     steps = progress_lines(proc.stderr)
     assert steps[0].startswith("starting the selftest process") and len(steps) >= 10
-    assert sum(s.startswith("mla_weight_release: ") for s in steps) == len(selftest_child.MLA_CONFIGS)
-    assert sum(s.startswith("dual_stream_experts: ") for s in steps) == len(selftest_child.SIMULATED_TOKENS)
+    assert sum(s.startswith("mla_weight_release: ") for s in steps) == len(mla_selftest.MLA_CONFIGS)
+    assert sum(s.startswith("dual_stream_experts: ") for s in steps) == len(dual_stream_selftest.SIMULATED_TOKENS)
     assert any(s.startswith("zbal: full mode") for s in steps)
     assert os.listdir(state_dir) == []  # the selftest's processes are no servers: no state record
 
@@ -128,11 +135,11 @@ def test_mix_mode_text_switch_allocation_then_lazy_heap(release_venv, tmp_path):
     rows = {line.split()[0]: line for line in lines if line.startswith("  ") and line.split()[0] in
             ("zbal", "mla_weight_release", "dual_stream_experts")}
     assert len(rows) == 3 and all(row.split()[1:3] == ["ok", "applied"] for row in rows.values())
-    assert "mix mode: %d MiB heap, allocator backend pluggable" % selftest.DEFAULT_ZBAL_MIB in rows["zbal"]
+    assert "mix mode: %d MiB heap, allocator backend pluggable" % DEFAULT_ZBAL_MIB in rows["zbal"]
     assert "timings are meaningless on the simulated NPU" in rows["dual_stream_experts"]
     # the heap: one zbal_init, after the switch and the allocation, of in use + the chosen size
     (boot,) = json.loads(log.read_text())["bootstraps"]
-    assert boot["device_mem_size"] == selftest.DEFAULT_ZBAL_MIB << 20
+    assert boot["device_mem_size"] == DEFAULT_ZBAL_MIB << 20
     steps = progress_lines(proc.stderr)
     order = [i for i, s in enumerate(steps) if s.startswith(("zbal: mix mode: setting", "zbal: mix mode: lazy"))]
     assert len(order) == 2 and order[0] < order[1]
@@ -217,7 +224,7 @@ def test_refused_without_a_child_while_a_server_process_has_a_live_record(releas
 
 
 def test_refused_when_live_state_records_say_a_server_runs(monkeypatch, tmp_path):
-    from npu_shim import running
+    from npu_shim.cli import running_records as running
 
     live = {"live": 2, "processes": [{"pid": 41, "status": "live"}, {"pid": 40, "status": "live"},
                                       {"pid": 9, "status": "stale"}]}
@@ -275,17 +282,17 @@ def test_a_child_without_a_report_exits_4_with_its_words(monkeypatch):
     assert result["error"] == "the selftest process exited 3 without a report:\nImportError: nothing"
 
 
-def _report(plan, results, zbal_next=False, **device):
+def _report(plan, results, alone_next=(), **device):
     return {"stage": "main", "torch_problem": None, "shim_active": True, "sglang": {"path": "/s"},
             "states": {n: {"state": "applied", "reason": "r"} for n in plan},
             "device": dict({"kind": "npu", "name": "n", "simulated": False, "index": 0}, **device),
-            "plan": plan, "results": results, "zbal_next": zbal_next}
+            "plan": plan, "results": results, "alone_next": list(alone_next)}
 
 
 def test_a_failed_step_exits_9_and_a_failed_zbal_process_counts(monkeypatch):
     ok = {"result": "ok", "line": "fine", "facts": {}}
     plan = {"zbal": None, "mla_weight_release": None, "dual_stream_experts": None}
-    stages = {"main": (_report(plan, {"mla_weight_release": ok, "dual_stream_experts": ok}, zbal_next=True), None),
+    stages = {"main": (_report(plan, {"mla_weight_release": ok, "dual_stream_experts": ok}, alone_next=["zbal"]), None),
               "zbal": (None, "the selftest process exited 1 without a report:\nZbalError: boom")}
     monkeypatch.setattr(selftest, "run_stage", lambda stage, *a: stages[stage])
     monkeypatch.setattr(selftest, "holders", lambda: None)
@@ -326,7 +333,7 @@ def test_bad_variable_and_bad_usage(monkeypatch, capsys):
 
 
 def test_a_bundle_that_does_not_match_its_manifest_starts_no_child(monkeypatch):
-    from npu_shim import check
+    from npu_shim.cli import check
 
     monkeypatch.setattr(check, "bundle_facts", lambda: {"ok": False, "text": "/b: 1 files differ"})
     monkeypatch.setattr(selftest, "run_stage", lambda *a: pytest.fail("a child was started"))
@@ -363,8 +370,8 @@ def test_plan_on_cuda_npu_and_without_a_device():
     assert selftest_child.plan({}, "cuda", forced=("dual_stream_experts",)) == {
         "zbal": "not decided here (no target module imported)",
         "mla_weight_release": "not decided here (no target module imported)", "dual_stream_experts": None}
-    assert selftest_child.need_mib(["zbal"], 1024) == 1536
-    assert selftest_child.need_mib(["dual_stream_experts"], 1024) == selftest_child.STEPS_MIB
+    assert selftest_child.need_mib(["zbal"], {"zbal_mib": 1024}) == 1536
+    assert selftest_child.need_mib(["dual_stream_experts"], {"zbal_mib": 1024}) == 2048
 
 
 def _module(available, name="dev", count=1, simulated=False):
@@ -377,13 +384,13 @@ def _module(available, name="dev", count=1, simulated=False):
 
 def test_find_device_prefers_the_npu_then_cuda():
     cuda = _module(True, "NVIDIA H200")
-    assert synthetic_moe.find_device(types.SimpleNamespace(npu=None, cuda=cuda)) == ("cuda", "NVIDIA H200", False)
+    assert selftest_child.find_device(types.SimpleNamespace(npu=None, cuda=cuda)) == ("cuda", "NVIDIA H200", False)
     both = types.SimpleNamespace(npu=_module(True, "Ascend910B3"), cuda=cuda)
-    assert synthetic_moe.find_device(both) == ("npu", "Ascend910B3", False)
+    assert selftest_child.find_device(both) == ("npu", "Ascend910B3", False)
     sim = types.SimpleNamespace(npu=_module(True, simulated=True), cuda=_module(False))
-    assert synthetic_moe.find_device(sim) == ("npu", "simulated NPU", True)
+    assert selftest_child.find_device(sim) == ("npu", "simulated NPU", True)
     none = types.SimpleNamespace(npu=_module(True, count=0), cuda=_module(False))
-    assert synthetic_moe.find_device(none) == (None, "no NPU or CUDA device visible to torch", False)
+    assert selftest_child.find_device(none) == (None, "no NPU or CUDA device visible to torch", False)
 
 
 class _Event:
@@ -421,19 +428,26 @@ def test_summarise_the_share_of_the_ideal_saving():
     assert synthetic_moe.summarise({"serial": 0.0, "serial_again": 0.0, "overlapped": 0.0, "ideal": 0.0})["fraction"] is None
 
 
+def _step(torch, dm, device, **options):
+    """What selftest_child hands a patch's ``run(step)`` on a (stand-in) device, index 0."""
+    return types.SimpleNamespace(torch=torch, kind=device.split(":")[0], dm=dm, device=device, index=0,
+                                 simulated=False, options=options, progress=lambda text: None,
+                                 record=lambda: None)
+
+
 def test_dual_stream_step_on_a_device_reports_times_and_the_target(monkeypatch):
     import torch
 
     fake = dict(serial_median=10.0, overlapped=6.4, shared=4.0, routed=6.0, ideal=6.0, possible=4.0,
                 fraction=0.9, equal=True)
     monkeypatch.setattr(synthetic_moe, "measure", lambda device, device_module, **p: dict(fake, tokens=p["tokens"]))
-    ok, line, facts = selftest_child.dual_stream_step(torch, None, "cuda:0", False)
+    ok, line, facts = dual_stream_selftest.run(_step(torch, None, "cuda:0"))
     assert ok and [f["tokens"] for f in facts] == list(synthetic_moe.SELFTEST_TOKENS)
     assert line.startswith("256 tokens: serial 10.000 ms, overlapped 6.400 ms, saving 90 % of the ideal "
                            "(serial - max(shared, routed) = 4.000 ms)")
     assert line.endswith("outputs equal to single-stream: yes; target >= 90 % of the ideal saving: met")
     fake.update(equal=False, fraction=0.5)
-    ok, line, _ = selftest_child.dual_stream_step(torch, None, "cuda:0", False)
+    ok, line, _ = dual_stream_selftest.run(_step(torch, None, "cuda:0"))
     assert not ok and "outputs DIFFER" in line and line.endswith("not met")
 
 
@@ -460,7 +474,7 @@ def test_mla_step_fails_when_memory_does_not_drop():
     import torch
 
     dm = _StuckAllocator()
-    ok, line, facts = selftest_child.mla_step(torch, dm, "cpu", False, 0)
+    ok, line, facts = mla_selftest.run(_step(torch, dm, "cpu"))
     assert not ok and "MISMATCH" in line and dm.calls  # empty_cache before each reserved figure
     assert all(f["released"] == f["bytes"] and f["allocated_drop"] == 0 for f in facts.values())
     assert all(f["touch_raises"] and f["view_kept"] for f in facts.values())
@@ -562,12 +576,15 @@ def test_measure_through_a_cuda_like_module_uses_its_streams_and_timing_events()
 def test_the_selftest_needs_nothing_from_dev_and_its_parent_no_torch():
     """The shim ships without dev/: its selftest modules import nothing from there; the parent's
     modules import no torch at load (only the children do)."""
-    code = ("import sys; from npu_shim import selftest, selftest_child, synthetic_moe; "
+    code = ("import sys; from npu_shim.cli import selftest, selftest_child; "
+            "from npu_shim.patches._selftest import dual_stream_experts, mla_weight_release, synthetic_moe, zbal; "
             "print(sorted(n for n in ('torch', 'wrapt', 'shimdev') if n in sys.modules))")
     env = {"PYTHONPATH": str(realsglang.REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
-    for name in ("selftest.py", "selftest_child.py", "synthetic_moe.py"):
+    for name in ("cli/selftest.py", "cli/selftest_child.py", "patches/_selftest/synthetic_moe.py",
+                 "patches/_selftest/zbal.py", "patches/_selftest/mla_weight_release.py",
+                 "patches/_selftest/dual_stream_experts.py"):
         with open(os.path.join(realsglang.REPO, "npu_shim", name), encoding="utf-8") as handle:
             assert not re.search(r"^\s*(from|import)\s+shimdev", handle.read(), re.M), name

@@ -2,29 +2,19 @@
 
 Run it like ``check``: with the server's ``PYTHONPATH`` and variables, on the node, while no server
 uses the device.  For each patch ``applied`` in that environment it exercises, at small scale and on
-the device, what the patch relies on (npu_shim/selftest_child.py), and prints one line per patch:
+the device, what the patch relies on -- each patch's own step (``Patch.selftest_module``, under
+npu_shim/patches/_selftest/; npu_shim/cli/selftest_child.py runs them) -- and prints one line per
+patch.  docs/rolling-out.md says what each patch's step checks.
 
-* ``zbal``: zbal set up as the shim's ``Scheduler.__init__`` wrapper sets it up (full mode: a heap
-  of ``--zbal-mib``; mix mode: the allocator switch, an allocation, then the lazy GVA heap), a
-  tensor allocated through it, the allocator backend, and the shim's memory queries
-  (``get_available_gpu_memory``, ``get_npu_memory_capacity``) against zbal's ``mem_get_info``;
-* ``mla_weight_release``: one layer's fused qkv_a weight and ``w_kc`` of DeepSeek-V3 and of GLM-5,
-  released through the shim's ``release``: ``memory_allocated`` (and ``memory_reserved`` after
-  ``empty_cache``) drop by what the weights added, a touch raises ``ReleasedWeightError``, a weight
-  with a live view is kept;
-* ``dual_stream_experts``: the shim's dual-stream body on a GLM-4.5-Air-shaped MoE block at three
-  batch sizes: output equal to single-stream, and serial / overlapped time from device events with
-  the share of the ideal saving (serial - max(shared, routed)) achieved (npu_shim/synthetic_moe.py,
-  the code the benchmark row runs).  Reported against its target (>= 90 %), never failed on it.
-
-The work is done in child processes (a second one for zbal: its allocator goes in before anything
-touches the device), so nothing stays on the device.  zbal and mla_weight_release are NPU-only:
-on a CUDA machine they say ``n/a on cuda``.  ``--patch NAME`` runs a patch's step whatever its state
-(e.g. ``dual_stream_experts`` on a CUDA machine without sglang).  The whole run is bounded
+The work is done in child processes (a patch whose step must run alone, ``Patch.selftest_alone``,
+gets a second one: its allocator goes in before anything touches the device), so nothing stays on
+the device.  A patch's step runs on the device kinds it names (``Patch.selftest_devices``); on
+another it says ``n/a on <kind>``.  ``--patch NAME`` runs a patch's step whatever its state (e.g.
+a device-agnostic step on a CUDA machine without sglang).  The whole run is bounded
 (``TIMEOUT_S``, 60 s; ``--timeout``); a progress line per step goes to stderr.
 
 Exit codes: ``EXIT_SELFTEST_FAILED``, ``EXIT_SELFTEST_REFUSED`` and ``EXIT_NO_DEVICE`` of
-``npu_shim.__main__``, with ``check``'s; what each means is listed once, in docs/operations.md.
+``npu_shim/cli/exit_codes.py``, with ``check``'s; what each means is listed once, in docs/operations.md.
 """
 
 import json
@@ -35,8 +25,8 @@ import threading
 import time
 
 TIMEOUT_S = 60
-CHILD_CODE = "from npu_shim import selftest_child; selftest_child.main()"
-DEFAULT_ZBAL_MIB = 1024
+CHILD_CODE = ("from npu_shim import _bootstrap; from npu_shim.cli import selftest_child; "
+              "selftest_child.main(_bootstrap.WATCHER)")
 PREFIX = "npu-shim selftest: "
 
 
@@ -78,7 +68,7 @@ def sglang_processes(proc="/proc"):
     """(pid, command line) of the sglang server processes on this host that have a device open:
     known by the title sglang gives them (``sglang::scheduler_TP0`` ...) or by
     ``sglang.launch_server`` on their command line; this process and its parent excluded."""
-    from npu_shim import procinfo
+    from npu_shim.ops import procinfo
 
     mine = {os.getpid(), os.getppid()}
     found = []
@@ -100,7 +90,8 @@ def sglang_processes(proc="/proc"):
 def holders(environ=None, proc="/proc"):
     """Why the device is taken, or None: live state records in NPU_SHIM_STATE_DIR first, then
     sglang processes seen on this host."""
-    from npu_shim import config, running
+    from npu_shim.cli import running_records as running
+    from npu_shim.core import config
 
     environ = os.environ if environ is None else environ
     try:
@@ -130,7 +121,7 @@ def holders(environ=None, proc="/proc"):
 def child_env():
     """This environment for a child, less NPU_SHIM_STATE_DIR: a selftest process is no server and
     writes no state record."""
-    from npu_shim import config
+    from npu_shim.core import config
 
     env = dict(os.environ)
     for name in (config.STATE_DIR.name,) + tuple(config.STATE_DIR.aliases):
@@ -140,7 +131,7 @@ def child_env():
 
 def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
     """(report or None, error or None) of one child; progress lines go to ``log`` as they come."""
-    from npu_shim import selftest_child as child
+    from npu_shim.cli import selftest_child as child
 
     proc = subprocess.Popen([sys.executable, "-c", CHILD_CODE, stage, json.dumps(options)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -178,7 +169,7 @@ def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
 
 def run(options, log=None):
     """The whole selftest as one dict (its ``exit`` the exit status); nothing printed but ``log``."""
-    from npu_shim import __main__ as cli
+    from npu_shim.cli import exit_codes as cli
 
     log = log or (lambda line: None)
     started = time.monotonic()
@@ -193,7 +184,7 @@ def run(options, log=None):
     if cli.config_exit_code(()) == cli.EXIT_BAD_ENV:
         return done(cli.EXIT_BAD_ENV, error="an NPU_SHIM_* or SGLANG_* variable is invalid or unknown "
                                             "(`python -m npu_shim status` says which)")
-    from npu_shim import check
+    from npu_shim.cli import check
 
     bundle = check.bundle_facts()  # as ``check``: what changed in a bundle would run in the children
     if not bundle["ok"]:
@@ -231,11 +222,11 @@ def run(options, log=None):
     if report.get("refused"):
         return done(cli.EXIT_SELFTEST_REFUSED, refused=report["refused"])
     outcomes = dict(report.get("results") or {})
-    if report.get("zbal_next"):
-        log("starting the zbal process (zbal's allocator goes in before anything touches the device)")
-        zreport, zerror = run_stage("zbal", options, deadline, log, bound)
-        outcomes.update((zreport or {}).get("results") or
-                        {"zbal": {"result": "FAILED", "line": zerror, "facts": {}}})
+    for name in report.get("alone_next") or ():
+        log("starting a process for %s's step alone (before anything else touches the device)" % name)
+        alone, error = run_stage(name, dict(options, kind=report["device"]["kind"]), deadline, log, bound)
+        outcomes.update((alone or {}).get("results") or
+                        {name: {"result": "FAILED", "line": error, "facts": {}}})
     for name, outcome in outcomes.items():
         result["patches"][name].update(outcome)
     failed = any(p["result"] == "FAILED" for p in result["patches"].values())
@@ -276,19 +267,23 @@ def print_result(result, out):
 
 
 def main(args):
-    from npu_shim import __main__ as cli
-    from npu_shim.patches import known_names
-    from npu_shim.terminal import terminal_writer
+    from npu_shim.cli import exit_codes as cli
+    from npu_shim.patches.registry import known_names
+    from npu_shim.ops.terminal import terminal_writer
+
+    from npu_shim.core.loading import load_all
 
     unknown = [n for n in args.patch or () if n not in known_names()]
-    if unknown or args.zbal_mib <= 0 or args.device_index < 0 or args.timeout <= 0:
+    sized = {key: getattr(args, key) for patch in load_all() for _flag, key, _d, _h in patch.selftest_options}
+    flags = [flag for patch in load_all() for flag, _k, _d, _h in patch.selftest_options]
+    if unknown or min(list(sized.values()) + [args.timeout]) <= 0 or args.device_index < 0:
         sys.stderr.write(PREFIX + ("--patch %s: no such patch (%s)" % (unknown[0], ", ".join(known_names()))
-                                   if unknown else "--zbal-mib, --timeout and --device-index take a "
-                                                   "positive number") + "\n")
+                                   if unknown else "%s take a positive number, --device-index one of "
+                                   "0 or more" % ", ".join(flags + ["--timeout"])) + "\n")
         return cli.EXIT_USAGE
 
-    options = {"zbal_mib": args.zbal_mib, "device_index": args.device_index,
-               "patches": list(args.patch or ()), "timeout": args.timeout}
+    options = dict(sized, device_index=args.device_index, patches=list(args.patch or ()),
+                   timeout=args.timeout)
     err = terminal_writer(sys.stderr)
 
     def log(line):

@@ -1,6 +1,6 @@
 """A synthetic GLM-4.x-style MoE block and the dual-stream overlap measured on it, with device events.
 
-Used by ``python -m npu_shim selftest`` (npu_shim/selftest_child.py) and by the benchmark row
+Used by ``python -m npu_shim selftest`` (dual_stream_experts.py beside this) and by the benchmark row
 (scripts/bench_dual_stream.py, dev/shimdev/dual_stream_bench.py): one piece of code, so the row and
 the selftest measure the same thing.  The block has a router gate, top-k, routed experts run expert
 by expert, and one shared-expert MLP; it runs
@@ -28,32 +28,6 @@ SELFTEST_TOKENS = (256, 1024, 4096)
 DEFAULTS = dict(tokens=512, hidden=2048, shared_inter=4096, experts=8, topk=2, expert_inter=1024,
                 samples=15, reps=10, warmup=5)
 TARGET_FRACTION = 0.9
-
-
-def find_device(torch=None):
-    """(kind, name, simulated) of this machine's accelerator without initialising it: kind "npu"
-    (torch.npu, loading torch_npu if torch did not) before "cuda", or None (name then says why);
-    simulated is True for the tests' simulated NPU (its module says ``__simnpu__``)."""
-    if torch is None:
-        import torch
-    npu = getattr(torch, "npu", None)
-    if npu is None:
-        try:
-            import torch_npu  # noqa: F401 - registers torch.npu where torch did not autoload it
-        except Exception:  # noqa: BLE001 - no NPU stack on this machine
-            pass
-        npu = getattr(torch, "npu", None)
-    if npu is not None:
-        try:
-            if npu.is_available() and npu.device_count() > 0:
-                simulated = bool(getattr(npu, "__simnpu__", False))
-                return "npu", "simulated NPU" if simulated else npu.get_device_name(0), simulated
-        except Exception:  # noqa: BLE001 - a broken driver: look for CUDA instead
-            pass
-    cuda = getattr(torch, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return "cuda", cuda.get_device_name(0), False
-    return None, "no NPU or CUDA device visible to torch", False
 
 
 class _NoDispatchInfo:
@@ -198,7 +172,7 @@ def measure(device, device_module=None, dtype=None, **overrides):
 
     import torch
 
-    from npu_shim.patches import dual_stream_experts as ds
+    from npu_shim.patches._impl import dual_stream_experts as ds
 
     p = dict(DEFAULTS, **overrides)
     dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)

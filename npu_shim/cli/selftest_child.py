@@ -1,0 +1,208 @@
+"""The device side of ``python -m npu_shim selftest`` (npu_shim/cli/selftest.py starts it).
+
+Stage ``main``: imports every sglang module a patch targets, as ``check`` does (the patches decide
+in this process as in a server), finds the device (NPU, else CUDA) and its free memory, refuses
+when too little is free, then runs the step of each applied patch that shares a process.  A patch
+whose step must run alone (``Patch.selftest_alone``: its allocator goes in before anything else
+touches the device) gets a fresh process of its own after that.  Each step is the patch's own
+(``Patch.selftest_module``, under npu_shim/patches/_selftest/): ``run(step)`` returns (ok, line,
+facts).  Each stage prints progress lines and one report line (JSON) on stdout.
+
+On the tests' simulated NPU (``torch.npu.__simnpu__``) the flow runs on host tensors: no allocator
+statistics and no timings exist there, and the report says so.
+"""
+
+import importlib
+import json
+import os
+import sys
+import time
+import types
+
+MARK = "npu-shim-selftest:"
+PROGRESS = "npu-shim-selftest-progress:"
+MIB = 1 << 20
+
+
+def progress(text):
+    sys.stdout.write(PROGRESS + text + "\n")
+    sys.stdout.flush()
+
+
+def emit(report):
+    sys.stdout.write("\n" + MARK + json.dumps(report, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def _one_line(exc):
+    text = " ".join(("%s: %s" % (type(exc).__name__, exc)).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def patches():
+    """{name: Patch} of the registered patches, in registry order."""
+    from npu_shim.core.loading import load_all
+
+    return {patch.name: patch for patch in load_all()}
+
+
+# -- what to run -----------------------------------------------------------------------------------
+
+def plan(states, kind, forced=()):
+    """{patch: None (run its step) or why not} for every known patch, in registry order.
+    ``states``: {name: {"state", "reason"}} of this process; ``kind``: "npu", "cuda" or None;
+    ``forced``: names run whatever their state (``--patch``)."""
+    decided = {}
+    for name, patch in patches().items():
+        state = (states.get(name) or {}).get("state")
+        if state != "applied" and name not in forced:
+            decided[name] = "not applied here" if state else "not decided here (no target module imported)"
+        elif not patch.selftest_module:
+            decided[name] = "nothing to exercise on a device"
+        elif kind is None:
+            decided[name] = "no device"
+        elif kind not in patch.selftest_devices:
+            decided[name] = "n/a on %s" % kind
+        else:
+            decided[name] = None
+    return decided
+
+
+def need_mib(steps, options):
+    """Free device memory the planned steps need: the largest step's (they run one after another)."""
+    found = patches()
+    return max([found[name].selftest_mib(options) for name in steps] or [0])
+
+
+def memory_info(torch, kind, index):
+    """(free MiB, total MiB) of the device, from its device module's ``mem_get_info``."""
+    free, total = torch.get_device_module(kind).mem_get_info(index)
+    return int(free) // MIB, int(total) // MIB
+
+
+def find_device(torch=None):
+    """(kind, name, simulated) of this machine's accelerator without initialising it: kind "npu"
+    (torch.npu, loading torch_npu if torch did not) before "cuda", or None (name then says why);
+    simulated is True for the tests' simulated NPU (its module says ``__simnpu__``)."""
+    if torch is None:
+        import torch
+    npu = getattr(torch, "npu", None)
+    if npu is None:
+        try:
+            import torch_npu  # noqa: F401 - registers torch.npu where torch did not autoload it
+        except Exception:  # noqa: BLE001 - no NPU stack on this machine
+            pass
+        npu = getattr(torch, "npu", None)
+    if npu is not None:
+        try:
+            if npu.is_available() and npu.device_count() > 0:
+                simulated = bool(getattr(npu, "__simnpu__", False))
+                return "npu", "simulated NPU" if simulated else npu.get_device_name(0), simulated
+        except Exception:  # noqa: BLE001 - a broken driver: look for CUDA instead
+            pass
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda", cuda.get_device_name(0), False
+    return None, "no NPU or CUDA device visible to torch", False
+
+
+def step_context(torch, kind, index, simulated, options, record=None):
+    """What a patch's ``run(step)`` is handed: torch, the device module and device, this run's
+    options, ``progress(text)``, and the patch's record in this process."""
+    dm = torch.get_device_module(kind) if kind else None
+    device = "cpu" if simulated else "%s:%d" % (kind, index)
+    return types.SimpleNamespace(torch=torch, kind=kind, dm=dm, device=device, index=index,
+                                 simulated=simulated, options=options, progress=progress, record=record)
+
+
+def run_patch_step(results, name, step):
+    started = time.monotonic()
+    try:
+        module = importlib.import_module(patches()[name].selftest_module)
+        ok, line, facts = module.run(step)
+    except Exception as exc:  # noqa: BLE001 - a step that raises failed; the others still run
+        ok, line, facts = False, "raised " + _one_line(exc), {}
+    results[name] = {"result": "ok" if ok else "FAILED", "line": line, "facts": facts,
+                     "seconds": round(time.monotonic() - started, 2)}
+
+
+# -- the stages ------------------------------------------------------------------------------------
+
+def stage_main(options, watcher):
+    from npu_shim.cli import check
+    from npu_shim.runtime import activation
+
+    started = time.monotonic()
+    report = {"stage": "main", "pid": os.getpid(), "python": "%d.%d.%d" % sys.version_info[:3]}
+    progress("importing sglang's target modules (the patches decide as in a server)")
+    broken = check.torch_problem()
+    report["torch_problem"] = broken
+    if broken is not None:
+        return report
+    from npu_shim.runtime import installer
+
+    report["shim_active"] = bool((installer.watcher_armed(watcher) or watcher.fired) and not watcher.off)
+    report["imports"] = check.import_target_modules()
+    report["sglang"] = check.sglang_facts()
+    states = activation.RUNTIME.states()
+    report["states"] = {n: {"state": s["state"], "reason": s["reason"]} for n, s in states.items()}
+    import torch
+
+    progress("finding the device")
+    kind, name, simulated = find_device(torch)
+    index = options["device_index"]
+    report["device"] = {"kind": kind, "name": name, "simulated": simulated, "index": index}
+    decided = plan(report["states"], kind, options["patches"])
+    report["plan"] = decided
+    steps = [n for n, why in decided.items() if why is None]
+    if kind is None or not steps:
+        return report
+    free, total = memory_info(torch, kind, index)
+    need = need_mib(steps, options)
+    report["device"].update(free_mib=free, total_mib=total, need_mib=need)
+    if free < need:
+        report["refused"] = ("%s %d has %d MiB free of %d MiB; the selftest needs %d MiB (is a server "
+                             "using it?)" % (kind, index, free, total, need))
+        return report
+    if not simulated:
+        torch.get_device_module(kind).set_device(index)
+    found = patches()
+    results = {}
+    for name in steps:
+        if not found[name].selftest_alone:
+            run_patch_step(results, name, step_context(torch, kind, index, simulated, options,
+                                                       _record_of(name)))
+    report["results"] = results
+    report["alone_next"] = [name for name in steps if found[name].selftest_alone]
+    report["seconds"] = round(time.monotonic() - started, 2)
+    return report
+
+
+def _record_of(name):
+    """``record()``: the patch's PatchRecord in this process once its target modules are imported."""
+    from npu_shim.runtime import activation
+
+    return lambda: activation.RUNTIME.record(name)
+
+
+def stage_alone(name, options):
+    """A patch's step in a fresh process, where torch is imported and nothing has touched the device."""
+    import torch
+
+    report = {"stage": name, "pid": os.getpid()}
+    npu = getattr(torch, "npu", None)
+    simulated = bool(getattr(npu, "__simnpu__", False))
+    results = {}
+    run_patch_step(results, name, step_context(torch, options["kind"], options["device_index"],
+                                               simulated, options, _record_of(name)))
+    report["results"] = results
+    return report
+
+
+def main(watcher, argv=None):
+    """``STAGE OPTIONS`` on the command line of npu_shim/cli/selftest.py's ``CHILD_CODE``;
+    ``watcher``: the start-up watcher (npu_shim/_bootstrap.py), handed in by that code."""
+    argv = sys.argv[1:] if argv is None else argv
+    stage, options = argv[0], json.loads(argv[1])
+    report = stage_main(options, watcher) if stage == "main" else stage_alone(stage, options)
+    emit(report)

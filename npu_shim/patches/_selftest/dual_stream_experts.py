@@ -1,0 +1,52 @@
+"""``python -m npu_shim selftest``'s step of dual_stream_experts: the shim's dual-stream body on a
+GLM-4.5-Air-shaped MoE block at three batch sizes (synthetic_moe.py, the code the benchmark row
+runs): output equal to single-stream, and serial / overlapped time from device events with the
+share of the ideal saving (serial - max(shared, routed)) achieved.  Reported against its target
+(>= 90 %), never failed on it.  Runs on an NPU and on CUDA (the streams go through
+``torch.get_device_module()``); on the tests' simulated NPU the flow only, on a tiny block.
+"""
+
+# Timing repetitions on a device; on the simulated NPU a tiny block, once (the flow only).
+DEVICE_TIMING = dict(samples=7, reps=5, warmup=3)
+SIMULATED_SHAPE = dict(hidden=16, shared_inter=16, experts=4, topk=2, expert_inter=8, samples=1,
+                       reps=1, warmup=1)
+SIMULATED_TOKENS = (4, 8)
+
+
+def run(step):
+    """The shim's dual-stream body on a GLM-4.x-shaped block at a few batch sizes; (ok, line, facts).
+    ok: outputs equal to single-stream at every size (the overlap is reported against its target)."""
+    from npu_shim.patches._selftest import synthetic_moe
+
+    device, dm, simulated, progress = step.device, step.dm, step.simulated, step.progress
+    tokens = step.options.get("tokens")
+
+    shape = dict(SIMULATED_SHAPE) if simulated else dict(synthetic_moe.GLM4_AIR, **DEVICE_TIMING)
+    sizes = tokens or (SIMULATED_TOKENS if simulated else synthetic_moe.SELFTEST_TOKENS)
+    facts, parts, ok = [], [], True
+    for count in sizes:
+        progress("dual_stream_experts: %d tokens: single-stream vs dual-stream, timed with events" % count)
+        r = synthetic_moe.measure(device, device_module=dm, **dict(shape, tokens=count))
+        ok = ok and r["equal"]
+        facts.append(dict({k: r[k] for k in ("serial_median", "overlapped", "shared", "routed", "ideal",
+                                             "possible", "fraction", "equal")}, tokens=count))
+        if simulated:
+            parts.append("%d tokens: outputs %s" % (count, "equal" if r["equal"] else "DIFFER"))
+        else:
+            parts.append("%d tokens: serial %.3f ms, overlapped %.3f ms, saving %s of the ideal "
+                         "(serial - max(shared, routed) = %.3f ms)%s"
+                         % (count, r["serial_median"], r["overlapped"],
+                            "%.0f %%" % (r["fraction"] * 100) if r["fraction"] is not None else "n/a",
+                            r["possible"], "" if r["equal"] else ", outputs DIFFER"))
+    shape_text = "hidden %d, shared MLP %d, %d routed experts top-%d" % (
+        shape["hidden"], shape["shared_inter"], shape["experts"], shape["topk"])
+    if simulated:
+        line = ("%s (%s); timings are meaningless on the simulated NPU (no device runs): not measured"
+                % ("; ".join(parts), shape_text))
+    else:
+        best = [f["fraction"] for f in facts if f["fraction"] is not None]
+        target = synthetic_moe.TARGET_FRACTION
+        line = "%s (%s); outputs equal to single-stream: %s; target >= %.0f %% of the ideal saving: %s" % (
+            "; ".join(parts), shape_text, "yes" if ok else "NO", target * 100,
+            "met" if best and max(best) >= target else "not met")
+    return ok, line, facts

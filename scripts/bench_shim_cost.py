@@ -204,7 +204,7 @@ try:
 except ImportError:
     out["traced"] = None
 rt = sys.modules.get("npu_shim.runtime.activation")
-out["states"] = {{n: s["state"] for n, s in rt.states().items()}} if rt else None
+out["states"] = {{n: s["state"] for n, s in rt.RUNTIME.states().items()}} if rt else None
 out["decided_from"] = rt.RUNTIME.decided_from if rt else None
 import os
 out["answers"] = os.environ.get("NPU_SHIM_SOURCE_ANSWERS")
@@ -219,7 +219,7 @@ print(json.dumps(out))
 # alternating runs and the instruction counts include it.
 _OWN_TIMERS = """
 import time as _time
-import npu_shim.runtime.activation as _runtime
+from npu_shim.runtime.activation import RUNTIME as _runtime
 _spent = {}
 def _timed(name, function):
     def timed(*args, **kwargs):

@@ -88,14 +88,13 @@ def tree(bootstrap_tree):
     return bootstrap_tree
 
 
-def snapshot(root):
-    """Every path under root with its size and mtime."""
+def snapshot(root, facts=lambda stat: (stat.st_size, stat.st_mtime_ns)):
+    """Every path under root, links not followed, with ``facts`` of its lstat (size and mtime)."""
     found = {}
     for folder, _dirs, names in os.walk(str(root)):
         for name in names + _dirs:
             path = os.path.join(folder, name)
-            stat = os.lstat(path)
-            found[os.path.relpath(path, str(root))] = (stat.st_size, stat.st_mtime_ns)
+            found[os.path.relpath(path, str(root))] = facts(os.lstat(path))
     return found
 
 

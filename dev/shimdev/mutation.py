@@ -67,7 +67,7 @@ MODULES = {
         "tests": ["tests/patches/test_mla_weight_release.py"],
         "scope": ["_find_released", "_guard_torch_function", "_guard_repr", "guarded_class",
                   "is_released", "storage_holders", "_base_chain", "_chain_refs",
-                  "_base_held_elsewhere", "release", "_shares_storage", "_exclusive",
+                  "_base_held_elsewhere", "free_weight", "_shares_storage", "_exclusive",
                   "FreedWeights.free_allowed", "FreedWeights._account", "FreedWeights._note_guarded",
                   "FreedWeights.released_weights", "FreedWeights.free_qkv_a", "FreedWeights.free_w_kc",
                   "FreedWeights._free"]},

@@ -95,11 +95,14 @@ def _parse_url(raw):
     return value
 
 
-def _parse_level(raw):
-    value = raw.strip().upper()
-    if value not in _LEVELS:
-        raise ValueError("expected one of " + ", ".join(_LEVELS))
+def _one_of(value, choices):
+    if value not in choices:
+        raise ValueError("expected one of " + ", ".join(choices))
     return value
+
+
+def _parse_level(raw):
+    return _one_of(raw.strip().upper(), _LEVELS)
 
 
 def _parse_dir(raw):
@@ -110,10 +113,7 @@ def _parse_dir(raw):
 
 
 def _parse_log_format(raw):
-    value = raw.strip().lower()
-    if value not in LOG_FORMATS:
-        raise ValueError("expected one of " + ", ".join(LOG_FORMATS))
-    return value
+    return _one_of(raw.strip().lower(), LOG_FORMATS)
 
 
 LOG_FORMATS = ("text", "json")
@@ -228,7 +228,7 @@ STATE_DIR = EnvVar(
     "its role and patch states; 'status --running' reads them. Unset: nothing is written.", _parse_dir)
 
 SHIM_VARIABLES = (ENABLED, ACTIVATE, STRICT, LOG_LEVEL, LOG_FORMAT, STATE_DIR, PATCHES)
-# Set by npu-shim itself (runtime: decision_cache) or its dev tooling (the test cache), not by users.
+# Set by npu-shim itself (source/answers.py) or its dev tooling (the test cache), not by users.
 INTERNAL_NAMES = ("NPU_SHIM_SOURCE_ANSWERS", "NPU_SHIM_CACHE")
 
 

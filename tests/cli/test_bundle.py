@@ -20,7 +20,7 @@ import pytest
 from npu_shim.cli import bundle
 from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
 from test_check_image import _check
-from test_drop_in import bare_venvs, tree  # noqa: F401 - fixtures
+from test_drop_in import bare_venvs, snapshot, tree  # noqa: F401 - fixtures
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 THIS_PYTHON = "%d.%d" % sys.version_info[:2]
@@ -43,14 +43,7 @@ def assert_refused(proc, words):
 
 def listing(folder):
     """Every path under folder, links not followed: (kind, inode, size, mtime) each."""
-    found = {}
-    for parent, dirs, names in os.walk(str(folder)):
-        for name in dirs + names:
-            path = os.path.join(parent, name)
-            info = os.lstat(path)
-            found[os.path.relpath(path, str(folder))] = (info.st_mode, info.st_ino, info.st_size,
-                                                         info.st_mtime_ns)
-    return found
+    return snapshot(folder, lambda info: (info.st_mode, info.st_ino, info.st_size, info.st_mtime_ns))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""ownlines: what it reads from a def's or a name's own lines, and where it declines (the whole
+"""source/fastscan.py: what it reads from a def's or a name's own lines, and where it declines (the whole
 parse then answers; test_codeview.py holds every answer to the whole parse)."""
 
 import pytest

@@ -60,3 +60,10 @@ def test_is_set_follows_the_name_or_an_alias_with_a_non_blank_value():
 def test_an_env_var_reads_as_its_name():
     assert repr(FLAG) == "EnvVar(NPU_SHIM_TEST_FLAG)"
     assert (FLAG.kind, SIZE.kind, URL.kind, URL.default) == ("bool", "MiB", "url", "")
+
+
+def test_the_bootstrap_spells_booleans_as_the_config_does():
+    """The bootstrap keeps its own copy of the words (it imports nothing of the shim at start-up)."""
+    from npu_shim import _bootstrap
+
+    assert (_bootstrap.TRUE_WORDS, _bootstrap.FALSE_WORDS) == (config.TRUE_WORDS, config.FALSE_WORDS)

@@ -32,8 +32,28 @@ def machine():
     except OSError:
         mem = 0
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return "%s, %d cores (load %.1f at the start), %.0f GiB, Python %s, CPU only (simulated NPU)" % (
-        platform.machine(), cores, load, mem, platform.python_version())
+    return "%s, %d cores (load %.1f at the start), %.0f GiB, Python %s, %s" % (
+        platform.machine(), cores, load, mem, platform.python_version(), accelerator())
+
+
+def accelerator():
+    """The machine's devices as its device files and nvidia-smi show them (no torch here)."""
+    import glob
+    import shutil
+    import subprocess
+
+    npus = glob.glob("/dev/davinci[0-9]*")
+    if npus:
+        return "%d Ascend NPU device%s" % (len(npus), "" if len(npus) == 1 else "s")
+    if shutil.which("nvidia-smi"):
+        try:
+            gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout.split("\n")
+        except (OSError, subprocess.SubprocessError):
+            gpus = []
+        gpus = [g.split(" (UUID")[0] for g in gpus if g.startswith("GPU ")]
+        if gpus:
+            return "; ".join(gpus[:2]) + (" (+%d more)" % (len(gpus) - 2) if len(gpus) > 2 else "")
+    return "CPU only (simulated NPU)"
 
 
 def sources(quick):

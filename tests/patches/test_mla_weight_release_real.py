@@ -87,27 +87,22 @@ def sanitized(role, **build):
 out["sanitized_decode"] = sanitized("decode")
 out["sanitized_decode_alt_stream"] = sanitized("decode", alt_stream=True)
 out["sanitized_alt_stream_absorb"] = sanitized("decode", mlaprolog=False, alt_stream=True)
-# The same with the wait the line means (the main stream waits for the alt stream).
 real_wait_event = torch.npu.Stream.wait_event
-def meant(stream, event):
-    if isinstance(event, torch.npu.Stream):
-        return stream.wait_stream(event)
-    return real_wait_event(stream, event)
-torch.npu.Stream.wait_event = meant
-try:
-    out["sanitized_alt_stream_absorb_waiting"] = sanitized("decode", mlaprolog=False, alt_stream=True)
-finally:
-    torch.npu.Stream.wait_event = real_wait_event
-# And where the line did not raise but made no wait (a stack as loose as the old simulation).
-def unwaited(stream, event):
-    if isinstance(event, torch.npu.Stream):
-        return None
-    return real_wait_event(stream, event)
-torch.npu.Stream.wait_event = unwaited
-try:
-    out["sanitized_alt_stream_absorb_unwaited"] = sanitized("decode", mlaprolog=False, alt_stream=True)
-finally:
-    torch.npu.Stream.wait_event = real_wait_event
+def with_stream_wait(given_a_stream):
+    # The absorb path again, with Stream.wait_event(a_stream) doing ``given_a_stream(stream, event)``.
+    def wait_event(stream, event):
+        if isinstance(event, torch.npu.Stream):
+            return given_a_stream(stream, event)
+        return real_wait_event(stream, event)
+    torch.npu.Stream.wait_event = wait_event
+    try:
+        return sanitized("decode", mlaprolog=False, alt_stream=True)
+    finally:
+        torch.npu.Stream.wait_event = real_wait_event
+# The wait the line means (the main stream waits for the alt stream) ...
+out["sanitized_alt_stream_absorb_waiting"] = with_stream_wait(lambda stream, event: stream.wait_stream(event))
+# ... and no wait at all, where the line did not raise (a stack as loose as the old simulation).
+out["sanitized_alt_stream_absorb_unwaited"] = with_stream_wait(lambda stream, event: None)
 
 def predicate(attr):
     m = K.build_attention("glm-5", 16, w8a8_attr=attr)

@@ -242,7 +242,7 @@ class Runtime:
         self.records = records
         self.summary_due = os.getpid()
         if missing_wrapt is None and role.child_unpickling():
-            role.when_child_starts(self, Runtime.child_starts, self.say_summary)
+            role.when_child_starts(self.child_starts, self.say_summary)
         else:
             self.say_summary()
         statefile.attach(self.state_snapshot, getattr(view, "package_dir", None))
@@ -268,10 +268,10 @@ class Runtime:
             summary.report_all(self.records)
             report_invalid_variables(self.records, self.patches)
 
-    def child_starts(self):
-        """A spawned child is about to run its target: the shim's scheduler wrapper says the
+    def child_starts(self, target):
+        """A spawned child is about to run ``target``: the shim's scheduler wrapper says the
         summary itself (with the role); any other target's child says it now."""
-        if not role.child_target_is(self.own_changes):
+        if not any(target is change.replacement for change in self.own_changes):
             self.say_summary()
 
     # -- applying

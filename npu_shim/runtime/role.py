@@ -10,10 +10,11 @@ carry them.  Its parameters are read by name (``server_args``, ``tp_rank``, ``pp
 ``dp_rank``), so every release's signature fits; one without them is left alone (DEBUG line) and
 the role comes from the process title as before.
 
-A spawned child decides its patches while it unpickles its target, before any call says who it is;
-its summary line waits (``Runtime.say_summary``) until the child starts that target: for this
-wrapper, when it is called (with the role); for any other target, just before it runs
-(multiprocessing's after-fork callbacks); at exit if the child never gets that far.
+A spawned child decides its patches before its target runs (while it re-imports the parent's main
+module or unpickles the target), before any call says who it is; its summary line waits
+(``Runtime.say_summary``) until the child starts that target: for this wrapper, when it is
+called (with the role); for any other target, just before it runs; at exit if the child never
+gets that far (a child killed before it starts its target says none).
 """
 
 import os
@@ -62,27 +63,32 @@ def note(bound):
         dp_rank=dp_rank, dp_size=getattr(server_args, "dp_size", None))
 
 
-def _current_process():
-    process = sys.modules.get("multiprocessing.process")
-    return process.current_process() if process is not None else None
-
-
 def child_unpickling():
-    """True in a multiprocessing child (spawn, forkserver) still unpickling its target: CPython's
-    ``spawn._main`` marks the process ``_inheriting`` for exactly that time."""
-    return bool(getattr(_current_process(), "_inheriting", False))
+    """True in a multiprocessing child (spawn, forkserver) that has not started its target yet:
+    CPython's ``spawn._main`` marks the process ``_inheriting`` while it re-imports the parent's
+    main module and unpickles the target."""
+    process = sys.modules.get("multiprocessing.process")
+    return bool(process and getattr(process.current_process(), "_inheriting", False))
 
 
-def when_child_starts(obj, starts, exits):
-    """``starts(obj)`` just before the child's target runs; ``exits()`` at the child's exit."""
+def when_child_starts(starts, exits):
+    """``starts(target)`` when the child is about to run its target, ``exits()`` at its exit.
+    A spawned child runs no after-fork callbacks: ``BaseProcess.run`` is wrapped for that one
+    call (put back by it)."""
     import atexit
-    from multiprocessing import util
+    from multiprocessing import process
 
-    util.register_after_fork(obj, starts)
+    base = process.BaseProcess
+    original = base.__dict__["run"]
+
+    def run(self):
+        if base.__dict__.get("run") is run:
+            base.run = original
+        try:
+            starts(getattr(self, "_target", None))
+        except Exception as exc:  # noqa: BLE001 - the child's target runs whatever happens here
+            log.error_once("role", "saying the summary line failed: %r" % (exc,))
+        return original(self)
+
+    base.run = run
     atexit.register(exits)
-
-
-def child_target_is(changes):
-    """The child's target is one of ``changes``' wrappers (it notes the role when called)."""
-    target = getattr(_current_process(), "_target", None)
-    return any(target is change.replacement for change in changes)

@@ -21,7 +21,7 @@ import os
 import sys
 
 from npu_shim.ops import log, procinfo, statefile
-from npu_shim.runtime.targets import _MISSING, Change, bind_arguments, function_wrapper, resolve
+from npu_shim.runtime.targets import Change, bind_arguments, function_wrapper, resolve
 from npu_shim.source.codeview import live_params
 
 MODULE = "sglang.srt.managers.scheduler"
@@ -33,7 +33,7 @@ def prepare(module, started):
     """The Change wrapping ``run_scheduler_process`` in ``module``; ``started()`` is called after
     the role is noted.  LookupError when the function or one of ``NEEDS`` is absent."""
     owner, attr, original = resolve(module, ENTRY)
-    if original is _MISSING or not callable(original):
+    if not callable(original):  # absent, or not a function
         raise LookupError("%s:%s not found" % (MODULE, ENTRY))
     params = live_params(original, False)
     missing = [name for name in NEEDS if name not in params]
@@ -46,7 +46,7 @@ def prepare(module, started):
             started()
             statefile.touch(now=True)
         except Exception as exc:  # noqa: BLE001 - the scheduler starts whatever happens here
-            log.error_once("role", "noting the scheduler's role failed: %r" % (exc,))
+            log.error_once("role:note", "noting the scheduler's role failed: %r" % (exc,))
         return wrapped(*args, **kwargs)
 
     return Change(owner, attr, original, function_wrapper(original, scheduler_process))
@@ -87,7 +87,7 @@ def when_child_starts(starts, exits):
         try:
             starts(getattr(self, "_target", None))
         except Exception as exc:  # noqa: BLE001 - the child's target runs whatever happens here
-            log.error_once("role", "saying the summary line failed: %r" % (exc,))
+            log.error_once("role:start", "saying the summary line failed: %r" % (exc,))
         return original(self)
 
     base.run = run

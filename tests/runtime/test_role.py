@@ -93,18 +93,20 @@ def test_only_a_child_unpickling_its_target_is_waited_for(monkeypatch):
 
 # -- in the runtime: fresh interpreters, the fake sglang tree ---------------------------------------
 
-FAKE_SCHEDULER = '''
+ENTRY = '''
 import os, sys
-import sglang.srt.utils.common  # the demo patch's module, decided here first
 
-def run_scheduler_process(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer):
-    from npu_shim.ops import procinfo
-    sys.stderr.write("BODY %d\\n" % os.getpid())
-    sys.stderr.flush()
+def %s(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer):
     import multiprocessing.process as mp
+    from npu_shim.ops import procinfo
+    sys.stderr.write("BODY %%d\\n" %% os.getpid())
+    sys.stderr.flush()
     pipe_writer.put({"role": procinfo.role(), "pid": os.getpid(),
                      "run_put_back": mp.BaseProcess.run.__module__ == "multiprocessing.process"})
 '''
+# a scheduler's module, and another process's entry: both import the demo patch's module first
+FAKE_SCHEDULER = "import sglang.srt.utils.common\n" + ENTRY % "run_scheduler_process"
+OTHER = "import sglang.srt.utils.common\n" + ENTRY % "run_detokenizer_process"
 
 SPAWN = """
 import json, multiprocessing as mp, types
@@ -123,27 +125,13 @@ if __name__ == "__main__":
 """
 
 
-OTHER = '''
-import os, sys
-
-def run_detokenizer_process(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer):
-    from npu_shim.ops import procinfo
-    sys.stderr.write("BODY %d\\n" % os.getpid())
-    sys.stderr.flush()
-    import multiprocessing.process as mp
-    pipe_writer.put({"role": procinfo.role(), "pid": os.getpid(),
-                     "run_put_back": mp.BaseProcess.run.__module__ == "multiprocessing.process"})
-'''
-
-
 @pytest.fixture
 def sched_tree(tree):
     managers = tree / "pkgs" / "sglang" / "srt" / "managers"
     managers.mkdir()
     (managers / "__init__.py").write_text("")
     (managers / "scheduler.py").write_text(FAKE_SCHEDULER)
-    # another process's entry: imports the demo patch's module while it is unpickled
-    (managers / "detokenizer_manager.py").write_text("import sglang.srt.utils.common\n" + OTHER)
+    (managers / "detokenizer_manager.py").write_text(OTHER)
     return tree
 
 

@@ -13,6 +13,11 @@ interpreter started by ``realsglang.run_in_release(..., env=DEMO_ENV, zbal=True)
   release's own on 0.5.10+) on a synthetic block; the stream each part ran on from simnpu.EVENTS,
   and what the stream sanitizer (on in every call) reported.
 
+A scheduler process's start, for the role tests (tests/runtime/test_role_real.py,
+tests/ops/test_ops_state_real.py): ``enter_scheduler_process`` calls the real (wrapped)
+``run_scheduler_process`` with ``StopAtBody`` server arguments, which end the call where the
+body first reads them (a spawned child gets them as its arguments).
+
 The zbal and GLM-4 MoE set-ups (``zbal_fresh``, ``event_order``, ``make_scheduler``,
 ``stub_model_runner``, ``glm4_moe_bed``) are shared with tests/patches/test_zbal_real.py and
 tests/patches/test_dual_stream_experts_real.py, which import them from here.
@@ -116,6 +121,41 @@ def make_scheduler(tp=4, pp=1, gpu_id=0, tp_rank=3):
                           0, 0, 0, 0, None)
     finally:
         init.__wrapped__ = real
+
+
+class StopAtBody:
+    """Server arguments with only the sizes the shim's role target reads: the first other
+    attribute read (the start of ``run_scheduler_process``'s body) raises ``SystemExit(0)``."""
+
+    def __init__(self, tp_size, pp_size=1, dp_size=None):
+        self.tp_size, self.pp_size, self.dp_size = tp_size, pp_size, dp_size
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)  # pickle's and copy's look-ups
+        raise SystemExit(0)
+
+
+def enter_scheduler_process(tp=16, tp_rank=3, pp_rank=0, dp_rank=None):
+    """Call the real (wrapped) run_scheduler_process in this process, up to its body's start."""
+    import sglang.srt.managers.scheduler as sch
+
+    try:
+        sch.run_scheduler_process(*scheduler_process_args(tp, tp_rank, pp_rank, dp_rank))
+    except SystemExit:
+        pass
+
+
+def scheduler_process_args(tp=16, tp_rank=3, pp_rank=0, dp_rank=None):
+    """run_scheduler_process's positional arguments in this release (names from its signature)."""
+    import inspect
+    import sglang.srt.managers.scheduler as sch
+
+    values = {"server_args": StopAtBody(tp), "gpu_id": tp_rank, "tp_rank": tp_rank,
+              "pp_rank": pp_rank, "dp_rank": dp_rank}
+    params = [p for p in inspect.signature(sch.run_scheduler_process).parameters.values()
+              if p.default is inspect.Parameter.empty]
+    return tuple(values.get(p.name, 0 if p.name.endswith("_rank") else None) for p in params)
 
 
 class _Falsy:

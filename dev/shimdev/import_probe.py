@@ -16,6 +16,7 @@ from shimdev import realsglang, stream_races
 from shimdev.demo_features import DEMO_ENV
 
 from npu_shim.core.loading import load_all
+from npu_shim.runtime import role
 
 # Every module a patch hooks (0.5.7/0.5.8 lack the MLA ones: "failed" is checked against that).
 TARGETS = sorted({module for patch in load_all() for module in patch.modules})
@@ -142,7 +143,8 @@ def problems(version: str, out: dict, table: dict) -> list:
         found += ["%s: %s, expected %s (%s)" % (name, states.get(name), table.get(name),
                                                   out["states"].get(name, {}).get("reason"))
                   for name in sorted(set(states) | set(table)) if states.get(name) != table.get(name)]
-    # Exactly the targets of applied patches are wrapped, each where the patch says.
+    # Exactly the targets of applied patches are wrapped, each where the patch says, and the
+    # shim's own target (npu_shim/runtime/role.py).
     wrappers = set()
     for name, record in out["states"].items():
         if record["state"] == "applied":
@@ -151,9 +153,11 @@ def problems(version: str, out: dict, table: dict) -> list:
             wrappers |= set(record["wrappers"])
         elif any(record["targets"].values()):
             found.append("%s is %s but patched %s" % (name, record["state"], record["targets"]))
+    if role.MODULE in out["wrapped"]:  # and the shim's own: the scheduler's role
+        wrappers.add("%s:%s" % (role.MODULE, role.ENTRY))
     wrapped = {"%s:%s" % (module, name) for module, names in out["wrapped"].items() for name in names}
     if wrapped != wrappers:
-        found.append("wrapped functions %s, the applied patches' wrappers %s" % (
+        found.append("wrapped functions %s, the applied patches' wrappers and the shim's own %s" % (
             sorted(wrapped), sorted(wrappers)))
     # from-import copies (sglang.srt.utils star-import, model_runner's from-import) are the
     # module's own function: the wrapper where zbal is applied, the original elsewhere.

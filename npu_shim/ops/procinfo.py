@@ -5,15 +5,15 @@ server), one scheduler per TP/PP/DP rank, a detokenizer, and with DP attention a
 controller -- all spawned children with the same command line.  The role is learned, best source
 first:
 
-1. a wrapper that sees the scheduler's own arguments (a patch's ``Scheduler.__init__`` wrapper
-   calls ``note_scheduler``): role and ranks with their sizes, e.g. ``tp 3/16``;
+1. the scheduler's own arguments, seen by the shim's wrapper of ``run_scheduler_process`` before
+   its body runs (npu_shim/runtime/role.py calls ``note_scheduler``): role and ranks with their
+   sizes, e.g. ``tp 3/16``;
 2. the process title sglang sets (``sglang::scheduler_DP0_TP3``, ``sglang::detokenizer``,
    ``sglang::data_parallel_controller``, ``sglang::tokenizer_worker:PID``), read through the
    ``setproctitle`` module sglang itself imported -- ranks without sizes;
 3. the main module: ``sglang.launch_server`` is the launcher/HTTP server;
 4. otherwise ``unknown``.  A spawned scheduler decides its patches while ``run_scheduler_process``
-   is being unpickled, before sglang sets its title: at that moment it is still ``unknown``, and
-   the state record (``NPU_SHIM_STATE_DIR``) picks the role up at its next write.
+   is being unpickled: it is ``unknown`` then, and its summary line waits for 1.
 
 Nothing here imports anything heavy; every answer is computed when asked (titles change).
 """
@@ -30,10 +30,12 @@ _MAIN_ROLES = {"sglang.launch_server": "http_server"}
 _sglang_version = None  # note_sglang_version: the running sglang's, once its source is read
 
 
-def note_scheduler(tp_rank=None, tp_size=None, pp_rank=None, pp_size=None, dp_rank=None, dp_size=None):
-    """A scheduler's ranks, from its own ``__init__`` arguments (the most reliable source)."""
+def note_scheduler(source, tp_rank=None, tp_size=None, pp_rank=None, pp_size=None, dp_rank=None,
+                   dp_size=None):
+    """A scheduler's ranks, from its own arguments (the most reliable source: ``source`` says which
+    call's)."""
     global _noted
-    role = {"role": "scheduler", "source": "Scheduler.__init__"}
+    role = {"role": "scheduler", "source": source}
     for key, value in (("tp_rank", tp_rank), ("tp_size", tp_size), ("pp_rank", pp_rank),
                        ("pp_size", pp_size), ("dp_rank", dp_rank), ("dp_size", dp_size)):
         if isinstance(value, int) and not isinstance(value, bool):

@@ -69,7 +69,7 @@ Remove when every supported image runs sglang >= 0.5.12.
 import importlib.util
 
 from npu_shim.core import config
-from npu_shim.ops import log, procinfo, statefile
+from npu_shim.ops import log, statefile
 from npu_shim.core.framework import Failed, Inactive, Patch, ShimError
 from npu_shim.runtime.targets import Replace, Wrap, bind_arguments
 
@@ -335,11 +335,6 @@ class ZbalProcess:
         def scheduler_init(wrapped, instance, args, kwargs):
             bound = bind_arguments(params, args, kwargs)
             server_args = bound["server_args"]
-            # The process's role for its log tag and state record (before the line below logs).
-            procinfo.note_scheduler(
-                tp_rank=bound.get("tp_rank"), tp_size=getattr(server_args, "tp_size", None),
-                pp_rank=bound.get("pp_rank"), pp_size=getattr(server_args, "pp_size", None),
-                dp_rank=bound.get("dp_rank"), dp_size=getattr(server_args, "dp_size", None))
             self.init_for_rank(server_args.tp_size, server_args.pp_size, bound["gpu_id"], bound["tp_rank"])
             statefile.touch(now=True)
             return wrapped(*args, **kwargs)

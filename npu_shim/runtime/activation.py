@@ -8,10 +8,14 @@ Timeline in a process:
 2. The first of those hooks decides every patch at once (``framework.decide``) from the sglang
    source on disk and logs one summary line for the process (``summary.report_all``: each reason
    at DEBUG, ``unsupported`` at WARNING, ``failed`` at ERROR): everything is validated before
-   anything changes.  With ``NPU_SHIM_STATE_DIR`` set the process's state record is written then,
-   and again whenever it changes (npu_shim/ops/statefile.py).
-3. Each hook then applies the targets that live in its module; a target whose loaded code does
-   not match fails its whole patch, which is reverted everywhere.
+   anything changes.  A spawned child that decides while unpickling its target logs that line
+   when the target starts (a scheduler's then carries its role: npu_shim/runtime/role.py).
+   With ``NPU_SHIM_STATE_DIR`` set the process's state record is written then, and again
+   whenever it changes (npu_shim/ops/statefile.py).
+3. Each hook then applies the targets that live in its module -- the shim's own first (the
+   scheduler's role, npu_shim/runtime/role.py), undone last, so a patch's wrapper of the same
+   function stacks on it -- a target whose loaded code does not match fails its whole patch,
+   which is reverted everywhere.
 4. ``importlib.reload`` of a patched module (which post-import hooks never see) re-applies its
    targets to the new code, checked like the first time (npu_shim/runtime/finder.py).
 No exception leaves a hook unless strict mode is on or a patch the user explicitly asked for
@@ -25,7 +29,7 @@ import threading
 from npu_shim.core import config, framework, loading
 from npu_shim.core.framework import APPLIED, FAILED, PROBLEMS, ShimError
 from npu_shim.ops import log, procinfo, statefile, summary
-from npu_shim.runtime import installer, wrapt_loader
+from npu_shim.runtime import installer, role, wrapt_loader
 from npu_shim.runtime.finder import ShimFinder
 from npu_shim.runtime.targets import Wrap
 from npu_shim.source import answers, codeview
@@ -136,6 +140,8 @@ class Runtime:
         self.imported_before = set()  # target modules already imported when the shim activated
         self.hooked = set()           # every module a patch may touch
         self.watcher = None           # the start-up watcher, once handed in
+        self.own_changes = []         # the shim's own targets' changes (role.py), in order applied
+        self.summary_due = None       # the pid whose summary line is still to be said
         self.finder = ShimFinder(self.watches, self.reapply_after_reload)
 
     # -- activation
@@ -163,6 +169,7 @@ class Runtime:
             self.patches = loading.load_all()
             self.records = None
             modules = loading.target_modules(self.patches)
+            modules += [role.MODULE] if role.MODULE not in modules else []
             self.imported_before = {m for m in modules if m in sys.modules}
             try:
                 wrapt = wrapt_loader.load()
@@ -233,12 +240,39 @@ class Runtime:
             answers.export(view)
             procinfo.note_sglang_version(view.version)
         self.records = records
-        summary.report_all(records)
-        report_invalid_variables(records, self.patches)
+        self.summary_due = os.getpid()
+        if missing_wrapt is None and role.child_unpickling():
+            role.when_child_starts(self.child_starts, self.say_summary)
+        else:
+            self.say_summary()
         statefile.attach(self.state_snapshot, getattr(view, "package_dir", None))
         statefile.write()
         for record in records.values():
+            self.enforce(record)
+
+    def enforce(self, record):
+        """``enforce``, the summary line said first if it is still due (the process stops)."""
+        try:
             enforce(record)
+        except ShimError:
+            self.say_summary()
+            raise
+
+    def say_summary(self):
+        """The process's summary line (then each reason and invalid variable), once: when the
+        patches are decided, or in a spawned child when its target starts (role.py)."""
+        with self.lock:
+            due, self.summary_due = self.summary_due, None
+            if due != os.getpid() or self.records is None:
+                return
+            summary.report_all(self.records)
+            report_invalid_variables(self.records, self.patches)
+
+    def child_starts(self, target):
+        """A spawned child is about to run ``target``: the shim's scheduler wrapper says the
+        summary itself (with the role); any other target's child says it now."""
+        if not any(target is change.replacement for change in self.own_changes):
+            self.say_summary()
 
     # -- applying
     def watches(self, name):
@@ -249,6 +283,13 @@ class Runtime:
         name = module.__name__
         if imported_before is None:
             imported_before = name in self.imported_before
+        if name == role.MODULE:
+            try:
+                change = role.prepare(module, self.say_summary)
+                change.apply(imported_before)
+                self.own_changes.append(change)
+            except Exception as exc:  # noqa: BLE001 - the patches apply regardless
+                log.debug("the scheduler's role comes from its process title: %s" % exc)
         for record in self.records.values():
             if record.state != APPLIED:
                 continue
@@ -263,9 +304,10 @@ class Runtime:
             except Exception as exc:  # noqa: BLE001
                 revert_record(record)
                 record.state, record.reason = FAILED, "while patching %s: %s" % (name, exc)
-                summary.report(record)
+                if self.summary_due is None:  # else the summary line, still to come, says it
+                    summary.report(record)
                 statefile.write()
-                enforce(record)
+                self.enforce(record)
         statefile.write()
 
     def reapply_after_reload(self, module):
@@ -308,6 +350,9 @@ class Runtime:
             if self.records:
                 for record in self.records.values():
                     revert_record(record)
+            for change in reversed(self.own_changes):
+                change.revert()
+            self.own_changes = []
             self.installed = False
             self.generation += 1
             self.records = None

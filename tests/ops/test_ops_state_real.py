@@ -13,7 +13,7 @@ import sglang.srt.managers.scheduler  # the scheduler's module: every patch is d
 import sglang.srt.model_executor.model_runner, sglang.srt.utils.common
 import sglang.srt.layers.moe.token_dispatcher.deepep, sglang.srt.distributed.parallel_state
 from npu_shim.ops import log
-from shimdev.demo_features import zbal_fresh, make_scheduler
+from shimdev.demo_features import zbal_fresh, make_scheduler, enter_scheduler_process
 
 from npu_shim.ops import procinfo, statefile
 path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
@@ -25,6 +25,7 @@ class Capture(logging.Handler):
         lines.append(log.TextFormatter().format(record))
 log.logger.addHandler(Capture())
 zbal_fresh()
+enter_scheduler_process(tp=16, tp_rank=3)  # the real (wrapped) run_scheduler_process, to its body
 make_scheduler(tp=16, tp_rank=3)   # the real wrapped Scheduler.__init__ (stub body), full mode
 after = json.load(open(path))
 emit({"before": before, "after": after, "lines": lines, "pid": os.getpid(),
@@ -44,8 +45,9 @@ def test_state_record_of_a_real_0_5_11_scheduler_with_zbal(release_venv, tmp_pat
     # decided while the scheduler's module was imported: sglang has not told who it is yet
     assert before["role"]["role"] == "unknown"
     assert before["patches"]["zbal"]["details"] == {}
-    # Scheduler.__init__ ran: the role and zbal's heap are in the record at once
-    assert after["role"] == {"role": "scheduler", "source": "Scheduler.__init__", "tp_rank": 3,
+    # run_scheduler_process then Scheduler.__init__ ran: the role (the shim's own target) and
+    # zbal's heap are in the record at once
+    assert after["role"] == {"role": "scheduler", "source": "run_scheduler_process", "tp_rank": 3,
                              "tp_size": 16, "pp_rank": 0, "pp_size": 1}
     assert after["patches"]["zbal"]["details"] == {"mode": "full", "gva_mib": 49152}
     assert after["patches"]["zbal"]["targets_applied"] == "10/10"

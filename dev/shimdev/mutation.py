@@ -72,7 +72,7 @@ MODULES = {
                   "FreedWeights.released_weights", "FreedWeights.free_qkv_a", "FreedWeights.free_w_kc",
                   "FreedWeights._free"]},
     # zbal's heap size and its set-up (full mode, the lazy GVA heap of mix mode)
-    "npu_shim/patches/zbal.py": {
+    "npu_shim/patches/_impl/zbal.py": {
         "tests": ["tests/patches/test_zbal.py"],
         "scope": ["configured_mib", "_ip_port_kwargs", "_call_zbal_init", "gva_size_mib",
                   "ZbalProcess.init_for_rank", "ZbalProcess.lazy_init_due", "ZbalProcess.lazy_init",

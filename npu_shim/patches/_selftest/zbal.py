@@ -23,6 +23,7 @@ def run(step):
     import os
     import types
 
+    from npu_shim.patches import zbal as zbal_patch
     from npu_shim.patches._impl import zbal as zbal_impl
 
     torch, index, simulated, progress = step.torch, step.index, step.simulated, step.progress

@@ -63,7 +63,7 @@ def hot_path_ns(calls=200000, rounds=9, wrapt=None):
     if wrapt is None:
         import wrapt
 
-    from npu_shim.patches import mla_weight_release as R
+    from npu_shim.patches._impl import mla_weight_release as R
 
     def npu_mla_preprocess(m, hidden_states, positions, forward_batch, zero_allocator):
         return hidden_states

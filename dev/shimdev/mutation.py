@@ -63,7 +63,7 @@ MODULES = {
     "npu_shim/ops/statedir.py": {"tests": ["tests/ops/test_statefile.py", "tests/cli/test_running_records.py"]},
     "npu_shim/cli/running_records.py": {"tests": ["tests/cli/test_running_records.py", "tests/ops/test_ops_state.py"]},
     # the release / guard / accounting code of the MLA patch
-    "npu_shim/patches/mla_weight_release.py": {
+    "npu_shim/patches/_impl/mla_weight_release.py": {
         "tests": ["tests/patches/test_mla_weight_release.py"],
         "scope": ["_find_released", "_guard_torch_function", "_guard_repr", "guarded_class",
                   "is_released", "storage_holders", "_base_chain", "_chain_refs",
@@ -72,7 +72,7 @@ MODULES = {
                   "FreedWeights.released_weights", "FreedWeights.free_qkv_a", "FreedWeights.free_w_kc",
                   "FreedWeights._free"]},
     # zbal's heap size and its set-up (full mode, the lazy GVA heap of mix mode)
-    "npu_shim/patches/zbal.py": {
+    "npu_shim/patches/_impl/zbal.py": {
         "tests": ["tests/patches/test_zbal.py"],
         "scope": ["configured_mib", "_ip_port_kwargs", "_call_zbal_init", "gva_size_mib",
                   "ZbalProcess.init_for_rank", "ZbalProcess.lazy_init_due", "ZbalProcess.lazy_init",

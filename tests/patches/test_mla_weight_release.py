@@ -17,13 +17,14 @@ import wrapt
 from npu_shim.core import config, framework
 from npu_shim.source.codeview import SourceView
 from npu_shim.patches import mla_weight_release as R
+from npu_shim.patches._impl import mla_weight_release as RI
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shimdev import sglang_envs
 
 
 # The wrappers' per-process state, as a decision builds it for 0.5.10 - 0.5.16 (each test afresh).
-REL = R.FreedWeights("quantization_config", "server_args")
+REL = RI.FreedWeights("quantization_config", "server_args")
 
 
 @pytest.fixture(autouse=True)
@@ -209,9 +210,9 @@ def test_release_frees_the_storage_and_guards_every_reference(make):
     alias = tensor  # another holder of the same object (e.g. a module attribute)
     storage = tensor.untyped_storage()
     nbytes = storage.nbytes()
-    assert R.free_weight(tensor, "w_kc of layer 7", REL.once) == nbytes > 0
+    assert RI.free_weight(tensor, "w_kc of layer 7", REL.once) == nbytes > 0
     assert storage.nbytes() == 0
-    assert isinstance(alias, cls) and R.is_released(alias)
+    assert isinstance(alias, cls) and RI.is_released(alias)
     for touch in (lambda: alias.sum(), lambda: alias + 1, lambda: alias.shape, lambda: alias.data,
                   lambda: torch.nn.functional.linear(torch.ones(1, 8), alias), lambda: alias.copy_(alias),
                   lambda: torch.ops.aten.add(alias, 1), lambda: alias.untyped_storage(),
@@ -224,14 +225,14 @@ def test_release_frees_the_storage_and_guards_every_reference(make):
     with pytest.raises(R.ReleasedWeightError, match="`sum` touched it"):
         alias.sum()
     assert "released by npu-shim: w_kc of layer 7" in repr(alias) == str(alias)
-    assert R.free_weight(alias, "again", REL.once) == 0  # idempotent
+    assert RI.free_weight(alias, "again", REL.once) == 0  # idempotent
     if isinstance(tensor, SglangLikeParameter):
         assert tensor._weight_loader == "loader"  # attributes survive
 
 
 def test_released_parameter_in_a_module_fails_state_dict_and_loading_clearly():
     linear = torch.nn.Linear(8, 4, bias=False)
-    R.free_weight(linear.weight, "qkv_a_proj.weight of layer 3", REL.once)
+    RI.free_weight(linear.weight, "qkv_a_proj.weight of layer 3", REL.once)
     assert [name for name, _ in linear.named_parameters()] == ["weight"]
     with pytest.raises(R.ReleasedWeightError, match="qkv_a_proj.weight of layer 3"):
         linear(torch.ones(2, 8))
@@ -251,8 +252,9 @@ def test_touching_a_released_weight_exits_with_an_exception_not_a_signal():
     shim = _run("""
         import torch
         from npu_shim.patches import mla_weight_release as R
+        from npu_shim.patches._impl import mla_weight_release as RI
         t = torch.randn(64, 64)
-        R.free_weight(t, "w_kc of layer 5")
+        RI.free_weight(t, "w_kc of layer 5")
         print("released", flush=True)
         t.sum()
     """)
@@ -274,16 +276,17 @@ def test_touching_a_released_weight_exits_with_an_exception_not_a_signal():
 ALIAS = """
 import json, torch
 from npu_shim.patches import mla_weight_release as R
+from npu_shim.patches._impl import mla_weight_release as RI
 qkv = torch.nn.Parameter(torch.randn(24, 32), requires_grad=False)          # as the fused qkv_a
 w_kc = torch.randn(4, 8, 12).transpose(1, 2).contiguous().transpose(1, 2)  # as sglang lays out w_kc
 weight = {weight}
 alias = {alias}
-freed = R.free_weight(weight, "w_kc of layer 3")
+freed = RI.free_weight(weight, "w_kc of layer 3")
 print("released", freed, flush=True)
 with torch._C.DisableTorchFunctionSubclass():  # what C++ / subclass-blind code sees
     base = weight._base
     seen = {{"numel": weight.numel(), "base": None if base is None else base.numel()}}
-print(json.dumps({{"freed": freed, "released": R.is_released(weight), "seen": seen,
+print(json.dumps({{"freed": freed, "released": RI.is_released(weight), "seen": seen,
                   "alias_sum": None if alias is None else float(
                       sum(alias.tolist()) if isinstance(alias, torch.UntypedStorage) else alias.sum())}}),
       flush=True)
@@ -323,12 +326,12 @@ def test_keeping_an_aliased_weight_warns_once_with_the_holder_count(logs):
     weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     views = [weight.view(-1), weight.t(), weight.detach()]
     for _ in range(2):
-        assert R.free_weight(weight, "qkv_a_proj.weight of layer 1", REL.once) == 0
+        assert RI.free_weight(weight, "qkv_a_proj.weight of layer 1", REL.once) == 0
     warnings = [line for line in logs if "other holder" in line]
     assert len(warnings) == 1 and "has 3 other holders" in warnings[0]
     assert float(sum(v.sum() for v in views)) == pytest.approx(3 * float(weight.sum()), rel=1e-4)
     del views
-    assert R.free_weight(weight, "qkv_a_proj.weight of layer 1", REL.once) == 8 * 8 * 4
+    assert RI.free_weight(weight, "qkv_a_proj.weight of layer 1", REL.once) == 8 * 8 * 4
 
 
 # --------------------------------------------------------------------------- predicate
@@ -345,13 +348,13 @@ def fake_preprocess(ignore=("model.layers.0.self_attn.kv_b_proj",), w8a8_attr=No
 @pytest.mark.parametrize("attr", ["quant_config", "quantization_config"])
 def test_predicate_is_forwards_routing(attr):
     other = "quantization_config" if attr == "quant_config" else "quant_config"
-    assert R.uses_mlaprolog(fake_preprocess(), attr) is True
-    assert R.uses_mlaprolog(fake_preprocess(ignore=("kv_b_proj",)), attr) is True  # fullmatch of .*kv_b_proj
-    assert R.uses_mlaprolog(fake_preprocess(ignore=("model.layers.0.self_attn.kv_b_proj.weight",)), attr) is False
-    assert R.uses_mlaprolog(fake_preprocess(ignore=("model.layers.0.mlp.gate",)), attr) is False
-    assert R.uses_mlaprolog(fake_preprocess(has_ignore=False), attr) is False
-    assert R.uses_mlaprolog(fake_preprocess(w8a8_attr=attr), attr) is False  # forward_mlapo wins
-    assert R.uses_mlaprolog(fake_preprocess(w8a8_attr=other), attr) is True
+    assert RI.uses_mlaprolog(fake_preprocess(), attr) is True
+    assert RI.uses_mlaprolog(fake_preprocess(ignore=("kv_b_proj",)), attr) is True  # fullmatch of .*kv_b_proj
+    assert RI.uses_mlaprolog(fake_preprocess(ignore=("model.layers.0.self_attn.kv_b_proj.weight",)), attr) is False
+    assert RI.uses_mlaprolog(fake_preprocess(ignore=("model.layers.0.mlp.gate",)), attr) is False
+    assert RI.uses_mlaprolog(fake_preprocess(has_ignore=False), attr) is False
+    assert RI.uses_mlaprolog(fake_preprocess(w8a8_attr=attr), attr) is False  # forward_mlapo wins
+    assert RI.uses_mlaprolog(fake_preprocess(w8a8_attr=other), attr) is True
 
 
 # --------------------------------------------------------------------------- role and gates
@@ -372,7 +375,7 @@ def server(monkeypatch):
         return state["args"]
 
     monkeypatch.setattr(REL, "disagg_role", role)
-    monkeypatch.setattr(R, "_server_args", args)
+    monkeypatch.setattr(RI, "_server_args", args)
     monkeypatch.delenv("NPU_SHIM_MLA_RELEASE_FORCE", raising=False)
     return state
 
@@ -503,7 +506,7 @@ def test_summary_logged_once_after_first_pass(server, logs):
     step(layers)
     summaries = [line for line in logs if "MiB in 2 layers" in line]
     assert len(summaries) == 1 and "pid" in summaries[0]
-    assert all(R._DONE in m.__dict__ for m in layers)
+    assert all(RI._DONE in m.__dict__ for m in layers)
 
 
 def test_prefill_releases_qkv_only_and_null_nothing(server):
@@ -511,26 +514,26 @@ def test_prefill_releases_qkv_only_and_null_nothing(server):
     m = layer(0)
     wkc = m.w_kc.untyped_storage()
     step([m])
-    assert R.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not R.is_released(m.w_kc)
+    assert RI.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not RI.is_released(m.w_kc)
     assert wkc.nbytes() > 0
     REL.reset()
     server["role"] = "null"
     m = layer(1)
     step([m])
-    assert not R.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not R.is_released(m.w_kc)
+    assert not RI.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not RI.is_released(m.w_kc)
 
 
 def test_not_mlaprolog_releases_nothing(server):
     m = layer(0, mlaprolog=False)
     step([m])
-    assert not R.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not R.is_released(m.w_kc)
+    assert not RI.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not RI.is_released(m.w_kc)
 
 
 def test_shared_w_kc_is_kept(server, logs):
     m = layer(0, contiguous_w_kc=True)  # .contiguous() returns the same tensor
     out = step([m])[0]
-    assert R.is_released(m.fused_qkv_a_proj_with_mqa.weight)
-    assert not R.is_released(m.w_kc) and m.mla_preprocess.w_kc is m.w_kc
+    assert RI.is_released(m.fused_qkv_a_proj_with_mqa.weight)
+    assert not RI.is_released(m.w_kc) and m.mla_preprocess.w_kc is m.w_kc
     assert torch.equal(step([m])[0][1], out[1])
     assert any("shares its memory" in line for line in logs)
 
@@ -539,7 +542,7 @@ def test_w_kc_constructed_elsewhere_is_not_released(server):
     m = layer(0)
     m.mla_preprocess = FakePreprocess(m)  # built by forward_mla_prepare_npu, not here
     step([m])
-    assert not R.is_released(m.w_kc)
+    assert not RI.is_released(m.w_kc)
 
 
 def test_decision_errors_never_break_the_forward(server, logs, monkeypatch):
@@ -550,7 +553,7 @@ def test_decision_errors_never_break_the_forward(server, logs, monkeypatch):
     m = layer(0)
     out = step([m])[0]
     assert out[0].shape == (2, 16)
-    assert not R.is_released(m.w_kc) and not R.is_released(m.fused_qkv_a_proj_with_mqa.weight)
+    assert not RI.is_released(m.w_kc) and not RI.is_released(m.fused_qkv_a_proj_with_mqa.weight)
     assert any("boom" in line for line in logs)
 
 
@@ -628,18 +631,18 @@ def test_guarded_but_still_held_weight_refuses_updates_too(server, monkeypatch):
     m = layer(0)
     base = torch.randn(4, 12, 8)
     m.w_kc = base.transpose(1, 2)  # the base, held here, outlives the release
-    monkeypatch.setattr(R, "_base_held_elsewhere", lambda chain: False)
+    monkeypatch.setattr(RI, "_base_held_elsewhere", lambda chain: False)
     step([m])
-    assert R.is_released(m.w_kc) and base.untyped_storage().nbytes() > 0
+    assert RI.is_released(m.w_kc) and base.untyped_storage().nbytes() > 0
     assert REL.released_bytes["w_kc"] == 0 and REL.guarded["w_kc"] == {0}
     success, message = FakeWorker().update_weights_from_disk("req")
     assert success is False and "w_kc of layer 0" in message
 
 
 def test_layer_list():
-    assert R._layer_list({3}) == "layer 3"
-    assert R._layer_list(set(range(61))) == "layers 0-60"
-    assert R._layer_list({0, 1, 2, 5, 7, 8, "?"}) == "layers 0-2, 5, 7-8, ?"
+    assert RI._layer_list({3}) == "layer 3"
+    assert RI._layer_list(set(range(61))) == "layers 0-60"
+    assert RI._layer_list({0, 1, 2, 5, 7, 8, "?"}) == "layers 0-2, 5, 7-8, ?"
 
 
 def test_reset_forgets_guarded_weights(server):
@@ -666,7 +669,7 @@ def _prepared(m, copy):
 def test_qkv_a_whose_copies_share_its_memory_is_kept(server, logs, copy, word):
     pre = _prepared(layer(0), copy)
     assert REL.free_qkv_a(pre) == 0
-    assert not R.is_released(pre.qkv_a_proj.weight)
+    assert not RI.is_released(pre.qkv_a_proj.weight)
     assert any(word in line for line in logs)
     assert not any("other holder" in line for line in logs)  # decided before the holder count
 
@@ -677,7 +680,7 @@ def test_qkv_a_that_is_part_of_a_larger_storage_is_kept(server, logs):
     m.fused_qkv_a_proj_with_mqa.weight.data = big[:24 * 32].view(24, 32)
     del big  # the weight is the storage's only holder, but holds 100 values besides itself
     pre = _prepared(m, lambda t: t.clone())
-    assert REL.free_qkv_a(pre) == 0 and not R.is_released(pre.qkv_a_proj.weight)
+    assert REL.free_qkv_a(pre) == 0 and not RI.is_released(pre.qkv_a_proj.weight)
     assert any("storage holds more than this weight" in line for line in logs)
 
 
@@ -691,7 +694,7 @@ def test_w_kc_shared_with_or_distinct_from_the_preprocessors(server, logs, own):
     m.mla_preprocess.w_kc = own(m.w_kc)
     shares = m.mla_preprocess.w_kc.numel() > 0
     assert (REL.free_w_kc(m) == 0) is shares
-    assert R.is_released(m.w_kc) is not shares
+    assert RI.is_released(m.w_kc) is not shares
     assert any("preprocessor's w_kc shares its memory" in line for line in logs) is shares
 
 
@@ -699,13 +702,13 @@ def test_w_kc_that_is_part_of_a_larger_storage_is_kept(server, logs):
     m = layer(0)
     m.w_kc = torch.randn(4 * 8 * 12 + 10)[:4 * 8 * 12].view(4, 8, 12)
     m.mla_preprocess = FakePreprocess(m)
-    assert REL.free_w_kc(m) == 0 and not R.is_released(m.w_kc)
+    assert REL.free_w_kc(m) == 0 and not RI.is_released(m.w_kc)
     assert any("storage holds more than this weight" in line for line in logs)
 
 
 def test_accounting_in_status_details_and_summary_lines(server, logs, monkeypatch):
     record = types.SimpleNamespace(details=REL.details)  # the record's dict, handed to the Release
-    monkeypatch.setattr(R.log, "pid_text", lambda: "pid 42")
+    monkeypatch.setattr(RI.log, "pid_text", lambda: "pid 42")
     layers = [layer(0), layer(1)]
     step(layers)
     step(layers)  # layer 0 again: the first pass is done, the summary is logged
@@ -748,14 +751,14 @@ def test_weight_that_cannot_be_swapped_or_guarded_is_kept_whole(logs, monkeypatc
     weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     values = weight.clone()
     ref = weakref.ref(weight)  # swap_tensors refuses a tensor that has weakrefs
-    assert R.free_weight(weight, "w_kc of layer 4", REL.once) == 0 and not R.is_released(weight)
+    assert RI.free_weight(weight, "w_kc of layer 4", REL.once) == 0 and not RI.is_released(weight)
     assert torch.equal(weight, values) and ref() is weight
     assert any("keeping w_kc of layer 4: it is held where it cannot be replaced" in l for l in logs)
     other = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     values = other.clone()
     slotted = type("Slotted", (torch.nn.Parameter,), {"__slots__": ("x",)})
-    monkeypatch.setattr(R, "guarded_class", lambda cls: slotted)  # __class__ assignment fails
-    assert R.free_weight(other, "w_kc of layer 5", REL.once) == 0 and type(other) is torch.nn.Parameter
+    monkeypatch.setattr(RI, "guarded_class", lambda cls: slotted)  # __class__ assignment fails
+    assert RI.free_weight(other, "w_kc of layer 5", REL.once) == 0 and type(other) is torch.nn.Parameter
     assert torch.equal(other, values)
     assert any("keeping w_kc of layer 5: its class Parameter cannot be guarded" in l for l in logs)
 
@@ -765,12 +768,12 @@ def test_memory_still_held_after_the_swap_is_not_freed(logs, monkeypatch):
     resized under it (the base stays readable) and nothing is counted as freed."""
     base = torch.randn(4, 12, 8)
     weight = base.transpose(1, 2)
-    monkeypatch.setattr(R, "_base_held_elsewhere", lambda chain: False)
-    assert R.free_weight(weight, "w_kc of layer 6", REL.once) == 0 and R.is_released(weight)
+    monkeypatch.setattr(RI, "_base_held_elsewhere", lambda chain: False)
+    assert RI.free_weight(weight, "w_kc of layer 6", REL.once) == 0 and RI.is_released(weight)
     assert base.untyped_storage().nbytes() == 4 * 12 * 8 * 4
     assert any("w_kc of layer 6 is guarded but its memory still has 1 holder;" in l for l in logs)
 
 
 def test_storage_that_cannot_be_compared_counts_as_shared():
-    assert R._shares_storage(object(), torch.ones(1)) is True
-    assert R._shares_storage(torch.ones(1), torch.ones(1)) is False
+    assert RI._shares_storage(object(), torch.ones(1)) is True
+    assert RI._shares_storage(torch.ones(1), torch.ones(1)) is False

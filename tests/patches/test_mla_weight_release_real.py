@@ -17,6 +17,7 @@ import torch
 from shimdev import mla_kernels as K
 from npu_shim.runtime import activation
 from npu_shim.patches import mla_weight_release as R
+from npu_shim.patches._impl import mla_weight_release as RI
 from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P
 from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
 
@@ -54,7 +55,7 @@ out = {"state": activation.RUNTIME.states()["mla_weight_release"]["state"],
        "updates_wrapped": sorted(op for op in R.UPDATE_OPS
                                  if type(TW.BaseTpWorker.__dict__[op]).__name__ == "FunctionWrapper"),
        "method_is_predicate": P.NPUFusedMLAPreprocess.uses_mlaprolog.__code__
-                              is R.make_uses_mlaprolog_method("x").__code__}
+                              is RI.make_uses_mlaprolog_method("x").__code__}
 out["decode"], m = case("decode")
 c = K.CONFIGS["glm-5"]
 out["touch_qkv"] = touch(lambda: m.fused_qkv_a_proj_with_mqa(torch.zeros(1, c["hidden"], dtype=K.DTYPE)))

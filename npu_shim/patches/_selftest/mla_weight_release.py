@@ -48,7 +48,7 @@ def mla_layer(torch, config, device):
 
 def run(step):
     """Each config's layer freed through the shim's own ``free_weight``; (ok, line, facts)."""
-    from npu_shim.patches import mla_weight_release as mla
+    from npu_shim.patches._impl import mla_weight_release as mla
 
     torch, device, simulated, progress = step.torch, step.device, step.simulated, step.progress
 

@@ -1,0 +1,518 @@
+"""mla_weight_release's implementation: the predicate, the guards of released weights, the
+accounting and the wrappers' per-process state (``FreedWeights``), and the targets.  Loaded only
+where the patch is decided past its probe (not on a release that has the release upstream):
+npu_shim/patches/mla_weight_release.py is the patch and its documentation."""
+
+import logging
+import re
+import sys
+
+from npu_shim.ops import log
+from npu_shim.patches.mla_weight_release import (
+    CLASS, MIB, MLA_NPU, MLA_PRE, PREPROCESS_SIG, ROLES, RELEASE_FORCE, SWITCH, SWITCH_HINT,
+    TP_WORKER, UPDATE_OPS, UPDATE_SIG, ReleasedWeightError, pins)
+from npu_shim.runtime.targets import Replace, Wrap
+
+# Per-layer markers in the attention module's __dict__ (the hot-path check is one dict lookup).
+_DONE = "_npu_shim_mla_release_done"
+_FIRST = "_npu_shim_mla_release_first"
+_TAG = "_npu_shim_released"
+
+# --------------------------------------------------------------------------- the predicate
+
+_KV_B_PROJ = re.compile(r".*kv_b_proj")
+
+
+def uses_mlaprolog(preprocess, w8a8_attr):
+    """True exactly when the running release's ``NPUFusedMLAPreprocess.forward()`` routes to
+    ``forward_mlaprolog`` (same expressions, same order as its source, pinned by code shape);
+    ``w8a8_attr``: the quant_method attribute its forward() reads (FORWARD_FINGERPRINTS)."""
+    quant_method = preprocess.qkv_a_proj.quant_method
+    is_w8a8 = hasattr(quant_method, w8a8_attr) and getattr(quant_method, w8a8_attr).get_name() == "modelslim"
+    quant_config = preprocess.quant_config
+    is_mlaprolog = hasattr(quant_config, "ignore") and any(
+        _KV_B_PROJ.fullmatch(name) for name in quant_config.ignore)
+    return (not is_w8a8) and bool(is_mlaprolog)
+
+
+def make_uses_mlaprolog_method(w8a8_attr):
+    """``NPUFusedMLAPreprocess.uses_mlaprolog`` as upstream names it, for this release's W8A8 check."""
+    def method(self):
+        """Whether this layer's forward() takes the mlaprolog path (npu-shim backport of 0.5.20)."""
+        return uses_mlaprolog(self, w8a8_attr)
+
+    method.__name__, method.__qualname__ = "uses_mlaprolog", CLASS + ".uses_mlaprolog"
+    return method
+
+
+# --------------------------------------------------------------------------- role and guards
+
+def disagg_role(role_source):
+    """(role, None) with role in null/prefill/decode, or (None, why it cannot be known);
+    ``role_source``: "get_disagg" (0.5.17+) or "server_args"."""
+    try:
+        if role_source == "get_disagg":
+            from sglang.srt.runtime_context import get_disagg
+
+            role = get_disagg().disaggregation_mode
+            where = "runtime_context.get_disagg()"
+        else:
+            from sglang.srt.server_args import get_global_server_args
+
+            role = get_global_server_args().disaggregation_mode
+            where = "server_args.disaggregation_mode"
+    except Exception as exc:  # noqa: BLE001 - not published yet, missing field, ...
+        return None, "reading the disaggregation role failed: %r" % (exc,)
+    if role not in ROLES:
+        return None, "%s is %r" % (where, role)
+    return role, None
+
+
+def _server_args():
+    from sglang.srt.server_args import get_global_server_args
+
+    args = get_global_server_args()
+    if args is None:
+        raise ValueError("server args are not published")
+    return args
+
+
+def weight_update_reasons(args):
+    """What lets this server reload or adapt weights after start (forcible with
+    NPU_SHIM_MLA_RELEASE_FORCE)."""
+    reasons = []
+    if getattr(args, "enable_lora", None) or getattr(args, "lora_paths", None):
+        reasons.append("LoRA (enable_lora / lora_paths)")
+    if getattr(args, "enable_memory_saver", False):
+        reasons.append("enable_memory_saver (release/resume of weights for RL refit)")
+    if getattr(args, "enable_weights_cpu_backup", False):
+        reasons.append("enable_weights_cpu_backup (weights are restored in place)")
+    if getattr(args, "load_format", None) == "dummy":
+        reasons.append("load_format=dummy (weights arrive later through update_weights_*)")
+    if getattr(args, "checkpoint_engine_wait_weights_before_ready", False):
+        reasons.append("checkpoint engine pushes weights")
+    if getattr(args, "custom_weight_loader", None):
+        reasons.append("custom_weight_loader (update_weights_from_tensor)")
+    if getattr(args, "remote_instance_weight_loader_start_seed_via_transfer_engine", False):
+        reasons.append("this instance seeds other instances' weights")
+    return reasons
+
+
+def other_reader_reasons(args):
+    """Paths that read the weights after the release (not forcible)."""
+    algorithm = getattr(args, "speculative_algorithm", None)
+    if algorithm:
+        return ["speculative decoding (%s): target-verify / draft-extend batches take the unfused "
+                "path of forward_dsa_prepare_npu, which reads qkv_a_proj.weight and w_kc" % algorithm]
+    return []
+
+
+# --------------------------------------------------------------------------- the guard
+
+_GUARDED = {}
+
+
+def _find_released(args, kwargs):
+    for value in list(args) + list((kwargs or {}).values()):
+        for item in (value if isinstance(value, (list, tuple)) else (value,)):
+            tag = getattr(type(item), "_npu_shim_guard", False) and item.__dict__.get(_TAG)
+            if tag:
+                return tag
+    return None
+
+
+def _guard_torch_function(cls, func, types, args=(), kwargs=None):
+    name = getattr(func, "__name__", None) or repr(func)
+    what = _find_released(args, kwargs) or "an MLA weight"
+    raise ReleasedWeightError(
+        "npu-shim released %s to free NPU memory (the mlaprolog path no longer reads it), but "
+        "`%s` touched it afterwards; %s" % (what, name, SWITCH_HINT))
+
+
+def _guard_repr(self):
+    return "<released by npu-shim: %s; %s>" % (self.__dict__.get(_TAG, "MLA weight"), SWITCH_HINT)
+
+
+def guarded_class(cls):
+    """The subclass of a tensor class (Tensor, Parameter, sglang's parameter classes) whose
+    every torch operation raises ReleasedWeightError."""
+    guarded = _GUARDED.get(cls)
+    if guarded is None:
+        guarded = type("Released" + cls.__name__, (cls,), {
+            "__torch_function__": classmethod(_guard_torch_function),
+            "__repr__": _guard_repr,
+            "__str__": _guard_repr,
+            "_npu_shim_guard": True,
+            "__module__": __name__,
+        })
+        _GUARDED[cls] = guarded
+    return guarded
+
+
+def is_released(tensor):
+    return bool(getattr(type(tensor), "_npu_shim_guard", False))
+
+
+def storage_holders(storage):
+    """How many tensors and storage objects hold ``storage`` (the C++ use count of its StorageImpl;
+    ``storage`` itself, a Python handle, counts as one)."""
+    import torch
+
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def _base_chain(tensor, storage):
+    """The tensor's own ``_base`` chain on the same memory (what the view keeps alive)."""
+    chain, base = [], tensor._base
+    while base is not None and base.untyped_storage().data_ptr() == storage.data_ptr():
+        chain.append(base)
+        base = base._base
+    return chain
+
+
+def _chain_refs(chain):
+    return [sys.getrefcount(base) for base in chain]
+
+
+_BASE_REFS = []  # Python references to a base that only its own view holds (measured once)
+
+
+def _base_held_elsewhere(chain):
+    """True when code other than the view holds a base tensor object (it would outlive the
+    release).  The baseline is measured on a fresh view through the same calls, so it does not
+    depend on how this Python version counts references."""
+    import torch
+
+    if not _BASE_REFS:
+        probe = torch.empty(1)[:]
+        _BASE_REFS.extend(_chain_refs(_base_chain(probe, probe.untyped_storage())))
+    return any(refs > _BASE_REFS[0] for refs in _chain_refs(chain))
+
+
+def _log_line(level, message):
+    log.log(level, "mla_weight_release: " + message)
+
+
+def _each_time(key, level, message):
+    """``free_weight``'s ``once`` where no process state keeps track (``FreedWeights.once`` says
+    each ``key`` once per process): every message is logged, ``key`` is not used."""
+    _log_line(level, message)
+
+
+def free_weight(tensor, what, once=_each_time):
+    """Free ``tensor``'s memory and guard the object; returns the bytes freed (0: kept).
+    ``once(key, level, message)`` says why a weight is kept (``FreedWeights.once``: once per process).
+
+    Nothing is freed that anything but the weight itself and its own ``_base`` chain holds: the
+    storage's real holders (the C++ use count) decide.  Otherwise the weight is kept whole and one
+    warning names the holder count.  The weight object (every reference to it) then holds a fresh
+    0-element tensor without ``_base``, so code that bypasses ``__torch_function__`` sees an empty
+    tensor, never freed memory."""
+    import torch
+
+    if is_released(tensor):
+        return 0
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    chain = _base_chain(tensor, storage)
+    # Holders: our ``storage`` handle, the weight, its base chain; anything more is an alias.
+    others = storage_holders(storage) - 2 - len(chain)
+    if others > 0 or _base_held_elsewhere(chain):
+        count = max(others, 1)
+        once("aliased", logging.WARNING,
+              "keeping %s: its memory has %d other holder%s (a view, .data, .detach() or its base "
+              "taken elsewhere); freeing it would crash whoever reads them"
+              % (what, count, "" if count == 1 else "s"))
+        return 0
+    cls = type(tensor)
+    guarded = guarded_class(cls)
+    emptied = torch.Tensor._make_subclass(cls, torch.empty(0, dtype=tensor.dtype, device=tensor.device),
+                                          False)
+    try:
+        # The weight object gets the empty tensor; ``emptied`` gets the old one with its _base.
+        torch.utils.swap_tensors(tensor, emptied)
+    except RuntimeError as exc:  # C++ holds the tensor itself, or a weakref points at it
+        once("swap", logging.WARNING, "keeping %s: it is held where it cannot be replaced (%s)"
+              % (what, str(exc).split(".")[0]))
+        return 0
+    tensor.__dict__, emptied.__dict__ = emptied.__dict__, {}
+    try:
+        tensor.__class__ = guarded
+    except TypeError as exc:
+        torch.utils.swap_tensors(tensor, emptied)
+        tensor.__dict__, emptied.__dict__ = emptied.__dict__, {}
+        once("guard:" + cls.__name__, logging.WARNING,
+              "keeping %s: its class %s cannot be guarded (%s)" % (what, cls.__name__, exc))
+        return 0
+    tensor.__dict__[_TAG] = what
+    del emptied, chain
+    left = storage_holders(storage) - 1
+    if left:
+        once("still-held", logging.WARNING,
+              "%s is guarded but its memory still has %d holder%s; it is freed when they let go"
+              % (what, left, "" if left == 1 else "s"))
+        return 0
+    storage.resize_(0)  # only our handle (and Python storage objects, which see 0 bytes) remain
+    return nbytes
+
+
+def _shares_storage(a, b):
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001
+        return True  # cannot tell: treat as shared (keep the weight)
+
+
+def _exclusive(tensor):
+    """The tensor's storage holds this tensor and nothing else."""
+    return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+def _layer_list(layers):
+    """"layer 3", "layers 0-60", "layers 0-2, 5, ?" (ids that are not ints come last)."""
+    ints = sorted(i for i in layers if isinstance(i, int))
+    runs = []
+    for i in ints:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    parts = ["%d" % a if a == b else "%d-%d" % (a, b) for a, b in runs]
+    parts += sorted(str(i) for i in layers if not isinstance(i, int))
+    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(parts)
+
+
+# --------------------------------------------------------------------------- the release in a process
+
+class FreedWeights:
+    """The release in one process: what the decision read from the code (forward()'s W8A8
+    attribute, where the role is published), the wrappers built on it, and what they freed.  A
+    decision builds a fresh one (so uninstall/install starts over); ``details`` is the patch
+    record's (``npu_shim.states()`` and status show it)."""
+
+    def __init__(self, w8a8_attr="quantization_config", role_source="server_args", details=None):
+        self.w8a8_attr = w8a8_attr
+        self.role_source = role_source
+        self.details = {} if details is None else details
+        self.reset()
+
+    def reset(self):
+        self.released_bytes = {"qkv_a": 0, "w_kc": 0}
+        self.layers = set()
+        self.guarded = {"qkv_a": set(), "w_kc": set()}  # layer ids whose weight is guarded
+        self.said = set()
+        self.summary_logged = False
+        self.first_marked = False
+
+    def once(self, key, level, message):
+        if key not in self.said:
+            self.said.add(key)
+            _log_line(level, message)
+
+    def uses_mlaprolog(self, preprocess):
+        return uses_mlaprolog(preprocess, self.w8a8_attr)
+
+    def disagg_role(self):
+        return disagg_role(self.role_source)
+
+    # -- may this process release?
+    def _skip(self, key, message, detail, result):
+        """Log why nothing is released (once per process and reason) and put it into status."""
+        self.once(key, logging.WARNING, "releasing nothing: " + message)
+        self.details.update(skipped=detail)
+        return result
+
+    def free_allowed(self, kind):
+        """(role, None) when ``kind`` ("qkv_a" / "w_kc") may be released in this process, else
+        (role or None, why not); every 'no' other than the role itself is logged once."""
+        role, why = self.disagg_role()
+        if role is None:
+            self.details.update(role=None)
+            return self._skip("role", "the disaggregation role is unknown when the layer decides (%s)"
+                              % why, "role unknown: %s" % why, (None, why))
+        self.details.update(role=role)
+        if role == "null" or (kind == "w_kc" and role != "decode"):
+            return role, "role %s" % role
+        try:
+            args = _server_args()
+        except Exception as exc:  # noqa: BLE001
+            return self._skip("args", "the server args cannot be read (%r), so LoRA / weight updates "
+                                      "cannot be ruled out" % (exc,),
+                              "server args unknown", (role, "server args unknown"))
+        readers = other_reader_reasons(args)
+        if readers:
+            return self._skip("readers", "; ".join(readers), "; ".join(readers), (role, "other readers"))
+        updates = ", ".join(weight_update_reasons(args))
+        if updates:
+            force = RELEASE_FORCE
+            if not force.read():
+                return self._skip("updates", "the server can reload or adapt weights (%s); set %s=1 "
+                                             "to release anyway" % (updates, force.name),
+                                  "weights can change: %s" % updates, (role, "weight updates"))
+            self.once("forced", logging.WARNING,
+                      "releasing although the server can reload or adapt weights (%s), because %s=1: "
+                      "a later update of these weights raises ReleasedWeightError" % (updates, force.name))
+        return role, None
+
+    # -- releasing and the wrappers
+    def _account(self, kind, layer_id, nbytes, what):
+        self.released_bytes[kind] += nbytes
+        self.layers.add(layer_id)
+        total = sum(self.released_bytes.values())
+        self.details.update(released_mib=round(total / MIB, 3), layers=len(self.layers),
+                            qkv_a_mib=round(self.released_bytes["qkv_a"] / MIB, 3),
+                            w_kc_mib=round(self.released_bytes["w_kc"] / MIB, 3))
+        log.debug("mla_weight_release: released %s (%.2f MiB)" % (what, nbytes / MIB))
+        if self.summary_logged:
+            self._log_summary("more layers released")
+
+    def _log_summary(self, prefix="released"):
+        self.summary_logged = True
+        total = sum(self.released_bytes.values())
+        log.info("mla_weight_release: %s: %.1f MiB in %d layers (qkv_a %.1f MiB, w_kc %.1f MiB) in %s"
+                 % (prefix, total / MIB, len(self.layers), self.released_bytes["qkv_a"] / MIB,
+                    self.released_bytes["w_kc"] / MIB, log.pid_text()))
+
+    def _note_guarded(self, kind, layer, tensor):
+        """A guarded weight raises on every touch, freed or not (memory still held elsewhere):
+        weight updates are refused from then on."""
+        if is_released(tensor):
+            self.guarded[kind].add(layer)
+
+    # -- weight updates
+    def released_weights(self):
+        """The guarded weights, e.g. ["qkv_a_proj.weight of layers 0-60", "w_kc of layers 0-60"]."""
+        return ["%s of %s" % (name, _layer_list(self.guarded[kind]))
+                for kind, name in (("qkv_a", "qkv_a_proj.weight"), ("w_kc", "w_kc")) if self.guarded[kind]]
+
+    def update_refusal(self, op):
+        """The message a refused weight update answers with."""
+        total = sum(self.released_bytes.values())
+        return ("npu-shim refused %s: %s MLA weights this process released to free NPU memory "
+                "(%s; %.1f MiB freed), so nothing was loaded and the server keeps serving its current "
+                "weights. To update weights on this server, start it with %s=0 (keeps the MLA "
+                "weights)" % (op, UPDATE_OPS.get(op, "the update would write into"),
+                                       ", ".join(self.released_weights()), total / MIB, SWITCH.name))
+
+    def wrap_weight_update(self, wrapped, instance, args, kwargs):
+        """BaseTpWorker's weight-update methods: once a weight is guarded in this process, refuse
+        up front with the (success, message) the method returns -- before anything is read or
+        loaded, so nothing is applied in part and no ReleasedWeightError reaches the scheduler
+        (0.5.11 - 0.5.19's disk update rolls back by loading again outside its ``try``, and the
+        tensor update has no ``try``: either would take the scheduler down).  Otherwise the
+        release's own method runs untouched."""
+        if not (self.guarded["qkv_a"] or self.guarded["w_kc"]):
+            return wrapped(*args, **kwargs)
+        op = getattr(wrapped, "__name__", "the weight update")
+        message = self.update_refusal(op)
+        self.details["updates_refused"] = self.details.get("updates_refused", 0) + 1
+        log.warning("mla_weight_release: refused %s: MLA weights are released in %s (%s=0 keeps "
+                    "them)" % (op, log.pid_text(), SWITCH.name))
+        return False, message
+
+    # -- the wrappers
+    def free_qkv_a(self, preprocess):
+        """After ``mlaprolog_preprocess_weight``: free the fused qkv_a weight (role != null)."""
+        layer = getattr(preprocess, "layer_id", "?")
+        what = "qkv_a_proj.weight of layer %s" % layer
+        weight = preprocess.qkv_a_proj.weight
+        if weight is None or is_released(weight):
+            return 0
+        if not self.uses_mlaprolog(preprocess):
+            self.once("disagree", logging.WARNING, "keeping %s: mlaprolog_preprocess_weight ran "
+                                                   "although forward() would not route to mlaprolog" % what)
+            return 0
+        role, no = self.free_allowed("qkv_a")
+        if no:
+            return 0
+        copies = [getattr(preprocess, name, None) for name in ("q_a_proj_weight", "kv_a_proj_weight")]
+        if any(c is None or _shares_storage(c, weight) for c in copies) or not _exclusive(weight):
+            self.once("qkv-shared", logging.WARNING, "keeping %s: its q_a/kv_a copies share its memory, "
+                                                     "or its storage holds more than this weight" % what)
+            return 0
+        return self._free("qkv_a", layer, weight, what)
+
+    def free_w_kc(self, m):
+        """After ``npu_mla_preprocess`` first built ``m.mla_preprocess``: free ``m.w_kc`` (decode)."""
+        layer = getattr(m, "layer_id", "?")
+        what = "w_kc of layer %s" % layer
+        w_kc = m.__dict__.get("w_kc", getattr(m, "w_kc", None))
+        if w_kc is None or is_released(w_kc):
+            return 0
+        preprocess = m.mla_preprocess
+        if not self.uses_mlaprolog(preprocess):
+            return 0
+        role, no = self.free_allowed("w_kc")
+        if no:
+            return 0
+        own = getattr(preprocess, "w_kc", None)
+        if own is None or own is w_kc or _shares_storage(own, w_kc) or not _exclusive(w_kc):
+            self.once("wkc-shared", logging.WARNING, "keeping %s: the preprocessor's w_kc shares its "
+                                                     "memory, or its storage holds more than this weight" % what)
+            return 0
+        return self._free("w_kc", layer, w_kc, what)
+
+    def _free(self, kind, layer, tensor, what):
+        nbytes = free_weight(tensor, what, self.once)
+        self._note_guarded(kind, layer, tensor)
+        if nbytes:
+            self._account(kind, layer, nbytes, what)
+        return nbytes
+
+    def wrap_npu_mla_preprocess(self, wrapped, instance, args, kwargs):
+        m = args[0] if args else kwargs["m"]
+        if _DONE in m.__dict__:
+            return wrapped(*args, **kwargs)  # hot path: every call after a layer's first
+        return self._first_calls(wrapped, m, args, kwargs)
+
+    def _first_calls(self, wrapped, m, args, kwargs):
+        if _FIRST in m.__dict__:
+            # The first layer seen comes round again: one pass over all layers is done.
+            m.__dict__[_DONE] = True
+            if not self.summary_logged and self.layers:
+                self._log_summary()
+            return wrapped(*args, **kwargs)
+        had = hasattr(m, "mla_preprocess")
+        result = wrapped(*args, **kwargs)
+        try:
+            if not had and hasattr(m, "mla_preprocess"):
+                self.free_w_kc(m)
+        except Exception as exc:  # noqa: BLE001 - never break the forward pass over an optimisation
+            self.once("error", logging.ERROR, "keeping w_kc: deciding the release raised %r" % (exc,))
+        if self.first_marked:
+            m.__dict__[_DONE] = True
+        else:
+            self.first_marked = True
+            m.__dict__[_FIRST] = True
+        return result
+
+    def wrap_preprocess_weight(self, wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        try:
+            self.free_qkv_a(instance)
+        except Exception as exc:  # noqa: BLE001
+            self.once("error", logging.ERROR,
+                      "keeping qkv_a_proj.weight: deciding the release raised %r" % (exc,))
+        return result
+
+
+# --------------------------------------------------------------------------- the targets
+
+def targets(release, caller):
+    """MlaWeightRelease.targets past its code checks: bound to ``release`` (the decision's
+    FreedWeights); ``caller``: the scheduler class that answers a refused weight update."""
+    entry = (MLA_NPU, "npu_mla_preprocess")
+    weight = (MLA_PRE, CLASS + ".mlaprolog_preprocess_weight")
+    forward = (MLA_PRE, CLASS + ".forward")
+    return [
+        Wrap(MLA_NPU, "npu_mla_preprocess", release.wrap_npu_mla_preprocess, [PREPROCESS_SIG],
+             pins=pins(entry)),
+        Wrap(MLA_PRE, weight[1], release.wrap_preprocess_weight, [()],
+             pins=pins(weight, forward, (MLA_PRE, CLASS + ".forward_mlaprolog"))),
+        Replace(MLA_PRE, CLASS + ".uses_mlaprolog",
+                lambda _original: make_uses_mlaprolog_method(release.w8a8_attr), must_exist=False),
+    ] + [
+        Wrap(TP_WORKER, "BaseTpWorker." + op, release.wrap_weight_update, [UPDATE_SIG],
+             pins=pins((TP_WORKER, "BaseTpWorker." + op), (caller[0], caller[1] + "." + op)))
+        for op in UPDATE_OPS
+    ]

@@ -1,5 +1,6 @@
-"""finder: the shim's one meta-path finder -- it hands wrapt's finder only the modules with a hook
-waiting, and ignores every other import (reloads: test_reliability.py)."""
+"""finder: the shim's one meta-path finder and its own post-import hooks -- a hooked module's
+hooks run after its code, every other import is ignored, no wrapt import hook is loaded (reloads:
+test_reliability.py)."""
 
 import importlib
 import sys
@@ -10,17 +11,19 @@ from npu_shim.runtime import activation, finder
 from test_bootstrap import last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 
 
-def test_wrapts_import_finder_is_asked_only_about_modules_with_a_hook_waiting(tree):
-    """The shim's private wrapt: its ImportHookFinder stays out of sys.meta_path (it takes a lock
-    on every import); the shim's finder hands it the hooked modules, whose hooks still fire."""
+def test_only_modules_with_a_hook_waiting_are_looked_up_and_no_wrapt_import_hook_is_loaded(tree):
+    """The shim's finder owns the post-import hooks: no wrapt ImportHookFinder in sys.meta_path
+    (wrapt's takes a lock on every import), no wrapt importer module loaded; the shim's finder
+    looks up only the hooked modules, whose hooks still fire."""
     proc = run(tree, """
         import json, sys
         import sglang
         asked = []
         from npu_shim.runtime import activation
-        hook_finder = activation.RUNTIME.finder.hook_finder
-        find_spec = hook_finder.find_spec
-        hook_finder.find_spec = lambda name, *rest: asked.append(name) or find_spec(name, *rest)
+        shim = activation.RUNTIME.finder
+        find_elsewhere = shim._find_elsewhere
+        shim._find_elsewhere = lambda name, *rest: asked.append(name) or find_elsewhere(name, *rest)
+        waiting = shim.waiting()
         import colorsys
         from sglang.srt.utils import common
         from npu_shim import _bootstrap
@@ -28,14 +31,16 @@ def test_wrapts_import_finder_is_asked_only_about_modules_with_a_hook_waiting(tr
                                       if "ImportHookFinder" in type(f).__name__
                                       or type(f).__module__.startswith(("npu_shim", "sitecustomize"))],
                           "through_watcher": _bootstrap.WATCHER.then == activation.RUNTIME.finder.find_spec,
-                          "wrapt": type(hook_finder).__module__, "asked": sorted(set(asked)),
+                          "importers": sorted(m for m in sys.modules if "wrapt" in m and "importer" in m),
+                          "waiting": waiting, "left": shim.waiting(), "asked": sorted(set(asked)),
                           "value": common.get_npu_memory_capacity()}))
     """)
     out = last_json(proc)
     # One finder of the shim's: the start-up watcher, which hands imports to the shim's finder;
-    # no wrapt finder.
+    # no wrapt finder, no wrapt importer.
     assert out["finders"] == ["SglangImportWatcher"] and out["through_watcher"] is True
-    assert out["wrapt"] == "npu_shim._wrapt.importer" and out["asked"] == ["sglang.srt.utils.common"]
+    assert out["importers"] == [] and out["asked"] == ["sglang.srt.utils.common"]
+    assert out["waiting"] == ["sglang.srt.utils.common"] and out["left"] == []
     assert out["value"] == 1001  # the demo patch applied through the hook
 
 
@@ -46,10 +51,10 @@ def test_the_shim_finder_ignores_imports_and_unhooked_modules():
 
 
 def test_an_application_that_imported_wrapt_first_keeps_wrapts_own_finder(tree):
-    """The application imported wrapt before sglang: the shim reuses that module
-    (``wrapt_loader.take_import_finder()`` is None), wrapt's own ImportHookFinder stays in
-    sys.meta_path and serves the shim's hooks and the application's alike; the shim's finder
-    takes nothing from it and still re-applies after a reload."""
+    """The application imported wrapt before sglang and registered its own post-import hook: the
+    shim reuses that module for its wrappers only, wrapt's own ImportHookFinder stays in
+    sys.meta_path and serves the application's hooks (and none of the shim's); the shim's hooks
+    are its finder's, and it still re-applies after a reload."""
     proc = run(tree, """
         import importlib, json, sys
         import wrapt
@@ -62,8 +67,7 @@ def test_an_application_that_imported_wrapt_first_keeps_wrapts_own_finder(tree):
         patched = common.get_npu_memory_capacity()
         importlib.reload(common)
         print(json.dumps({
-            "taken": wrapt_loader.take_import_finder(),
-            "pending": activation.RUNTIME.finder.pending, "hook_finder": activation.RUNTIME.finder.hook_finder is None,
+            "wrapt_hooks": sorted(m for m in wrapt.importer._post_import_hooks if m.startswith("sglang")),
             "loaded": wrapt_loader.load() is wrapt, "origin": wrapt_loader.loaded_origin().source,
             "private": sorted(m for m in sys.modules if m.startswith("npu_shim._wrapt")),
             "wrapt_finders": [type(f).__module__ for f in sys.meta_path
@@ -72,7 +76,7 @@ def test_an_application_that_imported_wrapt_first_keeps_wrapts_own_finder(tree):
             "state": activation.RUNTIME.states()["demo"]["state"]}))
     """)
     assert last_json(proc) == {
-        "taken": None, "pending": {}, "hook_finder": True, "loaded": True, "origin": "image",
+        "wrapt_hooks": [], "loaded": True, "origin": "image",
         "private": [], "wrapt_finders": ["wrapt.importer"], "fired": ["colorsys"],
         "patched": 1001, "after_reload": 1001, "state": "applied"}
     assert "activation failed" not in proc.stderr, proc.stderr

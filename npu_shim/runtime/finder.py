@@ -102,7 +102,10 @@ def _hook_loader(spec, after):
     loader = spec.loader
     if loader is None and spec.submodule_search_locations is not None:
         loader = _namespace_loader(spec)  # what the import system would set (Python < 3.11)
-    if loader is None or isinstance(loader, (_HookLoader, _LegacyHookLoader)):
+        if loader is not None:
+            spec.loader = _NamespaceHookLoader(loader, spec, after)
+        return
+    if loader is None or isinstance(loader, _Chained):
         return
     if hasattr(loader, "exec_module"):
         spec.loader = _HookLoader(loader, spec, after)
@@ -124,9 +127,9 @@ def _namespace_loader(spec):
     return loader
 
 
-class _HookLoader:
-    """The found loader; ``after(module)`` once its ``exec_module`` ran the module's code.  The
-    module and its spec keep the found loader (no trace of this one)."""
+class _Chained:
+    """The found loader, and ``after(module)`` to run once it ran the module's code; the module
+    and its spec keep the found loader (no trace of this one)."""
 
     def __init__(self, loader, spec, after):
         self.loader = loader
@@ -136,6 +139,8 @@ class _HookLoader:
     def __getattr__(self, name):
         return getattr(self.loader, name)
 
+
+class _HookLoader(_Chained):
     def create_module(self, spec):
         create = getattr(self.loader, "create_module", None)
         return None if create is None else create(spec)
@@ -146,17 +151,16 @@ class _HookLoader:
         self._after(module)
 
 
-class _LegacyHookLoader:
-    """The same for a loader with only ``load_module``: the import system calls that when a
-    loader has no ``exec_module``, so this one has none either."""
+class _NamespaceHookLoader(_HookLoader):
+    def exec_module(self, module):
+        if not hasattr(module, "__file__"):
+            module.__file__ = None  # as the import system sets it when it makes the loader
+        _HookLoader.exec_module(self, module)
 
-    def __init__(self, loader, spec, after):
-        self.loader = loader
-        self._spec = spec
-        self._after = after
 
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
+class _LegacyHookLoader(_Chained):
+    """For a loader with only ``load_module``: the import system calls that when a loader has no
+    ``exec_module``, so this one has none either."""
 
     def load_module(self, fullname):
         _untrace(self, None)  # the import system sets the spec's loader on the module afterwards

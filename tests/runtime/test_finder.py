@@ -288,13 +288,13 @@ def test_a_namespace_package_without_a_loader_in_its_spec_runs_its_hooks(version
         fired = []
         shim.register("hk_ns", lambda module: fired.append(type(module.__loader__).__name__))
         import hk_ns
-        print(json.dumps([fired, hk_ns.__spec__.loader is hk_ns.__loader__]))
+        print(json.dumps([fired, hk_ns.__spec__.loader is hk_ns.__loader__, hk_ns.__file__]))
     """
     proc = subprocess.run([pyenv_python(version), "-c", code], capture_output=True, text=True,
                           env={"PYTHONPATH": "%s:%s" % (tmp_path, REPO), "PYTHONDONTWRITEBYTECODE": "1"},
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == [["_NamespaceLoader"], True]
+    assert json.loads(proc.stdout) == [["_NamespaceLoader"], True, None]
 
 
 def test_a_module_that_fails_to_import_runs_no_hook_and_leaves_nothing(hooks):

@@ -339,8 +339,8 @@ def import_rows(runs, memory_runs, count_instructions=True):
         {"what": "memory the shim retains in an sglang 0.5.11 process, every applicable patch on",
          "how": "tracemalloc from interpreter start (PYTHONTRACEMALLOC=1), traced memory after the same "
                 "imports (zbal's own modules in both arms) and gc.collect(), shim vs not, median of %d "
-                "runs each; wrapt %s is the image's, of which the shim loads only its wrappers and "
-                "import hooks" % (memory_runs, sglang_envs.WRAPT_DEFAULT),
+                "runs each; wrapt %s is the image's, of which the shim loads only its wrappers (the "
+                "post-import hooks are the shim's own)" % (memory_runs, sglang_envs.WRAPT_DEFAULT),
          "measured": "%+.2f MiB (%.1f vs %.1f MiB traced)" % (
              retained["with"], kept["with"] / MIB, kept["without"] / MIB),
          "target": "<= 1 MiB", "ok": retained["with"] <= 1.0},

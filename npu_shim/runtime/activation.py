@@ -3,8 +3,8 @@ decides, applies and reverts.
 
 Timeline in a process:
 1. ``Runtime.activate`` (first ``import sglang``, handed the start-up watcher that saw it, or
-   ``install()``): wrapt is loaded and a post-import hook is registered on every module any patch
-   may touch.
+   ``install()``): wrapt is loaded and a post-import hook is registered with the shim's finder
+   on every module any patch may touch.
 2. The first of those hooks decides every patch at once (``framework.decide``) from the sglang
    source on disk and logs one summary line for the process (``summary.report_all``: each reason
    at DEBUG, ``unsupported`` at WARNING, ``failed`` at ERROR): everything is validated before
@@ -172,18 +172,17 @@ class Runtime:
             modules += [role.MODULE] if role.MODULE not in modules else []
             self.imported_before = {m for m in modules if m in sys.modules}
             try:
-                wrapt = wrapt_loader.load()
+                wrapt_loader.load()  # the wrappers; the post-import hooks are the finder's
             except Exception as exc:  # noqa: BLE001 - WraptUnavailable, or a bundled build that broke
                 self.fail_without_wrapt(str(exc) if isinstance(exc, wrapt_loader.WraptUnavailable)
                                         else "wrapt could not be loaded: %r" % (exc,))
                 return
             self.hooked = set(modules)
-            self.finder.take(wrapt_loader.take_import_finder())
             self.finder.install(self.watcher)
 
         for name in modules:
             # Fires at once for a module that is already imported (install() after sglang).
-            wrapt.register_post_import_hook(self.import_hook(generation), name)
+            self.finder.register(name, self.import_hook(generation))
 
     def import_hook(self, generation):
         """The post-import hook of one install (``generation``): decides every patch on the first

@@ -1,32 +1,56 @@
-"""The shim's one meta-path finder while it is active.
+"""The shim's one meta-path finder while it is active, and the shim's own post-import hooks.
 
 The import system asks every finder in ``sys.meta_path`` about every import (thousands in an
 sglang process; scripts/bench_drop_in.py measures what each finder costs), so the shim keeps one: the start-up watcher
-(``_bootstrap.SglangImportWatcher``, handed in by the runtime) hands each import to ``ShimFinder`` once it fired, and
-``ShimFinder`` stands in for wrapt's own post-import finder.  It answers almost every import with
-a dict lookup or two:
+(``_bootstrap.SglangImportWatcher``, handed in by the runtime) hands each import to ``ShimFinder`` once it fired.
+``ShimFinder`` owns the shim's post-import hooks (as dd-trace-py's ModuleWatchdog owns its own):
+wrapt gives the shim only its function wrappers, and an application's own
+``wrapt.register_post_import_hook`` keeps wrapt's finder, untouched.  It answers almost every
+import with a dict lookup or two:
 
-* a module with a post-import hook waiting: handed to wrapt's finder, kept out of sys.meta_path
-  when wrapt is the shim's private copy (``wrapt_loader.take_import_finder``; wrapt's takes a
-  lock on every import);
+* a module with a hook waiting (``register``): the spec the other finders give, its loader
+  wrapped so that the hooks run once the module's code ran (``exec_module``, or a legacy
+  loader's ``load_module``); each hook runs once.  A module that fails to import runs none and
+  keeps them waiting; a hook for a module imported already runs at once;
 * ``importlib.reload`` of a hooked module (reload passes the module as ``target``, an import
   does not): the new code runs, then the runtime re-applies the patches to it.
+
+Hooks run outside the finder's lock, with the module's import lock held by the import system
+(so a hook may import other hooked modules).
 """
 
 import sys
+import threading
 
 
 class ShimFinder:
     def __init__(self, watches, reapply):
         self._watches = watches  # (name) -> True for a hooked module of a process that decided
         self._reapply = reapply  # (module) -> the patches re-applied to its reloaded code
-        self.pending = {}        # wrapt's {module name: hooks waiting}, once its finder is taken
-        self.hook_finder = None  # that finder, kept out of sys.meta_path
+        self._hooks = {}         # {module name: [hook(module), ...]} waiting for its import
+        self._lock = threading.Lock()
+        self._finding = set()    # (thread, module name) being looked up through the other finders
         self.watcher = None      # the start-up watcher that hands imports on to this finder
 
-    def take(self, taken):
-        if taken is not None:
-            self.pending, self.hook_finder = taken
+    def register(self, name, hook):
+        """Run ``hook(module)`` once, after module ``name`` is imported -- at once when it is."""
+        with self._lock:
+            module = sys.modules.get(name)
+            if module is None:
+                self._hooks.setdefault(name, []).append(hook)
+                return
+        hook(module)
+
+    def waiting(self):
+        """The names of the modules with hooks waiting for their import."""
+        with self._lock:
+            return sorted(self._hooks)
+
+    def run_hooks(self, module):
+        with self._lock:
+            hooks = self._hooks.pop(getattr(module, "__name__", None), ())
+        for hook in hooks:
+            hook(module)
 
     def install(self, watcher=None):
         """Answer through the start-up ``watcher`` when it fired (it is in sys.meta_path already,
@@ -45,33 +69,117 @@ class ShimFinder:
             sys.meta_path.remove(self)
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname in self.pending:
-            return self.hook_finder.find_spec(fullname, path, target)
-        if target is None or not self._watches(fullname):
+        if fullname in self._hooks:
+            after = self.run_hooks
+        elif target is not None and self._watches(fullname):
+            after = self._reapply
+        else:
             return None
-        for finder in sys.meta_path:
+        key = (threading.get_ident(), fullname)
+        if key in self._finding:
+            return None  # asked again by a finder we asked (wrapt's calls importlib.util.find_spec)
+        self._finding.add(key)
+        try:
+            spec = self._find_elsewhere(fullname, path, target)
+        finally:
+            self._finding.discard(key)
+        if spec is not None:
+            _hook_loader(spec, after)
+        return spec
+
+    def _find_elsewhere(self, fullname, path, target):
+        for finder in list(sys.meta_path):
             if finder is self or finder is self.watcher or not hasattr(finder, "find_spec"):
                 continue  # (the watcher hands on to this finder)
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _ReapplyingLoader(spec.loader, self._reapply)
                 return spec
         return None
 
 
-class _ReapplyingLoader:
-    def __init__(self, loader, reapply):
+def _hook_loader(spec, after):
+    """Make ``spec`` run ``after(module)`` once its loader ran the module's code."""
+    loader = spec.loader
+    if loader is None and spec.submodule_search_locations is not None:
+        loader = _namespace_loader(spec)  # what the import system would set (Python < 3.11)
+        if loader is not None:
+            spec.loader = _NamespaceHookLoader(loader, spec, after)
+        return
+    if loader is None or isinstance(loader, _Chained):
+        return
+    if hasattr(loader, "exec_module"):
+        spec.loader = _HookLoader(loader, spec, after)
+    elif hasattr(loader, "load_module"):
+        spec.loader = _LegacyHookLoader(loader, spec, after)
+
+
+def _namespace_loader(spec):
+    """The namespace loader ``importlib._bootstrap._init_module_attrs`` makes for a namespace
+    package whose spec has none, made the same way; None where there is no such class."""
+    from importlib import _bootstrap_external
+
+    kind = getattr(_bootstrap_external, "NamespaceLoader", None) or \
+        getattr(_bootstrap_external, "_NamespaceLoader", None)
+    if kind is None:
+        return None
+    loader = kind.__new__(kind)
+    loader._path = spec.submodule_search_locations
+    return loader
+
+
+class _Chained:
+    """The found loader, and ``after(module)`` to run once it ran the module's code; the module
+    and its spec keep the found loader (no trace of this one)."""
+
+    def __init__(self, loader, spec, after):
         self.loader = loader
-        self._reapply = reapply
+        self._spec = spec
+        self._after = after
 
     def __getattr__(self, name):
         return getattr(self.loader, name)
 
+
+class _HookLoader(_Chained):
     def create_module(self, spec):
-        return self.loader.create_module(spec)
+        create = getattr(self.loader, "create_module", None)
+        return None if create is None else create(spec)
 
     def exec_module(self, module):
-        module.__loader__ = module.__spec__.loader = self.loader  # leave no trace of ourselves
+        _untrace(self, module)
         self.loader.exec_module(module)
-        self._reapply(module)
+        self._after(module)
+
+
+class _NamespaceHookLoader(_HookLoader):
+    def exec_module(self, module):
+        if not hasattr(module, "__file__"):
+            module.__file__ = None  # as the import system sets it when it makes the loader
+        _HookLoader.exec_module(self, module)
+
+
+class _LegacyHookLoader(_Chained):
+    """For a loader with only ``load_module``: the import system calls that when a loader has no
+    ``exec_module``, so this one has none either."""
+
+    def load_module(self, fullname):
+        _untrace(self, None)  # the import system sets the spec's loader on the module afterwards
+        module = self.loader.load_module(fullname)
+        _untrace(self, module)
+        self._after(module)
+        return module
+
+
+def _untrace(wrapper, module):
+    if wrapper._spec.loader is wrapper:
+        wrapper._spec.loader = wrapper.loader
+    if module is None:
+        return
+    if getattr(module, "__loader__", None) in (None, wrapper):
+        try:
+            module.__loader__ = wrapper.loader
+        except AttributeError:
+            pass
+    spec = getattr(module, "__spec__", None)
+    if spec is not None and getattr(spec, "loader", None) is wrapper:
+        spec.loader = wrapper.loader

@@ -9,13 +9,14 @@ one folder per (CPython, machine, minimum glibc) plus the pure-Python wheel.  At
    there is none);
 3. otherwise ``WraptUnavailable`` with a one-line reason.
 
-The shim uses three names: ``FunctionWrapper``, ``BoundFunctionWrapper`` and
-``register_post_import_hook``.  It loads only the modules that define them (and what those
-import) under the private name ``npu_shim._wrapt``, without running the package's
-``__init__``.  ``import wrapt`` would also load the decorators, proxies, locks, caches and
-monkey-patching helpers, most of wrapt's memory in every sglang process.  The
-application's ``wrapt``, present or absent, stays what it would be without the shim.  When the
-application has already imported the same wrapt, that module is used and nothing is loaded twice.
+The shim uses two names: ``FunctionWrapper`` and ``BoundFunctionWrapper`` (its post-import
+hooks are its own: npu_shim/runtime/finder.py).  It loads only the modules that define them (and
+what those import) under the private name ``npu_shim._wrapt``, without running the package's
+``__init__``.  ``import wrapt`` would also load the decorators, proxies, locks, caches, import
+hooks and monkey-patching helpers, most of wrapt's memory in every sglang process.  The
+application's ``wrapt``, present or absent, stays what it would be without the shim (its own
+post-import hooks keep wrapt's finder).  When the application has already imported the same
+wrapt, that module is used and nothing is loaded twice.
 
 ``locate()`` answers the same question without importing anything (for ``status``).  Nothing
 here writes to disk.
@@ -168,7 +169,7 @@ _LOADED = None  # (module, Origin) once load() succeeded
 
 
 def load():
-    """The namespace with the three wrapt names the shim uses (loaded once); raises
+    """The namespace with the two wrapt names the shim uses (loaded once); raises
     WraptUnavailable."""
     global _LOADED
     if _LOADED is not None:
@@ -184,31 +185,6 @@ def load():
             origin.note = "; ".join(t for t in (origin.note, "C extension not loaded: pure-Python wrappers") if t)
     _LOADED = (module, origin)
     return module
-
-
-_TAKEN = None  # (private importer module, its pending-hooks dict, its ImportHookFinder) once taken
-
-
-def take_import_finder():
-    """(dict of module names with post-import hooks waiting, wrapt's ImportHookFinder) when the
-    wrapt ``load()`` returned is the shim's private copy: that finder is then kept out of
-    sys.meta_path, and the shim's own finder hands it only the modules in that dict.  wrapt's
-    takes a lock on every import of every module (in every process, over thousands of
-    imports).  None where wrapt's own finder stays: the application's wrapt, reused, serves the
-    application's hooks too; or the private copy's finder is in sys.meta_path already."""
-    global _TAKEN
-    importer = sys.modules.get(PRIVATE_NAME + ".importer")
-    if _LOADED is None or _LOADED[0].__name__ != PRIVATE_NAME or importer is None:
-        return None
-    if _TAKEN is None or _TAKEN[0] is not importer:
-        pending = getattr(importer, "_post_import_hooks", None)
-        finder_class = getattr(importer, "ImportHookFinder", None)
-        if not isinstance(pending, dict) or finder_class is None or \
-                getattr(importer, "_post_import_hooks_init", None) is not False:
-            return None
-        importer._post_import_hooks_init = True  # register_post_import_hook never inserts its own
-        _TAKEN = (importer, pending, finder_class())
-    return _TAKEN[1:]
 
 
 def loaded_origin():
@@ -233,9 +209,9 @@ def _has_extension(package_dir):
 
 
 def _load_private(package_dir):
-    """The wrappers and the post-import hooks of the wrapt in ``package_dir``, imported under
-    PRIVATE_NAME without its ``__init__`` (its imports are all relative); the three names the
-    shim uses are set on the returned package module."""
+    """The wrappers of the wrapt in ``package_dir``, imported under PRIVATE_NAME without its
+    ``__init__`` (its imports are all relative); the two names the shim uses are set on the
+    returned package module."""
     import importlib
     import importlib.util
 
@@ -258,10 +234,8 @@ def _load_private(package_dir):
         # 2.x chooses between its C and Python wrappers in __wrapt__; 1.x in wrappers.
         core_name = "__wrapt__" if os.path.isfile(os.path.join(package_dir, "__wrapt__.py")) else "wrappers"
         core = importlib.import_module("%s.%s" % (PRIVATE_NAME, core_name))
-        importer = importlib.import_module(PRIVATE_NAME + ".importer")
         module.FunctionWrapper = core.FunctionWrapper
         module.BoundFunctionWrapper = core.BoundFunctionWrapper
-        module.register_post_import_hook = importer.register_post_import_hook
     except BaseException:
         for name in [n for n in sys.modules if n == PRIVATE_NAME or n.startswith(PRIVATE_NAME + ".")]:
             del sys.modules[name]

@@ -1,26 +1,31 @@
-"""finder: the shim's one meta-path finder -- it hands wrapt's finder only the modules with a hook
-waiting, and ignores every other import (reloads: test_reliability.py)."""
+"""finder: the shim's one meta-path finder and its own post-import hooks -- a hooked module's
+hooks run after its code, every other import is ignored, no wrapt import hook is loaded (reloads:
+test_reliability.py)."""
 
 import importlib
+import json
 import sys
 
 import pytest
 
 from npu_shim.runtime import activation, finder
 from test_bootstrap import last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
+from test_drop_in import bare_venvs  # noqa: F401 - a fixture
 
 
-def test_wrapts_import_finder_is_asked_only_about_modules_with_a_hook_waiting(tree):
-    """The shim's private wrapt: its ImportHookFinder stays out of sys.meta_path (it takes a lock
-    on every import); the shim's finder hands it the hooked modules, whose hooks still fire."""
+def test_only_modules_with_a_hook_waiting_are_looked_up_and_no_wrapt_import_hook_is_loaded(tree):
+    """The shim's finder owns the post-import hooks: no wrapt ImportHookFinder in sys.meta_path
+    (wrapt's takes a lock on every import), no wrapt importer module loaded; the shim's finder
+    looks up only the hooked modules, whose hooks still fire."""
     proc = run(tree, """
         import json, sys
         import sglang
         asked = []
         from npu_shim.runtime import activation
-        hook_finder = activation.RUNTIME.finder.hook_finder
-        find_spec = hook_finder.find_spec
-        hook_finder.find_spec = lambda name, *rest: asked.append(name) or find_spec(name, *rest)
+        shim = activation.RUNTIME.finder
+        find_elsewhere = shim._find_elsewhere
+        shim._find_elsewhere = lambda name, *rest: asked.append(name) or find_elsewhere(name, *rest)
+        waiting = shim.waiting()
         import colorsys
         from sglang.srt.utils import common
         from npu_shim import _bootstrap
@@ -28,14 +33,16 @@ def test_wrapts_import_finder_is_asked_only_about_modules_with_a_hook_waiting(tr
                                       if "ImportHookFinder" in type(f).__name__
                                       or type(f).__module__.startswith(("npu_shim", "sitecustomize"))],
                           "through_watcher": _bootstrap.WATCHER.then == activation.RUNTIME.finder.find_spec,
-                          "wrapt": type(hook_finder).__module__, "asked": sorted(set(asked)),
+                          "importers": sorted(m for m in sys.modules if "wrapt" in m and "importer" in m),
+                          "waiting": waiting, "left": shim.waiting(), "asked": sorted(set(asked)),
                           "value": common.get_npu_memory_capacity()}))
     """)
     out = last_json(proc)
     # One finder of the shim's: the start-up watcher, which hands imports to the shim's finder;
-    # no wrapt finder.
+    # no wrapt finder, no wrapt importer.
     assert out["finders"] == ["SglangImportWatcher"] and out["through_watcher"] is True
-    assert out["wrapt"] == "npu_shim._wrapt.importer" and out["asked"] == ["sglang.srt.utils.common"]
+    assert out["importers"] == [] and out["asked"] == ["sglang.srt.utils.common"]
+    assert out["waiting"] == ["sglang.srt.utils.common"] and out["left"] == []
     assert out["value"] == 1001  # the demo patch applied through the hook
 
 
@@ -46,10 +53,10 @@ def test_the_shim_finder_ignores_imports_and_unhooked_modules():
 
 
 def test_an_application_that_imported_wrapt_first_keeps_wrapts_own_finder(tree):
-    """The application imported wrapt before sglang: the shim reuses that module
-    (``wrapt_loader.take_import_finder()`` is None), wrapt's own ImportHookFinder stays in
-    sys.meta_path and serves the shim's hooks and the application's alike; the shim's finder
-    takes nothing from it and still re-applies after a reload."""
+    """The application imported wrapt before sglang and registered its own post-import hook: the
+    shim reuses that module for its wrappers only, wrapt's own ImportHookFinder stays in
+    sys.meta_path and serves the application's hooks (and none of the shim's); the shim's hooks
+    are its finder's, and it still re-applies after a reload."""
     proc = run(tree, """
         import importlib, json, sys
         import wrapt
@@ -62,8 +69,7 @@ def test_an_application_that_imported_wrapt_first_keeps_wrapts_own_finder(tree):
         patched = common.get_npu_memory_capacity()
         importlib.reload(common)
         print(json.dumps({
-            "taken": wrapt_loader.take_import_finder(),
-            "pending": activation.RUNTIME.finder.pending, "hook_finder": activation.RUNTIME.finder.hook_finder is None,
+            "wrapt_hooks": sorted(m for m in wrapt.importer._post_import_hooks if m.startswith("sglang")),
             "loaded": wrapt_loader.load() is wrapt, "origin": wrapt_loader.loaded_origin().source,
             "private": sorted(m for m in sys.modules if m.startswith("npu_shim._wrapt")),
             "wrapt_finders": [type(f).__module__ for f in sys.meta_path
@@ -72,7 +78,7 @@ def test_an_application_that_imported_wrapt_first_keeps_wrapts_own_finder(tree):
             "state": activation.RUNTIME.states()["demo"]["state"]}))
     """)
     assert last_json(proc) == {
-        "taken": None, "pending": {}, "hook_finder": True, "loaded": True, "origin": "image",
+        "wrapt_hooks": [], "loaded": True, "origin": "image",
         "private": [], "wrapt_finders": ["wrapt.importer"], "fired": ["colorsys"],
         "patched": 1001, "after_reload": 1001, "state": "applied"}
     assert "activation failed" not in proc.stderr, proc.stderr
@@ -154,3 +160,265 @@ def test_a_finder_in_front_does_not_stop_reloads_being_reapplied(tree):
                           "state": activation.RUNTIME.states()["demo"]["state"]}))
     """, shim=False)
     assert last_json(proc) == {"first": 0, "now": 1, "value": 1001, "state": "applied"}
+
+
+# -- the shim's post-import hooks ------------------------------------------------------------------
+
+@pytest.fixture
+def hooks(own_meta_path, tmp_path, monkeypatch):
+    """A fresh ShimFinder first in (a copy of) sys.meta_path, modules ``hk_*`` written under
+    ``hooks.dir`` importable; ``hooks.reapplied``: the modules it re-applied after a reload."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reapplied = []
+    shim = finder.ShimFinder(lambda name: name.startswith("hk_"), reapplied.append)
+    shim.install()
+    shim.reapplied, shim.dir = reapplied, tmp_path
+    before = set(sys.modules)
+    yield shim
+    shim.uninstall()
+    for name in set(sys.modules) - before:
+        if name.startswith("hk_"):
+            del sys.modules[name]
+
+
+def _write(hooks, relative, text):
+    path = hooks.dir / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    importlib.invalidate_caches()
+
+
+def test_a_hook_runs_once_after_the_module_code_and_at_once_for_a_module_imported_already(hooks):
+    _write(hooks, "hk_a.py", "X = 1\n")
+    fired = []
+    hooks.register("hk_a", lambda module: fired.append((module.__name__, module.X)))
+    assert hooks.waiting() == ["hk_a"] and fired == []
+    import hk_a
+    assert fired == [("hk_a", 1)] and hooks.waiting() == []
+    # no trace of the hook's loader on the module
+    assert type(hk_a.__loader__).__name__ == "SourceFileLoader" and hk_a.__spec__.loader is hk_a.__loader__
+    importlib.import_module("hk_a")
+    assert fired == [("hk_a", 1)]
+    hooks.register("hk_a", lambda module: fired.append("at once"))
+    assert fired == [("hk_a", 1), "at once"] and hooks.waiting() == []
+
+
+def test_a_module_imported_inside_another_modules_hook_gets_its_hooks(hooks):
+    _write(hooks, "hk_outer.py", "")
+    _write(hooks, "hk_inner.py", "")
+    fired = []
+
+    def outer(module):
+        fired.append(module.__name__)
+        import hk_inner  # noqa: F401 - a hooked module imported inside a hook
+        hooks.register("hk_outer", lambda again: fired.append("registered in its own hook"))
+
+    hooks.register("hk_outer", outer)
+    hooks.register("hk_inner", lambda module: fired.append(module.__name__))
+    import hk_outer  # noqa: F401
+    assert fired == ["hk_outer", "hk_inner", "registered in its own hook"] and hooks.waiting() == []
+
+
+def test_reload_reapplies_and_does_not_run_the_hooks_again(hooks):
+    _write(hooks, "hk_reloaded.py", "X = 1\n")
+    fired = []
+    hooks.register("hk_reloaded", lambda module: fired.append(module.X))
+    import hk_reloaded
+    _write(hooks, "hk_reloaded.py", "X = 22\n")
+    importlib.reload(hk_reloaded)
+    assert hk_reloaded.X == 22 and fired == [1] and hooks.reapplied == [hk_reloaded]
+    assert type(hk_reloaded.__spec__.loader).__name__ == "SourceFileLoader"
+
+
+class LegacyLoader:
+    """A loader from before exec_module: ``load_module`` only."""
+
+    def load_module(self, fullname):
+        import types
+
+        module = sys.modules[fullname] = types.ModuleType(fullname)
+        module.__loader__ = self
+        module.X = "legacy"
+        return module
+
+
+class LegacyFinder:
+    def find_spec(self, fullname, path=None, target=None):
+        import importlib.util
+
+        return importlib.util.spec_from_loader(fullname, LegacyLoader()) if fullname == "hk_legacy" else None
+
+
+def test_a_loader_with_only_load_module_runs_the_hooks(hooks, own_meta_path):
+    import warnings
+
+    own_meta_path.append(LegacyFinder())
+    fired = []
+    hooks.register("hk_legacy", lambda module: fired.append(module.X))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ImportWarning)  # "exec_module() not found" (3.10+)
+        import hk_legacy
+    assert fired == ["legacy"] and isinstance(hk_legacy.__loader__, LegacyLoader)
+    assert isinstance(hk_legacy.__spec__.loader, LegacyLoader)
+
+
+def test_a_namespace_package_and_its_module_run_their_hooks(hooks):
+    _write(hooks, "hk_ns/mod.py", "X = 3\n")
+    fired = []
+    hooks.register("hk_ns", lambda module: fired.append(module.__name__))
+    hooks.register("hk_ns.mod", lambda module: fired.append(module.X))
+    import hk_ns.mod
+    assert fired == ["hk_ns", 3] and list(hk_ns.__path__) == [str(hooks.dir / "hk_ns")]
+    assert "NamespaceLoader" in type(hk_ns.__loader__).__name__
+
+
+@pytest.mark.parametrize("version", ["3.9", "3.10"])
+def test_a_namespace_package_without_a_loader_in_its_spec_runs_its_hooks(version, tmp_path):
+    """Before Python 3.11 a namespace package's spec has no loader (the import system makes one)."""
+    import subprocess
+
+    from test_drop_in import REPO, pyenv_python
+
+    (tmp_path / "hk_ns").mkdir()
+    code = """if 1:
+        import json, sys
+        from npu_shim.runtime import finder
+        shim = finder.ShimFinder(lambda name: False, lambda module: None)
+        shim.install()
+        fired = []
+        shim.register("hk_ns", lambda module: fired.append(type(module.__loader__).__name__))
+        import hk_ns
+        print(json.dumps([fired, hk_ns.__spec__.loader is hk_ns.__loader__, hk_ns.__file__]))
+    """
+    proc = subprocess.run([pyenv_python(version), "-c", code], capture_output=True, text=True,
+                          env={"PYTHONPATH": "%s:%s" % (tmp_path, REPO), "PYTHONDONTWRITEBYTECODE": "1"},
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [["_NamespaceLoader"], True, None]
+
+
+def test_a_module_that_fails_to_import_runs_no_hook_and_leaves_nothing(hooks):
+    _write(hooks, "hk_bad.py", "raise RuntimeError('broken')\n")
+    fired = []
+    hooks.register("hk_bad", lambda module: fired.append(module.__name__))
+    with pytest.raises(RuntimeError, match="broken"):
+        import hk_bad  # noqa: F401
+    assert fired == [] and "hk_bad" not in sys.modules
+    assert hooks.waiting() == ["hk_bad"] and hooks._finding == set()
+    _write(hooks, "hk_bad.py", "X = 'fixed'\n")
+    import hk_bad  # noqa: F401,F811
+    assert fired == ["hk_bad"] and hooks.waiting() == []
+
+
+def test_threads_importing_and_registering_run_each_hook_exactly_once(hooks):
+    import threading
+    import time
+
+    _write(hooks, "hk_slow.py", "import time\ntime.sleep(0.2)\nX = 1\n")
+    fired = []
+    lock = threading.Lock()
+
+    def hook(tag):
+        def run(module):
+            with lock:
+                fired.append(tag)
+        return run
+
+    hooks.register("hk_slow", hook("first"))
+    seen = []
+    start = threading.Barrier(9)
+
+    def importer():
+        start.wait()
+        seen.append(importlib.import_module("hk_slow").X)
+
+    def registerer(i):
+        start.wait()
+        time.sleep(0.05 * (i % 3))
+        hooks.register("hk_slow", hook(i))
+
+    threads = [threading.Thread(target=importer) for _ in range(4)]
+    threads += [threading.Thread(target=registerer, args=(i,)) for i in range(5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert seen == [1, 1, 1, 1]
+    assert sorted(fired, key=str) == sorted(["first", 0, 1, 2, 3, 4], key=str)
+    assert hooks.waiting() == [] and hooks._finding == set()
+
+
+# -- end to end, with each wrapt an image may have and with the bundle's -------------------------
+
+_END_TO_END = """
+import importlib, json, sys
+fired = []
+app = %r
+if app != "shim-first":  # the application imported wrapt before sglang
+    import wrapt
+if app == "app-hooks-first":  # ... and hooked the very module the shim hooks
+    wrapt.register_post_import_hook(lambda m: fired.append(m.__name__), "sglang.srt.utils.common")
+import sglang
+from npu_shim.runtime import activation, wrapt_loader
+shim = activation.RUNTIME.finder
+waiting = shim.waiting()
+from sglang.srt.utils import common
+patched = common.get_npu_memory_capacity()
+private = sorted(m for m in sys.modules if m.startswith("npu_shim._wrapt"))
+try:  # the application's own wrapt hook, registered afterwards
+    import wrapt
+    wrapt.register_post_import_hook(lambda m: fired.append(m.__name__), "colorsys")
+    import colorsys
+except ImportError:
+    fired = None
+importlib.reload(common)
+print(json.dumps({"origin": wrapt_loader.loaded_origin().describe(), "waiting": waiting,
+                  "left": shim.waiting(), "patched": patched,
+                  "after_reload": common.get_npu_memory_capacity(),
+                  "state": activation.RUNTIME.states()["demo"]["state"], "private": private,
+                  "fired": fired}))
+"""
+
+_PRIVATE_1_14 = ["npu_shim._wrapt", "npu_shim._wrapt._wrappers", "npu_shim._wrapt.wrappers"]
+_PRIVATE_1_17 = ["npu_shim._wrapt", "npu_shim._wrapt.__wrapt__", "npu_shim._wrapt._wrappers",
+                 "npu_shim._wrapt.wrappers"]
+_PRIVATE_2X = ["npu_shim._wrapt", "npu_shim._wrapt.__wrapt__", "npu_shim._wrapt._wrappers",
+               "npu_shim._wrapt.exceptions", "npu_shim._wrapt.wrappers"]
+
+
+@pytest.mark.parametrize("app", ["shim-first", "app-wrapt-first", "app-hooks-first"])
+@pytest.mark.parametrize("version, private", [
+    ("1.14.1", _PRIVATE_1_14), ("1.17.3", _PRIVATE_1_17), ("2.5.2", _PRIVATE_2X)])
+def test_the_shims_hooks_with_the_images_wrapt(version, private, app, tree, bare_venvs):
+    """The image's wrapt at 1.14, 1.17 and 2.x: the shim's hooks patch, re-apply after a reload
+    and load no wrapt import hook, whether or not the application imported wrapt first; the
+    application's own wrapt hooks fire as well -- on a module of its own, and on the very module
+    the shim hooks (wrapt's finder then in front of the shim's)."""
+    from shimdev import sglang_envs
+    from test_drop_in import REPO
+    from test_drop_in import run as run_in
+
+    layer = sglang_envs.ensure_wrapt(version)
+    out = last_json(run_in(bare_venvs("3.11"), tree, _END_TO_END % app, REPO, after=[layer]))
+    # wrapt 1.14 (not 1.17 nor 2.x) keeps answering for a module whose hooks fired, and on a
+    # reload hands back the module's own spec (importlib.util.find_spec, without the target): when
+    # the application hooks the very module with it, its finder is in front and the shim's is
+    # not asked.
+    reapplied = not (app == "app-hooks-first" and version == "1.14.1")
+    assert out == {
+        "origin": "image %s" % version, "waiting": ["sglang.srt.utils.common"], "left": [],
+        "patched": 1001, "after_reload": 1001 if reapplied else 1000, "state": "applied",
+        # reused as the application imported it, or loaded privately: wrappers only
+        "private": private if app == "shim-first" else [],
+        "fired": (["sglang.srt.utils.common"] if app == "app-hooks-first" else []) + ["colorsys"]}
+
+
+def test_the_shims_hooks_with_the_bundles_wrapt(tree, bare_venvs, built_bundle):
+    from test_drop_in import run as run_in
+
+    out = last_json(run_in(bare_venvs("3.11"), tree, _END_TO_END % "shim-first", built_bundle,
+                           readonly=built_bundle))
+    assert out == {
+        "origin": "bundle 2.5.2 [cp311-x86_64-glibc2.5]", "waiting": ["sglang.srt.utils.common"],
+        "left": [], "patched": 1001, "after_reload": 1001, "state": "applied",
+        "private": _PRIVATE_2X, "fired": None}

@@ -44,8 +44,8 @@ def test_uninstall_after_reload_restores_the_reloaded_code(tree):
         importlib.reload(common)
         npu_shim.uninstall()
         print(json.dumps({"value": common.get_npu_memory_capacity(),
-                          # wrapt's own ImportHookFinder (the shim's private copy) included: it
-                          # was never in sys.meta_path, the shim's finder stood in for it
+                          # no wrapt ImportHookFinder either: the shim's finder runs its own
+                          # post-import hooks
                           "watchers": [type(f).__name__ for f in sys.meta_path
                                        if type(f).__module__.startswith("npu_shim")],
                           "loader": type(common.__loader__).__name__}))

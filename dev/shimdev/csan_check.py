@@ -53,22 +53,6 @@ def _two_layers(process, block, hidden):
     return _layer(process, block, residual)
 
 
-def _in_place(experts):
-    import torch
-
-    class InPlaceExperts(torch.nn.Module):
-        should_fuse_routed_scaling_factor_in_topk = False
-
-        def __init__(self):
-            super().__init__()
-            self.inner = experts
-
-        def forward(self, hidden_states, topk_output):
-            return hidden_states.copy_(self.inner(hidden_states=hidden_states, topk_output=topk_output))
-
-    return InPlaceExperts()
-
-
 def _draft_between_target_layers(dm, process, block, hidden):
     import torch
 
@@ -103,7 +87,9 @@ def run_case(name, dm, block, hidden):
         process.wait_share_stream = lambda: dm.current_stream().wait_stream(side)
         return _layer(process, block, hidden * 2)  # written on the main stream just before
     if name == "in_place_routed":
-        block.experts = _in_place(block.experts)
+        from shimdev.stream_races import in_place
+
+        block.experts = in_place(block.experts)
         return _layer(process, block, hidden)
     if name == "shared_side_stream":  # the backport before its fix, as upstream: one side stream
         side = dm.Stream()

@@ -33,7 +33,9 @@ EXPECTED = {
 }
 
 
-def _in_place(experts):
+def in_place(experts):
+    """``experts`` writing its output into its input (what an in-place routed path would do);
+    csan_check.py runs the same scenario on CUDA."""
     import torch
 
     class InPlaceExperts(torch.nn.Module):
@@ -75,7 +77,7 @@ def _draft_and_target(bed):
 
 def _in_place_routed(bed):
     experts = bed.block.experts
-    bed.block.experts = _in_place(experts)
+    bed.block.experts = in_place(experts)
     try:
         return _two_layers(bed, bed.ForwardMode.EXTEND)
     finally:

@@ -1,14 +1,18 @@
-"""npu-shim bootstrap: arm a watcher for ``import sglang`` in every Python process at start-up
-and run the image's own ``sitecustomize``.
+"""npu-shim bootstrap: watch for ``import sglang`` in every Python process; chain the image's own
+``sitecustomize``."""
 
-The repository root's ``sitecustomize.py`` is a symbolic link to this file (a bundle holds a
-copy), so with the shim on ``PYTHONPATH`` this one module is all a process loads at start-up; it
-registers itself as ``npu_shim._bootstrap`` for ``install()`` and the runtime.  A pip install runs
-``start()`` from its ``.pth`` instead.  Every code object here is unmarshalled by every process:
-keep it small (scripts/bench_drop_in.py counts the instructions).  Only ``sys`` and ``os`` are
-touched; the first ``import sglang`` hands over to ``npu_shim.runtime.activation`` (the watcher
-passes itself to the runtime).
-"""
+# The repository root's sitecustomize.py is a symbolic link to this file (a bundle holds a copy),
+# so with the shim on PYTHONPATH this one module is all a process loads at start-up; it registers
+# itself as npu_shim._bootstrap for install() and the runtime.  A pip install runs start() from
+# its .pth instead.  Every process unmarshals and runs this file: no class, few functions, comments
+# rather than docstrings (scripts/bench_drop_in.py counts the instructions).  Only sys and os are
+# touched; the first ``import sglang`` hands over to npu_shim.runtime.activation.
+#
+# The watcher is this module itself, placed in sys.meta_path: a finder that finds nothing.  It
+# notices the first ``import sglang`` and from then on hands every import to the active shim's
+# finder (runtime/finder.ShimFinder, through ``then``): one finder of ours in sys.meta_path, not
+# two, since the import system asks each finder about each of the thousands of imports of an
+# sglang process.
 
 import os
 import sys
@@ -17,62 +21,55 @@ import sys
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
+is_npu_shim_watcher = True  # what find_package_dir skips (asking it would activate the shim)
+fired = False
+off = False  # NPU_SHIM_ENABLED=0: only say so when sglang is imported
+then = None  # the active shim's finder's find_spec, once activated through this watcher
 
-class SglangImportWatcher:
-    """A meta-path finder that finds nothing itself: it notices the first ``import sglang``, and
-    then hands every import to the active shim's finder (``finder.ShimFinder``) -- one finder
-    of ours in sys.meta_path, not two: the import system asks each finder about each of the
-    thousands of imports of an sglang process (scripts/bench_drop_in.py measures the cost)."""
 
-    is_npu_shim_watcher = True  # what find_package_dir skips (asking it would activate the shim)
+def find_spec(fullname, path=None, target=None):
+    global fired
+    if fired:
+        return None if then is None else then(fullname, path, target)
+    if fullname != "sglang":
+        return None
+    # Stay in sys.meta_path: the import system is iterating that list right now, and removing an
+    # entry would make it skip the finder after us (editable installs live there).
+    fired = True
+    if off:
+        from npu_shim.runtime import off as off_line
+
+        off_line.say_off()
+        return None
+    from npu_shim.runtime import activation  # deferred: wrapt and the patches load only from here
+
+    activation.RUNTIME.activate_guarded(WATCHER)
+    return None  # let the normal finders import sglang
+
+
+def arm():
+    # Put the watcher first in sys.meta_path (idempotent); False when sglang was already imported.
+    global fired
+    if "sglang" in sys.modules:
+        return False
     fired = False
-    off = False  # NPU_SHIM_ENABLED=0: only say so when sglang is imported
-    then = None  # the active shim's finder's find_spec, once activated through this watcher
-
-    def find_spec(self, fullname, path=None, target=None):
-        if self.fired:
-            then = self.then
-            return None if then is None else then(fullname, path, target)
-        if fullname != "sglang":
-            return None
-        # Stay in sys.meta_path: the import system is iterating that list right now, and removing
-        # an entry would make it skip the finder after us (editable installs live there).
-        self.fired = True
-        if self.off:
-            from npu_shim.runtime import off
-
-            off.say_off()
-            return None
-        from npu_shim.runtime import activation  # deferred: wrapt and the patches load only from here
-
-        activation.RUNTIME.activate_guarded(self)
-        return None  # let the normal finders import sglang
-
-    def arm(self):
-        """Put the watcher first in sys.meta_path (idempotent).  False when sglang was already
-        imported."""
-        if "sglang" in sys.modules:
-            return False
-        self.fired = False
-        if self not in sys.meta_path:
-            sys.meta_path.insert(0, self)
-        return True
-
-
-WATCHER = SglangImportWatcher()
+    if WATCHER not in sys.meta_path:
+        sys.meta_path.insert(0, WATCHER)
+    return True
 
 
 def start():
-    """Arm the watcher; with NPU_SHIM_ENABLED off it only says so once sglang is imported (read
-    here without the config module: a bad value is reported through it and counts as off);
-    never raises."""
+    # Arm the watcher; with NPU_SHIM_ENABLED off it only says so once sglang is imported (read
+    # here without the config module: a bad value is reported through it and counts as off);
+    # never raises.
+    global off
     try:
         raw = os.environ.get("NPU_SHIM_ENABLED", "").strip().lower()
         if raw == "" or raw in TRUE_WORDS:
-            WATCHER.arm()
+            arm()
         elif raw in FALSE_WORDS:
-            WATCHER.off = True
-            WATCHER.arm()
+            off = True
+            arm()
         else:
             from npu_shim.core import config
             from npu_shim.ops import log  # only on this error path
@@ -90,17 +87,32 @@ def start():
             pass
 
 
-def chain_next_sitecustomize(our_file):
-    """Run the ``sitecustomize`` that would have run without us (the next one on sys.path), once.
+def surely_absent(entry):
+    # True when the FileFinder the import system made for this entry during this start-up shows
+    # no sitecustomize in its listing in any form (module, package, extension): the search would
+    # find nothing there.  Asking each finder, which stats its directory again, costs every
+    # process more than the rest of this file; anything else (no finder yet, another kind, no
+    # listing yet) is searched.
+    finder = sys.path_importer_cache.get(entry, False)
+    if finder is None:
+        return True  # no finder can take this entry: the import system skips it too
+    names = getattr(finder, "_path_cache", None)
+    if type(names) is not set:
+        return False
+    for name in SITECUSTOMIZE_NAMES:
+        if name in names:
+            return False
+    return True
 
-    Python imports only the first ``sitecustomize`` it finds; images (Debian/Ubuntu Pythons among
-    them) often ship their own, which must still run.  It is executed under its own name and then
-    kept in ``sys.modules`` as ``npu_shim.chained_sitecustomize``; errors in it are reported the way
-    ``site.py`` reports them and go no further.
-    """
-    # The import system's own PathFinder and module_from_spec: importing importlib for them
-    # would cost every process its import (scripts/bench_drop_in.py).
-    path_finder = next(f for f in sys.meta_path if getattr(f, "__name__", None) == "PathFinder")
+
+def chain_next_sitecustomize(our_file):
+    # Run the sitecustomize that would have run without us (the next one on sys.path), once.
+    # Python imports only the first sitecustomize it finds; images (Debian/Ubuntu Pythons among
+    # them) often ship their own, which must still run.  It is executed under its own name and
+    # then kept in sys.modules as npu_shim.chained_sitecustomize; errors in it are reported the
+    # way site.py reports them and go no further.  The import system's own PathFinder and
+    # module_from_spec: importing importlib for them would cost every process its import.
+    path_finder = sys.modules["_frozen_importlib_external"].PathFinder
     ours = os.path.dirname(our_file)
     keys = sys.path
     if ours not in keys:  # normally a string match: site.py stores PYTHONPATH entries as abspath
@@ -110,10 +122,9 @@ def chain_next_sitecustomize(our_file):
         return None
     start = keys.index(ours) + 1
     after = [entry for entry, key in zip(sys.path[start:], keys[start:]) if key != ours]
-    spec = path_finder.find_spec("sitecustomize", after)
-    ours_again = spec is not None and spec.origin and (
-        os.path.realpath(spec.origin) == os.path.realpath(our_file))
-    if ours_again:
+    searched = [entry for entry in after if not surely_absent(entry)]
+    spec = path_finder.find_spec("sitecustomize", searched) if searched else None
+    if spec is not None and spec.origin and os.path.realpath(spec.origin) == os.path.realpath(our_file):
         # Our own file again through another spelling of its directory (a symlink): never chain
         # to it; the next sitecustomize, if any, lies past that entry.  (One search over all the
         # entries first: this runs in every process.)
@@ -147,12 +158,16 @@ def chain_next_sitecustomize(our_file):
     return module
 
 
-# This file executing as ``sitecustomize`` (no function of its own: every code object here is
-# unmarshalled by every process): arm, then chain the image's own; never raise.
+FILE_FINDER = sys.modules["_frozen_importlib_external"].FileFinder
+SITECUSTOMIZE_NAMES = ["sitecustomize", "sitecustomize.py", "sitecustomize.pyc"] + [
+    "sitecustomize" + suffix for suffix in sys.modules["_imp"].extension_suffixes()]
+WATCHER = sys.modules[__name__]  # the watcher: this module (see the comment at the top)
+
+# This file executing as sitecustomize: arm, then chain the image's own; never raise.
 if __name__ == "sitecustomize":
     try:
         # An earlier activation in this process (a pip install's .pth) owns the watcher.
-        sys.modules.setdefault("npu_shim._bootstrap", sys.modules[__name__]).start()
+        sys.modules.setdefault("npu_shim._bootstrap", WATCHER).start()
     except Exception as exc:  # noqa: BLE001 - start-up must never fail because of the shim
         sys.stderr.write("[npu-shim] shim off: bootstrap failed: %r\n" % (exc,))
     try:

@@ -126,7 +126,7 @@ def last_json(proc):
 def test_image_sitecustomize_is_chained_exactly_once(tree):
     proc = run(tree, """
         import sys, json
-        print(json.dumps({"armed": any(type(f).__name__ == "SglangImportWatcher" for f in sys.meta_path),
+        print(json.dumps({"armed": any(getattr(f, "is_npu_shim_watcher", False) for f in sys.meta_path),
                           "ours": sys.modules["sitecustomize"].__file__,
                           "chained": sys.modules["npu_shim.chained_sitecustomize"].__file__}))
     """)
@@ -135,6 +135,53 @@ def test_image_sitecustomize_is_chained_exactly_once(tree):
     assert out["ours"] == os.path.join(REPO, "sitecustomize.py")
     assert out["chained"] == str(tree / "image" / "sitecustomize.py")
     assert (tree / "marker").read_text() == "ran\n"
+
+
+@pytest.mark.parametrize("form", ["none", "module", "package", "namespace dir", "sourceless",
+                                  "extension", "zip file", "no such folder"])
+def test_a_listed_folder_is_skipped_only_where_the_import_system_would_find_no_sitecustomize(form, tmp_path):
+    """The chain's shortcut (the listing this process's FileFinder already holds) must agree with
+    asking the import system, for every form a sitecustomize can take."""
+    import importlib.machinery
+    import zipfile
+
+    from npu_shim import _bootstrap
+
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    (entry / "other.py").write_text("")
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    if form == "module":
+        (entry / "sitecustomize.py").write_text("")
+    elif form == "package":
+        (entry / "sitecustomize").mkdir()
+        (entry / "sitecustomize" / "__init__.py").write_text("")
+    elif form == "namespace dir":
+        (entry / "sitecustomize").mkdir()
+    elif form == "sourceless":
+        (entry / "sitecustomize.pyc").write_bytes(b"")
+    elif form == "extension":
+        (entry / ("sitecustomize" + suffix)).write_bytes(b"")
+    elif form == "zip file":
+        entry = tmp_path / "entry.zip"
+        with zipfile.ZipFile(str(entry), "w") as archive:
+            archive.writestr("sitecustomize.py", "")
+    elif form == "no such folder":
+        entry = tmp_path / "missing"
+    path_finder = importlib.machinery.PathFinder
+    try:
+        assert path_finder.find_spec("other_no_such_module", [str(entry)]) is None  # lists the folder
+        expected_absent = path_finder.find_spec("sitecustomize", [str(entry)]) is None
+        assert _bootstrap.surely_absent(str(entry)) is (expected_absent and form != "zip file")
+        assert expected_absent is (form in ("none", "no such folder"))
+    finally:
+        sys.path_importer_cache.pop(str(entry), None)
+
+
+def test_an_unlisted_folder_is_searched():
+    from npu_shim import _bootstrap
+
+    assert _bootstrap.surely_absent("/no/finder/made/for/this") is False
 
 
 def test_failing_image_sitecustomize_is_reported_like_site_py_and_does_not_stop_start_up(tree):

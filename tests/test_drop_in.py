@@ -21,7 +21,7 @@ import pytest
 
 from npu_shim.cli import bundle
 from npu_shim.runtime import activation, installer, wrapt_loader
-from test_bootstrap import DEMO_PATCH
+from test_bootstrap import DEMO_PATCH, IMAGE_SITECUSTOMIZE
 from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,6 +149,47 @@ def test_bundle_holds_every_build_pyc_and_a_manifest_that_verifies(built_bundle)
     with tarfile.open(str(built_bundle) + ".tar.gz") as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     assert {f["path"] for f in manifest["files"]} <= names
+
+
+def test_bundle_pyc_checks_no_source_for_sitecustomize_and_checks_the_package_s(built_bundle):
+    """Every process on the node loads sitecustomize's .pyc: unchecked-hash (its source is neither
+    read nor hashed); the package's are checked-hash.  Both carry their source's hash."""
+    import importlib.util
+
+    def flags_and_hash(pyc, source):
+        data = pyc.read_bytes()
+        ours = pyc.name.endswith("cpython-%d%d.pyc" % sys.version_info[:2])
+        # the hash is keyed by the interpreter's magic number: only this one's can be computed here
+        expected = importlib.util.source_hash(source.read_bytes()) if ours else data[8:16]
+        return int.from_bytes(data[4:8], "little"), data[8:16] == expected
+
+    for version in PYTHONS:
+        tag = "cpython-%s.pyc" % version.replace(".", "")
+        assert flags_and_hash(built_bundle / "__pycache__" / ("sitecustomize." + tag),
+                              built_bundle / "sitecustomize.py") == (0b01, True)
+        assert flags_and_hash(built_bundle / "npu_shim" / "__pycache__" / ("_bootstrap." + tag),
+                              built_bundle / "npu_shim" / "_bootstrap.py") == (0b11, True)
+
+
+@pytest.mark.parametrize("version", PYTHONS)
+def test_an_image_sitecustomize_in_a_folder_listed_at_start_up_is_chained(version, built_bundle, tree, tmp_path):
+    """As on a Debian image: the image's sitecustomize lies in a folder the interpreter has already
+    listed before sitecustomize runs (a .pth file imported a module from it)."""
+    venv = tmp_path / "venv"
+    subprocess.run([pyenv_python(version), "-m", "venv", "--without-pip", str(venv)],
+                   check=True, capture_output=True, timeout=120)
+    site_packages = venv / "lib" / ("python" + version) / "site-packages"
+    (site_packages / "sitecustomize.py").write_text(IMAGE_SITECUSTOMIZE)
+    (site_packages / "listed_early.py").write_text("")
+    (site_packages / "listed_early.pth").write_text("import listed_early\n")
+    (tree / "image" / "sitecustomize.py").unlink()  # the one in site-packages is the image's
+    proc = run(str(venv / "bin" / "python"), tree, """
+        import json, sys
+        print(json.dumps([sys.modules["npu_shim.chained_sitecustomize"].__file__,
+                          "listed_early" in sys.modules]))
+    """, built_bundle)
+    assert last_json(proc) == [str(site_packages / "sitecustomize.py"), True]
+    assert (tree / "marker").read_text() == "ran\n"
 
 
 def test_bundle_verify_names_a_changed_file(built_bundle, tmp_path):

@@ -2,7 +2,7 @@
 
 The import system asks every finder in ``sys.meta_path`` about every import (thousands in an
 sglang process; scripts/bench_drop_in.py measures what each finder costs), so the shim keeps one: the start-up watcher
-(``_bootstrap.SglangImportWatcher``, handed in by the runtime) hands each import to ``ShimFinder`` once it fired.
+(the ``npu_shim._bootstrap`` module itself, handed in by the runtime) hands each import to ``ShimFinder`` once it fired.
 ``ShimFinder`` owns the shim's post-import hooks (as dd-trace-py's ModuleWatchdog owns its own):
 wrapt gives the shim only its function wrappers, and an application's own
 ``wrapt.register_post_import_hook`` keeps wrapt's finder, untouched.  It answers almost every

@@ -58,10 +58,8 @@ class _Writer:
         self.last_time = 0.0      # time.monotonic() of that write
         self.swept_pid = None     # the process that swept the directory's leftovers
         self.failing = False
-        self.source = None        # () -> {patch: {"state", "reason", "details"}}, or None
-        self.shim_enabled = True
-        self.sglang_path = None
         self.atexit_registered = False
+        self.attached = None      # staterecord.ATTACHED, handed in with the first write
 
 
 _W = _Writer()
@@ -105,13 +103,6 @@ def record_name(host, pid_ns, pid):
     return "%s-%s-%d.json" % (statedir.safe_name(host), pid_ns if pid_ns is not None else "x", pid)
 
 
-def attach(source, sglang_path=None, shim_enabled=True):
-    """The runtime hands over how to read the patches' records (called once they are decided)."""
-    _W.source = source
-    _W.sglang_path = sglang_path
-    _W.shim_enabled = shim_enabled
-
-
 def build():
     """The record as a dict (``updated`` left out), or None when the patches' details could not be
     read consistently this time (a wrapper kept mutating one in another thread: try later)."""
@@ -119,11 +110,12 @@ def build():
 
     from npu_shim._version import __version__
 
+    attached = _W.attached
     patches = {}
-    if _W.source is not None:
+    if attached is not None and attached.source is not None:
         for _attempt in range(3):  # a wrapper may be mutating a details dict in another thread
             try:
-                patches = json.loads(json.dumps(_W.source(), default=str))
+                patches = json.loads(json.dumps(attached.source(), default=str))
                 break
             except RuntimeError:  # "dictionary changed size during iteration"
                 continue
@@ -140,9 +132,9 @@ def build():
         "start_ticks": procinfo.start_ticks(),
         "role": procinfo.role(),
         "shim": __version__,
-        "shim_enabled": _W.shim_enabled,
+        "shim_enabled": attached.shim_enabled if attached is not None else True,
         "sglang": procinfo.sglang_version(),
-        "sglang_path": _W.sglang_path,
+        "sglang_path": attached.sglang_path if attached is not None else None,
         "python": platform.python_version(),
         "program": procinfo.main_module(),
         "heartbeat_s": HEARTBEAT_S,
@@ -150,9 +142,12 @@ def build():
     }
 
 
-def write(force=False):
+def write(force=False, attached=None):
     """Write the record now if the directory is set and (or ``force``) it changed, or its
-    heartbeat is due.  Never raises."""
+    heartbeat is due; ``attached``: what the runtime handed staterecord (kept for the writer's
+    thread and the exit).  Never raises."""
+    if attached is not None:
+        _W.attached = attached
     dir_ = directory()
     if dir_ is None:
         return False
@@ -203,7 +198,8 @@ def _why(exc):
 
 
 def touch(now=False):
-    """Something in a record changed: rewrite it soon (from the writer thread), or ``now``."""
+    """Something in a record changed: rewrite it soon (from the writer thread), or ``now``
+    (the runtime calls staterecord.touch)."""
     if _W.thread_pid is None and not now:
         return  # nothing written yet in this process: the first write is synchronous
     if now:
@@ -239,9 +235,3 @@ def _final():
         write()
     except Exception:  # noqa: BLE001
         pass
-
-
-def write_off_record(sglang_path=None):
-    """A process where the shim is off (NPU_SHIM_ENABLED=0) still says so in its record."""
-    attach(None, sglang_path, shim_enabled=False)
-    write()

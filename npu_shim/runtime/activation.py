@@ -28,7 +28,7 @@ import threading
 
 from npu_shim.core import config, framework, loading
 from npu_shim.core.framework import APPLIED, FAILED, PROBLEMS, ShimError
-from npu_shim.ops import log, procinfo, statefile, summary
+from npu_shim.ops import log, procinfo, staterecord, summary
 from npu_shim.runtime import installer, role, wrapt_loader
 from npu_shim.runtime.finder import ShimFinder
 from npu_shim.runtime.targets import Wrap
@@ -244,8 +244,8 @@ class Runtime:
             role.when_child_starts(self.child_starts, self.say_summary)
         else:
             self.say_summary()
-        statefile.attach(self.state_snapshot, getattr(view, "package_dir", None))
-        statefile.write()
+        staterecord.attach(self.state_snapshot, getattr(view, "package_dir", None))
+        staterecord.write()
         for record in records.values():
             self.enforce(record)
 
@@ -305,9 +305,9 @@ class Runtime:
                 record.state, record.reason = FAILED, "while patching %s: %s" % (name, exc)
                 if self.summary_due is None:  # else the summary line, still to come, says it
                     summary.report(record)
-                statefile.write()
+                staterecord.write()
                 self.enforce(record)
-        statefile.write()
+        staterecord.write()
 
     def reapply_after_reload(self, module):
         """Re-apply the patches to a hooked module's code after ``importlib.reload`` ran it (the
@@ -356,7 +356,7 @@ class Runtime:
             self.generation += 1
             self.records = None
             self.patches = None
-        statefile.write()
+        staterecord.write()
 
     # -- what the process says
     def record(self, name):

@@ -208,6 +208,22 @@ def _has_extension(package_dir):
         return False
 
 
+def _c_wrappers(package_dir):
+    """wrapt's C extension module, or None (none built, or switched off as wrapt itself allows
+    with ``WRAPT_DISABLE_EXTENSIONS``): it defines both names by itself.  wrapt's own choice goes
+    through its pure-Python wrappers module first, which is most of what it would keep in every
+    sglang process."""
+    import importlib
+
+    if os.environ.get("WRAPT_DISABLE_EXTENSIONS") or not _has_extension(package_dir):
+        return None
+    try:
+        return importlib.import_module(PRIVATE_NAME + "._wrappers")
+    except ImportError:  # as wrapt does: its Python wrappers instead
+        sys.modules.pop(PRIVATE_NAME + "._wrappers", None)
+        return None
+
+
 def _load_private(package_dir):
     """The wrappers of the wrapt in ``package_dir``, imported under PRIVATE_NAME without its
     ``__init__`` (its imports are all relative); the two names the shim uses are set on the
@@ -231,9 +247,11 @@ def _load_private(package_dir):
             aliases = []  # a wrapt without that module (1.x) has nothing to serve
         for name in aliases:
             sys.modules[name] = module if name == "wrapt" else exceptions
-        # 2.x chooses between its C and Python wrappers in __wrapt__; 1.x in wrappers.
-        core_name = "__wrapt__" if os.path.isfile(os.path.join(package_dir, "__wrapt__.py")) else "wrappers"
-        core = importlib.import_module("%s.%s" % (PRIVATE_NAME, core_name))
+        core = _c_wrappers(package_dir)
+        if core is None:
+            # 2.x chooses between its C and Python wrappers in __wrapt__; 1.x in wrappers.
+            core_name = "__wrapt__" if os.path.isfile(os.path.join(package_dir, "__wrapt__.py")) else "wrappers"
+            core = importlib.import_module("%s.%s" % (PRIVATE_NAME, core_name))
         module.FunctionWrapper = core.FunctionWrapper
         module.BoundFunctionWrapper = core.BoundFunctionWrapper
     except BaseException:

@@ -309,21 +309,21 @@ def test_an_exited_process_not_yet_reaped_is_stale():
 
 
 def test_a_record_is_never_written_without_its_patches(tmp_path, monkeypatch):
-    from npu_shim.ops import statefile
+    from npu_shim.ops import statefile, staterecord
 
     monkeypatch.setenv("NPU_SHIM_STATE_DIR", str(tmp_path))
     monkeypatch.setattr(statefile._W, "thread_pid", os.getpid())  # no writer thread in this test
-    saved = statefile._W.source
+    saved = staterecord.ATTACHED.source
 
     def busy():
         raise RuntimeError("dictionary changed size during iteration")
 
     try:
-        statefile.attach(busy)
-        assert statefile.write() is False and os.listdir(tmp_path) == []
-        statefile.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": {"n": 1}}})
-        assert statefile.write() is True and statefile.write() is False  # unchanged: not rewritten
+        staterecord.attach(busy)
+        assert staterecord.write() is False and os.listdir(tmp_path) == []
+        staterecord.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": {"n": 1}}})
+        assert staterecord.write() is True and staterecord.write() is False  # unchanged: not rewritten
         (name,) = os.listdir(tmp_path)
         assert json.load(open(tmp_path / name))["patches"]["p"]["details"] == {"n": 1}
     finally:
-        statefile._W.source, statefile._W.last = saved, None
+        staterecord.ATTACHED.source, statefile._W.last = saved, None

@@ -21,7 +21,7 @@ from npu_shim.ops import procinfo, statedir, statefile
 
 NOBODY = 65534
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or "/usr/bin/python3"
-FAST = "from npu_shim.ops import statefile; statefile.INTERVAL_S = 0.05; statefile.HEARTBEAT_S = 0.5\n"
+FAST = "from npu_shim.ops import statefile, staterecord; statefile.INTERVAL_S = 0.05; statefile.HEARTBEAT_S = 0.5\n"
 
 
 def as_nobody():
@@ -50,7 +50,7 @@ def write_in_child(state_dir, code="", env=None, user=None, python=None):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("NPU_SHIM_")}
     full_env.update({"PYTHONPATH": REPO, "NPU_SHIM_STATE_DIR": state_dir, "PYTHONDONTWRITEBYTECODE": "1"})
     full_env.update(env or {})
-    script = FAST + "import os\nstatefile.write()\n" + textwrap.dedent(code)
+    script = FAST + "import os\nstaterecord.write()\n" + textwrap.dedent(code)
     return subprocess.run([python or sys.executable, "-c", script], env=full_env, capture_output=True,
                           text=True, timeout=60, preexec_fn=as_nobody if user == NOBODY else None)
 
@@ -90,7 +90,7 @@ def test_a_state_dir_another_user_created_first_is_refused_and_a_victim_file_kee
             import time
             from sglang.srt.utils import common
             for _ in range(200):
-                statefile.write(force=True)
+                staterecord.write(force=True)
         """), env={"NPU_SHIM_STATE_DIR": state_dir})
     finally:
         open(os.path.join(state_dir, "stop"), "w").close()
@@ -174,10 +174,10 @@ def test_a_sticky_shared_dir_gives_each_user_a_subdirectory_and_status_reads_bot
                     ignore=shutil.ignore_patterns("__pycache__", "_vendor"))
     keep = "import time; print('up', flush=True); time.sleep(30)\n"
     env = {"PYTHONPATH": copy}
-    theirs = subprocess.Popen([SYSTEM_PYTHON, "-c", FAST + "statefile.write()\n" + keep],
+    theirs = subprocess.Popen([SYSTEM_PYTHON, "-c", FAST + "staterecord.write()\n" + keep],
                               env=dict(env, NPU_SHIM_STATE_DIR=shared, PATH=os.environ["PATH"]),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=as_nobody)
-    ours = subprocess.Popen([sys.executable, "-c", FAST + "statefile.write()\n" + keep],
+    ours = subprocess.Popen([sys.executable, "-c", FAST + "staterecord.write()\n" + keep],
                             env=dict(os.environ, PYTHONPATH=REPO, NPU_SHIM_STATE_DIR=shared),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -219,7 +219,7 @@ def test_the_record_keeps_no_command_line_argument(tree):
 def test_records_of_two_pid_namespaces_with_one_hostname_both_live(tmp_path):
     # Two containers with host networking and their own PID namespaces: both servers are pid 1.
     state_dir = str(tmp_path / "state")
-    code = FAST + "statefile.write()\nimport os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n"
+    code = FAST + "staterecord.write()\nimport os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n"
     env = dict(os.environ, PYTHONPATH=REPO, NPU_SHIM_STATE_DIR=state_dir)
     procs = [subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-c", code],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -329,10 +329,10 @@ def test_killed_writers_leave_no_temporary_file_behind_after_the_next_writer(tmp
     for _ in range(5):
         proc = subprocess.Popen([sys.executable, "-c", FAST + textwrap.dedent("""
             import os
-            statefile.write()
+            staterecord.write()
             print("up", flush=True)
             while True:
-                statefile.write(force=True)
+                staterecord.write(force=True)
         """)], env=dict(os.environ, PYTHONPATH=REPO, NPU_SHIM_STATE_DIR=str(state_dir)),
             stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "up"
@@ -349,8 +349,8 @@ def test_killed_writers_leave_no_temporary_file_behind_after_the_next_writer(tmp
 
 def test_an_oversized_record_is_refused_by_the_writer_with_one_line(tmp_path):
     proc = write_in_child(str(tmp_path / "state"), textwrap.dedent("""
-        statefile.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": {"x": "y" * 300000}}})
-        print(statefile.write())
+        staterecord.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": {"x": "y" * 300000}}})
+        print(staterecord.write())
     """))
     assert proc.stdout.strip() == "False"
     assert re.search(r"the record would be \d+ bytes, over the 262144 readers accept", proc.stderr), proc.stderr
@@ -363,7 +363,7 @@ def test_a_fork_while_the_writer_holds_its_lock_cannot_stall_the_child(tmp_path)
         pid = os.fork()
         if pid == 0:
             signal.alarm(10)                 # a lock inherited held would hang here
-            os._exit(0 if statefile.write(force=True) else 3)
+            os._exit(0 if staterecord.write(force=True) else 3)
         statefile._W.lock.release()
         print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
     """)
@@ -379,7 +379,7 @@ def test_a_failed_rename_leaves_no_temporary_file(tmp_path):
                             statefile.record_name(procinfo.host(), procinfo.pid_namespace(), os.getpid()))
         os.unlink(path)
         os.mkdir(path)       # the record's name taken by a directory: the rename fails
-        print(statefile.write(force=True))
+        print(staterecord.write(force=True))
     """)
     assert proc.stdout.strip() == "False", proc.stdout + proc.stderr
     assert [n for n in files(state_dir) if n.endswith(".tmp")] == [], files(state_dir)
@@ -392,8 +392,8 @@ def test_touch_wakes_the_writer_before_its_interval(tmp_path):
         from npu_shim.ops import procinfo
         statefile.INTERVAL_S = statefile.HEARTBEAT_S = 60.0   # only touch() can bring the change in time
         details = {}
-        statefile.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": dict(details)}})
-        statefile.write()
+        staterecord.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": dict(details)}})
+        staterecord.write()
         path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
                             statefile.record_name(procinfo.host(), procinfo.pid_namespace(), os.getpid()))
         time.sleep(0.2)     # the writer thread is waiting out its interval now
@@ -413,8 +413,8 @@ def test_the_exit_writes_the_final_figures(tmp_path):
     proc = write_in_child(str(state_dir), """
         statefile.INTERVAL_S = statefile.HEARTBEAT_S = 60.0   # only the exit can write them in time
         details = {}
-        statefile.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": dict(details)}})
-        statefile.write()
+        staterecord.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": dict(details)}})
+        staterecord.write()
         details["final"] = 1
     """)
     assert proc.returncode == 0, proc.stderr
@@ -425,8 +425,8 @@ def test_the_exit_writes_the_final_figures(tmp_path):
 def test_a_nan_in_the_details_is_never_written_as_non_strict_json(tmp_path):
     state_dir = tmp_path / "state"
     proc = write_in_child(str(state_dir), """
-        statefile.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": {"x": float("nan")}}})
-        print(statefile.write(force=True))
+        staterecord.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": {"x": float("nan")}}})
+        print(staterecord.write(force=True))
     """)
     assert proc.stdout.strip() == "False"
     assert "cannot write the state record" in proc.stderr and "Out of range float values" in proc.stderr

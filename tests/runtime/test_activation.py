@@ -11,7 +11,7 @@ import types
 import pytest
 
 from npu_shim.core import framework
-from npu_shim.ops import procinfo, statefile
+from npu_shim.ops import procinfo, staterecord
 from npu_shim.runtime import activation
 from npu_shim.source import answers, codeview
 from test_bootstrap import last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
@@ -53,7 +53,7 @@ def undecided(monkeypatch):
     monkeypatch.setattr(activation.RUNTIME, "records", None)
     monkeypatch.setattr(activation.RUNTIME, "decided_from", None)
     for name in ("source", "sglang_path", "shim_enabled"):
-        monkeypatch.setattr(statefile._W, name, getattr(statefile._W, name))
+        monkeypatch.setattr(staterecord.ATTACHED, name, getattr(staterecord.ATTACHED, name))
     monkeypatch.setattr(procinfo, "_sglang_version", "before")
     for name in (answers.ENV, "NPU_SHIM_STATE_DIR", "NPU_SHIM_STRICT", "NPU_SHIM_DEMO"):
         monkeypatch.setenv(name, "")  # so that the undo also removes what deciding exports
@@ -89,7 +89,7 @@ def test_deciding_without_sglang_says_sglang_not_found_and_exports_nothing(undec
     assert activation.RUNTIME.decided_from == "sglang source"
     assert answers.ENV not in os.environ  # no answers to hand to children
     assert procinfo.sglang_version() == "before"  # no version read
-    assert statefile._W.sglang_path is None and statefile._W.source is not None
+    assert staterecord.ATTACHED.sglang_path is None and staterecord.ATTACHED.source is not None
 
 
 def test_without_wrapt_and_without_sglang_on_disk_nothing_reads_applied(undecided, monkeypatch):
@@ -112,7 +112,7 @@ def test_without_wrapt_a_patch_that_would_apply_is_failed(undecided, monkeypatch
     assert record.state == framework.FAILED
     assert record.reason.startswith("wrapt is not available: test (use an npu-shim bundle")
     assert procinfo.sglang_version() == "0.5.9"
-    assert statefile._W.sglang_path == str(package)
+    assert staterecord.ATTACHED.sglang_path == str(package)
 
 
 def test_an_sglang_directory_gone_from_disk_is_unsupported_naming_the_target(undecided, monkeypatch,

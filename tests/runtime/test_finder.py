@@ -383,11 +383,9 @@ print(json.dumps({"origin": wrapt_loader.loaded_origin().describe(), "waiting": 
                   "fired": fired}))
 """
 
-_PRIVATE_1_14 = ["npu_shim._wrapt", "npu_shim._wrapt._wrappers", "npu_shim._wrapt.wrappers"]
-_PRIVATE_1_17 = ["npu_shim._wrapt", "npu_shim._wrapt.__wrapt__", "npu_shim._wrapt._wrappers",
-                 "npu_shim._wrapt.wrappers"]
-_PRIVATE_2X = ["npu_shim._wrapt", "npu_shim._wrapt.__wrapt__", "npu_shim._wrapt._wrappers",
-               "npu_shim._wrapt.exceptions", "npu_shim._wrapt.wrappers"]
+_PRIVATE_1_14 = ["npu_shim._wrapt", "npu_shim._wrapt._wrappers"]
+_PRIVATE_1_17 = ["npu_shim._wrapt", "npu_shim._wrapt._wrappers"]
+_PRIVATE_2X = ["npu_shim._wrapt", "npu_shim._wrapt._wrappers", "npu_shim._wrapt.exceptions"]
 
 
 @pytest.mark.parametrize("app", ["shim-first", "app-wrapt-first", "app-hooks-first"])

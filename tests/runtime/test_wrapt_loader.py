@@ -104,13 +104,13 @@ def _load_wrapt_beside(python, version, before):
 
 
 @pytest.mark.parametrize("version, loaded", [
-    ("2.5.2", ["npu_shim._wrapt", "npu_shim._wrapt.__wrapt__", "npu_shim._wrapt._wrappers",
-               "npu_shim._wrapt.exceptions", "npu_shim._wrapt.wrappers"]),
-    ("1.14.1", ["npu_shim._wrapt", "npu_shim._wrapt._wrappers", "npu_shim._wrapt.wrappers"]),
+    ("2.5.2", ["npu_shim._wrapt", "npu_shim._wrapt._wrappers", "npu_shim._wrapt.exceptions"]),
+    ("1.14.1", ["npu_shim._wrapt", "npu_shim._wrapt._wrappers"]),
 ])
 def test_only_the_wrappers_are_loaded_and_the_application_keeps_its_wrapt(version, loaded, bare_venvs):
     """The image's wrapt, loaded privately without its __init__ (whose decorators, proxies, locks,
-    caches and import hooks are most of wrapt's memory); the C extension still loads; the
+    caches and import hooks are most of wrapt's memory): only its C extension (and the exceptions
+    module 2.x's extension imports), not the Python wrappers beside it; the
     application's own ``import wrapt`` afterwards gets the whole image wrapt."""
     out = _load_wrapt_beside(bare_venvs("3.11"), version, before="")
     assert out["result"] == 2 and out["calls"] == [[1]] and out["import_hooks"] is False
@@ -124,3 +124,12 @@ def test_a_wrapt_the_application_already_imported_is_used_as_it_is(bare_venvs):
     out = _load_wrapt_beside(bare_venvs("3.11"), "2.5.2", before="import wrapt")
     assert out["result"] == 2 and out["calls"] == [[1]] and out["same_as_app"] is True
     assert not [name for name in out["loaded"] if name.startswith("npu_shim._wrapt")]
+
+
+def test_with_wrapt_extensions_switched_off_its_python_wrappers_are_loaded(bare_venvs, monkeypatch):
+    """``WRAPT_DISABLE_EXTENSIONS`` is wrapt's own switch: honoured as wrapt honours it."""
+    monkeypatch.setenv("WRAPT_DISABLE_EXTENSIONS", "1")
+    out = _load_wrapt_beside(bare_venvs("3.11"), "2.5.2", before="")
+    assert out["result"] == 2 and out["calls"] == [[1]]
+    assert out["loaded"] == ["npu_shim._wrapt", "npu_shim._wrapt.__wrapt__",
+                             "npu_shim._wrapt.exceptions", "npu_shim._wrapt.wrappers"]

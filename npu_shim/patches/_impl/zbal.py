@@ -3,7 +3,7 @@ queries and the targets.  Loaded only where the patch is decided past its probe 
 a release that has zbal upstream, nor while SGLANG_ZBAL_LOCAL_MEM_SIZE is unset):
 npu_shim/patches/zbal.py is the patch and its documentation."""
 
-from npu_shim.ops import log, statefile
+from npu_shim.ops import log, staterecord
 from npu_shim.patches.zbal import (
     BOOTSTRAP_URL, COMMON, DEEPEP, LOCAL_MEM_SIZE, MIB, ALIGN_MIB, MODEL_RUNNER, PARALLEL_STATE,
     SCHEDULER, ZbalError, ZbalInitError, missing_message)
@@ -164,7 +164,7 @@ class ZbalProcess:
             bound = bind_arguments(params, args, kwargs)
             server_args = bound["server_args"]
             self.init_for_rank(server_args.tp_size, server_args.pp_size, bound["gpu_id"], bound["tp_rank"])
-            statefile.touch(now=True)
+            staterecord.touch(now=True)
             return wrapped(*args, **kwargs)
 
         return scheduler_init
@@ -189,7 +189,7 @@ class ZbalProcess:
                         "mix mode, lazy GVA heap %s" % when)
         self.gva_mib = size
         self.details.update(gva_mib=size, in_use_mib=in_use, device_total_mib=total, gva_init=when)
-        statefile.touch(now=True)
+        staterecord.touch(now=True)
         log.info("zbal: rank %d initialised a %d MiB GVA heap (%d MiB configured, %d of %d MiB in use)"
                  % (group.rank_in_group, size, configured_mib(), in_use, total))
 

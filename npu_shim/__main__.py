@@ -19,7 +19,8 @@ import sys
 import npu_shim
 from npu_shim.core import config, framework
 from npu_shim.runtime import wrapt_loader
-from npu_shim.source.codeview import SourceView, find_package_dir
+from npu_shim.source.codeview import SourceView
+from npu_shim.source.live import find_package_dir
 
 from npu_shim.cli.exit_codes import (  # noqa: F401 - the codes, importable from here too
     EXIT_BAD_ENV, EXIT_BROKEN_PIPE, EXIT_BUNDLE_FAILED, EXIT_CHECK_FAILED, EXIT_NO_DEVICE, EXIT_NO_RECORDS,

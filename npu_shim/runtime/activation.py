@@ -32,7 +32,11 @@ from npu_shim.ops import log, procinfo, staterecord, summary
 from npu_shim.runtime import installer, role, wrapt_loader
 from npu_shim.runtime.finder import ShimFinder
 from npu_shim.runtime.targets import Wrap
-from npu_shim.source import answers, codeview
+from npu_shim.source.live import find_package_dir
+
+# Only deciding uses these (reading sglang's source, or the answers a parent's source gave): the
+# runtime lets go of them once every patch is decided (``let_go_of_deciding``).
+DECIDING_MODULES = ("npu_shim.source.answers", "npu_shim.source.codeview", "npu_shim.source.fastscan")
 
 
 class PatchRecord:
@@ -94,7 +98,21 @@ def sglang_view():
     path = getattr(package, "__file__", None)
     if not path:
         return None
+    from npu_shim.source import answers
+
     return answers.view(os.path.dirname(path))
+
+
+def let_go_of_deciding(kept):
+    """Drop the modules only deciding uses, but those in ``kept`` (loaded before this decision:
+    someone else holds them): every sglang process would otherwise keep their code for good.  A
+    later need (``status``, a fallback of live_fingerprint) imports them again."""
+    package = sys.modules.get("npu_shim.source")
+    for name in DECIDING_MODULES:
+        if name not in kept:
+            sys.modules.pop(name, None)
+            if package is not None:
+                vars(package).pop(name.rsplit(".", 1)[1], None)
 
 
 def running_on_npu():
@@ -208,18 +226,28 @@ class Runtime:
     def decide_all(self):
         """Decide every patch in a hook (sglang is imported and torch loaded, so the NPU is known),
         log one line each and enforce ``must_honour``/strict mode."""
-        self._decide(sglang_view(), running_on_npu())
+        kept = {name for name in DECIDING_MODULES if name in sys.modules}
+        try:
+            self._decide(sglang_view(), running_on_npu())
+        finally:
+            let_go_of_deciding(kept)
 
     def fail_without_wrapt(self, reason):
         """No wrapt: nothing can be wrapped, so say per patch what does not happen (and stop the
         process where the user explicitly asked for a feature, as for any other failure).  Decided
         when ``import sglang`` starts (nothing else can run later): every patch that would apply
         is ``failed`` with the reason."""
-        package_dir = codeview.find_package_dir("sglang")
-        view = answers.view(package_dir) if package_dir else None
-        # torch is usually not imported yet at ``import sglang``: the NPU is then unknown (None).
-        on_npu = running_on_npu() if "torch" in sys.modules else None
-        self._decide(view, on_npu, missing_wrapt=reason)
+        kept = {name for name in DECIDING_MODULES if name in sys.modules}
+        try:
+            from npu_shim.source import answers
+
+            package_dir = find_package_dir("sglang")
+            view = answers.view(package_dir) if package_dir else None
+            # torch is usually not imported yet at ``import sglang``: the NPU is then unknown (None).
+            on_npu = running_on_npu() if "torch" in sys.modules else None
+            self._decide(view, on_npu, missing_wrapt=reason)
+        finally:
+            let_go_of_deciding(kept)
 
     def _decide(self, view, on_npu, missing_wrapt=None):
         records = {}
@@ -236,6 +264,8 @@ class Runtime:
         inherited = getattr(view, "reused", False) and not getattr(view, "_modules", None)
         self.decided_from = "inherited answers" if inherited else "sglang source"
         if view is not None:
+            from npu_shim.source import answers
+
             answers.export(view)
             procinfo.note_sglang_version(view.version)
         self.records = records

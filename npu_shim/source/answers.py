@@ -16,7 +16,8 @@ import hashlib
 import json
 import os
 
-from npu_shim.source.codeview import SourceView, file_identity, remember
+from npu_shim.source.codeview import SourceView
+from npu_shim.source.live import file_identity, remember
 
 ENV = "NPU_SHIM_SOURCE_ANSWERS"
 # 2: a function is [params, fingerprint -- null until asked for --, first line in its file]
@@ -111,7 +112,7 @@ class AnsweringView(SourceView):
     def fingerprint(self, dotted, qualname):
         """The fingerprint of a function ``function`` answered for (recorded once computed).  The
         loaded code is checked against it at apply time without reading the file again, while the
-        file is the one read (``codeview.remember``)."""
+        file is the one read (``live.remember``)."""
         answer = self.answers["function|%s|%s" % (dotted, qualname)]
         if answer[1] is None:
             answer[1] = self._info(dotted, qualname).fingerprint

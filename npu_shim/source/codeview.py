@@ -15,40 +15,16 @@ Files are decoded the way Python imports them (PEP 263 coding cookie, UTF-8 BOM)
 cannot be decoded, or parsed where it has to be, raises ``SourceError`` with a one-line reason,
 which leaves the patch that asked ``unsupported``.
 
-``live_params`` answers the signature question for an already imported function (cheap: it reads
-``__code__``), so the shim can check the loaded code matches what it decided on.
+What applying asks of the loaded code, and what deciding shares with it (reading a file, the
+fingerprint of a def), is in npu_shim/source/live.py: this module is needed only while deciding.
 """
 
 import ast
-import hashlib
 import os
 import re
 
 from npu_shim.source import fastscan
-from npu_shim.core.framework import SourceError  # noqa: F401 - raised here, caught by deciding
-from npu_shim.ops.log import one_line
-
-
-def read_source(path):
-    """The text of a ``.py`` file as Python's import system decodes it (coding cookie, BOM,
-    universal newlines)."""
-    import importlib.util
-
-    with open(path, "rb") as handle:
-        data = handle.read()
-    try:
-        return importlib.util.decode_source(data)
-    except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
-        raise SourceError("cannot decode %s: %s" % (path, one_line(exc, 120))) from None
-
-
-def parse_source(text, path):
-    try:
-        return ast.parse(text, filename=path)
-    except (SyntaxError, ValueError) as exc:  # ValueError: null bytes
-        where = " line %s" % exc.lineno if getattr(exc, "lineno", None) else ""
-        raise SourceError("cannot parse %s%s: %s: %s"
-                          % (path, where, type(exc).__name__, one_line(getattr(exc, "msg", exc), 120)))
+from npu_shim.source.live import SourceError, fingerprint_node, parse_source, read_source, read_version
 
 
 class FunctionInfo:
@@ -94,106 +70,6 @@ def _params(args, drop_first):
     if args.kwarg:
         names.append("**" + args.kwarg.arg)
     return tuple(names)
-
-
-_LEFT_OUT = ("type_comment", "kind")
-_FIELDS = {}  # AST class -> its fields in order, less those left out
-
-
-def _canonical(node):
-    """A text form of an AST that is the same on every Python 3.9+: ``ast.dump`` is not (3.12 added
-    ``type_params``, 3.13 changed how empty fields print), so empty fields are left out.  Written
-    into one list and joined once: this runs over every pinned def in every deciding process."""
-    out = []
-    _write(node, out.append)
-    return "".join(out)
-
-
-def _write(value, put):
-    if isinstance(value, ast.AST):
-        cls = value.__class__
-        fields = _FIELDS.get(cls)
-        if fields is None:
-            fields = _FIELDS[cls] = tuple(f for f in cls._fields if f not in _LEFT_OUT)
-        put("(" + cls.__name__)
-        for name in fields:
-            item = getattr(value, name, None)
-            if item is None or item == []:
-                continue
-            put(" " + name + "=")
-            _write(item, put)
-        put(")")
-    elif isinstance(value, list):
-        put("[")
-        for index, item in enumerate(value):
-            if index:
-                put(",")
-            _write(item, put)
-        put("]")
-    else:
-        put(repr(value))
-
-
-def fingerprint_node(node):
-    """Hash of a def's AST: insensitive to comments, formatting and the Python version that
-    parses it; sensitive to any change of the code (docstrings included)."""
-    return hashlib.sha256(_canonical(node).encode()).hexdigest()[:16]
-
-
-def file_identity(path):
-    """[path, size, mtime_ns, ctime_ns, inode] of a file, or None: what says it is still the file
-    that was read (``ctime`` changes with any write and cannot be set back)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return [path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-
-
-# Defs whose fingerprint this process has from their source (deciding, or the answers its parent's
-# source gave): {(path, qualname): (first line, fingerprint, file identity)}.
-_KNOWN = {}
-
-
-def remember(path, qualname, first_line, fingerprint, identity):
-    """``live_fingerprint`` of the def at ``first_line`` of ``path`` is ``fingerprint`` while the
-    file keeps ``identity``."""
-    _KNOWN[(path, qualname)] = (first_line, fingerprint, identity)
-
-
-def live_fingerprint(func):
-    """``fingerprint_node`` of an imported function, from the source file it was loaded from:
-    known already when this process read that def of that file (``remember``) and the file is
-    still the one read; else the def read from its own lines (``fastscan.read_def``) when it starts on the
-    line the loaded code says; else through ``inspect``.  The file's lines ``inspect`` reads are
-    not left in ``linecache`` (every sglang process would keep them)."""
-    import inspect
-    import linecache
-
-    func = unwrap(func)
-    code = getattr(func, "__code__", None)
-    qualname = getattr(func, "__qualname__", "")
-    if code is not None:
-        known = _KNOWN.get((code.co_filename, qualname))
-        if known is not None and known[0] == code.co_firstlineno and known[2] == file_identity(code.co_filename):
-            return known[1]
-    if code is not None and "<" not in qualname:  # not a lambda, nor a def inside a function
-        try:
-            found = fastscan.read_def(read_source(code.co_filename), qualname)
-        except (OSError, SourceError):
-            found = None
-        if found is not None and found[1] == code.co_firstlineno:
-            return fingerprint_node(found[0])
-    filename = getattr(code, "co_filename", None)
-    kept = filename in linecache.cache
-    try:
-        source = inspect.getsource(func)
-    finally:
-        if not kept:
-            linecache.cache.pop(filename, None)
-    if source[:1] in (" ", "\t"):  # a method: kept as written (dedenting would change its strings)
-        return fingerprint_node(ast.parse("if 1:\n" + source).body[0].body[0])
-    return fingerprint_node(ast.parse(source).body[0])
 
 
 def _is_static(node):
@@ -326,91 +202,3 @@ class SourceView:
         """A function, method or module-level name exists."""
         module = self.module(dotted)
         return module is not None and module.has(qualname)
-
-
-def find_package_dir(name):
-    """The directory of top-level package ``name`` as ``import`` would find it, without importing.
-
-    Every meta-path finder is asked in turn, so editable installs (setuptools' meta-path finder)
-    are found as well as plain ``sys.path`` entries; the shim's own import watcher is skipped,
-    since asking it about sglang would activate the shim."""
-    import sys
-
-    module = sys.modules.get(name)
-    if module is not None and getattr(module, "__path__", None):
-        return list(module.__path__)[0]
-    for finder in sys.meta_path:
-        find_spec = getattr(finder, "find_spec", None)
-        if find_spec is None or getattr(finder, "is_npu_shim_watcher", False):
-            continue
-        try:
-            spec = find_spec(name, None)
-        except Exception:  # noqa: BLE001 - a broken finder must not break the shim
-            continue
-        if spec is not None:
-            locations = list(spec.submodule_search_locations or ())
-            return locations[0] if locations else None
-    return None
-
-
-_VERSION = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?["']([^"']+)["']""", re.M)
-_VERSION_TEXT = re.compile(r"[0-9A-Za-z.+!_-]{1,64}")
-
-
-def module_version(dist_names, package_dir):
-    """A package's installed version: its distribution's metadata, else its version file."""
-    from importlib import metadata
-
-    for name in dist_names:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return read_version(package_dir)
-
-
-def read_version(package_dir):
-    """sglang's version from its source text, or None.  Wheels built by setuptools-scm write it
-    to ``_version.py``; ``version.py`` only holds a fallback (``0.0.0.dev0``) or, in older trees,
-    the literal version."""
-    for name in ("_version.py", "version.py"):
-        try:
-            match = _VERSION.search(read_source(os.path.join(package_dir, name)))
-        except (OSError, SourceError):
-            continue
-        if match:
-            # a version is a PEP 440 string; anything else (a newline, an escape) is not one
-            return match.group(1) if _VERSION_TEXT.fullmatch(match.group(1)) else None
-    return None
-
-
-def unwrap(func):
-    """Follow ``__wrapped__`` (functools.wraps decorators, wrapt wrappers) to the defining function."""
-    seen = set()
-    while hasattr(func, "__wrapped__") and id(func) not in seen:
-        seen.add(id(func))
-        func = func.__wrapped__
-    return func
-
-
-def live_params(func, is_method):
-    """Parameter names of an imported function, in the form ``FunctionInfo.params`` uses."""
-    func = unwrap(func)
-    if isinstance(func, (staticmethod, classmethod)):
-        is_method = isinstance(func, classmethod)
-        func = func.__func__
-    code = func.__code__
-    count = code.co_argcount  # includes positional-only parameters
-    names = list(code.co_varnames[:count])
-    index = count
-    kwonly = list(code.co_varnames[index:index + code.co_kwonlyargcount])
-    index += code.co_kwonlyargcount
-    if is_method and names:
-        names = names[1:]
-    if code.co_flags & 0x04:  # CO_VARARGS
-        names.append("*" + code.co_varnames[index])
-        index += 1
-    names += kwonly
-    if code.co_flags & 0x08:  # CO_VARKEYWORDS
-        names.append("**" + code.co_varnames[index])
-    return tuple(names)

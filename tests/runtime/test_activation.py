@@ -94,7 +94,7 @@ def test_deciding_without_sglang_says_sglang_not_found_and_exports_nothing(undec
 
 def test_without_wrapt_and_without_sglang_on_disk_nothing_reads_applied(undecided, monkeypatch):
     """``fail_without_wrapt`` at ``import sglang`` when the package directory cannot be found."""
-    monkeypatch.setattr(codeview, "find_package_dir", lambda name: None)
+    monkeypatch.setattr(activation, "find_package_dir", lambda name: None)
     activation.RUNTIME.fail_without_wrapt("wrapt is not available: test")
     record = activation.RUNTIME.record("demo")
     assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang not found")
@@ -106,7 +106,7 @@ def test_without_wrapt_a_patch_that_would_apply_is_failed(undecided, monkeypatch
     (package / "srt").mkdir(parents=True)
     (package / "version.py").write_text('__version__ = "0.5.9"\n')
     (package / "srt" / "a.py").write_text("def f():\n    return 1\n")
-    monkeypatch.setattr(codeview, "find_package_dir", lambda name: str(package))
+    monkeypatch.setattr(activation, "find_package_dir", lambda name: str(package))
     activation.RUNTIME.fail_without_wrapt("wrapt is not available: test")
     record = activation.RUNTIME.record("demo")
     assert record.state == framework.FAILED
@@ -148,7 +148,7 @@ def test_without_wrapt_before_torch_is_imported_the_npu_is_unknown(undecided, mo
     package = tmp_path / "sglang"
     (package / "srt").mkdir(parents=True)
     (package / "srt" / "a.py").write_text("def f():\n    return 1\n")
-    monkeypatch.setattr(codeview, "find_package_dir", lambda name: str(package))
+    monkeypatch.setattr(activation, "find_package_dir", lambda name: str(package))
     monkeypatch.setattr(activation.RUNTIME, "patches", [declare(needs_npu=True)()])
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     activation.RUNTIME.fail_without_wrapt("wrapt is not available: test")
@@ -158,3 +158,39 @@ def test_without_wrapt_before_torch_is_imported_the_npu_is_unknown(undecided, mo
     record = activation.RUNTIME.record("demo")
     assert (record.state, record.reason) == (framework.INACTIVE,
                                              "not running on an NPU (torch.npu is unavailable)")
+
+
+def test_the_deciding_modules_are_let_go_once_every_patch_is_decided(tree):
+    """No sglang process keeps the code that reads sglang's source: once decided, the modules only
+    deciding uses are dropped and freed; the patches still apply, and the modules import again."""
+    proc = run(tree, """
+        import gc, json, sys, weakref
+        from npu_shim.runtime import activation
+        let_go, refs = activation.let_go_of_deciding, []
+        def watched(kept):
+            refs.extend(weakref.ref(sys.modules[n]) for n in activation.DECIDING_MODULES if n in sys.modules)
+            let_go(kept)
+        activation.let_go_of_deciding = watched
+        from sglang.srt.utils import get_npu_memory_capacity
+        import npu_shim
+        gc.collect()
+        out = {"value": get_npu_memory_capacity(), "state": npu_shim.states()["demo"]["state"],
+               "watched": len(refs), "alive": [r() is not None for r in refs],
+               "loaded": [n for n in activation.DECIDING_MODULES if n in sys.modules]}
+        from npu_shim.source import codeview
+        out["again"] = codeview.SourceView.__name__
+        print(json.dumps(out))
+    """)
+    out = last_json(proc)
+    assert out["value"] == 1001 and out["state"] == "applied"
+    assert out["watched"] == 3 and out["alive"] == [False, False, False] and out["loaded"] == []
+    assert out["again"] == "SourceView"
+
+
+def test_modules_loaded_before_deciding_are_kept(undecided, monkeypatch):
+    """Someone else (here: this test module) holds them: dropping them would give that holder
+    and the next importer two copies."""
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    activation.RUNTIME.decide_all()
+    assert all(name in sys.modules for name in activation.DECIDING_MODULES)
+    assert sys.modules["npu_shim.source.codeview"] is codeview

@@ -113,10 +113,10 @@ def test_a_record_of_another_directory_or_format_is_never_used(tree, record):
 def test_a_fingerprint_deciding_read_is_known_when_applying_without_reading_the_file(tmp_path,
                                                                                    monkeypatch):
     """The loaded code is checked against the fingerprint deciding read while its file is the one
-    read (``codeview.remember``, keyed by the file's path): applying reads nothing again."""
+    read (``live.remember``, keyed by the file's path): applying reads nothing again."""
     import inspect
 
-    from npu_shim.source import codeview
+    from npu_shim.source import live
 
     package = tmp_path / "sglang"
     (package / "srt").mkdir(parents=True)
@@ -130,6 +130,6 @@ def test_a_fingerprint_deciding_read_is_known_when_applying_without_reading_the_
     def unread(*args, **kwargs):
         raise AssertionError("the file was read again")
 
-    monkeypatch.setattr(codeview, "read_source", unread)
+    monkeypatch.setattr(live, "read_source", unread)
     monkeypatch.setattr(inspect, "getsource", unread)
-    assert codeview.live_fingerprint(loaded["f"]) == fingerprint
+    assert live.live_fingerprint(loaded["f"]) == fingerprint

@@ -1,0 +1,115 @@
+"""live: what applying asks of the loaded code agrees with what deciding read from the source.
+
+(The source side, and every answer read fast or whole: test_codeview.py.)
+"""
+
+import os
+import sys
+
+import pytest
+
+from npu_shim.source import codeview, fastscan, live
+from npu_shim.source.codeview import ModuleSource
+
+
+# -- the loaded code ---------------------------------------------------------------------------------
+
+def _loaded_functions(module):
+    """(function object, whole-parse FunctionInfo) for each def of ``module`` that is the one loaded."""
+    import types
+
+    whole_parse = ModuleSource(module.__file__, live.read_source(module.__file__)).functions
+    for qualname, info in whole_parse.items():
+        owner = module
+        for part in qualname.split("."):
+            owner = vars(owner).get(part) if hasattr(owner, "__dict__") else None
+        if not isinstance(owner, types.FunctionType) or owner.__qualname__ != qualname:
+            continue
+        node = info._node
+        if (node.decorator_list[0] if node.decorator_list else node).lineno == owner.__code__.co_firstlineno:
+            yield owner, info  # not a def shadowed by a later one of the same name
+
+
+@pytest.mark.parametrize("read_from_its_lines", [True, False], ids=["own lines", "inspect"])
+def test_the_loaded_code_has_the_fingerprint_its_source_has(read_from_its_lines, monkeypatch):
+    """live_fingerprint (apply time) must agree with the source (decide time) on real modules,
+    methods with multi-line docstrings included: through the def's own lines, and through
+    ``inspect`` where those cannot be told apart."""
+    import argparse
+    import dataclasses
+    import logging
+
+    if not read_from_its_lines:
+        monkeypatch.setattr(fastscan, "read_def", lambda text, qualname, body=True: None)
+    checked = 0
+    for module in (argparse, dataclasses, logging, codeview, live):
+        for function, info in _loaded_functions(module):
+            assert live.live_fingerprint(function) == info.fingerprint, function.__qualname__
+            checked += 1
+    assert checked > 200
+
+
+def test_loaded_code_is_checked_from_memory_only_while_its_file_is_the_one_read(tmp_path, monkeypatch):
+    """live_fingerprint answers from what deciding read (``remember``) only for the def at that
+    line of that file, unchanged since; otherwise it reads the file again."""
+    import importlib
+    import time
+
+    monkeypatch.setattr(live, "_KNOWN", {})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "known_module.py").write_text("def target(a):\n    return a\n")
+    target = importlib.import_module("known_module").target
+    path = target.__code__.co_filename
+    read = live.live_fingerprint(target)
+    live.remember(path, "target", 2, "remembered", live.file_identity(path))
+    assert live.live_fingerprint(target) == read  # another line: not that def
+    live.remember(path, "target", 1, "remembered", live.file_identity(path))
+    assert live.live_fingerprint(target) == "remembered"
+    time.sleep(0.01)
+    os.utime(path)  # any change of the file changes its ctime
+    assert live.live_fingerprint(target) == read
+
+
+def test_live_params_read_the_parameters_as_the_source_names_them():
+    class Owner:
+        def method(self, a, /, b, *rest, c, **more):
+            pass
+
+        @staticmethod
+        def static(a):
+            pass
+
+        @classmethod
+        def klass(cls, a):
+            pass
+
+    assert live.live_params(Owner.method, True) == ("a", "b", "*rest", "c", "**more")
+    assert live.live_params(vars(Owner)["static"], True) == ("a",)
+    assert live.live_params(vars(Owner)["klass"], True) == ("a",)
+
+
+def test_find_package_dir_never_asks_the_shims_own_watcher(monkeypatch, tmp_path):
+    from npu_shim import _bootstrap
+
+    (tmp_path / "somepkg").mkdir()
+    (tmp_path / "somepkg" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    asked = []
+    monkeypatch.setattr(_bootstrap, "then", lambda *args: asked.append(args))
+    monkeypatch.setattr(_bootstrap, "fired", True)
+    monkeypatch.setattr(sys, "meta_path", [_bootstrap.WATCHER] + sys.meta_path)
+    assert live.find_package_dir("somepkg") == str(tmp_path / "somepkg")
+    assert asked == []
+
+
+def test_applying_needs_none_of_the_deciding_modules():
+    """The runtime lets go of codeview, fastscan and answers once every patch is decided: this
+    module must not hold them (an import at module level would)."""
+    import ast
+
+    tree = ast.parse(open(live.__file__).read())
+    top = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    names = {alias.name for node in top for alias in node.names} | {
+        node.module for node in top if isinstance(node, ast.ImportFrom)}
+    assert not names & {"codeview", "fastscan", "answers", "npu_shim.source.codeview",
+                        "npu_shim.source.fastscan", "npu_shim.source.answers"}

@@ -70,14 +70,19 @@ def test_check_fails_where_the_shim_is_not_active_or_wrapt_is_missing(bare_venvs
     assert "shim active at start-up: NO" in off.stdout
 
 
-def test_check_fails_on_a_bundle_whose_files_changed(bare_venvs, built_bundle, tree, tmp_path):
+@pytest.mark.parametrize("edited", ["npu_shim/ops/log.py", "sitecustomize.py"])
+def test_check_fails_on_a_bundle_whose_files_changed(edited, bare_venvs, built_bundle, tree, tmp_path):
+    """sitecustomize.py too: its .pyc is unchecked-hash, so an edit of it does not run, and check
+    is where the operator learns of it."""
     copy = tmp_path / "npu-shim"
     shutil.copytree(str(built_bundle), str(copy))
-    with open(str(copy / "npu_shim" / "ops" / "log.py"), "a") as handle:
-        handle.write("\n# edited in place\n")
+    with open(str(copy / edited), "a") as handle:
+        handle.write("\nraise SystemExit('the edited file ran')\n" if edited == "sitecustomize.py"
+                     else "\n# edited in place\n")
     proc = _check(bare_venvs("3.11"), tree, copy)
     assert proc.returncode == 4
-    assert "1 files differ from its MANIFEST: npu_shim/ops/log.py: changed" in proc.stdout
+    assert "1 files differ from its MANIFEST: %s: changed" % edited in proc.stdout
+    assert "the edited file ran" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("how", ["tar -xzf", "cp -r"])

@@ -92,10 +92,12 @@ def surely_absent(entry):
     # no sitecustomize in its listing in any form (module, package, extension): the search would
     # find nothing there.  Asking each finder, which stats its directory again, costs every
     # process more than the rest of this file; anything else (no finder yet, another kind, no
-    # listing yet) is searched.
+    # listing yet or one invalidated since: _path_mtime -1) is searched.
     finder = sys.path_importer_cache.get(entry, False)
     if finder is None:
         return True  # no finder can take this entry: the import system skips it too
+    if type(finder) is not FILE_FINDER or getattr(finder, "_path_mtime", -1) == -1:
+        return False
     names = getattr(finder, "_path_cache", None)
     if type(names) is not set:
         return False

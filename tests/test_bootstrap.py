@@ -178,6 +178,39 @@ def test_a_listed_folder_is_skipped_only_where_the_import_system_would_find_no_s
         sys.path_importer_cache.pop(str(entry), None)
 
 
+@pytest.mark.parametrize("how", ["made, never asked", "invalidated", "another kind of finder"])
+def test_a_folder_whose_listing_is_missing_or_stale_is_searched(how, tmp_path):
+    """A finder in the cache with no current listing (pkgutil.get_importer makes one without
+    asking it; invalidate_caches() marks its listing stale) or of another kind proves nothing."""
+    import importlib.machinery
+    import pkgutil
+
+    from npu_shim import _bootstrap
+
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    try:
+        if how == "another kind of finder":
+            class Listing(importlib.machinery.FileFinder):
+                pass
+
+            finder = Listing(str(entry), (importlib.machinery.SourceFileLoader, [".py"]))
+            finder.find_spec("other_no_such_module")  # listed: still not the import system's kind
+            sys.path_importer_cache[str(entry)] = finder
+        else:
+            finder = pkgutil.get_importer(str(entry))  # made and cached, nothing listed
+            assert sys.path_importer_cache[str(entry)] is finder
+            if how == "invalidated":
+                finder.find_spec("other_no_such_module")  # listed (empty) ...
+                assert _bootstrap.surely_absent(str(entry)) is True
+                finder.invalidate_caches()                 # ... then marked stale
+        (entry / "sitecustomize.py").write_text("")
+        assert _bootstrap.surely_absent(str(entry)) is False
+        assert importlib.machinery.PathFinder.find_spec("sitecustomize", [str(entry)]) is not None
+    finally:
+        sys.path_importer_cache.pop(str(entry), None)
+
+
 def test_an_unlisted_folder_is_searched():
     from npu_shim import _bootstrap
 

@@ -96,11 +96,14 @@ def report_invalid_variables(records, patches):
 def sglang_view():
     package = sys.modules.get("sglang")
     path = getattr(package, "__file__", None)
-    if not path:
-        return None
+    return view_of(os.path.dirname(path)) if path else None
+
+
+def view_of(package_dir):
+    """What deciding reads sglang's source through (source/answers.py), or None without a directory."""
     from npu_shim.source import answers
 
-    return answers.view(os.path.dirname(path))
+    return answers.view(package_dir) if package_dir else None
 
 
 def let_go_of_deciding(kept):
@@ -226,30 +229,27 @@ class Runtime:
     def decide_all(self):
         """Decide every patch in a hook (sglang is imported and torch loaded, so the NPU is known),
         log one line each and enforce ``must_honour``/strict mode."""
-        kept = {name for name in DECIDING_MODULES if name in sys.modules}
-        try:
-            self._decide(sglang_view(), running_on_npu())
-        finally:
-            let_go_of_deciding(kept)
+        self._decide(sglang_view, running_on_npu())
 
     def fail_without_wrapt(self, reason):
         """No wrapt: nothing can be wrapped, so say per patch what does not happen (and stop the
         process where the user explicitly asked for a feature, as for any other failure).  Decided
         when ``import sglang`` starts (nothing else can run later): every patch that would apply
         is ``failed`` with the reason."""
+        # torch is usually not imported yet at ``import sglang``: the NPU is then unknown (None).
+        on_npu = running_on_npu() if "torch" in sys.modules else None
+        self._decide(lambda: view_of(find_package_dir("sglang")), on_npu, missing_wrapt=reason)
+
+    def _decide(self, make_view, on_npu, missing_wrapt=None):
+        """Decide with the view ``make_view()`` gives, then let go of the deciding modules (those
+        this decision loaded)."""
         kept = {name for name in DECIDING_MODULES if name in sys.modules}
         try:
-            from npu_shim.source import answers
-
-            package_dir = find_package_dir("sglang")
-            view = answers.view(package_dir) if package_dir else None
-            # torch is usually not imported yet at ``import sglang``: the NPU is then unknown (None).
-            on_npu = running_on_npu() if "torch" in sys.modules else None
-            self._decide(view, on_npu, missing_wrapt=reason)
+            self._decide_with(make_view(), on_npu, missing_wrapt)
         finally:
             let_go_of_deciding(kept)
 
-    def _decide(self, view, on_npu, missing_wrapt=None):
+    def _decide_with(self, view, on_npu, missing_wrapt):
         records = {}
         for patch in self.patches:
             try:

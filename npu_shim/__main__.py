@@ -27,6 +27,9 @@ from npu_shim.cli.exit_codes import (  # noqa: F401 - the codes, importable from
     EXIT_NO_SGLANG, EXIT_NPU_STACK, EXIT_RUNNING_PROBLEM, EXIT_SELFTEST_FAILED, EXIT_SELFTEST_REFUSED,
     EXIT_STRICT, EXIT_USAGE, config_exit_code)
 
+# Not read from __doc__: under -OO (PYTHONOPTIMIZE=2) there is none.
+DESCRIPTION = "python -m npu_shim status|check|selftest|env|bundle."
+
 
 def find_sglang():
     """The sglang package directory as ``import sglang`` would find it (editable installs
@@ -96,6 +99,15 @@ def activity_line(info):
         return "no (master switch NPU_SHIM_ENABLED is off)"
     if info["sitecustomize_active"]:
         return "yes"
+    # Python never looked for a sitecustomize: PYTHONPATH is not the cause, and a server started
+    # with the same flag is not patched either.
+    if sys.flags.no_site:
+        return "no: Python was started with -S (no site module, so no sitecustomize runs); a " \
+               "server started so is not patched"
+    if sys.flags.ignore_environment or sys.flags.isolated:
+        return "no: Python was started with %s, so PYTHONPATH is ignored; a server started so is " \
+               "not patched (npu_shim.install() in its code still patches it)" % (
+                   "-I" if sys.flags.isolated else "-E")
     loaded = info["sitecustomize_loaded"]
     root = os.path.dirname(info["location"])
     if loaded:
@@ -166,43 +178,35 @@ def exit_code(info):
 
 
 def run_bundle(args):
-    import signal
-
     from npu_shim.cli import bundle
+    from npu_shim.ops.terminal import printable
 
-    previous = _on_sigterm(bundle.Terminated)
     try:
         bundle.build(args.out_dir, args.python, args.wrapt_version or bundle.WRAPT_VERSION,
                      machines=tuple(args.platform) or bundle.MACHINES, force=args.force,
-                     log=lambda line: sys.stderr.write("npu-shim bundle: %s\n" % line))
+                     log=lambda line: sys.stderr.write("npu-shim bundle: %s\n" % printable(line)))
     except bundle.BundleError as exc:
-        from npu_shim.ops.terminal import printable
-
         sys.stderr.write("npu-shim bundle: error: %s\n" % printable(exc))
         return EXIT_BUNDLE_FAILED
-    except (bundle.Terminated, KeyboardInterrupt) as exc:
-        name = "SIGTERM" if isinstance(exc, bundle.Terminated) else "SIGINT"
-        sys.stderr.write("npu-shim bundle: stopped by %s; pip and the staging directory are gone\n"
-                         % name)
-        return 128 + getattr(signal, name)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
     return 0
 
 
-def _on_sigterm(exception):
-    """Make SIGTERM raise ``exception`` (so that clean-up runs, as for Ctrl-C); the handler it
-    replaces, or None where none can be set (not the main thread)."""
-    import signal
+def stoppable(command, body, gone):
+    """``body()``'s exit status, with SIGTERM and SIGHUP raising (npu_shim/cli/children.py) so
+    that the clean-up of every child runs, as for Ctrl-C; stopped: one line saying so (``gone``:
+    what the clean-up removed) and 128 + the signal, as a shell reports it."""
+    from npu_shim.cli import children
 
-    def handler(_signum, _frame):
-        raise exception()
-
+    restore = children.on_stop_signals()
     try:
-        return signal.signal(signal.SIGTERM, handler)
-    except ValueError:
-        return None
+        return body()
+    except (children.Stopped, KeyboardInterrupt) as exc:
+        children.hold_signals()  # to the exit: a second signal must not cut this line short
+        sys.stderr.write("npu-shim %s: stopped by %s; %s\n" % (command, children.signal_name(exc), gone))
+        sys.stderr.flush()
+        return children.exit_status(exc)
+    finally:
+        restore()
 
 
 def run_running(args):
@@ -287,7 +291,7 @@ def check_exit_code(report):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m npu_shim", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m npu_shim", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="what the shim would do here, per patch and variable")
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -337,13 +341,14 @@ def main(argv=None):
         print_env(args.json)
         return 0
     if args.command == "bundle":
-        return run_bundle(args)
+        return stoppable("bundle", lambda: run_bundle(args), "pip and the staging directory are gone")
     if args.command == "check":
-        return run_check(args)
+        return stoppable("check", lambda: run_check(args), "its child process group is gone")
     if args.command == "selftest":
         from npu_shim.cli import selftest as selftest_command  # imports no torch: its children do
 
-        return selftest_command.main(args)
+        return stoppable("selftest", lambda: selftest_command.main(args),
+                         "its child process groups are gone")
     if args.running is not None:
         return run_running(args)
     if args.dir is not None:

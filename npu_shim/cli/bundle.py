@@ -62,11 +62,6 @@ class BundleError(RuntimeError):
     """The bundle could not be built; nothing was left at OUT_DIR."""
 
 
-class Terminated(BaseException):
-    """SIGTERM arrived during a build: the CLI raises this from its handler, so the build's
-    clean-up runs (a BaseException, as KeyboardInterrupt: no ``except Exception`` swallows it)."""
-
-
 def _shown(path):
     """A path as one line of a message: control characters and undecodable bytes escaped."""
     return path if path.isprintable() else ascii(path)
@@ -418,23 +413,34 @@ def oldest_glibc(wheel_name):
 def _pip_download(args, dest, what):
     import subprocess
 
+    from npu_shim.cli import children
+
     command = list(_PIP) + ["download", "-q", "--disable-pip-version-check", "--no-deps",
                             "--only-binary=:all:", "-d", dest] + args
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # pip must not run with the shim active
     try:
-        # On any exception (Terminated, KeyboardInterrupt) run() kills pip before re-raising.
-        proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env, timeout=_PIP_TIMEOUT_S)
+        # pip in its own process group, killed with it on every way out (a stop signal included)
+        returncode, out, _err = children.run(command, _PIP_TIMEOUT_S, env=env, merge_stderr=True)
     except subprocess.TimeoutExpired:
         raise BundleError("%s: pip timed out after %ds" % (what, _PIP_TIMEOUT_S)) from None
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
+    except OSError as exc:
+        raise BundleError("%s: cannot run pip: %s" % (what, exc.strerror or exc)) from None
+    if returncode != 0:
+        tail = "\n".join(out.strip().splitlines()[-5:])
         raise BundleError("%s failed: %s\n%s" % (what, " ".join(command), tail))
     wheels = [name for name in os.listdir(dest) if name.endswith(".whl")]
     if len(wheels) != 1:
         raise BundleError("%s: expected one wheel in %s, found %s" % (what, dest, wheels or "none"))
     return os.path.join(dest, wheels[0])
+
+
+def _mkdirs_below(top, path):
+    """``os.makedirs(path)`` where ``top``'s parent must exist already: a staging directory that
+    vanished (its parent re-pointed) fails here instead of being made again somewhere else."""
+    if not os.path.isdir(os.path.dirname(top)):
+        raise BundleError("the staging directory %s is gone" % _shown(top))
+    os.makedirs(path)
 
 
 def download_wrapt(workdir, version, pythons, machines):
@@ -444,7 +450,7 @@ def download_wrapt(workdir, version, pythons, machines):
         abi = "cp" + python.replace(".", "")
         for machine in machines:
             dest = os.path.join(workdir, "%s-%s" % (abi, machine))
-            os.makedirs(dest)
+            _mkdirs_below(workdir, dest)
             args = ["--python-version", python, "--implementation", "cp", "--abi", abi]
             for platform in MANYLINUX[machine]:
                 args += ["--platform", platform]
@@ -453,7 +459,7 @@ def download_wrapt(workdir, version, pythons, machines):
             glibc = oldest_glibc(os.path.basename(wheel))
             wheels["%s-%s-glibc%d.%d" % (abi, machine, glibc[0], glibc[1])] = wheel
     dest = os.path.join(workdir, "pure")
-    os.makedirs(dest)
+    _mkdirs_below(workdir, dest)
     wheels["py3-none-any"] = _pip_download(["--platform", "any", "wrapt==%s" % version], dest,
                                            "wrapt %s pure-Python wheel" % version)
     return wheels
@@ -496,23 +502,41 @@ def interpreters(requested):
     result, seen = [], set()
     for path in candidates:
         try:
-            version = subprocess.run(
-                [path, "-c", "import sys; print('%d.%d %s' % (sys.version_info[:2] + "
-                             "(sys.implementation.name,)))"],
-                capture_output=True, text=True, timeout=60, check=True).stdout.split()
+            version, why = _python_version(path)
         except (OSError, subprocess.SubprocessError) as exc:
+            version, why = None, "cannot run it: %s" % (getattr(exc, "strerror", None) or exc)
+        if version is None:
             if requested:
-                raise BundleError("cannot run --python %s: %s" % (path, exc)) from None
+                raise BundleError("--python %s: %s; the bundle supports CPython %s"
+                                  % (_shown(path), why, ", ".join(PYTHONS)))
             continue
-        if version[1] != "cpython" or version[0] not in PYTHONS:
-            if requested:
-                raise BundleError("--python %s is %s %s; the bundle supports CPython %s"
-                                  % (path, version[1], version[0], ", ".join(PYTHONS)))
-            continue
-        if version[0] not in seen:
-            seen.add(version[0])
-            result.append((path, version[0]))
+        if version not in seen:
+            seen.add(version)
+            result.append((path, version))
     return result
+
+
+# What an interpreter prints of itself; one line, so that anything else it prints is not taken.
+_WHO = "import sys; print('npu-shim-python %d.%d %s' % (sys.version_info[:2] + (sys.implementation.name,)))"
+
+
+def _python_version(path):
+    """("3.11", None) for a CPython 3.9-3.13 at ``path``, or (None, what it is instead): a
+    program that is no Python, or prints something else, is told apart from one that is."""
+    import re
+
+    from npu_shim.cli import children
+
+    code, out, _err = children.run([path, "-I", "-S", "-c", _WHO], 60)
+    found = re.search(r"^npu-shim-python (\d+\.\d+) (\S+)$", out, re.M)
+    if code != 0 or not found:
+        said = " ".join(out.split())[:60]
+        return None, "it is not a Python (it exited %d%s)" % (
+            code, ", printing %s" % ascii(said) if said else " and printed nothing")
+    version, implementation = found.groups()
+    if implementation != "cpython" or version not in PYTHONS:
+        return None, "it is %s %s" % (_shown(implementation), version)
+    return version, None
 
 
 def _pyenv_pythons():
@@ -528,15 +552,20 @@ def _pyenv_pythons():
 # reading and hashing its source each time; the bundle is verified as a whole instead (an edited
 # sitecustomize.py is "changed" to check, and is not what runs).  The package's are checked: only
 # sglang processes load them.
+#
+# Every optimisation level (.pyc, .opt-1.pyc, .opt-2.pyc): a process started with -O or -OO finds
+# its own, so it neither writes one into a writable bundle (which check would then call an extra
+# file) nor compiles an edited sitecustomize.py that the plain level would not run.
 _COMPILE = """\
 import compileall, os, py_compile, re, sys
 root = sys.argv[1]
 tag = "cp%d%d-" % sys.version_info[:2]
 vendor = os.path.join(root, "npu_shim", "_vendor", "wrapt")
-ok = compileall.compile_file(os.path.join(root, "sitecustomize.py"), quiet=2,
+levels = [0, 1, 2]
+ok = compileall.compile_file(os.path.join(root, "sitecustomize.py"), quiet=2, optimize=levels,
                              invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
 skip = re.compile(re.escape(vendor + os.sep) + r"(?!(%s|py3-none-any))" % re.escape(tag))
-ok &= compileall.compile_dir(os.path.join(root, "npu_shim"), quiet=2, rx=skip,
+ok &= compileall.compile_dir(os.path.join(root, "npu_shim"), quiet=2, rx=skip, optimize=levels,
                              invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
 sys.exit(0 if ok else 1)
 """
@@ -545,11 +574,16 @@ sys.exit(0 if ok else 1)
 def compile_pyc(root, pythons):
     import subprocess
 
+    from npu_shim.cli import children
+
     for path, version in pythons:
-        proc = subprocess.run([path, "-c", _COMPILE, root], capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
+        try:
+            code, out, err = children.run([path, "-I", "-c", _COMPILE, root], 300)
+        except subprocess.TimeoutExpired:
+            code, out, err = None, "", "it did not finish in 300 s"
+        if code != 0:
             raise BundleError("compiling .pyc with %s (%s) failed:\n%s%s"
-                              % (path, version, proc.stdout[-2000:], proc.stderr[-2000:]))
+                              % (_shown(path), version, out[-2000:], err[-2000:]))
 
 
 def write_manifest(root, wrapt_version, builds, pythons):
@@ -599,17 +633,6 @@ def _remove_made_parents(parent, top):
         except OSError:
             return
         folder = os.path.dirname(folder)
-
-
-def _hold_signals():
-    """Hold SIGTERM and SIGINT until the returned function is called (they are then delivered):
-    the swap and its undo must not stop half-way."""
-    import signal
-
-    if not hasattr(signal, "pthread_sigmask"):
-        return lambda: None
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    return lambda: signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _swap_in(staging, out_dir, had_dir):
@@ -678,6 +701,8 @@ def build(out_dir, python_paths=(), wrapt_version=WRAPT_VERSION, pythons=PYTHONS
     refusal comes before anything is downloaded or created (``check_target``)."""
     import tempfile
 
+    from npu_shim.cli import children
+
     target = check_target(out_dir, force)
     out_dir = target[0]
     compilers = interpreters(python_paths)
@@ -685,9 +710,14 @@ def build(out_dir, python_paths=(), wrapt_version=WRAPT_VERSION, pythons=PYTHONS
         raise BundleError("no CPython %s interpreter found to compile .pyc with" % "/".join(PYTHONS))
     parent = os.path.dirname(out_dir)
     made = _make_parents(parent)
+    # Staging and the swap go by the parent's real path, fixed now: a link on the way re-pointed
+    # during the build must not send half the build elsewhere (it is refused before the swap).
+    real_parent = os.path.realpath(parent)
+    place = _identity(real_parent)
+    real_out = os.path.join(real_parent, os.path.basename(out_dir))
     release, swapped = None, False
     try:
-        staging = tempfile.mkdtemp(prefix=".npu-shim-bundle-", dir=parent)
+        staging = tempfile.mkdtemp(prefix=".npu-shim-bundle-", dir=real_parent)
     except OSError as exc:
         _remove_made_parents(parent, made)
         raise BundleError("cannot create a staging directory in %s: %s"
@@ -695,15 +725,19 @@ def build(out_dir, python_paths=(), wrapt_version=WRAPT_VERSION, pythons=PYTHONS
     try:
         manifest = _assemble(staging, os.path.basename(out_dir), wrapt_version, pythons, machines,
                              compilers, log)
-        release = _hold_signals()
-        # The build took a while: what is at OUT_DIR must still be what was checked.
+        release = children.hold_signals()
+        # The build took a while: OUT_DIR must still lead where it did, and what is there must
+        # still be what was checked.
+        if os.path.realpath(parent) != real_parent or _identity(real_parent) != place:
+            raise BundleError("%s now leads elsewhere (a link on the way changed during the build); "
+                              "nothing was replaced" % _shown(parent))
         if check_target(out_dir, force) != target:
             raise BundleError("%s or its .tar.gz changed during the build; nothing was replaced"
                               % _shown(out_dir))
-        _swap_in(staging, out_dir, target[1] is not None)
+        _swap_in(staging, real_out, target[1] is not None)
         swapped = True
     finally:
-        release = release or _hold_signals()
+        release = release or children.hold_signals()
         # A previous bundle still aside after a failed swap could not be put back: it stays.
         stuck = not swapped and os.path.lexists(os.path.join(staging, "previous"))
         _remove_staging(staging, "previous" if stuck else None)

@@ -21,6 +21,9 @@ import sys
 
 CHILD_TIMEOUT_S = 300
 _MARK = "npu-shim-check:"
+# What print_report reads of the child's report (the parent adds "bundle").
+REPORT_KEYS = ("pid", "python", "sitecustomize", "shim_active", "imports", "states", "wrapped",
+               "wrapt", "sglang", "npu", "seconds")
 
 
 def _trim(text, limit=300):
@@ -215,20 +218,38 @@ def child_main(watcher):
 # -- in the parent --------------------------------------------------------------------------------
 
 def run_child(timeout=CHILD_TIMEOUT_S):
-    """(report dict or None, error text or None) from a child with this process's environment."""
+    """(report dict or None, error text or None) from a child with this process's environment and
+    interpreter flags (npu_shim/cli/children.py: its own process group, its output as bytes)."""
     import subprocess
+
+    from npu_shim.cli import children
 
     code = "from npu_shim import _bootstrap; from npu_shim.cli import check; check.child_main(_bootstrap.WATCHER)"
     try:
-        proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, timeout=timeout)
+        returncode, out, err = children.run(children.python_command(code), timeout)
     except subprocess.TimeoutExpired:
         return None, "the check process did not finish in %ds" % timeout
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(_MARK):
-            return json.loads(line[len(_MARK):]), None
-    tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-    return None, "the check process exited %d without a report:\n%s" % (proc.returncode, tail)
+    report, problem = find_report(out, _MARK, REPORT_KEYS)
+    if report is not None:
+        return report, None
+    tail = "\n".join((err or out).strip().splitlines()[-15:])
+    return None, "the check process exited %d %s:\n%s" % (returncode, problem, tail)
+
+
+def find_report(out, mark, keys=()):
+    """(the report: the JSON object with ``keys`` on the last line of ``out`` that starts with
+    ``mark``, None), or (None, why not).  A child's output holds whatever a module it imported
+    printed too, and the child may die half-way through its own line."""
+    for line in reversed(out.splitlines()):
+        if line.startswith(mark):
+            try:
+                report = json.loads(line[len(mark):])
+            except (ValueError, RecursionError):
+                report = None
+            if not isinstance(report, dict) or not all(key in report for key in keys):
+                return None, "with a malformed report line"
+            return report, None
+    return None, "without a report"
 
 
 def sglang_line(sglang, import_failed):

@@ -25,6 +25,8 @@ import threading
 import time
 
 TIMEOUT_S = 60
+MAX_TIMEOUT_S = 86400  # a day: past it time.monotonic() + bound is no bound an operator means
+MAX_NUMBER = 1 << 40   # the other numbers' bound: JSON and the child's arithmetic stay exact
 CHILD_CODE = ("from npu_shim import _bootstrap; from npu_shim.cli import selftest_child; "
               "selftest_child.main(_bootstrap.WATCHER)")
 PREFIX = "npu-shim selftest: "
@@ -130,41 +132,46 @@ def child_env():
 
 
 def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
-    """(report or None, error or None) of one child; progress lines go to ``log`` as they come."""
+    """(report or None, error or None) of one child; progress lines go to ``log`` as they come.
+    The child runs in its own process group (npu_shim/cli/children.py), killed with whatever it
+    started on every way out of here."""
+    from npu_shim.cli import check, children
     from npu_shim.cli import selftest_child as child
 
-    proc = subprocess.Popen([sys.executable, "-c", CHILD_CODE, stage, json.dumps(options)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=child_env())
+    proc = children.start(children.python_command(CHILD_CODE, stage, json.dumps(options)),
+                          env=child_env())
     lines, errors, last = [], [], ["starting"]
 
     def read_out():
-        for line in proc.stdout:
-            line = line.rstrip("\n")
+        for raw in proc.stdout:
+            line = children.decode(raw).rstrip("\n")
             if line.startswith(child.PROGRESS):
                 last[0] = line[len(child.PROGRESS):]
                 log(last[0])
             lines.append(line)
 
     def read_err():
-        errors.extend(proc.stderr)
+        errors.extend(children.decode(raw) for raw in proc.stderr)
 
     readers = [threading.Thread(target=read_out, daemon=True), threading.Thread(target=read_err, daemon=True)]
-    for reader in readers:
-        reader.start()
     try:
-        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        return None, "did not finish within the %d s bound (at: %s)" % (bound, last[0])
-    for reader in readers:
-        reader.join(5)
-    for line in reversed(lines):
-        if line.startswith(child.MARK):
-            return json.loads(line[len(child.MARK):]), None
+        for reader in readers:
+            reader.start()
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return None, "did not finish within the %d s bound (at: %s)" % (bound, last[0])
+    finally:
+        children.stop(proc, close=False)  # the group: the child's own children too
+        for reader in readers:
+            if reader.ident is not None:
+                reader.join(5)
+        children.stop(proc)
+    report, problem = check.find_report("\n".join(lines), child.MARK)
+    if report is not None:
+        return report, None
     tail = "\n".join("".join(errors).strip().splitlines()[-15:] or lines[-15:])
-    return None, "the selftest process exited %d without a report:\n%s" % (proc.returncode, tail)
+    return None, "the selftest process exited %d %s:\n%s" % (proc.returncode, problem, tail)
 
 
 def run(options, log=None):
@@ -199,6 +206,8 @@ def run(options, log=None):
         code = cli.EXIT_SELFTEST_FAILED if error.startswith("did not finish") else cli.EXIT_CHECK_FAILED
         return done(code, error=error)
     result["main"] = report
+    if report.get("error"):  # the child's own words, in one line
+        return done(cli.EXIT_CHECK_FAILED, error=str(report["error"]))
     problem = report.get("torch_problem")
     if problem:
         return done(cli.EXIT_NPU_STACK if problem["kind"] == "cann" else cli.EXIT_CHECK_FAILED,
@@ -219,6 +228,8 @@ def run(options, log=None):
                                                      "(PYTHONPATH / NPU_SHIM_ENABLED): run `check`")
     if report["device"]["kind"] is None:
         return done(cli.EXIT_NO_DEVICE, error=report["device"]["name"])
+    if report.get("bad_index"):
+        return done(cli.EXIT_USAGE, error=report["bad_index"])
     if report.get("refused"):
         return done(cli.EXIT_SELFTEST_REFUSED, refused=report["refused"])
     outcomes = dict(report.get("results") or {})
@@ -276,10 +287,12 @@ def main(args):
     unknown = [n for n in args.patch or () if n not in known_names()]
     sized = {key: getattr(args, key) for patch in load_all() for _flag, key, _d, _h in patch.selftest_options}
     flags = [flag for patch in load_all() for flag, _k, _d, _h in patch.selftest_options]
-    if unknown or min(list(sized.values()) + [args.timeout]) <= 0 or args.device_index < 0:
+    if unknown or min(list(sized.values()) + [args.timeout]) <= 0 or args.device_index < 0 \
+            or args.timeout > MAX_TIMEOUT_S or max(list(sized.values()) + [args.device_index]) > MAX_NUMBER:
         sys.stderr.write(PREFIX + ("--patch %s: no such patch (%s)" % (unknown[0], ", ".join(known_names()))
-                                   if unknown else "%s take a positive number, --device-index one of "
-                                   "0 or more" % ", ".join(flags + ["--timeout"])) + "\n")
+                                   if unknown else "%s take a positive number (--timeout at most %d), "
+                                   "--device-index one of 0 or more" % (", ".join(flags + ["--timeout"]),
+                                                                       MAX_TIMEOUT_S)) + "\n")
         return cli.EXIT_USAGE
 
     options = dict(sized, device_index=args.device_index, patches=list(args.patch or ()),

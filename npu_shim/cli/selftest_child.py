@@ -74,6 +74,24 @@ def need_mib(steps, options):
     return max([found[name].selftest_mib(options) for name in steps] or [0])
 
 
+def no_torch():
+    """``torch_problem``'s answer where no torch is installed at all (``check`` leaves that to the
+    target modules' imports; every step here needs torch)."""
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name == "torch":
+            return {"kind": "torch", "error": _one_line(exc),
+                    "text": "torch is not installed in this Python (%s): the selftest needs torch "
+                            "to reach the device" % sys.executable}
+    return None  # any other failure: torch_problem has said it
+
+
+def device_count(torch, kind):
+    """How many devices of ``kind`` torch sees (the simulated NPU: as many as it says)."""
+    return int(torch.get_device_module(kind).device_count())
+
+
 def memory_info(torch, kind, index):
     """(free MiB, total MiB) of the device, from its device module's ``mem_get_info``."""
     free, total = torch.get_device_module(kind).mem_get_info(index)
@@ -135,7 +153,7 @@ def stage_main(options, watcher):
     started = time.monotonic()
     report = {"stage": "main", "pid": os.getpid(), "python": "%d.%d.%d" % sys.version_info[:3]}
     progress("importing sglang's target modules (the patches decide as in a server)")
-    broken = check.torch_problem()
+    broken = check.torch_problem() or no_torch()
     report["torch_problem"] = broken
     if broken is not None:
         return report
@@ -156,6 +174,11 @@ def stage_main(options, watcher):
     report["plan"] = decided
     steps = [n for n, why in decided.items() if why is None]
     if kind is None or not steps:
+        return report
+    count = device_count(torch, kind)
+    if index >= count:  # --device-index past the devices torch sees: the user's words were wrong
+        report["bad_index"] = ("--device-index %d: torch sees %d %s device%s here (0%s)" % (
+            index, count, kind, "" if count == 1 else "s", "" if count == 1 else " to %d" % (count - 1)))
         return report
     free, total = memory_info(torch, kind, index)
     need = need_mib(steps, options)
@@ -204,5 +227,9 @@ def main(watcher, argv=None):
     ``watcher``: the start-up watcher (npu_shim/_bootstrap.py), handed in by that code."""
     argv = sys.argv[1:] if argv is None else argv
     stage, options = argv[0], json.loads(argv[1])
-    report = stage_main(options, watcher) if stage == "main" else stage_alone(stage, options)
+    try:
+        report = stage_main(options, watcher) if stage == "main" else stage_alone(stage, options)
+    except Exception as exc:  # noqa: BLE001 - one line for the parent, not a traceback
+        report = {"stage": stage, "pid": os.getpid(), "error": "the %s stage raised %s"
+                  % (stage, _one_line(exc))}
     emit(report)

@@ -10,13 +10,16 @@ _CONTROLS = None
 def printable(text):
     """``text`` with every character that can move a terminal's cursor, change its state or
     reorder what it shows (C0 and C1 controls, DEL, line and paragraph separators, bidi and
-    zero-width format characters) written as a ``\\x..`` / ``\\u....`` escape: one line, as sent."""
+    zero-width format characters) written as a ``\\x..`` / ``\\u....`` escape: one line, as sent.
+    Lone surrogates too -- the bytes of a path or variable that are not UTF-8, as Python decodes
+    them (``\\udcff``): no UTF-8 terminal can be written one, so unescaped they end the command
+    with UnicodeEncodeError."""
     global _CONTROLS
     if _CONTROLS is None:
         import re
 
         _CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e"
-                               "\u2060-\u2069\ufeff]")
+                               "\u2060-\u2069\ufeff\ud800-\udfff]")
     return _CONTROLS.sub(_escape, str(text))
 
 

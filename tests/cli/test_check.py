@@ -35,3 +35,95 @@ def test_check_in_a_process_where_the_shim_never_started(tree):
     text = out["text"]
     assert "shim active at start-up: NO: npu-shim's sitecustomize did not arm it" in text
     assert "(no patch was decided: sglang's target modules were not imported with the shim on)" in text
+
+
+# -- the command under hostile output and the interpreter's flags ----------------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from test_bootstrap import REPO  # noqa: E402
+
+# Written by a module the check child imports: bytes that are no UTF-8, a line that looks like the
+# report's start but is not JSON, and one that is JSON but no report.
+STRAY_OUTPUT = '''
+import sys
+sys.stdout.buffer.write(b"\\\\xff\\\\xfe stray bytes\\\\n"); sys.stdout.flush()
+sys.stderr.buffer.write(b"\\\\xc3 half a character\\\\n"); sys.stderr.flush()
+'''
+
+
+def check_cli(tree, *args, flags=(), env=None):
+    """``python [flags] -m npu_shim check [args]`` with the repository and the fake sglang."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_", "PYTHON"))}
+    full_env.update({"PYTHONPATH": os.pathsep.join([REPO, str(tree / "image"), str(tree / "pkgs")]),
+                     "CHAIN_MARKER": str(tree / "marker"), "PYTHONDONTWRITEBYTECODE": "1"})
+    full_env.update(env or {})
+    return subprocess.run([sys.executable] + list(flags) + ["-m", "npu_shim", "check"] + list(args),
+                          cwd=str(tree), env=full_env, capture_output=True, timeout=120)
+
+
+def test_bytes_that_are_not_utf8_from_an_imported_module_cost_nothing(tree):
+    """Before the fix the parent decoded the child's output strictly: a UnicodeDecodeError
+    traceback instead of the report."""
+    common = tree / "pkgs" / "sglang" / "srt" / "utils" / "common.py"
+    common.write_text(common.read_text() + STRAY_OUTPUT)
+    proc = check_cli(tree, "--json")
+    assert b"Traceback" not in proc.stderr, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["imports"] == {"sglang.srt.utils.common": "ok"} and report["shim_active"] is True
+    text = check_cli(tree, env={"LC_ALL": "C.UTF-8"})
+    assert b"Traceback" not in text.stderr and text.stdout.startswith(b"npu-shim check: a child process")
+
+
+def test_a_malformed_report_line_is_one_line_and_exit_4(tree):
+    """A child that dies after printing the report's mark with no JSON after it (or a module that
+    prints one): before the fix a JSONDecodeError traceback."""
+    common = tree / "pkgs" / "sglang" / "srt" / "utils" / "common.py"
+    for line in ('npu-shim-check:{"pid": 1', "npu-shim-check:[1, 2]", "npu-shim-check:{}"):
+        common.write_text(common.read_text().split("\n# cut")[0] +
+                          "\n# cut\nimport os, sys\nsys.stdout.write(%r + '\\n'); sys.stdout.flush(); "
+                          "os._exit(0)\n" % line)
+        proc = check_cli(tree)
+        assert proc.returncode == 4, proc.stderr
+        err = proc.stderr.decode()
+        assert err.startswith("npu-shim check: the check process exited 0 with a malformed report line"), err
+        assert "Traceback" not in err
+
+
+def test_the_child_runs_with_the_interpreter_s_flags(tree):
+    """``python -S -m npu_shim check``: a server started with -S runs no sitecustomize, so the shim
+    is not active in it -- before the fix the child ran without -S and said "active: yes"."""
+    proc = check_cli(tree, "--json", flags=["-S"])
+    report = json.loads(proc.stdout)
+    assert report["shim_active"] is False and report["states"] == {}
+    assert proc.returncode == 4
+    optimized = json.loads(check_cli(tree, "--json", flags=["-OO"]).stdout)
+    assert optimized["shim_active"] is True
+
+
+def test_a_stray_grandchild_of_the_check_child_is_gone_with_it(tree, tmp_path):
+    """The check child leads its own process group: what a module it imported started is killed
+    when the child is done (the grandchild here sleeps for a minute and writes its pid)."""
+    pid_file = tmp_path / "grandchild.pid"
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
+    common = tree / "pkgs" / "sglang" / "srt" / "utils" / "common.py"
+    common.write_text(common.read_text() + (
+        "\nimport os as _os, subprocess as _sp, sys as _sys, time as _time\n"
+        "_p = _sp.Popen([_sys.executable, %r, %r])\n"
+        "while _p.poll() is None and not _os.path.exists(%r):\n    _time.sleep(0.05)\n"
+        % (str(sleeper), str(pid_file), str(pid_file))))
+    proc = check_cli(tree, "--json")
+    assert json.loads(proc.stdout)["imports"] == {"sglang.srt.utils.common": "ok"}
+    assert not _alive(int(pid_file.read_text()))
+
+
+def _alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

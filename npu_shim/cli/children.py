@@ -1,0 +1,152 @@
+"""The processes a command starts (``check``'s and ``selftest``'s children, ``bundle``'s pip and
+interpreters), and the signals that end a command while they run.
+
+* Each child starts in a session of its own, so it leads its own process group: killing the group
+  takes whatever the child started too (sglang's imports may spawn helpers; pip spawns its own),
+  and a terminal's Ctrl-C reaches only the command, whose clean-up then kills the group.
+* The stop signals are held while ``Popen`` runs: one that arrived inside its constructor would
+  raise before the caller had the child to kill (an orphaned pip, before this).
+* A child's output is read as bytes and decoded here, what is not UTF-8 shown as ``\\xNN``: a
+  module that writes one stray byte must not cost the report.
+* ``check`` and ``selftest`` children run with the interpreter flags that change what a server
+  process does (``-O``, ``-S``, ``-I`` ...): they stand for a server started as this command was.
+
+Imports nothing at load time beyond ``os``, ``signal`` and ``sys`` (``check`` loads it before it
+has verified the bundle it runs from).
+"""
+
+import os
+import signal
+import sys
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # a kill, a closed ssh session
+
+
+class Stopped(BaseException):
+    """A stop signal arrived: raised from its handler, so that every clean-up runs as it does for
+    Ctrl-C (a BaseException, as KeyboardInterrupt: no ``except Exception`` swallows it)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def name(self):
+        return signal.Signals(self.signum).name
+
+
+def exit_status(exc):
+    """The exit status a shell reports for a process ended by the signal behind ``exc``."""
+    return 128 + (exc.signum if isinstance(exc, Stopped) else signal.SIGINT)
+
+
+def signal_name(exc):
+    return exc.name if isinstance(exc, Stopped) else "SIGINT"
+
+
+def on_stop_signals():
+    """Make the stop signals raise ``Stopped`` until the returned function is called (which puts
+    the previous handlers back).  Outside the main thread nothing can be set: a no-op."""
+    def handler(signum, _frame):
+        raise Stopped(signum)
+
+    previous = {}
+    try:
+        for signum in STOP_SIGNALS:
+            previous[signum] = signal.signal(signum, handler)
+    except ValueError:  # not the main thread
+        pass
+
+    def restore():
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+    return restore
+
+
+def hold_signals():
+    """Hold the stop signals and SIGINT until the returned function is called (they are then
+    delivered): what must not stop half-way (a Popen, a swap of directories) runs in between."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return lambda: None
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS) | {signal.SIGINT})
+    return lambda: signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+# The sys.flags a server's behaviour depends on, and the option that sets each.
+_FLAGS = (("no_site", "-S"), ("dont_write_bytecode", "-B"))
+
+
+def interpreter_flags():
+    """This interpreter's options that change what a Python process does at start-up and import:
+    ``-O``/``-OO``, ``-S``, ``-B``, and ``-I`` (or ``-E``, ``-s``, ``-P``)."""
+    flags = sys.flags
+    found = ["-" + "O" * flags.optimize] if flags.optimize else []
+    found += [option for name, option in _FLAGS if getattr(flags, name, 0)]
+    if flags.isolated:
+        return found + ["-I"]
+    for name, option in (("ignore_environment", "-E"), ("no_user_site", "-s"), ("safe_path", "-P")):
+        if getattr(flags, name, 0):
+            found.append(option)
+    return found
+
+
+def python_command(code, *args):
+    """``sys.executable`` with this interpreter's flags, running ``code``."""
+    return [sys.executable] + interpreter_flags() + ["-c", code] + list(args)
+
+
+def start(argv, env=None, merge_stderr=False):
+    """A ``Popen`` of ``argv`` in its own session, stdin empty, stdout (and stderr, or stderr into
+    stdout) as byte pipes.  A stop signal that came while it started is delivered before this
+    returns, with the child already killed."""
+    import subprocess
+
+    release = hold_signals()
+    proc = None
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                                env=env, start_new_session=True)
+    finally:
+        try:
+            release()
+        except BaseException:
+            if proc is not None:
+                stop(proc)
+            raise
+    return proc
+
+
+def stop(proc, close=True):
+    """Kill the child's process group (the child and whatever it started that is still in it),
+    reap the child and close its pipes (``close=False``: a reader thread still drains them; they
+    end, as every writer is gone)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # no process left in the group
+    if proc.returncode is None:
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    for pipe in (proc.stdout, proc.stderr) if close else ():
+        if pipe is not None:
+            pipe.close()
+
+
+def decode(data):
+    """A child's bytes as text: UTF-8, anything else as ``\\xNN`` escapes (never an error)."""
+    return (data or b"").decode("utf-8", "backslashreplace")
+
+
+def run(argv, timeout, env=None, merge_stderr=False):
+    """(exit status, stdout, stderr) of ``argv`` run to its end, its process group killed on every
+    way out (the child done, ``timeout`` passed: ``subprocess.TimeoutExpired``, a signal)."""
+    proc = start(argv, env=env, merge_stderr=merge_stderr)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        stop(proc)
+    return proc.returncode, decode(out), decode(err)

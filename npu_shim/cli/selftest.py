@@ -34,12 +34,33 @@ PREFIX = "npu-shim selftest: "
 
 # -- refusal: sglang's own processes hold the device ------------------------------------------------
 
-def _cmdline(proc, pid):
+def _argv(proc, pid):
+    """The process's command line as its arguments (a title sglang set is one), [] if unreadable."""
     try:
         with open(os.path.join(proc, pid, "cmdline"), "rb") as handle:
-            return handle.read(4096).replace(b"\0", b" ").decode("utf-8", "replace").strip()
+            data = handle.read(4096)
     except OSError:
-        return ""
+        return []
+    return [arg.decode("utf-8", "replace") for arg in data.rstrip(b"\0").split(b"\0")]
+
+
+def is_sglang_server(argv):
+    """Whether a command line is an sglang server process's: the title sglang gives its processes
+    (``sglang::scheduler_TP0`` ...), ``-m sglang.launch_server``, sglang's ``launch_server.py``
+    run as a script, or ``sglang serve``.  Its arguments are read as arguments: the name in a file
+    name (``tail -f sglang.launch_server.log``) is none of them."""
+    from npu_shim.ops import procinfo
+
+    if not argv:
+        return False
+    if procinfo.role_from_title(argv[0].split(" ", 1)[0]):
+        return True
+    for i, arg in enumerate(argv[:-1]):
+        if (arg == "-m" and argv[i + 1] == "sglang.launch_server") or (
+                os.path.basename(arg) == "sglang" and argv[i + 1] == "serve"):
+            return True
+    return any(arg == "-msglang.launch_server" or arg.replace(os.sep, "/").endswith("sglang/launch_server.py")
+               for arg in argv)
 
 
 # Device files a process that uses the device has open: Ascend's, NVIDIA's.
@@ -68,10 +89,7 @@ def _holds_device(proc, pid):
 
 def sglang_processes(proc="/proc"):
     """(pid, command line) of the sglang server processes on this host that have a device open:
-    known by the title sglang gives them (``sglang::scheduler_TP0`` ...) or by
-    ``sglang.launch_server`` on their command line; this process and its parent excluded."""
-    from npu_shim.ops import procinfo
-
+    known by their command line (``is_sglang_server``); this process and its parent excluded."""
     mine = {os.getpid(), os.getppid()}
     found = []
     try:
@@ -81,11 +99,11 @@ def sglang_processes(proc="/proc"):
     for name in names:
         if not name.isdigit() or int(name) in mine:
             continue
-        line = _cmdline(proc, name)
-        if not (procinfo.role_from_title(line.split(" ", 1)[0]) or "sglang.launch_server" in line):
+        argv = _argv(proc, name)
+        if not is_sglang_server(argv):
             continue
         if _holds_device(proc, name):
-            found.append((int(name), line[:120]))
+            found.append((int(name), " ".join(argv).strip()[:120]))
     return sorted(found)
 
 

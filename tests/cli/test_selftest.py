@@ -255,6 +255,23 @@ def test_sglang_processes_with_a_device_file_open(tmp_path):
         "2 sglang processes on this host hold the device (pid 11, 12: sglang::scheduler_DP0_TP3)")
 
 
+def test_a_file_name_on_another_user_s_command_line_is_no_server(tmp_path):
+    """``tail -f sglang.launch_server.log`` of a user whose descriptors cannot be read (here: an
+    ``fd`` that is no directory, as EACCES is for a non-root selftest): before the fix the words
+    matched anywhere in the line and the run was refused, exit 10."""
+    procs = {21: b"tail\0-f\0sglang.launch_server.log\0", 22: b"vim\0/srv/sglang/launch_server.py.bak\0",
+             23: b"python3\0-m\0sglang.launch_server\0--port\0 1\0",
+             24: b"/usr/bin/python3\0/opt/sglang/launch_server.py\0", 25: b"/venv/bin/sglang\0serve\0"}
+    for pid, cmdline in procs.items():
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes(cmdline)
+        (tmp_path / str(pid) / "fd").write_text("")  # listing it fails: assumed to hold the device
+    assert [pid for pid, _line in selftest.sglang_processes(str(tmp_path))] == [23, 24, 25]
+    assert not selftest.is_sglang_server(["grep", "sglang.launch_server", "x.log"])
+    assert not selftest.is_sglang_server(["python3", "-m", "sglang.launch_server_wrapper"])
+    assert selftest.is_sglang_server(["python3", "-msglang.launch_server"])
+
+
 # -- time bound, failures and exit codes -------------------------------------------------------------
 
 def test_a_child_past_the_bound_is_killed_and_the_run_exits_9(monkeypatch):
@@ -588,3 +605,168 @@ def test_the_selftest_needs_nothing_from_dev_and_its_parent_no_torch():
                  "patches/_selftest/dual_stream_experts.py"):
         with open(os.path.join(realsglang.REPO, "npu_shim", name), encoding="utf-8") as handle:
             assert not re.search(r"^\s*(from|import)\s+shimdev", handle.read(), re.M), name
+
+
+# -- the children: bytes, process groups, malformed reports, options out of range -----------------
+
+STRAY_BYTES = """
+import sys
+sys.stdout.buffer.write(%r.encode() + b"at \\xff\\n"); sys.stdout.flush()
+sys.stderr.buffer.write(b"\\xfe" * 200000); sys.stderr.flush()
+sys.stdout.write("\\n" + %r + '{"stage": "main"}\\n')
+"""
+
+
+def test_bytes_that_are_not_utf8_in_the_child_s_output_keep_its_report(monkeypatch):
+    """Before the fix the reader thread died on the first byte that is no UTF-8: "exited 0 without
+    a report" (exit 4), or a child blocked on a full stderr pipe and called a timeout (exit 9)."""
+    monkeypatch.setattr(selftest, "CHILD_CODE", STRAY_BYTES % (selftest_child.PROGRESS, selftest_child.MARK))
+    seen = []
+    report, error = selftest.run_stage("main", {}, time.monotonic() + 60, seen.append)
+    assert (report, error) == ({"stage": "main"}, None)
+    assert seen == ["at \\xff"]
+
+
+def test_a_malformed_report_line_is_one_line_and_exit_4(monkeypatch):
+    """Before the fix: a JSONDecodeError traceback."""
+    monkeypatch.setattr(selftest, "holders", lambda: None)
+    for line in ('{"stage": ', "[1]"):
+        monkeypatch.setattr(selftest, "CHILD_CODE", "print(%r)" % (selftest_child.MARK + line))
+        result = selftest.run({"zbal_mib": 64, "device_index": 0, "patches": []})
+        assert result["exit"] == cli.EXIT_CHECK_FAILED
+        assert result["error"].startswith("the selftest process exited 0 with a malformed report line")
+
+
+GRANDCHILD = """
+import os, subprocess, sys, time
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+with open(%r, "w") as handle:
+    handle.write(str(grandchild.pid))
+sys.stdout.write(%r + "waiting\\n"); sys.stdout.flush()
+time.sleep(120)
+"""
+
+
+def _alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_timed_out_child_is_killed_with_its_own_children(monkeypatch, tmp_path):
+    """The child leads its own process group, killed whole: before the fix a timed-out selftest
+    left the child's children running."""
+    pid_file = tmp_path / "grandchild.pid"
+    monkeypatch.setattr(selftest, "CHILD_CODE", GRANDCHILD % (str(pid_file), selftest_child.PROGRESS))
+    report, error = selftest.run_stage("main", {}, time.monotonic() + 3, lambda line: None, 3)
+    assert report is None and error == "did not finish within the 3 s bound (at: waiting)"
+    assert not _alive(int(pid_file.read_text()))
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--timeout", str(10 ** 400)], "--timeout at most 86400"),
+    (["--timeout", "86401"], "--timeout at most 86400"),
+    (["--device-index", str(10 ** 400)], "--device-index one of 0 or more"),
+])
+def test_numbers_out_of_range_are_usage_errors(monkeypatch, capsys, args, words):
+    """``--timeout 10**400``: before the fix an OverflowError traceback."""
+    monkeypatch.setattr(selftest, "run_stage", lambda *a: pytest.fail("no child for bad usage"))
+    assert cli.main(["selftest"] + args) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err, err
+
+
+def test_a_device_index_past_the_devices_is_a_usage_error(monkeypatch):
+    """``--device-index 5`` on a one-device node: the child says so in its report (before the fix a
+    traceback from the child's memory query, exit 4)."""
+    class Torch:
+        class npu:
+            __simnpu__ = True
+
+            @staticmethod
+            def device_count():
+                return 1
+
+            @staticmethod
+            def mem_get_info(index):
+                raise AssertionError("asked about device %d" % index)
+
+        @classmethod
+        def get_device_module(cls, kind):
+            return cls.npu
+
+    monkeypatch.setattr(selftest_child, "find_device", lambda torch: ("npu", "simulated NPU", True))
+    from npu_shim.cli import check
+
+    monkeypatch.setattr(check, "import_target_modules", lambda: {})
+    monkeypatch.setitem(sys.modules, "torch", Torch)
+    from npu_shim.runtime import activation
+
+    monkeypatch.setattr(activation.RUNTIME, "states", lambda: {"zbal": {"state": "applied", "reason": "r"}})
+    watcher = types.SimpleNamespace(fired=True, off=False)
+    report = selftest_child.stage_main({"device_index": 5, "patches": ["zbal"], "zbal_mib": 64}, watcher)
+    assert report["bad_index"] == "--device-index 5: torch sees 1 npu device here (0)"
+    monkeypatch.setattr(selftest, "run_stage", lambda *a: (dict(_report({"zbal": None}, {}), bad_index="b"), None))
+    monkeypatch.setattr(selftest, "holders", lambda: None)
+    result = selftest.run({"zbal_mib": 64, "device_index": 5, "patches": []})
+    assert (result["exit"], result["error"]) == (cli.EXIT_USAGE, "b")
+
+
+NO_TORCH = "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n"
+
+
+def test_a_python_without_torch_is_one_line_and_exit_4(tmp_path):
+    """Before the fix the child's ModuleNotFoundError traceback, then exit 4 (``check`` answers the
+    same Python in one line).  ``torch`` here is a package whose import fails as a missing one."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(NO_TORCH)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), REPO_ROOT])
+    proc = subprocess.run([sys.executable, "-m", "npu_shim", "selftest"], env=env, cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == cli.EXIT_CHECK_FAILED, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(selftest.PREFIX + "torch is not installed in this Python (")
+    assert proc.stdout.count("\n") == 1 and "Traceback" not in proc.stdout + proc.stderr
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_sigterm_ends_selftest_with_its_children_gone(tmp_path):
+    """SIGTERM to the command: one line, exit 143, and the child's process group is gone."""
+    import signal
+
+    script = tmp_path / "wrapper.py"
+    script.write_text(
+        "import sys\nfrom npu_shim.cli import selftest\n"
+        "selftest.holders = lambda: None\n"
+        "selftest.CHILD_CODE = %r\n"
+        "from npu_shim.__main__ import main\nsys.exit(main(['selftest']))\n"
+        % (GRANDCHILD % (str(tmp_path / "grandchild.pid"), selftest_child.PROGRESS)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_"))}
+    env["PYTHONPATH"] = REPO_ROOT
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    line = ""
+    while "waiting" not in line and time.monotonic() < deadline:
+        line = proc.stderr.readline()
+    assert "waiting" in line
+    child = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == proc.pid]
+    assert child
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143, err
+    assert err.splitlines()[-1] == "npu-shim selftest: stopped by SIGTERM; its child process groups are gone"
+    assert "Traceback" not in err
+    assert not _alive(child[0]) and not _alive(int((tmp_path / "grandchild.pid").read_text()))
+
+
+def _ppid(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as handle:
+            return int(handle.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None

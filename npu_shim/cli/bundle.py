@@ -744,5 +744,9 @@ def build(out_dir, python_paths=(), wrapt_version=WRAPT_VERSION, pythons=PYTHONS
         if not swapped:
             _remove_made_parents(parent, made)
         release()
-    log("bundle: %s (%d files), %s.tar.gz" % (out_dir, len(manifest["files"]), out_dir))
+    # Kept somewhere the bundle's users cannot write, this digest proves the bundle unchanged
+    # without running any of it (check, in a process that ran its sitecustomize, cannot).
+    log("bundle: %s (%d files), %s.tar.gz; sha256 of its SHA256SUMS: %s (keep it: `sha256sum "
+        "SHA256SUMS` and `sha256sum -c SHA256SUMS` in the bundle prove it unchanged)"
+        % (out_dir, len(manifest["files"]), out_dir, _sha256(os.path.join(out_dir, "SHA256SUMS"))))
     return manifest

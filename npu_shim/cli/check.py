@@ -152,7 +152,21 @@ def bundle_facts():
         text = ("files match its MANIFEST" if not problems else "%d files differ from its MANIFEST: %s"
                 % (len(problems), "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")))
     return {"is_bundle": True, "ok": not problems, "problems": problems[:20],
-            "text": "%s: %s" % (root, text)}
+            "text": "%s: %s" % (root, text), "checked_by": checked_by(root),
+            "outside": "cd %s && sha256sum -c --quiet SHA256SUMS" % root}
+
+
+def checked_by(root):
+    """Which process read the bundle, and so what its answer proves.  Code that runs before the
+    reading (the bundle's sitecustomize and its .pyc, in every process it is on PYTHONPATH of) can
+    make any in-process answer say "match": an answer from a process that ran none of the bundle's
+    code before it is not open to that, one from this process is only as good as that code."""
+    loaded = getattr(sys.modules.get("sitecustomize"), "__file__", None) or ""
+    if os.path.dirname(os.path.abspath(loaded)) == os.path.abspath(root) if loaded else False:
+        return ("this process, after the bundle's own sitecustomize ran in it: it proves the files "
+                "intact only if that code is -- the proof that runs none of it is sha256sum "
+                "(coreutils) against SHA256SUMS, with SHA256SUMS's own sha256 the one `bundle` printed")
+    return "this process, which ran none of the bundle's start-up code before reading it"
 
 
 def print_not_started(facts):
@@ -273,6 +287,8 @@ def print_report(report):
     bad = {k: v for k, v in report["imports"].items() if v not in ("ok", "absent")}
     out("  sglang: %s\n" % sglang_line(report["sglang"], bool(bad)))
     out("  bundle: %s\n" % report["bundle"]["text"])
+    if report["bundle"].get("checked_by"):
+        out("          checked by %s: %s\n" % (report["bundle"]["checked_by"], report["bundle"]["outside"]))
     out("  wrapt: %s\n" % report["wrapt"]["text"])
     npu = report["npu"]
     problem = report.get("torch_problem")

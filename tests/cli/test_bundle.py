@@ -415,3 +415,148 @@ def test_check_exits_4_when_sglang_is_there_but_fails_to_import(bare_venvs, smal
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "  sglang: not imported (the import failed, below)\n" in proc.stdout
     assert "FAILED: RuntimeError: broken" in proc.stdout
+
+
+# -- bundle: what --python is given ------------------------------------------------------------------
+
+@pytest.mark.parametrize("program, words", [
+    ("#!/bin/sh\nexit 0\n", "it is not a Python (it exited 0 and printed nothing)"),
+    ("#!/bin/sh\necho 3.11\n", "it is not a Python (it exited 0, printing '3.11')"),
+    ("#!/bin/sh\nprintf '\\377\\376 3.11 cpython\\n'\n", "it is not a Python (it exited 0, printing '\\\\xff\\\\xfe 3.11 cpython')"),
+    ("#!/bin/sh\necho 'npu-shim-python 3.11 pypy'\n", "it is pypy 3.11"),
+    ("#!/bin/sh\necho 'npu-shim-python 2.7 cpython'\n", "it is cpython 2.7"),
+])
+def test_bundle_python_that_is_no_cpython_is_refused_in_one_line(program, words, tmp_path):
+    """Before the fix: IndexError and UnicodeDecodeError tracebacks."""
+    fake = tmp_path / "python"
+    fake.write_text(program)
+    fake.chmod(0o755)
+    proc = cli("bundle", tmp_path / "out", "--python", fake)
+    assert_refused(proc, "--python %s: %s" % (fake, words))
+    assert not (tmp_path / "out").exists()
+    assert_refused(cli("bundle", tmp_path / "out", "--python", "/bin/true"), "it is not a Python")
+
+
+# -- bundle: a link on the way to OUT_DIR re-pointed during the build ---------------------------------
+
+def _fake_wheel(folder):
+    import zipfile
+
+    wheel = folder / "wrapt-0-py3-none-any.whl"
+    with zipfile.ZipFile(str(wheel), "w") as archive:
+        archive.writestr("wrapt/__init__.py", "")
+    return str(wheel)
+
+
+def test_a_parent_link_re_pointed_during_the_build_replaces_nothing(monkeypatch, tmp_path):
+    """``OUT_DIR`` below a link re-pointed while pip runs: before the fix the staging directory
+    was addressed through the link, so the rest of the build went to the new target -- a bundle
+    without sitecustomize.py or npu_shim, a MANIFEST vouching for it, exit 0 -- and the staging
+    directory stayed in the old one."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(old)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+
+    def download(workdir, version, pythons, machines):
+        link.unlink()
+        link.symlink_to(new)
+        os.makedirs(workdir)
+        return {"py3-none-any": _fake_wheel(wheels)}
+
+    monkeypatch.setattr(bundle, "download_wrapt", download)
+    with pytest.raises(bundle.BundleError) as raised:
+        bundle.build(str(link / "npu-shim"), [sys.executable], log=lambda line: None)
+    assert "now leads elsewhere (a link on the way changed during the build); nothing was replaced" in str(raised.value)
+    assert os.listdir(str(old)) == [] and os.listdir(str(new)) == []
+
+
+def test_a_bundle_below_a_link_is_built_in_its_real_place(monkeypatch, tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    monkeypatch.setattr(bundle, "download_wrapt", lambda workdir, *a: (os.makedirs(workdir), {
+        "py3-none-any": _fake_wheel(tmp_path)})[1])
+    lines = []
+    manifest = bundle.build(str(tmp_path / "link" / "npu-shim"), [sys.executable], log=lines.append)
+    assert sorted(os.listdir(str(tmp_path / "real"))) == ["npu-shim", "npu-shim.tar.gz"]
+    assert bundle.verify(str(tmp_path / "real" / "npu-shim")) == []
+    paths = {entry["path"] for entry in manifest["files"]}
+    assert {"sitecustomize.py", "npu_shim/__init__.py"} <= paths
+    # every optimisation level, so that -O and -OO find theirs (below)
+    tag = sys.implementation.cache_tag
+    assert {"__pycache__/sitecustomize.%s%s.pyc" % (tag, opt) for opt in ("", ".opt-1", ".opt-2")} <= paths
+    digest = bundle._sha256(str(tmp_path / "real" / "npu-shim" / "SHA256SUMS"))
+    assert lines[-1].endswith("sha256 of its SHA256SUMS: %s (keep it: `sha256sum SHA256SUMS` and "
+                              "`sha256sum -c SHA256SUMS` in the bundle prove it unchanged)" % digest)
+
+
+# -- bundle: SIGHUP, and a stop signal while pip starts --------------------------------------------
+
+def _stopped_during_pip(tmp_path, send, wrapper=WRAPPER, wait_for_pip=True):
+    slow_pip = tmp_path / "slow_pip.py"
+    slow_pip.write_text(SLOW_PIP)
+    pid_file, parent = tmp_path / "pip.pid", tmp_path / "target"
+    parent.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", wrapper, str(slow_pip), "bundle",
+                             str(parent / "npu-shim")] + FAST, cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=REPO, SLOW_PIP_PID=str(pid_file)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pid_file.exists(), "the stand-in pip never ran: %s" % proc.communicate()[1]
+        time.sleep(0.2)
+        if send:
+            proc.send_signal(send)
+        _out, err = proc.communicate(timeout=60)
+        return proc.returncode, err, int(pid_file.read_text()), parent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sighup_during_a_build_kills_pip_and_removes_the_staging_directory(tmp_path):
+    """A closed ssh session: before the fix SIGHUP's default action ended the build where it
+    stood, the staging directory left behind."""
+    code, err, pip_pid, parent = _stopped_during_pip(tmp_path, signal.SIGHUP)
+    try:
+        assert code == 128 + signal.SIGHUP, err
+        assert err.splitlines()[-1] == ("npu-shim bundle: stopped by SIGHUP; pip and the staging "
+                                        "directory are gone"), err
+        assert os.listdir(str(parent)) == [] and not _alive(pip_pid)
+    finally:
+        if _alive(pip_pid):
+            os.kill(pip_pid, signal.SIGKILL)
+
+
+# The CLI with SIGTERM sent to itself from inside Popen's constructor, once the child exists: the
+# moment at which, before the fix, the handler raised before the caller had the child to kill.
+WRAPPER_SIGNAL_IN_POPEN = WRAPPER.replace("from npu_shim.__main__ import main", """
+import os, signal, subprocess, time
+real_init = subprocess.Popen.__init__
+def init(self, *args, **kwargs):
+    real_init(self, *args, **kwargs)
+    if "download" in args[0]:  # pip's Popen, once the stand-in runs
+        while not os.path.exists(os.environ["SLOW_PIP_PID"]):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+subprocess.Popen.__init__ = init
+from npu_shim.__main__ import main""")
+
+
+def test_sigterm_while_pip_is_being_started_kills_it(tmp_path):
+    """Before the fix ``Popen``'s constructor raised: pip orphaned, the staging directory left,
+    while the CLI said both were gone."""
+    code, err, pip_pid, parent = _stopped_during_pip(tmp_path, None, WRAPPER_SIGNAL_IN_POPEN)
+    try:
+        assert code == 128 + signal.SIGTERM, err
+        assert "Traceback" not in err
+        assert os.listdir(str(parent)) == [] and not _alive(pip_pid)
+    finally:
+        if _alive(pip_pid):
+            os.kill(pip_pid, signal.SIGKILL)

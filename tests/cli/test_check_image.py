@@ -45,7 +45,10 @@ def test_check_reports_what_happened_in_a_real_process(bare_venvs, built_bundle,
                                  "sglang.srt.utils.common:Scheduler.__init__": True}
     assert report["wrapt"]["source"] == "bundle" and report["wrapt"]["build"] == "cp311-x86_64-glibc2.5"
     assert report["bundle"] == {"is_bundle": True, "ok": True, "problems": [],
-                                "text": "%s: files match its MANIFEST" % built_bundle}
+                                "text": "%s: files match its MANIFEST" % built_bundle,
+                                "checked_by": report["bundle"]["checked_by"],
+                                "outside": "cd %s && sha256sum -c --quiet SHA256SUMS" % built_bundle}
+    assert report["bundle"]["checked_by"].startswith("this process, after the bundle's own sitecustomize ran")
     assert report["sglang"] == {"path": str(tree / "pkgs" / "sglang"), "version": "0.5.9"}
     # Only the registered patches say something about the image (here: the demo patch, nothing);
     # zbal's and dual_stream_experts' own facts: test_patch_facts_in_an_image_without_their_packages.

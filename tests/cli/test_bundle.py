@@ -560,3 +560,77 @@ def test_sigterm_while_pip_is_being_started_kills_it(tmp_path):
     finally:
         if _alive(pip_pid):
             os.kill(pip_pid, signal.SIGKILL)
+
+
+# -- check under -O / -OO, and a replaced sitecustomize .pyc ---------------------------------------
+
+def _check_cli(copy, tree, *flags, env=None):
+    """``check`` with the bundle first on PYTHONPATH, .pyc writing allowed (the bundle is writable)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_", "PYTHON"))}
+    full_env.update({"PYTHONPATH": os.pathsep.join([str(copy), str(tree / "image"), str(tree / "pkgs")]),
+                     "CHAIN_MARKER": str(tree / "marker")})
+    full_env.update(env or {})
+    return subprocess.run([sys.executable] + list(flags) + ["-m", "npu_shim", "check", "--json"],
+                          cwd=str(tree), env=full_env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("flag", ["-O", "-OO"])
+def test_check_under_O_writes_nothing_into_a_writable_bundle(flag, small_bundle, tree, tmp_path):
+    """Before the fix ``python -O -m npu_shim check`` wrote .opt-1.pyc files into the bundle, and
+    from then on every check and selftest refused it as tampered (extra files)."""
+    copy = copy_of(small_bundle, tmp_path / "npu-shim")
+    for _attempt in range(2):
+        proc = _check_cli(copy, tree, flag)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        report = json.loads(proc.stdout)
+        assert report["bundle"]["ok"] and report["shim_active"], report["bundle"]
+    assert bundle.verify(str(copy)) == []
+
+
+EDITED = "import os\nopen(os.environ['EDIT_MARKER'], 'a').write('edited sitecustomize.py ran\\n')\n"
+
+
+@pytest.mark.parametrize("flag", [None, "-O", "-OO"])
+def test_an_edited_sitecustomize_does_not_run_under_any_optimisation_level(flag, small_bundle, tmp_path):
+    """The bundle's sitecustomize .pyc is unchecked-hash at every level: before the fix -O and -OO
+    found no .pyc of theirs and compiled the edited source, which then ran."""
+    copy = copy_of(small_bundle, tmp_path / "npu-shim")
+    (copy / "sitecustomize.py").write_text(EDITED)
+    marker = tmp_path / "edited"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "PYTHON"))}
+    env.update(PYTHONPATH=str(copy), EDIT_MARKER=str(marker), PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run([sys.executable] + ([flag] if flag else []) + ["-c", "import sitecustomize"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert not marker.exists()
+
+
+# A sitecustomize whose .pyc makes any reading of the bundle in its process say "match".
+LYING_SITECUSTOMIZE = """
+from npu_shim.cli import bundle
+bundle.verify = lambda root: []
+"""
+
+
+def test_a_replaced_sitecustomize_pyc_is_named_as_what_check_cannot_prove(small_bundle, tree, tmp_path):
+    """A replaced ``__pycache__/sitecustomize.*.pyc`` runs inside check before it reads the bundle
+    and can make that reading say "files match its MANIFEST": check now says which process read
+    the bundle and gives the proof that runs none of it, which fails here."""
+    import py_compile
+
+    copy = copy_of(small_bundle, tmp_path / "npu-shim")
+    source = tmp_path / "lying.py"
+    source.write_text(LYING_SITECUSTOMIZE)
+    py_compile.compile(str(source), cfile=str(copy / "__pycache__" / ("sitecustomize.%s.pyc" % sys.implementation.cache_tag)),
+                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    report = json.loads(_check_cli(copy, tree, env={"PYTHONDONTWRITEBYTECODE": "1"}).stdout)
+    assert report["bundle"]["text"].endswith("files match its MANIFEST")  # the lie, in this process
+    assert report["bundle"]["checked_by"].startswith("this process, after the bundle's own "
+                                                     "sitecustomize ran in it: it proves the files "
+                                                     "intact only if that code is")
+    assert report["bundle"]["outside"] == "cd %s && sha256sum -c --quiet SHA256SUMS" % copy
+    outside = subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=str(copy),
+                             capture_output=True, text=True)
+    assert outside.returncode == 1 and "sitecustomize.%s.pyc: FAILED" % sys.implementation.cache_tag in outside.stdout
+    # Read by a process that ran none of the bundle's code, the same bundle is "changed".
+    assert bundle.verify(str(copy)) == ["__pycache__/sitecustomize.%s.pyc: changed" % sys.implementation.cache_tag]

@@ -50,8 +50,8 @@ from test_bootstrap import REPO  # noqa: E402
 # report's start but is not JSON, and one that is JSON but no report.
 STRAY_OUTPUT = '''
 import sys
-sys.stdout.buffer.write(b"\\\\xff\\\\xfe stray bytes\\\\n"); sys.stdout.flush()
-sys.stderr.buffer.write(b"\\\\xc3 half a character\\\\n"); sys.stderr.flush()
+sys.stdout.buffer.write(b"\\xff\\xfe stray bytes\\n"); sys.stdout.flush()
+sys.stderr.buffer.write(b"\\xc3 half a character\\n"); sys.stderr.flush()
 '''
 
 
@@ -113,7 +113,7 @@ def test_a_stray_grandchild_of_the_check_child_is_gone_with_it(tree, tmp_path):
     common = tree / "pkgs" / "sglang" / "srt" / "utils" / "common.py"
     common.write_text(common.read_text() + (
         "\nimport os as _os, subprocess as _sp, sys as _sys, time as _time\n"
-        "_p = _sp.Popen([_sys.executable, %r, %r])\n"
+        "_p = _sp.Popen([_sys.executable, %r, %r], stdout=_sp.DEVNULL, stderr=_sp.DEVNULL)\n"
         "while _p.poll() is None and not _os.path.exists(%r):\n    _time.sleep(0.05)\n"
         % (str(sleeper), str(pid_file), str(pid_file))))
     proc = check_cli(tree, "--json")

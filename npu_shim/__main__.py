@@ -365,7 +365,12 @@ def main(argv=None):
 
 def run(argv=None):
     """``main`` for a terminal: a reader that went away (``status --running | head``) ends the
-    output quietly with EXIT_BROKEN_PIPE, never with a traceback."""
+    output quietly with EXIT_BROKEN_PIPE, never with a traceback.  Started with stdout or stderr
+    closed (Python then has None for it), the output goes nowhere and the exit status still says
+    what the command found."""
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))
     try:
         code = main(argv)
         sys.stdout.flush()

@@ -246,8 +246,17 @@ def run_child(timeout=CHILD_TIMEOUT_S):
     report, problem = find_report(out, _MARK, REPORT_KEYS)
     if report is not None:
         return report, None
-    tail = "\n".join((err or out).strip().splitlines()[-15:])
-    return None, "the check process exited %d %s:\n%s" % (returncode, problem, tail)
+    return None, "the check process exited %d %s: %s" % (returncode, problem, last_words(err, out))
+
+
+def last_words(*outputs):
+    """What a child that gave no report last said, in one line: the last line of the first output
+    with any (a traceback's last line is its exception)."""
+    for text in outputs:
+        lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+        if lines:
+            return _trim(lines[-1])
+    return "(nothing)"
 
 
 def find_report(out, mark, keys=()):

@@ -188,8 +188,8 @@ def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
     report, problem = check.find_report("\n".join(lines), child.MARK)
     if report is not None:
         return report, None
-    tail = "\n".join("".join(errors).strip().splitlines()[-15:] or lines[-15:])
-    return None, "the selftest process exited %d %s:\n%s" % (proc.returncode, problem, tail)
+    return None, "the selftest process exited %d %s: %s" % (
+        proc.returncode, problem, check.last_words("".join(errors), "\n".join(lines)))
 
 
 def run(options, log=None):

@@ -296,7 +296,7 @@ def test_a_child_without_a_report_exits_4_with_its_words(monkeypatch):
     monkeypatch.setattr(selftest, "holders", lambda: None)
     result = selftest.run({"zbal_mib": 64, "device_index": 0, "patches": []})
     assert result["exit"] == cli.EXIT_CHECK_FAILED
-    assert result["error"] == "the selftest process exited 3 without a report:\nImportError: nothing"
+    assert result["error"] == "the selftest process exited 3 without a report: ImportError: nothing"
 
 
 def _report(plan, results, alone_next=(), **device):
@@ -310,7 +310,7 @@ def test_a_failed_step_exits_9_and_a_failed_zbal_process_counts(monkeypatch):
     ok = {"result": "ok", "line": "fine", "facts": {}}
     plan = {"zbal": None, "mla_weight_release": None, "dual_stream_experts": None}
     stages = {"main": (_report(plan, {"mla_weight_release": ok, "dual_stream_experts": ok}, alone_next=["zbal"]), None),
-              "zbal": (None, "the selftest process exited 1 without a report:\nZbalError: boom")}
+              "zbal": (None, "the selftest process exited 1 without a report: ZbalError: boom")}
     monkeypatch.setattr(selftest, "run_stage", lambda stage, *a: stages[stage])
     monkeypatch.setattr(selftest, "holders", lambda: None)
     result = selftest.run({"zbal_mib": 64, "device_index": 0, "patches": []})

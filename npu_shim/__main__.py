@@ -230,7 +230,7 @@ def run_running(args):
     except OSError as exc:
         error = "no such directory" if isinstance(exc, FileNotFoundError) else \
             "cannot read it: %s" % (exc.strerror or exc)
-        info = {"dir": dir_, "patches": [], "processes": [], "unreadable": [], "live": 0,
+        info = {"dir": dir_, "patches": [], "processes": [], "unreadable": [], "live": 0, "other": 0,
                 "stale": 0, "suspect": 0, "problems": [], "error": error}
     code = EXIT_RUNNING_PROBLEM if info["problems"] else 0 if info["live"] else EXIT_NO_RECORDS
     info["exit"] = code

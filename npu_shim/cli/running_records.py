@@ -15,7 +15,11 @@ Each record is *live*, *stale* or *suspect*:
 * suspect when it is not what it says: the file's owner is not the user the record names, a user
   directory (``uid-N/``) or its files belong to someone else, the file name is not the one its
   writer gives its own record, or the process it names runs as another user or gives no start time.
-Stale and suspect records are shown, never counted.
+Stale and suspect records are shown, never counted.  So are the live records of *other users*
+(``other``): in a shared (1777) directory anyone can add records of their own processes, and only
+root's, the directory owner's and this reader's count -- another user's cannot fail, hide or stand
+in for them.  Those trusted users' ``uid-<N>/`` directories are read first, by name, so that no
+number of files added beside them pushes their records past the bound.
 
 Problems (exit code EXIT_RUNNING_PROBLEM):
 * a live process has a ``failed`` patch;
@@ -31,6 +35,7 @@ import json
 import math
 import os
 import re
+import stat
 import sys
 import time
 
@@ -152,14 +157,15 @@ def validate(raw):
     }
 
 
-def _entries(dir_fd):
-    """(subdirectory or '', name, owner uid of that subdirectory or None) of the record files:
-    ``*.json`` in the directory and in its ``uid-<N>/`` subdirectories (real ones only)."""
+def _entries(dir_fd, skip=()):
+    """(subdirectory or '', name) of the record files: ``*.json`` in the directory (sub None) and
+    its ``uid-<N>/`` subdirectories (real ones only; those in ``skip`` left out), sorted; at most
+    MAX_RECORDS + 1 of them, so a directory of millions costs no more than that."""
     found = []
     with os.scandir(dir_fd) as listing:
         for entry in listing:
             name = entry.name
-            if name.startswith("."):
+            if name.startswith(".") or name in skip:
                 continue  # temporary files of a write in progress
             if name.endswith(".json"):
                 found.append(("", name))
@@ -170,29 +176,58 @@ def _entries(dir_fd):
     return sorted(found)
 
 
+def trusted_uids(top_owner):
+    """Whose records count: root's, the directory's owner's and this reader's.  In a shared (1777)
+    directory anyone may add files; another user's records are shown, never counted, so that they
+    cannot fail, hide or stand in for the ones that count."""
+    return {0, top_owner, os.geteuid()}
+
+
 def load(dir_):
-    """[(file name, record dict or None, error or None, file facts)] for the records in ``dir_``:
-    at most MAX_RECORDS read.  Raises OSError when ``dir_`` itself cannot be opened or listed."""
+    """[(file name, record dict or None, error or None, file facts)] for the records in ``dir_``.
+    Raises OSError when ``dir_`` itself cannot be opened or listed.
+
+    The ``uid-<N>/`` directories of the trusted users (``trusted_uids``) are opened by name and
+    read first, up to MAX_RECORDS; the rest of the directory is listed and read after them, up to
+    MAX_RECORDS more: no number of files another user adds can push a trusted record out."""
     fd = os.open(dir_, statedir.DIR_FLAGS)
     try:
         top_owner = os.fstat(fd).st_uid
+        uids = trusted_uids(top_owner)
+        trusted = sorted(statedir.user_dir_name(uid) for uid in uids)
         found = []
-        for sub, name in _entries(fd):
+        for sub in trusted:
+            if _is_dir_here(fd, sub):
+                found.extend(_read_user_dir(fd, sub, MAX_RECORDS - len(found), uids))
+        found = _capped(found, "records in the directories of %s" % ", ".join(trusted))
+        rest = []
+        for sub, name in _entries(fd, skip=trusted):
             if name is not None:
-                found.append(_read_one(fd, name, name, top_owner, None))
+                rest.append(_read_one(fd, name, name, top_owner, None, uids))
             else:
-                found.extend(_read_user_dir(fd, sub, MAX_RECORDS - len(found)))
-            if len(found) >= MAX_RECORDS:
+                rest.extend(_read_user_dir(fd, sub, MAX_RECORDS - len(rest), uids))
+            if len(rest) >= MAX_RECORDS:
                 break
-        if len(found) >= MAX_RECORDS:
-            del found[MAX_RECORDS:]
-            found.append(("...", None, "more than %d records: the rest were not read" % MAX_RECORDS, {}))
-        return found
+        return found + _capped(rest, "records")
     finally:
         os.close(fd)
 
 
-def _read_user_dir(fd, sub, room):
+def _is_dir_here(fd, name):
+    try:
+        return stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _capped(found, what):
+    if len(found) >= MAX_RECORDS:
+        del found[MAX_RECORDS:]
+        found.append(("...", None, "more than %d %s: the rest were not read" % (MAX_RECORDS, what), {}))
+    return found
+
+
+def _read_user_dir(fd, sub, room, uids):
     """The records of one user's subdirectory ``uid-<N>/`` (at most ``room``, plus one to show
     there are more)."""
     try:
@@ -201,13 +236,13 @@ def _read_user_dir(fd, sub, room):
         return [(sub + "/", None, "%s: %s" % (type(exc).__name__, exc.strerror), {})]
     try:
         owner = os.fstat(sub_fd).st_uid
-        return [_read_one(sub_fd, inner, sub + "/" + inner, owner, sub)
+        return [_read_one(sub_fd, inner, sub + "/" + inner, owner, sub, uids)
                 for _sub, inner in _entries(sub_fd)[:room + 1] if inner is not None]
     finally:
         os.close(sub_fd)
 
 
-def _read_one(dir_fd, name, shown, dir_owner, user_dir):
+def _read_one(dir_fd, name, shown, dir_owner, user_dir, uids):
     try:
         data, st = statedir.read_regular(dir_fd, name, statefile.MAX_RECORD_BYTES)
         record = validate(parse(data))
@@ -215,7 +250,8 @@ def _read_one(dir_fd, name, shown, dir_owner, user_dir):
         return shown, None, "%s: %s" % (type(exc).__name__, exc.strerror or exc), {}
     except ValueError as exc:  # BadRecord, and read_regular's refusals
         return shown, None, str(exc), {}
-    facts = {"name": name, "owner": st.st_uid, "dir_owner": dir_owner, "user_dir": user_dir}
+    facts = {"name": name, "owner": st.st_uid, "dir_owner": dir_owner, "user_dir": user_dir,
+             "trusted": st.st_uid in uids}
     return shown, record, None, facts
 
 
@@ -321,6 +357,8 @@ def analyse(dir_):
         status = "suspect" if why else None
         if status is None:
             status, why = judge(record, here)
+        if status == "live" and not facts.get("trusted", True):
+            status, why = "other", "uid %s's: another user's records are not counted" % facts["owner"]
         record["status"], record["why"] = status, why
         record["stale"] = status == "stale"
         processes.append(record)
@@ -351,6 +389,7 @@ def analyse(dir_):
                                  "states": {s: sorted(pids) for s, pids in seen.items()}})
     return {"dir": dir_, "patches": names, "processes": processes, "unreadable": unreadable,
             "live": len(live), "stale": sum(p["status"] == "stale" for p in processes),
+            "other": sum(p["status"] == "other" for p in processes),
             "suspect": sum(p["status"] == "suspect" for p in processes), "problems": problems}
 
 
@@ -402,9 +441,10 @@ def print_table(info, out=None):
     def out_line(text):
         write(printable(text) + "\n")
 
-    out_line("npu-shim status --running: %s -- %d live process(es), %d stale%s"
+    out_line("npu-shim status --running: %s -- %d live process(es), %d stale%s%s"
              % (info["dir"], info["live"], info["stale"],
-                ", %d suspect" % info["suspect"] if info.get("suspect") else ""))
+                ", %d suspect" % info["suspect"] if info.get("suspect") else "",
+                ", %d of other users" % info["other"] if info.get("other") else ""))
     if not info["processes"]:
         out_line("  no state records (set NPU_SHIM_STATE_DIR to this directory in the server's "
                  "environment)")
@@ -412,7 +452,7 @@ def print_table(info, out=None):
     rows = []
     now = time.time()
     for p in sorted(info["processes"], key=lambda r: (r["host"], r["pid"], r["file"])):
-        flag = {"stale": " STALE (%s)", "suspect": " SUSPECT (%s)"}.get(p["status"])
+        flag = {"stale": " STALE (%s)", "suspect": " SUSPECT (%s)", "other": " OTHER USER (%s)"}.get(p["status"])
         rows.append([p["host"][:64], str(p["pid"]), role_text(p)[:40], str(p.get("shim"))[:20],
                      str(p.get("sglang"))[:20]] + [state_text(p, n)[:60] for n in info["patches"]]
                     + [_age(p.get("updated"), now) + (flag % p["why"] if flag else "")])

@@ -105,10 +105,20 @@ def _parse_level(raw):
     return _one_of(raw.strip().upper(), _LEVELS)
 
 
+# What open(2) takes: a longer path the writer could still reach one folder at a time, but no
+# reader could open (``status --running`` opens the directory by its path).
+MAX_PATH_BYTES = 4095
+MAX_NAME_BYTES = 255
+
+
 def _parse_dir(raw):
     value = raw.strip()
     if not os.path.isabs(value):
         raise ValueError("expected an absolute directory path, e.g. /dev/shm/npu-shim")
+    encoded = os.fsencode(value)
+    if len(encoded) > MAX_PATH_BYTES or any(len(part) > MAX_NAME_BYTES for part in encoded.split(b"/")):
+        raise ValueError("expected a path of at most %d bytes, each name at most %d"
+                         % (MAX_PATH_BYTES, MAX_NAME_BYTES))
     return value
 
 

@@ -10,7 +10,8 @@ can be swapped in between the check and the use):
   unless it has the sticky bit (``/tmp``, ``/dev/shm``: others cannot rename what is not theirs);
 * the state directory itself belongs to this user and is writable by nobody else -- or it is a
   sticky directory others may write to (``install -d -m 1777 DIR``), the one safe way for several
-  users to share one: each user's processes then write into their own ``uid-<uid>/`` below it.
+  users to share one: each user's processes then write into their own ``uid-<uid>/`` below it
+  (root's, or the shared directory owner's, taken back when another user made it first).
 Missing directories are created ``0755``.  A refusal is one ``UnsafeDirectory`` line saying why
 and what to do.
 
@@ -174,6 +175,22 @@ class _Dir:
         return removed
 
 
+def _take_back(fd, child, name, shown):
+    """Our ``uid-<uid>/`` in a shared directory made first by another user, where we are root or
+    own the shared directory (so may rename what others put in it): that one is renamed aside
+    (``.squatted-...``, which no reader lists) and ours made.  Anyone else's is refused as before:
+    otherwise any user could keep root's records from being written by making its folder first.
+    The rename happens only while the name still holds what was found, so a folder a process of
+    ours made in between is never moved."""
+    found = os.fstat(child)
+    os.close(child)
+    now = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    if (now.st_dev, now.st_ino) == (found.st_dev, found.st_ino):
+        aside = ".squatted-%s-by-uid-%d-%s" % (name, found.st_uid, os.urandom(4).hex())
+        os.rename(name, aside, src_dir_fd=fd, dst_dir_fd=fd)
+    return _open_child(fd, name, shown)
+
+
 def open_for_writing(path):
     """The directory this process's records go to (``path``, or its ``uid-<uid>/`` where ``path``
     is shared), created when missing, checked, as a context manager.  Raises UnsafeDirectory."""
@@ -187,6 +204,8 @@ def open_for_writing(path):
                 raise UnsafeDirectory(errno.EPERM, "it %s; %s" % (problem, _ADVICE))
             shown = os.path.join(path, user_dir_name(euid))
             child = _open_child(fd, user_dir_name(euid), shown)
+            if os.fstat(child).st_uid != euid and (euid == 0 or st.st_uid == euid):
+                child = _take_back(fd, child, user_dir_name(euid), shown)
             os.close(fd)
             fd, path, st = child, shown, os.fstat(child)
         problem = _problem_as_state_dir(st, euid)

@@ -344,3 +344,73 @@ def test_a_directory_of_another_user_holding_that_users_records_is_trusted(share
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+# -- other users' files in a shared (1777) directory ----------------------------------------------
+
+def _shared_with_root_record(shared_tmp):
+    shared = os.path.join(shared_tmp, "shared")
+    os.mkdir(shared)
+    os.chmod(shared, 0o1777)
+    os.mkdir(os.path.join(shared, "uid-0"))
+    put(os.path.join(shared, "uid-0"), record())
+    return shared
+
+
+def _nobody_owns(path):
+    os.chown(path, NOBODY, NOBODY)
+    return path
+
+
+@pytest.mark.parametrize("where", ["beside", "in its own uid dir", "as uid dirs"])
+def test_no_number_of_files_another_user_adds_hides_root_s_records(shared_tmp, where):
+    """Before the fix the first 4096 entries the listing gave were read, whoever made them: another
+    user's 4100 files could push root's record out (exit 7, its server unseen)."""
+    shared = _shared_with_root_record(shared_tmp)
+    theirs = shared
+    if where == "in its own uid dir":
+        theirs = os.path.join(shared, "uid-%d" % NOBODY)
+        _make_nobody_dir(theirs)
+    for number in range(4100):
+        if where == "as uid dirs":
+            _make_nobody_dir(os.path.join(shared, "uid-%d" % (100000 + number)))
+        else:
+            _nobody_owns(os.path.join(theirs, put(theirs, record(pid=number + 10), name="a-%05d.json" % number)))
+    proc = status_running(shared, "--json")
+    info = strict_json(proc.stdout)
+    mine = [p for p in info["processes"] if p["pid"] == os.getpid()]
+    assert [(p["file"], p["status"]) for p in mine] == [("uid-0/" + statefile.record_name(
+        procinfo.host(), procinfo.pid_namespace(), os.getpid()), "live")]
+    assert proc.returncode == 0 and info["live"] == 1, proc.stdout[-2000:]
+
+
+def _make_nobody_dir(path):
+    os.mkdir(path)
+    os.chown(path, NOBODY, NOBODY)
+
+
+def test_another_user_s_own_live_records_cannot_fail_root_s_status(shared_tmp):
+    """A record another user may rightly write -- of their own running process, in their own
+    ``uid-N/`` -- saying a patch failed and disagreeing with root's server: before the fix it
+    counted, and root's ``status --running`` exited 6.  Now it is shown as another user's, not
+    counted; that user's own ``status --running`` still counts it."""
+    shared = _shared_with_root_record(shared_tmp)
+    theirs = os.path.join(shared, "uid-%d" % NOBODY)
+    _make_nobody_dir(theirs)
+    sleeper = subprocess.Popen(["sleep", "30"], preexec_fn=as_nobody)
+    try:
+        time.sleep(0.1)
+        forged = record(pid=sleeper.pid, uid=NOBODY, start_ticks=procinfo.start_ticks(sleeper.pid),
+                        patches={"zbal": {"state": "failed", "reason": "boom", "details": {}}})
+        _nobody_owns(os.path.join(theirs, put(theirs, forged)))
+        proc = status_running(shared, "--json")
+        info = strict_json(proc.stdout)
+        assert proc.returncode == 0 and info["problems"] == [], info["problems"]
+        status = {p["pid"]: (p["status"], p["why"]) for p in info["processes"]}
+        assert status[sleeper.pid] == ("other", "uid %d's: another user's records are not counted" % NOBODY)
+        assert status[os.getpid()] == ("live", None)
+        text = status_running(shared).stdout
+        assert "1 live process(es), 0 stale, 1 of other users" in text and "OTHER USER (uid %d's" % NOBODY in text
+    finally:
+        sleeper.kill()
+        sleeper.wait()

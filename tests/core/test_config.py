@@ -67,3 +67,20 @@ def test_the_bootstrap_spells_booleans_as_the_config_does():
     from npu_shim import _bootstrap
 
     assert (_bootstrap.TRUE_WORDS, _bootstrap.FALSE_WORDS) == (config.TRUE_WORDS, config.FALSE_WORDS)
+
+
+@pytest.mark.parametrize("raw, ok", [
+    ("/dev/shm/npu-shim", True),
+    ("/" + "a" * 255, True),
+    ("/" + "a" * 256, False),                      # a name longer than NAME_MAX
+    ("/" + "/".join(["d" * 200] * 20), True),      # 4020 bytes
+    ("/" + "/".join(["d" * 200] * 21), False),     # 4221 bytes: past what open(2) takes
+    ("/x/\udcff" * 1400, False),                  # undecodable bytes count as the bytes they are
+])
+def test_a_state_dir_every_reader_can_open(raw, ok):
+    """The writer walks the directory one folder at a time, so before the fix it made a path of
+    any length -- one ``status --running`` could not open (ENAMETOOLONG)."""
+    if ok:
+        assert config.STATE_DIR.read({config.STATE_DIR.name: raw}) == raw
+    else:
+        assert error(config.STATE_DIR, raw).endswith("expected a path of at most 4095 bytes, each name at most 255")

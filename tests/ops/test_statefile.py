@@ -125,7 +125,6 @@ def test_the_temporary_file_is_made_readable_through_its_descriptor_never_by_pat
     ("group-writable", ": it is writable by others; use your own directory"),
     ("world-writable-parent", "/base is writable by others, not sticky; use your own directory"),
     ("parent-of-another-user", "/base belongs to uid %d (not root, not uid 0)" % NOBODY),
-    ("user-dir-of-another-user", ": its uid-0/ belongs to uid %d, not uid 0" % NOBODY),
     ("shared-dir-of-another-user", ": it belongs to uid %d (not root, not uid 0)" % NOBODY),
 ])
 def test_unsafe_state_dirs_are_refused_with_one_line_saying_why(shared_tmp, setup, message):
@@ -148,11 +147,6 @@ def test_unsafe_state_dirs_are_refused_with_one_line_saying_why(shared_tmp, setu
         os.chmod(base, 0o777)
     elif setup == "parent-of-another-user":
         os.chown(base, NOBODY, NOBODY)
-    elif setup == "user-dir-of-another-user":
-        os.mkdir(target)
-        os.chmod(target, 0o1777)
-        os.mkdir(os.path.join(target, "uid-0"))
-        os.chown(os.path.join(target, "uid-0"), NOBODY, NOBODY)
     elif setup == "shared-dir-of-another-user":
         os.mkdir(target)
         os.chmod(target, 0o1777)
@@ -162,6 +156,41 @@ def test_unsafe_state_dirs_are_refused_with_one_line_saying_why(shared_tmp, setu
     assert len(errors) == 1 and message in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr and proc.returncode == 0
     assert files(elsewhere) == []  # nothing written through a symlink
+
+
+def test_root_takes_back_its_user_dir_that_another_user_made_first(shared_tmp):
+    """``uid-0/`` made in a shared directory by another user before root's first write: before the
+    fix root's processes refused it, so no record of root's server was ever written."""
+    shared = os.path.join(shared_tmp, "shared")
+    os.mkdir(shared)
+    os.chmod(shared, 0o1777)
+    squat = os.path.join(shared, "uid-0")
+    os.mkdir(squat)
+    os.chown(squat, NOBODY, NOBODY)
+    proc = write_in_child(shared, "print(os.getpid())")
+    assert "cannot write the state record" not in proc.stderr and proc.returncode == 0, proc.stderr
+    st = os.stat(squat)
+    assert st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o755
+    assert files(squat) == [statefile.record_name(procinfo.host(), procinfo.pid_namespace(), int(proc.stdout))]
+    aside = [name for name in files(shared) if name != "uid-0"]
+    assert len(aside) == 1 and aside[0].startswith(".squatted-uid-0-by-uid-%d-" % NOBODY)
+
+
+def test_another_user_s_user_dir_made_first_is_still_refused_to_that_user(shared_tmp):
+    """Only root and the shared directory's owner take theirs back: a user whose ``uid-N/`` a third
+    user made is refused with one line, as before."""
+    shared = os.path.join(shared_tmp, "shared")
+    os.mkdir(shared)
+    os.chmod(shared, 0o1777)
+    os.mkdir(os.path.join(shared, "uid-%d" % NOBODY))
+    os.chown(os.path.join(shared, "uid-%d" % NOBODY), 12345, 12345)
+    copy = os.path.join(shared_tmp, "shim")
+    shutil.copytree(os.path.join(REPO, "npu_shim"), os.path.join(copy, "npu_shim"),
+                    ignore=shutil.ignore_patterns("__pycache__", "_vendor"))
+    proc = write_in_child(shared, env={"PYTHONPATH": copy}, user=NOBODY, python=SYSTEM_PYTHON)
+    errors = [line for line in proc.stderr.splitlines() if "cannot write the state record" in line]
+    assert len(errors) == 1 and ": its uid-%d/ belongs to uid 12345, not uid %d" % (NOBODY, NOBODY) in errors[0], proc.stderr
+    assert files(shared) == ["uid-%d" % NOBODY]
 
 
 def test_a_sticky_shared_dir_gives_each_user_a_subdirectory_and_status_reads_both(shared_tmp):
@@ -190,8 +219,15 @@ def test_a_sticky_shared_dir_gives_each_user_a_subdirectory_and_status_reads_bot
         info = json.loads(subprocess.run(
             [sys.executable, "-m", "npu_shim", "status", "--running", shared, "--json"],
             env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=60).stdout)
-        assert info["live"] == 2 and info["suspect"] == 0, info
-        assert sorted(p["uid"] for p in info["processes"]) == [0, NOBODY]
+        # root counts its own; the other user's record is shown, not counted
+        assert (info["live"], info["other"], info["suspect"]) == (1, 1, 0), info
+        assert sorted((p["uid"], p["status"]) for p in info["processes"]) == [(0, "live"), (NOBODY, "other")]
+        # that user counts its own and root's
+        info = json.loads(subprocess.run(
+            [SYSTEM_PYTHON, "-m", "npu_shim", "status", "--running", shared, "--json"],
+            env=dict(env, PATH=os.environ["PATH"]), capture_output=True, text=True, timeout=60,
+            preexec_fn=as_nobody).stdout)
+        assert (info["live"], info["other"], info["suspect"]) == (2, 0, 0), info
     finally:
         for proc in (theirs, ours):
             proc.kill()

@@ -40,6 +40,8 @@ def test_check_in_a_process_where_the_shim_never_started(tree):
 # -- the command under hostile output and the interpreter's flags ----------------------------------
 
 import json  # noqa: E402
+
+import pytest  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -127,3 +129,35 @@ def _alive(pid):
             return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("signame", ["SIGHUP", "SIGTERM", "SIGINT"])
+def test_a_stop_signal_ends_check_with_its_child_gone(tree, tmp_path, signame):
+    """A closed ssh session (SIGHUP), a kill, Ctrl-C: before the fix SIGHUP and SIGTERM ended the
+    parent at once and left the check child (and what it started) running."""
+    import signal
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    common = tree / "pkgs" / "sglang" / "srt" / "utils" / "common.py"
+    common.write_text(common.read_text() + "\nimport os, time\nopen(%r, 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
+                      % str(pid_file))
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_", "PYTHON"))}
+    full_env.update({"PYTHONPATH": os.pathsep.join([REPO, str(tree / "image"), str(tree / "pkgs")]),
+                     "CHAIN_MARKER": str(tree / "marker"), "PYTHONDONTWRITEBYTECODE": "1"})
+    proc = subprocess.Popen([sys.executable, "-m", "npu_shim", "check"], cwd=str(tree), env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.1)
+        proc.send_signal(getattr(signal, signame))
+        _out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + getattr(signal, signame), err
+        assert err == "npu-shim check: stopped by %s; its child process group is gone\n" % signame, err
+        assert not _alive(int(pid_file.read_text()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -104,3 +104,20 @@ def test_env_lists_every_variable_as_json():
     assert got["SGLANG_ZBAL_LOCAL_MEM_SIZE"] == {
         "name": "SGLANG_ZBAL_LOCAL_MEM_SIZE", "kind": "MiB", "default": 0, "aliases": [],
         "doc": all_variables()[[v.name for v in all_variables()].index("SGLANG_ZBAL_LOCAL_MEM_SIZE")].doc}
+
+
+@pytest.mark.parametrize("flag, words", [
+    ("-S", "no: Python was started with -S (no site module, so no sitecustomize runs); a server "
+           "started so is not patched"),
+    ("-E", "no: Python was started with -E, so PYTHONPATH is ignored; a server started so is not "
+           "patched (npu_shim.install() in its code still patches it)"),
+])
+def test_a_flag_that_stops_sitecustomize_is_named_not_pythonpath(source, flag, words):
+    """Before the fix ``python -S -m npu_shim status`` told the user to put on PYTHONPATH what was
+    already there.  (-E: npu_shim found by the command's own sys.path, as an install would be.)"""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_"))}
+    clean["PYTHONPATH"] = os.pathsep.join([REPO, source])
+    code = "import sys; sys.path[:0] = %r; from npu_shim.__main__ import run; sys.exit(run(['status']))" % [REPO, source]
+    proc = subprocess.run([sys.executable, flag, "-c", code], env=clean, capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert "  active in this interpreter: %s\n" % words in proc.stdout, proc.stdout + proc.stderr

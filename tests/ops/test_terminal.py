@@ -24,6 +24,10 @@ RAW_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202e]")
     ("bidi\u202eoverride", "bidi\\u202eoverride"),
     ("zero\u200bwidth", "zero\\u200bwidth"),
     ("unicode é 中", "unicode é 中"),
+    # the bytes of a path or variable that are no UTF-8, as Python decodes them: no UTF-8 terminal
+    # takes them (before the fix: UnicodeEncodeError under en_US.UTF-8)
+    (b"/srv/\xff\xfe".decode("utf-8", "surrogateescape"), "/srv/\\udcff\\udcfe"),
+    ("lone \ud800 high", "lone \\ud800 high"),
 ])
 def test_printable_escapes_what_drives_a_terminal_and_keeps_the_rest(text, shown):
     assert terminal.printable(text) == shown
@@ -43,3 +47,8 @@ def test_check_escapes_what_a_target_module_says_when_it_fails_to_import(tree):
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "FAILED: RuntimeError: boom \\x1b[2J\\x1b]0;owned\\x07 \\u202e" in proc.stdout, proc.stdout
     assert not RAW_CONTROL.search(proc.stdout + proc.stderr), repr(proc.stdout)
+
+
+def test_printable_text_always_encodes_as_strict_utf8():
+    for text in ("\udcff", "a\ud800b\udfff", "\x00\x1b\u202e\udc80"):
+        terminal.printable(text).encode("utf-8")  # strict: what a UTF-8 locale's stdout does

@@ -28,6 +28,17 @@ for _folder in [DEV, TESTS] + sorted(p for p in TESTS.iterdir() if p.is_dir() an
 
 from shimdev import realsglang  # noqa: E402
 
+try:  # the property tests' settings (hypothesis is in the runner venv, dev/shimdev/runner.py)
+    from hypothesis import HealthCheck, settings as _hypothesis_settings
+except ImportError:  # a test that imports hypothesis then fails at its import, as it should
+    pass
+else:
+    # No deadline (the cores are shared: a slow example is no bug) and no example database in the
+    # working tree; every run draws new examples, so each run searches further.
+    _hypothesis_settings.register_profile("npu-shim", deadline=None, database=None, max_examples=300,
+                                          suppress_health_check=[HealthCheck.too_slow])
+    _hypothesis_settings.load_profile("npu-shim")
+
 
 @pytest.fixture(scope="session")
 def release_venv():

@@ -634,3 +634,46 @@ def test_a_replaced_sitecustomize_pyc_is_named_as_what_check_cannot_prove(small_
     assert outside.returncode == 1 and "sitecustomize.%s.pyc: FAILED" % sys.implementation.cache_tag in outside.stdout
     # Read by a process that ran none of the bundle's code, the same bundle is "changed".
     assert bundle.verify(str(copy)) == ["__pycache__/sitecustomize.%s.pyc: changed" % sys.implementation.cache_tag]
+
+
+# -- property: whatever a MANIFEST holds -------------------------------------------------------------
+
+import tempfile  # noqa: E402
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+PATHS = st.one_of(st.text(max_size=20), st.sampled_from(["sitecustomize.py", "../x", "/etc/passwd", "a/../b",
+                                                        "npu_shim/__init__.py", "a\0b", "\udcff", ""]))
+ENTRY = st.one_of(st.fixed_dictionaries({"path": PATHS, "size": st.integers(-5, 1 << 70),
+                                         "sha256": st.text(max_size=64)}),
+                  st.dictionaries(st.text(max_size=8), st.one_of(st.none(), st.integers(), st.text(max_size=8))))
+MANIFESTS = st.one_of(
+    st.binary(max_size=300),
+    st.builds(lambda files, name: json.dumps({"npu_shim": name, "files": files}).encode("utf-8", "surrogatepass"),
+              st.one_of(st.lists(ENTRY, max_size=5), st.none(), st.text(max_size=5)),
+              st.one_of(st.text(max_size=8), st.none(), st.integers())),
+)
+
+
+@given(manifest=MANIFESTS)
+def test_any_manifest_is_read_or_refused_in_one_line(manifest):
+    """``check``'s first step on a bundle: a MANIFEST of any bytes is read, or refused with one
+    reason; verifying against it lists problems, one line each -- never an exception."""
+    with tempfile.TemporaryDirectory() as root:
+        with open(os.path.join(root, "sitecustomize.py"), "w") as handle:
+            handle.write("")
+        os.mkdir(os.path.join(root, "npu_shim"))
+        with open(os.path.join(root, "MANIFEST"), "wb") as handle:
+            handle.write(manifest)
+        parsed, why = bundle.read_manifest(root)
+        assert (parsed is None) != (why is None)
+        problems = bundle.verify(root)
+        assert isinstance(problems, list) and problems == [p for p in problems if isinstance(p, str)]
+        for problem in problems:
+            assert "\n" not in problem
+            printable(problem).encode("utf-8")
+        if parsed is None:
+            assert problems == ["MANIFEST: %s" % why]
+
+
+from npu_shim.ops.terminal import printable  # noqa: E402

@@ -161,3 +161,27 @@ def test_a_stop_signal_ends_check_with_its_child_gone(tree, tmp_path, signame):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- property: whatever a child prints -------------------------------------------------------------
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+from npu_shim.cli import check  # noqa: E402
+
+LINES = st.one_of(st.text(max_size=40), st.just("npu-shim-check:"),
+                  st.builds(lambda v: "npu-shim-check:" + v, st.text(max_size=40)),
+                  st.builds(lambda v: "npu-shim-check:" + json.dumps(v), st.dictionaries(
+                      st.sampled_from(check.REPORT_KEYS + ("x",)), st.integers(), max_size=12)))
+
+
+@given(lines=st.lists(LINES, max_size=6), raw=st.binary(max_size=60))
+def test_any_child_output_is_a_report_or_one_reason(lines, raw):
+    """The parent's reading of a child's output (check's and selftest's): the last report line as
+    a dict with every key print_report reads, or one reason -- never an exception."""
+    out = "\n".join(lines) + raw.decode("utf-8", "backslashreplace")
+    report, why = check.find_report(out, "npu-shim-check:", check.REPORT_KEYS)
+    assert (report is None) != (why is None)
+    if report is not None:
+        assert set(check.REPORT_KEYS) <= set(report)
+    assert "\n" not in check.last_words(out, "")

@@ -414,3 +414,93 @@ def test_another_user_s_own_live_records_cannot_fail_root_s_status(shared_tmp):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+# -- property: whatever a record or a directory holds ----------------------------------------------
+
+import io  # noqa: E402
+import tempfile  # noqa: E402
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+from npu_shim.cli import running_records  # noqa: E402
+
+RAW_CONTROLS = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\ud800-\udfff]")
+TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["", "applied", "failed", "0.5.11", "\x1b[2J", "\u202e",
+                                                         "\udcff", "scheduler", "uid-0"]))
+JSON = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(min_value=-(1 << 70), max_value=1 << 70),
+              st.floats(allow_nan=False, allow_infinity=False), TEXT),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(TEXT, inner, max_size=4)),
+    max_leaves=20)
+
+
+def _near_records():
+    """Records close to real ones -- each field a real value or anything -- so that the checks
+    past the first few fields are reached too."""
+    def build(overrides, patches):
+        rec = record()
+        rec.update(overrides)
+        if patches is not None:
+            rec["patches"] = patches
+        return rec
+    fields = st.dictionaries(st.sampled_from(sorted(record())), JSON, max_size=6)
+    patches = st.one_of(st.none(), JSON, st.dictionaries(TEXT, st.fixed_dictionaries(
+        {"state": TEXT, "reason": st.one_of(st.none(), TEXT), "details": JSON}), max_size=3))
+    return st.builds(build, fields, patches)
+
+
+def _shown_safely(info):
+    out = io.StringIO()
+    running_records.print_table(info, out)
+    text = out.getvalue()
+    text.encode("utf-8")  # strict, as a UTF-8 locale's stdout
+    assert not RAW_CONTROLS.search(text.replace("\n", "")), repr(text)
+    json.dumps(info, default=str, allow_nan=False)  # what --json writes
+
+
+@given(data=st.one_of(st.binary(max_size=200), JSON.map(lambda v: json.dumps(v).encode()),
+                      _near_records().map(lambda r: json.dumps(r).encode("utf-8", "surrogatepass"))))
+def test_any_bytes_as_a_record_are_a_record_or_one_reason(data):
+    try:
+        rec = running_records.validate(running_records.parse(data))
+    except running_records.BadRecord as exc:
+        assert "\n" not in str(exc)
+        return
+    assert isinstance(rec["pid"], int) and isinstance(rec["host"], str) and isinstance(rec["patches"], dict)
+    facts = {"name": "x.json", "owner": os.geteuid(), "dir_owner": os.geteuid(), "user_dir": None, "trusted": True}
+    why = running_records.suspicion(dict(rec, file="x.json"), facts)
+    status = ("suspect", why) if why else running_records.judge(rec, running_records.this_process())
+    assert status[0] in ("live", "stale", "suspect")
+    rec = dict(rec, file="x.json", status=status[0], why=status[1], stale=status[0] == "stale")
+    info = {"dir": "/d", "patches": sorted(rec["patches"]), "processes": [rec], "unreadable": [],
+            "live": 1, "stale": 0, "suspect": 0, "other": 0, "problems": []}
+    _shown_safely(info)
+
+
+NAMES = st.one_of(st.binary(min_size=1, max_size=30).filter(lambda n: b"/" not in n and b"\0" not in n
+                                                             and n not in (b".", b"..")),
+                  st.sampled_from([b"uid-0", b"uid-65534", b"a.json", b"\xff.json", b".tmp.json"]))
+
+
+@given(files=st.lists(st.tuples(NAMES, st.one_of(st.binary(max_size=100), _near_records().map(
+    lambda r: json.dumps(r).encode("utf-8", "surrogatepass")))), max_size=8),
+       dirs=st.lists(NAMES, max_size=3))
+def test_any_directory_reads_as_one_table(files, dirs):
+    """``status --running``'s reading of a directory (file names no UTF-8 included, user folders
+    with anything in them): one answer, shown safely, never an exception."""
+    with tempfile.TemporaryDirectory() as top:
+        root = os.fsencode(top)
+        for name in dirs:
+            path = os.path.join(root, name)
+            if not os.path.exists(path):
+                os.mkdir(path)
+        for name, data in files:
+            path = os.path.join(root, name)
+            if os.path.isdir(path):
+                path = os.path.join(path, b"r.json")
+            with open(path, "wb") as handle:
+                handle.write(data)
+        info = running_records.analyse(top)
+        assert info["live"] + info["stale"] + info["suspect"] + info["other"] == len(info["processes"])
+        _shown_safely(info)

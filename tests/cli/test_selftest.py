@@ -770,3 +770,27 @@ def _ppid(pid):
             return int(handle.read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+# -- property: whatever another process's command line is -------------------------------------------
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+
+@given(argv=st.lists(st.one_of(st.text(max_size=30), st.sampled_from(
+    ["-m", "sglang.launch_server", "sglang.launch_server.log", "sglang", "serve", "tail", "-f",
+     "sglang::scheduler_TP0", "/opt/sglang/launch_server.py"])), max_size=6),
+       data=st.binary(max_size=120))
+def test_any_command_line_is_read_without_an_exception(argv, data, tmp_path_factory):
+    """A /proc entry's cmdline is anything its process wrote into its own argv."""
+    assert selftest.is_sglang_server(argv) in (True, False)
+    if not any(a == "-m" for a in argv) and not any("launch_server.py" in a or a.startswith("sglang::")
+                                                    or a == "-msglang.launch_server" or
+                                                    os.path.basename(a) == "sglang" for a in argv):
+        assert not selftest.is_sglang_server(argv)
+    proc = tmp_path_factory.mktemp("proc")
+    (proc / "7").mkdir()
+    (proc / "7" / "cmdline").write_bytes(data)
+    (proc / "7" / "fd").write_text("")
+    found = selftest.sglang_processes(str(proc))
+    assert found in ([], [(7, found[0][1] if found else None)])

@@ -84,3 +84,39 @@ def test_a_state_dir_every_reader_can_open(raw, ok):
         assert config.STATE_DIR.read({config.STATE_DIR.name: raw}) == raw
     else:
         assert error(config.STATE_DIR, raw).endswith("expected a path of at most 4095 bytes, each name at most 255")
+
+
+# -- property: every variable's value, whatever it is -----------------------------------------------
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+from npu_shim.core.loading import all_variables  # noqa: E402
+from npu_shim.ops.terminal import printable  # noqa: E402
+
+# Values as the environment can hand them over: any text, with the lone surrogates Python makes of
+# bytes that are no UTF-8, and the shapes the parsers look for (digits, URLs, paths, lists).
+VALUES = st.one_of(
+    st.text(),
+    st.binary(max_size=64).map(lambda raw: raw.decode("utf-8", "surrogateescape")),
+    st.from_regex(r"\A\s*[-+]?[0-9０-９]{0,25}\s*\Z"),
+    st.from_regex(r"\Atcp://[\w.\[\]:%-]{0,40}\Z"),
+    st.from_regex(r"\A/[\w./-]{0,80}\Z"),
+    st.lists(st.sampled_from(["zbal", "mla_weight_release", "dual_stream_experts", "", " ", "x"]))
+    .map(",".join),
+)
+
+
+@given(index=st.integers(min_value=0), raw=VALUES)
+def test_every_variable_parses_any_value_or_says_why_in_one_line(index, raw):
+    """The parser of each variable: its value, or ConfigError naming the variable -- never another
+    exception -- and a message a UTF-8 terminal takes once escaped."""
+    variables = all_variables()
+    var = variables[index % len(variables)]
+    try:
+        value = var.read({var.name: raw})
+    except config.ConfigError as exc:
+        text = printable(exc)
+        assert var.name in text and "\n" not in text
+        text.encode("utf-8")
+    else:
+        assert value is None or isinstance(value, (bool, int, str, tuple, list, frozenset))

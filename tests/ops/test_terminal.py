@@ -52,3 +52,16 @@ def test_check_escapes_what_a_target_module_says_when_it_fails_to_import(tree):
 def test_printable_text_always_encodes_as_strict_utf8():
     for text in ("\udcff", "a\ud800b\udfff", "\x00\x1b\u202e\udc80"):
         terminal.printable(text).encode("utf-8")  # strict: what a UTF-8 locale's stdout does
+
+
+# -- property --------------------------------------------------------------------------------------
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+
+@given(text=st.one_of(st.text(), st.binary().map(lambda raw: raw.decode("utf-8", "surrogateescape"))))
+def test_printable_is_one_line_a_utf8_terminal_takes_and_escaping_twice_is_once(text):
+    shown = terminal.printable(text)
+    shown.encode("utf-8")
+    assert not RAW_CONTROL.search(shown) and "\n" not in shown
+    assert terminal.printable(shown) == shown

@@ -158,17 +158,18 @@ def test_bundle_pyc_checks_no_source_for_sitecustomize_and_checks_the_package_s(
 
     def flags_and_hash(pyc, source):
         data = pyc.read_bytes()
-        ours = pyc.name.endswith("cpython-%d%d.pyc" % sys.version_info[:2])
+        ours = ".cpython-%d%d." % sys.version_info[:2] in pyc.name
         # the hash is keyed by the interpreter's magic number: only this one's can be computed here
         expected = importlib.util.source_hash(source.read_bytes()) if ours else data[8:16]
         return int.from_bytes(data[4:8], "little"), data[8:16] == expected
 
     for version in PYTHONS:
-        tag = "cpython-%s.pyc" % version.replace(".", "")
-        assert flags_and_hash(built_bundle / "__pycache__" / ("sitecustomize." + tag),
-                              built_bundle / "sitecustomize.py") == (0b01, True)
-        assert flags_and_hash(built_bundle / "npu_shim" / "__pycache__" / ("_bootstrap." + tag),
-                              built_bundle / "npu_shim" / "_bootstrap.py") == (0b11, True)
+        for level in ("", ".opt-1", ".opt-2"):  # -O and -OO find theirs, unchecked too
+            tag = "cpython-%s%s.pyc" % (version.replace(".", ""), level)
+            assert flags_and_hash(built_bundle / "__pycache__" / ("sitecustomize." + tag),
+                                  built_bundle / "sitecustomize.py") == (0b01, True)
+            assert flags_and_hash(built_bundle / "npu_shim" / "__pycache__" / ("_bootstrap." + tag),
+                                  built_bundle / "npu_shim" / "_bootstrap.py") == (0b11, True)
 
 
 @pytest.mark.parametrize("version", PYTHONS)

@@ -117,19 +117,37 @@ def start(argv, env=None, merge_stderr=False):
     return proc
 
 
+def wait(proc, timeout=None):
+    """Wait until the child has exited, without reaping it (``subprocess.TimeoutExpired`` after
+    ``timeout`` seconds).  Unreaped, it keeps its pid, so that ``stop`` can kill its group by that
+    number: once reaped, the number could name the group of an unrelated process started since."""
+    import subprocess
+    import time
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = 0.002
+    while proc.returncode is None:
+        try:
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return
+        except ChildProcessError:
+            return  # reaped elsewhere: nothing left to wait for
+        if deadline is not None and time.monotonic() >= deadline:
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
 def stop(proc, close=True):
     """Kill the child's process group (the child and whatever it started that is still in it),
     reap the child and close its pipes (``close=False``: a reader thread still drains them; they
-    end, as every writer is gone)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # no process left in the group
+    end, as every writer is gone).  The group is killed only while the child is unreaped (``wait``
+    leaves it so): its pid then names that group and no other."""
     if proc.returncode is None:
         try:
-            proc.kill()
-        except ProcessLookupError:
-            pass
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # no process left in the group
     proc.wait()
     for pipe in (proc.stdout, proc.stderr) if close else ():
         if pipe is not None:
@@ -144,9 +162,23 @@ def decode(data):
 def run(argv, timeout, env=None, merge_stderr=False):
     """(exit status, stdout, stderr) of ``argv`` run to its end, its process group killed on every
     way out (the child done, ``timeout`` passed: ``subprocess.TimeoutExpired``, a signal)."""
+    import threading
+
     proc = start(argv, env=env, merge_stderr=merge_stderr)
+    pipes = [pipe for pipe in (proc.stdout, proc.stderr) if pipe is not None]
+    read = {pipe: [] for pipe in pipes}
+    readers = [threading.Thread(target=lambda pipe=pipe: read[pipe].append(pipe.read()), daemon=True)
+               for pipe in pipes]
     try:
-        out, err = proc.communicate(timeout=timeout)
+        for reader in readers:
+            reader.start()
+        wait(proc, timeout)
     finally:
-        stop(proc)
-    return proc.returncode, decode(out), decode(err)
+        stop(proc, close=False)  # the group's last writers gone: the readers see the end
+        for reader in readers:
+            if reader.ident is not None:
+                reader.join(5)
+        for pipe in pipes:
+            pipe.close()
+    return (proc.returncode, decode(b"".join(read[proc.stdout])),
+            decode(b"".join(read[proc.stderr])) if proc.stderr is not None else "")

@@ -176,7 +176,7 @@ def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
         for reader in readers:
             reader.start()
         try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            children.wait(proc, timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return None, "did not finish within the %d s bound (at: %s)" % (bound, last[0])
     finally:

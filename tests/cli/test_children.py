@@ -1,0 +1,102 @@
+"""npu_shim/cli/children.py: the children of ``check``, ``selftest`` and ``bundle`` -- their
+process groups, waiting without reaping, a stop signal while ``Popen`` runs, bytes, and the
+interpreter flags passed on.  (The commands themselves: test_check.py, test_selftest.py,
+test_bundle.py, tests/test_every_command.py.)"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from npu_shim.cli import children
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _state(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], []),
+    (["-O"], ["-O"]),
+    (["-OO", "-S"], ["-OO", "-S"]),
+    (["-B", "-s", "-E"], ["-B", "-E", "-s"]),
+    (["-I"], ["-I"]),
+    (["-P"], ["-P"]),
+])
+def test_the_flags_that_change_a_server_are_passed_on(flags, expected):
+    code = "import sys, json; sys.path.insert(0, %r); from npu_shim.cli import children; " \
+           "print(json.dumps(children.interpreter_flags()))" % REPO
+    out = subprocess.run([sys.executable] + flags + ["-c", code], capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("PYTHON")},
+                         timeout=60, check=True).stdout
+    assert sorted(json.loads(out)) == sorted(expected)
+
+
+def test_wait_leaves_the_child_unreaped_so_its_pid_names_only_its_group():
+    """Reaped, the pid could be given to a new process leading a group of its own, which a kill of
+    the group by that number would then hit."""
+    proc = children.start([sys.executable, "-c", "pass"])
+    children.wait(proc, 30)
+    assert _state(proc.pid) == "Z" and proc.returncode is None
+    children.stop(proc)
+    assert proc.returncode == 0 and _state(proc.pid) is None
+
+
+def test_stop_never_kills_a_group_by_the_number_of_a_reaped_child(monkeypatch):
+    proc = children.start([sys.executable, "-c", "pass"])
+    proc.wait()
+    killed = []
+    monkeypatch.setattr(os, "killpg", lambda *args: killed.append(args))
+    children.stop(proc)
+    assert killed == []
+
+
+def test_run_kills_what_the_child_left_behind_and_reads_bytes(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "open(%r, 'w').write(str(p.pid))\n"
+            "sys.stdout.buffer.write(b'out \\xff\\n'); sys.stderr.buffer.write(b'err \\xfe\\n')\n" % str(pid_file))
+    code_, out, err = children.run([sys.executable, "-c", code], 60)
+    assert (code_, out, err) == (0, "out \\xff\n", "err \\xfe\n")
+    time.sleep(0.1)
+    assert _state(int(pid_file.read_text())) in (None, "Z")
+
+
+def test_run_past_its_timeout_raises_with_the_group_gone(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        children.run([sys.executable, "-c", "import time; time.sleep(60)"], 0.5)
+    assert time.monotonic() - started < 10
+
+
+def test_a_stop_signal_inside_popen_is_delivered_once_the_child_can_be_killed(monkeypatch):
+    """SIGTERM arriving while ``Popen``'s constructor runs: held until ``start`` has the child,
+    then ``Stopped`` -- with the child already killed, never orphaned."""
+    real_init = subprocess.Popen.__init__
+    made = []
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    restore = children.on_stop_signals()
+    try:
+        monkeypatch.setattr(subprocess.Popen, "__init__", init)
+        with pytest.raises(children.Stopped) as stopped:
+            children.start([sys.executable, "-c", "import time; time.sleep(60)"])
+    finally:
+        restore()
+    assert stopped.value.name == "SIGTERM" and children.exit_status(stopped.value) == 143
+    assert made and made[0].returncode == -signal.SIGKILL

@@ -123,8 +123,9 @@ def holders(environ=None, proc="/proc"):
             info = running.analyse(dir_)
         except OSError:
             info = None
-        if info and info["live"]:
-            pids = sorted(p["pid"] for p in info["processes"] if p["status"] == "live")
+        # Another user's live server holds the device as much as ours does: counted here.
+        pids = sorted(p["pid"] for p in (info or {}).get("processes", ()) if p["status"] in ("live", "other"))
+        if pids:
             return ("%d live sglang process%s with state records in %s (pid %s): a server is running "
                     "on this node" % (len(pids), "" if len(pids) == 1 else "es", dir_,
                                       ", ".join(str(p) for p in pids[:8])))

@@ -232,7 +232,11 @@ def test_refused_when_live_state_records_say_a_server_runs(monkeypatch, tmp_path
     why = selftest.holders({"NPU_SHIM_STATE_DIR": str(tmp_path)}, proc=str(tmp_path / "no-proc"))
     assert why == ("2 live sglang processes with state records in %s (pid 40, 41): a server is "
                    "running on this node" % tmp_path)
-    live["live"] = 0
+    # another user's live server (not counted by status --running) holds the device all the same
+    live["processes"] = [{"pid": 41, "status": "other"}, {"pid": 9, "status": "stale"}, {"pid": 8, "status": "suspect"}]
+    assert selftest.holders({"NPU_SHIM_STATE_DIR": str(tmp_path)}, proc=str(tmp_path / "no-proc")) == (
+        "1 live sglang process with state records in %s (pid 41): a server is running on this node" % tmp_path)
+    live["processes"] = [{"pid": 9, "status": "stale"}, {"pid": 8, "status": "suspect"}]
     assert selftest.holders({"NPU_SHIM_STATE_DIR": str(tmp_path)}, proc=str(tmp_path / "no-proc")) is None
 
 

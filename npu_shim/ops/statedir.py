@@ -175,17 +175,14 @@ class _Dir:
         return removed
 
 
-def _take_back(fd, child, name, shown):
-    """Our ``uid-<uid>/`` in a shared directory made first by another user, where we are root or
-    own the shared directory (so may rename what others put in it): that one is renamed aside
-    (``.squatted-...``, which no reader lists) and ours made.  Anyone else's is refused as before:
-    otherwise any user could keep root's records from being written by making its folder first.
-    The rename happens only while the name still holds what was found, so a folder a process of
-    ours made in between is never moved."""
-    found = os.fstat(child)
-    os.close(child)
-    now = os.stat(name, dir_fd=fd, follow_symlinks=False)
-    if (now.st_dev, now.st_ino) == (found.st_dev, found.st_ino):
+def _take_back(fd, name, shown):
+    """Our ``uid-<uid>/`` in a shared directory, made first by another user (or a symlink or file
+    put there), where we are root or own the shared directory (so may rename what others put in
+    it): that is renamed aside (``.squatted-...``, which no reader lists) and ours made.  Anyone
+    else's is refused as before: otherwise any user could keep root's records from being written
+    by making its folder first."""
+    found = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    if found.st_uid != os.geteuid() or not stat.S_ISDIR(found.st_mode):
         aside = ".squatted-%s-by-uid-%d-%s" % (name, found.st_uid, os.urandom(4).hex())
         os.rename(name, aside, src_dir_fd=fd, dst_dir_fd=fd)
     return _open_child(fd, name, shown)
@@ -202,10 +199,19 @@ def open_for_writing(path):
             problem = _problem_on_the_way(st, euid)  # its owner could rename our entries in it
             if problem:
                 raise UnsafeDirectory(errno.EPERM, "it %s; %s" % (problem, _ADVICE))
-            shown = os.path.join(path, user_dir_name(euid))
-            child = _open_child(fd, user_dir_name(euid), shown)
-            if os.fstat(child).st_uid != euid and (euid == 0 or st.st_uid == euid):
-                child = _take_back(fd, child, user_dir_name(euid), shown)
+            name = user_dir_name(euid)
+            shown = os.path.join(path, name)
+            may_take_back = euid == 0 or st.st_uid == euid
+            try:
+                child = _open_child(fd, name, shown)
+            except OSError as exc:  # a symlink or a file put where our folder goes
+                if not may_take_back or exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise _refusal(exc, shown) from None
+                child = _take_back(fd, name, shown)
+            else:
+                if os.fstat(child).st_uid != euid and may_take_back:
+                    os.close(child)
+                    child = _take_back(fd, name, shown)
             os.close(fd)
             fd, path, st = child, shown, os.fstat(child)
         problem = _problem_as_state_dir(st, euid)

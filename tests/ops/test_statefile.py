@@ -158,15 +158,22 @@ def test_unsafe_state_dirs_are_refused_with_one_line_saying_why(shared_tmp, setu
     assert files(elsewhere) == []  # nothing written through a symlink
 
 
-def test_root_takes_back_its_user_dir_that_another_user_made_first(shared_tmp):
-    """``uid-0/`` made in a shared directory by another user before root's first write: before the
-    fix root's processes refused it, so no record of root's server was ever written."""
+@pytest.mark.parametrize("what", ["folder", "symlink", "file"])
+def test_root_takes_back_its_user_dir_that_another_user_made_first(shared_tmp, what):
+    """``uid-0`` made in a shared directory by another user before root's first write (a folder of
+    theirs, a symlink, a file): before the fix root's processes refused it, so no record of root's
+    server was ever written."""
     shared = os.path.join(shared_tmp, "shared")
     os.mkdir(shared)
     os.chmod(shared, 0o1777)
     squat = os.path.join(shared, "uid-0")
-    os.mkdir(squat)
-    os.chown(squat, NOBODY, NOBODY)
+    if what == "folder":
+        os.mkdir(squat)
+    elif what == "symlink":
+        os.symlink(shared_tmp, squat)
+    else:
+        open(squat, "w").close()
+    os.chown(squat, NOBODY, NOBODY, follow_symlinks=False)
     proc = write_in_child(shared, "print(os.getpid())")
     assert "cannot write the state record" not in proc.stderr and proc.returncode == 0, proc.stderr
     st = os.stat(squat)

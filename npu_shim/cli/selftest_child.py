@@ -173,12 +173,12 @@ def stage_main(options, watcher):
     decided = plan(report["states"], kind, options["patches"])
     report["plan"] = decided
     steps = [n for n, why in decided.items() if why is None]
-    if kind is None or not steps:
-        return report
-    count = device_count(torch, kind)
-    if index >= count:  # --device-index past the devices torch sees: the user's words were wrong
+    count = device_count(torch, kind) if kind is not None else 0
+    if kind is not None and index >= count:  # a device that is not there: the user's words were wrong
         report["bad_index"] = ("--device-index %d: torch sees %d %s device%s here (0%s)" % (
             index, count, kind, "" if count == 1 else "s", "" if count == 1 else " to %d" % (count - 1)))
+        return report
+    if kind is None or not steps:
         return report
     free, total = memory_info(torch, kind, index)
     need = need_mib(steps, options)

@@ -146,6 +146,38 @@ def revert_record(record):
     record.applied = set()
 
 
+def decide_each(patches, view, on_npu, missing_wrapt):
+    """{name: PatchRecord}: every patch decided with ``view``; a patch whose deciding raised is
+    ``failed`` (the others are decided regardless)."""
+    records = {}
+    for patch in patches:
+        try:
+            decision = framework.decide(patch, view, on_npu=on_npu)
+        except Exception as exc:  # noqa: BLE001
+            decision = framework.Decision(FAILED, "deciding raised %r" % (exc,))
+        if missing_wrapt is not None:
+            decision = framework.without_wrapt(decision, missing_wrapt)
+        records[patch.name] = PatchRecord(patch, decision)
+    return records
+
+
+def published(what, step):
+    """Run one step of publishing the decisions; False when it raised.  A failure is logged once
+    and not raised: enforcing, which comes after, must still run."""
+    try:
+        step()
+        return True
+    except Exception as exc:  # noqa: BLE001 - enforce runs whatever happened here
+        log.error_once("publish:" + what, "%s failed: %r" % (what, exc))
+        return False
+
+
+def publish_record(snapshot, view):
+    """Hand the records to the state record's writer, and write it where one is asked for."""
+    staterecord.attach(snapshot, getattr(view, "package_dir", None))
+    staterecord.write()
+
+
 class Runtime:
     """The shim in this process: the patches, their records, the hooks and the finder.  The
     start-up watcher (npu_shim/_bootstrap.py) is handed in by whoever activates (the watcher
@@ -250,17 +282,23 @@ class Runtime:
             let_go_of_deciding(kept)
 
     def _decide_with(self, view, on_npu, missing_wrapt):
-        records = {}
-        for patch in self.patches:
-            try:
-                decision = framework.decide(patch, view, on_npu=on_npu)
-            except Exception as exc:  # noqa: BLE001
-                decision = framework.Decision(FAILED, "deciding raised %r" % (exc,))
-            if missing_wrapt is not None:
-                decision = framework.without_wrapt(decision, missing_wrapt)
-            records[patch.name] = PatchRecord(patch, decision)
-        # The parsed source is dropped here (the view is local): every sglang process keeps only
-        # the decisions.  Children get the answers the sources gave (source/answers.py).
+        """Decide, publish, then enforce whatever publishing did: a patch the user asked for that
+        failed stops the process even where saying so (the answers, the summary line, the state
+        record) raised."""
+        self.records = decide_each(self.patches, view, on_npu, missing_wrapt)
+        self.summary_due = os.getpid()
+        steps = (("exporting the answers", lambda: self.publish_view(view)),
+                 ("the summary line", lambda: self.say_summary_when_due(missing_wrapt)),
+                 ("the state record", lambda: publish_record(self.state_snapshot, view)))
+        failures = [what for what, step in steps if not published(what, step)]
+        for record in self.records.values():
+            self.enforce(record)
+        if failures and strict():
+            raise ShimError("npu-shim (strict): publishing the decisions failed: %s" % ", ".join(failures))
+
+    def publish_view(self, view):
+        """Where the decisions came from, and the answers children inherit.  The parsed source is
+        dropped after this (the view is local): every sglang process keeps only the decisions."""
         inherited = getattr(view, "reused", False) and not getattr(view, "_modules", None)
         self.decided_from = "inherited answers" if inherited else "sglang source"
         if view is not None:
@@ -268,16 +306,22 @@ class Runtime:
 
             answers.export(view)
             procinfo.note_sglang_version(view.version)
-        self.records = records
-        self.summary_due = os.getpid()
-        if missing_wrapt is None and role.child_unpickling():
-            role.when_child_starts(self.child_starts, self.say_summary)
-        else:
-            self.say_summary()
-        staterecord.attach(self.state_snapshot, getattr(view, "package_dir", None))
-        staterecord.write()
-        for record in records.values():
-            self.enforce(record)
+
+    def say_summary_when_due(self, missing_wrapt):
+        """The summary line now, or in a spawned child when its target starts (role.py); at once
+        where the child-start hook cannot be set or fails."""
+        if missing_wrapt is None and role.child_unpickling() and self.hook_child_start():
+            return
+        self.say_summary()
+
+    def hook_child_start(self):
+        """True once the child-start hook is set (role.when_child_starts); False where it cannot
+        be, a failure logged: the summary line is then said at once rather than never."""
+        try:
+            return role.when_child_starts(self.child_starts, self.say_summary)
+        except Exception as exc:  # noqa: BLE001 - the line is said now instead
+            log.error_once("publish:child-start", "the child-start hook failed: %r" % (exc,))
+            return False
 
     def enforce(self, record):
         """``enforce``, the summary line said first if it is still due (the process stops)."""

@@ -49,6 +49,7 @@ class PatchRecord:
         self.targets = decision.targets
         self.changes = []        # targets.Change, in the order applied
         self.applied = set()     # describe() of targets applied so far
+        self.retired = {}        # describe() of a retired target: its changes, reverted (Runtime.retire)
         self.details = decision.details  # what the patch's wrappers report (e.g. MiB released)
         self.process = decision.process  # the wrappers' per-process state (ctx.process)
 
@@ -59,7 +60,9 @@ class PatchRecord:
             "reason": self.reason,
             "targets": {t.describe(): t.describe() in self.applied for t in self.targets},
             "wrappers": sorted(t.describe() for t in self.targets
-                               if isinstance(t, Wrap) and t.describe() in self.applied),
+                               if isinstance(t, Wrap) and t.describe() in self.applied
+                               and t.describe() not in self.retired),
+            "retired": sorted(self.retired),
             "details": dict(self.details),
         }
 
@@ -144,6 +147,8 @@ def revert_record(record):
         change.revert()
     record.changes = []
     record.applied = set()
+    record.retired = {}  # their originals are back already
+    record.details.pop("retired", None)
 
 
 def decide_each(patches, view, on_npu, missing_wrapt):
@@ -366,7 +371,8 @@ class Runtime:
         for record in self.records.values():
             if record.state != APPLIED:
                 continue
-            targets = [t for t in record.targets if t.module == name]
+            # A retired target has done its job in this process: a reload does not bring it back.
+            targets = [t for t in record.targets if t.module == name and t.describe() not in record.retired]
             try:
                 # All of this module's targets are checked against the loaded code before any is set.
                 changes = [t.prepare(module) for t in targets]
@@ -374,6 +380,8 @@ class Runtime:
                     change.apply(imported_before)
                     record.changes.append(change)
                     record.applied.add(target.describe())
+                    if getattr(target, "retirement", None) is not None:
+                        self.bind_retirement(record, target)
             except Exception as exc:  # noqa: BLE001
                 revert_record(record)
                 record.state, record.reason = FAILED, "while patching %s: %s" % (name, exc)
@@ -382,6 +390,50 @@ class Runtime:
                 staterecord.write()
                 self.enforce(record)
         staterecord.write()
+
+    # -- a wrapper that leaves (targets.Retirement)
+    def bind_retirement(self, record, target):
+        what, generation = target.describe(), self.generation
+        target.retirement.bind(lambda: self.retire(record, what, generation),
+                               lambda: self.reinstate(record, what, generation))
+
+    def current(self, record, generation):
+        """``record`` is still this process's decision (no uninstall() or new decision since)."""
+        return generation == self.generation and self.record(record.patch.name) is record
+
+    def retire(self, record, what, generation):
+        """The original of target ``what`` back wherever its wrapper was put (the module and the
+        copies rebound); the record says it is retired.  Called from the wrapper, on whatever
+        thread runs it: one store per name, under the runtime's lock like every other change."""
+        with self.lock:
+            if not self.current(record, generation) or what in record.retired or record.state != APPLIED:
+                return False
+            changes = [change for change in record.changes if change.what == what]
+            for change in reversed(changes):
+                change.revert()
+            record.changes = [change for change in record.changes if change.what != what]
+            record.retired[what] = changes
+            record.details["retired"] = sorted(record.retired)
+        log.debug("%s: %s retired (its job in this process is done): the original is back"
+                  % (record.patch.name, what))
+        staterecord.touch()
+        return True
+
+    def reinstate(self, record, what, generation):
+        """Undo ``retire``: the wrapper back in the module and the copies."""
+        with self.lock:
+            if not self.current(record, generation) or what not in record.retired:
+                return False
+            changes = record.retired.pop(what)
+            for change in changes:
+                change.apply(True)
+            record.changes.extend(changes)
+            if record.retired:
+                record.details["retired"] = sorted(record.retired)
+            else:
+                record.details.pop("retired", None)
+        staterecord.touch()
+        return True
 
     def reapply_after_reload(self, module):
         """Re-apply the patches to a hooked module's code after ``importlib.reload`` ran it (the

@@ -14,7 +14,7 @@ from npu_shim.core import framework
 from npu_shim.ops import procinfo, staterecord, summary
 from npu_shim.runtime import activation, role
 from npu_shim.source import answers, codeview
-from test_bootstrap import last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
+from test_bootstrap import DEMO_PATCH, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 from test_framework import declare
 
 
@@ -263,3 +263,68 @@ def test_modules_loaded_before_deciding_are_kept(undecided, monkeypatch):
     activation.RUNTIME.decide_all()
     assert all(name in sys.modules for name in activation.DECIDING_MODULES)
     assert sys.modules["npu_shim.source.codeview"] is codeview
+
+
+# -- a wrapper that retires ------------------------------------------------------------------------------
+
+RETIRING = DEMO_PATCH.replace(
+    "def add_one(wrapped, instance, args, kwargs):\n    return wrapped(*args, **kwargs) + 1\n",
+    "RETIREMENT = targets.Retirement()\n"
+    "CALLS = []\n\n"
+    "def add_one(wrapped, instance, args, kwargs):\n"
+    "    CALLS.append(1)\n"
+    "    if len(CALLS) == 50:\n"
+    "        RETIREMENT.retire()  # done: the original goes back while the other threads call\n"
+    "    return wrapped(*args, **kwargs) + 1\n").replace(
+    'targets.Wrap("sglang.srt.utils.common", "get_npu_memory_capacity", add_one, [()])',
+    'targets.Wrap("sglang.srt.utils.common", "get_npu_memory_capacity", add_one, [()], retirement=RETIREMENT)')
+
+
+def test_a_retired_wrapper_leaves_the_module_and_its_copies_while_threads_call_it(tree):
+    assert RETIRING.count("RETIREMENT") == 3
+    (tree / "image" / "demo.py").write_text(RETIRING)
+    proc = run(tree, """
+        import json, sys, threading
+        import npu_shim
+        from sglang.srt.utils import common
+        import sglang.srt.utils as star  # its star import took a copy of the wrapper
+        demo = sys.modules["demo"]
+        original = common.get_npu_memory_capacity.__wrapped__
+        copy_was_wrapper = star.get_npu_memory_capacity is common.get_npu_memory_capacity
+        values, errors = [], []
+        def call():
+            try:
+                for _ in range(2000):
+                    values.append(star.get_npu_memory_capacity())
+            except Exception as exc:
+                errors.append(repr(exc))
+        threads = [threading.Thread(target=call) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        out = {"copy_was_wrapper": copy_was_wrapper, "errors": errors, "values": sorted(set(values)),
+               "calls": len(demo.CALLS), "module": common.get_npu_memory_capacity is original,
+               "copy": star.get_npu_memory_capacity is original, "state": npu_shim.states()["demo"],
+               "again": demo.RETIREMENT.retire()}
+        out["reinstated"] = [demo.RETIREMENT.reinstate(), star.get_npu_memory_capacity(),
+                             common.get_npu_memory_capacity(), npu_shim.states()["demo"]["retired"]]
+        demo.RETIREMENT.retire()
+        npu_shim.uninstall()
+        out["uninstalled"] = [common.get_npu_memory_capacity is original,
+                              star.get_npu_memory_capacity is original,
+                              type(common.Scheduler.__init__).__name__,
+                              demo.RETIREMENT.reinstate(), common.get_npu_memory_capacity()]
+        print(json.dumps(out))
+    """)
+    out = last_json(proc)
+    assert out["copy_was_wrapper"] is True and out["errors"] == []
+    assert out["values"] == [1000, 1001] and 50 <= out["calls"] < 8000  # wrapped, then the original
+    assert out["module"] is True and out["copy"] is True
+    state, what = out["state"], "sglang.srt.utils.common:get_npu_memory_capacity"
+    assert state["state"] == "applied" and state["retired"] == [what]
+    assert state["wrappers"] == ["sglang.srt.utils.common:Scheduler.__init__"]
+    assert state["details"]["retired"] == [what] and state["targets"][what] is True
+    assert out["again"] is False  # retired already
+    assert out["reinstated"] == [True, 1001, 1001, []]
+    assert out["uninstalled"] == [True, True, "function", False, 1000]

@@ -1,0 +1,107 @@
+"""What a whole sglang server needs of the simulated NPU beyond the namespace (``install(server=True)``).
+
+A server process places tensors on ``npu``, builds an ``hccl`` process group and calls torch_npu's
+operators for real; the rest of the simulation only answers the device module.  Here:
+
+* **tensors on ``npu`` live on the CPU**: a torch-function mode, pushed once for the process,
+  turns every ``device=npu`` (keyword or a ``.to`` argument) into ``cpu`` -- no kernel exists for an
+  ``npu`` tensor here -- and counts the allocation, so that ``change_current_allocator`` refuses
+  after the first one as torch_npu does.  ``Tensor.npu()`` / ``Module.npu()`` keep the tensor
+  where it is; pinned host memory is plain host memory (no accelerator to pin for);
+* **``hccl``**: a ``torch.distributed`` backend (torch_npu registers it from C++) that builds a Gloo
+  group, for ``npu`` and for the ``cpu`` tensors that stand for npu ones;
+* **the operators** (``_ops.py``): defined with ``torch.library`` under the schemas torch_npu
+  2.13.0 registers, reached as ``torch.ops.npu.*`` / ``torch.ops.atb.*`` and as ``torch_npu.*``
+  the way torch_npu binds them; sgl-kernel-npu's triton allocator kernel as a stand-in running
+  sglang's own naive allocator.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+
+from . import _device, _stubs
+
+_lock = threading.Lock()
+_installed = False
+
+#: Keyword arguments that name a device.
+_DEVICE_KEYWORDS = ("device",)
+
+
+def _is_npu(device) -> bool:
+    import torch
+
+    if isinstance(device, str):
+        return device == "npu" or device.startswith("npu:")
+    if isinstance(device, torch.device):
+        return device.type == "npu"
+    return False
+
+
+def _device_mode():
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class NpuTensorsOnCpu(TorchFunctionMode):
+        """``device=npu`` -> ``cpu``; ``pin_memory`` dropped (nothing to pin for)."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if kwargs:
+                device = kwargs.get("device")
+                if device is not None and _is_npu(device):
+                    kwargs = dict(kwargs, device="cpu")
+                    _device.STATE.npu_allocations += 1
+                if kwargs.get("pin_memory"):
+                    kwargs = dict(kwargs, pin_memory=False)
+            if len(args) > 1 and getattr(func, "__name__", "") == "to" and _is_npu(args[1]):
+                args = (args[0], "cpu", *args[2:])
+                _device.STATE.npu_allocations += 1
+            return func(*args, **(kwargs or {}))
+
+    return NpuTensorsOnCpu()
+
+
+def _register_hccl():
+    import torch.distributed as dist
+
+    if "hccl" in dist.Backend.backend_list:
+        return
+
+    def create(store, rank, size, timeout):
+        return dist.ProcessGroupGloo(store, rank, size, timeout or datetime.timedelta(minutes=30))
+
+    dist.Backend.register_backend("hccl", create, devices=["npu", "cpu"])
+
+
+def npu_backends_take_cpu_tensors(name: str) -> None:
+    """A backend registered for ``npu`` only (zbal's) also serves the ``cpu`` tensors that stand for
+    npu ones here."""
+    import torch.distributed as dist
+
+    capability = dist.Backend.backend_capability.get(name.lower())
+    if capability is not None and "cpu" not in capability:
+        capability.append("cpu")
+
+
+def install() -> None:
+    """Once per process, after the namespace is in place (``simnpu.install``)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        import torch
+
+        from . import _ops
+
+        _device_mode().__enter__()  # for the process: never exited
+        torch.Tensor.npu = lambda self, *args, **kwargs: self
+        torch.nn.Module.npu = lambda self, *args, **kwargs: self
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+        _register_hccl()
+        _ops.define()
+        f = _stubs.finder()
+        f.overrides.setdefault("torch_npu", {}).update(_ops.torch_npu_names())
+        for module, names in _ops.kernel_stand_ins().items():
+            f.overrides.setdefault(module, {}).update(names)
+        _installed = True

@@ -89,6 +89,8 @@ class Server:
         run_env.setdefault("SIMNPU_RELEASE", realsglang.table_release(version))
         run_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         run_env.setdefault("HF_HUB_OFFLINE", "1")
+        run_env.setdefault("SIMZBAL_RENDEZVOUS", "1")
+        run_env.setdefault("SIMNPU_DEVICE_COUNT", "8")
         self.argv = argv + ["-m", "shimdev.server.launch", *self.args]
         self.env = run_env
         self.log_path = Path(log_path) if log_path else Path(

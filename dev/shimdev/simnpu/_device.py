@@ -35,7 +35,7 @@ class _State:
         self.reset()
 
     def reset(self) -> None:
-        self.device_count = 1
+        self.device_count = int(os.environ.get("SIMNPU_DEVICE_COUNT", 1))
         self.device = 0
         self.total_mib = int(os.environ.get("SIMNPU_TOTAL_MIB", 65536))
         free = os.environ.get("SIMNPU_FREE_MIB")

@@ -8,8 +8,10 @@ operators for real; the rest of the simulation only answers the device module.  
   ``npu`` tensor here -- and counts the allocation, so that ``change_current_allocator`` refuses
   after the first one as torch_npu does.  ``Tensor.npu()`` / ``Module.npu()`` keep the tensor
   where it is; pinned host memory is plain host memory (no accelerator to pin for);
+* **the accelerator**: ``torch._C._get_accelerator()`` answers ``npu`` (torch_npu's C++ hooks);
 * **``hccl``**: a ``torch.distributed`` backend (torch_npu registers it from C++) that builds a Gloo
-  group, for ``npu`` and for the ``cpu`` tensors that stand for npu ones;
+  group, for ``npu`` and for the ``cpu`` tensors that stand for npu ones -- as is every backend
+  registered for ``npu`` (zbal's);
 * **the operators** (``_ops.py``): defined with ``torch.library`` under the schemas torch_npu
   2.13.0 registers, reached as ``torch.ops.npu.*`` / ``torch.ops.atb.*`` and as ``torch_npu.*``
   the way torch_npu binds them; sgl-kernel-npu's triton allocator kernel as a stand-in running
@@ -74,14 +76,34 @@ def _register_hccl():
     dist.Backend.register_backend("hccl", create, devices=["npu", "cpu"])
 
 
-def npu_backends_take_cpu_tensors(name: str) -> None:
-    """A backend registered for ``npu`` only (zbal's) also serves the ``cpu`` tensors that stand for
-    npu ones here."""
+def _npu_backends_take_cpu_tensors() -> None:
+    """A backend registered for ``npu`` (zbal's, registered as its package is imported) also
+    serves the ``cpu`` tensors that stand for npu ones here."""
     import torch.distributed as dist
 
-    capability = dist.Backend.backend_capability.get(name.lower())
-    if capability is not None and "cpu" not in capability:
-        capability.append("cpu")
+    original = dist.Backend.register_backend.__func__
+
+    def register_backend(cls, name, func, extended_api=False, devices=None):
+        if devices is not None:
+            devices = [devices] if isinstance(devices, str) else list(devices)
+            if "npu" in devices and "cpu" not in devices:
+                devices.append("cpu")
+        return original(cls, name, func, extended_api, devices)
+
+    dist.Backend.register_backend = classmethod(register_backend)
+
+
+def _answer_accelerator(torch) -> None:
+    """``torch._C._get_accelerator()`` (what ``torch.distributed.barrier`` asks) is answered from
+    the PrivateUse1 hooks torch_npu registers in C++; none are registered here, so it would raise:
+    the device here is the npu, as there."""
+    original = torch._C._get_accelerator
+
+    def _get_accelerator(check=False):
+        return torch.device("npu", _device.STATE.device)
+
+    _get_accelerator.__wrapped__ = original
+    torch._C._get_accelerator = _get_accelerator
 
 
 def install() -> None:
@@ -98,6 +120,8 @@ def install() -> None:
         torch.Tensor.npu = lambda self, *args, **kwargs: self
         torch.nn.Module.npu = lambda self, *args, **kwargs: self
         torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+        _answer_accelerator(torch)
+        _npu_backends_take_cpu_tensors()
         _register_hccl()
         _ops.define()
         f = _stubs.finder()

@@ -7,6 +7,7 @@ the behaviour is driven by ``shimdev.simzbal.STATE``.
 from __future__ import annotations
 
 import enum
+import os
 import sys
 import types
 
@@ -39,15 +40,26 @@ def zbal_version():
 
 def zbal_bootstrap(opt):
     """The heap is what the caller asked for (``deviceMemorySize``, bytes), carved out of the
-    device: more than the device has fails, as reserving it would on a device."""
+    device: more than the device has fails, as reserving it would on a device.  With
+    ``SIMZBAL_RENDEZVOUS=1`` (the server test bed) the ranks of one world really meet at ``ipPort``
+    (``rendezvous.py``), as memfabric's config server makes them."""
     from shimdev.simnpu._device import MIB, STATE as DEVICE
 
     simzbal.record("zbal_bootstrap", opt.fields())
     state = simzbal.STATE
-    ok = bool(state.init_result) and 0 < opt.deviceMemorySize <= DEVICE.total_mib * MIB
-    if not ok and state.init_result:
+    ok = bool(state.init_result)
+    if ok and not 0 < opt.deviceMemorySize <= DEVICE.total_mib * MIB:
         print("[ZBAL] bootstrap failed: %d bytes asked, the device has %d"
               % (opt.deviceMemorySize, DEVICE.total_mib * MIB), file=sys.stderr, flush=True)
+        ok = False
+    if ok and os.environ.get("SIMZBAL_RENDEZVOUS") == "1":
+        from shimdev.simzbal import rendezvous
+
+        try:
+            state.world = rendezvous.meet(opt.ipPort, opt.rankId, opt.worldSize)
+        except rendezvous.RendezvousError as exc:
+            print("[ZBAL] bootstrap failed: %s" % exc, file=sys.stderr, flush=True)
+            ok = False
     state.initialized = ok
     state.ip_port = opt.ipPort
     if ok:

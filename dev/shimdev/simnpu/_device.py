@@ -43,6 +43,7 @@ class _State:
         self.allocator_backend = "native"
         self.allocator = None  # the pluggable allocator made current, if any
         self.npu_allocations = 0  # allocations seen on "npu" under record_allocations()
+        self.live_npu_bytes = 0  # bytes of the npu tensors alive now (server mode tracks them)
         self.initialized = False  # torch_npu.npu._lazy_init() has run
         self.stream_ids = itertools.count(1)
         self.event_ids = itertools.count(1)
@@ -173,7 +174,8 @@ def mem_get_info(device=None):
         device = current_device()
     _check_index(_get_device_index(device, optional=True))
     _lazy_init()
-    return STATE.free_mib * MIB, STATE.total_mib * MIB
+    free = max(0, STATE.free_mib * MIB - STATE.live_npu_bytes)
+    return free, STATE.total_mib * MIB
 
 
 def memory_stats(device=None):

@@ -46,22 +46,54 @@ def _device_mode():
     from torch.overrides import TorchFunctionMode
 
     class NpuTensorsOnCpu(TorchFunctionMode):
-        """``device=npu`` -> ``cpu``; ``pin_memory`` dropped (nothing to pin for)."""
+        """``device=npu`` -> ``cpu``; ``pin_memory`` dropped (nothing to pin for).  What is placed
+        on the npu is counted until it is freed, so the device's free memory goes down as weights
+        and the KV cache arrive, as on a device."""
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
+            placed = False
             if kwargs:
                 device = kwargs.get("device")
                 if device is not None and _is_npu(device):
                     kwargs = dict(kwargs, device="cpu")
-                    _device.STATE.npu_allocations += 1
+                    placed = True
                 if kwargs.get("pin_memory"):
                     kwargs = dict(kwargs, pin_memory=False)
             if len(args) > 1 and getattr(func, "__name__", "") == "to" and _is_npu(args[1]):
                 args = (args[0], "cpu", *args[2:])
+                placed = True
+            out = func(*args, **(kwargs or {}))
+            if placed:
                 _device.STATE.npu_allocations += 1
-            return func(*args, **(kwargs or {}))
+                if isinstance(out, torch.Tensor) and out.untyped_storage().nbytes():
+                    _track(out.untyped_storage())
+            return out
 
     return NpuTensorsOnCpu()
+
+
+_tracked: dict = {}  # storage data pointer -> bytes counted
+
+
+def _track(storage) -> None:
+    """Count a storage placed on the npu until it is collected (once, however many tensors view it)."""
+    import weakref
+
+    key = storage.data_ptr()
+    if key in _tracked:
+        return
+    nbytes = storage.nbytes()
+    _tracked[key] = nbytes
+    _device.STATE.live_npu_bytes += nbytes
+
+    def freed(key=key, nbytes=nbytes):
+        if _tracked.pop(key, None) is not None:
+            _device.STATE.live_npu_bytes -= nbytes
+
+    try:
+        weakref.finalize(storage, freed)
+    except TypeError:  # a storage that takes no weak reference: counted for the process's life
+        pass
 
 
 def _register_hccl():

@@ -301,6 +301,7 @@ class Runtime:
         """A spawned child is about to run ``target``: the shim's scheduler wrapper says the
         summary itself (with the role); any other target's child says it now."""
         if not any(target is change.replacement for change in self.own_changes):
+            procinfo.note_child_target(target)
             self.say_summary()
 
     # -- applying

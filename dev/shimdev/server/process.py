@@ -1,11 +1,11 @@
 """One real sglang server: started in its own session, waited for, talked to, and stopped whole.
 
-    with Server("0.5.9", model, args=["--tp-size", "2"], zbal=True) as server:
+    with Server("0.5.9", model, args=["--tp-size", "2"], zbal=True, shim="on") as server:
         server.generate([1, 2, 3], max_new_tokens=8)          # sglang's /generate
         server.openai().chat.completions.create(...)           # the real openai client
 
-``start()`` runs ``python -m shimdev.server.launch`` (sglang's own ``launch_server`` main on the
-simulated NPU) in a new session, its output in a log file, and waits until ``/health_generate``
+``start()`` runs ``python -m sglang.launch_server`` as on a node (the simulated NPU put in place in
+every process of it by ``startup.py``, through the server venv of ``layer.py``) in a new session, its output in a log file, and waits until ``/health_generate``
 answers -- at most ``ready_timeout`` seconds; a server that exits or does not come up fails with
 the log's last lines.  ``stop()`` sends SIGTERM to the session's process group (sglang's launcher
 then kills its own children), SIGKILL to whatever is left after ``stop_timeout``, and checks that
@@ -20,13 +20,14 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from shimdev import realsglang
-from shimdev.server.layer import ensure_server_layer
+from shimdev.server.layer import ensure_server_layer, ensure_server_venv
 
 #: What every test server runs with: the simulated NPU's dense path (ascend attention), no graph
 #: capture and no warm-up request (each costs tens of seconds on 2 cores and tests nothing here).
@@ -39,6 +40,15 @@ _LIVE: set = set()
 
 class ServerError(AssertionError):
     """The server did not come up, or died; the message ends with its log's last lines."""
+
+
+def _empty_dir() -> Path:
+    """A directory with nothing in it: first on PYTHONPATH where the shim is absent."""
+    d = Path(tempfile.gettempdir()) / "npu-shim-no-shim"
+    d.mkdir(exist_ok=True)
+    if any(d.iterdir()):
+        raise ServerError(f"{d} should be empty (it stands where the shim is not)")
+    return d
 
 
 def free_port() -> int:
@@ -77,21 +87,32 @@ def session_pids(sid: int) -> list[int]:
 
 class Server:
     def __init__(self, version: str, model: Path, *, args=(), env: dict | None = None,
-                 zbal: bool = False, shim_enabled: bool | None = True, log_path: Path | None = None,
+                 zbal: bool = False, shim: str = "on", log_path: Path | None = None,
                  port: int | None = None, ready_timeout: float = 240, stop_timeout: float = 20,
                  wait_ready: bool = True):
         self.version, self.model = version, Path(model)
         self.port = port or free_port()
         self.args = [*BASE_ARGS, "--model-path", str(model), "--host", "127.0.0.1",
                      "--port", str(self.port), *args]
-        argv, run_env = realsglang.release_command(version, env, zbal=zbal, shim_enabled=shim_enabled)
+        if shim not in ("on", "disabled", "absent"):
+            raise ValueError("shim is 'on', 'disabled' (NPU_SHIM_ENABLED=0) or 'absent' (not on "
+                             "PYTHONPATH): %r" % (shim,))
+        shim_root = _empty_dir() if shim == "absent" else realsglang.REPO
+        argv, run_env = realsglang.release_command(
+            version, env, zbal=zbal, shim_enabled={"on": True, "disabled": False}.get(shim),
+            shim_root=shim_root)
         run_env["PYTHONPATH"] += os.pathsep + str(ensure_server_layer())
-        run_env.setdefault("SIMNPU_RELEASE", realsglang.table_release(version))
+        if argv[0] == str(realsglang.sglang_envs.ensure_base()):
+            argv = [str(ensure_server_venv())]
+        else:
+            raise ServerError(f"sglang {version} does not run on the base venv ({argv[0]}): the "
+                              f"server venv sits on the base only")
+        run_env.setdefault("SIMNPU_SERVER_RELEASE", realsglang.table_release(version))
         run_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         run_env.setdefault("HF_HUB_OFFLINE", "1")
         run_env.setdefault("SIMZBAL_RENDEZVOUS", "1")
         run_env.setdefault("SIMNPU_DEVICE_COUNT", "8")
-        self.argv = argv + ["-m", "shimdev.server.launch", *self.args]
+        self.argv = argv + ["-m", "sglang.launch_server", *self.args]
         self.env = run_env
         self.log_path = Path(log_path) if log_path else Path(
             os.environ.get("TMPDIR", "/tmp")) / f"npu-shim-server-{self.port}.log"

@@ -82,13 +82,16 @@ def _track(storage) -> None:
     key = storage.data_ptr()
     if key in _tracked:
         return
+    # from the allocator current now: the native one (the device's free memory) or a pluggable
+    # one (zbal's heap)
+    field = "pluggable_bytes" if _device.STATE.allocator is not None else "live_npu_bytes"
     nbytes = storage.nbytes()
     _tracked[key] = nbytes
-    _device.STATE.live_npu_bytes += nbytes
+    setattr(_device.STATE, field, getattr(_device.STATE, field) + nbytes)
 
-    def freed(key=key, nbytes=nbytes):
+    def freed(key=key, nbytes=nbytes, field=field):
         if _tracked.pop(key, None) is not None:
-            _device.STATE.live_npu_bytes -= nbytes
+            setattr(_device.STATE, field, getattr(_device.STATE, field) - nbytes)
 
     try:
         weakref.finalize(storage, freed)

@@ -118,9 +118,12 @@ class ProcessGroupZBAL(_gloo()):
 
 def get_heap_stats():
     """(used bytes, total bytes) of the heap: zbal.mem_get_info() turns it into (free, total)."""
+    from shimdev.simnpu._device import STATE as DEVICE
+
     state = simzbal.STATE
     simzbal.record("get_heap_stats")
-    return state.heap_total - state.heap_free, state.heap_total
+    used = state.heap_total - state.heap_free + DEVICE.pluggable_bytes  # what was placed in it
+    return min(used, state.heap_total), state.heap_total
 
 
 def is_mix_alloc():

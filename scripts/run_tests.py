@@ -80,7 +80,8 @@ def main(argv):
     # The suite sets every switch it tests; switches exported in the caller's shell must not leak in.
     env = {k: v for k, v in os.environ.items()
            if k != "PYTHONPATH" and (k == "NPU_SHIM_CACHE" or not k.startswith(("NPU_SHIM_", "SGLANG_")))}
-    command = [str(python), "-m", "pytest", "-n", "2", "-q", "-ra", "tests"] + list(argv)
+    # loadgroup: the real-server tests of one release (xdist_group) share its servers on one worker
+    command = [str(python), "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q", "-ra", "tests"] + list(argv)
     log(" ".join(command))
     code = subprocess.call(command, cwd=REPO, env=env)
     log("pytest exit code %d after %.0fs in all" % (code, time.monotonic() - started))

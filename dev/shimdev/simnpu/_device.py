@@ -44,7 +44,8 @@ class _State:
         self.allocator = None  # the pluggable allocator made current, if any
         self.npu_allocations = 0  # allocations seen on "npu" under record_allocations()
         self.live_npu_bytes = 0  # bytes of the npu tensors alive now on the native allocator
-        self.pluggable_bytes = 0  # ... on a pluggable allocator (zbal's heap: simzbal reads it)
+        self.pluggable_bytes = 0  # ... in zbal's heap (simzbal reads it)
+        self.heap_active = False  # zbal's heap is bootstrapped (simzbal sets it)
         self.initialized = False  # torch_npu.npu._lazy_init() has run
         self.stream_ids = itertools.count(1)
         self.event_ids = itertools.count(1)

@@ -82,9 +82,10 @@ def _track(storage) -> None:
     key = storage.data_ptr()
     if key in _tracked:
         return
-    # from the allocator current now: the native one (the device's free memory) or a pluggable
-    # one (zbal's heap)
-    field = "pluggable_bytes" if _device.STATE.allocator is not None else "live_npu_bytes"
+    # from where the allocator current now takes it: zbal's heap once zbal's pluggable allocator
+    # is current and its heap is bootstrapped, else device memory (mix mode before its lazy heap)
+    in_heap = _device.STATE.allocator is not None and _device.STATE.heap_active
+    field = "pluggable_bytes" if in_heap else "live_npu_bytes"
     nbytes = storage.nbytes()
     _tracked[key] = nbytes
     setattr(_device.STATE, field, getattr(_device.STATE, field) + nbytes)

@@ -61,6 +61,7 @@ def zbal_bootstrap(opt):
             print("[ZBAL] bootstrap failed: %s" % exc, file=sys.stderr, flush=True)
             ok = False
     state.initialized = ok
+    DEVICE.heap_active = ok
     state.ip_port = opt.ipPort
     if ok:
         state.heap_total = state.heap_free = int(opt.deviceMemorySize)

@@ -180,7 +180,7 @@ PER_RELEASE = [on_release_worker(v) for v in RELEASES]
 @pytest.mark.parametrize("version", PER_RELEASE)
 def test_full_mode_serves_the_same_tokens_with_the_kv_cache_sized_from_the_heap(servers, version):
     off = servers.get("off", version, shim="absent", state_dir=False)
-    on = servers.get("full", version, zbal_mib=HEAP_MIB)
+    on = servers.get("full", version, zbal_mib=HEAP_MIB, metrics=True)
     assert servers.answers_of("full", version) == servers.answers_of("off", version)
     assert kv_tokens(off) == expected_kv_tokens(DEVICE_MIB, 1, off.model_dir)
     assert kv_tokens(on) == expected_kv_tokens(HEAP_MIB, 1, on.model_dir) < kv_tokens(off)
@@ -192,16 +192,40 @@ def test_full_mode_serves_the_same_tokens_with_the_kv_cache_sized_from_the_heap(
 
 @pytest.mark.parametrize("version", PER_RELEASE)
 def test_every_process_of_the_server_has_its_record_and_role(servers, version):
-    on = servers.get("full", version, zbal_mib=HEAP_MIB)
+    on = servers.get("full", version, zbal_mib=HEAP_MIB, metrics=True)
     info = status_running(version, on.env["NPU_SHIM_STATE_DIR"])
     assert live_roles(info) == ["detokenizer", "http_server", "scheduler tp 0/1"], info
     assert info["problems"] == []
     for p in info["processes"]:
         assert p["patches"]["zbal"]["state"] == "applied"
-    # the summary lines say the same roles (the detokenizer is not the launcher)
-    tags = sorted(re.match(r"\[npu-shim \S+ sglang \S+ pid \d+ ?(.*?)\]", ln).group(1)
+    # the children's summary lines say the same roles (the detokenizer is not the launcher)
+    tags = sorted(re.match(r"\[npu-shim \S+ sglang \S+ pid (\d+) ?(.*?)\]", ln).groups()
                   for ln in shim_lines(on) if "zbal=" in ln)
-    assert tags == ["detokenizer", "http_server", "tp 0/1"], tags
+    children = {str(p["pid"]) for p in info["processes"] if p["role"]["role"] != "http_server"}
+    assert sorted(tag for pid, tag in tags if pid in children) == ["detokenizer", "tp 0/1"], tags
+
+
+@pytest.mark.parametrize("version", PER_RELEASE)
+def test_the_shim_state_is_in_sglangs_own_metrics(servers, version):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    on = servers.get("full", version, zbal_mib=HEAP_MIB, metrics=True)
+    servers.answers_of("full", version)  # some traffic first: sglang's own metrics then exist
+    status, text = on.get("/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert "sglang:num_requests_total" in families or any(n.startswith("sglang:") for n in families)
+    info = status_running(version, on.env["NPU_SHIM_STATE_DIR"])
+    pids = {(p.get("role") or {}).get("role"): str(p["pid"]) for p in info["processes"]}
+    states = {(s.labels["pid"], s.labels["patch"]): s.labels["state"]
+              for s in families["npu_shim_patch_state"].samples if s.value == 1}
+    for role in ("http_server", "scheduler"):  # the processes where sglang keeps metrics
+        assert states[(pids[role], "zbal")] == "applied", states
+        assert states[(pids[role], "dual_stream_experts")] == "inactive"
+    heap = {s.labels["pid"]: s.value for s in families["npu_shim_zbal_heap_bytes"].samples}
+    assert heap[pids["scheduler"]] == HEAP_MIB << 20 and heap[pids["http_server"]] == 0
+    released = {s.labels["pid"]: s.value for s in families["npu_shim_mla_released_bytes"].samples}
+    assert released[pids["scheduler"]] == 0  # a dense model: no MLA weight to release
 
 
 # -- zbal, mix mode, TP 2 ----------------------------------------------------------------------------

@@ -30,10 +30,11 @@ from shimdev import realsglang
 from shimdev.server.layer import ensure_server_layer, ensure_server_venv
 
 #: What every test server runs with: the simulated NPU's dense path (ascend attention), no graph
-#: capture and no warm-up request (each costs tens of seconds on 2 cores and tests nothing here).
+#: capture and no warm-up request (each costs tens of seconds on 2 cores and tests nothing here),
+#: and an idle scheduler that sleeps (one that polls costs a core's fifth: a suite keeps several).
 BASE_ARGS = ("--device", "npu", "--attention-backend", "ascend", "--disable-cuda-graph",
              "--skip-server-warmup", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-             "--log-level", "info")
+             "--log-level", "info", "--sleep-on-idle")
 
 _LIVE: set = set()
 

@@ -1,6 +1,6 @@
 """The test command: everything the suite needs, then the suite.  `python3 scripts/run_tests.py`
 
-1. a runner venv (``CACHE/venvs/test-runner``, dev/shimdev/runner.py): torch==2.13.0 (CPU), wrapt, pytest, pytest-mock,
+1. a runner venv (``CACHE/venvs/test-runner-<pins>``, dev/shimdev/runner.py): torch==2.13.0 (CPU), wrapt, pytest, pytest-mock,
    pytest-xdist;
 2. the sglang wheels of every supported release and their extracted sources (static matrix), and
    the layered environments of the import matrix (dev/shimdev/sglang_envs.py: one base venv with
@@ -80,7 +80,8 @@ def main(argv):
     # The suite sets every switch it tests; switches exported in the caller's shell must not leak in.
     env = {k: v for k, v in os.environ.items()
            if k != "PYTHONPATH" and (k == "NPU_SHIM_CACHE" or not k.startswith(("NPU_SHIM_", "SGLANG_")))}
-    command = [str(python), "-m", "pytest", "-n", "2", "-q", "-ra", "tests"] + list(argv)
+    # loadgroup: the real-server tests of one release (xdist_group) share its servers on one worker
+    command = [str(python), "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q", "-ra", "tests"] + list(argv)
     log(" ".join(command))
     code = subprocess.call(command, cwd=REPO, env=env)
     log("pytest exit code %d after %.0fs in all" % (code, time.monotonic() - started))

@@ -418,8 +418,9 @@ def survivors_of(report, mutants_by_module):
 
 def runner_python():
     """The test runner's venv (built by scripts/run_tests.py) when it exists, else this python."""
-    cache = Path(os.environ.get("NPU_SHIM_CACHE") or Path.home() / ".cache" / "npu-shim")
-    python = cache / "venvs" / "test-runner" / "bin" / "python"
+    from shimdev import runner
+
+    python = runner.runner_dir() / "bin" / "python"
     return str(python) if python.exists() else sys.executable
 
 

@@ -1,5 +1,7 @@
-"""The test runner's venv: torch (CPU), wrapt, pytest -- built once in the cache, when missing or
-when ``RUNNER_PINS`` changed.  Used by the test command (scripts/run_tests.py) and by the benchmarks
+"""The test runner's venv: torch (CPU), wrapt, pytest, and the clients the server tests talk with
+(the real ``openai`` client, ``prometheus_client``'s parser) -- built once in the cache, in a
+directory named by ``RUNNER_PINS`` (a changed pin builds a new one and never replaces a venv another
+test run is using).  Used by the test command (scripts/run_tests.py) and by the benchmarks
 (scripts/bench.py re-runs itself there), so both run on the same interpreter and packages."""
 
 import hashlib
@@ -10,16 +12,26 @@ import sys
 from shimdev import sglang_envs
 
 RUNNER_PINS = (sglang_envs.TORCH_PIN, "wrapt==2.5.2", "pytest==9.2.0", "pytest-mock==3.17.0",
-               "pytest-xdist==3.8.0", "numpy==2.4.6")  # numpy: torch warns at import without it
+               "pytest-xdist==3.8.0", "numpy==2.4.6",  # numpy: torch warns at import without it
+               "openai==2.6.1", "prometheus-client==0.26.0")
+
+
+def _digest():
+    return hashlib.sha256(json.dumps([RUNNER_PINS, sys.version_info[:2]]).encode()).hexdigest()[:16]
+
+
+def runner_dir():
+    """Where the runner venv of these pins lives (built or not)."""
+    return sglang_envs.cache_dir() / "venvs" / ("test-runner-" + _digest())
 
 
 def runner_python(log=print):
     """The runner venv's python, built when missing or when RUNNER_PINS changed (raises
     sglang_envs.EnvError when it cannot be built)."""
-    venv = sglang_envs.cache_dir() / "venvs" / "test-runner"
+    digest = _digest()
+    venv = runner_dir()
     python = venv / "bin" / "python"
     stamp = venv / "npu-shim-stamp.json"
-    digest = hashlib.sha256(json.dumps([RUNNER_PINS, sys.version_info[:2]]).encode()).hexdigest()[:16]
 
     def current():
         try:

@@ -29,7 +29,7 @@ import threading
 from npu_shim.core import config, framework, loading
 from npu_shim.core.framework import APPLIED, FAILED, PROBLEMS, ShimError
 from npu_shim.ops import log, procinfo, staterecord, summary
-from npu_shim.runtime import installer, role, wrapt_loader
+from npu_shim.runtime import installer, metrics_hook, role, wrapt_loader
 from npu_shim.runtime.finder import ShimFinder
 from npu_shim.runtime.targets import Wrap
 from npu_shim.source.live import find_package_dir
@@ -227,7 +227,7 @@ class Runtime:
             self.patches = loading.load_all()
             self.records = None
             modules = loading.target_modules(self.patches)
-            modules += [role.MODULE] if role.MODULE not in modules else []
+            modules += [m for m in (role.MODULE,) + metrics_hook.MODULES if m not in modules]
             self.imported_before = {m for m in modules if m in sys.modules}
             try:
                 wrapt_loader.load()  # the wrappers; the post-import hooks are the finder's
@@ -350,7 +350,9 @@ class Runtime:
         """A spawned child is about to run ``target``: the shim's scheduler wrapper says the
         summary itself (with the role); any other target's child says it now."""
         if not any(target is change.replacement for change in self.own_changes):
+            procinfo.note_child_target(target)
             self.say_summary()
+            staterecord.touch(now=True)  # the role it now has: at once, as the scheduler's
 
     # -- applying
     def watches(self, name):
@@ -368,6 +370,13 @@ class Runtime:
                 self.own_changes.append(change)
             except Exception as exc:  # noqa: BLE001 - the patches apply regardless
                 log.debug("the scheduler's role comes from its process title: %s" % exc)
+        if name in metrics_hook.MODULES:
+            try:
+                for change in metrics_hook.prepare(module, self.state_snapshot):
+                    change.apply(imported_before)
+                    self.own_changes.append(change)
+            except Exception as exc:  # noqa: BLE001 - the patches apply regardless
+                log.debug("the shim's metrics are not published: %s" % exc)
         for record in self.records.values():
             if record.state != APPLIED:
                 continue

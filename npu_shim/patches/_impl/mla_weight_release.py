@@ -7,7 +7,7 @@ import logging
 import re
 import sys
 
-from npu_shim.ops import log
+from npu_shim.ops import log, staterecord
 from npu_shim.patches.mla_weight_release import (
     CLASS, MIB, MLA_NPU, MLA_PRE, PREPROCESS_SIG, ROLES, RELEASE_FORCE, SWITCH, SWITCH_HINT,
     TP_WORKER, UPDATE_OPS, UPDATE_SIG, ReleasedWeightError, pins)
@@ -370,6 +370,7 @@ class FreedWeights:
                             qkv_a_mib=round(self.released_bytes["qkv_a"] / MIB, 3),
                             w_kc_mib=round(self.released_bytes["w_kc"] / MIB, 3))
         log.debug("mla_weight_release: released %s (%.2f MiB)" % (what, nbytes / MIB))
+        staterecord.touch()
         if self.summary_logged:
             self._log_summary("more layers released")
 

@@ -219,9 +219,11 @@ def test_the_shim_state_is_in_sglangs_own_metrics(servers, version):
     pids = {(p.get("role") or {}).get("role"): str(p["pid"]) for p in info["processes"]}
     states = {(s.labels["pid"], s.labels["patch"]): s.labels["state"]
               for s in families["npu_shim_patch_state"].samples if s.value == 1}
+    recorded = {p["pid"]: p["patches"] for p in info["processes"]}
     for role in ("http_server", "scheduler"):  # the processes where sglang keeps metrics
         assert states[(pids[role], "zbal")] == "applied", states
-        assert states[(pids[role], "dual_stream_experts")] == "inactive"
+        for patch in ("mla_weight_release", "dual_stream_experts"):
+            assert states[(pids[role], patch)] == recorded[int(pids[role])][patch]["state"]
     heap = {s.labels["pid"]: s.value for s in families["npu_shim_zbal_heap_bytes"].samples}
     assert heap[pids["scheduler"]] == HEAP_MIB << 20 and heap[pids["http_server"]] == 0
     released = {s.labels["pid"]: s.value for s in families["npu_shim_mla_released_bytes"].samples}
@@ -290,10 +292,10 @@ def test_two_nodes_answer_as_one(servers, tmp_path):
 
 # -- bad input and faults ----------------------------------------------------------------------------
 
-def _refused(tmp_path, version, env, why, timeout=150):
+def _refused(tmp_path, version, env, why, timeout=150, zbal=True):
     model = models.ensure_model("qwen2", version)
     server = Server(version, model, args=["--mem-fraction-static", str(MEM_FRACTION)],
-                    env={"SIMNPU_TOTAL_MIB": DEVICE_MIB, **env}, zbal=True,
+                    env={"SIMNPU_TOTAL_MIB": DEVICE_MIB, **env}, zbal=zbal,
                     log_path=tmp_path / "refused.log", wait_ready=False)
     started = time.monotonic()
     server.start()
@@ -309,14 +311,15 @@ def _refused(tmp_path, version, env, why, timeout=150):
         server.stop()
 
 
-@pytest.mark.parametrize("env, why", [
-    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": 4 * DEVICE_MIB}, r"zbal_init failed .*4096 MiB"),
+@pytest.mark.parametrize("env, why, zbal", [
+    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": 4 * DEVICE_MIB}, r"zbal_init failed .*4096 MiB", True),
     ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": HEAP_MIB, "SGLANG_ZBAL_BOOTSTRAP_URL": "udp://nowhere"},
-     r"SGLANG_ZBAL_BOOTSTRAP_URL"),
-    ({"NPU_SHIM_STRICT": "1", "NPU_SHIM_DUAL_STREAM_EXPERTS": "1"}, r"npu-shim.*dual_stream_experts"),
+     r"SGLANG_ZBAL_BOOTSTRAP_URL", True),
+    # zbal asked for on an image without memfabric-zbal
+    ({"NPU_SHIM_STRICT": "1", "SGLANG_ZBAL_LOCAL_MEM_SIZE": HEAP_MIB}, r"npu-shim.*zbal", False),
 ], ids=["zbal larger than the device", "malformed bootstrap URL", "strict, a patch that cannot apply"])
-def test_a_server_that_cannot_start_right_says_why_and_exits(tmp_path, env, why):
-    _refused(tmp_path, "0.5.11", env, why)
+def test_a_server_that_cannot_start_right_says_why_and_exits(tmp_path, env, why, zbal):
+    _refused(tmp_path, "0.5.11", env, why, zbal=zbal)
 
 
 @pytest.mark.xdist_group("server-0.5.11")

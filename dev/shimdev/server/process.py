@@ -53,9 +53,15 @@ def _empty_dir() -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below 50000: sglang derives others from it (0.5.11 adds 10000 for its gRPC
+    port and refuses one past 65535), so the kernel's ephemeral range is no good."""
+    import random
+
+    for _ in range(1000):
+        port = random.randrange(20000, 50000)
+        if port_is_free(port):
+            return port
+    raise ServerError("no free port in 20000-50000")
 
 
 def port_is_free(port: int) -> bool:

@@ -30,22 +30,19 @@ NPU_SCHEMAS = {
                   "-> (Tensor, Tensor)"),
 }
 
-#: name -> (schema, the C++ parameter types of ``atb::<name>`` as mangled in libop_plugin_atb.so).
+#: name -> schema, for ``atb::`` (types: the C++ function's; names: sglang's keywords).
 ATB_SCHEMAS = {
     "_npu_reshape_and_cache": (
         "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-        "Tensor slot_indices) -> ()",
-        "RKN2at6TensorES2_RS0_S3_S2_"),
+        "Tensor slot_indices) -> ()"),
     "_npu_flash_attention_qlens": (
         "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor mask, "
         "Tensor seq_len, Tensor context_lens, int num_kv_heads, int num_heads, float scale_value, "
-        "Tensor(a!) out) -> ()",
-        "RKN2at6TensorES2_S2_S2_S2_S2_S2_lldRS0_"),
+        "Tensor(a!) out) -> ()"),
     "_npu_paged_attention": (
         "(Tensor query, Tensor key_cache, Tensor value_cache, int num_kv_heads, int num_heads, "
         "float scale_value, Tensor block_table, Tensor context_lens, Tensor(a!) out, "
-        "Tensor? mask=None) -> ()",
-        "RKN2at6TensorES2_S2_lldS2_S2_RS0_RKSt8optionalIS0_E"),
+        "Tensor? mask=None) -> ()"),
 }
 
 _LIBRARIES = []  # kept alive: a torch.library.Library unregisters its ops when collected
@@ -172,7 +169,7 @@ def define() -> None:
     import torch
 
     here = globals()
-    for namespace, schemas in (("npu", NPU_SCHEMAS), ("atb", {n: s for n, (s, _) in ATB_SCHEMAS.items()})):
+    for namespace, schemas in (("npu", NPU_SCHEMAS), ("atb", ATB_SCHEMAS)):
         lib = torch.library.Library(namespace, "FRAGMENT")
         for name, schema in schemas.items():
             lib.define(name + schema)

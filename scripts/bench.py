@@ -74,12 +74,16 @@ def sources(quick):
         import bench_zbal
         return bench_zbal.rows(*((5, 1000) if quick else (15, 2000)))
 
+    def server():
+        import bench_server
+        return bench_server.rows(*((1, 2, 32) if quick else (2, 4, 64)))
+
     def dual_stream():
         import bench_dual_stream
         return bench_dual_stream.rows()
 
     return [("bench_shim_cost", shim_cost), ("bench_drop_in", drop_in), ("bench_mla_release", mla),
-            ("bench_zbal", zbal), ("bench_dual_stream", dual_stream)]
+            ("bench_zbal", zbal), ("bench_dual_stream", dual_stream), ("bench_server", server)]
 
 
 def collect(quick, only=None, log=print):

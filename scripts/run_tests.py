@@ -1,7 +1,7 @@
 """The test command: everything the suite needs, then the suite.  `python3 scripts/run_tests.py`
 
-1. a runner venv (``CACHE/venvs/test-runner-<digest of its pins>``, dev/shimdev/runner.py): torch==2.13.0
-   (CPU), wrapt, pytest, pytest-mock, pytest-xdist, hypothesis;
+1. a runner venv (``CACHE/venvs/test-runner-<pins>``, dev/shimdev/runner.py): torch==2.13.0 (CPU), wrapt, pytest, pytest-mock,
+   pytest-xdist, hypothesis, and the clients the real-server tests talk with (openai, prometheus-client);
 2. the sglang wheels of every supported release and their extracted sources (static matrix), and
    the layered environments of the import matrix (dev/shimdev/sglang_envs.py: one base venv with
    torch and no wrapt, per release a thin sglang layer and a dependency layer, a wrapt layer, the
@@ -13,7 +13,8 @@
    images cached under the cache dir), started here beside step 2; one that cannot be set up
    fails those tests.
 
-Extra arguments go to pytest (e.g. ``-k zbal``).  ``NPU_SHIM_CACHE`` moves the cache.
+Extra arguments go to pytest (e.g. ``-k zbal``, or ``tests/ops/test_log.py`` to run that file
+alone).  ``NPU_SHIM_CACHE`` moves the cache.
 """
 
 import os
@@ -80,7 +81,11 @@ def main(argv):
     # The suite sets every switch it tests; switches exported in the caller's shell must not leak in.
     env = {k: v for k, v in os.environ.items()
            if k != "PYTHONPATH" and (k == "NPU_SHIM_CACHE" or not k.startswith(("NPU_SHIM_", "SGLANG_")))}
-    command = [str(python), "-m", "pytest", "-n", "2", "-q", "-ra", "tests"] + list(argv)
+    # loadgroup: the real-server tests of one release (xdist_group) share its servers on one worker
+    # the whole suite unless the arguments name test files or folders of their own
+    chosen = [a for a in argv if not a.startswith("-") and a.split("::")[0].startswith("tests")]
+    command = ([str(python), "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q", "-ra"]
+               + ([] if chosen else ["tests"]) + list(argv))
     log(" ".join(command))
     code = subprocess.call(command, cwd=REPO, env=env)
     log("pytest exit code %d after %.0fs in all" % (code, time.monotonic() - started))

@@ -39,6 +39,8 @@ ROWS = (
     ("bench_zbal", "get_available_gpu_memory('npu'), full mode: added per call"),
     ("bench_zbal", "decide(zbal) on a cold SourceView of 0.5.11"),
     ("bench_dual_stream", "dual-stream overlap (CUDA or NPU when present)"),
+    ("bench_server", "real sglang 0.5.11 server (simulated NPU), start-up to ready, shim on (zbal) vs off"),
+    ("bench_server", "the same server, decode tokens per second over a fixed greedy load, shim on vs off"),
 )
 
 RESULT = {True: "ok", False: "MISSED", None: "-"}

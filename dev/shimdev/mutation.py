@@ -420,7 +420,7 @@ def runner_python():
     """The test runner's venv (built by scripts/run_tests.py) when it exists, else this python."""
     from shimdev import runner
 
-    python = runner.venv_dir() / "bin" / "python"
+    python = runner.runner_dir() / "bin" / "python"
     return str(python) if python.exists() else sys.executable
 
 

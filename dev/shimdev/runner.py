@@ -1,7 +1,8 @@
-"""The test runner's venv: torch (CPU), wrapt, pytest, hypothesis -- built once in the cache per
-set of ``RUNNER_PINS`` (``CACHE/venvs/test-runner-<digest>``).  Used by the test command
-(scripts/run_tests.py) and by the benchmarks (scripts/bench.py re-runs itself there), so both run
-on the same interpreter and packages."""
+"""The test runner's venv: torch (CPU), wrapt, pytest, hypothesis, and the clients the server
+tests talk with (the real ``openai`` client, ``prometheus_client``'s parser) -- built once in the cache, in a
+directory named by ``RUNNER_PINS`` (a changed pin builds a new one and never replaces a venv another
+test run is using).  Used by the test command (scripts/run_tests.py) and by the benchmarks
+(scripts/bench.py re-runs itself there), so both run on the same interpreter and packages."""
 
 import hashlib
 import json
@@ -12,6 +13,7 @@ from shimdev import sglang_envs
 
 RUNNER_PINS = (sglang_envs.TORCH_PIN, "wrapt==2.5.2", "pytest==9.2.0", "pytest-mock==3.17.0",
                "pytest-xdist==3.8.0", "numpy==2.4.6",  # numpy: torch warns at import without it
+               "openai==2.6.1", "prometheus-client==0.26.0",
                "hypothesis==6.168.3")  # the property tests of the parsers of untrusted input
 
 
@@ -19,20 +21,18 @@ def _digest():
     return hashlib.sha256(json.dumps([RUNNER_PINS, sys.version_info[:2]]).encode()).hexdigest()[:16]
 
 
-def venv_dir():
-    """Where the runner venv of these pins lives: named by their digest, as the release layers
-    are, so that checkouts with other pins (another branch's) each keep their own instead of
-    rebuilding one shared venv under each other's running tests."""
+def runner_dir():
+    """Where the runner venv of these pins lives (built or not)."""
     return sglang_envs.cache_dir() / "venvs" / ("test-runner-" + _digest())
 
 
 def runner_python(log=print):
-    """The runner venv's python, built when missing (raises sglang_envs.EnvError when it cannot
-    be built)."""
-    venv = venv_dir()
+    """The runner venv's python, built when missing or when RUNNER_PINS changed (raises
+    sglang_envs.EnvError when it cannot be built)."""
+    digest = _digest()
+    venv = runner_dir()
     python = venv / "bin" / "python"
     stamp = venv / "npu-shim-stamp.json"
-    digest = _digest()
 
     def current():
         try:
@@ -42,7 +42,7 @@ def runner_python(log=print):
 
     if current():
         return python
-    with sglang_envs.file_lock("venv-" + venv.name):
+    with sglang_envs.file_lock("venv-test-runner"):
         if current():
             return python
         log("building the runner venv %s" % venv)

@@ -11,8 +11,11 @@ first:
 2. the process title sglang sets (``sglang::scheduler_DP0_TP3``, ``sglang::detokenizer``,
    ``sglang::data_parallel_controller``, ``sglang::tokenizer_worker:PID``), read through the
    ``setproctitle`` module sglang itself imported -- ranks without sizes;
-3. the main module: ``sglang.launch_server`` is the launcher/HTTP server;
-4. otherwise ``unknown``.  A spawned scheduler decides its patches while ``run_scheduler_process``
+3. the target a spawned child was started with (``run_detokenizer_process`` is the detokenizer),
+   noted as the child starts it -- before sglang sets the title;
+4. the main module: ``sglang.launch_server`` is the launcher/HTTP server -- in the launcher only:
+   a spawned child re-imports that module as ``__mp_main__`` without being the launcher;
+5. otherwise ``unknown``.  A spawned scheduler decides its patches while ``run_scheduler_process``
    is being unpickled: it is ``unknown`` then, and its summary line waits for 1.
 
 Nothing here imports anything heavy; every answer is computed when asked (titles change).
@@ -27,6 +30,9 @@ _noted = None  # the role a wrapper told us (note_scheduler)
 _TITLE = re.compile(r"sglang::(?P<role>[a-z_]+?)(?:_(?P<ranks>(?:[A-Z_]+[0-9]+_?)+))?(?::\d+)?\Z")
 _RANK = re.compile(r"([A-Z_]+?)([0-9]+)")
 _MAIN_ROLES = {"sglang.launch_server": "http_server"}
+#: The functions sglang starts its other children with (sglang/srt/managers/*.py), by name.
+_TARGET_ROLES = {"run_detokenizer_process": "detokenizer",
+                 "run_data_parallel_controller_process": "data_parallel_controller"}
 _sglang_version = None  # note_sglang_version: the running sglang's, once its source is read
 
 
@@ -41,6 +47,14 @@ def note_scheduler(source, tp_rank=None, tp_size=None, pp_rank=None, pp_size=Non
         if isinstance(value, int) and not isinstance(value, bool):
             role[key] = value
     _noted = (os.getpid(), role)
+
+
+def note_child_target(target):
+    """A spawned child is about to run ``target``: its role, where the target's name says it."""
+    global _noted
+    name = getattr(target, "__name__", None)
+    if name in _TARGET_ROLES and (_noted is None or _noted[0] != os.getpid()):
+        _noted = (os.getpid(), {"role": _TARGET_ROLES[name], "source": "process target %s" % name})
 
 
 def _title():
@@ -72,7 +86,7 @@ def role():
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     name = getattr(spec, "name", None)
-    if name in _MAIN_ROLES:
+    if name in _MAIN_ROLES and getattr(main, "__name__", None) == "__main__":
         return {"role": _MAIN_ROLES[name], "source": "main module %s" % name}
     return {"role": "unknown", "source": "no sglang role seen yet"}
 

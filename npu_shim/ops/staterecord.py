@@ -8,6 +8,7 @@ only by the first write the variable asks for.  The runtime calls only this modu
 import sys
 
 from npu_shim.core import config
+from npu_shim.ops import metrics
 
 WRITER = "npu_shim.ops.statefile"
 
@@ -31,7 +32,8 @@ def attach(source, sglang_path=None, shim_enabled=True):
 
 def write(force=False):
     """Write the record now where one is asked for (statefile.write, which checks the value);
-    never raises."""
+    never raises.  The shim's gauges in sglang's metrics follow (ops/metrics.py)."""
+    metrics.publish()
     if not config.STATE_DIR.is_set():
         return False
     try:
@@ -46,6 +48,7 @@ def touch(now=False):
     if now:
         write()
         return
+    metrics.publish()
     writer = sys.modules.get(WRITER)
     if writer is not None:  # else nothing was written in this process: the first write is synchronous
         writer.touch()

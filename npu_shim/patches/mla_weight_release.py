@@ -33,8 +33,11 @@ How
        ``qkv_a_proj.weight`` is released when role != ``null``.
     4. ``npu_mla_preprocess`` is wrapped: on the call that first constructed the layer's
        ``mla_preprocess``, ``m.w_kc`` is released when role == ``decode``, ``uses_mlaprolog()`` and
-       ``w_kc is not None``.  Later calls only delegate (one dict lookup; see
-       ``scripts/bench_mla_release.py``).
+       ``w_kc is not None``.  When the first layer seen comes round again (one pass over the
+       layers is done) the wrapper retires (``runtime.targets.Retirement``): sglang's own
+       function is back where the wrapper was, so later calls cost nothing; the guards, the
+       weight wrapper of step 3 and the refusal of step 5 stay.  A layer first seen after that
+       keeps its ``w_kc`` (one warning says so).
 
     5. Weight updates.  ``/update_weights_from_disk`` and the tensor / distributed /
        IPC variants exist on every 0.5.9 - 0.5.19 server whatever its flags.  Loading into a

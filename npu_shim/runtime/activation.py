@@ -29,7 +29,7 @@ import threading
 from npu_shim.core import config, framework, loading
 from npu_shim.core.framework import APPLIED, FAILED, PROBLEMS, ShimError
 from npu_shim.ops import log, procinfo, staterecord, summary
-from npu_shim.runtime import installer, role, wrapt_loader
+from npu_shim.runtime import installer, metrics_hook, role, wrapt_loader
 from npu_shim.runtime.finder import ShimFinder
 from npu_shim.runtime.targets import Wrap
 from npu_shim.source.live import find_package_dir
@@ -49,6 +49,7 @@ class PatchRecord:
         self.targets = decision.targets
         self.changes = []        # targets.Change, in the order applied
         self.applied = set()     # describe() of targets applied so far
+        self.retired = {}        # describe() of a retired target: its changes, reverted (Runtime.retire)
         self.details = decision.details  # what the patch's wrappers report (e.g. MiB released)
         self.process = decision.process  # the wrappers' per-process state (ctx.process)
 
@@ -59,7 +60,9 @@ class PatchRecord:
             "reason": self.reason,
             "targets": {t.describe(): t.describe() in self.applied for t in self.targets},
             "wrappers": sorted(t.describe() for t in self.targets
-                               if isinstance(t, Wrap) and t.describe() in self.applied),
+                               if isinstance(t, Wrap) and t.describe() in self.applied
+                               and t.describe() not in self.retired),
+            "retired": sorted(self.retired),
             "details": dict(self.details),
         }
 
@@ -144,6 +147,40 @@ def revert_record(record):
         change.revert()
     record.changes = []
     record.applied = set()
+    record.retired = {}  # their originals are back already
+    record.details.pop("retired", None)
+
+
+def decide_each(patches, view, on_npu, missing_wrapt):
+    """{name: PatchRecord}: every patch decided with ``view``; a patch whose deciding raised is
+    ``failed`` (the others are decided regardless)."""
+    records = {}
+    for patch in patches:
+        try:
+            decision = framework.decide(patch, view, on_npu=on_npu)
+        except Exception as exc:  # noqa: BLE001
+            decision = framework.Decision(FAILED, "deciding raised %r" % (exc,))
+        if missing_wrapt is not None:
+            decision = framework.without_wrapt(decision, missing_wrapt)
+        records[patch.name] = PatchRecord(patch, decision)
+    return records
+
+
+def published(what, step):
+    """Run one step of publishing the decisions; False when it raised.  A failure is logged once
+    and not raised: enforcing, which comes after, must still run."""
+    try:
+        step()
+        return True
+    except Exception as exc:  # noqa: BLE001 - enforce runs whatever happened here
+        log.error_once("publish:" + what, "%s failed: %r" % (what, exc))
+        return False
+
+
+def publish_record(snapshot, view):
+    """Hand the records to the state record's writer, and write it where one is asked for."""
+    staterecord.attach(snapshot, getattr(view, "package_dir", None))
+    staterecord.write()
 
 
 class Runtime:
@@ -190,7 +227,7 @@ class Runtime:
             self.patches = loading.load_all()
             self.records = None
             modules = loading.target_modules(self.patches)
-            modules += [role.MODULE] if role.MODULE not in modules else []
+            modules += [m for m in (role.MODULE,) + metrics_hook.MODULES if m not in modules]
             self.imported_before = {m for m in modules if m in sys.modules}
             try:
                 wrapt_loader.load()  # the wrappers; the post-import hooks are the finder's
@@ -250,17 +287,23 @@ class Runtime:
             let_go_of_deciding(kept)
 
     def _decide_with(self, view, on_npu, missing_wrapt):
-        records = {}
-        for patch in self.patches:
-            try:
-                decision = framework.decide(patch, view, on_npu=on_npu)
-            except Exception as exc:  # noqa: BLE001
-                decision = framework.Decision(FAILED, "deciding raised %r" % (exc,))
-            if missing_wrapt is not None:
-                decision = framework.without_wrapt(decision, missing_wrapt)
-            records[patch.name] = PatchRecord(patch, decision)
-        # The parsed source is dropped here (the view is local): every sglang process keeps only
-        # the decisions.  Children get the answers the sources gave (source/answers.py).
+        """Decide, publish, then enforce whatever publishing did: a patch the user asked for that
+        failed stops the process even where saying so (the answers, the summary line, the state
+        record) raised."""
+        self.records = decide_each(self.patches, view, on_npu, missing_wrapt)
+        self.summary_due = os.getpid()
+        steps = (("exporting the answers", lambda: self.publish_view(view)),
+                 ("the summary line", lambda: self.say_summary_when_due(missing_wrapt)),
+                 ("the state record", lambda: publish_record(self.state_snapshot, view)))
+        failures = [what for what, step in steps if not published(what, step)]
+        for record in self.records.values():
+            self.enforce(record)
+        if failures and strict():
+            raise ShimError("npu-shim (strict): publishing the decisions failed: %s" % ", ".join(failures))
+
+    def publish_view(self, view):
+        """Where the decisions came from, and the answers children inherit.  The parsed source is
+        dropped after this (the view is local): every sglang process keeps only the decisions."""
         inherited = getattr(view, "reused", False) and not getattr(view, "_modules", None)
         self.decided_from = "inherited answers" if inherited else "sglang source"
         if view is not None:
@@ -268,16 +311,22 @@ class Runtime:
 
             answers.export(view)
             procinfo.note_sglang_version(view.version)
-        self.records = records
-        self.summary_due = os.getpid()
-        if missing_wrapt is None and role.child_unpickling():
-            role.when_child_starts(self.child_starts, self.say_summary)
-        else:
-            self.say_summary()
-        staterecord.attach(self.state_snapshot, getattr(view, "package_dir", None))
-        staterecord.write()
-        for record in records.values():
-            self.enforce(record)
+
+    def say_summary_when_due(self, missing_wrapt):
+        """The summary line now, or in a spawned child when its target starts (role.py); at once
+        where the child-start hook cannot be set or fails."""
+        if missing_wrapt is None and role.child_unpickling() and self.hook_child_start():
+            return
+        self.say_summary()
+
+    def hook_child_start(self):
+        """True once the child-start hook is set (role.when_child_starts); False where it cannot
+        be, a failure logged: the summary line is then said at once rather than never."""
+        try:
+            return role.when_child_starts(self.child_starts, self.say_summary)
+        except Exception as exc:  # noqa: BLE001 - the line is said now instead
+            log.error_once("publish:child-start", "the child-start hook failed: %r" % (exc,))
+            return False
 
     def enforce(self, record):
         """``enforce``, the summary line said first if it is still due (the process stops)."""
@@ -301,7 +350,9 @@ class Runtime:
         """A spawned child is about to run ``target``: the shim's scheduler wrapper says the
         summary itself (with the role); any other target's child says it now."""
         if not any(target is change.replacement for change in self.own_changes):
+            procinfo.note_child_target(target)
             self.say_summary()
+            staterecord.touch(now=True)  # the role it now has: at once, as the scheduler's
 
     # -- applying
     def watches(self, name):
@@ -319,10 +370,18 @@ class Runtime:
                 self.own_changes.append(change)
             except Exception as exc:  # noqa: BLE001 - the patches apply regardless
                 log.debug("the scheduler's role comes from its process title: %s" % exc)
+        if name in metrics_hook.MODULES:
+            try:
+                for change in metrics_hook.prepare(module, self.state_snapshot):
+                    change.apply(imported_before)
+                    self.own_changes.append(change)
+            except Exception as exc:  # noqa: BLE001 - the patches apply regardless
+                log.debug("the shim's metrics are not published: %s" % exc)
         for record in self.records.values():
             if record.state != APPLIED:
                 continue
-            targets = [t for t in record.targets if t.module == name]
+            # A retired target has done its job in this process: a reload does not bring it back.
+            targets = [t for t in record.targets if t.module == name and t.describe() not in record.retired]
             try:
                 # All of this module's targets are checked against the loaded code before any is set.
                 changes = [t.prepare(module) for t in targets]
@@ -330,6 +389,8 @@ class Runtime:
                     change.apply(imported_before)
                     record.changes.append(change)
                     record.applied.add(target.describe())
+                    if getattr(target, "retirement", None) is not None:
+                        self.bind_retirement(record, target)
             except Exception as exc:  # noqa: BLE001
                 revert_record(record)
                 record.state, record.reason = FAILED, "while patching %s: %s" % (name, exc)
@@ -338,6 +399,50 @@ class Runtime:
                 staterecord.write()
                 self.enforce(record)
         staterecord.write()
+
+    # -- a wrapper that leaves (targets.Retirement)
+    def bind_retirement(self, record, target):
+        what, generation = target.describe(), self.generation
+        target.retirement.bind(lambda: self.retire(record, what, generation),
+                               lambda: self.reinstate(record, what, generation))
+
+    def current(self, record, generation):
+        """``record`` is still this process's decision (no uninstall() or new decision since)."""
+        return generation == self.generation and self.record(record.patch.name) is record
+
+    def retire(self, record, what, generation):
+        """The original of target ``what`` back wherever its wrapper was put (the module and the
+        copies rebound); the record says it is retired.  Called from the wrapper, on whatever
+        thread runs it: one store per name, under the runtime's lock like every other change."""
+        with self.lock:
+            if not self.current(record, generation) or what in record.retired or record.state != APPLIED:
+                return False
+            changes = [change for change in record.changes if change.what == what]
+            for change in reversed(changes):
+                change.revert()
+            record.changes = [change for change in record.changes if change.what != what]
+            record.retired[what] = changes
+            record.details["retired"] = sorted(record.retired)
+        log.debug("%s: %s retired (its job in this process is done): the original is back"
+                  % (record.patch.name, what))
+        staterecord.touch()
+        return True
+
+    def reinstate(self, record, what, generation):
+        """Undo ``retire``: the wrapper back in the module and the copies."""
+        with self.lock:
+            if not self.current(record, generation) or what not in record.retired:
+                return False
+            changes = record.retired.pop(what)
+            for change in changes:
+                change.apply(True)
+            record.changes.extend(changes)
+            if record.retired:
+                record.details["retired"] = sorted(record.retired)
+            else:
+                record.details.pop("retired", None)
+        staterecord.touch()
+        return True
 
     def reapply_after_reload(self, module):
         """Re-apply the patches to a hooked module's code after ``importlib.reload`` ran it (the

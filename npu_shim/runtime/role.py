@@ -72,14 +72,18 @@ def child_unpickling():
 
 
 def when_child_starts(starts, exits):
-    """``starts(target)`` when the child is about to run its target, ``exits()`` at its exit.
-    A spawned child runs no after-fork callbacks: ``BaseProcess.run`` is wrapped for that one
-    call (put back by it)."""
+    """``starts(target)`` when the child is about to run its target, ``exits()`` at its exit;
+    True once both are set.  A spawned child runs no after-fork callbacks: ``BaseProcess.run`` is
+    wrapped for that one call (put back by it).  False, with nothing changed, where
+    ``BaseProcess`` has no ``run`` of its own to put back (something else replaced the class or
+    its method): the caller then says what it would have said at once."""
     import atexit
     from multiprocessing import process
 
-    base = process.BaseProcess
-    original = base.__dict__["run"]
+    base = getattr(process, "BaseProcess", None)
+    original = getattr(base, "__dict__", {}).get("run")
+    if not callable(original):
+        return False
 
     def run(self):
         if base.__dict__.get("run") is run:
@@ -92,3 +96,4 @@ def when_child_starts(starts, exits):
 
     base.run = run
     atexit.register(exits)
+    return True

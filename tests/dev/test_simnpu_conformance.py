@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 import warnings
 from pathlib import Path
 
@@ -317,3 +318,51 @@ def test_cpp_behaviours_name_their_source(library, what, source, strings):
     assert source.startswith("torch_npu/csrc/")
     for text in strings:
         assert text.encode() in library, f"{what}: {text!r} is not in libtorch_npu.so ({source})"
+
+
+# -- the operators of the server's dense path (simnpu/_ops.py) ---------------------------------------
+
+def test_npu_op_schemas_are_the_wheel_s(library):
+    from shimdev.simnpu import _ops
+
+    for name, schema in _ops.NPU_SCHEMAS.items():
+        assert (name + schema).encode() in library, name
+
+
+#: The tokens of those manglings (``S7_``, ``S8_``: substitutions of const Tensor& and Tensor& in
+#: the functor's context).
+_MANGLED = {"RKN2at6TensorE": "Tensor", "S7_": "Tensor", "RS5_": "Tensor(a!)", "S8_": "Tensor(a!)",
+            "RKSt8optionalIS5_E": "Tensor?", "l": "int", "d": "float", "b": "bool"}
+
+
+def _mangled_types(text):
+    """The parameter types of one ``void(...)`` in the functor's mangling context."""
+    out = []
+    while text:
+        for token, kind in _MANGLED.items():
+            if text.startswith(token):
+                out.append(kind)
+                text = text[len(token):]
+                break
+        else:
+            raise AssertionError("unknown mangled token at %r" % text)
+    return out
+
+
+def _schema_types(schema):
+    args = schema[1:schema.index(") ->")].split(", ")
+    return [re.sub(r"\((?:a|b)!\)", "(a!)", a.split()[0]) for a in args if a != "*"]
+
+
+def test_atb_op_argument_types_are_those_of_the_cpp_functions_torch_npu_registers(wheel):
+    """libop_plugin_atb.so assembles its schema strings at run time; what it holds whole is the
+    C++ function each registration wraps (``WrapFunctionIntoFunctor_<void(...), &atb::name>``)."""
+    from shimdev.simnpu import _ops
+
+    atb = (wheel / "torch_npu" / "lib" / "libop_plugin_atb.so").read_bytes().decode("latin-1")
+    api = (wheel / "torch_npu" / "op_plugin" / "atb" / "_atb_ops.py").read_text()
+    for name, schema in _ops.ATB_SCHEMAS.items():
+        assert "'%s'," % name in api, name  # bound as torch_npu.<name> = torch.ops.atb.<name>
+        match = re.search(r"CompileTimeFunctionPointerIFv(\w+?)EXadL_ZN3atb%d%sE" % (len(name), name), atb)
+        assert match, name
+        assert _mangled_types(match.group(1)) == _schema_types(schema), name

@@ -49,6 +49,39 @@ def touch(fn):
         return str(exc)
     return "no error"
 
+# sglang's own function, under the wrapper; in a list, as a module-level copy of it would be
+# rebound to the wrapper when reset() puts the wrapper back, as the first apply rebinds copies.
+SGLANGS = [N.npu_mla_preprocess.__wrapped__]
+
+def is_sglangs(fn):
+    return fn is SGLANGS[0]
+
+def called():
+    # What a layer calls: the name its caller, sglang's forward_dsa_prepare_npu, looks up.
+    return N.forward_dsa_prepare_npu.__globals__["npu_mla_preprocess"]
+
+def passes(layers=3, count=2):
+    # ``count`` forward passes over ``layers`` decode layers, each call made through what the
+    # caller would look up at that moment.
+    activation.RUNTIME.record("mla_weight_release").process.reset()
+    K.publish_server_args("decode")
+    K.install()
+    ms = [K.build_attention("glm-5", 16, layer_id=i) for i in range(layers)]
+    sglangs = []
+    for _ in range(count):
+        for m in ms:
+            fn = called()
+            sglangs.append(is_sglangs(fn))
+            hidden, positions, batch, context = K.make_batch("glm-5")
+            with context:
+                fn(m, hidden, positions, batch, None)
+    state = activation.RUNTIME.states()["mla_weight_release"]
+    return {"sglangs": sglangs, "after": is_sglangs(called()),
+            "types": sorted({(type(m.fused_qkv_a_proj_with_mqa.weight).__name__, type(m.w_kc).__name__)
+                             for m in ms}),
+            "touch": touch(lambda: ms[-1].w_kc.sum()), "retired": state["retired"],
+            "wrappers": state["wrappers"], "details": state["details"]}
+
 from sglang.srt.managers import tp_worker as TW
 out = {"state": activation.RUNTIME.states()["mla_weight_release"]["state"],
        "wrapped": type(N.npu_mla_preprocess).__name__,
@@ -57,6 +90,7 @@ out = {"state": activation.RUNTIME.states()["mla_weight_release"]["state"],
        "method_is_predicate": P.NPUFusedMLAPreprocess.uses_mlaprolog.__code__
                               is RI.make_uses_mlaprolog_method("x").__code__}
 out["decode"], m = case("decode")
+out["decode_retired"] = is_sglangs(called())
 c = K.CONFIGS["glm-5"]
 out["touch_qkv"] = touch(lambda: m.fused_qkv_a_proj_with_mqa(torch.zeros(1, c["hidden"], dtype=K.DTYPE)))
 out["touch_w_kc"] = touch(lambda: m.w_kc.sum())
@@ -117,6 +151,27 @@ out["w8a8_attr"] = attr
 out["predicate_w8a8"] = predicate(attr)
 other = {"quant_config": "quantization_config", "quantization_config": "quant_config"}
 out["predicate_other_attr"] = predicate(other[attr])
+out["passes"] = passes()
+# A layer first seen after the retirement: the weight wrapper still frees its qkv_a; its w_kc,
+# which only npu_mla_preprocess's wrapper frees, is kept, and the log says so.
+del LOG[:]
+unseen = K.build_attention("glm-5", 16, layer_id=9)
+for _ in range(2):
+    hidden, positions, batch, context = K.make_batch("glm-5")
+    with context:
+        called()(unseen, hidden, positions, batch, None)
+out["unseen"] = {"types": [type(unseen.fused_qkv_a_proj_with_mqa.weight).__name__, type(unseen.w_kc).__name__],
+                 "log": list(LOG)}
+out["after_reset"] = case("decode", layer_id=7)[0]  # reset() starts over: the wrapper is back
+# Retired, then uninstalled: every original back, nothing of the shim left on the classes.
+passes(layers=2)
+import npu_shim
+npu_shim.uninstall()
+out["uninstalled"] = {
+    "called": is_sglangs(called()), "module": is_sglangs(N.npu_mla_preprocess),
+    "weight": type(P.NPUFusedMLAPreprocess.__dict__["mlaprolog_preprocess_weight"]).__name__,
+    "updates": sorted({type(TW.BaseTpWorker.__dict__[op]).__name__ for op in R.UPDATE_OPS}),
+    "uses_mlaprolog": "uses_mlaprolog" in P.NPUFusedMLAPreprocess.__dict__}
 for value in out.values():
     if isinstance(value, dict):
         value.pop("before", None)
@@ -164,6 +219,36 @@ def test_decode_frees_exactly_qkv_a_and_w_kc_and_forward_keeps_working(scenarios
     assert glm["details"]["released_mib"] == round(sum(glm["expected"].values()) / MIB, 3)
     assert glm["details"]["layers"] == 1 and glm["details"]["role"] == "decode"
     assert any("31.5 MiB in 1 layers" in line for line in glm["log"]), glm["log"]
+
+
+WRAPPER = "sglang.srt.hardware_backend.npu.modules.deepseek_v2_attention_mla_npu:npu_mla_preprocess"
+
+
+def test_npu_mla_preprocess_wrapper_retires_after_one_pass_and_the_release_stays(scenarios):
+    """Pass 1 goes through the wrapper; the first layer coming round retires it (that call still
+    through it); from then on the layers call sglang's own function, and every weight stays
+    released and guarded."""
+    version, out = scenarios
+    assert out["decode_retired"] is True, version
+    passes = out["passes"]
+    assert passes["sglangs"] == [False, False, False, False, True, True] and passes["after"] is True
+    assert passes["types"] == [["ReleasedParameter", "ReleasedTensor"]], version  # JSON: lists
+    assert "w_kc of layer 2" in passes["touch"] and "NPU_SHIM_MLA_WEIGHT_RELEASE=0" in passes["touch"]
+    assert passes["retired"] == [WRAPPER] and WRAPPER not in passes["wrappers"]
+    assert passes["details"]["retired"] == [WRAPPER] and passes["details"]["layers"] == 3
+    assert len(passes["wrappers"]) == 1 + len(R_UPDATE_OPS)  # the weight and update wrappers stay
+    unseen = out["unseen"]
+    assert unseen["types"] == ["ReleasedParameter", "Tensor"], version
+    assert any("layer 9 first ran after the first pass" in line and "w_kc kept" in line
+               for line in unseen["log"]), unseen["log"]
+    after = out["after_reset"]  # reset() starts over: the wrapper is back, and frees as before
+    assert after["freed"] == after["expected"] and after["details"]["layers"] == 1, version
+
+
+def test_uninstall_after_a_retirement_puts_every_original_back(scenarios):
+    version, out = scenarios
+    assert out["uninstalled"] == {"called": True, "module": True, "weight": "function",
+                                  "updates": ["function"], "uses_mlaprolog": False}, version
 
 
 def test_released_weight_raises_a_clear_error(scenarios):
@@ -322,8 +407,12 @@ KINDS = {
     "w_kc._base": lambda m: m.w_kc._base,
 }
 out = {}
+from npu_shim.runtime import activation
 for kind, hold in KINDS.items():
     print("holding", kind, flush=True)  # a signal would show which kind
+    # Each kind a fresh layer 0: start over, or it would be a layer first seen after the first
+    # pass (the wrapper retired), whose w_kc is kept.
+    activation.RUNTIME.record("mla_weight_release").process.reset()
     r = K.run_layer("glm-5", 16, hold=hold)
     weight = "qkv_a" if kind.startswith("qkv") else "w_kc"
     other = "w_kc" if weight == "qkv_a" else "qkv_a"

@@ -11,10 +11,10 @@ import types
 import pytest
 
 from npu_shim.core import framework
-from npu_shim.ops import procinfo, staterecord
-from npu_shim.runtime import activation
+from npu_shim.ops import procinfo, staterecord, summary
+from npu_shim.runtime import activation, role
 from npu_shim.source import answers, codeview
-from test_bootstrap import last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
+from test_bootstrap import DEMO_PATCH, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 from test_framework import declare
 
 
@@ -128,6 +128,75 @@ def test_an_sglang_directory_gone_from_disk_is_unsupported_naming_the_target(und
     assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang.srt.a:f not found")
 
 
+# -- publishing a decision failing ---------------------------------------------------------------------
+
+def boom(*args, **kwargs):
+    raise RuntimeError("boom")
+
+
+@pytest.fixture
+def requested(undecided, monkeypatch, tmp_path):
+    """The runtime with one patch the user asked for (``must_honour``) that cannot apply: sglang's
+    directory is gone, so a view exists (the answers are exported) and the patch is unsupported."""
+    monkeypatch.setattr(activation.RUNTIME, "patches",
+                        [declare(must_honour=lambda self, environ: True)()])
+    module = types.ModuleType("sglang")
+    module.__file__ = str(tmp_path / "gone" / "__init__.py")
+    monkeypatch.setitem(sys.modules, "sglang", module)
+    monkeypatch.setattr(summary, "report_all", lambda records: None)  # no lines in the test's log
+
+
+FAILURE_POINTS = {
+    "answers.export": lambda mp: mp.setattr(answers, "export", boom),
+    "procinfo.note_sglang_version": lambda mp: mp.setattr(procinfo, "note_sglang_version", boom),
+    "summary.report_all": lambda mp: mp.setattr(summary, "report_all", boom),
+    "report_invalid_variables": lambda mp: mp.setattr(activation, "report_invalid_variables", boom),
+    "role.when_child_starts": lambda mp: (mp.setattr(role, "child_unpickling", lambda: True),
+                                          mp.setattr(role, "when_child_starts", boom)),
+    "staterecord.attach": lambda mp: mp.setattr(staterecord, "attach", boom),
+    "staterecord.write": lambda mp: mp.setattr(staterecord, "write", boom),
+}
+
+
+@pytest.mark.parametrize("point", sorted(FAILURE_POINTS))
+def test_a_requested_patch_that_failed_stops_the_process_whatever_publishing_raised(requested, monkeypatch,
+                                                                                     point):
+    FAILURE_POINTS[point](monkeypatch)
+    with pytest.raises(framework.ShimError, match=r"^npu-shim: demo was requested but is unsupported: "
+                                                 r"sglang\.srt\.a:f not found$"):
+        activation.RUNTIME.decide_all()
+    assert activation.RUNTIME.record("demo").state == framework.UNSUPPORTED
+
+
+@pytest.mark.parametrize("point", sorted(FAILURE_POINTS))
+def test_publishing_that_raised_is_logged_and_raised_only_in_strict_mode(undecided, monkeypatch, point):
+    """A patch that has nothing to enforce (upstream): deciding goes on (the hook then applies);
+    strict mode stops."""
+    monkeypatch.setattr(activation.RUNTIME, "patches", [declare(probe=lambda self, view: "it is there")()])
+    monkeypatch.setattr(summary, "report_all", lambda records: None)
+    monkeypatch.setattr(activation, "sglang_view", lambda: types.SimpleNamespace(
+        version="0.5.9", package_dir=None, function=lambda *a: None, module=lambda d: None))
+    FAILURE_POINTS[point](monkeypatch)
+    activation.RUNTIME.decide_all()
+    assert activation.RUNTIME.record("demo").state == framework.UPSTREAM
+    if point == "role.when_child_starts":
+        return  # the line is said at once instead (the next test): nothing was lost
+    monkeypatch.setenv("NPU_SHIM_STRICT", "1")
+    with pytest.raises(framework.ShimError, match=r"^npu-shim \(strict\): "):
+        activation.RUNTIME.decide_all()
+
+
+@pytest.mark.parametrize("hook", ["raises", "cannot be set"])
+def test_a_child_whose_start_cannot_be_hooked_says_its_summary_line_at_once(undecided, monkeypatch, hook):
+    said = []
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    monkeypatch.setattr(summary, "report_all", said.append)
+    monkeypatch.setattr(role, "child_unpickling", lambda: True)
+    monkeypatch.setattr(role, "when_child_starts", boom if hook == "raises" else lambda starts, exits: False)
+    activation.RUNTIME.decide_all()
+    assert said == [activation.RUNTIME.records] and activation.RUNTIME.summary_due is None
+
+
 # -- activation failing ---------------------------------------------------------------------------------
 
 def test_an_activation_that_fails_is_raised_only_in_strict_mode(monkeypatch):
@@ -194,3 +263,68 @@ def test_modules_loaded_before_deciding_are_kept(undecided, monkeypatch):
     activation.RUNTIME.decide_all()
     assert all(name in sys.modules for name in activation.DECIDING_MODULES)
     assert sys.modules["npu_shim.source.codeview"] is codeview
+
+
+# -- a wrapper that retires ------------------------------------------------------------------------------
+
+RETIRING = DEMO_PATCH.replace(
+    "def add_one(wrapped, instance, args, kwargs):\n    return wrapped(*args, **kwargs) + 1\n",
+    "RETIREMENT = targets.Retirement()\n"
+    "CALLS = []\n\n"
+    "def add_one(wrapped, instance, args, kwargs):\n"
+    "    CALLS.append(1)\n"
+    "    if len(CALLS) == 50:\n"
+    "        RETIREMENT.retire()  # done: the original goes back while the other threads call\n"
+    "    return wrapped(*args, **kwargs) + 1\n").replace(
+    'targets.Wrap("sglang.srt.utils.common", "get_npu_memory_capacity", add_one, [()])',
+    'targets.Wrap("sglang.srt.utils.common", "get_npu_memory_capacity", add_one, [()], retirement=RETIREMENT)')
+
+
+def test_a_retired_wrapper_leaves_the_module_and_its_copies_while_threads_call_it(tree):
+    assert RETIRING.count("RETIREMENT") == 3
+    (tree / "image" / "demo.py").write_text(RETIRING)
+    proc = run(tree, """
+        import json, sys, threading
+        import npu_shim
+        from sglang.srt.utils import common
+        import sglang.srt.utils as star  # its star import took a copy of the wrapper
+        demo = sys.modules["demo"]
+        original = common.get_npu_memory_capacity.__wrapped__
+        copy_was_wrapper = star.get_npu_memory_capacity is common.get_npu_memory_capacity
+        values, errors = [], []
+        def call():
+            try:
+                for _ in range(2000):
+                    values.append(star.get_npu_memory_capacity())
+            except Exception as exc:
+                errors.append(repr(exc))
+        threads = [threading.Thread(target=call) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        out = {"copy_was_wrapper": copy_was_wrapper, "errors": errors, "values": sorted(set(values)),
+               "calls": len(demo.CALLS), "module": common.get_npu_memory_capacity is original,
+               "copy": star.get_npu_memory_capacity is original, "state": npu_shim.states()["demo"],
+               "again": demo.RETIREMENT.retire()}
+        out["reinstated"] = [demo.RETIREMENT.reinstate(), star.get_npu_memory_capacity(),
+                             common.get_npu_memory_capacity(), npu_shim.states()["demo"]["retired"]]
+        demo.RETIREMENT.retire()
+        npu_shim.uninstall()
+        out["uninstalled"] = [common.get_npu_memory_capacity is original,
+                              star.get_npu_memory_capacity is original,
+                              type(common.Scheduler.__init__).__name__,
+                              demo.RETIREMENT.reinstate(), common.get_npu_memory_capacity()]
+        print(json.dumps(out))
+    """)
+    out = last_json(proc)
+    assert out["copy_was_wrapper"] is True and out["errors"] == []
+    assert out["values"] == [1000, 1001] and 50 <= out["calls"] < 8000  # wrapped, then the original
+    assert out["module"] is True and out["copy"] is True
+    state, what = out["state"], "sglang.srt.utils.common:get_npu_memory_capacity"
+    assert state["state"] == "applied" and state["retired"] == [what]
+    assert state["wrappers"] == ["sglang.srt.utils.common:Scheduler.__init__"]
+    assert state["details"]["retired"] == [what] and state["targets"][what] is True
+    assert out["again"] is False  # retired already
+    assert out["reinstated"] == [True, 1001, 1001, []]
+    assert out["uninstalled"] == [True, True, "function", False, 1000]

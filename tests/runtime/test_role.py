@@ -91,6 +91,17 @@ def test_only_a_child_unpickling_its_target_is_waited_for(monkeypatch):
     assert role.child_unpickling() is True
 
 
+def test_a_process_class_without_its_own_run_is_not_hooked(monkeypatch):
+    """Something replaced ``BaseProcess`` (or its ``run``): nothing to put back, so nothing is
+    changed and the caller says the summary line at once."""
+    from multiprocessing import process
+
+    replaced = type("BaseProcess", (process.BaseProcess,), {})
+    monkeypatch.setattr(process, "BaseProcess", replaced)
+    assert role.when_child_starts(lambda target: None, lambda: None) is False
+    assert "run" not in replaced.__dict__
+
+
 # -- in the runtime: fresh interpreters, the fake sglang tree ---------------------------------------
 
 ENTRY = '''

@@ -57,7 +57,7 @@ def installed() -> dict | None:
 
 
 def install(release: str | None = None, *, total_mib: int | None = None,
-            free_mib: int | None = None, stubs=None, absent=None) -> None:
+            free_mib: int | None = None, stubs=None, absent=None, server: bool = False) -> None:
     """Put the simulated NPU in place (before sglang is imported).
 
     release   -- sglang release whose stub set to use (None: the newest layout).
@@ -66,6 +66,8 @@ def install(release: str | None = None, *, total_mib: int | None = None,
     stubs     -- iterable of root package names to stub instead of the release's set.
     absent    -- dotted names that must NOT exist (default: the release's, e.g.
                  ``sgl_kernel_npu.norm.split_qkv_rmsnorm_rope`` before 0.5.10).
+    server    -- also what a whole server process needs (``_server.py``): npu tensors on the
+                 CPU, an ``hccl`` backend, torch_npu's operators of the dense path.
     Calling it again re-installs (resets state, keeps the torch registration).
     """
     global _INSTALLED
@@ -101,6 +103,10 @@ def install(release: str | None = None, *, total_mib: int | None = None,
     tn = sys.modules.get("torch_npu")
     if tn is not None:
         tn.npu = npu
+    if server:
+        from . import _server
+
+        _server.install()
     _INSTALLED = {"release": release, "stubs": sorted(f.roots), "absent": sorted(f.absent),
                   "total_mib": STATE.total_mib, "free_mib": STATE.free_mib}
     clear_events()
@@ -113,6 +119,10 @@ def _install_stubs(release, stubs=None, absent=None):
     for root in f.roots:
         f.overrides.setdefault(root, {})["__version__"] = _stubs.VERSIONS.get(root, "0")
     f.overrides.setdefault("triton.runtime", {})["driver"] = _stubs._RaisingDriver()
+    # triton without a GPU backend: no backend is registered (torch's has_triton() reads this
+    # dict), and inductor's isinstance(x, triton.language.dtype) needs a class.
+    f.overrides.setdefault("triton.backends", {})["backends"] = {}
+    f.overrides.setdefault("triton.language", {})["dtype"] = _stubs.auto_class("triton.language", "dtype")
     return f
 
 

@@ -35,7 +35,7 @@ class _State:
         self.reset()
 
     def reset(self) -> None:
-        self.device_count = 1
+        self.device_count = int(os.environ.get("SIMNPU_DEVICE_COUNT", 1))
         self.device = 0
         self.total_mib = int(os.environ.get("SIMNPU_TOTAL_MIB", 65536))
         free = os.environ.get("SIMNPU_FREE_MIB")
@@ -43,6 +43,9 @@ class _State:
         self.allocator_backend = "native"
         self.allocator = None  # the pluggable allocator made current, if any
         self.npu_allocations = 0  # allocations seen on "npu" under record_allocations()
+        self.live_npu_bytes = 0  # bytes of the npu tensors alive now on the native allocator
+        self.pluggable_bytes = 0  # ... in zbal's heap (simzbal reads it)
+        self.heap_active = False  # zbal's heap is bootstrapped (simzbal sets it)
         self.initialized = False  # torch_npu.npu._lazy_init() has run
         self.stream_ids = itertools.count(1)
         self.event_ids = itertools.count(1)
@@ -173,7 +176,8 @@ def mem_get_info(device=None):
         device = current_device()
     _check_index(_get_device_index(device, optional=True))
     _lazy_init()
-    return STATE.free_mib * MIB, STATE.total_mib * MIB
+    free = max(0, STATE.free_mib * MIB - STATE.live_npu_bytes)
+    return free, STATE.total_mib * MIB
 
 
 def memory_stats(device=None):

@@ -118,6 +118,10 @@ class StubModule(types.ModuleType):
     def __getitem__(self, item):
         return self
 
+    # A module is not iterable: with ``__getitem__`` above, ``x in module`` would otherwise count
+    # 0, 1, 2, ... for ever (torch's ``has_triton()`` asks ``"cpu" in triton.backends.backends``).
+    __iter__ = None
+
     def __or__(self, other):
         return typing.Any
 

@@ -39,8 +39,12 @@ class _State:
         self.reset()
 
     def reset(self):
+        import os
+
         self.init_result = True
-        self.mix = False
+        # How the real library is told to run in mix mode is not readable here (its native
+        # side reads ZBAL_NPU_ALLOC_CONF, syntax unknown): the simulation's own switch.
+        self.mix = os.environ.get("SIMZBAL_MIX") == "1"
         self.heap_total = 60 * GiB
         self.heap_free = 60 * GiB
         self.version = "1.2.0"

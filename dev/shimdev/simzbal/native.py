@@ -7,6 +7,7 @@ the behaviour is driven by ``shimdev.simzbal.STATE``.
 from __future__ import annotations
 
 import enum
+import os
 import sys
 import types
 
@@ -38,10 +39,33 @@ def zbal_version():
 
 
 def zbal_bootstrap(opt):
+    """The heap is what the caller asked for (``deviceMemorySize``, bytes), carved out of the
+    device: more than the device has fails, as reserving it would on a device.  With
+    ``SIMZBAL_RENDEZVOUS=1`` (the server test bed) the ranks of one world really meet at ``ipPort``
+    (``rendezvous.py``), as memfabric's config server makes them."""
+    from shimdev.simnpu._device import MIB, STATE as DEVICE
+
     simzbal.record("zbal_bootstrap", opt.fields())
-    simzbal.STATE.initialized = bool(simzbal.STATE.init_result)
-    simzbal.STATE.ip_port = opt.ipPort
-    return 0 if simzbal.STATE.init_result else -1
+    state = simzbal.STATE
+    ok = bool(state.init_result)
+    if ok and not 0 < opt.deviceMemorySize <= DEVICE.total_mib * MIB:
+        print("[ZBAL] bootstrap failed: %d bytes asked, the device has %d"
+              % (opt.deviceMemorySize, DEVICE.total_mib * MIB), file=sys.stderr, flush=True)
+        ok = False
+    if ok and os.environ.get("SIMZBAL_RENDEZVOUS") == "1":
+        from shimdev.simzbal import rendezvous
+
+        try:
+            state.world = rendezvous.meet(opt.ipPort, opt.rankId, opt.worldSize)
+        except rendezvous.RendezvousError as exc:
+            print("[ZBAL] bootstrap failed: %s" % exc, file=sys.stderr, flush=True)
+            ok = False
+    state.initialized = ok
+    DEVICE.heap_active = ok
+    state.ip_port = opt.ipPort
+    if ok:
+        state.heap_total = state.heap_free = int(opt.deviceMemorySize)
+    return 0 if ok else -1
 
 
 def zbal_unbootstrap(flags=0):
@@ -59,8 +83,16 @@ def zbal_set_logger_level(level):
     simzbal.record("zbal_set_logger_level", {"level": level})
 
 
-class ProcessGroupZBAL:
-    """The c10d backend class zbal registers for "npu"; no collective is simulated."""
+def _gloo():
+    from torch.distributed import ProcessGroupGloo
+
+    return ProcessGroupGloo
+
+
+class ProcessGroupZBAL(_gloo()):
+    """The c10d backend class zbal registers for "npu": a real ``torch.distributed`` backend
+    (``init_process_group(backend="zbal")`` registers what it returns with the group, which only a
+    ``Backend`` passes), its collectives run by Gloo over the CPU tensors that stand for npu ones."""
 
     class Options:
         def __init__(self):
@@ -70,16 +102,14 @@ class ProcessGroupZBAL:
             self.group_id = ""
 
     def __init__(self, store, rank, size, options=None):
-        self.store, self._rank, self._size, self.options = store, rank, size, options
+        import datetime
 
-    def rank(self):
-        return self._rank
-
-    def size(self):
-        return self._size
+        timeout = getattr(options, "op_timeout", None) or datetime.timedelta(minutes=30)
+        super().__init__(store, rank, size, timeout)
+        self.zbal_options = options  # Gloo owns "options" (its own, read-only)
 
     def get_zbal_comm_name(self):
-        return "zbal_comm_%d_%d" % (self._rank, self._size)
+        return "zbal_comm_%d_%d" % (self.rank(), self.size())
 
     def init_zbal_comm_meta(self):
         return None
@@ -89,9 +119,12 @@ class ProcessGroupZBAL:
 
 def get_heap_stats():
     """(used bytes, total bytes) of the heap: zbal.mem_get_info() turns it into (free, total)."""
+    from shimdev.simnpu._device import STATE as DEVICE
+
     state = simzbal.STATE
     simzbal.record("get_heap_stats")
-    return state.heap_total - state.heap_free, state.heap_total
+    used = state.heap_total - state.heap_free + DEVICE.pluggable_bytes  # what was placed in it
+    return min(used, state.heap_total), state.heap_total
 
 
 def is_mix_alloc():

@@ -7,11 +7,11 @@ import logging
 import re
 import sys
 
-from npu_shim.ops import log
+from npu_shim.ops import log, staterecord
 from npu_shim.patches.mla_weight_release import (
     CLASS, MIB, MLA_NPU, MLA_PRE, PREPROCESS_SIG, ROLES, RELEASE_FORCE, SWITCH, SWITCH_HINT,
     TP_WORKER, UPDATE_OPS, UPDATE_SIG, ReleasedWeightError, pins)
-from npu_shim.runtime.targets import Replace, Wrap
+from npu_shim.runtime.targets import Replace, Retirement, Wrap
 
 # Per-layer markers in the attention module's __dict__ (the hot-path check is one dict lookup).
 _DONE = "_npu_shim_mla_release_done"
@@ -294,9 +294,16 @@ class FreedWeights:
         self.w8a8_attr = w8a8_attr
         self.role_source = role_source
         self.details = {} if details is None else details
+        # npu_mla_preprocess's wrapper leaves once one pass over the layers is done (the runtime
+        # binds this when it applies the target).
+        self.entry = Retirement()
         self.reset()
 
     def reset(self):
+        """Start over, as a fresh decision would (tests, the demo and the bench run several
+        layers' cases in one process): the entry wrapper is back if it had retired."""
+        self.entry.reinstate()
+        self.entry_retired = False
         self.released_bytes = {"qkv_a": 0, "w_kc": 0}
         self.layers = set()
         self.guarded = {"qkv_a": set(), "w_kc": set()}  # layer ids whose weight is guarded
@@ -363,6 +370,7 @@ class FreedWeights:
                             qkv_a_mib=round(self.released_bytes["qkv_a"] / MIB, 3),
                             w_kc_mib=round(self.released_bytes["w_kc"] / MIB, 3))
         log.debug("mla_weight_release: released %s (%.2f MiB)" % (what, nbytes / MIB))
+        staterecord.touch()
         if self.summary_logged:
             self._log_summary("more layers released")
 
@@ -462,15 +470,20 @@ class FreedWeights:
     def wrap_npu_mla_preprocess(self, wrapped, instance, args, kwargs):
         m = args[0] if args else kwargs["m"]
         if _DONE in m.__dict__:
-            return wrapped(*args, **kwargs)  # hot path: every call after a layer's first
+            # A layer seen before the wrapper retired (a call that had looked the wrapper up
+            # before it left, or one made through a copy the runtime does not rebind).
+            return wrapped(*args, **kwargs)
         return self._first_calls(wrapped, m, args, kwargs)
 
     def _first_calls(self, wrapped, m, args, kwargs):
         if _FIRST in m.__dict__:
-            # The first layer seen comes round again: one pass over all layers is done.
+            # The first layer seen comes round again: one pass over all layers is done, and
+            # this wrapper has nothing left to do: it leaves (the weight wrapper, the guards and
+            # the refusal of weight updates stay).
             m.__dict__[_DONE] = True
             if not self.summary_logged and self.layers:
                 self._log_summary()
+            self._retire_entry()
             return wrapped(*args, **kwargs)
         had = hasattr(m, "mla_preprocess")
         result = wrapped(*args, **kwargs)
@@ -486,10 +499,22 @@ class FreedWeights:
             m.__dict__[_FIRST] = True
         return result
 
+    def _retire_entry(self):
+        try:
+            self.entry_retired = self.entry.retire() or self.entry_retired
+        except Exception as exc:  # noqa: BLE001 - the wrapper then stays, which is only slower
+            self.once("retire", logging.ERROR, "npu_mla_preprocess's wrapper stays: retiring raised %r"
+                      % (exc,))
+
     def wrap_preprocess_weight(self, wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
         try:
             self.free_qkv_a(instance)
+            if self.entry_retired and self.details.get("role") == "decode":
+                # Only npu_mla_preprocess's wrapper frees w_kc, and it left after the first pass.
+                self.once("late", logging.WARNING, "layer %s first ran after the first pass over the "
+                          "layers: its qkv_a_proj.weight is released, its w_kc kept"
+                          % getattr(instance, "layer_id", "?"))
         except Exception as exc:  # noqa: BLE001
             self.once("error", logging.ERROR,
                       "keeping qkv_a_proj.weight: deciding the release raised %r" % (exc,))
@@ -506,7 +531,7 @@ def targets(release, caller):
     forward = (MLA_PRE, CLASS + ".forward")
     return [
         Wrap(MLA_NPU, "npu_mla_preprocess", release.wrap_npu_mla_preprocess, [PREPROCESS_SIG],
-             pins=pins(entry)),
+             retirement=release.entry, pins=pins(entry)),
         Wrap(MLA_PRE, weight[1], release.wrap_preprocess_weight, [()],
              pins=pins(weight, forward, (MLA_PRE, CLASS + ".forward_mlaprolog"))),
         Replace(MLA_PRE, CLASS + ".uses_mlaprolog",

@@ -1,0 +1,45 @@
+"""The packages ``sglang.launch_server`` needs beyond what importing its modules needs.
+
+Measured on 0.5.9 and 0.5.11 (../shared/docs/real-sglang-server-on-cpu.md): the HTTP server and
+its request parsing, the metrics, and on 0.5.11 ``soundfile`` (imported by the multimodal
+processors at start-up).  ``uvicorn`` and ``fastapi`` are in the base already.  Without
+``openai_harmony`` only ``/v1/responses`` is lost (sglang logs it), so it is not installed.
+
+One dependency layer (``sglang_envs.ensure_deps_layer``: resolved against the base, only the delta
+installed, content-addressed), shared by every release, put on ``PYTHONPATH`` after a release's
+own layers.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from shimdev import sglang_envs
+
+SERVER_PACKAGES = ("uvloop", "python-multipart", "interegular", "prometheus-client", "jsonschema",
+                   "soundfile==0.13.1")
+
+
+def ensure_server_layer(*, log=None) -> Path:
+    return sglang_envs.ensure_deps_layer({"deps": sorted(SERVER_PACKAGES), "nodeps": []}, log=log)
+
+
+def ensure_server_venv(*, log=None) -> Path:
+    """The python a test server runs: a small venv on top of the base (a ``.pth`` puts the base's
+    site-packages on its path, as the editable install's does) whose second ``.pth`` imports
+    ``shimdev.server.startup`` at start-up -- which installs the simulated NPU where
+    ``SIMNPU_SERVER_RELEASE`` is set, and does nothing elsewhere."""
+    base = sglang_envs.ensure_base(log=log)
+    key = {"base": sglang_envs.base_dir().name, "layout": sglang_envs.LAYOUT, "startup": 1}
+    d = sglang_envs.layered_dir() / f"server-venv-{sglang_envs._digest(key)}"
+
+    def build(final: Path) -> dict:
+        sglang_envs.run([str(base), "-m", "venv", "--without-pip", str(final)],
+                        "creating the server venv")
+        site = sglang_envs._site_packages(final)
+        (site / "npu_shim_base.pth").write_text(
+            f"import site; site.addsitedir({str(sglang_envs._site_packages(sglang_envs.base_dir()))!r})\n")
+        (site / "simnpu_server.pth").write_text(
+            "import os; os.environ.get('SIMNPU_SERVER_RELEASE') and __import__('shimdev.server.startup')\n")
+        return {"key": key}
+
+    return sglang_envs._build_once(d, f"layered-{d.name}", build, in_place=True) / "bin" / "python"

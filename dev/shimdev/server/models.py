@@ -1,0 +1,95 @@
+"""Tiny random-weight models and a tokenizer, made locally (no hub is reachable here).
+
+``ensure_model("qwen2", version)`` returns a directory sglang's ``--model-path`` takes: a
+transformers config with tiny sizes, weights from ``torch.manual_seed(0)`` saved as safetensors,
+and a byte-level BPE tokenizer (vocabulary 1024) trained with ``tokenizers`` on a corpus made here
+from a seeded generator, saved as a ``PreTrainedTokenizerFast`` with a chat template.
+
+It is built by the release's own interpreter and layers (the release's transformers writes the
+config it will read) and cached by content: ``CACHE/models/<kind>-<digest>``, the digest over the
+spec below, this file and the transformers version -- a changed spec builds a new directory and
+never replaces one a server is reading.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+from shimdev import realsglang, sglang_envs
+
+#: kind -> (transformers config class, its keyword arguments).  The sizes are the smallest that
+#: sglang's NPU paths accept (head_dim 16: the attention stand-ins take any; 2 layers so that a
+#: layer list has more than one entry).
+SPECS = {
+    "qwen2": ("Qwen2Config", dict(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")),
+}
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+_BUILD = r'''
+import json, random, sys
+import torch, transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+
+out, kind, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+cls_name, kwargs = spec["config"]
+config = getattr(transformers, cls_name)(**kwargs)
+torch.manual_seed(0)
+model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+model.save_pretrained(out, safe_serialization=True)
+
+rng = random.Random(0)
+syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "an", "el", "is", "or", "un", "th",
+             "er", "ing", "the", "and", "of", "to", " ", ", ", ". ", "\n"]
+corpus = ["".join(rng.choice(syllables) for _ in range(400)) for _ in range(400)]
+corpus += ["The capital of France is", "Count to five:", "Hello, who are you?"] * 20
+tok = Tokenizer(models.BPE(unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+trainer = trainers.BpeTrainer(vocab_size=kwargs["vocab_size"], special_tokens=spec["special"],
+                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+tok.train_from_iterator(corpus, trainer)
+fast = transformers.PreTrainedTokenizerFast(
+    tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+    pad_token="<|end|>")
+fast.chat_template = spec["chat_template"]
+fast.save_pretrained(out)
+json.dump({"kind": kind, "transformers": transformers.__version__}, open(out + "/tiny-model.json", "w"))
+'''
+
+
+def _transformers_version(version: str) -> str:
+    argv, env = realsglang.release_command(version, wrapt=None, env={"NPU_SHIM_ENABLED": "0"})
+    out = subprocess.run(argv + ["-c", "import transformers; print(transformers.__version__)"],
+                         env=env, capture_output=True, text=True, timeout=300, check=True)
+    return out.stdout.strip()
+
+
+def ensure_model(kind: str, version: str) -> Path:
+    """The model directory of ``kind`` for release ``version`` (built once, under a file lock)."""
+    cls_name, kwargs = SPECS[kind]
+    spec = {"config": [cls_name, kwargs], "special": SPECIAL_TOKENS, "chat_template": CHAT_TEMPLATE}
+    key = {"spec": spec, "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+           "transformers": _transformers_version(version)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    d = sglang_envs.cache_dir() / "models" / f"{kind}-{digest}"
+
+    def build(tmp: Path) -> dict:
+        tmp.mkdir(parents=True)
+        argv, env = realsglang.release_command(version, wrapt=None, env={"NPU_SHIM_ENABLED": "0"})
+        p = subprocess.run(argv + ["-c", _BUILD, str(tmp), kind, json.dumps(spec)], env=env,
+                           capture_output=True, text=True, timeout=600)
+        if p.returncode != 0:
+            raise sglang_envs.EnvError(f"building the tiny {kind} model failed:\n{p.stderr[-3000:]}")
+        return {"model": key}
+
+    return sglang_envs._build_once(d, f"model-{d.name}", build)

@@ -1,0 +1,268 @@
+"""One real sglang server: started in its own session, waited for, talked to, and stopped whole.
+
+    with Server("0.5.9", model, args=["--tp-size", "2"], zbal=True, shim="on") as server:
+        server.generate([1, 2, 3], max_new_tokens=8)          # sglang's /generate
+        server.openai().chat.completions.create(...)           # the real openai client
+
+``start()`` runs ``python -m sglang.launch_server`` as on a node (the simulated NPU put in place in
+every process of it by ``startup.py``, through the server venv of ``layer.py``) in a new session, its output in a log file, and waits until ``/health_generate``
+answers -- at most ``ready_timeout`` seconds; a server that exits or does not come up fails with
+the log's last lines.  ``stop()`` sends SIGTERM to the session's process group (sglang's launcher
+then kills its own children), SIGKILL to whatever is left after ``stop_timeout``, and checks that
+no process of the session remains and that the port is free again -- on failure too, and at
+interpreter exit for a server nobody stopped.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from shimdev import realsglang
+from shimdev.server.layer import ensure_server_layer, ensure_server_venv
+
+#: What every test server runs with: the simulated NPU's dense path (ascend attention), no graph
+#: capture and no warm-up request (each costs tens of seconds on 2 cores and tests nothing here),
+#: and an idle scheduler that sleeps (one that polls costs a core's fifth: a suite keeps several).
+BASE_ARGS = ("--device", "npu", "--attention-backend", "ascend", "--disable-cuda-graph",
+             "--skip-server-warmup", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+             "--log-level", "info", "--sleep-on-idle")
+
+_LIVE: set = set()
+
+
+class ServerError(AssertionError):
+    """The server did not come up, or died; the message ends with its log's last lines."""
+
+
+def _empty_dir() -> Path:
+    """A directory with nothing in it: first on PYTHONPATH where the shim is absent."""
+    d = Path(tempfile.gettempdir()) / "npu-shim-no-shim"
+    d.mkdir(exist_ok=True)
+    if any(d.iterdir()):
+        raise ServerError(f"{d} should be empty (it stands where the shim is not)")
+    return d
+
+
+def free_port() -> int:
+    """A free port below 50000: sglang derives others from it (0.5.11 adds 10000 for its gRPC
+    port and refuses one past 65535), so the kernel's ephemeral range is no good."""
+    import random
+
+    for _ in range(1000):
+        port = random.randrange(20000, 50000)
+        if port_is_free(port):
+            return port
+    raise ServerError("no free port in 20000-50000")
+
+
+def port_is_free(port: int) -> bool:
+    """No socket listens on ``port`` (one in TIME_WAIT does not count: servers bind with
+    SO_REUSEADDR)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session ``sid`` (Linux /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+class Server:
+    def __init__(self, version: str, model: Path, *, args=(), env: dict | None = None,
+                 zbal: bool = False, shim: str = "on", log_path: Path | None = None,
+                 port: int | None = None, ready_timeout: float = 240, stop_timeout: float = 20,
+                 wait_ready: bool = True):
+        self.version, self.model = version, Path(model)
+        self.port = port or free_port()
+        self.args = [*BASE_ARGS, "--model-path", str(model), "--host", "127.0.0.1",
+                     "--port", str(self.port), *args]
+        if shim not in ("on", "disabled", "absent"):
+            raise ValueError("shim is 'on', 'disabled' (NPU_SHIM_ENABLED=0) or 'absent' (not on "
+                             "PYTHONPATH): %r" % (shim,))
+        shim_root = _empty_dir() if shim == "absent" else realsglang.REPO
+        argv, run_env = realsglang.release_command(
+            version, env, zbal=zbal, shim_enabled={"on": True, "disabled": False}.get(shim),
+            shim_root=shim_root)
+        run_env["PYTHONPATH"] += os.pathsep + str(ensure_server_layer())
+        if argv[0] == str(realsglang.sglang_envs.ensure_base()):
+            argv = [str(ensure_server_venv())]
+        else:
+            raise ServerError(f"sglang {version} does not run on the base venv ({argv[0]}): the "
+                              f"server venv sits on the base only")
+        run_env.setdefault("SIMNPU_SERVER_RELEASE", realsglang.table_release(version))
+        run_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        run_env.setdefault("HF_HUB_OFFLINE", "1")
+        run_env.setdefault("SIMZBAL_RENDEZVOUS", "1")
+        run_env.setdefault("SIMNPU_DEVICE_COUNT", "8")
+        self.argv = argv + ["-m", "sglang.launch_server", *self.args]
+        self.env = run_env
+        self.log_path = Path(log_path) if log_path else Path(
+            os.environ.get("TMPDIR", "/tmp")) / f"npu-shim-server-{self.port}.log"
+        self.ready_timeout, self.stop_timeout, self.wait_ready = ready_timeout, stop_timeout, wait_ready
+        self.proc: subprocess.Popen | None = None
+        self.returncode: int | None = None
+
+    # -- life cycle ---------------------------------------------------------------------------------
+
+    def start(self) -> "Server":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         cwd=self.log_path.parent)
+        _LIVE.add(self)
+        if self.wait_ready:
+            try:
+                self.wait_until_ready()
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def wait_until_ready(self) -> float:
+        """Seconds from start until ``/health_generate`` answered 200."""
+        started = time.monotonic()
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerError(f"sglang {self.version} server exited {code} before it was ready"
+                                  f"\n{self.log_tail()}")
+            try:
+                if self.get("/health_generate", timeout=30)[0] == 200:
+                    return time.monotonic() - started
+            except (OSError, urllib.error.URLError):
+                pass
+            if time.monotonic() - started > self.ready_timeout:
+                raise ServerError(f"sglang {self.version} server not ready after "
+                                  f"{self.ready_timeout:.0f}s\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """The launcher's exit code within ``timeout`` seconds, or None."""
+        try:
+            self.returncode = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        return self.returncode
+
+    def stop(self) -> list[int]:
+        """Stop the whole session; returns the pids that needed SIGKILL.  Raises ServerError when a
+        process of it or the port outlives the stop."""
+        if self.proc is None:
+            return []
+        sid = self.proc.pid
+        killed = []
+        if self.proc.poll() is None:
+            try:
+                os.killpg(sid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + self.stop_timeout
+        while session_pids(sid) and time.monotonic() < deadline:
+            self.proc.poll()
+            time.sleep(0.2)
+        for pid in session_pids(sid):
+            killed.append(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.returncode = self.proc.wait(timeout=30)
+        _LIVE.discard(self)
+        deadline = time.monotonic() + 10
+        while (session_pids(sid) or not port_is_free(self.port)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = session_pids(sid)
+        if left or not port_is_free(self.port):
+            raise ServerError(f"after stopping the server: processes {left} left, port {self.port} "
+                              f"{'free' if port_is_free(self.port) else 'still bound'}")
+        return killed
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- talking to it --------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str, timeout: float = 60) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def post(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            text = e.read().decode()
+            try:
+                return e.code, json.loads(text)
+            except ValueError:
+                return e.code, {"text": text}
+
+    def generate(self, input_ids, max_new_tokens: int = 8) -> list[int]:
+        """Greedy output token ids of sglang's ``/generate`` for ``input_ids``."""
+        status, out = self.post("/generate", {
+            "input_ids": list(input_ids),
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}})
+        if status != 200:
+            raise ServerError(f"/generate answered {status}: {out}\n{self.log_tail()}")
+        return out["output_ids"]
+
+    def openai(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=300, max_retries=0)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, n: int = 40) -> str:
+        return f"--- {self.log_path} (last {n} lines) ---\n" + "\n".join(self.log_text().splitlines()[-n:])
+
+
+@atexit.register
+def _stop_forgotten() -> None:
+    for server in list(_LIVE):
+        try:
+            server.stop()
+        except Exception:  # noqa: BLE001 - at exit, stop every other one too
+            pass

@@ -1,0 +1,167 @@
+"""What a whole sglang server needs of the simulated NPU beyond the namespace (``install(server=True)``).
+
+A server process places tensors on ``npu``, builds an ``hccl`` process group and calls torch_npu's
+operators for real; the rest of the simulation only answers the device module.  Here:
+
+* **tensors on ``npu`` live on the CPU**: a torch-function mode, pushed once for the process,
+  turns every ``device=npu`` (keyword or a ``.to`` argument) into ``cpu`` -- no kernel exists for an
+  ``npu`` tensor here -- and counts the allocation, so that ``change_current_allocator`` refuses
+  after the first one as torch_npu does.  ``Tensor.npu()`` / ``Module.npu()`` keep the tensor
+  where it is; pinned host memory is plain host memory (no accelerator to pin for);
+* **the accelerator**: ``torch._C._get_accelerator()`` answers ``npu`` (torch_npu's C++ hooks);
+* **``hccl``**: a ``torch.distributed`` backend (torch_npu registers it from C++) that builds a Gloo
+  group, for ``npu`` and for the ``cpu`` tensors that stand for npu ones -- as is every backend
+  registered for ``npu`` (zbal's);
+* **the operators** (``_ops.py``): defined with ``torch.library`` under the schemas torch_npu
+  2.13.0 registers, reached as ``torch.ops.npu.*`` / ``torch.ops.atb.*`` and as ``torch_npu.*``
+  the way torch_npu binds them; sgl-kernel-npu's triton allocator kernel as a stand-in running
+  sglang's own naive allocator.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+
+from . import _device, _stubs
+
+_lock = threading.Lock()
+_installed = False
+
+#: Keyword arguments that name a device.
+_DEVICE_KEYWORDS = ("device",)
+
+
+def _is_npu(device) -> bool:
+    import torch
+
+    if isinstance(device, str):
+        return device == "npu" or device.startswith("npu:")
+    if isinstance(device, torch.device):
+        return device.type == "npu"
+    return False
+
+
+def _device_mode():
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class NpuTensorsOnCpu(TorchFunctionMode):
+        """``device=npu`` -> ``cpu``; ``pin_memory`` dropped (nothing to pin for).  What is placed
+        on the npu is counted until it is freed, so the device's free memory goes down as weights
+        and the KV cache arrive, as on a device."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            placed = False
+            if kwargs:
+                device = kwargs.get("device")
+                if device is not None and _is_npu(device):
+                    kwargs = dict(kwargs, device="cpu")
+                    placed = True
+                if kwargs.get("pin_memory"):
+                    kwargs = dict(kwargs, pin_memory=False)
+            if len(args) > 1 and getattr(func, "__name__", "") == "to" and _is_npu(args[1]):
+                args = (args[0], "cpu", *args[2:])
+                placed = True
+            out = func(*args, **(kwargs or {}))
+            if placed:
+                _device.STATE.npu_allocations += 1
+                if isinstance(out, torch.Tensor) and out.untyped_storage().nbytes():
+                    _track(out.untyped_storage())
+            return out
+
+    return NpuTensorsOnCpu()
+
+
+_tracked: dict = {}  # storage data pointer -> bytes counted
+
+
+def _track(storage) -> None:
+    """Count a storage placed on the npu until it is collected (once, however many tensors view it)."""
+    import weakref
+
+    key = storage.data_ptr()
+    if key in _tracked:
+        return
+    # from where the allocator current now takes it: zbal's heap once zbal's pluggable allocator
+    # is current and its heap is bootstrapped, else device memory (mix mode before its lazy heap)
+    in_heap = _device.STATE.allocator is not None and _device.STATE.heap_active
+    field = "pluggable_bytes" if in_heap else "live_npu_bytes"
+    nbytes = storage.nbytes()
+    _tracked[key] = nbytes
+    setattr(_device.STATE, field, getattr(_device.STATE, field) + nbytes)
+
+    def freed(key=key, nbytes=nbytes, field=field):
+        if _tracked.pop(key, None) is not None:
+            setattr(_device.STATE, field, getattr(_device.STATE, field) - nbytes)
+
+    try:
+        weakref.finalize(storage, freed)
+    except TypeError:  # a storage that takes no weak reference: counted for the process's life
+        pass
+
+
+def _register_hccl():
+    import torch.distributed as dist
+
+    if "hccl" in dist.Backend.backend_list:
+        return
+
+    def create(store, rank, size, timeout):
+        return dist.ProcessGroupGloo(store, rank, size, timeout or datetime.timedelta(minutes=30))
+
+    dist.Backend.register_backend("hccl", create, devices=["npu", "cpu"])
+
+
+def _npu_backends_take_cpu_tensors() -> None:
+    """A backend registered for ``npu`` (zbal's, registered as its package is imported) also
+    serves the ``cpu`` tensors that stand for npu ones here."""
+    import torch.distributed as dist
+
+    original = dist.Backend.register_backend.__func__
+
+    def register_backend(cls, name, func, extended_api=False, devices=None):
+        if devices is not None:
+            devices = [devices] if isinstance(devices, str) else list(devices)
+            if "npu" in devices and "cpu" not in devices:
+                devices.append("cpu")
+        return original(cls, name, func, extended_api, devices)
+
+    dist.Backend.register_backend = classmethod(register_backend)
+
+
+def _answer_accelerator(torch) -> None:
+    """``torch._C._get_accelerator()`` (what ``torch.distributed.barrier`` asks) is answered from
+    the PrivateUse1 hooks torch_npu registers in C++; none are registered here, so it would raise:
+    the device here is the npu, as there."""
+    original = torch._C._get_accelerator
+
+    def _get_accelerator(check=False):
+        return torch.device("npu", _device.STATE.device)
+
+    _get_accelerator.__wrapped__ = original
+    torch._C._get_accelerator = _get_accelerator
+
+
+def install() -> None:
+    """Once per process, after the namespace is in place (``simnpu.install``)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        import torch
+
+        from . import _ops
+
+        _device_mode().__enter__()  # for the process: never exited
+        torch.Tensor.npu = lambda self, *args, **kwargs: self
+        torch.nn.Module.npu = lambda self, *args, **kwargs: self
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+        _answer_accelerator(torch)
+        _npu_backends_take_cpu_tensors()
+        _register_hccl()
+        _ops.define()
+        f = _stubs.finder()
+        f.overrides.setdefault("torch_npu", {}).update(_ops.torch_npu_names())
+        for module, names in _ops.kernel_stand_ins().items():
+            f.overrides.setdefault(module, {}).update(names)
+        _installed = True

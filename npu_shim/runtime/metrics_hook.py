@@ -1,0 +1,39 @@
+"""The shim's own target (no patch's): sglang's metrics collectors, where the shim's gauges start.
+
+Wherever sglang makes a ``TokenizerMetricsCollector`` (the launcher, with ``--enable-metrics``)
+or a ``SchedulerMetricsCollector`` (each scheduler), its ``__init__`` has just imported
+``prometheus_client`` after setting ``PROMETHEUS_MULTIPROC_DIR`` -- the order multiprocess metrics
+need.  The wrapper calls the original, then ``ops.metrics.start`` (npu_shim/ops/metrics.py).  A
+release whose collector module lacks a class is left alone for it (DEBUG line).
+"""
+
+from npu_shim.ops import log, metrics
+from npu_shim.runtime.targets import Change, function_wrapper, resolve
+
+#: Where the collectors live: 0.5.7-0.5.9, then 0.5.10 on.
+MODULES = ("sglang.srt.metrics.collector", "sglang.srt.observability.metrics_collector")
+COLLECTORS = ("TokenizerMetricsCollector.__init__", "SchedulerMetricsCollector.__init__")
+
+
+def prepare(module, source):
+    """The Changes wrapping each collector's ``__init__`` in ``module``; ``source()`` gives the
+    patches' records."""
+    changes = []
+
+    def made(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        try:
+            metrics.start(source)
+        except Exception as exc:  # noqa: BLE001 - sglang's collector stands whatever happens here
+            log.error_once("metrics:start", "publishing the shim's metrics failed: %r" % (exc,))
+        return result
+
+    for qualname in COLLECTORS:
+        try:
+            owner, attr, original = resolve(module, qualname)
+        except Exception as exc:  # noqa: BLE001 - absent in this release
+            log.debug("no %s.%s: %s" % (module.__name__, qualname, exc))
+            continue
+        if callable(original):
+            changes.append(Change(owner, attr, original, function_wrapper(original, made)))
+    return changes

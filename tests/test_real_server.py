@@ -1,0 +1,356 @@
+"""The shim inside a real sglang server: ``sglang.launch_server`` of 0.5.9 and 0.5.11, its real
+process tree (launcher with the HTTP server and tokenizer manager, one scheduler per TP rank, the
+detokenizer), on the simulated NPU, answering the real ``openai`` client and sglang's own endpoints
+(dev/shimdev/server/).
+
+One server per configuration serves every check that does not disturb another; the servers of a
+release run on one xdist worker (``xdist_group``), the two releases side by side.  What is checked:
+
+* zbal in full mode (TP 1) and mix mode (TP 2, two schedulers bootstrapping one zbal world):
+  the same tokens as the same server without the shim for a fixed set of greedy requests; the KV
+  cache's token count the one that follows from the heap (computed here from the sizes); in mix
+  mode the heap initialised after weights and KV cache, of the size the shim computed;
+* every process named with its role in the state records and ``status --running`` (the launcher,
+  each scheduler with ``tp r/n``, the detokenizer);
+* the same TP 2 job as two nodes (``--nnodes 2 --node-rank 0|1``), answers equal to one node's;
+* bad input and faults: the server does not come up, says why in one line, exits non-zero in a
+  bound; ``NPU_SHIM_ENABLED=0`` serves exactly as without the shim; ``kill -9`` of a scheduler.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from shimdev import realsglang
+from shimdev.server import models
+from shimdev.server.process import Server, ServerError, free_port, session_pids
+
+RELEASES = ("0.5.9", "0.5.11")
+DEVICE_MIB = 1024          # the simulated device (SIMNPU_TOTAL_MIB)
+MEM_FRACTION = 0.5         # --mem-fraction-static (sglang's default needs a bigger device)
+HEAP_MIB = 512             # SGLANG_ZBAL_LOCAL_MEM_SIZE in full mode
+MIX_HEAP_MIB = 768         # ... in mix mode
+PAGE = 128                 # sglang's NPU page size
+#: The fixed greedy requests: /generate on token ids, the openai chat and completions clients.
+TOKEN_PROMPTS = ([5, 6, 7, 8], [100, 200, 300, 400, 500, 600, 700])
+CHAT = "Hello, who are you?"
+COMPLETION = "The capital of France is"
+NEW_TOKENS = 8
+
+
+def answers(server: Server) -> dict:
+    """What the server answers to the fixed requests (greedy, so a pure function of the model)."""
+    client = server.openai()
+    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": CHAT}],
+                                          max_tokens=NEW_TOKENS, temperature=0)
+    completion = client.completions.create(model="m", prompt=COMPLETION, max_tokens=NEW_TOKENS,
+                                           temperature=0)
+    return {"generate": [server.generate(p, NEW_TOKENS) for p in TOKEN_PROMPTS],
+            "chat": chat.choices[0].message.content,
+            "completion": completion.choices[0].text}
+
+
+def kv_tokens(server: Server) -> int:
+    (found,) = set(re.findall(r"max_total_num_tokens=(\d+)", server.log_text()))
+    return int(found)
+
+
+def weight_bytes(model_dir, tp: int) -> int:
+    """Bytes of the model's weights on one rank (from the safetensors header; TP splits all but
+    the norms)."""
+    raw = (model_dir / "model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    total = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        total += (end - start) // (1 if "norm" in name else tp)
+    return total
+
+
+def expected_kv_tokens(memory_mib: float, tp: int, model_dir, weights=True) -> int:
+    """sglang's profile_max_num_token: (available - total * (1 - fraction)) / bytes per token, with
+    total = ``memory_mib`` measured before the weights and available = total - the weights,
+    rounded down to a page."""
+    config = json.loads((model_dir / "config.json").read_text())
+    kv_heads = config["num_key_value_heads"] // tp
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    cell = kv_heads * head_dim * config["num_hidden_layers"] * 2 * 2  # K and V, bf16
+    total = memory_mib * (1 << 20)
+    available = (total - (weight_bytes(model_dir, tp) if weights else 0)) / (1 << 30)
+    rest = available - total / (1 << 30) * (1 - MEM_FRACTION)
+    return int(rest * (1 << 30)) // cell // PAGE * PAGE
+
+
+def shim_lines(server: Server) -> list[str]:
+    return [ln for ln in server.log_text().splitlines() if ln.startswith("[npu-shim ")]
+
+
+class Servers:
+    """The servers of one worker, started on first use, stopped at the end of the session."""
+
+    def __init__(self, tmp):
+        self.tmp, self.live, self.answers = tmp, {}, {}
+
+    def get(self, name, version, *, shim="on", tp=1, env=None, zbal_mib=None, mix=False,
+            args=(), state_dir=True, metrics=False):
+        key = (name, version)
+        if key in self.live:
+            return self.live[key]
+        model = models.ensure_model("qwen2", version)
+        env = {"SIMNPU_TOTAL_MIB": DEVICE_MIB, **(env or {})}
+        if zbal_mib:
+            env["SGLANG_ZBAL_LOCAL_MEM_SIZE"] = zbal_mib
+            env["SGLANG_ZBAL_BOOTSTRAP_URL"] = "tcp://127.0.0.1:%d" % free_port()
+        if mix:
+            env["SIMZBAL_MIX"] = "1"
+        if state_dir:
+            env["NPU_SHIM_STATE_DIR"] = str(self.tmp / f"state-{name}-{version}")
+        all_args = ["--mem-fraction-static", str(MEM_FRACTION), "--tp-size", str(tp), *args]
+        if metrics:
+            all_args.append("--enable-metrics")
+        server = Server(version, model, args=all_args, env=env, zbal=bool(zbal_mib), shim=shim,
+                        log_path=self.tmp / f"{name}-{version}.log")
+        server.start()
+        server.name, server.model_dir = name, model
+        self.live[key] = server
+        return server
+
+    def answers_of(self, name, version, **kwargs):
+        key = (name, version)
+        if key not in self.answers:
+            self.answers[key] = answers(self.get(name, version, **kwargs))
+        return self.answers[key]
+
+    def stop_all(self):
+        errors = []
+        for server in self.live.values():
+            try:
+                server.stop()
+            except ServerError as exc:
+                errors.append(str(exc))
+        assert not errors, errors
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory):
+    bed = Servers(tmp_path_factory.mktemp("servers"))
+    yield bed
+    bed.stop_all()
+
+
+def status_running(version, state_dir) -> dict:
+    argv, env = realsglang.release_command(version, wrapt=None)
+    p = subprocess.run(argv + ["-m", "npu_shim", "status", "--running", "--json", str(state_dir)],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.stdout, p.stderr
+    return json.loads(p.stdout)
+
+
+def live_roles(info) -> list[str]:
+    out = []
+    for p in info["processes"]:
+        if p["status"] != "live":
+            continue
+        role = p.get("role") or {}
+        label = role.get("role", "?")
+        if "tp_rank" in role:
+            label += " tp %s/%s" % (role["tp_rank"], role.get("tp_size"))
+        out.append(label)
+    return sorted(out)
+
+
+# -- zbal, full mode, TP 1 ---------------------------------------------------------------------------
+
+def on_release_worker(version):
+    """The tests of one release share its servers: one xdist worker runs them all."""
+    return pytest.param(version, marks=pytest.mark.xdist_group("server-" + version))
+
+
+PER_RELEASE = [on_release_worker(v) for v in RELEASES]
+
+
+@pytest.mark.parametrize("version", PER_RELEASE)
+def test_full_mode_serves_the_same_tokens_with_the_kv_cache_sized_from_the_heap(servers, version):
+    off = servers.get("off", version, shim="absent", state_dir=False)
+    on = servers.get("full", version, zbal_mib=HEAP_MIB, metrics=True)
+    assert servers.answers_of("full", version) == servers.answers_of("off", version)
+    assert kv_tokens(off) == expected_kv_tokens(DEVICE_MIB, 1, off.model_dir)
+    assert kv_tokens(on) == expected_kv_tokens(HEAP_MIB, 1, on.model_dir) < kv_tokens(off)
+    lines = shim_lines(on)
+    assert any(re.search(r"tp 0/1\] zbal: rank 0 initialised a %d MiB heap in full mode "
+                         r"\(device 0, world 1\)" % HEAP_MIB, ln) for ln in lines), lines
+    assert not shim_lines(off)
+
+
+@pytest.mark.parametrize("version", PER_RELEASE)
+def test_every_process_of_the_server_has_its_record_and_role(servers, version):
+    on = servers.get("full", version, zbal_mib=HEAP_MIB, metrics=True)
+    info = status_running(version, on.env["NPU_SHIM_STATE_DIR"])
+    assert live_roles(info) == ["detokenizer", "http_server", "scheduler tp 0/1"], info
+    assert info["problems"] == []
+    for p in info["processes"]:
+        assert p["patches"]["zbal"]["state"] == "applied"
+    # the children's summary lines say the same roles (the detokenizer is not the launcher)
+    tags = sorted(re.match(r"\[npu-shim \S+ sglang \S+ pid (\d+) ?(.*?)\]", ln).groups()
+                  for ln in shim_lines(on) if "zbal=" in ln)
+    children = {str(p["pid"]) for p in info["processes"] if p["role"]["role"] != "http_server"}
+    assert sorted(tag for pid, tag in tags if pid in children) == ["detokenizer", "tp 0/1"], tags
+
+
+@pytest.mark.parametrize("version", PER_RELEASE)
+def test_the_shim_state_is_in_sglangs_own_metrics(servers, version):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    on = servers.get("full", version, zbal_mib=HEAP_MIB, metrics=True)
+    servers.answers_of("full", version)  # some traffic first: sglang's own metrics then exist
+    status, text = on.get("/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert "sglang:num_requests_total" in families or any(n.startswith("sglang:") for n in families)
+    info = status_running(version, on.env["NPU_SHIM_STATE_DIR"])
+    pids = {(p.get("role") or {}).get("role"): str(p["pid"]) for p in info["processes"]}
+    states = {(s.labels["pid"], s.labels["patch"]): s.labels["state"]
+              for s in families["npu_shim_patch_state"].samples if s.value == 1}
+    recorded = {p["pid"]: p["patches"] for p in info["processes"]}
+    for role in ("http_server", "scheduler"):  # the processes where sglang keeps metrics
+        assert states[(pids[role], "zbal")] == "applied", states
+        for patch in ("mla_weight_release", "dual_stream_experts"):
+            assert states[(pids[role], patch)] == recorded[int(pids[role])][patch]["state"]
+    heap = {s.labels["pid"]: s.value for s in families["npu_shim_zbal_heap_bytes"].samples}
+    assert heap[pids["scheduler"]] == HEAP_MIB << 20 and heap[pids["http_server"]] == 0
+    released = {s.labels["pid"]: s.value for s in families["npu_shim_mla_released_bytes"].samples}
+    assert released[pids["scheduler"]] == 0  # a dense model: no MLA weight to release
+
+
+# -- zbal, mix mode, TP 2 ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", PER_RELEASE)
+def test_mix_mode_tp2_one_world_heap_after_the_kv_cache(servers, version):
+    off = servers.get("off-tp2", version, shim="absent", tp=2, state_dir=False)
+    mix = servers.get("mix-tp2", version, tp=2, zbal_mib=MIX_HEAP_MIB, mix=True)
+    assert servers.answers_of("mix-tp2", version) == servers.answers_of("off-tp2", version)
+    # mix mode: the KV cache sized from the device (not the heap), as without the shim.  With
+    # TP 2 the simulated device does not always see a rank's weights go (not understood yet:
+    # docs/development.md), so the count lies between the two figures a page apart.
+    assert (expected_kv_tokens(DEVICE_MIB, 2, mix.model_dir) <= kv_tokens(mix)
+            <= expected_kv_tokens(DEVICE_MIB, 2, mix.model_dir, weights=False))
+    log = mix.log_text()
+    heaps = re.findall(r"tp (\d)/2\] zbal: rank (\d) initialised a (\d+) MiB GVA heap "
+                       r"\((\d+) MiB configured, (\d+) of (\d+) MiB in use\)", log)
+    assert sorted((h[0], h[1]) for h in heaps) == [("0", "0"), ("1", "1")], heaps
+    for _, _, heap, configured, used, total in heaps:
+        assert int(configured) == MIX_HEAP_MIB and int(total) == DEVICE_MIB
+        # the shim's rule: configured - in use, aligned down to 128 MiB
+        assert int(heap) == (MIX_HEAP_MIB - int(used)) // 128 * 128
+        # in use: at least the rank's KV cache, placed before the heap was made
+        kv_mib = kv_tokens(mix) * 1 * 16 * 2 * 2 * 2 / (1 << 20)
+        assert int(used) >= kv_mib
+    assert log.index("KV Cache is allocated") < log.index("GVA heap")
+    info = status_running(version, mix.env["NPU_SHIM_STATE_DIR"])
+    assert live_roles(info) == ["detokenizer", "http_server", "scheduler tp 0/2", "scheduler tp 1/2"]
+
+
+# -- two nodes -----------------------------------------------------------------------------------------
+
+@pytest.mark.xdist_group("server-0.5.9")
+def test_two_nodes_answer_as_one(servers, tmp_path):
+    version = "0.5.9"
+    one_node = servers.answers_of("off-tp2", version, shim="absent", tp=2, state_dir=False)
+    model = models.ensure_model("qwen2", version)
+    dist_port, zbal_port = free_port(), free_port()
+    common_env = {"SIMNPU_TOTAL_MIB": DEVICE_MIB, "SGLANG_ZBAL_LOCAL_MEM_SIZE": HEAP_MIB,
+                  "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://127.0.0.1:%d" % zbal_port,
+                  "NPU_SHIM_STATE_DIR": str(tmp_path / "state")}
+    args = ["--mem-fraction-static", str(MEM_FRACTION), "--tp-size", "2", "--nnodes", "2",
+            "--dist-init-addr", "127.0.0.1:%d" % dist_port]
+    node1 = Server(version, model, args=args + ["--node-rank", "1"], env=common_env, zbal=True,
+                   log_path=tmp_path / "node1.log", wait_ready=False)
+    node0 = Server(version, model, args=args + ["--node-rank", "0"], env=common_env, zbal=True,
+                   log_path=tmp_path / "node0.log")
+    try:
+        node1.start()
+        node0.start()
+        assert answers(node0) == one_node
+        lines = shim_lines(node0) + shim_lines(node1)
+        for rank in (0, 1):
+            assert any("tp %d/2] zbal: rank %d initialised a %d MiB heap in full mode (device 0, world 2)"
+                       % (rank, rank, HEAP_MIB) in ln for ln in lines), lines
+        info = status_running(version, tmp_path / "state")
+        assert {"scheduler tp 0/2", "scheduler tp 1/2"} <= set(live_roles(info))
+    finally:
+        node0.stop()
+        node1.stop()
+
+
+# -- bad input and faults ----------------------------------------------------------------------------
+
+def _refused(tmp_path, version, env, why, timeout=150, zbal=True):
+    model = models.ensure_model("qwen2", version)
+    server = Server(version, model, args=["--mem-fraction-static", str(MEM_FRACTION)],
+                    env={"SIMNPU_TOTAL_MIB": DEVICE_MIB, **env}, zbal=zbal,
+                    log_path=tmp_path / "refused.log", wait_ready=False)
+    started = time.monotonic()
+    server.start()
+    try:
+        code = server.wait_exit(timeout)
+        assert code is not None, "the server neither came up nor exited\n" + server.log_tail()
+        assert code != 0
+        assert time.monotonic() - started < timeout
+        said = [ln for ln in server.log_text().splitlines() if re.search(why, ln)]
+        assert said, server.log_tail()
+        return said
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("env, why, zbal", [
+    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": 4 * DEVICE_MIB}, r"zbal_init failed .*4096 MiB", True),
+    ({"SGLANG_ZBAL_LOCAL_MEM_SIZE": HEAP_MIB, "SGLANG_ZBAL_BOOTSTRAP_URL": "udp://nowhere"},
+     r"SGLANG_ZBAL_BOOTSTRAP_URL", True),
+    # zbal asked for on an image without memfabric-zbal
+    ({"NPU_SHIM_STRICT": "1", "SGLANG_ZBAL_LOCAL_MEM_SIZE": HEAP_MIB}, r"npu-shim.*zbal", False),
+], ids=["zbal larger than the device", "malformed bootstrap URL", "strict, a patch that cannot apply"])
+def test_a_server_that_cannot_start_right_says_why_and_exits(tmp_path, env, why, zbal):
+    _refused(tmp_path, "0.5.11", env, why, zbal=zbal)
+
+
+@pytest.mark.xdist_group("server-0.5.11")
+def test_shim_disabled_serves_exactly_as_without_it(servers):
+    version = "0.5.11"
+    disabled = servers.get("disabled", version, shim="disabled", zbal_mib=HEAP_MIB)
+    assert servers.answers_of("disabled", version) == servers.answers_of("off", version, shim="absent",
+                                                                           state_dir=False)
+    assert kv_tokens(disabled) == kv_tokens(servers.get("off", version, shim="absent", state_dir=False))
+    assert [ln.split("] ", 1)[1] for ln in shim_lines(disabled)] == [
+        "off (NPU_SHIM_ENABLED=0): sglang is not patched in this process"] * 3
+
+
+def test_a_killed_scheduler_takes_the_server_down_and_leaves_no_live_record(tmp_path):
+    version = "0.5.11"
+    model = models.ensure_model("qwen2", version)
+    state = tmp_path / "state"
+    server = Server(version, model, args=["--mem-fraction-static", str(MEM_FRACTION)],
+                    env={"SIMNPU_TOTAL_MIB": DEVICE_MIB, "NPU_SHIM_STATE_DIR": str(state)},
+                    log_path=tmp_path / "killed.log")
+    server.start()
+    try:
+        info = status_running(version, state)
+        (scheduler,) = [p for p in info["processes"] if (p.get("role") or {}).get("role") == "scheduler"]
+        os.kill(scheduler["pid"], signal.SIGKILL)
+        code = server.wait_exit(120)
+        assert code is not None, "the launcher outlived its killed scheduler\n" + server.log_tail()
+        deadline = time.monotonic() + 30
+        while session_pids(server.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        info = status_running(version, state)
+        assert info["live"] == 0, info
+    finally:
+        server.stop()

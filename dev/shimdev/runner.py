@@ -1,8 +1,9 @@
 """The test runner's venv: torch (CPU), wrapt, pytest, hypothesis, and the clients the server
-tests talk with (the real ``openai`` client, ``prometheus_client``'s parser) -- built once in the cache, in a
-directory named by ``RUNNER_PINS`` (a changed pin builds a new one and never replaces a venv another
-test run is using).  Used by the test command (scripts/run_tests.py) and by the benchmarks
-(scripts/bench.py re-runs itself there), so both run on the same interpreter and packages."""
+tests talk with (the real ``openai`` client, ``prometheus_client``'s parser) -- built once in the
+cache, in a directory named by ``RUNNER_PINS`` (a changed pin builds a new one and never replaces a
+venv another test run is using).  Used by the test command (scripts/run_tests.py) and by the
+benchmarks (scripts/bench.py re-runs itself there), so both run on the same interpreter and
+packages."""
 
 import hashlib
 import json

@@ -63,6 +63,20 @@ def on_stop_signals():
     return restore
 
 
+def helper_thread(target):
+    """A daemon thread running ``target`` with the stop signals and SIGINT blocked in it: the
+    kernel then delivers them to the main thread, whose mask ``hold_signals`` sets (a signal taken
+    by another thread would reach Python's handler only at some later point of the main thread,
+    past the moment ``start`` holds it for)."""
+    import threading
+
+    def run():
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS) | {signal.SIGINT})
+        target()
+    return threading.Thread(target=run, daemon=True)
+
+
 def hold_signals():
     """Hold the stop signals and SIGINT until the returned function is called (they are then
     delivered): what must not stop half-way (a Popen, a swap of directories) runs in between."""
@@ -162,13 +176,10 @@ def decode(data):
 def run(argv, timeout, env=None, merge_stderr=False):
     """(exit status, stdout, stderr) of ``argv`` run to its end, its process group killed on every
     way out (the child done, ``timeout`` passed: ``subprocess.TimeoutExpired``, a signal)."""
-    import threading
-
     proc = start(argv, env=env, merge_stderr=merge_stderr)
     pipes = [pipe for pipe in (proc.stdout, proc.stderr) if pipe is not None]
     read = {pipe: [] for pipe in pipes}
-    readers = [threading.Thread(target=lambda pipe=pipe: read[pipe].append(pipe.read()), daemon=True)
-               for pipe in pipes]
+    readers = [helper_thread(lambda pipe=pipe: read[pipe].append(pipe.read())) for pipe in pipes]
     try:
         for reader in readers:
             reader.start()

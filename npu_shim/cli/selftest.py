@@ -21,7 +21,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 TIMEOUT_S = 60
@@ -172,7 +171,7 @@ def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
     def read_err():
         errors.extend(children.decode(raw) for raw in proc.stderr)
 
-    readers = [threading.Thread(target=read_out, daemon=True), threading.Thread(target=read_err, daemon=True)]
+    readers = [children.helper_thread(read_out), children.helper_thread(read_err)]
     try:
         for reader in readers:
             reader.start()

@@ -327,7 +327,7 @@ def layered_dir() -> Path:
     return cache_dir() / "layered"
 
 
-def _digest(obj) -> str:
+def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -346,7 +346,7 @@ def _write_stamp(d: Path, info: dict) -> None:
     (d / "npu-shim-stamp.json").write_text(json.dumps(info, indent=1, sort_keys=True))
 
 
-def _build_once(d: Path, lock: str, build, *, in_place: bool = False) -> Path:
+def build_once(d: Path, lock: str, build, *, in_place: bool = False) -> Path:
     """``d`` when its stamp exists; else ``build(dir) -> stamp dict``, under a file lock.
 
     The stamp is written last: a directory without one is never used.  ``--target`` layers are
@@ -382,14 +382,14 @@ def base_spec() -> dict:
 
 
 def base_dir() -> Path:
-    return layered_dir() / f"base-{_digest(base_spec())}"
+    return layered_dir() / f"base-{digest(base_spec())}"
 
 
 def base_python() -> Path:
     return base_dir() / "bin" / "python"
 
 
-def _site_packages(prefix: Path) -> Path:
+def site_packages(prefix: Path) -> Path:
     return prefix / "lib" / f"python{_python_tag()}" / "site-packages"
 
 
@@ -419,7 +419,7 @@ def ensure_base(*, log=None) -> Path:
         _check_no(py, ["wrapt"], "base venv: a dependency brought wrapt (the base must not have it)")
         return {"spec": base_spec()}
 
-    return _build_once(base_dir(), "layered-base", build, in_place=True) / "bin" / "python"
+    return build_once(base_dir(), "layered-base", build, in_place=True) / "bin" / "python"
 
 
 # -- single-package layers (wrapt, sglang) --------------------------------------------------------
@@ -435,7 +435,7 @@ def ensure_wrapt(version: str = WRAPT_DEFAULT) -> Path:
                   f"wrapt=={version}"), f"installing wrapt {version} as a layer")
         return {"wrapt": version}
 
-    return _build_once(d, f"layered-wrapt-{version}", build)
+    return build_once(d, f"layered-wrapt-{version}", build)
 
 
 def ensure_sglang_layer(version: str, *, strict: bool = True, log=None) -> Path:
@@ -449,7 +449,7 @@ def ensure_sglang_layer(version: str, *, strict: bool = True, log=None) -> Path:
              f"installing the sglang {version} wheel as a layer")
         return {"wheel": wheel.name}
 
-    return _build_once(d, f"layered-sglang-{version}", build)
+    return build_once(d, f"layered-sglang-{version}", build)
 
 
 # -- dependency layers ---------------------------------------------------------------------------
@@ -483,7 +483,7 @@ def wheel_requirements(version: str, *, strict: bool = True) -> dict:
 
 
 def _deps_dir(key: dict) -> Path:
-    return layered_dir() / f"deps-{_digest(key)}"
+    return layered_dir() / f"deps-{digest(key)}"
 
 
 def ensure_deps_layer(requirements: dict, *, log=None) -> Path:
@@ -524,7 +524,7 @@ def ensure_deps_layer(requirements: dict, *, log=None) -> Path:
                      f"installing {what} of a dependency layer")
         return {"key": key, "installed": delta + requirements["nodeps"]}
 
-    return _build_once(d, f"layered-deps-{d.name}", build)
+    return build_once(d, f"layered-deps-{d.name}", build)
 
 
 # -- a release, as its layers --------------------------------------------------------------------
@@ -570,7 +570,7 @@ def ensure_sdist(version: str) -> Path:
 
 def editable_dir() -> Path:
     key = {"base": base_dir().name, "editable": EDITABLE, "layout": LAYOUT}
-    return layered_dir() / f"editable-{_digest(key)}"
+    return layered_dir() / f"editable-{digest(key)}"
 
 
 def ensure_editable(*, log=None) -> ReleaseEnv:
@@ -600,19 +600,19 @@ def ensure_editable(*, log=None) -> ReleaseEnv:
         venv = final / "venv"
         log(f"[editable] venv {venv} on top of the base")
         run([str(python), "-m", "venv", str(venv)], "creating the editable venv")
-        (_site_packages(venv) / "npu_shim_base.pth").write_text(
-            f"import site; site.addsitedir({str(_site_packages(base_dir()))!r})\n")
+        (site_packages(venv) / "npu_shim_base.pth").write_text(
+            f"import site; site.addsitedir({str(site_packages(base_dir()))!r})\n")
         log(f"[editable] pip install -e {src} (version {dev})")
         run(pip(venv / "bin" / "python", "install", "--no-deps", "-e", str(src)),
              f"pip install -e of the sglang {release} tree", env={"SETUPTOOLS_SCM_PRETEND_VERSION": dev})
-        finders = sorted(p.name for p in _site_packages(venv).glob("__editable___sglang_*_finder.py"))
-        pths = sorted(p.name for p in _site_packages(venv).glob("__editable__.sglang-*.pth"))
+        finders = sorted(p.name for p in site_packages(venv).glob("__editable___sglang_*_finder.py"))
+        pths = sorted(p.name for p in site_packages(venv).glob("__editable__.sglang-*.pth"))
         if not finders or not pths:
             raise EnvError(f"pip install -e did not install setuptools' meta-path finder: "
-                           f"{sorted(p.name for p in _site_packages(venv).iterdir())}")
+                           f"{sorted(p.name for p in site_packages(venv).iterdir())}")
         return {"release": release, "version": dev, "finder": finders, "pth": pths}
 
-    d = _build_once(editable_dir(), "layered-editable", build, in_place=True)
+    d = build_once(editable_dir(), "layered-editable", build, in_place=True)
     return ReleaseEnv(dev, d / "venv" / "bin" / "python", (deps,), editable=True)
 
 
@@ -665,7 +665,7 @@ MEMFABRIC_DIR = "memfabric-lib"
 def zbal_layer_dir() -> Path:
     key = {"zbal": ZBAL_PIN, "native": hashlib.sha256(ZBAL_NATIVE_SOURCE.read_bytes()).hexdigest(),
            "python": _python_tag(), "layout": LAYOUT, "files": list(ZBAL_PY_FILES) + ["dist-info"]}
-    return layered_dir() / f"zbal-{ZBAL_PIN.split('==')[1]}-{_digest(key)}"
+    return layered_dir() / f"zbal-{ZBAL_PIN.split('==')[1]}-{digest(key)}"
 
 
 def _compile_zbal_native(out: Path) -> str:
@@ -703,7 +703,7 @@ def ensure_zbal_layer(*, log=None) -> Path:
         command = _compile_zbal_native(package / ("zbal" + sysconfig.get_config_var("EXT_SUFFIX")))
         return {"wheel": wheel.name, "files": list(ZBAL_PY_FILES), "compiled": command}
 
-    return _build_once(zbal_layer_dir(), "layered-zbal", build)
+    return build_once(zbal_layer_dir(), "layered-zbal", build)
 
 
 def zbal_env(layer: Path) -> dict:
@@ -726,7 +726,7 @@ def ensure_torch_npu_layer(*, log=None) -> Path:
             zf.extractall(tmp)
         return {"wheel": wheel.name}
 
-    return _build_once(d, "layered-torch-npu", build)
+    return build_once(d, "layered-torch-npu", build)
 
 
 # --------------------------------------------------------------------------------------------

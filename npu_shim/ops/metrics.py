@@ -8,8 +8,8 @@ up.  The shim writes beside them, in each process where sglang itself makes a me
 server of its own is started:
 
 * ``npu_shim_patch_state{patch, state}`` 1 for the state each patch is in;
-* ``npu_shim_zbal_heap_bytes`` the zbal heap this process initialised (0: none);
-* ``npu_shim_mla_released_bytes`` the MLA weights this process released.
+* ``npu_shim_patch_detail{patch, detail}`` each number a patch's details hold (a heap's size,
+  the bytes a patch released, ...), as the state record has them; docs/operations.md lists them.
 
 Each is a ``liveall`` gauge: one sample per live process, labelled with its ``pid``.  Values are
 written again whenever the state record would be (``staterecord.write`` / ``touch`` call
@@ -18,8 +18,8 @@ written again whenever the state record would be (``staterecord.write`` / ``touc
 
 import sys
 
-MIB = 1 << 20
 _gauges = None
+_source = None
 
 
 def start(source):
@@ -34,17 +34,12 @@ def start(source):
             _gauges = {
                 "state": Gauge("npu_shim_patch_state", "npu-shim: 1 for the state each patch is in",
                                ["patch", "state"], multiprocess_mode="liveall"),
-                "heap": Gauge("npu_shim_zbal_heap_bytes", "npu-shim: the zbal heap this process "
-                              "initialised", multiprocess_mode="liveall"),
-                "mla": Gauge("npu_shim_mla_released_bytes", "npu-shim: MLA weight bytes this "
-                             "process released", multiprocess_mode="liveall"),
+                "detail": Gauge("npu_shim_patch_detail", "npu-shim: a number of a patch's details",
+                                ["patch", "detail"], multiprocess_mode="liveall"),
             }
         except Exception:  # noqa: BLE001 - sglang's metrics go on without the shim's
             _gauges = {}
     publish()
-
-
-_source = None
 
 
 def publish():
@@ -52,13 +47,10 @@ def publish():
     if not _gauges or _source is None or "prometheus_client" not in sys.modules:
         return
     try:
-        records = _source() or {}
-        for name, record in records.items():
+        for name, record in (_source() or {}).items():
             _gauges["state"].labels(patch=name, state=str(record.get("state"))).set(1)
-        details = lambda name: (records.get(name) or {}).get("details") or {}  # noqa: E731
-        heap = details("zbal").get("gva_mib")
-        _gauges["heap"].set(int(heap) * MIB if isinstance(heap, int) else 0)
-        released = details("mla_weight_release").get("released_mib")
-        _gauges["mla"].set(round(released * MIB) if isinstance(released, (int, float)) else 0)
+            for key, value in (record.get("details") or {}).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    _gauges["detail"].labels(patch=name, detail=str(key)).set(value)
     except Exception:  # noqa: BLE001 - never into the application
         pass

@@ -44,11 +44,13 @@ def test_a_failing_benchmark_gives_one_line_cells_and_a_problem():
     def broken():
         raise ModuleNotFoundError("No module named 'torch'\n  with a second line")
 
-    def partial():
-        return [{"what": bench_rows.ROWS[-1][1], "how": "h", "measured": "1 ms", "target": "t", "ok": True},
+    script_a, script_b = bench_rows.ROWS[0][0], bench_rows.ROWS[-1][0]
+
+    def partial():  # every row of its own, and one more
+        return [{"what": what, "how": "h", "measured": "1 ms", "target": "t", "ok": True}
+                for script, what in bench_rows.ROWS if script == script_b] + [
                 {"what": "a row nobody declared", "how": "", "measured": "", "target": "", "ok": True}]
 
-    script_a, script_b = bench_rows.ROWS[0][0], bench_rows.ROWS[-1][0]
     rows, problems = bench_rows.collect([(script_a, broken), (script_b, partial)], log=lambda line: None)
     assert [r["what"] for r in rows] == [w for s, w in bench_rows.ROWS if s in (script_a, script_b)]
     failed = [r for r in rows if r["script"] == script_a]

@@ -37,10 +37,12 @@ def test_gauges_in_the_multiprocess_directory_follow_later_changes(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     got = json.loads(p.stdout)
-    pid = next(json.loads(k[len("npu_shim_zbal_heap_bytes"):])["pid"]
-               for k in got if k.startswith("npu_shim_zbal_heap_bytes"))
-    assert got['npu_shim_zbal_heap_bytes{"pid": "%s"}' % pid] == 128 << 20
-    assert got['npu_shim_mla_released_bytes{"pid": "%s"}' % pid] == 1.5 * (1 << 20)
+    pid = next(json.loads(k[len("npu_shim_patch_state"):])["pid"]
+               for k in got if k.startswith("npu_shim_patch_state"))
+    detail = 'npu_shim_patch_detail{"detail": "%s", "patch": "%s", "pid": "%s"}'
+    assert got[detail % ("gva_mib", "zbal", pid)] == 128
+    assert got[detail % ("released_mib", "mla_weight_release", pid)] == 1.5
+    assert not any('"mode"' in k for k in got)  # only numbers are published
     assert got['npu_shim_patch_state{"patch": "zbal", "pid": "%s", "state": "applied"}' % pid] == 1
 
 

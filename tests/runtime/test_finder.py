@@ -8,11 +8,14 @@ import sys
 
 import pytest
 
-from npu_shim.runtime import activation, finder, role
+from npu_shim.runtime import activation, finder, metrics_hook, role
 from test_bootstrap import last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 from test_drop_in import bare_venvs  # noqa: F401 - a fixture
 
 ROLE_MODULE = role.MODULE  # the module of the shim's own role target (run_scheduler_process)
+#: The modules the shim's own targets wait on, which nothing here imports: the role's, and where
+#: sglang keeps its metrics collectors (npu_shim/runtime/metrics_hook.py).
+OWN_MODULES = sorted([ROLE_MODULE, *metrics_hook.MODULES])
 
 
 def test_only_modules_with_a_hook_waiting_are_looked_up_and_no_wrapt_import_hook_is_loaded(tree):
@@ -45,8 +48,8 @@ def test_only_modules_with_a_hook_waiting_are_looked_up_and_no_wrapt_import_hook
     # no wrapt finder, no wrapt importer.
     assert out["finders"] == ["watcher"] and out["through_watcher"] is True
     assert out["importers"] == [] and out["asked"] == ["sglang.srt.utils.common"]
-    # the shim's own role target waits on the scheduler module, which nothing here imports
-    assert out["waiting"] == [ROLE_MODULE, "sglang.srt.utils.common"] and out["left"] == [ROLE_MODULE]
+    # the shim's own targets wait on their modules, which nothing here imports
+    assert out["waiting"] == sorted(OWN_MODULES + ["sglang.srt.utils.common"]) and out["left"] == OWN_MODULES
     assert out["value"] == 1001  # the demo patch applied through the hook
 
 
@@ -408,7 +411,7 @@ def test_the_shims_hooks_with_the_images_wrapt(version, private, app, tree, bare
     # not asked.
     reapplied = not (app == "app-hooks-first" and version == "1.14.1")
     assert out == {
-        "origin": "image %s" % version, "waiting": [ROLE_MODULE, "sglang.srt.utils.common"], "left": [ROLE_MODULE],
+        "origin": "image %s" % version, "waiting": sorted(OWN_MODULES + ["sglang.srt.utils.common"]), "left": OWN_MODULES,
         "patched": 1001, "after_reload": 1001 if reapplied else 1000, "state": "applied",
         # reused as the application imported it, or loaded privately: wrappers only
         "private": private if app == "shim-first" else [],
@@ -421,6 +424,6 @@ def test_the_shims_hooks_with_the_bundles_wrapt(tree, bare_venvs, built_bundle):
     out = last_json(run_in(bare_venvs("3.11"), tree, _END_TO_END % "shim-first", built_bundle,
                            readonly=built_bundle))
     assert out == {
-        "origin": "bundle 2.5.2 [cp311-x86_64-glibc2.5]", "waiting": [ROLE_MODULE, "sglang.srt.utils.common"],
-        "left": [ROLE_MODULE], "patched": 1001, "after_reload": 1001, "state": "applied",
+        "origin": "bundle 2.5.2 [cp311-x86_64-glibc2.5]", "waiting": sorted(OWN_MODULES + ["sglang.srt.utils.common"]),
+        "left": OWN_MODULES, "patched": 1001, "after_reload": 1001, "state": "applied",
         "private": _PRIVATE_2X, "fired": None}

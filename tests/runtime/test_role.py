@@ -181,9 +181,11 @@ def test_a_spawned_child_of_another_target_logs_its_summary_before_that_target_r
                          "import sglang.srt.managers.detokenizer_manager as detok")
     proc = run_spawn(sched_tree, code % "detok.run_detokenizer_process", main)
     out = last_json(proc)
-    assert out["role"]["role"] == "unknown" and out["run_put_back"] is True
+    # named by the target it starts (sglang sets the title only inside it)
+    assert out["role"] == {"role": "detokenizer", "source": "process target run_detokenizer_process"}
+    assert out["run_put_back"] is True
     lines = child_lines(proc.stderr, out["pid"])
-    assert re.fullmatch(SHIM_SGLANG + r" pid %d\] demo=applied" % out["pid"], lines[0]), lines
+    assert re.fullmatch(SHIM_SGLANG + r" pid %d detokenizer\] demo=applied" % out["pid"], lines[0]), lines
     assert proc.stderr.index(lines[0]) < proc.stderr.index("BODY %d" % out["pid"])
 
 

@@ -30,16 +30,16 @@ def ensure_server_venv(*, log=None) -> Path:
     ``SIMNPU_SERVER_RELEASE`` is set, and does nothing elsewhere."""
     base = sglang_envs.ensure_base(log=log)
     key = {"base": sglang_envs.base_dir().name, "layout": sglang_envs.LAYOUT, "startup": 1}
-    d = sglang_envs.layered_dir() / f"server-venv-{sglang_envs._digest(key)}"
+    d = sglang_envs.layered_dir() / f"server-venv-{sglang_envs.digest(key)}"
 
     def build(final: Path) -> dict:
         sglang_envs.run([str(base), "-m", "venv", "--without-pip", str(final)],
                         "creating the server venv")
-        site = sglang_envs._site_packages(final)
+        site = sglang_envs.site_packages(final)
         (site / "npu_shim_base.pth").write_text(
-            f"import site; site.addsitedir({str(sglang_envs._site_packages(sglang_envs.base_dir()))!r})\n")
+            f"import site; site.addsitedir({str(sglang_envs.site_packages(sglang_envs.base_dir()))!r})\n")
         (site / "simnpu_server.pth").write_text(
             "import os; os.environ.get('SIMNPU_SERVER_RELEASE') and __import__('shimdev.server.startup')\n")
         return {"key": key}
 
-    return sglang_envs._build_once(d, f"layered-{d.name}", build, in_place=True) / "bin" / "python"
+    return sglang_envs.build_once(d, f"layered-{d.name}", build, in_place=True) / "bin" / "python"

@@ -92,4 +92,4 @@ def ensure_model(kind: str, version: str) -> Path:
             raise sglang_envs.EnvError(f"building the tiny {kind} model failed:\n{p.stderr[-3000:]}")
         return {"model": key}
 
-    return sglang_envs._build_once(d, f"model-{d.name}", build)
+    return sglang_envs.build_once(d, f"model-{d.name}", build)

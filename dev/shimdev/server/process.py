@@ -118,6 +118,7 @@ class Server:
         run_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         run_env.setdefault("HF_HUB_OFFLINE", "1")
         run_env.setdefault("SIMZBAL_RENDEZVOUS", "1")
+        run_env.setdefault("SIMZBAL_RENDEZVOUS_TIMEOUT", "240")  # ranks start minutes apart under load
         run_env.setdefault("SIMNPU_DEVICE_COUNT", "8")
         self.argv = argv + ["-m", "sglang.launch_server", *self.args]
         self.env = run_env

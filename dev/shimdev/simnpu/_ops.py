@@ -186,19 +186,6 @@ def torch_npu_names() -> dict:
     return names
 
 
-class TritonKernelStandIn:
-    """A triton kernel of sgl-kernel-npu (``kernel[grid](*args)``), computed by ``run(*args)``."""
-
-    def __init__(self, name, run):
-        self.name, self.run = name, run
-
-    def __getitem__(self, grid):
-        return self.run
-
-    def __repr__(self):
-        return "<simnpu triton kernel stand-in %s>" % self.name
-
-
 def _alloc_extend_kernel(prefix_lens, seq_lens, last_loc, free_pages, out_indices, bs_upper,
                          page_size, max_num_extend_tokens):
     """sgl_kernel_npu.mem_cache.allocator.alloc_extend_kernel: what sglang's own
@@ -232,36 +219,35 @@ def _write_req_to_token_pool(req_to_token, req_pool_indices, prefix_pointers, pr
 
 def _compute_position(positions, extend_start_loc, extend_prefix_lens, extend_seq_lens, has_prefix):
     """sglang.srt.model_executor.forward_batch_info.compute_position_kernel."""
+    import torch
+
     start = 0
     for pid in range(extend_seq_lens.shape[0]):
         prefix = int(extend_prefix_lens[pid]) if has_prefix else 0
         n = int(extend_seq_lens[pid])
-        positions[start:start + n] = torch_arange(prefix, prefix + n)
+        positions[start:start + n] = torch.arange(prefix, prefix + n)
         extend_start_loc[pid] = start
         start += n
 
 
-def torch_arange(start, end):
-    import torch
-
-    return torch.arange(start, end)
-
-
-#: "module.function" of a ``@triton.jit`` kernel -> what it computes, in torch.
+#: "module.function" of a triton kernel -> what it computes, in torch: sglang's own ``@triton.jit``
+#: kernels, and sgl-kernel-npu's (shipped compiled, so the stub module hands out a JitKernel).
 TRITON_KERNELS = {
     "sglang.srt.mem_cache.common.write_req_to_token_pool_triton": _write_req_to_token_pool,
     "sglang.srt.model_executor.forward_batch_info.compute_position_kernel": _compute_position,
+    "sgl_kernel_npu.mem_cache.allocator.alloc_extend_kernel": _alloc_extend_kernel,
 }
 
 
 class JitKernel:
-    """What ``triton.jit`` makes here: launching it (``kernel[grid](*args)``) runs its entry of
+    """A triton kernel here: launching it (``kernel[grid](*args)``) runs its entry of
     TRITON_KERNELS; a kernel without one fails naming itself -- never a silent no-op."""
 
-    def __init__(self, fn):
+    def __init__(self, fn=None, name=None):
         self.fn = fn
-        self.name = "%s.%s" % (fn.__module__, fn.__name__)
-        self.__name__, self.__module__, self.__doc__ = fn.__name__, fn.__module__, fn.__doc__
+        self.name = name or "%s.%s" % (fn.__module__, fn.__name__)
+        self.__module__, _, self.__name__ = self.name.rpartition(".")
+        self.__doc__ = getattr(fn, "__doc__", None)
 
     def __getitem__(self, grid):
         run = TRITON_KERNELS.get(self.name)
@@ -272,6 +258,8 @@ class JitKernel:
                                                      if k not in ("num_warps", "num_stages")})
 
     def __call__(self, *args, **kwargs):
+        if self.fn is None:
+            raise TypeError("%s is a triton kernel: launch it as kernel[grid](...)" % self.name)
         return self.fn(*args, **kwargs)  # called as a plain function (it is not one on a device)
 
     def __repr__(self):
@@ -288,5 +276,5 @@ def jit(fn=None, **options):
 def kernel_stand_ins() -> dict:
     """{stub module: {name: stand-in}} for sgl-kernel-npu's kernels on the dense path."""
     return {"sgl_kernel_npu.mem_cache.allocator": {
-                "alloc_extend_kernel": TritonKernelStandIn("alloc_extend_kernel", _alloc_extend_kernel)},
+                "alloc_extend_kernel": JitKernel(name="sgl_kernel_npu.mem_cache.allocator.alloc_extend_kernel")},
             "triton": {"jit": jit}}

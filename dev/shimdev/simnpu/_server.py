@@ -27,10 +27,6 @@ from . import _device, _stubs
 _lock = threading.Lock()
 _installed = False
 
-#: Keyword arguments that name a device.
-_DEVICE_KEYWORDS = ("device",)
-
-
 def _is_npu(device) -> bool:
     import torch
 

@@ -269,6 +269,9 @@ def test_mix_mode_tp2_one_world_heap_after_the_kv_cache(servers, version):
         kv_mib = kv_tokens(mix) * 1 * 16 * 2 * 2 * 2 / (1 << 20)
         assert int(used) >= kv_mib
     assert log.index("KV Cache is allocated") < log.index("GVA heap")
+    # upstream's own line, which operators' log scrapers look for, once per rank
+    assert sorted(re.findall(r"^\[ZBAL\] rank (\d) allocated (\d+) MB gva space\.$", log, re.M)) == sorted(
+        (h[1], h[2]) for h in heaps)
     info = status_running(version, mix.env["NPU_SHIM_STATE_DIR"])
     assert live_roles(info) == ["detokenizer", "http_server", "scheduler tp 0/2", "scheduler tp 1/2"]
 

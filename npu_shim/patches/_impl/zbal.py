@@ -185,6 +185,9 @@ class ZbalProcess:
         group = group or _world_group()
         size, in_use, total = gva_size_mib(configured_mib(), group.world_size, group.cpu_group)
         require_zbal_allocator()
+        # upstream's own line (sglang >= 0.5.12, hardware_backend/npu/utils.py), word for word on
+        # stdout: operators' log scrapers look for it
+        print("[ZBAL] rank %d allocated %d MB gva space." % (group.rank_in_group, size), flush=True)
         _call_zbal_init(zbal, group.world_size, runner.gpu_id, group.rank_in_group, size,
                         "mix mode, lazy GVA heap %s" % when)
         self.gva_mib = size

@@ -236,46 +236,7 @@ time.sleep(300)
 """
 
 
-def _alive(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def test_sigterm_during_a_build_kills_pip_and_removes_the_staging_directory(tmp_path):
-    slow_pip = tmp_path / "slow_pip.py"
-    slow_pip.write_text(SLOW_PIP)
-    pid_file, parent = tmp_path / "pip.pid", tmp_path / "target"
-    parent.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", WRAPPER, str(slow_pip), "bundle",
-                             str(parent / "npu-shim")] + FAST, cwd=REPO,
-                            env=dict(os.environ, PYTHONPATH=REPO, SLOW_PIP_PID=str(pid_file)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    pip_pid = None
-    try:
-        deadline = time.monotonic() + 120
-        while not pid_file.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert pid_file.exists(), "the stand-in pip never ran: %s" % proc.communicate()[1]
-        time.sleep(0.2)
-        pip_pid = int(pid_file.read_text())
-        assert [n for n in os.listdir(str(parent)) if n.startswith(".npu-shim-bundle-")]
-        proc.send_signal(signal.SIGTERM)
-        _out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 128 + signal.SIGTERM, err
-        assert err.splitlines()[-1] == ("npu-shim bundle: stopped by SIGTERM; pip and the staging "
-                                        "directory are gone"), err
-        assert "Traceback" not in err
-        assert os.listdir(str(parent)) == []  # no staging directory, no OUT_DIR
-        assert not _alive(pip_pid)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if pip_pid and _alive(pip_pid):
-            os.kill(pip_pid, signal.SIGKILL)
+from test_children import alive as _alive  # noqa: E402 - one /proc reader for the cli tests
 
 
 # -- check: the bundle is verified first ------------------------------------------------------------
@@ -495,7 +456,7 @@ def test_a_bundle_below_a_link_is_built_in_its_real_place(monkeypatch, tmp_path)
 
 # -- bundle: SIGHUP, and a stop signal while pip starts --------------------------------------------
 
-def _stopped_during_pip(tmp_path, send, wrapper=WRAPPER, wait_for_pip=True):
+def _stopped_during_pip(tmp_path, send, wrapper=WRAPPER):
     slow_pip = tmp_path / "slow_pip.py"
     slow_pip.write_text(SLOW_PIP)
     pid_file, parent = tmp_path / "pip.pid", tmp_path / "target"
@@ -510,25 +471,29 @@ def _stopped_during_pip(tmp_path, send, wrapper=WRAPPER, wait_for_pip=True):
             time.sleep(0.1)
         assert pid_file.exists(), "the stand-in pip never ran: %s" % proc.communicate()[1]
         time.sleep(0.2)
+        staged = [n for n in os.listdir(str(parent)) if n.startswith(".npu-shim-bundle-")]
         if send:
             proc.send_signal(send)
         _out, err = proc.communicate(timeout=60)
-        return proc.returncode, err, int(pid_file.read_text()), parent
+        return proc.returncode, err, int(pid_file.read_text()), parent, staged
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
-def test_sighup_during_a_build_kills_pip_and_removes_the_staging_directory(tmp_path):
-    """A closed ssh session: before the fix SIGHUP's default action ended the build where it
+@pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_during_a_build_kills_pip_and_removes_the_staging_directory(tmp_path, sent):
+    """SIGHUP is a closed ssh session: before the fix its default action ended the build where it
     stood, the staging directory left behind."""
-    code, err, pip_pid, parent = _stopped_during_pip(tmp_path, signal.SIGHUP)
+    code, err, pip_pid, parent, staged = _stopped_during_pip(tmp_path, sent)
     try:
-        assert code == 128 + signal.SIGHUP, err
-        assert err.splitlines()[-1] == ("npu-shim bundle: stopped by SIGHUP; pip and the staging "
-                                        "directory are gone"), err
-        assert os.listdir(str(parent)) == [] and not _alive(pip_pid)
+        assert staged, "the signal came before the staging directory existed"
+        assert code == 128 + sent, err
+        assert err.splitlines()[-1] == ("npu-shim bundle: stopped by %s; pip and the staging "
+                                        "directory are gone" % signal.Signals(sent).name), err
+        assert "Traceback" not in err
+        assert os.listdir(str(parent)) == [] and not _alive(pip_pid)  # no staging, no OUT_DIR
     finally:
         if _alive(pip_pid):
             os.kill(pip_pid, signal.SIGKILL)
@@ -552,7 +517,7 @@ from npu_shim.__main__ import main""")
 def test_sigterm_while_pip_is_being_started_kills_it(tmp_path):
     """Before the fix ``Popen``'s constructor raised: pip orphaned, the staging directory left,
     while the CLI said both were gone."""
-    code, err, pip_pid, parent = _stopped_during_pip(tmp_path, None, WRAPPER_SIGNAL_IN_POPEN)
+    code, err, pip_pid, parent, _ = _stopped_during_pip(tmp_path, None, WRAPPER_SIGNAL_IN_POPEN)
     try:
         assert code == 128 + signal.SIGTERM, err
         assert "Traceback" not in err

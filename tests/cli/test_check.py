@@ -123,12 +123,7 @@ def test_a_stray_grandchild_of_the_check_child_is_gone_with_it(tree, tmp_path):
     assert not _alive(int(pid_file.read_text()))
 
 
-def _alive(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+from test_children import alive as _alive  # noqa: E402 - one /proc reader for the cli tests
 
 
 @pytest.mark.parametrize("signame", ["SIGHUP", "SIGTERM", "SIGINT"])

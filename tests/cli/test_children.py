@@ -25,6 +25,11 @@ def _state(pid):
         return None
 
 
+def alive(pid):
+    """The process runs (it exists and is not a zombie); the cli tests' one reader of /proc."""
+    return _state(pid) not in (None, "Z")
+
+
 @pytest.mark.parametrize("flags, expected", [
     ([], []),
     (["-O"], ["-O"]),

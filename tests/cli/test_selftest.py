@@ -651,12 +651,7 @@ time.sleep(120)
 """
 
 
-def _alive(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+from test_children import alive as _alive  # noqa: E402 - one /proc reader for the cli tests
 
 
 def test_a_timed_out_child_is_killed_with_its_own_children(monkeypatch, tmp_path):

@@ -75,14 +75,19 @@ def weight_bytes(model_dir, tp: int) -> int:
     return total
 
 
+def kv_bytes_per_token(model_dir, tp: int) -> int:
+    """One token's K and V (bf16) over every layer, on one rank."""
+    config = json.loads((model_dir / "config.json").read_text())
+    kv_heads = config["num_key_value_heads"] // tp
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    return kv_heads * head_dim * config["num_hidden_layers"] * 2 * 2
+
+
 def expected_kv_tokens(memory_mib: float, tp: int, model_dir, weights=True) -> int:
     """sglang's profile_max_num_token: (available - total * (1 - fraction)) / bytes per token, with
     total = ``memory_mib`` measured before the weights and available = total - the weights,
     rounded down to a page."""
-    config = json.loads((model_dir / "config.json").read_text())
-    kv_heads = config["num_key_value_heads"] // tp
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
-    cell = kv_heads * head_dim * config["num_hidden_layers"] * 2 * 2  # K and V, bf16
+    cell = kv_bytes_per_token(model_dir, tp)
     total = memory_mib * (1 << 20)
     available = (total - (weight_bytes(model_dir, tp) if weights else 0)) / (1 << 30)
     rest = available - total / (1 << 30) * (1 - MEM_FRACTION)
@@ -266,7 +271,7 @@ def test_mix_mode_tp2_one_world_heap_after_the_kv_cache(servers, version):
         # the shim's rule: configured - in use, aligned down to 128 MiB
         assert int(heap) == (MIX_HEAP_MIB - int(used)) // 128 * 128
         # in use: at least the rank's KV cache, placed before the heap was made
-        kv_mib = kv_tokens(mix) * 1 * 16 * 2 * 2 * 2 / (1 << 20)
+        kv_mib = kv_tokens(mix) * kv_bytes_per_token(mix.model_dir, 2) / (1 << 20)
         assert int(used) >= kv_mib
     assert log.index("KV Cache is allocated") < log.index("GVA heap")
     # upstream's own line, which operators' log scrapers look for, once per rank

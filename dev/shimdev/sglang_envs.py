@@ -573,6 +573,12 @@ def editable_dir() -> Path:
     return layered_dir() / f"editable-{digest(key)}"
 
 
+def put_base_under(venv: Path) -> None:
+    """A venv made by the base's python also sees the base's site-packages (a ``.pth``)."""
+    (site_packages(venv) / "npu_shim_base.pth").write_text(
+        f"import site; site.addsitedir({str(site_packages(base_dir()))!r})\n")
+
+
 def ensure_editable(*, log=None) -> ReleaseEnv:
     """The editable release: ``EDITABLE["release"]``'s sdist tree, its ``pyproject_npu.toml`` as
     ``pyproject.toml`` (as upstream's NPU Dockerfile does), installed with setuptools' own
@@ -600,8 +606,7 @@ def ensure_editable(*, log=None) -> ReleaseEnv:
         venv = final / "venv"
         log(f"[editable] venv {venv} on top of the base")
         run([str(python), "-m", "venv", str(venv)], "creating the editable venv")
-        (site_packages(venv) / "npu_shim_base.pth").write_text(
-            f"import site; site.addsitedir({str(site_packages(base_dir()))!r})\n")
+        put_base_under(venv)
         log(f"[editable] pip install -e {src} (version {dev})")
         run(pip(venv / "bin" / "python", "install", "--no-deps", "-e", str(src)),
              f"pip install -e of the sglang {release} tree", env={"SETUPTOOLS_SCM_PRETEND_VERSION": dev})

@@ -35,10 +35,8 @@ def ensure_server_venv(*, log=None) -> Path:
     def build(final: Path) -> dict:
         sglang_envs.run([str(base), "-m", "venv", "--without-pip", str(final)],
                         "creating the server venv")
-        site = sglang_envs.site_packages(final)
-        (site / "npu_shim_base.pth").write_text(
-            f"import site; site.addsitedir({str(sglang_envs.site_packages(sglang_envs.base_dir()))!r})\n")
-        (site / "simnpu_server.pth").write_text(
+        sglang_envs.put_base_under(final)
+        (sglang_envs.site_packages(final) / "simnpu_server.pth").write_text(
             "import os; os.environ.get('SIMNPU_SERVER_RELEASE') and __import__('shimdev.server.startup')\n")
         return {"key": key}
 

@@ -12,6 +12,7 @@ never replaces one a server is reading.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import subprocess
@@ -67,7 +68,9 @@ json.dump({"kind": kind, "transformers": transformers.__version__}, open(out + "
 '''
 
 
+@functools.lru_cache(maxsize=None)
 def _transformers_version(version: str) -> str:
+    """The release's transformers (a subprocess importing it: once per release and process)."""
     argv, env = realsglang.release_command(version, wrapt=None, env={"NPU_SHIM_ENABLED": "0"})
     out = subprocess.run(argv + ["-c", "import transformers; print(transformers.__version__)"],
                          env=env, capture_output=True, text=True, timeout=300, check=True)

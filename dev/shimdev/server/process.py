@@ -15,6 +15,7 @@ interpreter exit for a server nobody stopped.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import signal
@@ -43,12 +44,17 @@ class ServerError(AssertionError):
     """The server did not come up, or died; the message ends with its log's last lines."""
 
 
+@functools.lru_cache(maxsize=None)
+def _private_dir() -> Path:
+    """This process's own directory (mkdtemp: 0700, a new name): nothing another user of a shared
+    /tmp made or links to."""
+    return Path(tempfile.mkdtemp(prefix="npu-shim-server-"))
+
+
 def _empty_dir() -> Path:
     """A directory with nothing in it: first on PYTHONPATH where the shim is absent."""
-    d = Path(tempfile.gettempdir()) / "npu-shim-no-shim"
+    d = _private_dir() / "no-shim"
     d.mkdir(exist_ok=True)
-    if any(d.iterdir()):
-        raise ServerError(f"{d} should be empty (it stands where the shim is not)")
     return d
 
 
@@ -122,8 +128,7 @@ class Server:
         run_env.setdefault("SIMNPU_DEVICE_COUNT", "8")
         self.argv = argv + ["-m", "sglang.launch_server", *self.args]
         self.env = run_env
-        self.log_path = Path(log_path) if log_path else Path(
-            os.environ.get("TMPDIR", "/tmp")) / f"npu-shim-server-{self.port}.log"
+        self.log_path = Path(log_path) if log_path else _private_dir() / f"server-{self.port}.log"
         self.ready_timeout, self.stop_timeout, self.wait_ready = ready_timeout, stop_timeout, wait_ready
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None

@@ -3,6 +3,8 @@ queries and the targets.  Loaded only where the patch is decided past its probe 
 a release that has zbal upstream, nor while SGLANG_ZBAL_LOCAL_MEM_SIZE is unset):
 npu_shim/patches/zbal.py is the patch and its documentation."""
 
+import sys
+
 from npu_shim.ops import log, staterecord
 from npu_shim.patches.zbal import (
     BOOTSTRAP_URL, COMMON, DEEPEP, LOCAL_MEM_SIZE, MIB, ALIGN_MIB, MODEL_RUNNER, PARALLEL_STATE,
@@ -186,8 +188,10 @@ class ZbalProcess:
         size, in_use, total = gva_size_mib(configured_mib(), group.world_size, group.cpu_group)
         require_zbal_allocator()
         # upstream's own line (sglang >= 0.5.12, hardware_backend/npu/utils.py), word for word on
-        # stdout: operators' log scrapers look for it
-        print("[ZBAL] rank %d allocated %d MB gva space." % (group.rank_in_group, size), flush=True)
+        # stdout: operators' log scrapers look for it.  One write with its newline: the ranks share
+        # one stdout, and print()'s two writes interleaved them on one line.
+        sys.stdout.write("[ZBAL] rank %d allocated %d MB gva space.\n" % (group.rank_in_group, size))
+        sys.stdout.flush()
         _call_zbal_init(zbal, group.world_size, runner.gpu_id, group.rank_in_group, size,
                         "mix mode, lazy GVA heap %s" % when)
         self.gva_mib = size

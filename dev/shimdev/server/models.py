@@ -29,7 +29,27 @@ SPECS = {
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")),
+    # DeepSeek-V3.2 / GLM-5 style attention (DSA: MLA with the lightning indexer: ``index_*`` in
+    # config.json makes sglang's is_deepseek_nsa true), all layers dense, as a modelslim W8A8
+    # checkpoint whose q_b_proj (and the indexer's wq_b) are INT8 and whose kv_b_proj is in
+    # ``ignore`` -- what routes 0.5.9 - 0.5.19's npu_mla_preprocess to forward_mlaprolog
+    # (docs/mla-weight-release.md).  Everything else is "FLOAT" (bf16).
+    "dsa": ("DeepseekV3Config", dict(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=2, moe_layer_freq=1,
+        max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
+        rope_scaling={"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 2048,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+        architectures=["DeepseekV3ForCausalLM"],
+        index_topk=16, index_head_dim=32, index_n_heads=4)),
 }
+
+#: kind -> what is done to the saved checkpoint after ``save_pretrained`` (in _BUILD).
+POST = {"dsa": "modelslim_w8a8_dsa"}
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
@@ -47,6 +67,49 @@ config = getattr(transformers, cls_name)(**kwargs)
 torch.manual_seed(0)
 model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
 model.save_pretrained(out, safe_serialization=True)
+if spec.get("post") == "modelslim_w8a8_dsa":
+    # The DSA indexer's weights (transformers' DeepseekV3 has none), then modelslim W8A8: q_b_proj
+    # and indexer.wq_b INT8 per output channel (weight_scale / weight_offset [out, 1]), the rest
+    # FLOAT; kv_b_proj listed in "ignore" (what sends npu_mla_preprocess to forward_mlaprolog).
+    import glob, os
+    from safetensors.torch import load_file, save_file
+    files = sorted(glob.glob(out + "/*.safetensors"))
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(f))
+        os.remove(f)
+    for f in glob.glob(out + "/*.safetensors.index.json"):
+        os.remove(f)
+    gen = torch.Generator().manual_seed(1)
+    heads, head_dim, hidden = kwargs["index_n_heads"], kwargs["index_head_dim"], kwargs["hidden_size"]
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
+    for i in range(kwargs["num_hidden_layers"]):
+        p = "model.layers.%d.self_attn.indexer." % i
+        tensors[p + "wq_b.weight"] = rand(heads * head_dim, kwargs["q_lora_rank"])
+        tensors[p + "wk.weight"] = rand(head_dim, hidden)
+        tensors[p + "weights_proj.weight"] = rand(heads, hidden)
+        tensors[p + "k_norm.weight"] = torch.ones(head_dim)
+        tensors[p + "k_norm.bias"] = torch.zeros(head_dim)
+    description, ignore = {}, []
+    for name in sorted(tensors):
+        if not name.endswith(".weight") or tensors[name].dim() != 2 or "embed" in name or "lm_head" in name:
+            continue
+        prefix = name[:-len(".weight")]
+        if prefix.endswith(("self_attn.q_b_proj", "indexer.wq_b")):
+            w = tensors[name].float()
+            scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-8)
+            tensors[name] = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
+            tensors[prefix + ".weight_scale"] = scale.to(torch.bfloat16)
+            tensors[prefix + ".weight_offset"] = torch.zeros_like(scale).to(torch.bfloat16)
+            description[name] = "W8A8_DYNAMIC"
+        else:
+            description[name] = "FLOAT"
+            if prefix.endswith("kv_b_proj"):
+                ignore.append(prefix)
+    description["ignore"] = ignore
+    save_file(tensors, out + "/model.safetensors", metadata={"format": "pt"})
+    json.dump(description, open(out + "/quant_model_description.json", "w"), indent=1, sort_keys=True)
 
 rng = random.Random(0)
 syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "an", "el", "is", "or", "un", "th",
@@ -80,7 +143,8 @@ def _transformers_version(version: str) -> str:
 def ensure_model(kind: str, version: str) -> Path:
     """The model directory of ``kind`` for release ``version`` (built once, under a file lock)."""
     cls_name, kwargs = SPECS[kind]
-    spec = {"config": [cls_name, kwargs], "special": SPECIAL_TOKENS, "chat_template": CHAT_TEMPLATE}
+    spec = {"config": [cls_name, kwargs], "special": SPECIAL_TOKENS, "chat_template": CHAT_TEMPLATE,
+            "post": POST.get(kind)}
     key = {"spec": spec, "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
            "transformers": _transformers_version(version)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]

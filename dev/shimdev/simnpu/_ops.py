@@ -28,6 +28,74 @@ NPU_SCHEMAS = {
     "npu_mrope": ("(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, int head_size, *, "
                   "int[]? mrope_section=None, str? rotary_mode='half', str? cache_mode='default') "
                   "-> (Tensor, Tensor)"),
+    # The DSA (DeepSeek-V3.2 / GLM-5 indexer) decode path: the indexer's rope, its top-k and the
+    # sparse attention over the selected tokens; the W8A8 dynamic linear (q_b_proj, indexer.wq_b).
+    "npu_rotary_mul": "(Tensor input, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor",
+    "npu_interleave_rope": "(Tensor x, Tensor cos, Tensor sin) -> Tensor",
+    "npu_lightning_indexer": (
+        '(Tensor query, Tensor key, Tensor weights, *, Tensor? actual_seq_lengths_query=None, '
+        'Tensor? actual_seq_lengths_key=None, Tensor? block_table=None, str layout_query="BSND", '
+        'str layout_key="BSND", int sparse_count=2048, int sparse_mode=3, '
+        'int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, '
+        'bool return_value=False) -> (Tensor, Tensor)'),
+    "npu_sparse_flash_attention": (
+        '(Tensor query, Tensor key, Tensor? value, Tensor sparse_indices, float scale_value, *, '
+        'Tensor? block_table=None, Tensor? actual_seq_lengths_query=None, '
+        'Tensor? actual_seq_lengths_kv=None, Tensor? query_rope=None, Tensor? key_rope=None, '
+        'int sparse_block_size=1, str layout_query="BSND", str layout_kv="BSND", int sparse_mode=3, '
+        'int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, '
+        'int attention_mode=0, bool return_softmax_lse=False, Tensor? sinks=None) '
+        '-> (Tensor, Tensor, Tensor)'),
+    "npu_quant_matmul": (
+        "(Tensor x1, Tensor x2, Tensor scale, *, Tensor? offset=None, Tensor? pertoken_scale=None, "
+        "Tensor? bias=None, int? output_dtype=None, int? x1_dtype=None, int? x2_dtype=None, "
+        "int? pertoken_scale_dtype=None, int? scale_dtype=None, int[]? group_sizes=None, "
+        "Tensor? y_scale=None) -> Tensor"),
+    "npu_dynamic_quant": (
+        '(Tensor input, *, Tensor? smooth_scales=None, Tensor? group_index=None, int? dst_type=None, '
+        'str quant_mode="pertoken", float dst_type_max=0.0) -> (Tensor, Tensor)'),
+}
+
+#: torch_npu 2.13.0's ``npu::npu_mla_prolog_v3`` (a string of libtorch_npu.so).  sglang 0.5.9 -
+#: 0.5.19 call it as ``torch.ops.custom.npu_mla_prolog_v3``: the ``custom`` namespace is not
+#: torch_npu's but the CANN custom-ops package's (cann-recipes-infer
+#: ``ops/ascendc/torch_ops_extension/custom_ops/csrc/ops_def_registration.cpp``,
+#: ``TORCH_LIBRARY(custom, m)``), whose schema is this one without the five trailing ``int? *_dtype``
+#: arguments (torch_npu added them for its FP8/HiFloat8 variants).  The conformance test holds the
+#: ``custom::`` schema to be exactly that prefix of the wheel's string.
+NPU_MLA_PROLOG_V3 = (
+    '(Tensor token_x, Tensor weight_dq, Tensor weight_uq_qr, Tensor weight_uk, Tensor weight_dkv_kr, '
+    'Tensor rmsnorm_gamma_cq, Tensor rmsnorm_gamma_ckv, Tensor rope_sin, Tensor rope_cos, '
+    'Tensor(a!) kv_cache, Tensor(b!) kr_cache, *, Tensor? cache_index=None, Tensor? dequant_scale_x=None, '
+    'Tensor? dequant_scale_w_dq=None, Tensor? dequant_scale_w_uq_qr=None, '
+    'Tensor? dequant_scale_w_dkv_kr=None, Tensor? quant_scale_ckv=None, Tensor? quant_scale_ckr=None, '
+    'Tensor? smooth_scales_cq=None, Tensor? actual_seq_len=None, Tensor? k_nope_clip_alpha=None, '
+    'float rmsnorm_epsilon_cq=1e-05, float rmsnorm_epsilon_ckv=1e-05, str cache_mode="PA_BSND", '
+    'bool query_norm_flag=False, int weight_quant_mode=0, int kv_cache_quant_mode=0, '
+    'int query_quant_mode=0, int ckvkr_repo_mode=0, int quant_scale_repo_mode=0, int tile_size=128, '
+    'float qc_qr_scale=1.0, float kc_scale=1.0, int? token_x_dtype=None, int? weight_dq_dtype=None, '
+    'int? weight_uq_qr_dtype=None, int? weight_dkv_kr_dtype=None, int? kv_cache_dtype=None) '
+    '-> (Tensor, Tensor, Tensor, Tensor, Tensor)')
+_DTYPE_ARGS = (", int? token_x_dtype=None, int? weight_dq_dtype=None, int? weight_uq_qr_dtype=None, "
+               "int? weight_dkv_kr_dtype=None, int? kv_cache_dtype=None")
+CUSTOM_SCHEMAS = {"npu_mla_prolog_v3": NPU_MLA_PROLOG_V3.replace(_DTYPE_ARGS, "")}
+
+#: sgl-kernel-npu's own ``npu::`` op (``csrc/pytorch_extensions.cpp``, ``TORCH_LIBRARY_FRAGMENT(npu,
+#: m)``): the decode attention's ``w_vc`` product (``forward_dsa_core_npu``).  Not in the torch-npu
+#: wheel, so the conformance test cannot hold it to a binary (no sgl-kernel-npu wheel is public).
+SGL_KERNEL_NPU_SCHEMAS = {
+    "batch_matmul_transpose": (
+        "(Tensor tensor_a, Tensor tensor_b, Tensor(a!) tensor_c, str? format_mode=None, "
+        "str? quant_mode=None) -> ()"),
+}
+
+#: Where each op's schema (and so what it reads and writes, for the stream sanitizer) is from.
+SOURCES = {
+    "npu": "torch-npu 2.13.0 torch_npu/lib/libtorch_npu.so",
+    "custom": ("CANN custom ops (cann-recipes-infer ops/ascendc/torch_ops_extension/custom_ops/csrc/"
+               "ops_def_registration.cpp); = torch-npu 2.13.0's npu::npu_mla_prolog_v3 less its dtype "
+               "arguments"),
+    "sgl_kernel_npu": "sgl-kernel-npu csrc/pytorch_extensions.cpp",
 }
 
 #: name -> schema, for ``atb::`` (types: the C++ function's; names: sglang's keywords).
@@ -104,6 +172,215 @@ def npu_mrope(positions, query, key, cos_sin_cache, head_size, *, mrope_section=
     return out[0], out[1]
 
 
+def _rotate_half(x):
+    import torch
+
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
+    """``input * cos + rotate(input) * sin`` (r1 = cos, r2 = sin, broadcast): ``half`` rotates the
+    two halves (neox), ``interleave`` adjacent pairs."""
+    import torch
+
+    x = input.float()
+    if rotary_mode == "half":
+        rotated = _rotate_half(x)
+    elif rotary_mode == "interleave":
+        rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        raise NotImplementedError("simnpu: npu_rotary_mul rotary_mode=%r" % (rotary_mode,))
+    return (x * r1.float() + rotated * r2.float()).to(input.dtype)
+
+
+def npu_interleave_rope(x, cos, sin):
+    """Rope on interleaved pairs: the last dim de-interleaved (even, then odd elements), then
+    rotated by halves with ``cos`` / ``sin`` (``[B, 1, S, D]`` against ``x`` ``[B, N, S, D]``)."""
+    import torch
+
+    xf = x.float()
+    xf = torch.cat((xf[..., 0::2], xf[..., 1::2]), dim=-1)
+    return (xf * cos.float() + _rotate_half(xf) * sin.float()).to(x.dtype)
+
+
+def _batch_of_tokens(cumulative_q, tokens):
+    """Request index of each of ``tokens`` query tokens from TND's cumulative query lengths."""
+    import torch
+
+    ends = cumulative_q.long().flatten()[:, None]
+    return (torch.arange(tokens)[None, :] >= ends).sum(0)
+
+
+def _paged_rows(cache, block_table_row, positions):
+    """Rows ``positions`` of one request in a paged ``[blocks, page, heads, dim]`` cache."""
+    page = cache.shape[1]
+    slots = block_table_row.long()[positions // page] * page + positions % page
+    return cache.reshape(-1, cache.shape[-1])[slots]
+
+
+def _visible(actual_q, actual_kv, batch, t):
+    """sparse_mode 3 (causal from the bottom right): how many of its request's keys query token
+    ``t`` sees."""
+    q_end = int(actual_q[batch])
+    q_start = int(actual_q[batch - 1]) if batch else 0
+    return int(actual_kv[batch]) - (q_end - q_start) + (t - q_start) + 1
+
+
+def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None,
+                          actual_seq_lengths_key=None, block_table=None, layout_query="BSND",
+                          layout_key="BSND", sparse_count=2048, sparse_mode=3,
+                          pre_tokens=9223372036854775807, next_tokens=9223372036854775807,
+                          return_value=False):
+    """DSA's indexer: per query token, ``score(s) = sum_n weights[n] * relu(q[n] . k[s])`` over the
+    keys it sees (sparse_mode 3), and the positions of the ``sparse_count`` best (-1 past the
+    visible ones).  TND queries over a PA_BSND key cache only (what sglang passes)."""
+    import torch
+
+    if layout_query != "TND" or layout_key != "PA_BSND" or sparse_mode != 3:
+        raise NotImplementedError("simnpu: npu_lightning_indexer %s/%s sparse_mode %d"
+                                  % (layout_query, layout_key, sparse_mode))
+    tokens = query.shape[0]
+    indices = torch.full((tokens, 1, sparse_count), -1, dtype=torch.int32)
+    values = torch.full((tokens, 1, sparse_count), float("-inf"), dtype=torch.float32)
+    batches = _batch_of_tokens(actual_seq_lengths_query, tokens)
+    for t in range(tokens):
+        b = int(batches[t])
+        n = _visible(actual_seq_lengths_query, actual_seq_lengths_key, b, t)
+        k = _paged_rows(key, block_table[b], torch.arange(n)).float()
+        scores = (torch.relu(query[t].float() @ k.T) * weights[t].float()[:, None]).sum(0)
+        top = torch.topk(scores, min(sparse_count, n))
+        indices[t, 0, :top.indices.numel()] = top.indices.to(torch.int32)
+        values[t, 0, :top.values.numel()] = top.values
+    return indices, (values.to(query.dtype) if return_value else torch.empty(0, dtype=query.dtype))
+
+
+def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, block_table=None,
+                               actual_seq_lengths_query=None, actual_seq_lengths_kv=None,
+                               query_rope=None, key_rope=None, sparse_block_size=1,
+                               layout_query="BSND", layout_kv="BSND", sparse_mode=3,
+                               pre_tokens=9223372036854775807, next_tokens=9223372036854775807,
+                               attention_mode=0, return_softmax_lse=False, sinks=None):
+    """Attention of each query token over the tokens ``sparse_indices`` selects (-1: none); with
+    ``attention_mode`` 2 (MLA, absorbed) the scores add ``query_rope . key_rope`` and the values
+    are ``value`` (the latent cache).  TND over PA_BSND, sparse_block_size 1 (what sglang passes)."""
+    import torch
+
+    if layout_query != "TND" or layout_kv != "PA_BSND" or sparse_block_size != 1:
+        raise NotImplementedError("simnpu: npu_sparse_flash_attention %s/%s block %d"
+                                  % (layout_query, layout_kv, sparse_block_size))
+    tokens = query.shape[0]
+    out = torch.zeros(query.shape[0], query.shape[1], value.shape[-1], dtype=query.dtype)
+    batches = _batch_of_tokens(actual_seq_lengths_query, tokens)
+    for t in range(tokens):
+        b = int(batches[t])
+        chosen = sparse_indices[t, 0].long()
+        chosen = chosen[chosen >= 0]
+        if not chosen.numel():
+            continue
+        scores = query[t].float() @ _paged_rows(key, block_table[b], chosen).float().T
+        if query_rope is not None:
+            scores = scores + query_rope[t].float() @ _paged_rows(key_rope, block_table[b], chosen).float().T
+        probs = (scores * scale_value).softmax(-1)
+        out[t] = (probs @ _paged_rows(value, block_table[b], chosen).float()).to(query.dtype)
+    empty = torch.empty(0, dtype=torch.float32)
+    return out, empty, empty
+
+
+def _dtype(code, default):
+    """An ``int?`` dtype argument: torch's ScalarType code (a torch.dtype arrives as its code)."""
+    import torch
+
+    if code is None:
+        return default
+    if isinstance(code, torch.dtype):
+        return code
+    return {5: torch.float16, 6: torch.float32, 15: torch.bfloat16, 1: torch.int8, 3: torch.int32}[code]
+
+
+def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None,
+                     x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None, scale_dtype=None,
+                     group_sizes=None, y_scale=None):
+    """INT8 x INT8 -> ``(x1 @ x2) * scale[n] * pertoken_scale[t] (+ bias)``, in ``output_dtype``
+    (int8 when none is given, the op's default)."""
+    import torch
+
+    acc = x1.float() @ x2.float()
+    acc = acc * scale.float().flatten()
+    if pertoken_scale is not None:
+        acc = acc * pertoken_scale.float().reshape(-1, *([1] * (acc.dim() - 1)))
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(_dtype(output_dtype, torch.int8))
+
+
+def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=None,
+                      quant_mode="pertoken", dst_type_max=0.0):
+    """Per-token symmetric INT8: ``scale = amax(|x|) / 127`` per row, ``round(x / scale)``."""
+    import torch
+
+    x = input.float()
+    if smooth_scales is not None:
+        x = x * smooth_scales.float()
+    scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-12)
+    return torch.round(x / scale).clamp(-128, 127).to(torch.int8), scale.squeeze(-1)
+
+
+def npu_mla_prolog_v3(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq,
+                      rmsnorm_gamma_ckv, rope_sin, rope_cos, kv_cache, kr_cache, *, cache_index=None,
+                      dequant_scale_x=None, dequant_scale_w_dq=None, dequant_scale_w_uq_qr=None,
+                      dequant_scale_w_dkv_kr=None, quant_scale_ckv=None, quant_scale_ckr=None,
+                      smooth_scales_cq=None, actual_seq_len=None, k_nope_clip_alpha=None,
+                      rmsnorm_epsilon_cq=1e-05, rmsnorm_epsilon_ckv=1e-05, cache_mode="PA_BSND",
+                      query_norm_flag=False, weight_quant_mode=0, kv_cache_quant_mode=0,
+                      query_quant_mode=0, ckvkr_repo_mode=0, quant_scale_repo_mode=0, tile_size=128,
+                      qc_qr_scale=1.0, kc_scale=1.0):
+    """MLA's prolog, fused: ``cq = rmsnorm(x @ W_dq)``; with ``weight_quant_mode`` 1 cq is
+    quantised per token to INT8 (returned as the query norm with its scale when
+    ``query_norm_flag``) and multiplied by the INT8 ``W_uq_qr`` (dequantised per channel); the
+    query's nope part absorbed through ``W_uk`` (``[heads, nope, kv_lora]``), its rope part
+    rotated by halves; ``ckv = x @ W_dkv_kr``: the kv part normed into ``kv_cache``, the rope
+    part rotated into ``kr_cache``, at the slots ``cache_index`` (PA_BSND).  Modes 0 and 1 only
+    (what 0.5.9 - 0.5.19 pass)."""
+    import torch
+
+    if weight_quant_mode not in (0, 1) or kv_cache_quant_mode or query_quant_mode or cache_mode != "PA_BSND":
+        raise NotImplementedError("simnpu: npu_mla_prolog_v3 weight_quant_mode %d kv_cache_quant_mode %d "
+                                  "query_quant_mode %d cache_mode %s" % (
+                                      weight_quant_mode, kv_cache_quant_mode, query_quant_mode, cache_mode))
+    tokens = token_x.shape[0]
+    heads, nope, kv_lora = weight_uk.shape
+    rope = rope_cos.shape[-1]
+    cos, sin = rope_cos.float().view(tokens, 1, rope), rope_sin.float().view(tokens, 1, rope)
+    cq, _ = _rms((token_x.float() @ weight_dq.float()).to(token_x.dtype), rmsnorm_gamma_cq, rmsnorm_epsilon_cq)
+    if weight_quant_mode == 1:
+        qr, cq_scale = npu_dynamic_quant(cq)
+        q = (qr.float() @ weight_uq_qr.float()) * cq_scale[:, None] * dequant_scale_w_uq_qr.float().view(1, -1)
+    else:
+        qr, cq_scale = cq, torch.ones(tokens)
+        q = cq.float() @ weight_uq_qr.float()
+    q = q.view(tokens, heads, nope + rope)
+    q_nope = torch.einsum("thn,hnk->thk", q[..., :nope], weight_uk.float()).to(token_x.dtype)
+    q_pe = (q[..., nope:] * cos + _rotate_half(q[..., nope:]) * sin).to(token_x.dtype)
+    ckv = token_x.float() @ weight_dkv_kr.float()
+    kv, _ = _rms(ckv[:, :kv_lora].to(token_x.dtype), rmsnorm_gamma_ckv, rmsnorm_epsilon_ckv)
+    kr = ckv[:, kv_lora:].view(tokens, 1, rope)
+    kr = (kr * cos + _rotate_half(kr) * sin).view(tokens, rope)
+    slots = cache_index.long().flatten()
+    kv_cache.view(-1, kv_lora)[slots] = kv.to(kv_cache.dtype)
+    kr_cache.view(-1, rope)[slots] = kr.to(kr_cache.dtype)
+    query_norm = qr if query_norm_flag else torch.empty(0, dtype=token_x.dtype)
+    norm_scale = cq_scale.view(tokens, 1) if query_norm_flag else torch.empty(0)
+    return q_nope, q_pe, torch.empty(0), query_norm, norm_scale
+
+
+def batch_matmul_transpose(tensor_a, tensor_b, tensor_c, format_mode=None, quant_mode=None):
+    """``tensor_c[t, n] = tensor_a[t, n] @ tensor_b[n]`` (a ``[T, N, K]``, b ``[N, K, V]``)."""
+    import torch
+
+    tensor_c.copy_(torch.einsum("tnk,nkv->tnv", tensor_a.float(), tensor_b.float()).to(tensor_c.dtype))
+
+
 def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices):
     slots = slot_indices.long().flatten()
     heads, dim = key_cache.shape[-2], key_cache.shape[-1]
@@ -164,17 +441,47 @@ def _npu_paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads,
 
 # -- registration -----------------------------------------------------------------------------------
 
+#: The ops whose stand-ins are declared to the stream sanitizer (``simnpu.declare_kernel``) with
+#: the real op's schema: one launch reading and writing what the real kernel does.
+DECLARED = ("npu_rotary_mul", "npu_interleave_rope", "npu_lightning_indexer",
+            "npu_sparse_flash_attention", "npu_quant_matmul", "npu_dynamic_quant")
+
+
+def _schemas():
+    """(namespace, name, schema, where the schema is from) of every op defined here."""
+    out = [("npu", n, sc, SOURCES["npu"]) for n, sc in NPU_SCHEMAS.items()]
+    out += [("atb", n, sc, "torch-npu 2.13.0 libop_plugin_atb.so") for n, sc in ATB_SCHEMAS.items()]
+    out += [("custom", n, sc, SOURCES["custom"]) for n, sc in CUSTOM_SCHEMAS.items()]
+    out += [("npu", n, sc, SOURCES["sgl_kernel_npu"]) for n, sc in SGL_KERNEL_NPU_SCHEMAS.items()]
+    return out
+
+
+def kernel(name):
+    """The stand-in registered for ``name``: declared to the sanitizer where the op is one of
+    DECLARED, custom:: or sgl-kernel-npu's (with the real op's schema and its source)."""
+    from ._sanitizer import declare_kernel
+
+    for namespace, op, schema, source in _schemas():
+        if op == name:
+            fn = globals()[name]
+            if name in DECLARED or namespace == "custom" or name in SGL_KERNEL_NPU_SCHEMAS:
+                return declare_kernel(name + schema, source)(fn)
+            return fn
+    raise KeyError(name)
+
+
 def define() -> None:
-    """Define every op once in this process (``torch.ops.npu.*``, ``torch.ops.atb.*``)."""
+    """Define every op once in this process (``torch.ops.npu.*``, ``torch.ops.atb.*``,
+    ``torch.ops.custom.*``)."""
     import torch
 
-    here = globals()
-    for namespace, schemas in (("npu", NPU_SCHEMAS), ("atb", ATB_SCHEMAS)):
-        lib = torch.library.Library(namespace, "FRAGMENT")
-        for name, schema in schemas.items():
-            lib.define(name + schema)
-            lib.impl(name, here[name], "CompositeExplicitAutograd")
-        _LIBRARIES.append(lib)
+    libraries = {}
+    for namespace, name, schema, _ in _schemas():
+        if namespace not in libraries:
+            libraries[namespace] = torch.library.Library(namespace, "FRAGMENT")
+            _LIBRARIES.append(libraries[namespace])
+        libraries[namespace].define(name + schema)
+        libraries[namespace].impl(name, kernel(name), "CompositeExplicitAutograd")
 
 
 def torch_npu_names() -> dict:

@@ -58,6 +58,8 @@ def _device_mode():
             if len(args) > 1 and getattr(func, "__name__", "") == "to" and _is_npu(args[1]):
                 args = (args[0], "cpu", *args[2:])
                 placed = True
+            if func is torch.nn.functional.linear and _mixed_float(args):
+                args = _promoted(args)
             out = func(*args, **(kwargs or {}))
             if placed:
                 _device.STATE.npu_allocations += 1
@@ -66,6 +68,24 @@ def _device_mode():
             return out
 
     return NpuTensorsOnCpu()
+
+
+def _mixed_float(args) -> bool:
+    """``F.linear`` of an fp32 input and a bf16/fp16 weight: sglang 0.5.11's DSA indexer does it
+    on the npu (``self.weights_proj(x.float())``, a bf16 ``weights_proj``) -- the device takes it;
+    CPU torch refuses mixed dtypes."""
+    import torch
+
+    tensors = [a for a in args[:3] if isinstance(a, torch.Tensor)]
+    return (len(tensors) >= 2 and all(t.is_floating_point() for t in tensors)
+            and len({t.dtype for t in tensors}) > 1)
+
+
+def _promoted(args):
+    """The float tensors of a mixed-dtype ``F.linear`` in fp32 (the product's accumulation type)."""
+    import torch
+
+    return tuple(a.float() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 _tracked: dict = {}  # storage data pointer -> bytes counted

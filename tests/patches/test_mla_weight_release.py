@@ -715,6 +715,9 @@ def test_accounting_in_status_details_and_summary_lines(server, logs, monkeypatc
     qkv, wkc = 2 * 24 * 32 * 4, 2 * 4 * 8 * 12 * 4  # float32 bytes of two layers
     assert record.details["qkv_a_mib"] == round(qkv / R.MIB, 3) == 0.006
     assert record.details["w_kc_mib"] == round(wkc / R.MIB, 3) == 0.003
+    # and in bytes, exact (a small model's release rounds to 0.0 MiB)
+    assert (record.details["qkv_a_bytes"], record.details["w_kc_bytes"]) == (qkv, wkc)
+    assert record.details["released_bytes"] == qkv + wkc
     assert [line for line in logs if "MiB in" in line] == [
         "mla_weight_release: released: 0.0 MiB in 2 layers (qkv_a 0.0 MiB, w_kc 0.0 MiB) in pid 42"]
     step([layer(2)])  # a layer first seen after the summary

@@ -368,7 +368,9 @@ class FreedWeights:
         total = sum(self.released_bytes.values())
         self.details.update(released_mib=round(total / MIB, 3), layers=len(self.layers),
                             qkv_a_mib=round(self.released_bytes["qkv_a"] / MIB, 3),
-                            w_kc_mib=round(self.released_bytes["w_kc"] / MIB, 3))
+                            w_kc_mib=round(self.released_bytes["w_kc"] / MIB, 3),
+                            released_bytes=total, qkv_a_bytes=self.released_bytes["qkv_a"],
+                            w_kc_bytes=self.released_bytes["w_kc"])
         log.debug("mla_weight_release: released %s (%.2f MiB)" % (what, nbytes / MIB))
         staterecord.touch()
         if self.summary_logged:

@@ -600,10 +600,12 @@ def test_weight_updates_delegate_untouched_until_a_weight_is_released(server, lo
     assert "updates_refused" not in REL.details and not [line for line in logs if "refused" in line]
 
 
-def test_weight_updates_are_refused_once_weights_are_released(server, logs):
+def test_weight_updates_are_refused_once_weights_are_released(server, logs, monkeypatch):
     worker = FakeWorker()
     layers = [layer(i) for i in range(3)]
     step(layers)
+    touched = []
+    monkeypatch.setattr(RI.staterecord, "touch", lambda now=False: touched.append(now))
     for op, call in (("update_weights_from_disk", worker.update_weights_from_disk),
                      ("init_weights_update_group", worker.init_weights_update_group)):
         success, message = call("req")
@@ -613,6 +615,7 @@ def test_weight_updates_are_refused_once_weights_are_released(server, logs):
         assert "%.1f MiB freed" % (sum(REL.released_bytes.values()) / R.MIB) in message
     assert worker.loaded == []  # the runner was never asked: nothing read, nothing loaded
     assert REL.details["updates_refused"] == 2
+    assert len(touched) == 2  # each refusal reaches the running record (found by a real server)
     refused = [line for line in logs if "refused" in line]
     assert len(refused) == 2 and all("NPU_SHIM_MLA_WEIGHT_RELEASE=0" in line for line in refused)
     assert all(torch.isfinite(out[0]).all() for out in step(layers))  # the layers keep serving

@@ -416,6 +416,7 @@ class FreedWeights:
         op = getattr(wrapped, "__name__", "the weight update")
         message = self.update_refusal(op)
         self.details["updates_refused"] = self.details.get("updates_refused", 0) + 1
+        staterecord.touch()  # the running record (status --running, the metrics) says so too
         log.warning("mla_weight_release: refused %s: MLA weights are released in %s (%s=0 keeps "
                     "them)" % (op, log.pid_text(), SWITCH.name))
         return False, message

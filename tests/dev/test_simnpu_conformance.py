@@ -366,3 +366,23 @@ def test_atb_op_argument_types_are_those_of_the_cpp_functions_torch_npu_register
         match = re.search(r"CompileTimeFunctionPointerIFv(\w+?)EXadL_ZN3atb%d%sE" % (len(name), name), atb)
         assert match, name
         assert _mangled_types(match.group(1)) == _schema_types(schema), name
+
+
+def test_the_custom_mla_prolog_v3_is_the_wheel_s_npu_op_less_its_dtype_arguments(library):
+    """sglang 0.5.9 - 0.5.19 call ``torch.ops.custom.npu_mla_prolog_v3`` (the CANN custom-ops
+    package's namespace, not torch_npu's); its schema is torch_npu 2.13.0's ``npu::`` one without the
+    five trailing ``int? *_dtype`` arguments."""
+    from shimdev.simnpu import _ops
+
+    assert ("npu_mla_prolog_v3" + _ops.NPU_MLA_PROLOG_V3).encode() in library
+    custom = _ops.CUSTOM_SCHEMAS["npu_mla_prolog_v3"]
+    assert custom != _ops.NPU_MLA_PROLOG_V3
+    assert custom == _ops.NPU_MLA_PROLOG_V3.replace(_ops._DTYPE_ARGS, "")
+    assert custom.endswith("float kc_scale=1.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def test_every_op_quotes_where_its_schema_is_from():
+    from shimdev.simnpu import _ops
+
+    for namespace, name, schema, source in _ops._schemas():
+        assert source and ("2.13.0" in source or "sgl-kernel-npu" in source or "cann-recipes" in source), name

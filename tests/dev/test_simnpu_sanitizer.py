@@ -384,3 +384,63 @@ def test_the_csan_cross_check_says_plainly_when_there_is_no_cuda_device(capsys):
         return
     assert csan_check.main([], "unused") == 2
     assert capsys.readouterr().out == "not run: %s (this cross-check needs a CUDA device)\n" % why
+
+
+def _dsa_calls():
+    """One small call of each stand-in of the DSA decode path (simnpu/_ops.py) declared to the
+    sanitizer, as sglang 0.5.11 calls it."""
+    from shimdev.simnpu import _ops
+
+    k = _ops.kernel
+    t, heads, dim, rope, kv_lora, page = 3, 2, 8, 4, 8, 4
+    cos, sin = torch.randn(t, 1, 1, dim), torch.randn(t, 1, 1, dim)
+    yield k("npu_rotary_mul"), (torch.randn(t, heads, 1, dim), cos, sin), {}
+    yield k("npu_interleave_rope"), (torch.randn(t, heads, 1, dim), cos, sin), {}
+    blocks = dict(block_table=torch.tensor([[0, 1], [2, 3], [1, 0]], dtype=torch.int32),
+                  actual_seq_lengths_query=torch.tensor([1, 2, 3], dtype=torch.int32))
+    keys = torch.randn(4, page, 1, dim)
+    indices, _ = _ops.npu_lightning_indexer(
+        torch.randn(t, heads, dim), keys, torch.randn(t, heads), actual_seq_lengths_key=torch.tensor(
+            [5, 3, 2], dtype=torch.int32), layout_query="TND", layout_key="PA_BSND", sparse_count=4, **blocks)
+    yield k("npu_lightning_indexer"), (torch.randn(t, heads, dim), keys, torch.randn(t, heads)), dict(
+        actual_seq_lengths_key=torch.tensor([5, 3, 2], dtype=torch.int32), layout_query="TND",
+        layout_key="PA_BSND", sparse_count=4, **blocks)
+    latent = torch.randn(4, page, 1, kv_lora)
+    yield k("npu_sparse_flash_attention"), (torch.randn(t, heads, kv_lora), latent, latent, indices, 0.5), dict(
+        actual_seq_lengths_kv=torch.tensor([5, 3, 2], dtype=torch.int32), query_rope=torch.randn(t, heads, rope),
+        key_rope=torch.randn(4, page, 1, rope), layout_query="TND", layout_kv="PA_BSND", attention_mode=2,
+        **blocks)
+    int8 = dict(dtype=torch.int8)
+    yield k("npu_quant_matmul"), (torch.randint(-4, 4, (t, 8), **int8), torch.randint(-4, 4, (8, 6), **int8),
+                                  torch.rand(6)), dict(pertoken_scale=torch.rand(t), output_dtype=torch.bfloat16)
+    yield k("npu_dynamic_quant"), (torch.randn(t, 8),), {}
+    hidden, q_lora = 16, 8
+    yield k("npu_mla_prolog_v3"), (
+        torch.randn(t, hidden).bfloat16(), torch.randn(hidden, q_lora).bfloat16(),
+        torch.randint(-4, 4, (q_lora, heads * (dim + rope)), **int8), torch.randn(heads, dim, kv_lora).bfloat16(),
+        torch.randn(hidden, kv_lora + rope).bfloat16(), torch.ones(q_lora).bfloat16(),
+        torch.ones(kv_lora).bfloat16(), torch.randn(t, rope).bfloat16(), torch.randn(t, rope).bfloat16(),
+        torch.zeros(4, page, 1, kv_lora).bfloat16(), torch.zeros(4, page, 1, rope).bfloat16()), dict(
+        cache_index=torch.arange(t), dequant_scale_w_uq_qr=torch.rand(1, heads * (dim + rope)),
+        query_norm_flag=True, weight_quant_mode=1)
+    yield k("batch_matmul_transpose"), (torch.randn(t, heads, kv_lora), torch.randn(heads, kv_lora, dim),
+                                        torch.empty(t, heads, dim)), {}
+
+
+def test_the_dsa_stand_ins_keep_to_their_real_schemas(npu):
+    """What sglang's DSA decode path calls (a real 0.5.11 server runs them: tests/test_real_server_mla.py)
+    is declared with the real op's schema: in place only where it says ``(a!)``."""
+    from shimdev.simnpu import _ops
+
+    seen = []
+    for fn, args, kwargs in _dsa_calls():
+        seen.append(fn.declared.name.split("::")[-1])
+        with _sanitizer.sanitize() as san:
+            fn(*args, **kwargs)
+        assert san.reports == [], (fn.__name__, san.reports)
+        assert san.launches == 1, fn.__name__
+    assert sorted(seen) == sorted(list(_ops.DECLARED) + list(_ops.CUSTOM_SCHEMAS)
+                                  + list(_ops.SGL_KERNEL_NPU_SCHEMAS))
+    prolog = _ops.kernel("npu_mla_prolog_v3").declared
+    assert prolog.writes("kv_cache") and prolog.writes("kr_cache") and not prolog.writes("token_x")
+    assert _ops.kernel("batch_matmul_transpose").declared.writes("tensor_c")

@@ -20,6 +20,7 @@ operators for real; the rest of the simulation only answers the device module.  
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 
 from . import _device, _stubs
@@ -65,6 +66,8 @@ def _device_mode():
                 _device.STATE.npu_allocations += 1
                 if isinstance(out, torch.Tensor) and out.untyped_storage().nbytes():
                     _track(out.untyped_storage())
+            elif _TRACK_DERIVED and _tracked and func not in _LEAVES_THE_DEVICE:
+                _track_derived(args, kwargs, out)
             return out
 
     return NpuTensorsOnCpu()
@@ -89,6 +92,83 @@ def _promoted(args):
 
 
 _tracked: dict = {}  # storage data pointer -> bytes counted
+
+#: ``SIMNPU_TRACK_DERIVED=1``: a new storage an op makes from npu tensors is on the npu too (as on a
+#: device: ``w.transpose(1, 2).contiguous()`` of an npu weight is npu memory), so weights sglang
+#: rebuilds after loading (``w_kc`` / ``w_vc`` from ``kv_b_proj``, NZ casts) are counted.  Off by
+#: default: every tensor here is a CPU tensor, and only what is placed on the npu by name is
+#: counted (the figures the zbal servers' tests pin).
+_TRACK_DERIVED = os.environ.get("SIMNPU_TRACK_DERIVED") == "1"
+
+
+def _leaves_the_device():
+    import torch
+
+    return {torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item}
+
+
+_LEAVES_THE_DEVICE: set = set()
+
+
+def _storages(value, out, depth=0):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        try:
+            storage = value.untyped_storage()
+        except Exception:  # noqa: BLE001 - a tensor subclass that refuses (a released weight)
+            return
+        out.append(storage)
+    elif depth < 2 and isinstance(value, (list, tuple)):
+        for item in value:
+            _storages(item, out, depth + 1)
+
+
+def _track_derived(args, kwargs, result) -> None:
+    """Count the new storages of ``result`` when an input's storage is counted (on the npu), unless
+    the call moves it to the host (``.to("cpu")``)."""
+    inputs = []
+    for value in list(args) + list((kwargs or {}).values()):
+        _storages(value, inputs)
+    if not any(st.data_ptr() in _tracked for st in inputs):
+        return
+    if any(isinstance(a, str) and a.startswith("cpu") for a in args[1:]) or \
+            str((kwargs or {}).get("device", "")).startswith("cpu"):
+        return
+    outputs = []
+    _storages(result, outputs)
+    for st in outputs:
+        if st.nbytes() and st.data_ptr() not in _tracked:
+            _track(st)
+
+
+def memory_snapshot() -> dict:
+    """The simulated device's counters now (after a collection: what is unreachable is freed)."""
+    import gc
+
+    gc.collect()
+    return {"pid": os.getpid(), "live_npu_bytes": _device.STATE.live_npu_bytes,
+            "pluggable_bytes": _device.STATE.pluggable_bytes, "storages": len(_tracked),
+            "track_derived": _TRACK_DERIVED}
+
+
+def _dump_on_signal() -> None:
+    """``SIMNPU_MEMORY_DIR``: on SIGUSR2 the process writes ``memory_snapshot()`` to
+    ``<dir>/<pid>.json`` (how a test reads a server process's device memory from outside)."""
+    import json
+    import signal
+
+    directory = os.environ.get("SIMNPU_MEMORY_DIR")
+    if not directory or threading.current_thread() is not threading.main_thread():
+        return
+
+    def dump(signum, frame):
+        path = os.path.join(directory, "%d.json" % os.getpid())
+        with open(path + ".tmp", "w") as fh:
+            json.dump(memory_snapshot(), fh)
+        os.replace(path + ".tmp", path)
+
+    signal.signal(signal.SIGUSR2, dump)
 
 
 def _track(storage) -> None:
@@ -168,6 +248,8 @@ def install() -> None:
 
         from . import _ops
 
+        _LEAVES_THE_DEVICE.update(_leaves_the_device())
+        _dump_on_signal()
         _device_mode().__enter__()  # for the process: never exited
         torch.Tensor.npu = lambda self, *args, **kwargs: self
         torch.nn.Module.npu = lambda self, *args, **kwargs: self

@@ -1,0 +1,131 @@
+"""A real sglang MLA decode server on the simulated NPU, and what is read from it.
+
+The tiny DSA model (``models.ensure_model("dsa", ...)``) served as a PD decode server with
+sglang's ``fake`` transfer backend and ``SGLANG_NPU_USE_MLAPO=1`` reaches ``npu_mla_preprocess`` ->
+``forward_mlaprolog`` at every decode step (docs/development.md, "A real MLA decode server").
+Used by tests/test_real_server_mla.py and scripts/bench_mla_server.py.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from shimdev import realsglang
+from shimdev.server import models
+from shimdev.server.process import Server, ServerError, session_pids
+
+#: sglang's stand-in bootstrap host of the fake transfer backend (sglang.srt.disaggregation.utils
+#: FAKE_BOOTSTRAP_HOST; 0.5.11's decode server cannot take a request without a bootstrap host).
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+BOOTSTRAP_PORT = 8998  # sglang's --disaggregation-bootstrap-port default
+
+
+def decode_args(tp: int) -> list[str]:
+    return ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake",
+            "--mem-fraction-static", "0.5", "--max-total-tokens", "4096",
+            "--max-running-requests", "8", "--tp-size", str(tp)]
+
+
+def decode_server(version: str, tp: int, shim: str, workdir: Path, name: str,
+                  device_mib: int = 1024) -> Server:
+    """A decode server (not started): ``shim`` "on" (with a state directory) or "absent"; every
+    process of it writes its device counters to ``workdir/memory-<name>`` on SIGUSR2."""
+    memory = Path(workdir) / f"memory-{name}"
+    memory.mkdir(parents=True, exist_ok=True)
+    env = {"SIMNPU_TOTAL_MIB": device_mib, "SGLANG_NPU_USE_MLAPO": "1",
+           "SIMNPU_TRACK_DERIVED": "1", "SIMNPU_MEMORY_DIR": str(memory)}
+    if shim == "on":
+        env["NPU_SHIM_STATE_DIR"] = str(Path(workdir) / f"state-{name}")
+    model = models.ensure_model("dsa", version)
+    server = Server(version, model, args=decode_args(tp), env=env, shim=shim,
+                    log_path=Path(workdir) / f"mla-{name}.log")
+    server.model_dir = model
+    return server
+
+
+_rooms = itertools.count(1000)
+
+
+def decode(server: Server, input_ids, new_tokens: int = 8) -> list[int]:
+    """Greedy tokens of a request sent to the decode server as a PD router sends it (bootstrap
+    host, port and a fresh room)."""
+    status, out = server.post("/generate", {
+        "input_ids": list(input_ids),
+        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
+        "bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_port": BOOTSTRAP_PORT,
+        "bootstrap_room": next(_rooms)})
+    if status != 200:
+        raise ServerError(f"/generate answered {status}: {out}\n{server.log_tail()}")
+    return out["output_ids"]
+
+
+def expected_release(model_dir, tp: int) -> dict:
+    """Bytes one TP rank releases, from the model's shapes: the fused qkv_a weight (replicated:
+    ``hidden x (q_lora + kv_lora + rope)``) and ``w_kc`` (its heads split over TP: ``heads/tp x
+    nope x kv_lora``), bf16, every layer."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    layers = c["num_hidden_layers"]
+    qkv_a = c["hidden_size"] * (c["q_lora_rank"] + c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2
+    w_kc = c["num_attention_heads"] // tp * c["qk_nope_head_dim"] * c["kv_lora_rank"] * 2
+    return {"qkv_a": layers * qkv_a, "w_kc": layers * w_kc}
+
+
+def schedulers(server: Server) -> dict:
+    """TP rank -> pid of each scheduler process of the server (sglang's process title)."""
+    out = {}
+    for pid in session_pids(os.getsid(server.proc.pid)):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmdline = fh.read().decode(errors="replace")
+        except OSError:
+            continue
+        found = re.search(r"sglang::scheduler\S*?TP(\d+)", cmdline)
+        if found:
+            out[int(found.group(1))] = pid
+    return out
+
+
+def device_memory(server: Server, pid: int, timeout: float = 30) -> dict:
+    """The simulated device's counters in process ``pid`` (it writes them on SIGUSR2)."""
+    path = os.path.join(server.env["SIMNPU_MEMORY_DIR"], f"{pid}.json")
+    if os.path.exists(path):
+        os.remove(path)
+    os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            with open(path) as fh:
+                return json.load(fh)
+        time.sleep(0.1)
+    raise ServerError(f"pid {pid} wrote no memory snapshot\n{server.log_tail()}")
+
+
+def devices(server: Server) -> dict:
+    """TP rank -> that scheduler's device counters now."""
+    return {rank: device_memory(server, pid) for rank, pid in schedulers(server).items()}
+
+
+def status_running(version: str, state_dir) -> dict:
+    argv, env = realsglang.release_command(version, wrapt=None)
+    p = subprocess.run(argv + ["-m", "npu_shim", "status", "--running", "--json", str(state_dir)],
+                       env=env, capture_output=True, text=True, timeout=120)
+    if not p.stdout:
+        raise ServerError("status --running printed nothing: %s" % p.stderr[-2000:])
+    return json.loads(p.stdout)
+
+
+def release_details(server: Server) -> dict:
+    """TP rank -> mla_weight_release's state (``state``, ``details``) in that scheduler's record."""
+    info = status_running(server.version, server.env["NPU_SHIM_STATE_DIR"])
+    out = {}
+    for p in info["processes"]:
+        role = p.get("role") or {}
+        if p["status"] == "live" and role.get("role") == "scheduler":
+            out[role["tp_rank"]] = p["patches"]["mla_weight_release"]
+    return out

@@ -1,0 +1,143 @@
+"""mla_weight_release inside a real sglang 0.5.11 decode server (dev/shimdev/server/).
+
+A tiny DeepSeek-V3.2 / GLM-5 style model (DSA: MLA with the lightning indexer; a modelslim W8A8
+checkpoint whose ``kv_b_proj`` is in ``ignore``: ``models.ensure_model("dsa", ...)``) served by
+``python -m sglang.launch_server --device npu --disaggregation-mode decode
+--disaggregation-transfer-backend fake`` with ``SGLANG_NPU_USE_MLAPO=1``, TP 2, on the simulated
+NPU: every decode step goes through ``npu_mla_preprocess`` -> ``NPUFusedMLAPreprocess.
+forward_mlaprolog`` (``custom::npu_mla_prolog_v3``), the indexer (``npu_lightning_indexer``) and
+the sparse attention (``npu_sparse_flash_attention``), sglang's own code throughout.
+
+Requests reach a decode server as a PD router sends them: with ``bootstrap_host`` /
+``bootstrap_port`` / ``bootstrap_room``.  With sglang's ``fake`` transfer backend the host is
+sglang's own ``FAKE_BOOTSTRAP_HOST`` and no prefill server exists: the KV "transfer" succeeds at
+once and the decode server decodes from its (untransferred) cache -- the first token is the
+metadata buffer's -- so the tokens are a deterministic function of the decode path, not of the
+prompt (docs/development.md, "A real MLA decode server").
+
+Two servers, one per configuration, on one xdist worker: the shim on, and without the shim
+(not on PYTHONPATH).  Checked on them:
+
+* the same tokens for the same requests;
+* the bytes released, from the patch's details on each TP rank (``status --running``), equal
+  to what the model's shapes say; the simulated device of each rank holds exactly that much less
+  than the same rank of the server without the shim, after the same requests
+  (``SIMNPU_TRACK_DERIVED``: what sglang derives from npu weights counts as npu memory);
+* ``/update_weights_from_disk`` refused with the clear answer by every rank, and the server still
+  serving the same tokens afterwards (last: it counts a refusal).
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from shimdev.server import mla
+from shimdev.server.process import Server, ServerError
+
+VERSION = "0.5.11"
+TP = 2
+PROMPTS = ([5, 6, 7, 8], [100, 200, 300, 400, 500, 600, 700], [9])
+NEW_TOKENS = 8
+
+pytestmark = pytest.mark.xdist_group("server-mla-" + VERSION)
+
+
+class Bed:
+    """The two servers (shim on, shim absent), started on first use, with the answers each gave
+    to the fixed requests and its ranks' device counters right after."""
+
+    def __init__(self, tmp):
+        self.tmp, self.servers, self.after = tmp, {}, {}
+
+    def get(self, name) -> Server:
+        if name not in self.servers:
+            server = mla.decode_server(VERSION, TP, "on" if name == "on" else "absent", self.tmp, name)
+            self.servers[name] = server
+            server.start()
+            answers = [mla.decode(server, p, NEW_TOKENS) for p in PROMPTS]
+            self.after[name] = (answers, mla.devices(server))
+        return self.servers[name]
+
+    def answers(self, name):
+        self.get(name)
+        return self.after[name][0]
+
+    def memory(self, name):
+        self.get(name)
+        return self.after[name][1]
+
+    def stop_all(self):
+        errors = []
+        for server in self.servers.values():
+            try:
+                server.stop()
+            except ServerError as exc:
+                errors.append(str(exc))
+        assert not errors, errors
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory):
+    b = Bed(tmp_path_factory.mktemp("mla-servers"))
+    yield b
+    b.stop_all()
+
+
+def test_the_decode_server_serves_the_same_tokens_through_mlaprolog_as_without_the_shim(bed):
+    assert bed.answers("on") == bed.answers("off")
+    assert all(len(a) == NEW_TOKENS for a in bed.answers("on"))
+    on = bed.get("on")
+    lines = [ln for ln in on.log_text().splitlines() if ln.startswith("[npu-shim ")]
+    layers = json.loads((on.model_dir / "config.json").read_text())["num_hidden_layers"]
+    for rank in range(TP):
+        assert any(re.search(r"tp %d/%d\] .*mla_weight_release=applied" % (rank, TP), ln) for ln in lines), lines
+        assert any(re.search(r"tp %d/%d\] mla_weight_release: released: .* in %d layers" % (rank, TP, layers), ln)
+                   for ln in lines), lines
+
+
+def test_the_bytes_released_on_each_rank_are_what_the_shapes_say(bed):
+    expected = mla.expected_release(bed.get("on").model_dir, TP)
+    details = mla.release_details(bed.get("on"))
+    assert sorted(details) == list(range(TP)), details
+    for rank, patch in details.items():
+        assert patch["state"] == "applied"
+        d = patch["details"]
+        assert d["role"] == "decode", d
+        assert (d["qkv_a_bytes"], d["w_kc_bytes"]) == (expected["qkv_a"], expected["w_kc"]), (rank, d)
+        assert d["released_bytes"] == sum(expected.values())
+
+
+def test_each_ranks_simulated_device_holds_that_much_less_than_without_the_shim(bed):
+    expected = sum(mla.expected_release(bed.get("on").model_dir, TP).values())
+    on, off = bed.memory("on"), bed.memory("off")
+    assert sorted(on) == sorted(off) == list(range(TP)), (on, off)
+    for rank in range(TP):
+        assert on[rank]["track_derived"] and off[rank]["track_derived"]
+        assert off[rank]["live_npu_bytes"] - on[rank]["live_npu_bytes"] == expected, (rank, on, off)
+
+
+def test_update_weights_from_disk_is_refused_by_every_rank_and_the_server_keeps_serving(bed):
+    on = bed.get("on")
+    before = bed.answers("on")
+    status, out = on.post("/update_weights_from_disk", {"model_path": str(on.model_dir)})
+    assert status == 400 and out["success"] is False, out
+    assert out["message"].startswith("npu-shim refused update_weights_from_disk: loading weights "
+                                     "from disk would write into MLA weights"), out
+    assert "NPU_SHIM_MLA_WEIGHT_RELEASE=0" in out["message"]
+    pids = mla.schedulers(on)
+    refusals = [ln for ln in on.log_text().splitlines()
+                if "refused update_weights_from_disk: MLA weights are released in pid" in ln]
+    assert sorted(int(re.search(r"in pid (\d+)", ln).group(1)) for ln in refusals) == sorted(pids.values()), refusals
+    # each rank's record says so (its writer rewrites it soon after: polled, bounded)
+    deadline = time.monotonic() + 30
+    while True:
+        refused = {rank: patch["details"].get("updates_refused")
+                   for rank, patch in mla.release_details(on).items()}
+        if refused == {rank: 1 for rank in range(TP)} or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert refused == {rank: 1 for rank in range(TP)}, refused
+    assert [mla.decode(on, p, NEW_TOKENS) for p in PROMPTS] == before

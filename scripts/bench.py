@@ -78,12 +78,17 @@ def sources(quick):
         import bench_server
         return bench_server.rows(*((1, 2, 32) if quick else (2, 4, 64)))
 
+    def mla_server():
+        import bench_mla_server
+        return bench_mla_server.rows()
+
     def dual_stream():
         import bench_dual_stream
         return bench_dual_stream.rows()
 
     return [("bench_shim_cost", shim_cost), ("bench_drop_in", drop_in), ("bench_mla_release", mla),
-            ("bench_zbal", zbal), ("bench_dual_stream", dual_stream), ("bench_server", server)]
+            ("bench_zbal", zbal), ("bench_dual_stream", dual_stream), ("bench_server", server),
+            ("bench_mla_server", mla_server)]
 
 
 def collect(quick, only=None, log=print):

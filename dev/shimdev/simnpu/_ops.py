@@ -11,7 +11,16 @@ an int belongs fails here as there), in the namespace torch_npu registers it in:
   library assembles its schema strings at run time, so they are not in the file whole: the argument
   types here are those of the C++ function its registration names (the mangled
   ``atb::<name>(...)`` symbol, which the conformance test matches type for type) and the argument
-  names are the ones sglang passes by keyword.
+  names are the ones sglang passes by keyword;
+* ``custom::npu_mla_prolog_v3`` -- the CANN custom-ops package's namespace, which sglang 0.5.9 -
+  0.5.19's mlaprolog path calls; its schema is torch_npu 2.13.0's ``npu::npu_mla_prolog_v3`` (a
+  string of libtorch_npu.so, which the conformance test finds) less five trailing dtype arguments;
+* sgl-kernel-npu's ``npu::batch_matmul_transpose`` -- quoted from its ``csrc/pytorch_extensions.cpp``
+  (no public wheel to hold it to).
+
+The DSA decode path's stand-ins (DECLARED, custom::, sgl-kernel-npu's) are declared to the stream
+sanitizer (``declare_kernel``) with the real op's schema: one launch each, writing only what the
+schema marks ``(a!)`` (the prolog's two caches, ``batch_matmul_transpose``'s output).
 
 What a kernel computes is the reference math of the op (float32 accumulation, the input's dtype
 out); what it writes in place is what the schema marks ``(a!)``.

@@ -15,7 +15,11 @@ operators for real; the rest of the simulation only answers the device module.  
 * **the operators** (``_ops.py``): defined with ``torch.library`` under the schemas torch_npu
   2.13.0 registers, reached as ``torch.ops.npu.*`` / ``torch.ops.atb.*`` and as ``torch_npu.*``
   the way torch_npu binds them; sgl-kernel-npu's triton allocator kernel as a stand-in running
-  sglang's own naive allocator.
+  sglang's own naive allocator;
+* ``F.linear`` of an fp32 input and a bf16 weight computes in fp32 (the DSA indexer does it on the
+  npu; CPU torch refuses mixed dtypes);
+* for the MLA decode server's checks: ``SIMNPU_TRACK_DERIVED=1`` counts storages derived from npu
+  tensors as npu memory, and ``SIMNPU_MEMORY_DIR`` makes a process write its counters on SIGUSR2.
 """
 from __future__ import annotations
 

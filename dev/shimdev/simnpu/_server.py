@@ -79,8 +79,9 @@ def _device_mode():
 
 def _mixed_float(args) -> bool:
     """``F.linear`` of an fp32 input and a bf16/fp16 weight: sglang 0.5.11's DSA indexer does it
-    on the npu (``self.weights_proj(x.float())``, a bf16 ``weights_proj``) -- the device takes it;
-    CPU torch refuses mixed dtypes."""
+    on the npu (``self.weights_proj(x.float())``, a bf16 ``weights_proj``), so torch_npu is taken
+    to accept it (sglang's NPU path relies on it; not seen on a device here); CPU torch refuses
+    mixed dtypes."""
     import torch
 
     tensors = [a for a in args[:3] if isinstance(a, torch.Tensor)]

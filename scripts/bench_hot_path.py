@@ -9,8 +9,9 @@
 * why the C build reads slower: the same two processes, the wrapper over a function that has a
   ``__self__`` and the AttributeError alone.
 * the dual-stream experts per MoE layer call: the shim's wrapper on real sglang 0.5.9 beside sglang
-  0.5.10's own ``forward_deepep`` with its ``process_shared_expert``, the same synthetic block, the
-  two processes asked in alternating rounds.  Target <= 1.05x.
+  0.5.10's own ``forward_deepep`` with its ``process_shared_expert``, the same synthetic block, and
+  0.5.9's own with the patch off (what the two differ from); the three processes asked in
+  alternating rounds.  Target <= 1.05x.
 
 Usage: python3 scripts/bench_hot_path.py [--rounds N] [--calls N] [--moe-calls N] [--bundle DIR]
 (in a Python with torch and wrapt, e.g. the test runner's venv; scripts/bench.py finds it);
@@ -58,7 +59,7 @@ def mla_after_row(rounds, calls):
                "the real function retire its wrapper; then a stand-in layer (its mla_preprocess returns at once: "
                "sglang's own body runs) called through the name the caller forward_dsa_prepare_npu looks up, "
                "through sglang's function, and through the wrapper the module held before; %d rounds x %dk calls, "
-               "arms alternated, medians" % (info["layers"], rounds, calls // 1000),
+               "arms alternated, medians of the thread's CPU time per call" % (info["layers"], rounds, calls // 1000),
         "measured": "0 ns: that name is sglang's own function (identity%s); timed %.0f ns through it vs %.0f ns "
                     "sglang's function (%+.0f ns: the same object, this machine's noise); the wrapper before it "
                     "left: %.0f ns (%+.0f ns, %s)"
@@ -91,7 +92,7 @@ def wrapt_rows(bundle_dir, rounds, calls):
             "what": WHAT_BEFORE % label,
             "how": "%s, loaded by the shim's loader (%s) in a process of its own, the two builds' processes asked "
                    "in alternating rounds; a layer already seen (the wrapper's delegating path) vs the unwrapped "
-                   "function; %d rounds x %dk calls, medians"
+                   "function; %d rounds x %dk calls, medians of the thread's CPU time per call"
                    % (build, out[label]["info"]["wrapper_type"], rounds, calls // 1000),
             "measured": "+%.0f ns (%.0f vs %.0f ns); of which wrapt's own (a wrapper that only calls through): "
                         "+%.0f ns" % (added, m["shim"], m["unwrapped"], m["through"] - m["unwrapped"]),
@@ -131,32 +132,41 @@ def moe_rows(rounds, calls, tokens=16):
     from shimdev import hot_path_bench as H
 
     out = H.dual_stream(rounds, calls, tokens)
-    shim, up = out["shim"], out["upstream"]
-    si, ui = shim["info"], up["info"]
+    shim, up, off = out["shim"], out["upstream"], out["off"]
+    si, ui, oi = shim["info"], up["info"], off["info"]
     problems = []
     if si["state"] != "applied" or si["wrapped"]["forward_deepep"] != "FunctionWrapper":
         problems.append("0.5.9: dual_stream_experts %s, forward_deepep %s" % (si["state"], si["wrapped"]))
     if ui["state"] != "upstream" or ui["wrapped"]["forward_deepep"] != "function":
         problems.append("0.5.10: dual_stream_experts %s, forward_deepep %s" % (ui["state"], ui["wrapped"]))
-    if si["params"] != ui["params"]:
+    if oi["wrapped"]["forward_deepep"] != "function":
+        problems.append("0.5.9 with the patch off: forward_deepep %s" % oi["wrapped"])
+    if not si["params"] == ui["params"] == oi["params"]:
         problems.append("the blocks differ: %s vs %s" % (si["params"], ui["params"]))
     rows = []
     for mode, what in (("extend", WHAT_EXTEND), ("decode", WHAT_DECODE)):
-        a, b = shim["ns"][mode], up["ns"][mode]
+        a, b, c = shim["ns"][mode], up["ns"][mode], off["ns"][mode]
         ratio = H.median(a) / H.median(b)
         _, (low, high) = H.round_ratios(a, b)
-        equal = si["digests"][mode] == ui["digests"][mode]
+        wall = H.median(shim["ns"][mode + "@wall"]) / H.median(up["ns"][mode + "@wall"])
+        equal = si["digests"][mode] == ui["digests"][mode] == oi["digests"][mode]
+        calls_ = (si["calls"][mode], ui["calls"][mode], oi["calls"][mode])
         waits = (si["waits"][mode], ui["waits"][mode])
         rows.append({
             "what": what,
-            "how": "two processes, the simulated NPU, SGLANG_NPU_USE_MULTI_STREAM=1: 0.5.9's forward_deepep under "
-                   "the shim's wrapper, 0.5.10's own (the shim stands down there); the same synthetic block "
+            "how": "three processes, the simulated NPU, SGLANG_NPU_USE_MULTI_STREAM=1: 0.5.9's forward_deepep under "
+                   "the shim's wrapper, 0.5.10's own (the shim stands down there), and 0.5.9's own with the patch "
+                   "off (NPU_SHIM_DUAL_STREAM_EXPERTS=0: single stream, no wrapper); the same synthetic block "
                    "(demo_features.glm4_moe_bed: real Glm4MoeGate, the selftest's shared MLP, stand-in top-k and "
                    "experts; hidden %d, weights from one seed), %d tokens; the processes asked in alternating "
-                   "rounds, %d rounds x %d calls, medians" % (si["hidden"], tokens, rounds, calls),
-            "measured": "%.1f us vs %.1f us = %.3fx (middle half of rounds %.3f-%.3fx); outputs equal bit for bit: "
-                        "%s; stream waits per call %d / %d%s"
-                        % (H.median(a) / 1e3, H.median(b) / 1e3, ratio, low, high, "yes" if equal else "NO",
+                   "rounds, %d rounds x %d calls, one torch thread, medians of the thread's CPU time per call"
+                   % (si["hidden"], tokens, rounds, calls),
+            "measured": "%.1f us vs %.1f us = %.3fx (middle half of rounds %.3f-%.3fx; wall time %.3fx); function "
+                        "calls per layer call %.0f vs %.0f (%.3fx: what the load does not move); 0.5.9 with the "
+                        "patch off %.1f us, %.0f calls; outputs equal bit for bit (all three): %s; stream waits "
+                        "per call %d / %d%s"
+                        % (H.median(a) / 1e3, H.median(b) / 1e3, ratio, low, high, wall, calls_[0], calls_[1],
+                           calls_[0] / calls_[1], H.median(c) / 1e3, calls_[2], "yes" if equal else "NO",
                            waits[0], waits[1], "; " + "; ".join(problems) if problems else ""),
             "target": "<= %.2fx" % MOE_TARGET,
             "ok": ratio <= MOE_TARGET and equal and not problems,

@@ -1,7 +1,10 @@
 """The hot path's per-call costs, measured side by side (used by scripts/bench_hot_path.py).
 
 Three measurements, each in persistent worker processes timed in alternating rounds
-(shimdev.interleave), each arm's figure the median over its rounds:
+(shimdev.interleave), each arm's figure the median over its rounds -- of the calling thread's CPU
+time per call (``time.thread_time_ns``: what other jobs on a shared machine add is the time they
+hold the core, which that clock leaves out; one torch thread), with the wall time beside it
+(``arm@wall``):
 
 * ``mla_after_first_pass`` -- one process of the real sglang 0.5.11 with the shim (every trigger of
   the demo set, the release environment's wrapt 2.5.2): two decode passes over three synthetic
@@ -21,14 +24,16 @@ Three measurements, each in persistent worker processes timed in alternating rou
   ``PyObject_GetAttr`` on every call made without an instance: a plain function has none, so an
   AttributeError is built and cleared each time; the pure-Python build asks
   ``getattr(wrapped, "__self__", None)``, which builds none).
-* ``dual_stream`` -- two release processes: 0.5.9 with the shim's dual-stream wrapper on its real
+* ``dual_stream`` -- three release processes: 0.5.9 with the shim's dual-stream wrapper on its real
   ``Glm4MoeSparseMoeBlock.forward_deepep``, 0.5.10 with its own ``forward_deepep`` and
-  ``process_shared_expert`` (the shim stands down there); the same synthetic block in both
+  ``process_shared_expert`` (the shim stands down there), and, to say where a difference comes
+  from, 0.5.9's own with the patch switched off (single stream, no wrapper); the same synthetic block in both
   (``demo_features.glm4_moe_bed``: the real ``Glm4MoeGate``, the selftest's shared-expert MLP,
   stand-in top-k and experts; its weights re-drawn from one seed, the forward hooks of the tests
   removed), the simulated NPU, ``SGLANG_NPU_USE_MULTI_STREAM=1``, one torch thread; per MoE layer call on an extend
   batch (dual stream) and a decode batch (single stream: the wrapper calls through), the outputs'
-  digests compared between the two processes.
+  digests compared between the two processes, and the function calls (Python and C) one layer call
+  makes, counted by a profile hook: a figure the machine's load does not move.
 
 Each measurement returns plain JSON facts; the rows are made by scripts/bench_hot_path.py.
 """
@@ -45,15 +50,21 @@ DUAL_STREAM_SHIM, DUAL_STREAM_UPSTREAM = "0.5.9", "0.5.10"
 _TIMER = r'''
 import time as _time
 def per_call_ns(fn, args, calls):
-    start = _time.perf_counter_ns()
+    """(CPU time of this thread, wall time) per call in ns: the thread's CPU time leaves out the
+    time other jobs held the core (the arms run here with one torch thread)."""
+    cpu, wall = _time.thread_time_ns(), _time.perf_counter_ns()
     for _ in range(calls):
         fn(*args)
-    return (_time.perf_counter_ns() - start) / calls
+    return (_time.thread_time_ns() - cpu) / calls, (_time.perf_counter_ns() - wall) / calls
 
 def timed(arms, args, calls, round_):
-    """{arm: ns per call}, the arms in turn, their order reversed every other round."""
+    """{arm: CPU ns per call, arm + "@wall": wall ns per call}, the arms in turn, their order
+    reversed every other round."""
     names = list(arms) if round_ % 2 == 0 else list(reversed(list(arms)))
-    return {name: per_call_ns(arms[name], args, calls) for name in names}
+    out = {}
+    for name in names:
+        out[name], out[name + "@wall"] = per_call_ns(arms[name], args, calls)
+    return out
 '''
 
 _PRELUDE = r'''
@@ -180,7 +191,10 @@ SETUP_INFO = {"c_extension": "npu_shim._wrapt._wrappers" in sys.modules,
 
 def serve(request):
     names = list(ARMS) if request["round"] % 2 == 0 else list(reversed(list(ARMS)))
-    return {name: per_call_ns(ARMS[name][0], ARMS[name][1], request["calls"]) for name in names}
+    out = {}
+    for name in names:
+        out[name], out[name + "@wall"] = per_call_ns(ARMS[name][0], ARMS[name][1], request["calls"])
+    return out
 '''
 
 
@@ -232,10 +246,28 @@ def waits(mode):
         out = block.forward_deepep(hidden, BATCHES[mode])
     return digest(out), sum(1 for e in simnpu.EVENTS if e[0] == "wait_stream")
 
+def calls_per_call(mode, n=20):
+    """Python and C function calls per layer call (a profile hook counting them): what the load on
+    the machine does not move."""
+    count = [0]
+    def hook(frame, event, arg):
+        if event in ("call", "c_call"):
+            count[0] += 1
+    batch = BATCHES[mode]
+    with torch.no_grad():
+        sys.setprofile(hook)
+        try:
+            for _ in range(n):
+                block.forward_deepep(hidden, batch)
+        finally:
+            sys.setprofile(None)
+    return count[0] / n
+
 facts = {mode: waits(mode) for mode in BATCHES}
+CALLS = {mode: calls_per_call(mode) for mode in BATCHES}
 SETUP_INFO = {"wrapped": bed.wrapped_names(), "state": bed.state()["state"],
                "digests": {mode: f[0] for mode, f in facts.items()},
-               "waits": {mode: f[1] for mode, f in facts.items()},
+               "waits": {mode: f[1] for mode, f in facts.items()}, "calls": CALLS,
                "params": sorted(name for name, _ in block.named_parameters()),
                "tokens": TOKENS, "hidden": bed.H}
 
@@ -258,14 +290,17 @@ def serve(request):
 
 
 def dual_stream(rounds=9, calls=2000, tokens=16):
-    """{"shim" | "upstream": {"info", "ns": {"extend"|"decode": [...]}}}: 0.5.9 with the shim's
-    wrapper and 0.5.10's own, the two processes asked in alternating rounds."""
+    """{"shim" | "upstream" | "off": {"info", "ns": {"extend"|"decode"[@wall]: [...]}}}: 0.5.9 with
+    the shim's wrapper, 0.5.10's own, and 0.5.9's own with the patch switched off
+    (``NPU_SHIM_DUAL_STREAM_EXPERTS=0``: single stream, no wrapper -- what the other two differ
+    from), the three processes asked in alternating rounds."""
     from shimdev import realsglang
 
     env = {"SGLANG_NPU_USE_MULTI_STREAM": "1"}
     specs = []
-    for arm, release in (("shim", DUAL_STREAM_SHIM), ("upstream", DUAL_STREAM_UPSTREAM)):
-        argv, run_env = realsglang.release_command(release, env)
+    for arm, release, off in (("shim", DUAL_STREAM_SHIM, None), ("upstream", DUAL_STREAM_UPSTREAM, None),
+                              ("off", DUAL_STREAM_SHIM, "0")):
+        argv, run_env = realsglang.release_command(release, dict(env, NPU_SHIM_DUAL_STREAM_EXPERTS=off))
         specs.append((arm, argv, run_env, _PRELUDE.format(release=release) + "TOKENS = %d\n" % tokens + _DUAL))
     workers = interleave.start_all(specs)
     try:

@@ -98,7 +98,8 @@ WRAPPER_WHAT = "dual-stream experts wrapper, host time per MoE layer call on the
 
 
 def wrapper_cost(device, wrapt, tokens=16, calls=200, rounds=9, device_module=None, dtype=None, **overrides):
-    """{arm: [ms per call, one per round]} of the synthetic block's ``forward_deepep``, wall time
+    """{"ms": {arm: [ms per call, one per round]}, "dual_stream_calls": how many calls the wrapper
+    sent down the dual-stream path} of the synthetic block's ``forward_deepep``, wall time
     per call over ``calls`` calls then a synchronize, arms in turn (the order reversed every other
     round): ``plain`` the unwrapped single-stream body (0.5.9's order), ``extend`` the same method
     under the shim's wrapper (``DualStream.forward_deepep_wrapper`` through ``wrapt`` as a class
@@ -119,7 +120,8 @@ def wrapper_cost(device, wrapt, tokens=16, calls=200, rounds=9, device_module=No
     block = build_block(device, dtype, p)
     cls = type(block)
     cls.forward_plain = _serial_forward
-    cls.forward_deepep = wrapt.FunctionWrapper(_serial_forward, ds.DualStream().forward_deepep_wrapper)
+    process = ds.DualStream()  # the shim's per-process state, as a decision builds it
+    cls.forward_deepep = wrapt.FunctionWrapper(_serial_forward, process.forward_deepep_wrapper)
     hidden = torch.randn(p["tokens"], p["hidden"], device=device, dtype=dtype)
 
     def batch(extend):
@@ -149,13 +151,13 @@ def wrapper_cost(device, wrapt, tokens=16, calls=200, rounds=9, device_module=No
                     out[name].append((time.perf_counter() - start) * 1000.0 / calls)
     finally:
         torch.get_device_module = real_get
-    return out
+    return {"ms": out, "dual_stream_calls": process.counts["dual_stream_calls"]}
 
 
 def wrapper_cost_row(device, name, wrapt, wrapt_note, **kw):
     import statistics
 
-    out = wrapper_cost(device, wrapt, **kw)
+    out = wrapper_cost(device, wrapt, **kw)["ms"]
     med = {arm: statistics.median(values) for arm, values in out.items()}
     tokens = kw.get("tokens", 16)
     ok = None if device == "cpu" else med["decode"] - med["plain"] <= 0.001  # <= 1 us on the pass-through

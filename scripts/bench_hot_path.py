@@ -151,6 +151,7 @@ def moe_rows(rounds, calls, tokens=16):
         wall = H.median(shim["ns"][mode + "@wall"]) / H.median(up["ns"][mode + "@wall"])
         equal = si["digests"][mode] == ui["digests"][mode] == oi["digests"][mode]
         calls_ = (si["calls"][mode], ui["calls"][mode], oi["calls"][mode])
+        own = H.median(shim["ns"][mode + "_own"]) if mode + "_own" in shim["ns"] else None
         waits = (si["waits"][mode], ui["waits"][mode])
         rows.append({
             "what": what,
@@ -163,10 +164,13 @@ def moe_rows(rounds, calls, tokens=16):
                    % (si["hidden"], tokens, rounds, calls),
             "measured": "%.1f us vs %.1f us = %.3fx (middle half of rounds %.3f-%.3fx; wall time %.3fx); function "
                         "calls per layer call %.0f vs %.0f (%.3fx: what the load does not move); 0.5.9 with the "
-                        "patch off %.1f us, %.0f calls; outputs equal bit for bit (all three): %s; stream waits "
-                        "per call %d / %d%s"
+                        "patch off %.1f us, %.0f calls; in the shim's process 0.5.9's own function unwrapped "
+                        "(single stream) %s; outputs equal bit for bit (all three): %s; stream waits per call "
+                        "%d / %d%s"
                         % (H.median(a) / 1e3, H.median(b) / 1e3, ratio, low, high, wall, calls_[0], calls_[1],
-                           calls_[0] / calls_[1], H.median(c) / 1e3, calls_[2], "yes" if equal else "NO",
+                           calls_[0] / calls_[1], H.median(c) / 1e3, calls_[2],
+                           "%.1f us (the wrapped call %+.1f us)" % (own / 1e3, (H.median(a) - own) / 1e3)
+                           if own is not None else "not measured", "yes" if equal else "NO",
                            waits[0], waits[1], "; " + "; ".join(problems) if problems else ""),
             "target": "<= %.2fx" % MOE_TARGET,
             "ok": ratio <= MOE_TARGET and equal and not problems,

@@ -273,12 +273,18 @@ SETUP_INFO = {"wrapped": bed.wrapped_names(), "state": bed.state()["state"],
 
 def call(mode):
     batch = BATCHES[mode]
-    forward = block.forward_deepep
     def one():
-        forward(hidden, batch)
+        block.forward_deepep(hidden, batch)  # looked up on each call, as a layer calls it
     return one
 
 ARMS = {mode: call(mode) for mode in BATCHES}
+from npu_shim.source.live import unwrap
+OWN = unwrap(type(block).__dict__["forward_deepep"])
+if OWN is not type(block).__dict__["forward_deepep"]:
+    # Where the method is wrapped: the release's own function under it, called as the layer would
+    # without the shim, in the same process (decode: the same work, minus the wrapper).
+    for mode in BATCHES:
+        ARMS[mode + "_own"] = (lambda batch: lambda: OWN(block, hidden, batch))(BATCHES[mode])
 
 def serve(request):
     from shimdev import simnpu

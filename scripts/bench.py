@@ -9,7 +9,9 @@ itself in the test runner's venv, built by the same code the test command uses
 A missed target says MISSED; a row that cannot be measured here says "not measured: why"; a
 benchmark that fails gives each of its rows a one-line "not measured: ... failed: ..." cell, and
 the exit status is then 1.  ``--write-docs`` (formerly ``--write-readme``) writes the table of
-this run into docs/performance.md (between the bench-table markers, ``bench_rows.DOC``).
+this run into docs/performance.md (between the bench-table markers, ``bench_rows.DOC``); with
+``--only SCRIPT`` it replaces only that script's rows there and adds a line saying when they were
+measured (``bench_rows.merge_doc``), the other rows staying those of the page's last run.
 """
 
 import argparse
@@ -86,9 +88,13 @@ def sources(quick):
         import bench_dual_stream
         return bench_dual_stream.rows()
 
-    return [("bench_shim_cost", shim_cost), ("bench_drop_in", drop_in), ("bench_mla_release", mla),
-            ("bench_zbal", zbal), ("bench_dual_stream", dual_stream), ("bench_server", server),
-            ("bench_mla_server", mla_server)]
+    def hot_path():
+        import bench_hot_path
+        return bench_hot_path.rows(*((5, 20000, 500) if quick else (15, 100000, 2000)))
+
+    return [("bench_shim_cost", shim_cost), ("bench_drop_in", drop_in), ("bench_hot_path", hot_path),
+            ("bench_mla_release", mla), ("bench_zbal", zbal), ("bench_dual_stream", dual_stream),
+            ("bench_server", server), ("bench_mla_server", mla_server)]
 
 
 def collect(quick, only=None, log=print):
@@ -118,19 +124,22 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--write-docs", "--write-readme", dest="write_docs", action="store_true",
-                        help="write this run's table into %s (a full run: every benchmark)" % bench_rows.DOC)
+                        help="write this run's table into %s (with --only: those scripts' rows)" % bench_rows.DOC)
     parser.add_argument("--only", action="append", metavar="SCRIPT",
-                        help="run only this benchmark (repeatable); not with --write-docs")
+                        help="run only this benchmark (repeatable)")
     args = parser.parse_args()
-    if args.write_docs and args.only:
-        parser.error("--write-docs writes the whole table: run every benchmark (no --only)")
+    known = [script for script, _ in sources(args.quick)]
+    unknown = [script for script in args.only or () if script not in known]
+    if unknown:
+        parser.error("no benchmark %s (there are: %s)" % (", ".join(unknown), ", ".join(known)))
     in_runner_venv()
     started = datetime.datetime.utcnow()
     where = machine()
     rows, problems = collect(args.quick, args.only)
     header = ("`python3 scripts/bench.py%s` on %s UTC, %s; %.0f min, load %.1f at the end (other jobs "
               "share these cores: wall-time rows move with it)." % (
-                  " --quick" if args.quick else "", started.strftime("%Y-%m-%d %H:%M"), where,
+                  (" --quick" if args.quick else "") + "".join(" --only " + s for s in args.only or ()),
+                  started.strftime("%Y-%m-%d %H:%M"), where,
                   (datetime.datetime.utcnow() - started).total_seconds() / 60, os.getloadavg()[0]))
     table = bench_rows.render(rows)
     print()
@@ -140,8 +149,13 @@ def main():
     for problem in problems:
         print("[bench] error: " + problem)
     if args.write_docs:
-        bench_rows.write_doc(table, header, os.path.join(REPO, bench_rows.DOC))
-        print("[bench] %s's table rewritten from this run" % bench_rows.DOC)
+        path = os.path.join(REPO, bench_rows.DOC)
+        if args.only:
+            with open(path, encoding="utf-8") as handle:
+                header, table = bench_rows.merge_doc(handle.read(), rows, header, args.only)
+        bench_rows.write_doc(table, header, path)
+        print("[bench] %s's table rewritten from this run%s" % (
+            bench_rows.DOC, " (the rows of %s)" % ", ".join(args.only) if args.only else ""))
     return 1 if problems else 0
 
 

@@ -5,24 +5,22 @@
   ``.pyc`` are measured by scripts/bench_shim_cost.py);
 * the same start-up in instructions executed (valgrind, counted as
   ``bench_shim_cost.instructions_side_by_side`` counts): deterministic where wall time on a shared
-  machine is not;
-* the ``npu_mla_preprocess`` wrapper's added cost per call with the bundle's C build of wrapt and
-  with its pure-Python build, each loaded by the shim's own loader in a fresh process.
+  machine is not.
+
+The ``npu_mla_preprocess`` wrapper's cost per call with the bundle's two wrapt builds:
+scripts/bench_hot_path.py.
 
 Usage: python scripts/bench_drop_in.py [--bundle DIR] [--runs N]   (builds a bundle when none is
 given: wrapt wheels from PyPI through pip)
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(REPO, "scripts")
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
 from bench_shim_cost import alternate, clean_env, instructions_side_by_side  # noqa: E402
@@ -79,44 +77,10 @@ def instruction_rows(bundle_dir):
              "target": "<= 1.02x", "ok": shim / base <= 1.02}]
 
 
-_WRAPPER_COST = """
-import json, sys
-sys.path[:0] = [{scripts!r}, {repo!r}]
-from npu_shim.runtime import wrapt_loader
-import bench_mla_release  # scripts/, a sibling benchmark: its hot_path_ns
-wrapt = wrapt_loader._load_private({path!r})
-raw, shim = bench_mla_release.hot_path_ns(wrapt=wrapt)
-print(json.dumps([raw, shim, "npu_shim._wrapt._wrappers" in sys.modules]))
-"""
-
-
-def wrapper_rows(bundle_dir):
-    from npu_shim.runtime import wrapt_loader
-
-    vendor = os.path.join(bundle_dir, "npu_shim", "_vendor", "wrapt")
-    builds = wrapt_loader.bundled_builds(vendor)
-    c_build, _ = wrapt_loader.select_build(builds, *wrapt_loader.platform_facts())
-    rows = []
-    for label, build in (("C build", c_build), ("pure-Python build", wrapt_loader.PURE_BUILD)):
-        code = _WRAPPER_COST.format(scripts=SCRIPTS, repo=REPO, path=os.path.join(vendor, build, "wrapt"))
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env=clean_env([]), check=True)
-        raw, shim, c_ext = json.loads(out.stdout.strip().splitlines()[-1])
-        assert c_ext == (build != wrapt_loader.PURE_BUILD), "loaded %s, C extension %s" % (build, c_ext)
-        rows.append({
-            "what": "npu_mla_preprocess wrapper, added ns/call, bundle's wrapt %s" % label,
-            "how": "%s, loaded by the shim's loader in a fresh process; wrapped vs unwrapped, 9 alternating "
-                   "rounds x 200k calls, medians" % build,
-            "measured": "+%.0f ns (%.0f vs %.0f ns)" % (shim - raw, shim, raw),
-            "target": "<= 1000 ns", "ok": shim - raw <= 1000})
-    return rows
-
-
 def rows(runs=30, bundle_dir=None):
     with tempfile.TemporaryDirectory(prefix="npu-shim-bench-") as workdir:
         bundle_dir = bundle_dir or build_bundle(workdir)
-        return (startup_rows(bundle_dir, runs) + instruction_rows(bundle_dir)
-                + wrapper_rows(bundle_dir))
+        return startup_rows(bundle_dir, runs) + instruction_rows(bundle_dir)
 
 
 def main():

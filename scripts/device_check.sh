@@ -1,22 +1,81 @@
 #!/usr/bin/env bash
-# One call on a machine with a device (CUDA GPU or Ascend NPU): `python -m npu_shim selftest` and the
-# benchmark's dual-stream row, each under a timeout, everything written to $OUT (default
-# /tmp/npu-shim-device-check) and its summary printed.  Needs a python with torch (PYTHON=...);
-# without sglang (a CUDA machine) the selftest runs the dual-stream step alone (--patch).
+# The prepared device check (issue 32 item 3): one call on a machine with a device (CUDA GPU or
+# Ascend NPU), each step under a timeout, everything written to $OUT (default
+# /tmp/npu-shim-device-check) and a summary printed (summary.txt):
 #
-#   run(command="bash scripts/device_check.sh", timeout_s=420)      # the device tool: $OUT comes back
+#   1. machine.txt     what the machine is (nvidia-smi / npu-smi, python, torch)
+#   2. selftest        `python -m npu_shim selftest` (text and --json); without sglang (a CUDA
+#                      machine) its dual-stream step alone (--patch dual_stream_experts)
+#   3. overlap         scripts/bench_dual_stream.py: serial vs overlapped shared+routed experts on
+#                      the synthetic MoE block, target >= 90 % of the ideal saving
+#   4. mla_wrapper     scripts/bench_hot_path.py --wrapt-only: the npu_mla_preprocess wrapper's
+#                      added ns per call with the bundle's wrapt C build and pure-Python build
+#                      (their processes asked in alternating rounds), and why the C build reads slower
+#   5. moe_wrapper     scripts/bench_dual_stream.py --wrapper-cost: the dual-stream wrapper's host
+#                      time per MoE layer call on the device (extend: dual stream; decode: calls through)
+#
+# Steps 4 and 5 use a bundle's wrapt (BUNDLE, default .device-bundle/npu-shim): a device machine
+# reaches no package index, so build it here and carry it --
+#   echo /.device-bundle/ >> .git/info/exclude; python3 -m npu_shim bundle .device-bundle/npu-shim
+#   run(command="bash scripts/device_check.sh", carry=[".device-bundle/npu-shim"], timeout_s=480)
+# Without it those two steps say "not measured: no bundle".
+#
+# --dry-run: on this machine's CPU, no device: every step's plumbing with tiny sizes (the
+# benchmarks on `--device cpu`, where streams are no-ops; the selftest as it runs here), the bundle
+# built if missing; nothing it prints is a device measurement and summary.txt says so.
+# Needs a python with torch (PYTHON=..., default python3).
 set -u
+DRY=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY=1 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    *) echo "device_check.sh: unknown argument $arg (--dry-run, --help)" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/npu-shim-device-check}
 PY=${PYTHON:-python3}
+BUNDLE=${BUNDLE:-.device-bundle/npu-shim}
 mkdir -p "$OUT"
+: > "$OUT/summary.txt"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the shim first, as on a server
+export PYTHONUNBUFFERED=1
+
+note() { echo "$*" | tee -a "$OUT/summary.txt"; }
+# step NAME TIMEOUT CMD...: runs CMD under the timeout, output in $OUT/NAME.txt, its exit in the summary
+step() {
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  note "$name: exit $rc$([ $rc -eq 124 ] && echo " (timed out after ${limit}s)")"
+  cat "$OUT/$name.txt"
+  return 0
+}
+
+if [ $DRY -eq 1 ]; then
+  note "DRY RUN on $(hostname): CPU only, tiny sizes -- the plumbing of each step, no device measurement"
+  DEVICE=(--device cpu)
+  OVERLAP_SIZES=(--tokens 32 --hidden 64 --shared-inter 64 --expert-inter 32 --experts 4 --samples 2 --reps 1)
+  WRAPPER_SIZES=(--tokens 8 --hidden 64 --shared-inter 64 --expert-inter 32 --experts 4 --calls 5 --rounds 3)
+  HOT_SIZES=(--rounds 3 --calls 2000)
+  if [ ! -d "$BUNDLE/npu_shim/_vendor/wrapt" ]; then
+    note "building the bundle $BUNDLE (pip: wrapt wheels)"
+    "$PY" -m npu_shim bundle "$BUNDLE" > "$OUT/bundle.txt" 2>&1 || note "bundle: build failed (see bundle.txt)"
+  fi
+else
+  DEVICE=()
+  OVERLAP_SIZES=()
+  WRAPPER_SIZES=()
+  HOT_SIZES=(--rounds 9 --calls 100000)
+fi
 
 {
   date -u +"%Y-%m-%d %H:%M UTC"
   nvidia-smi -L 2>/dev/null || true
   npu-smi info 2>/dev/null | head -20 || true
   "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+  echo "load: $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)"
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
@@ -24,19 +83,23 @@ ARGS=()
 if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)" 2>/dev/null; then
   ARGS=(--patch dual_stream_experts)
 fi
-timeout 120 "$PY" -m npu_shim selftest "${ARGS[@]}" > "$OUT/selftest.txt" 2> "$OUT/selftest.stderr"
-echo "selftest exit $?" | tee "$OUT/selftest.exit"
-cat "$OUT/selftest.txt"
-timeout 120 "$PY" -m npu_shim selftest --json "${ARGS[@]}" > "$OUT/selftest.json" 2>> "$OUT/selftest.stderr"
-echo "selftest --json exit $?" >> "$OUT/selftest.exit"
+step selftest 120 "$PY" -m npu_shim selftest "${ARGS[@]}"
+timeout 120 "$PY" -m npu_shim selftest --json "${ARGS[@]}" > "$OUT/selftest.json" 2>> "$OUT/selftest.txt"
+note "selftest --json: exit $?"
 
-timeout 240 "$PY" scripts/bench_dual_stream.py > "$OUT/bench_dual_stream.txt" 2>&1
-echo "bench_dual_stream exit $?" | tee "$OUT/bench.exit"
-cat "$OUT/bench_dual_stream.txt"
+step overlap 240 "$PY" scripts/bench_dual_stream.py "${DEVICE[@]}" "${OVERLAP_SIZES[@]}"
 
-# The table row as scripts/bench.py writes it (it needs torch and wrapt in this python).
-if "$PY" -c "import torch, wrapt" 2>/dev/null; then
-  timeout 240 "$PY" scripts/bench.py --only bench_dual_stream > "$OUT/bench_row.txt" 2>&1
-  echo "bench.py --only bench_dual_stream exit $?" | tee -a "$OUT/bench.exit"
-  tail -3 "$OUT/bench_row.txt"
+if [ -d "$BUNDLE/npu_shim/_vendor/wrapt" ]; then
+  step mla_wrapper 180 "$PY" scripts/bench_hot_path.py --wrapt-only --bundle "$BUNDLE" "${HOT_SIZES[@]}"
+  step moe_wrapper 180 "$PY" scripts/bench_dual_stream.py --wrapper-cost --bundle "$BUNDLE" "${DEVICE[@]}" "${WRAPPER_SIZES[@]}"
+else
+  note "mla_wrapper, moe_wrapper: not measured: no bundle at $BUNDLE (build it and carry it: see the head of this script)"
 fi
+
+echo
+echo "== summary ($OUT/summary.txt)"
+cat "$OUT/summary.txt"
+grep -h "^measured:\|^ok:" "$OUT/overlap.txt" "$OUT/moe_wrapper.txt" 2>/dev/null
+grep -h -A1 "added ns/call\|reads slower" "$OUT/mla_wrapper.txt" 2>/dev/null
+[ $DRY -eq 1 ] && echo "DRY RUN: nothing above was measured on a device"
+exit 0

@@ -31,10 +31,15 @@ ROWS = (
     ("bench_shim_cost", "the same two in a child process (decides from the answers its parent's source gave)"),
     ("bench_drop_in", "start-up of `python -c pass`, read-only bundle (its .pyc) on PYTHONPATH vs no shim"),
     ("bench_drop_in", "start-up of `python -c pass`, read-only bundle vs no shim, in instructions executed"),
-    ("bench_drop_in", "npu_mla_preprocess wrapper, added ns/call, bundle's wrapt C build"),
-    ("bench_drop_in", "npu_mla_preprocess wrapper, added ns/call, bundle's wrapt pure-Python build"),
+    ("bench_hot_path", "npu_mla_preprocess after the first pass: added ns/call (real sglang 0.5.11)"),
+    ("bench_hot_path", "npu_mla_preprocess wrapper before the first pass is done: added ns/call, bundle's wrapt C build"),
+    ("bench_hot_path", "npu_mla_preprocess wrapper before the first pass is done: added ns/call, bundle's wrapt "
+                       "pure-Python build"),
+    ("bench_hot_path", "why the C build reads slower: wrapt's C `__call__` and a function without `__self__`"),
+    ("bench_hot_path", "dual-stream experts per MoE layer call, extend batch: the shim on real sglang 0.5.9 vs "
+                       "sglang 0.5.10's own"),
+    ("bench_hot_path", "the same, decode batch (single stream: the shim's wrapper calls through)"),
 ) + tuple(("bench_mla_release", mla_row(*case)) for case in MLA_CASES) + (
-    ("bench_mla_release", "npu_mla_preprocess wrapper, added ns/call after a layer's first call"),
     ("bench_zbal", "get_available_gpu_memory('npu'), mix mode: added per call"),
     ("bench_zbal", "get_available_gpu_memory('npu'), full mode: added per call"),
     ("bench_zbal", "decide(zbal) on a cold SourceView of 0.5.11"),
@@ -61,8 +66,9 @@ def one_line(exc):
 def collect(sources, log=print):
     """Run each ``(script, rows function)`` of ``sources``; return (rows in declared order, problems).
 
-    A benchmark that raises, a declared row it did not produce, or a row it produced that is not
-    declared is a problem (bench.py then exits 1); each declared row of such a script still gets a
+    A benchmark that raises, a declared row it did not produce, a row it produced that is not
+    declared, or a row it marks ``failed`` (a one-line why; its cell says "not measured") is a
+    problem (bench.py then exits 1); each declared row of a script that raised still gets a
     one-line cell, "not measured: <script> failed: <error>"."""
     declared = [what for _, what in ROWS]
     ran = [script for script, _ in sources]
@@ -80,6 +86,8 @@ def collect(sources, log=print):
             if row.get("what") not in declared:
                 problems.append("%s produced an undeclared row %r" % (script, row.get("what")))
                 continue
+            if row.get("failed"):  # a script that measures its rows apart says which part failed
+                problems.append("%s: %s: %s" % (script, row["what"], row["failed"]))
             got[row["what"]] = dict(row, script=script)
         for owner, what in ROWS:
             if owner == script and what not in got:
@@ -106,6 +114,31 @@ def doc_rows(text):
     block = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0]
     lines = [line for line in block.splitlines() if line.startswith("| ")]
     return [line.split(" | ")[0][2:] for line in lines[1:]]
+
+
+def merge_doc(text, rows, header, scripts):
+    """(header, table) for DOC's ``text`` after a run of only ``scripts`` (``bench.py --only ...
+    --write-docs``): their rows from ``rows``, every other declared row as the page had it (a row
+    declared since the page's last run says so), in declared order; the page's header lines kept
+    but the one an earlier run of the same scripts left, and a line for this run added:
+    "Rows of `script`: <header>"."""
+    block = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0]
+    lines = block.strip("\n").splitlines()
+    old = {line.split(" | ")[0][2:]: line for line in lines[2:] if line.startswith("| ")} if lines else {}
+    new = dict((row["what"], row) for row in rows)
+    table = list(HEADER)
+    for script, what in ROWS:
+        if script in scripts:
+            table.append(render([new[what]]).splitlines()[-1])
+        elif what in old:
+            table.append(old[what])
+        else:
+            table.append(render([{"what": what, "how": "", "measured": "not measured: declared after the "
+                                  "table's last run", "target": "", "ok": None, "script": script}]).splitlines()[-1])
+    label = "Rows of %s: " % ", ".join("`%s`" % script for script in scripts)
+    kept = [line for line in block.split(HEADER[0], 1)[0].strip("\n").split("\n\n")
+            if line.strip() and not line.startswith(label)]
+    return "\n\n".join(kept + ([label + header] if scripts else [])), "\n".join(table)
 
 
 def write_doc(table, header, path):

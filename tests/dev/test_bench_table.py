@@ -75,3 +75,47 @@ def test_write_docs_puts_a_run_between_the_markers_and_leaves_the_rest(tmp_path)
     assert written.endswith(bench_rows.TABLE_END + rest.split(bench_rows.TABLE_END, 1)[1])
     assert bench_rows.doc_rows(written) == [what for _, what in bench_rows.ROWS]
     assert "stale" not in written and written.count("| 1 ms | t |") == len(bench_rows.ROWS)
+
+
+def test_a_row_marked_failed_is_a_problem_and_keeps_its_one_line_cell():
+    script, what = bench_rows.ROWS[0]
+
+    def produce():
+        return [{"what": w, "how": "", "measured": "not measured: failed: OSError: gone", "target": "",
+                 "ok": False, "failed": "OSError: gone"} if w == what else
+                {"what": w, "how": "h", "measured": "1 ms", "target": "t", "ok": True}
+                for s, w in bench_rows.ROWS if s == script]
+
+    rows, problems = bench_rows.collect([(script, produce)], log=lambda line: None)
+    assert problems == ["%s: %s: OSError: gone" % (script, what)]
+    assert rows[0]["measured"] == "not measured: failed: OSError: gone"
+    assert all(r["measured"] == "1 ms" for r in rows[1:])
+
+
+def test_write_docs_with_only_replaces_that_scripts_rows_and_says_when_they_were_measured():
+    """``bench.py --only SCRIPT --write-docs``: SCRIPT's rows from the run, the others as the page
+    had them, a row the page lacks says it was declared since; one header line per partial run,
+    replaced by the next run of the same script."""
+    text = doc()
+    script = bench_rows.ROWS[-1][0]
+    others = [w for s, w in bench_rows.ROWS if s != script]
+    missing = others[0]
+    # The page as if its last full run predated ``missing``.
+    block = text.split(bench_rows.TABLE_START, 1)[1].split(bench_rows.TABLE_END, 1)[0]
+    old_line = next(line for line in block.splitlines() if line.startswith("| %s | " % missing))
+    page = text.replace(old_line + "\n", "")
+    rows = [{"what": w, "how": "h", "measured": "2 ms", "target": "t", "ok": True, "script": s}
+            for s, w in bench_rows.ROWS if s == script]
+    for run in ("first", "second"):
+        header, table = bench_rows.merge_doc(page, rows, "a %s partial run." % run, [script])
+        head, rest = page.split(bench_rows.TABLE_START, 1)
+        page = "%s%s\n%s\n\n%s\n%s%s" % (head, bench_rows.TABLE_START, header, table, bench_rows.TABLE_END,
+                                        rest.split(bench_rows.TABLE_END, 1)[1])
+    assert bench_rows.doc_rows(page) == [w for _, w in bench_rows.ROWS]
+    assert "Rows of `%s`: a second partial run." % script in header and "first partial" not in header
+    assert header.startswith(block.strip("\n").split("\n\n")[0])  # the full run's line stays first
+    lines = {line.split(" | ")[0][2:]: line for line in table.splitlines()[2:]}
+    assert all(lines[w].endswith("| 2 ms | t | ok | %s |" % script) for s, w in bench_rows.ROWS if s == script)
+    assert "not measured: declared after the table's last run" in lines[missing]
+    for what in others[1:]:
+        assert lines[what] == next(line for line in block.splitlines() if line.startswith("| %s | " % what))

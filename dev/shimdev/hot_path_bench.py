@@ -1,0 +1,338 @@
+"""The hot path's per-call costs, measured side by side (used by scripts/bench_hot_path.py).
+
+Three measurements, each in persistent worker processes timed in alternating rounds
+(shimdev.interleave), each arm's figure the median over its rounds -- of the calling thread's CPU
+time per call (``time.thread_time_ns``: what other jobs on a shared machine add is the time they
+hold the core, which that clock leaves out; one torch thread), with the wall time beside it
+(``arm@wall``):
+
+* ``mla_after_first_pass`` -- one process of the real sglang 0.5.11 with the shim (every trigger of
+  the demo set, the release environment's wrapt 2.5.2): two decode passes over three synthetic
+  GLM-5 MLA layers through the real ``npu_mla_preprocess`` retire its wrapper; then, on a stand-in
+  layer whose ``mla_preprocess.forward`` returns at once (so sglang's own function body runs and
+  little else), calls through the name sglang's caller ``forward_dsa_prepare_npu`` looks up, calls
+  of sglang's own function, and calls of the wrapper the module held before the first pass (the
+  delegating path of a layer already seen), alternated within each round.  The figure after the
+  first pass is held by identity (the name *is* sglang's function), the timing shows it.
+* ``wrapt_builds`` -- two processes of this Python, one per wrapt build of a bundle (the C build,
+  the pure-Python build), each loaded by the shim's own loader (``wrapt_loader._load_private``):
+  a plain function as ``npu_mla_preprocess``, the same wrapped as the shim wraps it (its wrapper's
+  delegating path), wrapped with a wrapper that only calls through (wrapt's own share), the shim's
+  wrapper over a copy of the function that has a ``__self__`` attribute (None), and the lookup of
+  ``__self__`` on a plain function alone, raised and caught vs ``getattr`` with a default -- the
+  figures that say why the C build reads slower (its ``__call__`` asks for ``__self__`` with
+  ``PyObject_GetAttr`` on every call made without an instance: a plain function has none, so an
+  AttributeError is built and cleared each time; the pure-Python build asks
+  ``getattr(wrapped, "__self__", None)``, which builds none).
+* ``dual_stream`` -- three release processes: 0.5.9 with the shim's dual-stream wrapper on its real
+  ``Glm4MoeSparseMoeBlock.forward_deepep``, 0.5.10 with its own ``forward_deepep`` and
+  ``process_shared_expert`` (the shim stands down there), and, to say where a difference comes
+  from, 0.5.9's own with the patch switched off (single stream, no wrapper); the same synthetic block in both
+  (``demo_features.glm4_moe_bed``: the real ``Glm4MoeGate``, the selftest's shared-expert MLP,
+  stand-in top-k and experts; its weights re-drawn from one seed, the forward hooks of the tests
+  removed), the simulated NPU, ``SGLANG_NPU_USE_MULTI_STREAM=1``, one torch thread; per MoE layer call on an extend
+  batch (dual stream) and a decode batch (single stream: the wrapper calls through), the outputs'
+  digests compared between the two processes, and the function calls (Python and C) one layer call
+  makes, counted by a profile hook: a figure the machine's load does not move.
+
+Each measurement returns plain JSON facts; the rows are made by scripts/bench_hot_path.py.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+
+from shimdev import REPO, interleave
+
+MLA_RELEASE = "0.5.11"
+DUAL_STREAM_SHIM, DUAL_STREAM_UPSTREAM = "0.5.9", "0.5.10"
+
+_TIMER = r'''
+import time as _time
+def per_call_ns(fn, args, calls):
+    """(CPU time of this thread, wall time) per call in ns: the thread's CPU time leaves out the
+    time other jobs held the core (the arms run here with one torch thread)."""
+    cpu, wall = _time.thread_time_ns(), _time.perf_counter_ns()
+    for _ in range(calls):
+        fn(*args)
+    return (_time.thread_time_ns() - cpu) / calls, (_time.perf_counter_ns() - wall) / calls
+
+def timed(arms, args, calls, round_):
+    """{arm: CPU ns per call, arm + "@wall": wall ns per call}, the arms in turn, their order
+    reversed every other round."""
+    names = list(arms) if round_ % 2 == 0 else list(reversed(list(arms)))
+    out = {}
+    for name in names:
+        out[name], out[name + "@wall"] = per_call_ns(arms[name], args, calls)
+    return out
+'''
+
+_PRELUDE = r'''
+import sys
+from shimdev import simnpu
+simnpu.install(release={release!r})
+'''
+
+# ---------------------------------------------------------------------------------------- MLA
+
+_MLA = _TIMER + r'''
+import re, types
+from npu_shim.runtime import activation, wrapt_loader
+from npu_shim.patches._impl import mla_weight_release as RI
+from shimdev import mla_kernels as K
+from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
+
+def called():
+    # What a layer calls: the name its caller, sglang's forward_dsa_prepare_npu, looks up.
+    return N.forward_dsa_prepare_npu.__globals__["npu_mla_preprocess"]
+
+K.publish_server_args("decode")
+K.install()
+# Before the first pass: the shim's wrapper.  Held in a dict: the retirement rebinds the
+# module-level copies of it (this script's globals too) to sglang's function.
+HELD = {"wrapper": N.npu_mla_preprocess}
+sglangs = getattr(HELD["wrapper"], "__wrapped__", HELD["wrapper"])
+layers = [K.build_attention("glm-5", 16, layer_id=i) for i in range(3)]
+through = []
+for _ in range(2):
+    for m in layers:
+        through.append(called() is HELD["wrapper"])
+        hidden, positions, batch, context = K.make_batch("glm-5")
+        with context:
+            called()(m, hidden, positions, batch, None)
+state = activation.RUNTIME.states()["mla_weight_release"]
+origin = wrapt_loader.loaded_origin()
+
+class Preprocess:
+    def forward(self, positions, hidden_states, forward_batch, zero_allocator):
+        return None, None, None, None, None, forward_batch, positions, None
+
+class Layer:  # what sglang's npu_mla_preprocess reads of a layer that has its preprocess
+    pass
+
+stand_in = Layer()
+stand_in.mla_preprocess = Preprocess()
+stand_in.quant_config = types.SimpleNamespace(ignore=["model.layers.0.self_attn.kv_b_proj"])
+stand_in.__dict__[RI._DONE] = True  # a layer the wrapper has seen
+ARGS = (stand_in, object(), object(), object(), object())
+SETUP_INFO = {
+    "state": state["state"], "retired": state["retired"], "layers": len(layers),
+    "through_wrapper": through, "after_is_sglangs": called() is sglangs,
+    "module_is_sglangs": N.npu_mla_preprocess is sglangs,
+    "wrapper_type": type(HELD["wrapper"]).__name__, "wrapt": origin.describe() if origin else None,
+    "c_extension": "npu_shim._wrapt._wrappers" in sys.modules
+                   or type(HELD["wrapper"]).__module__ in ("wrapt._wrappers", "_wrappers"),
+}
+
+def serve(request):
+    arms = {"caller": called(), "sglang": sglangs, "wrapper": HELD["wrapper"]}
+    return timed(arms, ARGS, request["calls"], request["round"])
+'''
+
+
+def mla_after_first_pass(rounds=9, calls=100000):
+    """{"info": set-up facts, "ns": {arm: [per round]}} in one real 0.5.11 process."""
+    from shimdev import realsglang
+    from shimdev.demo_features import DEMO_ENV
+
+    argv, env = realsglang.release_command(MLA_RELEASE, DEMO_ENV, zbal=True)
+    code = _PRELUDE.format(release=MLA_RELEASE) + _MLA
+    with interleave.Worker("sglang %s" % MLA_RELEASE, argv, env, code) as worker:
+        answers = interleave.alternate([worker], rounds, {"calls": calls})[worker.name]
+        return {"info": worker.info, "ns": _by_arm(answers)}
+
+
+# ------------------------------------------------------------------------------ wrapt builds
+
+_WRAPT = _TIMER + r'''
+import sys
+sys.path[:0] = [REPO_DIR]
+from npu_shim.runtime import wrapt_loader
+from npu_shim.patches._impl import mla_weight_release as RI
+wrapt = wrapt_loader._load_private(PATH)
+
+def npu_mla_preprocess(m, hidden_states, positions, forward_batch, zero_allocator):
+    return hidden_states
+
+def with_self(m, hidden_states, positions, forward_batch, zero_allocator):
+    return hidden_states
+with_self.__self__ = None  # a function attribute: PyObject_GetAttr finds it, nothing is raised
+
+def through(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs)
+
+shim = RI.FreedWeights().wrap_npu_mla_preprocess
+class Layer:
+    pass
+m = Layer()
+m.__dict__[RI._DONE] = True  # a layer the wrapper has seen: its delegating path
+ARGS = (m, object(), object(), object(), object())
+
+def raise_self(f):
+    try:
+        f.__self__
+    except AttributeError:
+        pass
+
+def default_self(f):
+    getattr(f, "__self__", None)
+
+ARMS = {
+    "unwrapped": (npu_mla_preprocess, ARGS),
+    "shim": (wrapt.FunctionWrapper(npu_mla_preprocess, shim), ARGS),
+    "through": (wrapt.FunctionWrapper(npu_mla_preprocess, through), ARGS),
+    "shim_with_self": (wrapt.FunctionWrapper(with_self, shim), ARGS),
+    "self_raised": (raise_self, (npu_mla_preprocess,)),
+    "self_default": (default_self, (npu_mla_preprocess,)),
+}
+SETUP_INFO = {"c_extension": "npu_shim._wrapt._wrappers" in sys.modules,
+               "wrapper_type": "%s.%s" % (type(ARMS["shim"][0]).__module__, type(ARMS["shim"][0]).__name__),
+               "python": sys.version.split()[0]}
+
+def serve(request):
+    names = list(ARMS) if request["round"] % 2 == 0 else list(reversed(list(ARMS)))
+    out = {}
+    for name in names:
+        out[name], out[name + "@wall"] = per_call_ns(ARMS[name][0], ARMS[name][1], request["calls"])
+    return out
+'''
+
+
+def wrapt_builds(builds, rounds=9, calls=100000, python=None, env=None):
+    """``builds``: {label: a wrapt package directory}; {label: {"info", "ns": {arm: [...]}}}, the
+    builds' processes asked in alternating rounds."""
+    argv = [python or sys.executable]
+    specs = [(label, argv, env, "REPO_DIR, PATH = %r, %r\n" % (str(REPO), path) + _WRAPT)
+             for label, path in builds.items()]
+    workers = interleave.start_all(specs)
+    try:
+        answers = interleave.alternate(workers, rounds, {"calls": calls})
+        return {w.name: {"info": w.info, "ns": _by_arm(answers[w.name])} for w in workers}
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+# ------------------------------------------------------------------------------- dual stream
+
+_DUAL = _TIMER + r'''
+import hashlib
+import torch
+# One intra-op thread in both arms: with two, on 2 cores other jobs share, a call of this small
+# block took ~10x longer (1.3 ms -> 14 ms in 0.5.10, measured 2026-12-02), most of it waiting.
+torch.set_num_threads(1)
+from shimdev.demo_features import glm4_moe_bed
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+bed = glm4_moe_bed("partial")
+block = bed.block
+for module in block.modules():  # the tests' event hooks: not part of a layer's call
+    module._forward_pre_hooks.clear()
+torch.manual_seed(1)
+with torch.no_grad():
+    for name, param in sorted(block.named_parameters()):
+        param.copy_(torch.randn_like(param) * 0.2)
+
+torch.manual_seed(2)
+hidden = torch.randn(TOKENS, bed.H)
+BATCHES = {"extend": bed.batch(ForwardMode.EXTEND), "decode": bed.batch(ForwardMode.DECODE)}
+
+def digest(tensor):
+    return hashlib.sha256(tensor.detach().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+def waits(mode):
+    from shimdev import simnpu
+    simnpu.clear_events()
+    with torch.no_grad():
+        out = block.forward_deepep(hidden, BATCHES[mode])
+    return digest(out), sum(1 for e in simnpu.EVENTS if e[0] == "wait_stream")
+
+def calls_per_call(mode, n=20):
+    """Python and C function calls per layer call (a profile hook counting them): what the load on
+    the machine does not move."""
+    count = [0]
+    def hook(frame, event, arg):
+        if event in ("call", "c_call"):
+            count[0] += 1
+    batch = BATCHES[mode]
+    with torch.no_grad():
+        sys.setprofile(hook)
+        try:
+            for _ in range(n):
+                block.forward_deepep(hidden, batch)
+        finally:
+            sys.setprofile(None)
+    return count[0] / n
+
+facts = {mode: waits(mode) for mode in BATCHES}
+CALLS = {mode: calls_per_call(mode) for mode in BATCHES}
+SETUP_INFO = {"wrapped": bed.wrapped_names(), "state": bed.state()["state"],
+               "digests": {mode: f[0] for mode, f in facts.items()},
+               "waits": {mode: f[1] for mode, f in facts.items()}, "calls": CALLS,
+               "params": sorted(name for name, _ in block.named_parameters()),
+               "tokens": TOKENS, "hidden": bed.H}
+
+def call(mode):
+    batch = BATCHES[mode]
+    def one():
+        block.forward_deepep(hidden, batch)  # looked up on each call, as a layer calls it
+    return one
+
+ARMS = {mode: call(mode) for mode in BATCHES}
+from npu_shim.source.live import unwrap
+OWN = unwrap(type(block).__dict__["forward_deepep"])
+if OWN is not type(block).__dict__["forward_deepep"]:
+    # Where the method is wrapped: the release's own function under it, called as the layer would
+    # without the shim, in the same process (decode: the same work, minus the wrapper).
+    for mode in BATCHES:
+        ARMS[mode + "_own"] = (lambda batch: lambda: OWN(block, hidden, batch))(BATCHES[mode])
+
+def serve(request):
+    from shimdev import simnpu
+    with torch.no_grad():
+        result = timed(ARMS, (), request["calls"], request["round"])
+    simnpu.clear_events()  # the simulated NPU logs every stream operation
+    return result
+'''
+
+
+def dual_stream(rounds=9, calls=2000, tokens=16):
+    """{"shim" | "upstream" | "off": {"info", "ns": {"extend"|"decode"[@wall]: [...]}}}: 0.5.9 with
+    the shim's wrapper, 0.5.10's own, and 0.5.9's own with the patch switched off
+    (``NPU_SHIM_DUAL_STREAM_EXPERTS=0``: single stream, no wrapper -- what the other two differ
+    from), the three processes asked in alternating rounds."""
+    from shimdev import realsglang
+
+    env = {"SGLANG_NPU_USE_MULTI_STREAM": "1"}
+    specs = []
+    for arm, release, off in (("shim", DUAL_STREAM_SHIM, None), ("upstream", DUAL_STREAM_UPSTREAM, None),
+                              ("off", DUAL_STREAM_SHIM, "0")):
+        argv, run_env = realsglang.release_command(release, dict(env, NPU_SHIM_DUAL_STREAM_EXPERTS=off))
+        specs.append((arm, argv, run_env, _PRELUDE.format(release=release) + "TOKENS = %d\n" % tokens + _DUAL))
+    workers = interleave.start_all(specs)
+    try:
+        for worker in workers:
+            worker.ask({"calls": max(1, calls // 10), "round": 0})  # warm-up, not counted
+        answers = interleave.alternate(workers, rounds, {"calls": calls})
+        return {w.name: {"info": w.info, "ns": _by_arm(answers[w.name])} for w in workers}
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+# ---------------------------------------------------------------------------------- figures
+
+def _by_arm(answers):
+    """[{arm: ns}, ...] per round -> {arm: [ns per round]}."""
+    return {arm: [a[arm] for a in answers] for arm in answers[0]}
+
+
+def median(values):
+    return statistics.median(values)
+
+
+def round_ratios(numerators, denominators):
+    """Each round's ratio, sorted, and (low, high) of the middle half of them."""
+    ratios = sorted(n / d for n, d in zip(numerators, denominators))
+    quarter = len(ratios) // 4
+    middle = ratios[quarter:len(ratios) - quarter] or ratios
+    return ratios, (middle[0], middle[-1])

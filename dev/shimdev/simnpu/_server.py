@@ -15,7 +15,9 @@ operators for real; the rest of the simulation only answers the device module.  
 * **the operators** (``_ops.py``): defined with ``torch.library`` under the schemas torch_npu
   2.13.0 registers, reached as ``torch.ops.npu.*`` / ``torch.ops.atb.*`` and as ``torch_npu.*``
   the way torch_npu binds them; sgl-kernel-npu's triton allocator kernel as a stand-in running
-  sglang's own naive allocator.
+  sglang's own naive allocator;
+* **DeepEP** (``_deepep.py``): sgl-kernel-npu's ``deep_ep.Buffer`` as sglang calls it, its
+  dispatch and combine in pure torch for one expert-parallel rank.
 """
 from __future__ import annotations
 
@@ -159,5 +161,12 @@ def install() -> None:
         f = _stubs.finder()
         f.overrides.setdefault("torch_npu", {}).update(_ops.torch_npu_names())
         for module, names in _ops.kernel_stand_ins().items():
+            f.overrides.setdefault(module, {}).update(names)
+        # sgl-kernel-npu's deep_ep (DeepEP on Ascend), which an NPU image ships: sglang's
+        # --moe-a2a-backend deepep dispatches and combines through its Buffer (_deepep.py)
+        from . import _deepep
+
+        f.roots.add("deep_ep")
+        for module, names in _deepep.stand_in_modules().items():
             f.overrides.setdefault(module, {}).update(names)
         _installed = True

@@ -6,7 +6,8 @@ is imported.  ``sitecustomize`` is the shim's (its bootstrap) and a venv runs no
 so the server venv (``layer.ensure_server_venv``) carries a ``.pth`` line that imports this module
 while ``site`` starts the interpreter -- in the launcher and in every child multiprocessing spawns.
 
-It acts only where ``SIMNPU_SERVER_RELEASE`` names the release (the stub set to use).  Two more
+It acts only where ``SIMNPU_SERVER_RELEASE`` names the release (the stub set to use); with
+``SIMNPU_SERVER_DEVICE=cpu`` the process has no NPU at all (a ``--device cpu`` server).  Two more
 switches, for the GLM-4 MoE servers (tests/test_real_server_moe.py):
 
 * ``SIMNPU_FUSED_KERNEL=1``: the image's sgl-kernel-npu has ``norm.split_qkv_rmsnorm_rope`` (the
@@ -19,7 +20,13 @@ switches, for the GLM-4 MoE servers (tests/test_real_server_moe.py):
 import os
 import sys
 
-if os.environ.get("SIMNPU_SERVER_RELEASE"):
+if os.environ.get("SIMNPU_SERVER_RELEASE") and os.environ.get("SIMNPU_SERVER_DEVICE") == "cpu":
+    # a server on --device cpu: the machine has no NPU (no torch.npu, no torch_npu), only the
+    # stubs of what this test bed lacks (triton, sgl_kernel)
+    from shimdev import simnpu
+
+    simnpu.install_without_npu(release=os.environ["SIMNPU_SERVER_RELEASE"])
+elif os.environ.get("SIMNPU_SERVER_RELEASE"):
     from shimdev import simnpu
 
     simnpu.install(release=os.environ["SIMNPU_SERVER_RELEASE"], server=True)

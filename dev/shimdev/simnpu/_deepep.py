@@ -24,6 +24,8 @@ Nothing here is asynchronous: an event is already complete.
 """
 from __future__ import annotations
 
+import sys
+
 
 class EventHandle:
     """A finished event (``deep_ep_cpp.EventHandle`` / the adaptor's)."""
@@ -185,14 +187,23 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.runtime = Runtime(self.rank, self.group_size, num_nvl_bytes, num_rdma_bytes,
                                low_latency_mode, "")
+        # what a test reads in the server's log: which DeepEP took the job
+        print("[simnpu] deep_ep.Buffer: rank %d of %d (sgl-kernel-npu's DeepEP, simulated)"
+              % (self.rank, self.group_size), file=sys.stderr, flush=True)
+
+    #: The EP sizes deep_ep's Buffer recommends configs for (its ``config_map``; zbal's Buffer has
+    #: the same): for any other -- one rank included -- sglang must be given ``--deepep-config``.
+    CONFIG_RANKS = (2, 4, 8, 16, 24, 32, 64, 128, 144, 160)
 
     @staticmethod
     def get_dispatch_config(num_ranks):
-        return Config(Buffer.num_sms, 24, 256, 6, 128)
+        assert num_ranks in Buffer.CONFIG_RANKS, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, 24 if num_ranks == 2 else 6, 256, 6, 128)
 
     @staticmethod
     def get_combine_config(num_ranks):
-        return Config(Buffer.num_sms, 10, 256, 6, 128)
+        assert num_ranks in Buffer.CONFIG_RANKS, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, 10 if num_ranks == 2 else 4, 256, 6, 128)
 
     @staticmethod
     def set_num_sms(new_num_sms):

@@ -28,6 +28,8 @@ NPU_SCHEMAS = {
     "npu_mrope": ("(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, int head_size, *, "
                   "int[]? mrope_section=None, str? rotary_mode='half', str? cache_mode='default') "
                   "-> (Tensor, Tensor)"),
+    "npu_format_cast": ("(Tensor input, int acl_format, *, int? customize_dtype=None, "
+                        "int? input_dtype=None) -> Tensor"),
     # -- the MoE path (sglang's hardware_backend/npu/moe/topk.py, ep_moe/layer.py's forward_npu,
     # quantization/unquant.py's forward_npu, npu/quantization/fused_moe_method_npu.py)
     "npu_moe_gating_top_k": (
@@ -190,6 +192,14 @@ def _npu_paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads,
         out[i:i + 1] = _attend(query[i:i + 1], k, v, scale_value, None).to(out.dtype)
 
 
+def npu_format_cast(input, acl_format, *, customize_dtype=None, input_dtype=None):
+    """ND -> a device format (sglang casts MoE and MLA weights to FRACTAL_NZ): the same values in
+    memory of their own, as on a device (the layout of the copy is the device's business)."""
+    if customize_dtype is not None or input_dtype is not None:
+        raise NotImplementedError("simnpu: npu_format_cast with a customize/input dtype")
+    return input.clone()
+
+
 # -- the MoE path ---------------------------------------------------------------------------------
 #
 # What each computes follows the op's documentation (Ascend "torch_npu API" pages for torch_npu
@@ -314,6 +324,12 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
         if w.dtype != a.dtype:
             raise RuntimeError("npu_grouped_matmul: x is %s and weight is %s, and no quantisation "
                                "argument is given" % (a.dtype, w.dtype))
+    for w in weights:
+        if w.shape[0] != a.shape[-1]:
+            # what the device says (sglang#30085, a GLM-5.2 start-up on Ascend): the K of x and of
+            # each weight must agree -- never a silent matmul of another orientation
+            raise RuntimeError("Dim 1 value of x[0] should be equal with dim 1 value of weight[0], "
+                               "but now is %d and %d respectively." % (a.shape[-1], w.shape[0]))
     biases = None
     if bias:
         biases = list(bias[0]) if len(bias) == 1 and bias[0].dim() == 2 else list(bias)
@@ -452,7 +468,10 @@ def _alloc_extend_kernel(prefix_lens, seq_lens, last_loc, free_pages, out_indice
                          page_size, max_num_extend_tokens):
     """sgl_kernel_npu.mem_cache.allocator.alloc_extend_kernel: what sglang's own
     ``alloc_extend_naive`` computes (the path sglang itself takes past 200 new pages)."""
-    from sglang.srt.mem_cache.allocator import alloc_extend_naive
+    try:  # 0.5.9+
+        from sglang.srt.mem_cache.allocator import alloc_extend_naive
+    except ImportError:  # 0.5.7/0.5.8: the NPU allocator's own copy
+        from sglang.srt.hardware_backend.npu.allocator_npu import _alloc_extend_naive as alloc_extend_naive
 
     alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size,
                        out_indices.device)

@@ -201,6 +201,8 @@ class Buffer:
         self.rank, self.group_size = rank, group_size
         self._runtime = None
         self._args = (rank, group_size, num_nvl_bytes, num_rdma_bytes, low_latency_mode, group_name)
+        print("[simzbal] deepep_adaptor.Buffer: rank %d of %d, group %r" % (rank, group_size, group_name),
+              file=sys.stderr, flush=True)
 
     def __getattr__(self, name):
         if name.startswith("__") or name in ("_runtime", "_args"):

@@ -1,0 +1,192 @@
+"""dual_stream_experts inside a real sglang server: GLM-4 MoE served by ``sglang.launch_server``
+of 0.5.8 with ``--moe-a2a-backend deepep`` and ``SGLANG_NPU_USE_MULTI_STREAM=1`` on the simulated
+NPU (dev/shimdev/server/, the MoE ops of simnpu/_ops.py, DeepEP of simnpu/_deepep.py).
+
+Why 0.5.8 and not 0.5.9: 0.5.9's bf16 DeepEP expert path on NPU hands ``npu_grouped_matmul`` its
+expert weights in the wrong orientation (``unquant.py`` transposes them at load time, new in 0.5.9;
+``npu_fused_moe_without_routing_weights_bf16`` still permutes them back, as 0.5.7/0.5.8 needed;
+0.5.10 dropped the permute): a bf16 GLM-4 MoE with DeepEP does not serve on a 0.5.9 image, with or
+without the shim -- the simulated grouped matmul stops it as the device does (docs/development.md,
+"GLM-4 MoE in a real server").  0.5.8 is in the backport's range and serves it.
+
+One server per configuration, on one xdist worker, at most two alive:
+
+* ``on``: the shim, zbal in full mode (so DeepEP goes through zbal's ``Buffer``), the fused
+  kernel in the image (``SIMNPU_FUSED_KERNEL``), the stream sanitizer in every spawned process for
+  its whole life (``SIMNPU_SANITIZE_DIR``);
+* ``off``: the same job without the shim (sgl-kernel-npu's ``deep_ep``);
+* ``cpu``: ``--device cpu`` (sglang's CPU MoE, no DeepEP), the reference tokens.
+
+Checked: the same tokens on all three; on ``on`` the dual-stream forward_deepep ran once per
+prefill of the MoE layer and the fused split_qkv_rmsnorm_rope once per decode step of each
+layer, read from the patch's details in the scheduler's state record; the sanitizer followed the
+scheduler's kernels on the main and side streams and reported nothing.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from shimdev import realsglang
+from shimdev.server import models
+from shimdev.server.process import Server, ServerError, free_port
+
+VERSION = "0.5.8"
+DEVICE_MIB = 512
+HEAP_MIB = 256
+TOKEN_PROMPTS = ([5, 6, 7, 8], [100, 200, 300, 400, 500, 600, 700])
+CHAT = "Hello, who are you?"
+NEW_TOKENS = 8
+#: One EP rank: deep_ep's and zbal's Buffers recommend configs only for 2+ ranks, so sglang is
+#: given them (its ``--deepep-config``, the normal-mode configs for two ranks).
+DEEPEP_CONFIG = {
+    "normal_dispatch": {"num_sms": 20, "num_max_nvl_chunked_send_tokens": 24,
+                        "num_max_nvl_chunked_recv_tokens": 256, "num_max_rdma_chunked_send_tokens": 6,
+                        "num_max_rdma_chunked_recv_tokens": 128},
+    "normal_combine": {"num_sms": 20, "num_max_nvl_chunked_send_tokens": 10,
+                       "num_max_nvl_chunked_recv_tokens": 256, "num_max_rdma_chunked_send_tokens": 6,
+                       "num_max_rdma_chunked_recv_tokens": 128},
+}
+NPU_ARGS = ["--mem-fraction-static", "0.5", "--moe-a2a-backend", "deepep",
+            "--deepep-config", json.dumps(DEEPEP_CONFIG)]
+#: The job's variables: the streams on; bf16 tokens into the low-latency dispatch (the NPU's
+#: "fp8" dispatch quantises to int8, which the bf16 expert path cannot take).
+NPU_ENV = {"SIMNPU_TOTAL_MIB": DEVICE_MIB, "SGLANG_NPU_USE_MULTI_STREAM": "1",
+           "SGLANG_DEEPEP_BF16_DISPATCH": "1", "SIMNPU_FUSED_KERNEL": "1"}
+CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "4096"]
+CPU_ENV = {"SIMNPU_SERVER_DEVICE": "cpu", "SGLANG_USE_CPU_ENGINE": "1"}
+MAX_LIVE = 2
+
+pytestmark = pytest.mark.xdist_group("server-moe-" + VERSION)
+
+
+def answers(server: Server) -> dict:
+    """The fixed greedy requests; with how many tokens each decoded (its output tokens but the
+    first, which its prefill gives)."""
+    client = server.openai()
+    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": CHAT}],
+                                          max_tokens=NEW_TOKENS, temperature=0)
+    generated = [server.generate(p, NEW_TOKENS) for p in TOKEN_PROMPTS]
+    outputs = [len(g) for g in generated] + [chat.usage.completion_tokens]
+    return {"generate": generated, "chat": chat.choices[0].message.content,
+            "decode_steps": sum(n - 1 for n in outputs), "prefills": len(outputs)}
+
+
+class Servers:
+    def __init__(self, tmp):
+        self.tmp, self.live, self.stopped, self.answers = tmp, {}, {}, {}
+
+    def get(self, name):
+        if name in self.live or name in self.stopped:
+            return self.live.get(name) or self.stopped[name]
+        while len(self.live) >= MAX_LIVE:
+            oldest = next(iter(self.live))
+            self.stopped[oldest] = self.live.pop(oldest)
+            self.stopped[oldest].stop()
+        model = models.ensure_model("glm4_moe", VERSION)
+        if name == "cpu":
+            env, args, shim, zbal = dict(CPU_ENV), CPU_ARGS, "absent", False
+        else:
+            env, args, zbal = dict(NPU_ENV), NPU_ARGS, name == "on"
+            shim = "on" if name == "on" else "absent"
+        if name == "on":
+            env.update({"SGLANG_ZBAL_LOCAL_MEM_SIZE": HEAP_MIB,
+                        "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://127.0.0.1:%d" % free_port(),
+                        "NPU_SHIM_STATE_DIR": str(self.tmp / "state"),
+                        "SIMNPU_SANITIZE_DIR": str(self.tmp / "sanitizer")})
+        server = Server(VERSION, model, args=args, env=env, zbal=zbal, shim=shim,
+                        log_path=self.tmp / f"moe-{name}.log", ready_timeout=420)
+        server.start()
+        self.live[name] = server
+        return server
+
+    def answers_of(self, name):
+        if name not in self.answers:
+            server = self.get(name)
+            assert name in self.live, "%s was stopped before it answered" % name
+            self.answers[name] = answers(server)
+        return self.answers[name]
+
+    def stop_all(self):
+        errors = []
+        for server in self.live.values():
+            try:
+                server.stop()
+            except ServerError as exc:
+                errors.append(str(exc))
+        assert not errors, errors
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    bed = Servers(tmp_path_factory.mktemp("moe-servers"))
+    yield bed
+    bed.stop_all()
+
+
+def status_running(state_dir) -> dict:
+    argv, env = realsglang.release_command(VERSION, wrapt=None)
+    p = subprocess.run(argv + ["-m", "npu_shim", "status", "--running", "--json", str(state_dir)],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.stdout, p.stderr
+    return json.loads(p.stdout)
+
+
+def scheduler_record(server) -> dict:
+    info = status_running(server.env["NPU_SHIM_STATE_DIR"])
+    (scheduler,) = [p for p in info["processes"]
+                    if p["status"] == "live" and (p.get("role") or {}).get("role") == "scheduler"]
+    return scheduler
+
+
+def sanitizer_files(server) -> dict:
+    """{process title: its sanitizer file} of the server's live processes."""
+    from pathlib import Path
+
+    out = {}
+    for path in Path(server.env["SIMNPU_SANITIZE_DIR"]).glob("sanitizer-*.json"):
+        data = json.loads(path.read_text())
+        out[data["title"]] = data
+    return out
+
+
+def test_the_same_tokens_with_the_shim_without_it_and_on_the_cpu(servers):
+    on = servers.answers_of("on")
+    off = servers.answers_of("off")
+    assert on == off
+    cpu = servers.answers_of("cpu")
+    assert {k: on[k] for k in ("generate", "chat")} == {k: cpu[k] for k in ("generate", "chat")}
+    # DeepEP went through zbal's Buffer with the shim, through sgl-kernel-npu's deep_ep without
+    on_log, off_log = servers.get("on").log_text(), servers.get("off").log_text()
+    assert re.search(r"^\[simzbal\] deepep_adaptor\.Buffer: rank 0 of 1", on_log, re.M), on_log[-3000:]
+    assert "[simnpu] deep_ep.Buffer" not in on_log
+    assert "[simnpu] deep_ep.Buffer: rank 0 of 1" in off_log and "[simzbal]" not in off_log
+
+
+def test_the_dual_stream_and_fused_paths_ran_and_the_record_says_how_often(servers):
+    done = servers.answers_of("on")
+    record = scheduler_record(servers.get("on"))
+    patch = record["patches"]["dual_stream_experts"]
+    assert patch["state"] == "applied", patch
+    counts = patch["details"]["counts"]
+    # one MoE layer (first_k_dense_replace=1): the dual-stream forward_deepep once per prefill
+    # (the readiness probe's /health_generate included); two attention layers: the fused kernel
+    # twice per decode step
+    assert counts["dual_stream_calls"] >= done["prefills"], counts
+    assert counts["fused_calls"] == 2 * done["decode_steps"] > 0, (counts, done)
+    assert "fused_fallback" not in patch["details"], patch["details"]
+
+
+def test_the_stream_sanitizer_followed_the_scheduler_and_stayed_silent(servers):
+    servers.answers_of("on")
+    files = sanitizer_files(servers.get("on"))
+    (scheduler,) = [d for title, d in files.items() if title.startswith("sglang::scheduler")]
+    assert scheduler["reports"] == [], [r["message"] for r in scheduler["reports"]]
+    side = [s for s in scheduler["streams"] if s.startswith("side-")]
+    assert "main" in scheduler["streams"] and side, scheduler["streams"]
+    assert scheduler["launches"] > 1000, scheduler["launches"]
+    for title, data in files.items():
+        assert data["reports"] == [], (title, data["reports"])

@@ -115,6 +115,104 @@ def test_the_dense_path_ops_compute_the_reference_math():
                    "cache": True, "paged": True, "is_op": "OpOverloadPacket"}  # a wrong keyword: what the dispatcher says
 
 
+def test_the_moe_ops_compute_the_reference_math_and_are_one_launch_each_reading_their_inputs():
+    """The GLM-4 MoE path's ops (simnpu/_ops.py) against a dense MoE computed here, the sanitizer
+    seeing each as one kernel (its inner torch ops are not launches) that writes none of its
+    inputs (each schema marks no argument written), and DeepEP's dispatch/combine (_deepep.py)
+    giving back what a dense MoE gives."""
+    out = run("""
+        import json, torch
+        from shimdev import simnpu
+        from shimdev.simnpu import _deepep
+        simnpu.install(server=True)
+        import torch_npu
+        torch.manual_seed(0)
+        n, E, k, H, I = 6, 8, 2, 16, 8
+        logits, bias = torch.randn(n, E), torch.randn(E) * 0.1
+        x = torch.randn(n, H, dtype=torch.bfloat16)
+        w13 = torch.randn(E, H, 2 * I, dtype=torch.bfloat16) / 4
+        w2 = torch.randn(E, I, H, dtype=torch.bfloat16) / 4
+        inputs = [logits, bias, x, w13, w2]
+        before = [t.clone() for t in inputs]
+        launches = []
+        with simnpu.sanitize() as san:
+            def one(fn, *args, **kwargs):
+                start = san.launches
+                result = fn(*args, **kwargs)
+                launches.append(san.launches - start)
+                return result
+            w, ids, normed = one(torch_npu.npu_moe_gating_top_k, logits, k=k, bias=bias, k_group=1,
+                                 group_count=1, group_select_mode=1, renorm=0, norm_type=1,
+                                 routed_scaling_factor=1.0, eps=1e-20)
+            row_idx = torch.arange(n * k, dtype=torch.int32).view(k, n).t().contiguous()
+            ex, erow, eexp = one(torch_npu.npu_moe_init_routing, x, row_idx=row_idx,
+                                 expert_idx=ids, active_num=n)
+            tok = one(torch_npu.npu_moe_compute_expert_tokens, eexp, E).to(torch.int64)
+            h = one(torch_npu.npu_grouped_matmul, x=[ex], weight=[w13], split_item=2,
+                    group_list_type=0, group_type=0, group_list=tok, output_dtype=torch.bfloat16)[0]
+            h = one(torch_npu.npu_swiglu, h)
+            h = one(torch_npu.npu_grouped_matmul, x=[h], weight=[w2], split_item=2,
+                    group_list_type=0, group_type=0, group_list=tok, output_dtype=torch.bfloat16)[0]
+            y = one(torch_npu.npu_moe_finalize_routing, h, skip1=None, skip2=None, bias=None,
+                    scales=w.to(h.dtype), expanded_src_to_dst_row=erow, export_for_source_row=ids)
+        # the dense reference: sigmoid scores, top-k by biased score, weights renormalised
+        score = torch.sigmoid(logits)
+        ref_ids = (score + bias).topk(k, dim=-1).indices
+        ref_w = score.gather(1, ref_ids)
+        ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+        def expert(e, rows):
+            a = (rows.float() @ w13[e].float()).to(torch.bfloat16)
+            a = (torch.nn.functional.silu(a[:, :I].float()) * a[:, I:].float()).to(torch.bfloat16)
+            return (a.float() @ w2[e].float()).to(torch.bfloat16)
+        ref = torch.zeros(n, H)
+        for i in range(n):
+            for j in range(k):
+                ref[i] += ref_w[i, j].to(torch.bfloat16).float() * expert(int(ref_ids[i, j]), x[i:i + 1])[0].float()
+        # v2 routing (per-expert counts) then grouped matmul: each expert's rows, in another order
+        ex2, _, counts, _ = torch_npu.npu_moe_init_routing_v2(
+            x, ids, active_num=n, expert_num=E, expert_tokens_num_type=1, expert_tokens_num_flag=True)
+        # DeepEP, one rank: dispatch -> the same experts -> combine
+        class Group:
+            def rank(self): return 0
+            def size(self): return 1
+        buf = _deepep.Buffer(Group(), low_latency_mode=True)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, ids.long(), 128, E, use_fp8=False)
+        hd = torch_npu.npu_grouped_matmul(x=[recv], weight=[w13], split_item=2, group_list_type=1,
+                                          group_type=0, group_list=count.long(), output_dtype=torch.bfloat16)[0]
+        hd = torch_npu.npu_grouped_matmul(x=[torch_npu.npu_swiglu(hd)], weight=[w2], split_item=2,
+                                          group_list_type=1, group_type=0, group_list=count.long(),
+                                          output_dtype=torch.bfloat16)[0]
+        yd, _, _ = buf.low_latency_combine(hd, ids.long(), w, handle)
+        refused = {}
+        for name, call in {
+            "k_mismatch": lambda: torch_npu.npu_grouped_matmul(x=[x], weight=[w2], split_item=2,
+                group_list_type=0, group_type=0, group_list=tok),
+            "int8_x": lambda: torch_npu.npu_grouped_matmul(x=[ex.to(torch.int8)], weight=[w13],
+                split_item=2, group_list_type=0, group_type=0, group_list=tok),
+            "one_rank_config": lambda: _deepep.Buffer.get_dispatch_config(1),
+        }.items():
+            try:
+                call()
+            except Exception as e:
+                refused[name] = str(e)
+        print(json.dumps({
+            "ids": torch.equal(ids.long().sort(-1).values, ref_ids.sort(-1).values),
+            "weights": torch.allclose(w.gather(1, ids.long().argsort(-1)),
+                                      ref_w.gather(1, ref_ids.argsort(-1)), atol=1e-6),
+            "moe": (y.float() - ref).abs().max().item(), "deepep": (yd.float() - ref).abs().max().item(),
+            "v2_counts": counts.tolist() == torch.bincount(ids.flatten().long(), minlength=E).tolist(),
+            "v2_rows": sorted(map(tuple, ex2.float().tolist())) == sorted(map(tuple, ex.float().tolist())),
+            "launches": launches, "unchanged": all(torch.equal(a, b) for a, b in zip(inputs, before)),
+            "reports": [str(r) for r in san.reports], "refused": refused}))
+    """)
+    assert out["ids"] and out["weights"] and out["v2_counts"] and out["v2_rows"]
+    assert out["moe"] < 0.05 and out["deepep"] < 0.05, out  # bf16 rounding of the weighted sum
+    assert out["launches"] == [1] * 7 and out["unchanged"] and out["reports"] == []
+    assert out["refused"]["k_mismatch"].startswith("Dim 1 value of x[0] should be equal")
+    assert "no quantisation argument" in out["refused"]["int8_x"]
+    assert out["refused"]["one_rank_config"] == "Unsupported number of EP ranks: 1"
+
+
 def test_an_unknown_triton_kernel_fails_naming_itself():
     out = run("""
         import json

@@ -82,8 +82,13 @@ def sources(quick):
         import bench_dual_stream
         return bench_dual_stream.rows()
 
+    def moe_server():
+        import bench_moe_server
+        return bench_moe_server.rows(*((1, 2, 32) if quick else (2, 4, 64)))
+
     return [("bench_shim_cost", shim_cost), ("bench_drop_in", drop_in), ("bench_mla_release", mla),
-            ("bench_zbal", zbal), ("bench_dual_stream", dual_stream), ("bench_server", server)]
+            ("bench_zbal", zbal), ("bench_dual_stream", dual_stream), ("bench_server", server),
+            ("bench_moe_server", moe_server)]
 
 
 def collect(quick, only=None, log=print):

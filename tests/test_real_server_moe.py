@@ -31,36 +31,20 @@ import subprocess
 import pytest
 
 from shimdev import realsglang
-from shimdev.server import models
+from shimdev.server import models, moe_job
 from shimdev.server.process import Server, ServerError, free_port
 
 VERSION = "0.5.8"
-DEVICE_MIB = 512
 HEAP_MIB = 256
 TOKEN_PROMPTS = ([5, 6, 7, 8], [100, 200, 300, 400, 500, 600, 700])
 CHAT = "Hello, who are you?"
 NEW_TOKENS = 8
-#: One EP rank: deep_ep's and zbal's Buffers recommend configs only for 2+ ranks, so sglang is
-#: given them (its ``--deepep-config``, the normal-mode configs for two ranks).
-DEEPEP_CONFIG = {
-    "normal_dispatch": {"num_sms": 20, "num_max_nvl_chunked_send_tokens": 24,
-                        "num_max_nvl_chunked_recv_tokens": 256, "num_max_rdma_chunked_send_tokens": 6,
-                        "num_max_rdma_chunked_recv_tokens": 128},
-    "normal_combine": {"num_sms": 20, "num_max_nvl_chunked_send_tokens": 10,
-                       "num_max_nvl_chunked_recv_tokens": 256, "num_max_rdma_chunked_send_tokens": 6,
-                       "num_max_rdma_chunked_recv_tokens": 128},
-}
-NPU_ARGS = ["--mem-fraction-static", "0.5", "--moe-a2a-backend", "deepep",
-            "--deepep-config", json.dumps(DEEPEP_CONFIG)]
-#: The job's variables: the streams on; bf16 tokens into the low-latency dispatch (the NPU's
-#: "fp8" dispatch quantises to int8, which the bf16 expert path cannot take).
-NPU_ENV = {"SIMNPU_TOTAL_MIB": DEVICE_MIB, "SGLANG_NPU_USE_MULTI_STREAM": "1",
-           "SGLANG_DEEPEP_BF16_DISPATCH": "1", "SIMNPU_FUSED_KERNEL": "1"}
-CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "4096"]
-CPU_ENV = {"SIMNPU_SERVER_DEVICE": "cpu", "SGLANG_USE_CPU_ENGINE": "1"}
+NPU_ARGS, NPU_ENV = list(moe_job.NPU_ARGS), moe_job.NPU_ENV   # the job: dev/shimdev/server/moe_job.py
+CPU_ARGS, CPU_ENV = list(moe_job.CPU_ARGS), moe_job.CPU_ENV
 MAX_LIVE = 2
 
-pytestmark = pytest.mark.xdist_group("server-moe-" + VERSION)
+#: The tests share their servers: one xdist worker runs them all.
+ON_ONE_WORKER = pytest.mark.xdist_group("server-moe-" + VERSION)
 
 
 def answers(server: Server) -> dict:
@@ -153,6 +137,7 @@ def sanitizer_files(server) -> dict:
     return out
 
 
+@ON_ONE_WORKER
 def test_the_same_tokens_with_the_shim_without_it_and_on_the_cpu(servers):
     on = servers.answers_of("on")
     off = servers.answers_of("off")
@@ -166,6 +151,7 @@ def test_the_same_tokens_with_the_shim_without_it_and_on_the_cpu(servers):
     assert "[simnpu] deep_ep.Buffer: rank 0 of 1" in off_log and "[simzbal]" not in off_log
 
 
+@ON_ONE_WORKER
 def test_the_dual_stream_and_fused_paths_ran_and_the_record_says_how_often(servers):
     done = servers.answers_of("on")
     record = scheduler_record(servers.get("on"))
@@ -180,6 +166,7 @@ def test_the_dual_stream_and_fused_paths_ran_and_the_record_says_how_often(serve
     assert "fused_fallback" not in patch["details"], patch["details"]
 
 
+@ON_ONE_WORKER
 def test_the_stream_sanitizer_followed_the_scheduler_and_stayed_silent(servers):
     servers.answers_of("on")
     files = sanitizer_files(servers.get("on"))

@@ -41,6 +41,8 @@ ROWS = (
     ("bench_dual_stream", "dual-stream overlap (CUDA or NPU when present)"),
     ("bench_server", "real sglang 0.5.11 server (simulated NPU), start-up to ready, shim on (zbal) vs off"),
     ("bench_server", "the same server, decode tokens per second over a fixed greedy load, shim on vs off"),
+    ("bench_moe_server", "GLM-4 MoE server (simulated NPU, DeepEP, dual-stream on), decode tokens per second, "
+                         "shim on sglang 0.5.8 vs sglang 0.5.10's own"),
 )
 
 RESULT = {True: "ok", False: "MISSED", None: "-"}

@@ -554,8 +554,35 @@ def jit(fn=None, **options):
     return JitKernel(fn)
 
 
+def swiglu_quant(x, group_list, group_list_type, need_quant=True):
+    """sgl_kernel_npu.activation.swiglu_quant (a triton kernel with its Python launcher; 0.5.10+'s
+    bf16 DeepEP experts call it with ``need_quant=False``): swiglu of the rows the group list
+    covers (its last cumulative entry, type 0, or the sum of its counts, type 1), into a new
+    ``[rows, h / 2]`` tensor (int8 with one scale per row, max |y| / 127, when ``need_quant``);
+    the launcher's ``torch.empty`` rows past them are zero here.  Returns (out, scale)."""
+    import torch
+
+    if group_list_type not in (0, 1):
+        raise ValueError(f"group_list_type must be 0 or 1, but got {group_list_type}")
+    if group_list.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"group_list dtype must be torch.int32 or torch.int64, but got {group_list.dtype}")
+    s, h = x.shape
+    rows = int(group_list[-1]) if group_list_type == 0 else int(group_list.sum())
+    out = torch.zeros((s, h // 2), dtype=torch.int8 if need_quant else x.dtype)
+    scale = torch.zeros((s,), dtype=torch.float32)
+    a, b = x[:rows, : h // 2].float(), x[:rows, h // 2:].float()
+    y = (a * torch.sigmoid(a) * b).to(x.dtype)
+    if need_quant:
+        scale[:rows] = y.float().abs().amax(dim=-1) / 127
+        out[:rows] = torch.round(y.float() / scale[:rows, None]).to(torch.int8)
+    else:
+        out[:rows] = y
+    return out, scale
+
+
 def kernel_stand_ins() -> dict:
-    """{stub module: {name: stand-in}} for sgl-kernel-npu's kernels on the dense path."""
+    """{stub module: {name: stand-in}} for sgl-kernel-npu's kernels on the paths a server takes."""
     return {"sgl_kernel_npu.mem_cache.allocator": {
                 "alloc_extend_kernel": JitKernel(name="sgl_kernel_npu.mem_cache.allocator.alloc_extend_kernel")},
+            "sgl_kernel_npu.activation.swiglu_quant": {"swiglu_quant": swiglu_quant},
             "triton": {"jit": jit}}

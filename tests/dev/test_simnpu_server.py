@@ -286,3 +286,25 @@ def test_a_bootstrap_zbal_cannot_make_fails_as_on_a_device(zbal_layer, url, size
                        capture_output=True, text=True, timeout=120)
     assert p.stdout.strip().splitlines()[-1] == "False", p.stderr[-2000:]
     assert said in p.stderr
+
+
+def test_swiglu_quant_covers_the_rows_of_its_group_list():
+    """sgl-kernel-npu's swiglu_quant stand-in (0.5.10's bf16 DeepEP experts): swiglu of the rows
+    the group list covers, cumulative (type 0) or counts (type 1); int8 with a scale per row when
+    quantising."""
+    import torch
+
+    from shimdev.simnpu import _ops
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, dtype=torch.bfloat16)
+    ref = (torch.nn.functional.silu(x[:, :4].float()) * x[:, 4:].float()).to(torch.bfloat16)
+    for group_list, kind in ((torch.tensor([2, 5], dtype=torch.int64), 0),
+                             (torch.tensor([2, 3], dtype=torch.int32), 1)):
+        out, _ = _ops.swiglu_quant(x, group_list, kind, need_quant=False)
+        assert torch.equal(out[:5], ref[:5]) and not out[5].any()
+    q, scale = _ops.swiglu_quant(x, torch.tensor([6]), 1)
+    assert q.dtype == torch.int8
+    assert torch.allclose(q.float() * scale[:, None], ref.float(), atol=scale.max().item())
+    with pytest.raises(ValueError, match="group_list_type must be 0 or 1"):
+        _ops.swiglu_quant(x, torch.tensor([6]), 2)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 
 import pytest
 
@@ -81,7 +82,8 @@ def same_or_near_tie(npu_tokens, cpu_tokens, cpu_top2):
     for i, (a, b) in enumerate(zip(npu_tokens, cpu_tokens)):
         if a != b:
             (best, first), (second, runner_up) = cpu_top2[i]
-            assert first == b and runner_up == a and best - second <= NEAR_TIE, (
+            # an exact tie may list the two either way round: greedy took one of them
+            assert {first, runner_up} == {a, b} and best - second <= NEAR_TIE, (
                 "step %d: the NPU path took %d where the CPU's best two were %r" % (i, a, cpu_top2[i]))
             return i
     assert len(npu_tokens) == len(cpu_tokens)
@@ -167,29 +169,18 @@ def sanitizer_files(server) -> dict:
 
 
 @ON_ONE_WORKER
-def test_the_same_tokens_with_the_shim_without_it_and_on_the_cpu(servers):
-    on = servers.answers_of("on")
-    off = servers.answers_of("off")
-    assert {k: on[k] for k in ("generate", "chat")} == {k: off[k] for k in ("generate", "chat")}
-    cpu = servers.answers_of("cpu")
-    parted = [same_or_near_tie(a, b, top2) for a, b, top2 in zip(on["generate"], cpu["generate"], cpu["top2"])]
-    # at most one request parts at a near-tie; the rest, and the chat, are the CPU's exactly
-    assert sum(p is not None for p in parted) <= 1, parted
-    assert on["chat"] == cpu["chat"]
-    # DeepEP went through zbal's Buffer with the shim, through sgl-kernel-npu's deep_ep without
-    on_log, off_log = servers.get("on").log_text(), servers.get("off").log_text()
-    assert re.search(r"^\[simzbal\] deepep_adaptor\.Buffer: rank 0 of 1", on_log, re.M), on_log[-3000:]
-    assert "[simnpu] deep_ep.Buffer" not in on_log
-    assert "[simnpu] deep_ep.Buffer: rank 0 of 1" in off_log and "[simzbal]" not in off_log
-
-
-@ON_ONE_WORKER
 def test_the_dual_stream_and_fused_paths_ran_and_the_record_says_how_often(servers):
     done = servers.answers_of("on")
-    record = scheduler_record(servers.get("on"))
-    patch = record["patches"]["dual_stream_experts"]
+    # the record follows the counts within a second or so (the scheduler is live: this file's
+    # tests run in order, the server with the most checks first)
+    deadline = time.monotonic() + 15
+    while True:
+        patch = scheduler_record(servers.get("on"))["patches"]["dual_stream_experts"]
+        counts = patch["details"]["counts"]
+        if counts["fused_calls"] >= 2 * done["decode_steps"] or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert patch["state"] == "applied", patch
-    counts = patch["details"]["counts"]
     # one MoE layer (first_k_dense_replace=1): the dual-stream forward_deepep once per prefill
     # (the readiness probe's /health_generate included); two attention layers: the fused kernel
     # twice per decode step
@@ -209,3 +200,20 @@ def test_the_stream_sanitizer_followed_the_scheduler_and_stayed_silent(servers):
     assert scheduler["launches"] > 1000, scheduler["launches"]
     for title, data in files.items():
         assert data["reports"] == [], (title, data["reports"])
+
+
+@ON_ONE_WORKER
+def test_the_same_tokens_with_the_shim_without_it_and_on_the_cpu(servers):
+    on = servers.answers_of("on")
+    off = servers.answers_of("off")
+    assert {k: on[k] for k in ("generate", "chat")} == {k: off[k] for k in ("generate", "chat")}
+    cpu = servers.answers_of("cpu")
+    parted = [same_or_near_tie(a, b, top2) for a, b, top2 in zip(on["generate"], cpu["generate"], cpu["top2"])]
+    # at most one request parts at a near-tie; the rest, and the chat, are the CPU's exactly
+    assert sum(p is not None for p in parted) <= 1, parted
+    assert on["chat"] == cpu["chat"]
+    # DeepEP went through zbal's Buffer with the shim, through sgl-kernel-npu's deep_ep without
+    on_log, off_log = servers.get("on").log_text(), servers.get("off").log_text()
+    assert re.search(r"^\[simzbal\] deepep_adaptor\.Buffer: rank 0 of 1", on_log, re.M), on_log[-3000:]
+    assert "[simnpu] deep_ep.Buffer" not in on_log
+    assert "[simnpu] deep_ep.Buffer: rank 0 of 1" in off_log and "[simzbal]" not in off_log

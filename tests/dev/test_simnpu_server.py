@@ -308,3 +308,39 @@ def test_swiglu_quant_covers_the_rows_of_its_group_list():
     assert torch.allclose(q.float() * scale[:, None], ref.float(), atol=scale.max().item())
     with pytest.raises(ValueError, match="group_list_type must be 0 or 1"):
         _ops.swiglu_quant(x, torch.tensor([6]), 2)
+
+
+@pytest.mark.parametrize("version, refused", [("0.5.8", False), ("0.5.9", True), ("0.5.10", False)])
+def test_the_deepep_bf16_experts_of_each_release_meet_the_grouped_matmul_as_on_a_device(version, refused):
+    """Why the real GLM-4 MoE server runs 0.5.8 (docs/dual-stream-experts.md): each release's own
+    ``process_weights_after_loading`` (UnquantizedFusedMoEMethod) then its own DeepEP bf16 expert
+    function, on the simulated ops: 0.5.9 transposes the weights at load time and still permutes
+    them for ``npu_grouped_matmul``, whose K then disagrees -- refused with the device's message;
+    0.5.8 (no load-time transpose) and 0.5.10 (no permute) compute the experts."""
+    out = realsglang.run_in_release(version, """
+        import json, torch
+        from shimdev import simnpu
+        simnpu.install(release=%r, server=True)
+        from shimdev import simnpu as _s
+        from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod  # first, as sglang
+        import sglang.srt.hardware_backend.npu.quantization.fused_moe_method_npu as m
+        torch.manual_seed(0)
+        E, H, I, rows = 4, 64, 48, 5
+        layer = torch.nn.Module()
+        layer.w13_weight = torch.nn.Parameter(torch.randn(E, 2 * I, H, dtype=torch.bfloat16) / 8, requires_grad=False)
+        layer.w2_weight = torch.nn.Parameter(torch.randn(E, H, I, dtype=torch.bfloat16) / 8, requires_grad=False)
+        layer.num_local_experts, layer.num_experts = E, E
+        method = UnquantizedFusedMoEMethod()  # the default MoE runner: not flashinfer, not triton
+        method.process_weights_after_loading(layer)
+        x = torch.randn(rows, H, dtype=torch.bfloat16)
+        counts = torch.tensor([2, 0, 3, 0], dtype=torch.int64)
+        try:
+            y = m.npu_fused_moe_without_routing_weights_bf16(layer, x, 1, counts, torch.bfloat16)
+            emit({"shape": list(y.shape)})
+        except RuntimeError as e:
+            emit({"refused": str(e)})
+    """ % version, install_sim=False)
+    if refused:
+        assert out["refused"].startswith("Dim 1 value of x[0] should be equal with dim 1 value of weight[0]"), out
+    else:
+        assert out == {"shape": [5, 64]}, out

@@ -48,6 +48,9 @@ ROWS = (
     ("bench_server", "the same server, decode tokens per second over a fixed greedy load, shim on vs off"),
     ("bench_mla_server", "MLA bytes freed per decode server: real sglang 0.5.11 DSA decode server "
                          "(simulated NPU), shim on vs off"),
+    ("bench_moe_server", "GLM-4 MoE server (simulated NPU, DeepEP, dual-stream on), decode tokens per second, "
+                         "shim on sglang 0.5.8 vs sglang 0.5.10's own"),
+    ("bench_moe_server", "the same shim server vs sglang 0.5.8 without the shim (neither path), decode tokens per second"),
 )
 
 RESULT = {True: "ok", False: "MISSED", None: "-"}

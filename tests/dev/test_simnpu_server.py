@@ -115,6 +115,104 @@ def test_the_dense_path_ops_compute_the_reference_math():
                    "cache": True, "paged": True, "is_op": "OpOverloadPacket"}  # a wrong keyword: what the dispatcher says
 
 
+def test_the_moe_ops_compute_the_reference_math_and_are_one_launch_each_reading_their_inputs():
+    """The GLM-4 MoE path's ops (simnpu/_ops.py) against a dense MoE computed here, the sanitizer
+    seeing each as one kernel (its inner torch ops are not launches) that writes none of its
+    inputs (each schema marks no argument written), and DeepEP's dispatch/combine (_deepep.py)
+    giving back what a dense MoE gives."""
+    out = run("""
+        import json, torch
+        from shimdev import simnpu
+        from shimdev.simnpu import _deepep
+        simnpu.install(server=True)
+        import torch_npu
+        torch.manual_seed(0)
+        n, E, k, H, I = 6, 8, 2, 16, 8
+        logits, bias = torch.randn(n, E), torch.randn(E) * 0.1
+        x = torch.randn(n, H, dtype=torch.bfloat16)
+        w13 = torch.randn(E, H, 2 * I, dtype=torch.bfloat16) / 4
+        w2 = torch.randn(E, I, H, dtype=torch.bfloat16) / 4
+        inputs = [logits, bias, x, w13, w2]
+        before = [t.clone() for t in inputs]
+        launches = []
+        with simnpu.sanitize() as san:
+            def one(fn, *args, **kwargs):
+                start = san.launches
+                result = fn(*args, **kwargs)
+                launches.append(san.launches - start)
+                return result
+            w, ids, normed = one(torch_npu.npu_moe_gating_top_k, logits, k=k, bias=bias, k_group=1,
+                                 group_count=1, group_select_mode=1, renorm=0, norm_type=1,
+                                 routed_scaling_factor=1.0, eps=1e-20)
+            row_idx = torch.arange(n * k, dtype=torch.int32).view(k, n).t().contiguous()
+            ex, erow, eexp = one(torch_npu.npu_moe_init_routing, x, row_idx=row_idx,
+                                 expert_idx=ids, active_num=n)
+            tok = one(torch_npu.npu_moe_compute_expert_tokens, eexp, E).to(torch.int64)
+            h = one(torch_npu.npu_grouped_matmul, x=[ex], weight=[w13], split_item=2,
+                    group_list_type=0, group_type=0, group_list=tok, output_dtype=torch.bfloat16)[0]
+            h = one(torch_npu.npu_swiglu, h)
+            h = one(torch_npu.npu_grouped_matmul, x=[h], weight=[w2], split_item=2,
+                    group_list_type=0, group_type=0, group_list=tok, output_dtype=torch.bfloat16)[0]
+            y = one(torch_npu.npu_moe_finalize_routing, h, skip1=None, skip2=None, bias=None,
+                    scales=w.to(h.dtype), expanded_src_to_dst_row=erow, export_for_source_row=ids)
+        # the dense reference: sigmoid scores, top-k by biased score, weights renormalised
+        score = torch.sigmoid(logits)
+        ref_ids = (score + bias).topk(k, dim=-1).indices
+        ref_w = score.gather(1, ref_ids)
+        ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+        def expert(e, rows):
+            a = (rows.float() @ w13[e].float()).to(torch.bfloat16)
+            a = (torch.nn.functional.silu(a[:, :I].float()) * a[:, I:].float()).to(torch.bfloat16)
+            return (a.float() @ w2[e].float()).to(torch.bfloat16)
+        ref = torch.zeros(n, H)
+        for i in range(n):
+            for j in range(k):
+                ref[i] += ref_w[i, j].to(torch.bfloat16).float() * expert(int(ref_ids[i, j]), x[i:i + 1])[0].float()
+        # v2 routing (per-expert counts) then grouped matmul: each expert's rows, in another order
+        ex2, _, counts, _ = torch_npu.npu_moe_init_routing_v2(
+            x, ids, active_num=n, expert_num=E, expert_tokens_num_type=1, expert_tokens_num_flag=True)
+        # DeepEP, one rank: dispatch -> the same experts -> combine
+        class Group:
+            def rank(self): return 0
+            def size(self): return 1
+        buf = _deepep.Buffer(Group(), low_latency_mode=True)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, ids.long(), 128, E, use_fp8=False)
+        hd = torch_npu.npu_grouped_matmul(x=[recv], weight=[w13], split_item=2, group_list_type=1,
+                                          group_type=0, group_list=count.long(), output_dtype=torch.bfloat16)[0]
+        hd = torch_npu.npu_grouped_matmul(x=[torch_npu.npu_swiglu(hd)], weight=[w2], split_item=2,
+                                          group_list_type=1, group_type=0, group_list=count.long(),
+                                          output_dtype=torch.bfloat16)[0]
+        yd, _, _ = buf.low_latency_combine(hd, ids.long(), w, handle)
+        refused = {}
+        for name, call in {
+            "k_mismatch": lambda: torch_npu.npu_grouped_matmul(x=[x], weight=[w2], split_item=2,
+                group_list_type=0, group_type=0, group_list=tok),
+            "int8_x": lambda: torch_npu.npu_grouped_matmul(x=[ex.to(torch.int8)], weight=[w13],
+                split_item=2, group_list_type=0, group_type=0, group_list=tok),
+            "one_rank_config": lambda: _deepep.Buffer.get_dispatch_config(1),
+        }.items():
+            try:
+                call()
+            except Exception as e:
+                refused[name] = str(e)
+        print(json.dumps({
+            "ids": torch.equal(ids.long().sort(-1).values, ref_ids.sort(-1).values),
+            "weights": torch.allclose(w.gather(1, ids.long().argsort(-1)),
+                                      ref_w.gather(1, ref_ids.argsort(-1)), atol=1e-6),
+            "moe": (y.float() - ref).abs().max().item(), "deepep": (yd.float() - ref).abs().max().item(),
+            "v2_counts": counts.tolist() == torch.bincount(ids.flatten().long(), minlength=E).tolist(),
+            "v2_rows": sorted(map(tuple, ex2.float().tolist())) == sorted(map(tuple, ex.float().tolist())),
+            "launches": launches, "unchanged": all(torch.equal(a, b) for a, b in zip(inputs, before)),
+            "reports": [str(r) for r in san.reports], "refused": refused}))
+    """)
+    assert out["ids"] and out["weights"] and out["v2_counts"] and out["v2_rows"]
+    assert out["moe"] < 0.05 and out["deepep"] < 0.05, out  # bf16 rounding of the weighted sum
+    assert out["launches"] == [1] * 7 and out["unchanged"] and out["reports"] == []
+    assert out["refused"]["k_mismatch"].startswith("Dim 1 value of x[0] should be equal")
+    assert "no quantisation argument" in out["refused"]["int8_x"]
+    assert out["refused"]["one_rank_config"] == "Unsupported number of EP ranks: 1"
+
+
 def test_an_unknown_triton_kernel_fails_naming_itself():
     out = run("""
         import json
@@ -188,3 +286,61 @@ def test_a_bootstrap_zbal_cannot_make_fails_as_on_a_device(zbal_layer, url, size
                        capture_output=True, text=True, timeout=120)
     assert p.stdout.strip().splitlines()[-1] == "False", p.stderr[-2000:]
     assert said in p.stderr
+
+
+def test_swiglu_quant_covers_the_rows_of_its_group_list():
+    """sgl-kernel-npu's swiglu_quant stand-in (0.5.10's bf16 DeepEP experts): swiglu of the rows
+    the group list covers, cumulative (type 0) or counts (type 1); int8 with a scale per row when
+    quantising."""
+    import torch
+
+    from shimdev.simnpu import _ops
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, dtype=torch.bfloat16)
+    ref = (torch.nn.functional.silu(x[:, :4].float()) * x[:, 4:].float()).to(torch.bfloat16)
+    for group_list, kind in ((torch.tensor([2, 5], dtype=torch.int64), 0),
+                             (torch.tensor([2, 3], dtype=torch.int32), 1)):
+        out, _ = _ops.swiglu_quant(x, group_list, kind, need_quant=False)
+        assert torch.equal(out[:5], ref[:5]) and not out[5].any()
+    q, scale = _ops.swiglu_quant(x, torch.tensor([6]), 1)
+    assert q.dtype == torch.int8
+    assert torch.allclose(q.float() * scale[:, None], ref.float(), atol=scale.max().item())
+    with pytest.raises(ValueError, match="group_list_type must be 0 or 1"):
+        _ops.swiglu_quant(x, torch.tensor([6]), 2)
+
+
+@pytest.mark.parametrize("version, refused", [("0.5.8", False), ("0.5.9", True), ("0.5.10", False)])
+def test_the_deepep_bf16_experts_of_each_release_meet_the_grouped_matmul_as_on_a_device(version, refused):
+    """Why the real GLM-4 MoE server runs 0.5.8 (docs/dual-stream-experts.md): each release's own
+    ``process_weights_after_loading`` (UnquantizedFusedMoEMethod) then its own DeepEP bf16 expert
+    function, on the simulated ops: 0.5.9 transposes the weights at load time and still permutes
+    them for ``npu_grouped_matmul``, whose K then disagrees -- refused with the device's message;
+    0.5.8 (no load-time transpose) and 0.5.10 (no permute) compute the experts."""
+    out = realsglang.run_in_release(version, """
+        import json, torch
+        from shimdev import simnpu
+        simnpu.install(release=%r, server=True)
+        from shimdev import simnpu as _s
+        from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod  # first, as sglang
+        import sglang.srt.hardware_backend.npu.quantization.fused_moe_method_npu as m
+        torch.manual_seed(0)
+        E, H, I, rows = 4, 64, 48, 5
+        layer = torch.nn.Module()
+        layer.w13_weight = torch.nn.Parameter(torch.randn(E, 2 * I, H, dtype=torch.bfloat16) / 8, requires_grad=False)
+        layer.w2_weight = torch.nn.Parameter(torch.randn(E, H, I, dtype=torch.bfloat16) / 8, requires_grad=False)
+        layer.num_local_experts, layer.num_experts = E, E
+        method = UnquantizedFusedMoEMethod()  # the default MoE runner: not flashinfer, not triton
+        method.process_weights_after_loading(layer)
+        x = torch.randn(rows, H, dtype=torch.bfloat16)
+        counts = torch.tensor([2, 0, 3, 0], dtype=torch.int64)
+        try:
+            y = m.npu_fused_moe_without_routing_weights_bf16(layer, x, 1, counts, torch.bfloat16)
+            emit({"shape": list(y.shape)})
+        except RuntimeError as e:
+            emit({"refused": str(e)})
+    """ % version, install_sim=False)
+    if refused:
+        assert out["refused"].startswith("Dim 1 value of x[0] should be equal with dim 1 value of weight[0]"), out
+    else:
+        assert out == {"shape": [5, 64]}, out

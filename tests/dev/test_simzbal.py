@@ -195,3 +195,17 @@ def test_graph_mode_also_sets_the_pool_hooks():
     assert out.stdout.split() == [
         "set_init_fn", "set_reset_fn", "set_record_stream_fn", "set_erase_stream_fn", "set_get_device_stats_fn",
         "set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"]
+
+
+def test_the_deepep_runtime_answers_only_what_the_real_library_registers(real_wheel, real_so):
+    """The adaptor's Buffer computes dispatch/combine (simnpu/_deepep.py): each method it answers
+    is one zbal_buffer.py calls on its runtime and a string the real library registers; the
+    Config methods sglang sizes its buffers with are registered there too."""
+    calls = {n.attr for n in ast.walk(ast.parse(real_wheel["zbal_buffer.py"]))
+             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+             and n.value.attr == "runtime"}
+    assert set(native.RUNTIME_METHODS) == calls, sorted(calls ^ set(native.RUNTIME_METHODS))
+    config_methods = {n for n in vars(native.Config) if not n.startswith("_")}
+    assert config_methods == {"get_nvl_buffer_size_hint", "get_rdma_buffer_size_hint"}
+    for name in sorted(calls | config_methods):
+        assert name.encode() + b"\x00" in real_so, name

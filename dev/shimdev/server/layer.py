@@ -19,8 +19,24 @@ SERVER_PACKAGES = ("uvloop", "python-multipart", "interegular", "prometheus-clie
                    "soundfile==0.13.1")
 
 
+#: What one release's server imports beyond those, pinned as its wheel pins it: 0.5.7 and 0.5.8
+#: import torchao every time a model is loaded (``ModelRunner.load_model`` ->
+#: ``apply_torchao_config_to_model``, unguarded; 0.5.9 only with a torchao config).  Installed
+#: without its dependencies (the base has torch), in a layer of its own.
+RELEASE_PACKAGES = {"0.5.7": ("torchao==0.9.0",), "0.5.8": ("torchao==0.9.0",),
+                    "0.5.8.post1": ("torchao==0.9.0",)}
+
+
 def ensure_server_layer(*, log=None) -> Path:
     return sglang_envs.ensure_deps_layer({"deps": sorted(SERVER_PACKAGES), "nodeps": []}, log=log)
+
+
+def ensure_release_server_layer(release: str, *, log=None) -> Path | None:
+    """The layer of RELEASE_PACKAGES[release], or None when the release needs none."""
+    packages = RELEASE_PACKAGES.get(release)
+    if not packages:
+        return None
+    return sglang_envs.ensure_deps_layer({"deps": [], "nodeps": sorted(packages)}, log=log)
 
 
 def ensure_server_venv(*, log=None) -> Path:

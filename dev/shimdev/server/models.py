@@ -46,6 +46,21 @@ SPECS = {
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
         architectures=["DeepseekV3ForCausalLM"],
         index_topk=16, index_head_dim=32, index_n_heads=4)),
+    # GLM-4.5-shaped MoE (head_dim 64: 0.5.7/0.5.8 take the NPU rope only for 64/128/256/512):
+    # layer 0 dense (first_k_dense_replace), layer 1 MoE with 8 routed experts
+    # (top 2, sigmoid scores, one group) and one shared expert; q/k RMSNorm and half of each head
+    # rotated, as GLM-4.5/4.6/4.7 (what the fused split_qkv_rmsnorm_rope path is for).  The
+    # experts' gate_up is not square (2 x 48 != 64): tensors on the simulated npu say they are on
+    # the cpu, so sglang's loader runs its device_loading_context round trip, which copies a
+    # weight onto its own transposed view (0.5.10's load-time transpose) when the shape is square
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        partial_rotary_factor=0.5, use_qk_norm=True, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        norm_topk_prob=True, routed_scaling_factor=1.0, max_position_embeddings=2048,
+        rope_theta=10000.0, rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=3, torch_dtype="bfloat16")),
 }
 
 #: kind -> what is done to the saved checkpoint after ``save_pretrained`` (in _BUILD).

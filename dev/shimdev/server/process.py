@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from shimdev import realsglang
-from shimdev.server.layer import ensure_server_layer, ensure_server_venv
+from shimdev.server.layer import ensure_release_server_layer, ensure_server_layer, ensure_server_venv
 
 #: What every test server runs with: the simulated NPU's dense path (ascend attention), no graph
 #: capture and no warm-up request (each costs tens of seconds on 2 cores and tests nothing here),
@@ -115,6 +115,9 @@ class Server:
             version, env, zbal=zbal, shim_enabled={"on": True, "disabled": False}.get(shim),
             shim_root=shim_root)
         run_env["PYTHONPATH"] += os.pathsep + str(ensure_server_layer())
+        release_layer = ensure_release_server_layer(realsglang.table_release(version))
+        if release_layer is not None:
+            run_env["PYTHONPATH"] += os.pathsep + str(release_layer)
         if argv[0] == str(realsglang.sglang_envs.ensure_base()):
             argv = [str(ensure_server_venv())]
         else:

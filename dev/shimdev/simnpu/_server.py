@@ -20,6 +20,8 @@ operators for real; the rest of the simulation only answers the device module.  
   npu; CPU torch refuses mixed dtypes);
 * for the MLA decode server's checks: ``SIMNPU_TRACK_DERIVED=1`` counts storages derived from npu
   tensors as npu memory, and ``SIMNPU_MEMORY_DIR`` makes a process write its counters on SIGUSR2.
+* **DeepEP** (``_deepep.py``): sgl-kernel-npu's ``deep_ep.Buffer`` as sglang calls it, its
+  dispatch and combine in pure torch for one expert-parallel rank.
 """
 from __future__ import annotations
 
@@ -266,5 +268,12 @@ def install() -> None:
         f = _stubs.finder()
         f.overrides.setdefault("torch_npu", {}).update(_ops.torch_npu_names())
         for module, names in _ops.kernel_stand_ins().items():
+            f.overrides.setdefault(module, {}).update(names)
+        # sgl-kernel-npu's deep_ep (DeepEP on Ascend), which an NPU image ships: sglang's
+        # --moe-a2a-backend deepep dispatches and combines through its Buffer (_deepep.py)
+        from . import _deepep
+
+        f.roots.add("deep_ep")
+        for module, names in _deepep.stand_in_modules().items():
             f.overrides.setdefault(module, {}).update(names)
         _installed = True

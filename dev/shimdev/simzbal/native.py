@@ -146,6 +146,12 @@ def dump_snapshot(*args):
 
 # -- zbal.zbal.deepep_adaptor ------------------------------------------------------------------------
 
+def _deepep():
+    from shimdev.simnpu import _deepep
+
+    return _deepep
+
+
 class Config:
     def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6, num_max_nvl_chunked_recv_tokens=256,
                  num_max_rdma_chunked_send_tokens=6, num_max_rdma_chunked_recv_tokens=128):
@@ -154,6 +160,14 @@ class Config:
         self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
         self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
         self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+    # sglang's DeepEPBuffer sizes its buffers with these (DeepEP's Config methods, registered by
+    # the real library too)
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return self.num_max_nvl_chunked_recv_tokens * hidden_bytes * num_ranks
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return 0  # intranode only
 
     def __eq__(self, other):
         return isinstance(other, Config) and vars(self) == vars(other)
@@ -168,19 +182,39 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num
     return num_max_dispatch_tokens_per_rank * hidden * num_ranks * 2 * 2
 
 
+#: The runtime's kernels, computed by the simulated NPU's DeepEP runtime (simnpu/_deepep.py, one
+#: expert-parallel rank); each name is a string the real library registers.
+RUNTIME_METHODS = ("get_num_rdma_ranks", "get_dispatch_layout", "intranode_dispatch",
+                   "intranode_combine", "clean_low_latency_buffer", "low_latency_dispatch",
+                   "low_latency_combine")
+
+
+_RECORDED: set = set()
+
+
 class Buffer:
-    """The runtime behind zbal_buffer.Buffer: constructed, but its kernels need a device."""
+    """The runtime behind zbal_buffer.Buffer: its dispatch/combine kernels in pure torch (one
+    rank); anything else it is asked needs a device."""
 
     def __init__(self, rank, group_size, num_nvl_bytes, num_rdma_bytes, low_latency_mode, group_name):
         simzbal.record("deepep_buffer", {"rank": rank, "group_size": group_size, "group_name": group_name})
         self.rank, self.group_size = rank, group_size
-
-    def get_num_rdma_ranks(self):
-        return 1
+        self._runtime = None
+        self._args = (rank, group_size, num_nvl_bytes, num_rdma_bytes, low_latency_mode, group_name)
+        print("[simzbal] deepep_adaptor.Buffer: rank %d of %d, group %r" % (rank, group_size, group_name),
+              file=sys.stderr, flush=True)
 
     def __getattr__(self, name):
-        if name.startswith("__"):
+        if name.startswith("__") or name in ("_runtime", "_args"):
             raise AttributeError(name)
+        if name in RUNTIME_METHODS:
+            if self._runtime is None:  # built on first use: a group of more ranks raises then
+                self._runtime = _deepep().Runtime(*self._args)
+            method = getattr(self._runtime, name)
+            if name not in _RECORDED:  # once per process: a server calls them every layer
+                _RECORDED.add(name)
+                simzbal.record("deepep_" + name, {"rank": self.rank})
+            return method
 
         def not_simulated(*args, **kwargs):
             raise NotImplementedError("simulated zbal: deepep_adaptor.Buffer.%s needs a device" % name)

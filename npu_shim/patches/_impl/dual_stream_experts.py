@@ -8,8 +8,10 @@ import importlib
 import importlib.util
 import os
 import threading
+import time
 
 from npu_shim.core.framework import Inactive, Unsupported
+from npu_shim.ops import staterecord
 from npu_shim.runtime.targets import Wrap, bind_arguments
 from npu_shim.source.live import SourceError, parse_source, read_source, unwrap
 
@@ -77,6 +79,28 @@ class DualStream:
         self.layer_plans = {}       # layer-config key -> None (fused) or reason (original path)
         self.counts = {"dual_stream_calls": 0, "fused_calls": 0}
         self.details["counts"] = self.counts  # live: status shows how often each path ran
+        self._published = None      # monotonic time the counts last went to the state record
+        self._flush_pending = False  # a timer will publish the counts the last touch missed
+
+    def _count(self, key):
+        """One more call of a path.  The state record (and sglang's metrics) follow: at once for
+        the first call, then at most once a second, the last count included (a timer catches up
+        after the last call), so a running server's record says which paths its requests took."""
+        self.counts[key] += 1
+        now = time.monotonic()
+        if self._published is None or now - self._published >= 1.0:
+            self._published = now
+            staterecord.touch()
+        elif not self._flush_pending:
+            self._flush_pending = True
+            timer = threading.Timer(1.0 - (now - self._published), self._flush)
+            timer.daemon = True
+            timer.start()
+
+    def _flush(self):
+        self._flush_pending = False
+        self._published = time.monotonic()
+        staterecord.touch()
 
     def _note(self, key, value):
         self.details[key] = value
@@ -150,7 +174,7 @@ class DualStream:
         )
         final_hidden_states = block.experts(hidden_states=hidden_states, topk_output=topk_output)
         self.wait_share_stream()
-        self.counts["dual_stream_calls"] += 1
+        self._count("dual_stream_calls")
 
         if shared_output is not None:
             x = shared_output
@@ -202,7 +226,7 @@ class DualStream:
             q_bias=getattr(attn.q_norm, "bias", None),
             k_bias=getattr(attn.k_norm, "bias", None),
         )
-        self.counts["fused_calls"] += 1
+        self._count("fused_calls")
         inner_state = q, k, v, forward_batch
         return None, forward_batch, inner_state
 

@@ -1,0 +1,28 @@
+"""The GLM-4 MoE job the real-server tests and the benchmark serve (tests/test_real_server_moe.py,
+scripts/bench_moe_server.py): ``--moe-a2a-backend deepep`` with the streams on, one EP rank.
+
+* One EP rank: deep_ep's and zbal's Buffers recommend configs only for 2+ ranks, so sglang is
+  given them (``--deepep-config``: their normal-mode configs for two ranks).
+* ``SGLANG_DEEPEP_BF16_DISPATCH=1``: bf16 tokens into the low-latency dispatch (the NPU's "fp8"
+  dispatch quantises to int8, which the bf16 expert path cannot take).
+* ``SIMNPU_FUSED_KERNEL=1``: sgl-kernel-npu's ``norm.split_qkv_rmsnorm_rope`` in the image.
+"""
+import json
+
+DEVICE_MIB = 512
+DEEPEP_CONFIG = {
+    "normal_dispatch": {"num_sms": 20, "num_max_nvl_chunked_send_tokens": 24,
+                        "num_max_nvl_chunked_recv_tokens": 256, "num_max_rdma_chunked_send_tokens": 6,
+                        "num_max_rdma_chunked_recv_tokens": 128},
+    "normal_combine": {"num_sms": 20, "num_max_nvl_chunked_send_tokens": 10,
+                       "num_max_nvl_chunked_recv_tokens": 256, "num_max_rdma_chunked_send_tokens": 6,
+                       "num_max_rdma_chunked_recv_tokens": 128},
+}
+NPU_ARGS = ("--mem-fraction-static", "0.5", "--moe-a2a-backend", "deepep",
+            "--deepep-config", json.dumps(DEEPEP_CONFIG))
+NPU_ENV = {"SIMNPU_TOTAL_MIB": DEVICE_MIB, "SGLANG_NPU_USE_MULTI_STREAM": "1",
+           "SGLANG_DEEPEP_BF16_DISPATCH": "1", "SIMNPU_FUSED_KERNEL": "1"}
+#: ``--device cpu``: sglang's CPU engine, a KV cache bounded in tokens (its default is a fraction
+#: of the machine's memory), no NPU in the processes at all.
+CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "4096")
+CPU_ENV = {"SIMNPU_SERVER_DEVICE": "cpu", "SGLANG_USE_CPU_ENGINE": "1"}

@@ -29,6 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
 from shimdev import DEV, sglang_envs  # noqa: E402
+from shimdev.bench_rows import clean_env  # noqa: E402
 from shimdev.demo_features import DEMO_ENV  # noqa: E402
 
 IMPORT_RELEASE = "0.5.11"
@@ -36,13 +37,6 @@ IMPORT_RELEASE = "0.5.11"
 # in both arms, so the rows measure the shim, not the feature it turns on.
 FEATURE_IMPORTS = ("zbal", "zbal.zbal_buffer", "zbal.zbal.deepep_adaptor")
 MIB = 1 << 20
-
-
-def clean_env(pythonpath):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_", "PYTHON"))}
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(pythonpath)
-    return env
 
 
 def timed_run(argv, env):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared device check (issue 32 item 3): one call on a machine with a device (CUDA GPU or
+# The prepared device check: one call on a machine with a device (CUDA GPU or
 # Ascend NPU), each step under a timeout, everything written to $OUT (default
 # /tmp/npu-shim-device-check) and a summary printed (summary.txt):
 #

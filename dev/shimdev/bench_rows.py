@@ -5,6 +5,7 @@ cell even when its script failed ("not measured: ..."); tests/dev/test_bench_tab
 ``DOC``'s table has exactly these rows, in this order, between ``TABLE_START`` and ``TABLE_END``
 (``python3 scripts/bench.py --write-docs`` writes it from a run).
 """
+import os
 
 DOC = "docs/performance.md"  # the page that shows the table, relative to the repository
 TABLE_START = "<!-- bench-table -->"
@@ -14,6 +15,15 @@ HEADER = ("| what | how | measured | target | result | script |", "|---|---|---|
 MLA_CASES = tuple((model, tp, "decode") for model in ("DeepSeek-V3", "GLM-5") for tp in (1, 8, 16)) + \
     (("DeepSeek-V3", 8, "prefill"), ("GLM-5", 8, "prefill"))
 
+
+
+def clean_env(pythonpath):
+    """This process's environment for a measured child: without the shim's, sglang's and Python's
+    variables, ``pythonpath`` (a list) its PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_", "PYTHON"))}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(pythonpath)
+    return env
 
 def mla_row(model, tp, role):
     return "MLA weights freed by the real sglang 0.5.11 npu_mla_preprocess, %s, TP %d, %s" % (model, tp, role)

@@ -326,15 +326,23 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
     return out, empty, empty
 
 
-def _dtype(code, default):
-    """An ``int?`` dtype argument: torch's ScalarType code (a torch.dtype arrives as its code)."""
+#: c10::ScalarType numbers (an ``int? output_dtype`` receives a torch.dtype as its number).
+_SCALAR_TYPES = {0: "uint8", 1: "int8", 2: "int16", 3: "int32", 4: "int64", 5: "float16",
+                 6: "float32", 7: "float64", 11: "bool", 15: "bfloat16"}
+
+
+def _dtype(number, default):
+    """An ``int?`` dtype argument: torch's ScalarType number (a torch.dtype passed through the op
+    arrives as its number; one passed to the Python stand-in directly, as itself)."""
     import torch
 
-    if code is None:
+    if number is None:
         return default
-    if isinstance(code, torch.dtype):
-        return code
-    return {5: torch.float16, 6: torch.float32, 15: torch.bfloat16, 1: torch.int8, 3: torch.int32}[code]
+    if isinstance(number, torch.dtype):
+        return number
+    if number not in _SCALAR_TYPES:
+        raise NotImplementedError("simnpu: output dtype number %r" % (number,))
+    return getattr(torch, _SCALAR_TYPES[number])
 
 
 def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None,
@@ -492,21 +500,6 @@ def npu_format_cast(input, acl_format, *, customize_dtype=None, input_dtype=None
 # 2.x, and the aclnn pages of the kernels behind them: aclnnMoeGatingTopK, aclnnGroupedMatmulV4,
 # aclnnMoeInitRouting(V2), aclnnMoeComputeExpertTokens, aclnnMoeFinalizeRouting).  A mode or an
 # argument sglang's NPU paths never pass raises NotImplementedError naming it -- never a guess.
-
-#: c10::ScalarType numbers (an ``int? output_dtype`` receives a torch.dtype as its number).
-_SCALAR_TYPES = {0: "uint8", 1: "int8", 2: "int16", 3: "int32", 4: "int64", 5: "float16",
-                 6: "float32", 7: "float64", 11: "bool", 15: "bfloat16"}
-
-
-def _dtype(number, default):
-    import torch
-
-    if number is None:
-        return default
-    if number not in _SCALAR_TYPES:
-        raise NotImplementedError("simnpu: output dtype number %r" % (number,))
-    return getattr(torch, _SCALAR_TYPES[number])
-
 
 def _unsupported(op, **given):
     """Raise for each argument given a value the stand-in does not model."""

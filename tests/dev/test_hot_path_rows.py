@@ -1,22 +1,16 @@
-"""scripts/bench_hot_path.py's rows from given measurements (its plumbing, nothing timed): what a
+"""scripts/bench_hot_path.py's rows (shimdev/hot_path_rows.py) from given measurements (its plumbing, nothing timed): what a
 row's result rests on -- identity for the first, the outputs and the states for the MoE rows --
 and that a measurement that fails is one line and a problem for bench.py."""
-import os
-
 import pytest
 
 from shimdev import bench_rows
 from shimdev import hot_path_bench as H
-
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
+from shimdev import hot_path_rows
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(SCRIPTS)
-    import bench_hot_path
-
-    return bench_hot_path
+def bench():
+    return hot_path_rows
 
 
 def mla(**info):

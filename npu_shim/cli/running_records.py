@@ -48,7 +48,7 @@ MAX_RECORDS = 4096
 STALE_BEATS = 3
 PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT
 _MAX_TEXT = 300
-_OLD_NAME = re.compile(r"(?P<host>.+)-(?P<pid>[0-9]+)\.json\Z")  # npu-shim 0.2.2 and before
+_OLD_NAME = re.compile(r"(?P<host>.+)-(?P<pid>[0-9]+)\.json\Z")  # npu-shim up to the 0.2.2 release (2026-11-30)
 
 
 class BadRecord(ValueError):
@@ -284,7 +284,7 @@ def suspicion(record, facts):
 
 def visible_here(record, here):
     """Whether this process can see the record's process (same boot of this host, same PID
-    namespace); records of npu-shim 0.2.2 and before name only the host."""
+    namespace); records of npu-shim up to the 0.2.2 release name only the host."""
     if record.get("pid_ns") is None and record.get("boot_id") is None:
         return record["host"] == here["host"]
     return (record.get("boot_id") == here["boot_id"] and record.get("pid_ns") == here["pid_ns"]
@@ -318,7 +318,7 @@ def judge(record, here, now=None):
         return "stale", "written before this host last booted"
     beat = record.get("heartbeat_s")
     if beat is None:
-        return "live", None  # npu-shim 0.2.2 and before: no heartbeat to judge by
+        return "live", None  # npu-shim up to the 0.2.2 release (2026-11-30): no heartbeat to judge by
     updated = record.get("updated")
     now = time.time() if now is None else now
     if updated is None:

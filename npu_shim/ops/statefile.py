@@ -174,7 +174,7 @@ def write(force=False, attached=None):
             with statedir.open_for_writing(dir_) as handle:
                 if _W.swept_pid != os.getpid():
                     _W.swept_pid = os.getpid()
-                    handle.sweep(TEMP_PREFIX, TEMP_SUFFIX, TEMP_MAX_AGE_S)
+                    handle.sweep(TEMP_SUFFIX, TEMP_MAX_AGE_S)
                 handle.replace_file(record_name(record["host"], record["pid_ns"], record["pid"]),
                                     data, TEMP_PREFIX, TEMP_SUFFIX)
             _W.last, _W.last_pid, _W.last_time = text, os.getpid(), time.monotonic()

@@ -10,10 +10,10 @@ MIB = 1 << 20
 
 
 def _one_rank_world():
-    import types
-
     """The world group of a one-rank job, for ZbalProcess.lazy_init (sglang's own group exists only
     once torch.distributed is initialised, which the selftest does not do)."""
+    import types
+
     return types.SimpleNamespace(world_size=1, cpu_group=None, rank_in_group=0)
 
 

@@ -17,6 +17,7 @@ import os
 import sys
 
 import npu_shim
+from npu_shim import _paths
 from npu_shim.core import config, framework
 from npu_shim.runtime import wrapt_loader
 from npu_shim.source.codeview import SourceView
@@ -40,7 +41,7 @@ def find_sglang():
 def sitecustomize_facts():
     """Which sitecustomize Python loaded at start-up: (npu-shim's?, the file it loaded or None)."""
     loaded = sys.modules.get("sitecustomize")
-    ours = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(npu_shim.__file__))), "sitecustomize.py")
+    ours = os.path.join(_paths.ROOT, "sitecustomize.py")
     path = getattr(loaded, "__file__", None)
     return bool(path) and os.path.realpath(path) == os.path.realpath(ours), path
 

@@ -5,7 +5,7 @@ Every module under ``npu_shim/`` (the vendored wrapt left out) is parsed with ``
 lowest first -- a module may import its own layer and the ones below, never one above, and no
 import may close a circle, inside a layer or across:
 
-0. leaves: ``_version`` and the registry (``patches/registry.py``: a list of names);
+0. leaves: ``_version``, ``_paths`` (where the package is) and the registry (``patches/registry.py``: a list of names);
 1. ``core``: the variables, the patch model and deciding, loading the registered patches;
 2. ``ops``: logging, process identity, state records, the summary line, text for a terminal;
 3. ``source``: reading sglang's code without importing it (view, fast scan, inherited answers);
@@ -25,7 +25,7 @@ import pytest
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "npu_shim")
 LAYERS = [
-    ("npu_shim._version", "npu_shim.patches.registry"),
+    ("npu_shim._version", "npu_shim._paths", "npu_shim.patches.registry"),
     ("npu_shim.core",),
     ("npu_shim.ops",),
     ("npu_shim.source",),

@@ -33,10 +33,11 @@ import os
 import stat
 import sys
 
+from npu_shim import _paths
 from npu_shim._version import __version__
 
-# The npu_shim package being bundled (this module is npu_shim/cli/bundle.py).
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The npu_shim package being bundled.
+_PACKAGE = _paths.PACKAGE_DIR
 
 WRAPT_VERSION = "2.5.2"
 PYTHONS = ("3.9", "3.10", "3.11", "3.12", "3.13")

@@ -19,16 +19,14 @@ import os
 import re
 import sys
 
+from npu_shim import _paths
+from npu_shim.ops.log import one_line
+
 CHILD_TIMEOUT_S = 300
 _MARK = "npu-shim-check:"
 # What print_report reads of the child's report (the parent adds "bundle").
 REPORT_KEYS = ("pid", "python", "sitecustomize", "shim_active", "imports", "states", "wrapped",
                "wrapt", "sglang", "npu", "seconds")
-
-
-def _trim(text, limit=300):
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 # -- in the child ---------------------------------------------------------------------------------
@@ -68,7 +66,7 @@ def torch_problem():
 
 def diagnose_torch_error(exc):
     """``torch_problem``'s answer for the exception ``import torch`` raised."""
-    error = _trim("%s: %s" % (type(exc).__name__, exc))
+    error = one_line("%s: %s" % (type(exc).__name__, exc))
     for link in _chain(exc):
         found = _MISSING_LIBRARY.search(str(link))
         if found:
@@ -90,9 +88,9 @@ def import_target_modules():
             importlib.import_module(name)
             imports[name] = "ok"
         except ModuleNotFoundError as exc:
-            imports[name] = "absent" if exc.name and name.startswith(exc.name) else _trim(repr(exc))
+            imports[name] = "absent" if exc.name and name.startswith(exc.name) else one_line(repr(exc))
         except BaseException as exc:  # noqa: BLE001 - ShimError included: report, don't die
-            imports[name] = _trim("%s: %s" % (type(exc).__name__, exc))
+            imports[name] = one_line("%s: %s" % (type(exc).__name__, exc))
     return imports
 
 
@@ -113,7 +111,7 @@ def npu_facts():
         facts["npu_available"] = bool(npu is not None and npu.is_available())
         facts["npu_count"] = int(npu.device_count()) if facts["npu_available"] else 0
     except Exception as exc:  # noqa: BLE001
-        facts["npu_available"], facts["npu_error"] = False, _trim(repr(exc))
+        facts["npu_available"], facts["npu_error"] = False, one_line(repr(exc))
     return facts
 
 
@@ -142,7 +140,7 @@ def bundle_facts():
     (none missing, changed or extra; the MANIFEST itself there and whole)."""
     from npu_shim.cli import bundle
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = _paths.ROOT
     problems = bundle.verify(root)
     if problems is None:
         return {"is_bundle": False, "ok": True, "text": "not a bundle (%s)" % root}
@@ -195,15 +193,15 @@ def child_main(watcher):
     started = time.monotonic()
     sitecustomize = getattr(sys.modules.get("sitecustomize"), "__file__", None)
     from npu_shim.core.loading import load_all
-    from npu_shim.runtime import activation, installer, wrapt_loader
+    from npu_shim.runtime import activation, wrapt_loader
 
     # With NPU_SHIM_ENABLED=0 the watcher is armed only to say "off" at ``import sglang``.
-    activated_at_start = (installer.watcher_armed(watcher) or watcher.fired) and not watcher.off
+    activated_at_start = watcher.activates_the_shim()
     # Every target module imports torch first: when that fails, the reason is told once and no
     # module is tried (each would fail the same way, and later ones with Python's own KeyError).
     broken = torch_problem()
     imports = import_target_modules() if broken is None else {}
-    records = list((activation.RUNTIME.records or {}).values())
+    records = activation.RUNTIME.decided_records()
     origin = wrapt_loader.loaded_origin() or wrapt_loader.locate()
     facts = {}
     for patch in load_all():
@@ -255,7 +253,7 @@ def last_words(*outputs):
     for text in outputs:
         lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
         if lines:
-            return _trim(lines[-1])
+            return one_line(lines[-1])
     return "(nothing)"
 
 

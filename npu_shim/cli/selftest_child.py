@@ -19,6 +19,8 @@ import sys
 import time
 import types
 
+from npu_shim.ops.log import one_line
+
 MARK = "npu-shim-selftest:"
 PROGRESS = "npu-shim-selftest-progress:"
 MIB = 1 << 20
@@ -35,8 +37,7 @@ def emit(report):
 
 
 def _one_line(exc):
-    text = " ".join(("%s: %s" % (type(exc).__name__, exc)).split())
-    return text if len(text) <= 300 else text[:297] + "..."
+    return one_line("%s: %s" % (type(exc).__name__, exc))
 
 
 def patches():
@@ -157,9 +158,7 @@ def stage_main(options, watcher):
     report["torch_problem"] = broken
     if broken is not None:
         return report
-    from npu_shim.runtime import installer
-
-    report["shim_active"] = bool((installer.watcher_armed(watcher) or watcher.fired) and not watcher.off)
+    report["shim_active"] = watcher.activates_the_shim()
     report["imports"] = check.import_target_modules()
     report["sglang"] = check.sglang_facts()
     states = activation.RUNTIME.states()

@@ -29,7 +29,7 @@ import threading
 from npu_shim.core import config, framework, loading
 from npu_shim.core.framework import APPLIED, FAILED, PROBLEMS, ShimError
 from npu_shim.ops import log, procinfo, staterecord, summary
-from npu_shim.runtime import installer, metrics_hook, role, wrapt_loader
+from npu_shim.runtime import metrics_hook, role, wrapt_loader
 from npu_shim.runtime.finder import ShimFinder
 from npu_shim.runtime.targets import Wrap
 from npu_shim.source.live import find_package_dir
@@ -79,8 +79,6 @@ def report_invalid_variables(records, patches):
     """Each invalid variable once, at activation: those a patch read are in its ``failed`` line
     already; the others (e.g. strict mode, the log level, a switched-off patch's) are said here,
     and so is every ``NPU_SHIM_*`` name the shim does not read (a typo is not silently ignored)."""
-    from npu_shim.core.loading import all_variables
-
     strict()
     log.configure()  # reports a bad log level
     said = " ".join(record.reason for record in records.values())
@@ -463,11 +461,11 @@ class Runtime:
         """Arm the shim in this process; patches already imported sglang modules in place.  False
         when it is armed or active already."""
         with self.lock:
-            if self.installed or (installer.watcher_armed(watcher) and not watcher.off):
+            if self.installed or (watcher.waiting() and not watcher.says_off_only()):
                 return False
             # An explicit install() decides every patch even with NPU_SHIM_ENABLED=0 (each then
             # reads ``disabled``), as it always has; the start-up watcher only says "off".
-            watcher.off = False
+            watcher.take_over()
             self.watcher = watcher
             if "sglang" in sys.modules:
                 self.activate(watcher)
@@ -478,8 +476,7 @@ class Runtime:
     def uninstall(self, watcher):
         """Restore every original (and every rebound copy); the shim is then off in this process."""
         with self.lock:
-            while watcher in sys.meta_path:
-                sys.meta_path.remove(watcher)
+            watcher.disarm()
             self.finder.uninstall(watcher)
             if self.records:
                 for record in self.records.values():
@@ -494,6 +491,10 @@ class Runtime:
         staterecord.write()
 
     # -- what the process says
+    def decided_records(self):
+        """The PatchRecord of every patch, in registry order ([] before the patches are decided)."""
+        return list((self.records or {}).values())
+
     def record(self, name):
         """The PatchRecord of a decided patch, or None."""
         records = self.records

@@ -26,6 +26,8 @@ import os
 import re
 import sys
 
+from npu_shim import _paths
+
 MIN_IMAGE_VERSION = (1, 14)  # measured: 1.14.1, 1.17.3 and 2.5.2 patch the real sglang 0.5.11
 PRIVATE_NAME = "npu_shim._wrapt"
 PURE_BUILD = "py3-none-any"
@@ -65,8 +67,7 @@ class Origin:
 
 def vendor_dir():
     """``npu_shim/_vendor/wrapt`` (present in a bundle, absent in the repo)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.path.join(package, "_vendor", "wrapt")
+    return os.path.join(_paths.PACKAGE_DIR, "_vendor", "wrapt")
 
 
 def version_of(package_dir):

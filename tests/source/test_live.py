@@ -95,8 +95,8 @@ def test_find_package_dir_never_asks_the_shims_own_watcher(monkeypatch, tmp_path
     (tmp_path / "somepkg" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     asked = []
-    monkeypatch.setattr(_bootstrap, "then", lambda *args: asked.append(args))
-    monkeypatch.setattr(_bootstrap, "fired", True)
+    monkeypatch.setattr(_bootstrap, "_hand_on_to", lambda *args: asked.append(args))
+    monkeypatch.setattr(_bootstrap, "_saw_sglang", True)
     monkeypatch.setattr(sys, "meta_path", [_bootstrap.WATCHER] + sys.meta_path)
     assert live.find_package_dir("somepkg") == str(tmp_path / "somepkg")
     assert asked == []

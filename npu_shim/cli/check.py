@@ -20,6 +20,8 @@ import re
 import sys
 
 from npu_shim import _paths
+from npu_shim.cli.exit_codes import (EXIT_BAD_ENV, EXIT_CHECK_FAILED, EXIT_NO_SGLANG, EXIT_NPU_STACK,
+                                     config_exit_code)
 from npu_shim.ops.log import one_line
 
 CHILD_TIMEOUT_S = 300
@@ -138,10 +140,10 @@ def wrapped_targets(records):
 def bundle_facts():
     """Whether this npu-shim is a bundle and, if so, whether its files still match its MANIFEST
     (none missing, changed or extra; the MANIFEST itself there and whole)."""
-    from npu_shim.cli import bundle
+    from npu_shim.cli import bundle_verify
 
     root = _paths.ROOT
-    problems = bundle.verify(root)
+    problems = bundle_verify.verify(root)
     if problems is None:
         return {"is_bundle": False, "ok": True, "text": "not a bundle (%s)" % root}
     if problems and problems[0].startswith("MANIFEST: "):
@@ -322,3 +324,49 @@ def print_report(report):
             "torch does not import, so no sglang module was tried" if problem else
             "sglang's target modules were not imported with the shim on"))
     out("\n  %.1f s in the child\n" % report["seconds"])
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+def run(args):
+    """The ``check`` command with its parsed ``args``; its exit status."""
+    facts = bundle_facts()
+    if not facts["ok"]:
+        if args.json:
+            json.dump({"started": False, "bundle": facts}, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            print_not_started(facts)
+        return EXIT_CHECK_FAILED
+    report, error = run_child()
+    if report is None:
+        from npu_shim.ops.terminal import terminal_writer
+
+        terminal_writer(sys.stderr)("npu-shim check: %s\n" % error)  # the child's own words
+        return EXIT_CHECK_FAILED
+    report["bundle"] = facts
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print_report(report)
+    return exit_code(report)
+
+
+def exit_code(report):
+    """As ``status``'s exit code: a bad variable first, then no sglang, then strict; then
+    EXIT_CHECK_FAILED when the shim was not active or a target module failed to import."""
+    # Not active: no patch was decided, so the strict rule finds nothing and this says 4.
+    code = config_exit_code(s["state"] for s in report["states"].values())
+    problem = report.get("torch_problem")
+    if problem and code != EXIT_BAD_ENV:  # nothing could be imported: the one finding that counts
+        return EXIT_NPU_STACK if problem["kind"] == "cann" else EXIT_CHECK_FAILED
+    failed_import = any(v not in ("ok", "absent") for v in report["imports"].values())
+    if code == EXIT_BAD_ENV:
+        return code
+    # A target module whose import failed may be sglang itself: that is the failure to report.
+    if not report["sglang"]["path"] and not failed_import:
+        return EXIT_NO_SGLANG
+    if not code and (not report["shim_active"] or failed_import):
+        return EXIT_CHECK_FAILED
+    return code

@@ -1,35 +1,19 @@
-"""``python -m npu_shim status|check|selftest|env|bundle``.
+"""``python -m npu_shim status``: what the shim would do in this interpreter, read from sglang's
+source on disk (nothing of sglang, torch or wrapt is imported), per patch and variable; with
+``--running``, the state records of the running processes (npu_shim/cli/running_records.py).
+Its exit codes: npu_shim/cli/exit_codes.py."""
 
-``status`` says what the shim would do in this interpreter without importing sglang (its source is
-read from disk), torch or wrapt; ``check`` runs it in a child process and reports what really
-happened (npu_shim/cli/check.py); ``selftest`` exercises the applied patches on the device
-(npu_shim/cli/selftest.py); ``bundle`` builds the directory to mount into an image
-(npu_shim/cli/bundle.py).
-
-Exit codes: the ``EXIT_*`` constants (npu_shim/cli/exit_codes.py, imported here); what each one
-means for each command is listed once, in docs/operations.md ("Exit codes"), and
-tests/test_readme.py holds that list to these constants.
-"""
-
-import argparse
 import json
 import os
 import sys
 
-import npu_shim
-from npu_shim import _paths
+from npu_shim import _paths, _version
+from npu_shim.cli.exit_codes import (EXIT_BAD_ENV, EXIT_NO_RECORDS, EXIT_NO_SGLANG, EXIT_RUNNING_PROBLEM,
+                                     EXIT_USAGE, config_exit_code)
 from npu_shim.core import config, framework
 from npu_shim.runtime import wrapt_loader
 from npu_shim.source.codeview import SourceView
 from npu_shim.source.live import find_package_dir
-
-from npu_shim.cli.exit_codes import (  # noqa: F401 - the codes, importable from here too
-    EXIT_BAD_ENV, EXIT_BROKEN_PIPE, EXIT_BUNDLE_FAILED, EXIT_CHECK_FAILED, EXIT_NO_DEVICE, EXIT_NO_RECORDS,
-    EXIT_NO_SGLANG, EXIT_NPU_STACK, EXIT_RUNNING_PROBLEM, EXIT_SELFTEST_FAILED, EXIT_SELFTEST_REFUSED,
-    EXIT_STRICT, EXIT_USAGE, config_exit_code)
-
-# Not read from __doc__: under -OO (PYTHONOPTIMIZE=2) there is none.
-DESCRIPTION = "python -m npu_shim status|check|selftest|env|bundle."
 
 
 def find_sglang():
@@ -70,8 +54,8 @@ def collect():
     enabled, enabled_error = values[config.ENABLED.name]
     ours, loaded = sitecustomize_facts()
     return {
-        "version": npu_shim.__version__,
-        "location": os.path.dirname(os.path.abspath(npu_shim.__file__)),
+        "version": _version.__version__,
+        "location": _paths.PACKAGE_DIR,
         "sitecustomize_active": ours,
         "sitecustomize_loaded": loaded,
         "master_switch": enabled if enabled_error is None else False,
@@ -149,25 +133,6 @@ def print_status(info):
             unknown["name"], "; did you mean %s?" % unknown["did_you_mean"] if unknown["did_you_mean"] else ""))
 
 
-def env_rows():
-    from npu_shim.core.loading import all_variables
-
-    return [{"name": var.name, "kind": var.kind, "default": var.default, "doc": var.doc,
-             "aliases": list(var.aliases)} for var in all_variables()]
-
-
-def print_env(as_json=False):
-    rows = env_rows()
-    if as_json:
-        json.dump(rows, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return
-    for row in rows:
-        also = " (also read as %s)" % ", ".join(row["aliases"]) if row["aliases"] else ""
-        sys.stdout.write("%s  [%s, default %r]%s\n    %s\n" % (row["name"], row["kind"], row["default"],
-                                                             also, row["doc"]))
-
-
 def exit_code(info):
     """A bad variable first (it is why anything else looks wrong), then no sglang, then strict."""
     found = info["sglang"]["path"]
@@ -176,38 +141,6 @@ def exit_code(info):
     if code == EXIT_BAD_ENV or info["sglang"]["path"]:
         return code
     return EXIT_NO_SGLANG
-
-
-def run_bundle(args):
-    from npu_shim.cli import bundle
-    from npu_shim.ops.terminal import printable
-
-    try:
-        bundle.build(args.out_dir, args.python, args.wrapt_version or bundle.WRAPT_VERSION,
-                     machines=tuple(args.platform) or bundle.MACHINES, force=args.force,
-                     log=lambda line: sys.stderr.write("npu-shim bundle: %s\n" % printable(line)))
-    except bundle.BundleError as exc:
-        sys.stderr.write("npu-shim bundle: error: %s\n" % printable(exc))
-        return EXIT_BUNDLE_FAILED
-    return 0
-
-
-def stoppable(command, body, gone):
-    """``body()``'s exit status, with SIGTERM and SIGHUP raising (npu_shim/cli/children.py) so
-    that the clean-up of every child runs, as for Ctrl-C; stopped: one line saying so (``gone``:
-    what the clean-up removed) and 128 + the signal, as a shell reports it."""
-    from npu_shim.cli import children
-
-    restore = children.on_stop_signals()
-    try:
-        return body()
-    except (children.Stopped, KeyboardInterrupt) as exc:
-        children.hold_signals()  # to the exit: a second signal must not cut this line short
-        sys.stderr.write("npu-shim %s: stopped by %s; %s\n" % (command, children.signal_name(exc), gone))
-        sys.stderr.flush()
-        return children.exit_status(exc)
-    finally:
-        restore()
 
 
 def run_running(args):
@@ -246,110 +179,8 @@ def run_running(args):
     return code
 
 
-def run_check(args):
-    from npu_shim.cli import check
-
-    facts = check.bundle_facts()
-    if not facts["ok"]:
-        if args.json:
-            json.dump({"started": False, "bundle": facts}, sys.stdout, indent=2)
-            sys.stdout.write("\n")
-        else:
-            check.print_not_started(facts)
-        return EXIT_CHECK_FAILED
-    report, error = check.run_child()
-    if report is None:
-        from npu_shim.ops.terminal import terminal_writer
-
-        terminal_writer(sys.stderr)("npu-shim check: %s\n" % error)  # the child's own words
-        return EXIT_CHECK_FAILED
-    report["bundle"] = facts
-    if args.json:
-        json.dump(report, sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
-    else:
-        check.print_report(report)
-    return check_exit_code(report)
-
-
-def check_exit_code(report):
-    """As ``exit_code`` for ``status``: a bad variable first, then no sglang, then strict; then
-    EXIT_CHECK_FAILED when the shim was not active or a target module failed to import."""
-    # Not active: no patch was decided, so the strict rule finds nothing and this says 4.
-    code = config_exit_code(s["state"] for s in report["states"].values())
-    problem = report.get("torch_problem")
-    if problem and code != EXIT_BAD_ENV:  # nothing could be imported: the one finding that counts
-        return EXIT_NPU_STACK if problem["kind"] == "cann" else EXIT_CHECK_FAILED
-    failed_import = any(v not in ("ok", "absent") for v in report["imports"].values())
-    if code == EXIT_BAD_ENV:
-        return code
-    # A target module whose import failed may be sglang itself: that is the failure to report.
-    if not report["sglang"]["path"] and not failed_import:
-        return EXIT_NO_SGLANG
-    if not code and (not report["shim_active"] or failed_import):
-        return EXIT_CHECK_FAILED
-    return code
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m npu_shim", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True)
-    status = sub.add_parser("status", help="what the shim would do here, per patch and variable")
-    status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--running", nargs="?", const="", default=None, metavar="DIR",
-                        help="instead: gather the state records of running processes from DIR "
-                             "(default: NPU_SHIM_STATE_DIR) into one table; exit 6 if one has a "
-                             "failed patch or they disagree, 7 if there is no live record")
-    status.add_argument("dir", nargs="?", default=None, metavar="DIR",
-                        help="with --running: the directory (the options may come in any order)")
-    check = sub.add_parser("check", help="run the shim in a child process as a server would, "
-                                         "import sglang's target modules and report what happened")
-    check.add_argument("--json", action="store_true", help="machine-readable output")
-    selftest = sub.add_parser("selftest", help="exercise each applied patch on this node's device, "
-                                               "in child processes (one line per patch)")
-    selftest.add_argument("--json", action="store_true", help="machine-readable output")
-    from npu_shim.core.loading import load_all
-
-    for patch in load_all():  # the options a patch's own step reads
-        for flag, key, default, text in patch.selftest_options:
-            selftest.add_argument(flag, dest=key, type=int, default=default, metavar="N",
-                                  help="%s (default %d)" % (text, default))
-    selftest.add_argument("--device-index", type=int, default=0, metavar="N",
-                          help="the device to test (default 0, of those visible)")
-    selftest.add_argument("--timeout", type=int, default=60, metavar="S",
-                          help="bound on the whole run, in seconds (default 60)")
-    selftest.add_argument("--patch", action="append", metavar="NAME",
-                          help="run this patch's step whatever its state here (repeatable)")
-    env = sub.add_parser("env", help="list the environment variables with their docs")
-    env.add_argument("--json", action="store_true", help="machine-readable output")
-    bundle = sub.add_parser("bundle", help="build a self-contained directory (shim + wrapt builds + "
-                                           ".pyc) to mount into an image, and OUT_DIR.tar.gz")
-    bundle.add_argument("out_dir", metavar="OUT_DIR")
-    bundle.add_argument("--python", action="append", default=[], metavar="PATH",
-                        help="interpreter to compile .pyc with (repeatable; default: this one "
-                             "and every python3.9 .. python3.13 on PATH)")
-    bundle.add_argument("--platform", action="append", default=[], choices=("x86_64", "aarch64"),
-                        help="machines to bundle wrapt C builds for (default: both)")
-    bundle.add_argument("--wrapt-version", default=None, help="wrapt release to bundle")
-    bundle.add_argument("--force", action="store_true",
-                        help="replace OUT_DIR if it is a previous bundle exactly as built (its "
-                             "MANIFEST lists every file in it), and OUT_DIR.tar.gz")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return EXIT_USAGE if exc.code else 0
-    if args.command == "env":
-        print_env(args.json)
-        return 0
-    if args.command == "bundle":
-        return stoppable("bundle", lambda: run_bundle(args), "pip and the staging directory are gone")
-    if args.command == "check":
-        return stoppable("check", lambda: run_check(args), "its child process group is gone")
-    if args.command == "selftest":
-        from npu_shim.cli import selftest as selftest_command  # imports no torch: its children do
-
-        return stoppable("selftest", lambda: selftest_command.main(args),
-                         "its child process groups are gone")
+def run(args):
+    """The ``status`` command with its parsed ``args``; its exit status."""
     if args.running is not None:
         return run_running(args)
     if args.dir is not None:
@@ -362,27 +193,3 @@ def main(argv=None):
     else:
         print_status(info)
     return exit_code(info)
-
-
-def run(argv=None):
-    """``main`` for a terminal: a reader that went away (``status --running | head``) ends the
-    output quietly with EXIT_BROKEN_PIPE, never with a traceback.  Started with stdout or stderr
-    closed (Python then has None for it), the output goes nowhere and the exit status still says
-    what the command found."""
-    for name in ("stdout", "stderr"):
-        if getattr(sys, name) is None:
-            setattr(sys, name, open(os.devnull, "w"))
-    try:
-        code = main(argv)
-        sys.stdout.flush()
-        return code
-    except BrokenPipeError:
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except OSError:
-            pass
-        return EXIT_BROKEN_PIPE
-
-
-if __name__ == "__main__":
-    sys.exit(run())

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from npu_shim.cli import bundle
+from npu_shim.cli import bundle, bundle_verify
 from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
 from test_drop_in import REPO, REPORT, bare_venvs, last_json, run, tree  # noqa: F401 - fixtures
 
@@ -100,7 +100,7 @@ def test_unpacked_or_copied_bundle_starts_from_its_pyc(how, bare_venvs, built_bu
     else:
         root = dest / "npu-shim"
         subprocess.run(["cp", "-r", str(built_bundle), str(root)], check=True)  # new mtimes
-    assert bundle.verify(str(root)) == []
+    assert bundle_verify.verify(str(root)) == []
     proc = run(bare_venvs("3.11"), tree, REPORT, root, env={"PYTHONVERBOSE": "1"}, readonly=root)
     out = last_json(proc)
     assert out["state"] == "applied" and out["origin"]["source"] == "bundle" and out["c_ext"]

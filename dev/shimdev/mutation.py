@@ -64,12 +64,14 @@ MODULES = {
     "npu_shim/ops/statedir.py": {"tests": ["tests/ops/test_statefile.py", "tests/cli/test_running_records.py"]},
     "npu_shim/cli/running_records.py": {"tests": ["tests/cli/test_running_records.py", "tests/ops/test_ops_state.py"]},
     # the release / guard / accounting code of the MLA patch
-    "npu_shim/patches/_impl/mla_weight_release.py": {
+    "npu_shim/runtime/tensor_release.py": {
         "tests": ["tests/patches/test_mla_weight_release.py"],
         "scope": ["_find_released", "_guard_torch_function", "_guard_repr", "guarded_class",
                   "is_released", "storage_holders", "_base_chain", "_chain_refs",
-                  "_base_held_elsewhere", "free_weight", "_shares_storage", "_exclusive",
-                  "FreedWeights.free_allowed", "FreedWeights._account", "FreedWeights._note_guarded",
+                  "_base_held_elsewhere", "free_weight", "shares_storage", "exclusive"]},
+    "npu_shim/patches/_impl/mla_weight_release.py": {
+        "tests": ["tests/patches/test_mla_weight_release.py"],
+        "scope": ["free_weight", "FreedWeights.free_allowed", "FreedWeights._account", "FreedWeights._note_guarded",
                   "FreedWeights.released_weights", "FreedWeights.free_qkv_a", "FreedWeights.free_w_kc",
                   "FreedWeights._free"]},
     # zbal's heap size and its set-up (full mode, the lazy GVA heap of mix mode)

@@ -18,6 +18,7 @@ from npu_shim.core import config, framework
 from npu_shim.source.codeview import SourceView
 from npu_shim.patches import mla_weight_release as R
 from npu_shim.patches._impl import mla_weight_release as RI
+from npu_shim.runtime import tensor_release
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shimdev import sglang_envs
@@ -631,7 +632,7 @@ def test_guarded_but_still_held_weight_refuses_updates_too(server, monkeypatch):
     m = layer(0)
     base = torch.randn(4, 12, 8)
     m.w_kc = base.transpose(1, 2)  # the base, held here, outlives the release
-    monkeypatch.setattr(RI, "_base_held_elsewhere", lambda chain: False)
+    monkeypatch.setattr(tensor_release, "_base_held_elsewhere", lambda chain: False)
     step([m])
     assert RI.is_released(m.w_kc) and base.untyped_storage().nbytes() > 0
     assert REL.released_bytes["w_kc"] == 0 and REL.guarded["w_kc"] == {0}
@@ -757,7 +758,7 @@ def test_weight_that_cannot_be_swapped_or_guarded_is_kept_whole(logs, monkeypatc
     other = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     values = other.clone()
     slotted = type("Slotted", (torch.nn.Parameter,), {"__slots__": ("x",)})
-    monkeypatch.setattr(RI, "guarded_class", lambda cls: slotted)  # __class__ assignment fails
+    monkeypatch.setattr(tensor_release, "guarded_class", lambda cls, guard: slotted)  # __class__ assignment fails
     assert RI.free_weight(other, "w_kc of layer 5", REL.once) == 0 and type(other) is torch.nn.Parameter
     assert torch.equal(other, values)
     assert any("keeping w_kc of layer 5: its class Parameter cannot be guarded" in l for l in logs)
@@ -768,12 +769,12 @@ def test_memory_still_held_after_the_swap_is_not_freed(logs, monkeypatch):
     resized under it (the base stays readable) and nothing is counted as freed."""
     base = torch.randn(4, 12, 8)
     weight = base.transpose(1, 2)
-    monkeypatch.setattr(RI, "_base_held_elsewhere", lambda chain: False)
+    monkeypatch.setattr(tensor_release, "_base_held_elsewhere", lambda chain: False)
     assert RI.free_weight(weight, "w_kc of layer 6", REL.once) == 0 and RI.is_released(weight)
     assert base.untyped_storage().nbytes() == 4 * 12 * 8 * 4
     assert any("w_kc of layer 6 is guarded but its memory still has 1 holder;" in l for l in logs)
 
 
 def test_storage_that_cannot_be_compared_counts_as_shared():
-    assert RI._shares_storage(object(), torch.ones(1)) is True
-    assert RI._shares_storage(torch.ones(1), torch.ones(1)) is False
+    assert tensor_release.shares_storage(object(), torch.ones(1)) is True
+    assert tensor_release.shares_storage(torch.ones(1), torch.ones(1)) is False

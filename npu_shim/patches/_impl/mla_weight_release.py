@@ -1,22 +1,21 @@
-"""mla_weight_release's implementation: the predicate, the guards of released weights, the
-accounting and the wrappers' per-process state (``FreedWeights``), and the targets.  Loaded only
+"""mla_weight_release's implementation: the predicate, the guard its released weights get (the
+release itself: npu_shim/runtime/tensor_release.py), the accounting and the wrappers' per-process state (``FreedWeights``), and the targets.  Loaded only
 where the patch is decided past its probe (not on a release that has the release upstream):
 npu_shim/patches/mla_weight_release.py is the patch and its documentation."""
 
 import logging
 import re
-import sys
 
 from npu_shim.ops import log, staterecord
 from npu_shim.patches.mla_weight_release import (
     CLASS, MIB, MLA_NPU, MLA_PRE, PREPROCESS_SIG, ROLES, RELEASE_FORCE, SWITCH, SWITCH_HINT,
     TP_WORKER, UPDATE_OPS, UPDATE_SIG, ReleasedWeightError, pins)
+from npu_shim.runtime import tensor_release
 from npu_shim.runtime.targets import Replace, Retirement, Wrap
 
 # Per-layer markers in the attention module's __dict__ (the hot-path check is one dict lookup).
 _DONE = "_npu_shim_mla_release_done"
 _FIRST = "_npu_shim_mla_release_first"
-_TAG = "_npu_shim_released"
 
 # --------------------------------------------------------------------------- the predicate
 
@@ -109,163 +108,26 @@ def other_reader_reasons(args):
 
 # --------------------------------------------------------------------------- the guard
 
-_GUARDED = {}
-
-
-def _find_released(args, kwargs):
-    for value in list(args) + list((kwargs or {}).values()):
-        for item in (value if isinstance(value, (list, tuple)) else (value,)):
-            tag = getattr(type(item), "_npu_shim_guard", False) and item.__dict__.get(_TAG)
-            if tag:
-                return tag
-    return None
-
-
-def _guard_torch_function(cls, func, types, args=(), kwargs=None):
-    name = getattr(func, "__name__", None) or repr(func)
-    what = _find_released(args, kwargs) or "an MLA weight"
-    raise ReleasedWeightError(
-        "npu-shim released %s to free NPU memory (the mlaprolog path no longer reads it), but "
-        "`%s` touched it afterwards; %s" % (what, name, SWITCH_HINT))
-
-
-def _guard_repr(self):
-    return "<released by npu-shim: %s; %s>" % (self.__dict__.get(_TAG, "MLA weight"), SWITCH_HINT)
-
-
-def guarded_class(cls):
-    """The subclass of a tensor class (Tensor, Parameter, sglang's parameter classes) whose
-    every torch operation raises ReleasedWeightError."""
-    guarded = _GUARDED.get(cls)
-    if guarded is None:
-        guarded = type("Released" + cls.__name__, (cls,), {
-            "__torch_function__": classmethod(_guard_torch_function),
-            "__repr__": _guard_repr,
-            "__str__": _guard_repr,
-            "_npu_shim_guard": True,
-            "__module__": __name__,
-        })
-        _GUARDED[cls] = guarded
-    return guarded
-
-
-def is_released(tensor):
-    return bool(getattr(type(tensor), "_npu_shim_guard", False))
-
-
-def storage_holders(storage):
-    """How many tensors and storage objects hold ``storage`` (the C++ use count of its StorageImpl;
-    ``storage`` itself, a Python handle, counts as one)."""
-    import torch
-
-    return torch._C._storage_Use_Count(storage._cdata)
-
-
-def _base_chain(tensor, storage):
-    """The tensor's own ``_base`` chain on the same memory (what the view keeps alive)."""
-    chain, base = [], tensor._base
-    while base is not None and base.untyped_storage().data_ptr() == storage.data_ptr():
-        chain.append(base)
-        base = base._base
-    return chain
-
-
-def _chain_refs(chain):
-    return [sys.getrefcount(base) for base in chain]
-
-
-_BASE_REFS = []  # Python references to a base that only its own view holds (measured once)
-
-
-def _base_held_elsewhere(chain):
-    """True when code other than the view holds a base tensor object (it would outlive the
-    release).  The baseline is measured on a fresh view through the same calls, so it does not
-    depend on how this Python version counts references."""
-    import torch
-
-    if not _BASE_REFS:
-        probe = torch.empty(1)[:]
-        _BASE_REFS.extend(_chain_refs(_base_chain(probe, probe.untyped_storage())))
-    return any(refs > _BASE_REFS[0] for refs in _chain_refs(chain))
+# How a released MLA weight answers a touch (npu_shim/runtime/tensor_release.py frees and guards).
+GUARD = tensor_release.Guard(ReleasedWeightError, "the mlaprolog path no longer reads it", SWITCH_HINT,
+                             unnamed="an MLA weight", repr_unnamed="MLA weight")
+is_released = tensor_release.is_released
 
 
 def _log_line(level, message):
     log.log(level, "mla_weight_release: " + message)
 
 
-def _each_time(key, level, message):
-    """``free_weight``'s ``once`` where no process state keeps track (``FreedWeights.once`` says
+def _say_each_time(key, level, message):
+    """``free_weight``'s ``say`` where no process state keeps track (``FreedWeights.once`` says
     each ``key`` once per process): every message is logged, ``key`` is not used."""
     _log_line(level, message)
 
 
-def free_weight(tensor, what, once=_each_time):
-    """Free ``tensor``'s memory and guard the object; returns the bytes freed (0: kept).
-    ``once(key, level, message)`` says why a weight is kept (``FreedWeights.once``: once per process).
-
-    Nothing is freed that anything but the weight itself and its own ``_base`` chain holds: the
-    storage's real holders (the C++ use count) decide.  Otherwise the weight is kept whole and one
-    warning names the holder count.  The weight object (every reference to it) then holds a fresh
-    0-element tensor without ``_base``, so code that bypasses ``__torch_function__`` sees an empty
-    tensor, never freed memory."""
-    import torch
-
-    if is_released(tensor):
-        return 0
-    storage = tensor.untyped_storage()
-    nbytes = storage.nbytes()
-    chain = _base_chain(tensor, storage)
-    # Holders: our ``storage`` handle, the weight, its base chain; anything more is an alias.
-    others = storage_holders(storage) - 2 - len(chain)
-    if others > 0 or _base_held_elsewhere(chain):
-        count = max(others, 1)
-        once("aliased", logging.WARNING,
-              "keeping %s: its memory has %d other holder%s (a view, .data, .detach() or its base "
-              "taken elsewhere); freeing it would crash whoever reads them"
-              % (what, count, "" if count == 1 else "s"))
-        return 0
-    cls = type(tensor)
-    guarded = guarded_class(cls)
-    emptied = torch.Tensor._make_subclass(cls, torch.empty(0, dtype=tensor.dtype, device=tensor.device),
-                                          False)
-    try:
-        # The weight object gets the empty tensor; ``emptied`` gets the old one with its _base.
-        torch.utils.swap_tensors(tensor, emptied)
-    except RuntimeError as exc:  # C++ holds the tensor itself, or a weakref points at it
-        once("swap", logging.WARNING, "keeping %s: it is held where it cannot be replaced (%s)"
-              % (what, str(exc).split(".")[0]))
-        return 0
-    tensor.__dict__, emptied.__dict__ = emptied.__dict__, {}
-    try:
-        tensor.__class__ = guarded
-    except TypeError as exc:
-        torch.utils.swap_tensors(tensor, emptied)
-        tensor.__dict__, emptied.__dict__ = emptied.__dict__, {}
-        once("guard:" + cls.__name__, logging.WARNING,
-              "keeping %s: its class %s cannot be guarded (%s)" % (what, cls.__name__, exc))
-        return 0
-    tensor.__dict__[_TAG] = what
-    del emptied, chain
-    left = storage_holders(storage) - 1
-    if left:
-        once("still-held", logging.WARNING,
-              "%s is guarded but its memory still has %d holder%s; it is freed when they let go"
-              % (what, left, "" if left == 1 else "s"))
-        return 0
-    storage.resize_(0)  # only our handle (and Python storage objects, which see 0 bytes) remain
-    return nbytes
-
-
-def _shares_storage(a, b):
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except Exception:  # noqa: BLE001
-        return True  # cannot tell: treat as shared (keep the weight)
-
-
-def _exclusive(tensor):
-    """The tensor's storage holds this tensor and nothing else."""
-    return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+def free_weight(tensor, what, say=None):
+    """``tensor_release.free_weight`` with this patch's guard; ``say(key, level, message)`` says
+    why a weight is kept (``FreedWeights.once``: once per process; None: every time)."""
+    return tensor_release.free_weight(tensor, what, GUARD, say or _say_each_time)
 
 
 def _layer_list(layers):
@@ -434,7 +296,7 @@ class FreedWeights:
         if no:
             return 0
         copies = [getattr(preprocess, name, None) for name in ("q_a_proj_weight", "kv_a_proj_weight")]
-        if any(c is None or _shares_storage(c, weight) for c in copies) or not _exclusive(weight):
+        if any(c is None or tensor_release.shares_storage(c, weight) for c in copies) or not tensor_release.exclusive(weight):
             self.once("qkv-shared", logging.WARNING, "keeping %s: its q_a/kv_a copies share its memory, "
                                                      "or its storage holds more than this weight" % what)
             return 0
@@ -454,7 +316,7 @@ class FreedWeights:
         if no:
             return 0
         own = getattr(preprocess, "w_kc", None)
-        if own is None or own is w_kc or _shares_storage(own, w_kc) or not _exclusive(w_kc):
+        if own is None or own is w_kc or tensor_release.shares_storage(own, w_kc) or not tensor_release.exclusive(w_kc):
             self.once("wkc-shared", logging.WARNING, "keeping %s: the preprocessor's w_kc shares its "
                                                      "memory, or its storage holds more than this weight" % what)
             return 0

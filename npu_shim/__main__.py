@@ -41,10 +41,10 @@ def main(argv=None):
     selftest = sub.add_parser("selftest", help="exercise each applied patch on this node's device, "
                                                "in child processes (one line per patch)")
     selftest.add_argument("--json", action="store_true", help="machine-readable output")
-    from npu_shim.core.loading import load_all
+    from npu_shim.core.loading import load_all, selftest_step
 
     for patch in load_all():  # the options a patch's own step reads
-        for flag, key, default, text in patch.selftest_options:
+        for flag, key, default, text in getattr(selftest_step(patch), "options", ()):
             selftest.add_argument(flag, dest=key, type=int, default=default, metavar="N",
                                   help="%s (default %d)" % (text, default))
     selftest.add_argument("--device-index", type=int, default=0, metavar="N",

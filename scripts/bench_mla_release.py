@@ -68,7 +68,7 @@ def hot_path_ns(calls=200000, rounds=9, wrapt=None):
     def npu_mla_preprocess(m, hidden_states, positions, forward_batch, zero_allocator):
         return hidden_states
 
-    wrapped = wrapt.FunctionWrapper(npu_mla_preprocess, R.FreedWeights().wrap_npu_mla_preprocess)
+    wrapped = wrapt.FunctionWrapper(npu_mla_preprocess, R.MlaWeightReleaseState().wrap_npu_mla_preprocess)
     m = torch.nn.Module()
     m.__dict__[R._DONE] = True
     args = (m, object(), object(), object(), object())

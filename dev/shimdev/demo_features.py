@@ -81,8 +81,8 @@ def zbal_fresh(mix=False, scheduler_started=False):
     from npu_shim.runtime import activation
 
     record = activation.RUNTIME.record("zbal")
-    if record is not None and record.process is not None:
-        record.process.__init__(record.details)  # a scheduler process sets zbal up once
+    if record is not None and record.process_state is not None:
+        record.process_state.__init__(record.details)  # a scheduler process sets zbal up once
     simnpu.reset()
     simzbal.reset()
     simzbal.STATE.mix = mix
@@ -294,7 +294,7 @@ def mla_demo(model="glm-5", tp=16):
 
     record = activation.RUNTIME.record("mla_weight_release")  # None until its modules are imported
     if record is not None:
-        record.process.reset()
+        record.process_state.reset()
     K.publish_server_args("decode")
     r = K.run_layer(model, tp)
     m = r.pop("layer")

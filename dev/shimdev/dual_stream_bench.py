@@ -5,7 +5,7 @@ A synthetic GLM-4.x-style MoE block (router gate, top-k, routed experts run expe
 one shared expert MLP) is run three ways on one device, side by side in one process:
 
 * serial     -- the original order, everything on the main stream;
-* overlapped -- the shim's own dual-stream body (``dual_stream_experts.DualStream._forward_deepep_dual_stream``:
+* overlapped -- the shim's own dual-stream body (``dual_stream_experts.DualStreamExpertsState._forward_deepep_dual_stream``:
   shared experts on the side stream, gate -> topk -> routed experts on the main stream, main waits
   for the side stream before the combine);
 * the parts alone -- shared experts only, routed path only; ideal = max(shared, routed).

@@ -71,16 +71,16 @@ MODULES = {
                   "_base_held_elsewhere", "free_weight", "shares_storage", "exclusive"]},
     "npu_shim/patches/_impl/mla_weight_release.py": {
         "tests": ["tests/patches/test_mla_weight_release.py"],
-        "scope": ["free_weight", "FreedWeights.free_allowed", "FreedWeights._account", "FreedWeights._note_guarded",
-                  "FreedWeights.released_weights", "FreedWeights.free_qkv_a", "FreedWeights.free_w_kc",
-                  "FreedWeights._free"]},
+        "scope": ["free_weight", "MlaWeightReleaseState.free_allowed", "MlaWeightReleaseState._account", "MlaWeightReleaseState._note_guarded",
+                  "MlaWeightReleaseState.released_weights", "MlaWeightReleaseState.free_qkv_a", "MlaWeightReleaseState.free_w_kc",
+                  "MlaWeightReleaseState._free"]},
     # zbal's heap size and its set-up (full mode, the lazy GVA heap of mix mode)
     "npu_shim/patches/_impl/zbal.py": {
         "tests": ["tests/patches/test_zbal.py"],
         "scope": ["configured_mib", "_ip_port_kwargs", "_call_zbal_init", "gva_size_mib",
-                  "ZbalProcess.init_for_rank", "ZbalProcess.lazy_init_due", "ZbalProcess.lazy_init",
-                  "ZbalProcess.model_runner_initialize",
-                  "ZbalProcess.model_runner_init_device_graphs"]},
+                  "ZbalState.init_for_rank", "ZbalState.lazy_init_due", "ZbalState.lazy_init",
+                  "ZbalState.model_runner_initialize",
+                  "ZbalState.model_runner_init_device_graphs"]},
 }
 
 _BINOPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult,

@@ -5,7 +5,7 @@ environment -- so the shim activates in it exactly as in a server process (``sit
 ``PYTHONPATH``, or the ``.pth`` of a pip install) -- imports every sglang module a patch targets,
 and reports what happened there: each patch's state and reason, the targets really wrapped,
 where wrapt came from, torch_npu and the NPU, and what each patch says about the image
-(``Patch.check_facts``: the packages it needs, read from their files).  Nothing initialises the
+(``Report.check_facts``: the packages it needs, read from their files).  Nothing initialises the
 device or a patch's package: the child imports modules and reads files; no tensor is allocated.
 
 A bundle is verified against its MANIFEST in the parent first (``bundle_facts``), with only
@@ -207,7 +207,7 @@ def child_main(watcher):
     origin = wrapt_loader.loaded_origin() or wrapt_loader.locate()
     facts = {}
     for patch in load_all():
-        facts.update(patch.check_facts())
+        facts.update(patch.report.check_facts())
     report = {
         "pid": os.getpid(),
         "python": "%d.%d.%d" % sys.version_info[:3],

@@ -40,7 +40,7 @@ import sys
 import time
 
 from npu_shim.ops import procinfo, statedir, statefile
-from npu_shim.core.framework import FAILED
+from npu_shim.core.framework import FAILED, Details
 from npu_shim.ops.terminal import printable
 
 OFF = "disabled"  # what a patch reads in a process with the shim off
@@ -405,7 +405,7 @@ def role_text(record):
 
 def state_text(record, name, patches=None):
     """A table cell: the patch's state, and the details its patch says are worth a column
-    (``Patch.running_details``; ``patches``: {name: Patch}, the registered ones by default)."""
+    (``Report.running``; ``patches``: {name: Patch}, the registered ones by default)."""
     if record.get("shim_enabled") is False:
         return "off"
     entry = (record.get("patches") or {}).get(name)
@@ -413,7 +413,7 @@ def state_text(record, name, patches=None):
         return "-"
     text = entry.get("state") or "?"
     patch = (registered_patches() if patches is None else patches).get(name)
-    extra = patch.running_details(entry.get("details") or {}) if patch is not None else []
+    extra = patch.report.running(Details(entry.get("details"))) if patch is not None else []
     return text + ("(%s)" % ", ".join(extra) if extra else "")
 
 

@@ -51,7 +51,7 @@ class PatchRecord:
         self.applied = set()     # describe() of targets applied so far
         self.retired = {}        # describe() of a retired target: its changes, reverted (Runtime.retire)
         self.details = decision.details  # what the patch's wrappers report (e.g. MiB released)
-        self.process = decision.process  # the wrappers' per-process state (ctx.process)
+        self.process_state = decision.process_state  # what its wrappers share in this process (ctx.process_state)
 
     def as_dict(self):
         return {

@@ -1,6 +1,5 @@
 """Releasing a tensor's memory while code may still hold the tensor object: the generic machinery a
-patch that frees weights uses (npu_shim/patches/_impl/mla_weight_release.py is the one today; its
-policy -- which weights, when -- stays there).
+patch that frees weights uses (which weights, and when, is the patch's policy, in its own module).
 
 ``free_weight`` frees a tensor's memory only where nothing but the tensor object and its own
 ``_base`` chain holds it (the storage's C++ use count decides), then gives the object a fresh

@@ -30,7 +30,7 @@ def test_patch_facts_in_an_image_without_their_packages():
     sgl-kernel-npu is installed (this interpreter)."""
     from npu_shim.patches import dual_stream_experts, zbal as zbal_patch
 
-    report = dict(zbal_patch.PATCH.check_facts(), **dual_stream_experts.PATCH.check_facts())
+    report = dict(zbal_patch.PATCH.report.check_facts(), **dual_stream_experts.PATCH.report.check_facts())
     assert report["zbal"]["found"] is False and report["kernel"]["ok"] is False
     assert (report["zbal"]["label"], report["kernel"]["label"]) == ("zbal", "sgl_kernel_npu")
 

@@ -25,7 +25,7 @@ from shimdev import sglang_envs
 
 
 # The wrappers' per-process state, as a decision builds it for 0.5.10 - 0.5.16 (each test afresh).
-REL = RI.FreedWeights("quantization_config", "server_args")
+REL = RI.MlaWeightReleaseState("quantization_config", "server_args")
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +66,7 @@ def test_states_across_every_release():
         states[version] = decision.state
         if decision.state == framework.APPLIED:
             attr = "quant_config" if version == "0.5.9" else "quantization_config"
-            release = decision.process  # what the code said reaches the wrappers, not a global
+            release = decision.process_state  # what the code said reaches the wrappers, not a global
             assert release.w8a8_attr == attr, version
             newer = sglang_envs.RELEASES.index(version) >= sglang_envs.RELEASES.index("0.5.17")
             assert release.role_source == ("get_disagg" if newer else "server_args"), version
@@ -102,7 +102,7 @@ def test_weight_update_targets_pin_the_worker_and_the_scheduler_side_of_every_re
         updates = {t.qualname.split(".")[1]: t for t in decision.targets if t.module == R.TP_WORKER}
         assert set(updates) == set(R.UPDATE_OPS), version
         for op, target in updates.items():
-            assert target.signatures == (("recv_req",),) and target.wrapper == decision.process.wrap_weight_update
+            assert target.signatures == (("recv_req",),) and target.wrapper == decision.process_state.wrap_weight_update
             assert set(target.pins) == {(R.TP_WORKER, "BaseTpWorker." + op), (caller[0], caller[1] + "." + op)}
             assert target.check_source(view) is None, (version, op)
             assert view.function(caller[0], caller[1] + "." + op).fingerprint in R.PINNED[

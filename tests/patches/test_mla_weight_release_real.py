@@ -28,7 +28,7 @@ class Capture(logging.Handler):
 logging.getLogger("npu_shim").addHandler(Capture())
 
 def case(role, model="glm-5", tp=16, args=None, force=False, **build):
-    activation.RUNTIME.record("mla_weight_release").process.reset()
+    activation.RUNTIME.record("mla_weight_release").process_state.reset()
     del LOG[:]
     K.publish_server_args(role, **(args or {}))
     if force:
@@ -63,7 +63,7 @@ def called():
 def passes(layers=3, count=2):
     # ``count`` forward passes over ``layers`` decode layers, each call made through what the
     # caller would look up at that moment.
-    activation.RUNTIME.record("mla_weight_release").process.reset()
+    activation.RUNTIME.record("mla_weight_release").process_state.reset()
     K.publish_server_args("decode")
     K.install()
     ms = [K.build_attention("glm-5", 16, layer_id=i) for i in range(layers)]
@@ -106,7 +106,7 @@ out["lora_forced"] = case("decode", args={"enable_lora": True}, force=True)[0]
 out["refit"] = case("decode", args={"load_format": "dummy"})[0]
 out["spec_forced"] = case("decode", args={"speculative_algorithm": "EAGLE"}, force=True)[0]
 out["shared_w_kc"] = case("decode", w_kc_contiguous=True)[0]
-activation.RUNTIME.record("mla_weight_release").process.reset()
+activation.RUNTIME.record("mla_weight_release").process_state.reset()
 out["alt_stream"] = K.run_alt_stream_step()
 
 from shimdev import simnpu
@@ -146,7 +146,7 @@ def predicate(attr):
                                   m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
                                   m.quant_config)
     return pre.uses_mlaprolog()
-attr = activation.RUNTIME.record("mla_weight_release").process.w8a8_attr
+attr = activation.RUNTIME.record("mla_weight_release").process_state.w8a8_attr
 out["w8a8_attr"] = attr
 out["predicate_w8a8"] = predicate(attr)
 other = {"quant_config": "quantization_config", "quantization_config": "quant_config"}
@@ -412,7 +412,7 @@ for kind, hold in KINDS.items():
     print("holding", kind, flush=True)  # a signal would show which kind
     # Each kind a fresh layer 0: start over, or it would be a layer first seen after the first
     # pass (the wrapper retired), whose w_kc is kept.
-    activation.RUNTIME.record("mla_weight_release").process.reset()
+    activation.RUNTIME.record("mla_weight_release").process_state.reset()
     r = K.run_layer("glm-5", 16, hold=hold)
     weight = "qkv_a" if kind.startswith("qkv") else "w_kc"
     other = "w_kc" if weight == "qkv_a" else "qkv_a"

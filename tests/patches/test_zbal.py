@@ -35,7 +35,7 @@ _VIEWS = {}
 
 
 # The wrappers' per-process state, as a decision builds it (the fixture starts each test afresh).
-PROC = zimpl.ZbalProcess()
+PROC = zimpl.ZbalState()
 
 
 def view(version):

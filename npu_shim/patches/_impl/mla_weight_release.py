@@ -1,5 +1,5 @@
 """mla_weight_release's implementation: the predicate, the guard its released weights get (the
-release itself: npu_shim/runtime/tensor_release.py), the accounting and the wrappers' per-process state (``FreedWeights``), and the targets.  Loaded only
+release itself: npu_shim/runtime/tensor_release.py), the accounting and the wrappers' per-process state (``MlaWeightReleaseState``), and the targets.  Loaded only
 where the patch is decided past its probe (not on a release that has the release upstream):
 npu_shim/patches/mla_weight_release.py is the patch and its documentation."""
 
@@ -7,9 +7,11 @@ import logging
 import re
 
 from npu_shim.ops import log, staterecord
+from npu_shim.core.framework import Inactive, Unsupported
 from npu_shim.patches.mla_weight_release import (
-    CLASS, MIB, MLA_NPU, MLA_PRE, PREPROCESS_SIG, ROLES, RELEASE_FORCE, SWITCH, SWITCH_HINT,
-    TP_WORKER, UPDATE_OPS, UPDATE_SIG, ReleasedWeightError, pins)
+    CLASS, FORWARD_FINGERPRINTS, MIB, MLA_NPU, MLA_PRE, PREPROCESS_SIG, ROLES, RELEASE_FORCE, RUNTIME_CONTEXT,
+    SCHEDULER_MIXIN, SCHEDULER_UPDATER, SWITCH, SWITCH_HINT, TP_WORKER, UPDATE_OPS, UPDATE_SIG,
+    ReleasedWeightError, fingerprint, pins)
 from npu_shim.runtime import tensor_release
 from npu_shim.runtime.targets import Replace, Retirement, Wrap
 
@@ -119,14 +121,14 @@ def _log_line(level, message):
 
 
 def _say_each_time(key, level, message):
-    """``free_weight``'s ``say`` where no process state keeps track (``FreedWeights.once`` says
+    """``free_weight``'s ``say`` where no process state keeps track (``MlaWeightReleaseState.once`` says
     each ``key`` once per process): every message is logged, ``key`` is not used."""
     _log_line(level, message)
 
 
 def free_weight(tensor, what, say=None):
     """``tensor_release.free_weight`` with this patch's guard; ``say(key, level, message)`` says
-    why a weight is kept (``FreedWeights.once``: once per process; None: every time)."""
+    why a weight is kept (``MlaWeightReleaseState.once``: once per process; None: every time)."""
     return tensor_release.free_weight(tensor, what, GUARD, say or _say_each_time)
 
 
@@ -146,7 +148,7 @@ def _layer_list(layers):
 
 # --------------------------------------------------------------------------- the release in a process
 
-class FreedWeights:
+class MlaWeightReleaseState:
     """The release in one process: what the decision read from the code (forward()'s W8A8
     attribute, where the role is published), the wrappers built on it, and what they freed.  A
     decision builds a fresh one (so uninstall/install starts over); ``details`` is the patch
@@ -385,11 +387,32 @@ class FreedWeights:
 
 # --------------------------------------------------------------------------- the targets
 
-def targets(release, caller):
-    """MlaWeightRelease.targets past its code checks: bound to ``release`` (the decision's
-    FreedWeights); ``caller``: the scheduler class that answers a refused weight update."""
+def targets(view, ctx):
+    """What the decision reads from the code, for the wrappers (forward()'s W8A8 attribute, where
+    the disaggregation role is published: ``ctx.process_state``), and the targets bound to it."""
     entry = (MLA_NPU, "npu_mla_preprocess")
     weight = (MLA_PRE, CLASS + ".mlaprolog_preprocess_weight")
+    if view.function(MLA_PRE, CLASS + ".forward_mlaprolog") is None and view.function(*entry) is None:
+        raise Inactive("this sglang has no mlaprolog path (it appears in 0.5.9), so there is "
+                       "nothing to release")
+    forward_attr = FORWARD_FINGERPRINTS.get(fingerprint(view, MLA_PRE, CLASS + ".forward"))
+    role_source = "get_disagg" if view.has(RUNTIME_CONTEXT, "get_disagg") else "server_args"
+    release = ctx.process_state = MlaWeightReleaseState(
+        w8a8_attr=forward_attr, role_source=role_source, details=ctx.details)
+    missing = [d for d in (entry, weight) if view.function(*d) is None]
+    if missing:
+        raise Unsupported("%s:%s not found, although this sglang has the mlaprolog path "
+                          "(%s.forward_mlaprolog): renamed or moved in this image, so the shim "
+                          "cannot tell what would still read the weights" % (missing[0] + (CLASS,)))
+    caller = next((c for c in (SCHEDULER_MIXIN, SCHEDULER_UPDATER)
+                   if view.function(c[0], c[1] + ".update_weights_from_disk") is not None), None)
+    if caller is None:
+        raise Unsupported("the scheduler's update_weights_from_disk was not found (%s.%s or %s.%s): "
+                          "the shim cannot tell how a refused weight update would be answered, so "
+                          "it releases nothing" % (SCHEDULER_MIXIN + SCHEDULER_UPDATER))
+    ctx.note("frees memory only where the disaggregation role is prefill (qkv_a) or decode "
+             "(qkv_a, w_kc), and not with LoRA, weight updates or speculative decoding; once "
+             "it has, update_weights_* requests are refused")
     forward = (MLA_PRE, CLASS + ".forward")
     return [
         Wrap(MLA_NPU, "npu_mla_preprocess", release.wrap_npu_mla_preprocess, [PREPROCESS_SIG],

@@ -27,7 +27,7 @@ How
     2. Role: ``runtime_context.get_disagg().disaggregation_mode`` where it exists (0.5.17+), else
        ``get_global_server_args().disaggregation_mode``; read when each layer decides.  Which of
        the two, and forward()'s W8A8 attribute, are read from the code when the patch is decided
-       and handed to the wrappers through ``FreedWeights`` (one per decision).  Unknown
+       and handed to the wrappers through ``MlaWeightReleaseState`` (one per decision).  Unknown
        (not published yet, no such field, odd value): nothing is released and one warning says so.
     3. ``mlaprolog_preprocess_weight`` is wrapped: after it made the q_a / kv_a copies, the fused
        ``qkv_a_proj.weight`` is released when role != ``null``.

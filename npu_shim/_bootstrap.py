@@ -122,7 +122,7 @@ def start():
             arm()
         else:
             from npu_shim.core import config
-            from npu_shim.ops import log  # only on this error path
+            from npu_shim.reporting import log  # only on this error path
 
             try:
                 config.ENABLED.read()
@@ -130,7 +130,7 @@ def start():
                 log.error_once("config", "shim off: %s" % exc)
     except Exception as exc:  # noqa: BLE001 - nothing may reach the application from start-up
         try:
-            from npu_shim.ops import log
+            from npu_shim.reporting import log
 
             log.error_once("bootstrap", "shim off: bootstrap failed: %r" % (exc,))
         except Exception:  # noqa: BLE001

@@ -7,7 +7,7 @@ import may close a circle, inside a layer or across:
 
 0. leaves: ``_version``, ``_paths`` (where the package is) and the registry (``patches/registry.py``: a list of names);
 1. ``core``: the variables, the patch model and deciding, loading the registered patches;
-2. ``ops``: logging, process identity, state records, the summary line, text for a terminal;
+2. ``reporting``: logging, process identity, state records, the summary line, text for a terminal;
 3. ``source``: reading sglang's code without importing it (view, fast scan, inherited answers);
 4. ``runtime``: one process's activation, finder, wrapt, targets and wrappers, install();
 5. ``patches``: the feature modules;
@@ -33,14 +33,14 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LAYERS = [
     ("npu_shim._version", "npu_shim._paths", "npu_shim.patches.registry"),
     ("npu_shim.core",),
-    ("npu_shim.ops",),
+    ("npu_shim.reporting",),
     ("npu_shim.source",),
     ("npu_shim.runtime",),
     ("npu_shim.patches",),
     ("npu_shim.cli",),
     ("npu_shim", "npu_shim.__main__", "npu_shim._bootstrap"),
 ]
-SUBPACKAGES = ("core", "ops", "source", "runtime", "patches", "cli")
+SUBPACKAGES = ("core", "reporting", "source", "runtime", "patches", "cli")
 
 
 def modules():
@@ -210,5 +210,5 @@ def test_the_checks_see_a_circle_and_an_upward_import():
     """The checker itself: a circle through a function-level import is found."""
     assert cycle_in({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle_in({"a": {"b"}, "b": set()}) is None
-    assert layer_of("npu_shim.core.config") < layer_of("npu_shim.ops.log") < layer_of("npu_shim.cli.check")
+    assert layer_of("npu_shim.core.config") < layer_of("npu_shim.reporting.log") < layer_of("npu_shim.cli.check")
     assert layer_of("npu_shim.patches.registry") == 0 < layer_of("npu_shim.patches.zbal")

@@ -416,7 +416,7 @@ def build(out_dir, python_paths=(), wrapt_version=WRAPT_VERSION, pythons=PYTHONS
 def run(args):
     """The ``bundle`` command with its parsed ``args``; its exit status."""
     from npu_shim.cli.exit_codes import EXIT_BUNDLE_FAILED
-    from npu_shim.ops.terminal import printable
+    from npu_shim.reporting.terminal import printable
 
     try:
         build(args.out_dir, args.python, args.wrapt_version or WRAPT_VERSION,

@@ -22,7 +22,7 @@ import sys
 from npu_shim import _paths
 from npu_shim.cli.exit_codes import (EXIT_BAD_ENV, EXIT_CHECK_FAILED, EXIT_NO_SGLANG, EXIT_NPU_STACK,
                                      config_exit_code)
-from npu_shim.ops.log import one_line
+from npu_shim.reporting.log import one_line
 
 CHILD_TIMEOUT_S = 300
 _MARK = "npu-shim-check:"
@@ -171,7 +171,7 @@ def checked_by(root):
 
 def print_not_started(facts):
     """What ``check`` says instead of a report when the bundle does not match its MANIFEST."""
-    from npu_shim.ops.terminal import terminal_writer
+    from npu_shim.reporting.terminal import terminal_writer
 
     out = terminal_writer()
     out("npu-shim check: the check process was not started: this bundle does not match its "
@@ -285,7 +285,7 @@ def sglang_line(sglang, import_failed):
 
 
 def print_report(report):
-    from npu_shim.ops.terminal import terminal_writer
+    from npu_shim.reporting.terminal import terminal_writer
 
     out = terminal_writer()
     out("npu-shim check: a child process (pid %d, Python %s) imported sglang's target modules\n"
@@ -340,7 +340,7 @@ def run(args):
         return EXIT_CHECK_FAILED
     report, error = run_child()
     if report is None:
-        from npu_shim.ops.terminal import terminal_writer
+        from npu_shim.reporting.terminal import terminal_writer
 
         terminal_writer(sys.stderr)("npu-shim check: %s\n" % error)  # the child's own words
         return EXIT_CHECK_FAILED

@@ -1,6 +1,6 @@
 """``python -m npu_shim status --running [DIR]``: what the shim did in the running processes.
 
-Reads the records every sglang process keeps in ``NPU_SHIM_STATE_DIR`` (npu_shim/ops/statefile.py)
+Reads the records every sglang process keeps in ``NPU_SHIM_STATE_DIR`` (npu_shim/reporting/statefile.py)
 and puts them in one table, process x patch.  Everything in the directory is hostile input: at
 most ``MAX_RECORDS`` files are read, each a regular file of at most ``statefile.MAX_RECORD_BYTES``
 opened without following a symlink or blocking on a FIFO, parsed as strict JSON (no NaN, no
@@ -39,9 +39,9 @@ import stat
 import sys
 import time
 
-from npu_shim.ops import procinfo, statedir, statefile
+from npu_shim.reporting import procinfo, statedir, statefile
 from npu_shim.core.framework import FAILED, Details
-from npu_shim.ops.terminal import printable
+from npu_shim.reporting.terminal import printable
 
 OFF = "disabled"  # what a patch reads in a process with the shim off
 MAX_RECORDS = 4096

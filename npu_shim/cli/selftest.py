@@ -48,7 +48,7 @@ def is_sglang_server(argv):
     (``sglang::scheduler_TP0`` ...), ``-m sglang.launch_server``, sglang's ``launch_server.py``
     run as a script, or ``sglang serve``.  Its arguments are read as arguments: the name in a file
     name (``tail -f sglang.launch_server.log``) is none of them."""
-    from npu_shim.ops import procinfo
+    from npu_shim.reporting import procinfo
 
     if not argv:
         return False
@@ -298,7 +298,7 @@ def print_result(result, out):
 def main(args):
     from npu_shim.cli import exit_codes as cli
     from npu_shim.patches.registry import known_names
-    from npu_shim.ops.terminal import terminal_writer
+    from npu_shim.reporting.terminal import terminal_writer
 
     from npu_shim.core.loading import load_all, selftest_step
 

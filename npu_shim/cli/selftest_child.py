@@ -18,7 +18,7 @@ import sys
 import time
 import types
 
-from npu_shim.ops.log import one_line
+from npu_shim.reporting.log import one_line
 
 MARK = "npu-shim-selftest:"
 PROGRESS = "npu-shim-selftest-progress:"

@@ -102,7 +102,7 @@ def activity_line(info):
 
 
 def print_status(info):
-    from npu_shim.ops.terminal import terminal_writer
+    from npu_shim.reporting.terminal import terminal_writer
 
     out = terminal_writer()
     out("npu-shim %s  (%s)\n" % (info["version"], info["location"]))
@@ -146,7 +146,7 @@ def exit_code(info):
 def run_running(args):
     """``status --running [DIR]``: the state records of the running processes (running_records.py)."""
     from npu_shim.cli import running_records
-    from npu_shim.ops.terminal import printable
+    from npu_shim.reporting.terminal import printable
 
     dir_ = args.running or args.dir
     if not dir_:

@@ -11,7 +11,7 @@ Timeline in a process:
    anything changes.  A spawned child that decides while unpickling its target logs that line
    when the target starts (a scheduler's then carries its role: npu_shim/runtime/role.py).
    With ``NPU_SHIM_STATE_DIR`` set the process's state record is written then, and again
-   whenever it changes (npu_shim/ops/statefile.py).
+   whenever it changes (npu_shim/reporting/statefile.py).
 3. Each hook then applies the targets that live in its module -- the shim's own first (the
    scheduler's role, npu_shim/runtime/role.py), undone last, so a patch's wrapper of the same
    function stacks on it -- a target whose loaded code does not match fails its whole patch,
@@ -28,7 +28,7 @@ import threading
 
 from npu_shim.core import config, framework, loading
 from npu_shim.core.framework import APPLIED, FAILED, PROBLEMS, ShimError
-from npu_shim.ops import log, procinfo, staterecord, summary
+from npu_shim.reporting import log, procinfo, staterecord, summary
 from npu_shim.runtime import metrics_hook, role, wrapt_loader
 from npu_shim.runtime.finder import ShimFinder
 from npu_shim.runtime.targets import Wrap

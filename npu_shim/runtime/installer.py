@@ -6,7 +6,7 @@ import os
 
 from npu_shim import _paths
 from npu_shim.core import config
-from npu_shim.ops import log
+from npu_shim.reporting import log
 
 
 def reach_children(environ=None):

@@ -4,7 +4,7 @@
 import os
 
 from npu_shim.core import config
-from npu_shim.ops import log, procinfo, staterecord
+from npu_shim.reporting import log, procinfo, staterecord
 from npu_shim.source.live import find_package_dir, read_version
 
 

@@ -20,7 +20,7 @@ gets that far (a child killed before it starts its target says none).
 import os
 import sys
 
-from npu_shim.ops import log, procinfo, staterecord
+from npu_shim.reporting import log, procinfo, staterecord
 from npu_shim.runtime.targets import Change, bind_arguments, function_wrapper, resolve
 from npu_shim.source.live import live_params
 

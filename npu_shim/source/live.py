@@ -16,7 +16,7 @@ import os
 import re
 
 from npu_shim.core.framework import SourceError  # noqa: F401 - raised here, caught by deciding
-from npu_shim.ops.log import one_line
+from npu_shim.reporting.log import one_line
 
 
 def read_source(path):

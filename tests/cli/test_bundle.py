@@ -317,11 +317,11 @@ def test_verify_names_extra_files_folders_and_pyc_and_never_follows_links(small_
     (copy / "npu_shim" / "drafts").mkdir()
     (copy / "npu_shim" / "drafts" / "a.py").write_text("")
     (copy / "json").mkdir()
-    os.remove(str(copy / "npu_shim" / "ops" / "log.py"))
-    os.symlink("/etc/passwd", str(copy / "npu_shim" / "ops" / "log.py"))
+    os.remove(str(copy / "npu_shim" / "reporting" / "log.py"))
+    os.symlink("/etc/passwd", str(copy / "npu_shim" / "reporting" / "log.py"))
     os.mkfifo(str(copy / "npu_shim" / "fifo"))
     assert bundle_verify.verify(str(copy)) == [
-        "npu_shim/ops/log.py: changed",
+        "npu_shim/reporting/log.py: changed",
         "json/: extra (shadows the standard library's json)",
         "npu_shim/__pycache__/config.cpython-399.pyc: extra",
         "npu_shim/drafts/: extra",
@@ -641,4 +641,4 @@ def test_any_manifest_is_read_or_refused_in_one_line(manifest):
             assert problems == ["MANIFEST: %s" % why]
 
 
-from npu_shim.ops.terminal import printable  # noqa: E402
+from npu_shim.reporting.terminal import printable  # noqa: E402

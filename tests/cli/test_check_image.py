@@ -73,7 +73,7 @@ def test_check_fails_where_the_shim_is_not_active_or_wrapt_is_missing(bare_venvs
     assert "shim active at start-up: NO" in off.stdout
 
 
-@pytest.mark.parametrize("edited", ["npu_shim/ops/log.py", "sitecustomize.py"])
+@pytest.mark.parametrize("edited", ["npu_shim/reporting/log.py", "sitecustomize.py"])
 def test_check_fails_on_a_bundle_whose_files_changed(edited, bare_venvs, built_bundle, tree, tmp_path):
     """sitecustomize.py too: its .pyc is unchecked-hash, so an edit of it does not run, and check
     is where the operator learns of it."""

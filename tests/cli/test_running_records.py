@@ -14,7 +14,7 @@ import pytest
 from test_statefile import NOBODY, SYSTEM_PYTHON, as_nobody, shared_tmp  # noqa: F401 - a fixture
 
 import npu_shim
-from npu_shim.ops import procinfo, statefile
+from npu_shim.reporting import procinfo, statefile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 60

@@ -9,7 +9,7 @@ from npu_shim.patches.registry import known_names
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "npu_shim")
-ROOMS = ("core", "ops", "source", "runtime", "cli")
+ROOMS = ("core", "reporting", "source", "runtime", "cli")
 TOP = ("__init__.py", "__main__.py", "_bootstrap.py")
 
 

@@ -434,7 +434,7 @@ def test_graphs_outside_initialize_do_not_init(zb, simnpu_clean):
 
 
 def test_initialize_without_graphs_inits_after_it(zb, simnpu_clean, caplog):
-    from npu_shim.ops import log
+    from npu_shim.reporting import log
 
     log.configure()  # sets the logger's level once per process: before caplog lowers it
     mix_mode_started(zb)
@@ -742,7 +742,7 @@ def test_in_use_is_rounded_up_to_the_mib_at_the_boundary(zb, simnpu_clean, monke
 def state_dir(tmp_path, monkeypatch):
     """NPU_SHIM_STATE_DIR set for this process, its record written from PROC.details as the
     runtime's snapshot would; no writer thread (the writes under test are the synchronous ones)."""
-    from npu_shim.ops import statefile, staterecord
+    from npu_shim.reporting import statefile, staterecord
 
     for name in ("source", "sglang_path", "shim_enabled"):
         monkeypatch.setattr(staterecord.ATTACHED, name, getattr(staterecord.ATTACHED, name))

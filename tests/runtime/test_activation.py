@@ -11,7 +11,7 @@ import types
 import pytest
 
 from npu_shim.core import framework
-from npu_shim.ops import procinfo, staterecord, summary
+from npu_shim.reporting import procinfo, staterecord, summary
 from npu_shim.runtime import activation, role
 from npu_shim.source import answers, codeview
 from test_bootstrap import DEMO_PATCH, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture

@@ -223,11 +223,11 @@ def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(c
 
     import pytest
 
-    from npu_shim.ops import summary
+    from npu_shim.reporting import summary
     from npu_shim.runtime import activation
     from npu_shim.core.framework import ShimError
 
-    from npu_shim.ops import log
+    from npu_shim.reporting import log
 
     monkeypatch.delenv("NPU_SHIM_STRICT", raising=False)
     log.configure()  # sets the logger's level once per process: before caplog lowers it

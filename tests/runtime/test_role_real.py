@@ -17,7 +17,7 @@ simnpu.install(release="0.5.11")  # the spawned child runs this too (as __mp_mai
 if __name__ == "__main__":
     import json, multiprocessing as mp, os, socket, sys
     import sglang.srt.managers.scheduler as sch
-    from npu_shim.ops import procinfo, statefile
+    from npu_shim.reporting import procinfo, statefile
     from shimdev.demo_features import scheduler_process_args
     log_path = os.path.join(os.getcwd(), "child.log")
     saved = os.dup(2)

@@ -6,7 +6,7 @@ npu_shim/patches/mla_weight_release.py is the patch and its documentation."""
 import logging
 import re
 
-from npu_shim.ops import log, staterecord
+from npu_shim.reporting import log, staterecord
 from npu_shim.core.framework import Inactive, Unsupported
 from npu_shim.patches.mla_weight_release import (
     CLASS, FORWARD_FINGERPRINTS, MIB, MLA_NPU, MLA_PRE, PREPROCESS_SIG, ROLES, RELEASE_FORCE, RUNTIME_CONTEXT,

@@ -6,7 +6,7 @@ npu_shim/patches/zbal.py is the patch and its documentation."""
 import sys
 
 from npu_shim.core.framework import Failed
-from npu_shim.ops import log, staterecord
+from npu_shim.reporting import log, staterecord
 from npu_shim.patches.zbal import (
     BOOTSTRAP_URL, COMMON, DEEPEP, LOCAL_MEM_SIZE, MIB, ALIGN_MIB, MODEL_RUNNER, PARALLEL_STATE,
     SCHEDULER, ZbalError, ZbalInitError, missing_message, zbal_findable)

@@ -1,7 +1,7 @@
 """What a process says about the shim: its one summary line and each patch's reason (log)."""
 
 from npu_shim.core.framework import FAILED, UNSUPPORTED, Details
-from npu_shim.ops import log
+from npu_shim.reporting import log
 
 
 def report(record):

@@ -1,4 +1,4 @@
-"""The state record's writer (npu_shim/ops/statefile.py, npu_shim/ops/statedir.py) against an attacker with a
+"""The state record's writer (npu_shim/reporting/statefile.py, npu_shim/reporting/statedir.py) against an attacker with a
 shell on the node and against a clumsy operator: real processes, real users (root and ``nobody``),
 real PID namespaces.  The suite runs as root, as servers do."""
 
@@ -17,11 +17,11 @@ import time
 import pytest
 from test_bootstrap import REPO, run, tree  # noqa: F401 - ``tree`` is a fixture
 
-from npu_shim.ops import procinfo, statedir, statefile
+from npu_shim.reporting import procinfo, statedir, statefile
 
 NOBODY = 65534
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or "/usr/bin/python3"
-FAST = "from npu_shim.ops import statefile, staterecord; statefile.INTERVAL_S = 0.05; statefile.HEARTBEAT_S = 0.5\n"
+FAST = "from npu_shim.reporting import statefile, staterecord; statefile.INTERVAL_S = 0.05; statefile.HEARTBEAT_S = 0.5\n"
 
 
 def as_nobody():
@@ -417,7 +417,7 @@ def test_a_failed_rename_leaves_no_temporary_file(tmp_path):
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     proc = write_in_child(str(state_dir), """
-        from npu_shim.ops import procinfo
+        from npu_shim.reporting import procinfo
         path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
                             statefile.record_name(procinfo.host(), procinfo.pid_namespace(), os.getpid()))
         os.unlink(path)
@@ -432,7 +432,7 @@ def test_a_failed_rename_leaves_no_temporary_file(tmp_path):
 def test_touch_wakes_the_writer_before_its_interval(tmp_path):
     proc = write_in_child(str(tmp_path / "state"), """
         import json, time
-        from npu_shim.ops import procinfo
+        from npu_shim.reporting import procinfo
         statefile.INTERVAL_S = statefile.HEARTBEAT_S = 60.0   # only touch() can bring the change in time
         details = {}
         staterecord.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": dict(details)}})

@@ -5,13 +5,13 @@ import os
 
 from test_bootstrap import last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 
-WRITER_MODULES = ["npu_shim.ops.statedir", "npu_shim.ops.statefile"]
+WRITER_MODULES = ["npu_shim.reporting.statedir", "npu_shim.reporting.statefile"]
 
 REPORT = """
     import json, os, sys
     from sglang.srt.utils import get_npu_memory_capacity
     import npu_shim
-    from npu_shim.ops import staterecord
+    from npu_shim.reporting import staterecord
     loaded = lambda: sorted(m for m in %r if m in sys.modules)
     out = {"value": get_npu_memory_capacity(), "after_import": loaded()}
     staterecord.touch()              # something changed, but no record is kept: nothing to wake

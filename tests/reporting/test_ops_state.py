@@ -14,7 +14,7 @@ from test_bootstrap import REPO, TAG, last_json, run, tree  # noqa: F401 - ``tre
 
 import npu_shim
 from npu_shim.cli import running_records
-from npu_shim.ops import procinfo, statefile
+from npu_shim.reporting import procinfo, statefile
 
 # A process that looks like sglang's scheduler TP3 of DP0 (sglang sets this title itself).
 AS_SCHEDULER = """
@@ -51,11 +51,11 @@ def test_state_record_has_role_versions_states_and_follows_details_and_state_cha
     proc = run(tree, AS_SCHEDULER + textwrap.dedent("""
         import json, os, socket, time
         import npu_shim
-        from npu_shim.ops import statefile
+        from npu_shim.reporting import statefile
         from npu_shim.runtime import activation
         statefile.INTERVAL_S = 0.05
         from sglang.srt.utils import common
-        from npu_shim.ops import procinfo
+        from npu_shim.reporting import procinfo
         path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
                             statefile.record_name(socket.gethostname(), procinfo.pid_namespace(), os.getpid()))
         first = json.load(open(path))
@@ -102,7 +102,7 @@ def test_unwritable_state_dir_is_one_error_line_and_the_application_runs_on(tree
     blocker = tree / "not-a-dir"
     blocker.write_text("a file where the directory should be")
     proc = run(tree, """
-        from npu_shim.ops import statefile
+        from npu_shim.reporting import statefile
         statefile.INTERVAL_S = 0.05
         from sglang.srt.utils import common
         import time
@@ -309,7 +309,7 @@ def test_an_exited_process_not_yet_reaped_is_stale():
 
 
 def test_a_record_is_never_written_without_its_patches(tmp_path, monkeypatch):
-    from npu_shim.ops import statefile, staterecord
+    from npu_shim.reporting import statefile, staterecord
 
     monkeypatch.setenv("NPU_SHIM_STATE_DIR", str(tmp_path))
     monkeypatch.setattr(statefile._W, "thread_pid", os.getpid())  # no writer thread in this test

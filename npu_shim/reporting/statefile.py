@@ -2,11 +2,11 @@
 
 Each process that imports sglang keeps one JSON file, ``<host>-<pid namespace>-<pid>.json``
 (``python -m npu_shim status --running`` gathers them): who wrote it (pid, user, host, boot id, PID
-namespace, start time), its role (npu_shim/ops/procinfo.py), shim / sglang / Python versions, the main
+namespace, start time), its role (npu_shim/reporting/procinfo.py), shim / sglang / Python versions, the main
 module (never the command line's arguments: they may carry an API key) and every patch's state,
 reason and details.  Nothing is written while the variable is unset.
 
-The directory is trusted only as far as the kernel guarantees it (npu_shim/ops/statedir.py): every
+The directory is trusted only as far as the kernel guarantees it (npu_shim/reporting/statedir.py): every
 directory on the way must belong to root or this user and be writable by nobody else unless it is
 sticky, the last one must belong to this user, and nothing is followed through a symlink.  A
 sticky directory writable by others (``install -d -m 1777 /dev/shm/npu-shim``: one directory
@@ -37,7 +37,7 @@ import threading
 import time
 
 from npu_shim.core import config
-from npu_shim.ops import log, procinfo
+from npu_shim.reporting import log, procinfo
 
 FORMAT = 2
 INTERVAL_S = 5.0
@@ -98,7 +98,7 @@ def directory():
 
 def record_name(host, pid_ns, pid):
     """The file name of a process's record: host, PID namespace and pid name one process."""
-    from npu_shim.ops import statedir  # only where records are written or read
+    from npu_shim.reporting import statedir  # only where records are written or read
 
     return "%s-%s-%d.json" % (statedir.safe_name(host), pid_ns if pid_ns is not None else "x", pid)
 
@@ -169,7 +169,7 @@ def write(force=False, attached=None):
             if len(data) > MAX_RECORD_BYTES:
                 raise ValueError("the record would be %d bytes, over the %d readers accept"
                                  % (len(data), MAX_RECORD_BYTES))
-            from npu_shim.ops import statedir
+            from npu_shim.reporting import statedir
 
             with statedir.open_for_writing(dir_) as handle:
                 if _W.swept_pid != os.getpid():
@@ -190,7 +190,7 @@ def write(force=False, attached=None):
 
 
 def _why(exc):
-    from npu_shim.ops import statedir
+    from npu_shim.reporting import statedir
 
     if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, statedir.UnsafeDirectory):
         return exc.strerror  # the path is already on the line

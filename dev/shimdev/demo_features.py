@@ -14,7 +14,7 @@ interpreter started by ``realsglang.run_in_release(..., env=DEMO_ENV, zbal=True)
   and what the stream sanitizer (on in every call) reported.
 
 A scheduler process's start, for the role tests (tests/runtime/test_role_real.py,
-tests/reporting/test_ops_state_real.py): ``enter_scheduler_process`` calls the real (wrapped)
+tests/reporting/test_state_records_real.py): ``enter_scheduler_process`` calls the real (wrapped)
 ``run_scheduler_process`` with ``StopAtBody`` server arguments, which end the call where the
 body first reads them (a spawned child gets them as its arguments).
 

@@ -59,10 +59,10 @@ MODULES = {
     "npu_shim/source/answers.py": {"tests": ["tests/source/test_answers.py"]},
     "npu_shim/core/config.py": {"tests": ["tests/core/test_config.py", "tests/core/test_framework.py",
                                      "tests/test_hostile_inputs.py"]},
-    "npu_shim/reporting/statefile.py": {"tests": ["tests/reporting/test_statefile.py", "tests/reporting/test_ops_state.py"]},
-    "npu_shim/reporting/staterecord.py": {"tests": ["tests/reporting/test_staterecord.py", "tests/reporting/test_statefile.py"]},
-    "npu_shim/reporting/statedir.py": {"tests": ["tests/reporting/test_statefile.py", "tests/cli/test_running_records.py"]},
-    "npu_shim/cli/running_records.py": {"tests": ["tests/cli/test_running_records.py", "tests/reporting/test_ops_state.py"]},
+    "npu_shim/reporting/record_writer.py": {"tests": ["tests/reporting/test_record_writer.py", "tests/reporting/test_state_records.py"]},
+    "npu_shim/reporting/state_record.py": {"tests": ["tests/reporting/test_state_record.py", "tests/reporting/test_record_writer.py"]},
+    "npu_shim/reporting/safe_dir.py": {"tests": ["tests/reporting/test_record_writer.py", "tests/cli/test_running_records.py"]},
+    "npu_shim/cli/running_records.py": {"tests": ["tests/cli/test_running_records.py", "tests/reporting/test_state_records.py"]},
     # the release / guard / accounting code of the MLA patch
     "npu_shim/runtime/tensor_release.py": {
         "tests": ["tests/patches/test_mla_weight_release.py"],

@@ -1,8 +1,8 @@
 """``python -m npu_shim status --running [DIR]``: what the shim did in the running processes.
 
-Reads the records every sglang process keeps in ``NPU_SHIM_STATE_DIR`` (npu_shim/reporting/statefile.py)
+Reads the records every sglang process keeps in ``NPU_SHIM_STATE_DIR`` (npu_shim/reporting/record_writer.py)
 and puts them in one table, process x patch.  Everything in the directory is hostile input: at
-most ``MAX_RECORDS`` files are read, each a regular file of at most ``statefile.MAX_RECORD_BYTES``
+most ``MAX_RECORDS`` files are read, each a regular file of at most ``record_writer.MAX_RECORD_BYTES``
 opened without following a symlink or blocking on a FIFO, parsed as strict JSON (no NaN, no
 Infinity, bounded nesting) and checked field by field; a file that fails is listed as unreadable
 with the reason, and every text a record carries is escaped before it reaches a terminal.
@@ -39,7 +39,7 @@ import stat
 import sys
 import time
 
-from npu_shim.reporting import procinfo, statedir, statefile
+from npu_shim.reporting import procinfo, safe_dir, record_writer
 from npu_shim.core.framework import FAILED, Details
 from npu_shim.reporting.terminal import printable
 
@@ -169,7 +169,7 @@ def _entries(dir_fd, skip=()):
                 continue  # temporary files of a write in progress
             if name.endswith(".json"):
                 found.append(("", name))
-            elif name.startswith(statedir.USER_DIR_PREFIX) and entry.is_dir(follow_symlinks=False):
+            elif name.startswith(safe_dir.USER_DIR_PREFIX) and entry.is_dir(follow_symlinks=False):
                 found.append((name, None))
             if len(found) > MAX_RECORDS:
                 break
@@ -190,11 +190,11 @@ def load(dir_):
     The ``uid-<N>/`` directories of the trusted users (``trusted_uids``) are opened by name and
     read first, up to MAX_RECORDS; the rest of the directory is listed and read after them, up to
     MAX_RECORDS more: no number of files another user adds can push a trusted record out."""
-    fd = os.open(dir_, statedir.DIR_FLAGS)
+    fd = os.open(dir_, safe_dir.DIR_FLAGS)
     try:
         top_owner = os.fstat(fd).st_uid
         uids = trusted_uids(top_owner)
-        trusted = sorted(statedir.user_dir_name(uid) for uid in uids)
+        trusted = sorted(safe_dir.user_dir_name(uid) for uid in uids)
         found = []
         for sub in trusted:
             if _is_dir_here(fd, sub):
@@ -231,7 +231,7 @@ def _read_user_dir(fd, sub, room, uids):
     """The records of one user's subdirectory ``uid-<N>/`` (at most ``room``, plus one to show
     there are more)."""
     try:
-        sub_fd = os.open(sub, statedir.DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+        sub_fd = os.open(sub, safe_dir.DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
     except OSError as exc:
         return [(sub + "/", None, "%s: %s" % (type(exc).__name__, exc.strerror), {})]
     try:
@@ -244,7 +244,7 @@ def _read_user_dir(fd, sub, room, uids):
 
 def _read_one(dir_fd, name, shown, dir_owner, user_dir, uids):
     try:
-        data, st = statedir.read_regular(dir_fd, name, statefile.MAX_RECORD_BYTES)
+        data, st = safe_dir.read_regular(dir_fd, name, record_writer.MAX_RECORD_BYTES)
         record = validate(parse(data))
     except OSError as exc:
         return shown, None, "%s: %s" % (type(exc).__name__, exc.strerror or exc), {}
@@ -262,7 +262,7 @@ def suspicion(record, facts):
     owner, uid = facts.get("owner"), record.get("uid")
     user_dir = facts.get("user_dir")
     if user_dir is not None:
-        if user_dir != statedir.user_dir_name(facts.get("dir_owner")):
+        if user_dir != safe_dir.user_dir_name(facts.get("dir_owner")):
             return "its directory %s/ belongs to uid %s" % (user_dir, facts.get("dir_owner"))
         if owner != facts.get("dir_owner"):
             return "the file belongs to uid %s, not to the owner of %s/" % (owner, user_dir)
@@ -273,7 +273,7 @@ def suspicion(record, facts):
     name = facts.get("name")
     if name is not None:
         if record.get("format") is not None and record["format"] >= 2:
-            expected = statefile.record_name(record["host"], record.get("pid_ns"), record["pid"])
+            expected = record_writer.record_name(record["host"], record.get("pid_ns"), record["pid"])
         else:
             old = _OLD_NAME.match(name)
             expected = name if old and int(old.group("pid")) == record["pid"] else None
@@ -323,7 +323,7 @@ def judge(record, here, now=None):
     now = time.time() if now is None else now
     if updated is None:
         return "suspect", "no time of its last update"
-    if now - updated > STALE_BEATS * beat + statefile.INTERVAL_S:
+    if now - updated > STALE_BEATS * beat + record_writer.INTERVAL_S:
         return "stale", "no heartbeat for %ds" % (now - updated)
     return "live", None
 

@@ -11,7 +11,7 @@ Timeline in a process:
    anything changes.  A spawned child that decides while unpickling its target logs that line
    when the target starts (a scheduler's then carries its role: npu_shim/runtime/role.py).
    With ``NPU_SHIM_STATE_DIR`` set the process's state record is written then, and again
-   whenever it changes (npu_shim/reporting/statefile.py).
+   whenever it changes (npu_shim/reporting/record_writer.py).
 3. Each hook then applies the targets that live in its module -- the shim's own first (the
    scheduler's role, npu_shim/runtime/role.py), undone last, so a patch's wrapper of the same
    function stacks on it -- a target whose loaded code does not match fails its whole patch,
@@ -28,7 +28,7 @@ import threading
 
 from npu_shim.core import config, framework, loading
 from npu_shim.core.framework import APPLIED, FAILED, PROBLEMS, ShimError
-from npu_shim.reporting import log, procinfo, staterecord, summary
+from npu_shim.reporting import log, procinfo, state_record, summary
 from npu_shim.runtime import metrics_hook, role, wrapt_loader
 from npu_shim.runtime.finder import ShimFinder
 from npu_shim.runtime.targets import Wrap
@@ -177,8 +177,8 @@ def published(what, step):
 
 def publish_record(snapshot, view):
     """Hand the records to the state record's writer, and write it where one is asked for."""
-    staterecord.attach(snapshot, getattr(view, "package_dir", None))
-    staterecord.write()
+    state_record.attach(snapshot, getattr(view, "package_dir", None))
+    state_record.write()
 
 
 class Runtime:
@@ -350,7 +350,7 @@ class Runtime:
         if not any(target is change.replacement for change in self.own_changes):
             procinfo.note_child_target(target)
             self.say_summary()
-            staterecord.touch(now=True)  # the role it now has: at once, as the scheduler's
+            state_record.touch(now=True)  # the role it now has: at once, as the scheduler's
 
     # -- applying
     def watches(self, name):
@@ -394,9 +394,9 @@ class Runtime:
                 record.state, record.reason = FAILED, "while patching %s: %s" % (name, exc)
                 if self.summary_due is None:  # else the summary line, still to come, says it
                     summary.report(record)
-                staterecord.write()
+                state_record.write()
                 self.enforce(record)
-        staterecord.write()
+        state_record.write()
 
     # -- a wrapper that leaves (targets.Retirement)
     def bind_retirement(self, record, target):
@@ -423,7 +423,7 @@ class Runtime:
             record.details["retired"] = sorted(record.retired)
         log.debug("%s: %s retired (its job in this process is done): the original is back"
                   % (record.patch.name, what))
-        staterecord.touch()
+        state_record.touch()
         return True
 
     def reinstate(self, record, what, generation):
@@ -439,7 +439,7 @@ class Runtime:
                 record.details["retired"] = sorted(record.retired)
             else:
                 record.details.pop("retired", None)
-        staterecord.touch()
+        state_record.touch()
         return True
 
     def reapply_after_reload(self, module):
@@ -488,7 +488,7 @@ class Runtime:
             self.generation += 1
             self.records = None
             self.patches = None
-        staterecord.write()
+        state_record.write()
 
     # -- what the process says
     def decided_records(self):

@@ -742,15 +742,15 @@ def test_in_use_is_rounded_up_to_the_mib_at_the_boundary(zb, simnpu_clean, monke
 def state_dir(tmp_path, monkeypatch):
     """NPU_SHIM_STATE_DIR set for this process, its record written from PROC.details as the
     runtime's snapshot would; no writer thread (the writes under test are the synchronous ones)."""
-    from npu_shim.reporting import statefile, staterecord
+    from npu_shim.reporting import record_writer, state_record
 
     for name in ("source", "sglang_path", "shim_enabled"):
-        monkeypatch.setattr(staterecord.ATTACHED, name, getattr(staterecord.ATTACHED, name))
+        monkeypatch.setattr(state_record.ATTACHED, name, getattr(state_record.ATTACHED, name))
     for name in ("last", "last_pid", "thread_pid"):
-        monkeypatch.setattr(statefile._W, name, getattr(statefile._W, name))
-    monkeypatch.setattr(statefile, "_ensure_thread", lambda: None)
+        monkeypatch.setattr(record_writer._W, name, getattr(record_writer._W, name))
+    monkeypatch.setattr(record_writer, "_ensure_thread", lambda: None)
     monkeypatch.setenv("NPU_SHIM_STATE_DIR", str(tmp_path / "state"))
-    staterecord.attach(lambda: {"zbal": {"state": "applied", "details": dict(PROC.details)}})
+    state_record.attach(lambda: {"zbal": {"state": "applied", "details": dict(PROC.details)}})
 
     def details():
         import json

@@ -11,7 +11,7 @@ import types
 import pytest
 
 from npu_shim.core import framework
-from npu_shim.reporting import procinfo, staterecord, summary
+from npu_shim.reporting import procinfo, state_record, summary
 from npu_shim.runtime import activation, role
 from npu_shim.source import answers, codeview
 from test_bootstrap import DEMO_PATCH, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
@@ -53,7 +53,7 @@ def undecided(monkeypatch):
     monkeypatch.setattr(activation.RUNTIME, "records", None)
     monkeypatch.setattr(activation.RUNTIME, "decided_from", None)
     for name in ("source", "sglang_path", "shim_enabled"):
-        monkeypatch.setattr(staterecord.ATTACHED, name, getattr(staterecord.ATTACHED, name))
+        monkeypatch.setattr(state_record.ATTACHED, name, getattr(state_record.ATTACHED, name))
     monkeypatch.setattr(procinfo, "_sglang_version", "before")
     for name in (answers.ENV, "NPU_SHIM_STATE_DIR", "NPU_SHIM_STRICT", "NPU_SHIM_DEMO"):
         monkeypatch.setenv(name, "")  # so that the undo also removes what deciding exports
@@ -89,7 +89,7 @@ def test_deciding_without_sglang_says_sglang_not_found_and_exports_nothing(undec
     assert activation.RUNTIME.decided_from == "sglang source"
     assert answers.ENV not in os.environ  # no answers to hand to children
     assert procinfo.sglang_version() == "before"  # no version read
-    assert staterecord.ATTACHED.sglang_path is None and staterecord.ATTACHED.source is not None
+    assert state_record.ATTACHED.sglang_path is None and state_record.ATTACHED.source is not None
 
 
 def test_without_wrapt_and_without_sglang_on_disk_nothing_reads_applied(undecided, monkeypatch):
@@ -112,7 +112,7 @@ def test_without_wrapt_a_patch_that_would_apply_is_failed(undecided, monkeypatch
     assert record.state == framework.FAILED
     assert record.reason.startswith("wrapt is not available: test (use an npu-shim bundle")
     assert procinfo.sglang_version() == "0.5.9"
-    assert staterecord.ATTACHED.sglang_path == str(package)
+    assert state_record.ATTACHED.sglang_path == str(package)
 
 
 def test_an_sglang_directory_gone_from_disk_is_unsupported_naming_the_target(undecided, monkeypatch,
@@ -153,8 +153,8 @@ FAILURE_POINTS = {
     "report_invalid_variables": lambda mp: mp.setattr(activation, "report_invalid_variables", boom),
     "role.when_child_starts": lambda mp: (mp.setattr(role, "child_unpickling", lambda: True),
                                           mp.setattr(role, "when_child_starts", boom)),
-    "staterecord.attach": lambda mp: mp.setattr(staterecord, "attach", boom),
-    "staterecord.write": lambda mp: mp.setattr(staterecord, "write", boom),
+    "state_record.attach": lambda mp: mp.setattr(state_record, "attach", boom),
+    "state_record.write": lambda mp: mp.setattr(state_record, "write", boom),
 }
 
 

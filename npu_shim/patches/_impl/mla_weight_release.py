@@ -6,7 +6,7 @@ npu_shim/patches/mla_weight_release.py is the patch and its documentation."""
 import logging
 import re
 
-from npu_shim.reporting import log, staterecord
+from npu_shim.reporting import log, state_record
 from npu_shim.core.framework import Inactive, Unsupported
 from npu_shim.patches.mla_weight_release import (
     CLASS, FORWARD_FINGERPRINTS, MIB, MLA_NPU, MLA_PRE, PREPROCESS_SIG, ROLES, RELEASE_FORCE, RUNTIME_CONTEXT,
@@ -234,7 +234,7 @@ class MlaWeightReleaseState:
                             qkv_a_mib=round(self.released_bytes["qkv_a"] / MIB, 3),
                             w_kc_mib=round(self.released_bytes["w_kc"] / MIB, 3))
         log.debug("mla_weight_release: released %s (%.2f MiB)" % (what, nbytes / MIB))
-        staterecord.touch()
+        state_record.touch()
         if self.summary_logged:
             self._log_summary("more layers released")
 

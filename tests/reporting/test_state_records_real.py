@@ -15,9 +15,9 @@ import sglang.srt.layers.moe.token_dispatcher.deepep, sglang.srt.distributed.par
 from npu_shim.reporting import log
 from shimdev.demo_features import zbal_fresh, make_scheduler, enter_scheduler_process
 
-from npu_shim.reporting import procinfo, statefile
+from npu_shim.reporting import procinfo, record_writer
 path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
-                    statefile.record_name(socket.gethostname(), procinfo.pid_namespace(), os.getpid()))
+                    record_writer.record_name(socket.gethostname(), procinfo.pid_namespace(), os.getpid()))
 before = json.load(open(path))
 lines = []
 class Capture(logging.Handler):

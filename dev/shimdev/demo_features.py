@@ -332,7 +332,7 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from torch.overrides import TorchFunctionMode
     from npu_shim.runtime import activation
-    from npu_shim.source.live import unwrap
+    from npu_shim.source.reading import unwrap
 
     # What the real constructors read from a launched server: real ServerArgs, published as the
     # scheduler publishes them (each release has its own way to read them back).

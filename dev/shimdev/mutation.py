@@ -56,7 +56,7 @@ MODULES = {
     "npu_shim/runtime/activation.py": {"tests": ["tests/runtime/test_activation.py", "tests/runtime/test_reliability.py",
                                       "tests/test_bootstrap.py"]},
     "npu_shim/runtime/finder.py": {"tests": ["tests/runtime/test_finder.py", "tests/runtime/test_reliability.py"]},
-    "npu_shim/source/answers.py": {"tests": ["tests/source/test_answers.py"]},
+    "npu_shim/source/inherited.py": {"tests": ["tests/source/test_inherited.py"]},
     "npu_shim/core/config.py": {"tests": ["tests/core/test_config.py", "tests/core/test_framework.py",
                                      "tests/test_hostile_inputs.py"]},
     "npu_shim/reporting/record_writer.py": {"tests": ["tests/reporting/test_record_writer.py", "tests/reporting/test_state_records.py"]},

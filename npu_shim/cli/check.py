@@ -97,15 +97,15 @@ def import_target_modules():
 
 
 def npu_facts():
-    from npu_shim.source import live
-    from npu_shim.source.live import find_package_dir
+    from npu_shim.source import reading
+    from npu_shim.source.reading import find_package_dir
 
     torch = sys.modules.get("torch")
     loaded = sys.modules.get("torch_npu")  # sglang imports it on an NPU image
     facts = {"torch_npu": getattr(loaded, "__file__", None) or find_package_dir("torch_npu"),
              "torch": getattr(torch, "__version__", None)}
     if facts["torch_npu"]:
-        facts["torch_npu_version"] = getattr(loaded, "__version__", None) or live.module_version(
+        facts["torch_npu_version"] = getattr(loaded, "__version__", None) or reading.module_version(
             ("torch_npu", "torch-npu"), os.path.dirname(facts["torch_npu"]))
     npu = getattr(torch, "npu", None)
     try:
@@ -180,7 +180,7 @@ def print_not_started(facts):
 
 
 def sglang_facts():
-    from npu_shim.source.live import read_version
+    from npu_shim.source.reading import read_version
 
     path = getattr(sys.modules.get("sglang"), "__file__", None)
     path = os.path.dirname(path) if path else None

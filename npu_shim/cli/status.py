@@ -13,7 +13,7 @@ from npu_shim.cli.exit_codes import (EXIT_BAD_ENV, EXIT_NO_RECORDS, EXIT_NO_SGLA
 from npu_shim.core import config, framework
 from npu_shim.runtime import wrapt_loader
 from npu_shim.source.codeview import SourceView
-from npu_shim.source.live import find_package_dir
+from npu_shim.source.reading import find_package_dir
 
 
 def find_sglang():

@@ -185,7 +185,7 @@ class ZbalReport(Report):
     def check_facts(self):
         """The zbal package the shim would use, read from its files (never imported: importing
         loads the native library, which needs CANN), and whether it has the Python API called."""
-        from npu_shim.source.live import find_package_dir, module_version
+        from npu_shim.source.reading import find_package_dir, module_version
 
         package_dir = find_package_dir("zbal")
         if package_dir is None:

@@ -32,11 +32,11 @@ from npu_shim.reporting import log, procinfo, state_record, summary
 from npu_shim.runtime import metrics_hook, role, wrapt_loader
 from npu_shim.runtime.finder import ShimFinder
 from npu_shim.runtime.targets import Wrap
-from npu_shim.source.live import find_package_dir
+from npu_shim.source.reading import find_package_dir
 
 # Only deciding uses these (reading sglang's source, or the answers a parent's source gave): the
 # runtime lets go of them once every patch is decided (``let_go_of_deciding``).
-DECIDING_MODULES = ("npu_shim.source.answers", "npu_shim.source.codeview", "npu_shim.source.fastscan")
+DECIDING_MODULES = ("npu_shim.source.inherited", "npu_shim.source.codeview", "npu_shim.source.fastscan")
 
 
 class PatchRecord:
@@ -101,10 +101,10 @@ def sglang_view():
 
 
 def view_of(package_dir):
-    """What deciding reads sglang's source through (source/answers.py), or None without a directory."""
-    from npu_shim.source import answers
+    """What deciding reads sglang's source through (source/inherited.py), or None without a directory."""
+    from npu_shim.source import inherited
 
-    return answers.view(package_dir) if package_dir else None
+    return inherited.view(package_dir) if package_dir else None
 
 
 def let_go_of_deciding(kept):
@@ -192,7 +192,7 @@ class Runtime:
         self.generation = 0
         self.patches = None           # loaded Patch instances
         self.records = None           # {name: PatchRecord} once decided
-        self.decided_from = None      # "sglang source", or "inherited answers" (source/answers.py)
+        self.decided_from = None      # "sglang source", or "inherited answers" (source/inherited.py)
         self.imported_before = set()  # target modules already imported when the shim activated
         self.hooked = set()           # every module a patch may touch
         self.watcher = None           # the start-up watcher, once handed in
@@ -305,9 +305,9 @@ class Runtime:
         inherited = getattr(view, "reused", False) and not getattr(view, "_modules", None)
         self.decided_from = "inherited answers" if inherited else "sglang source"
         if view is not None:
-            from npu_shim.source import answers
+            from npu_shim.source import inherited
 
-            answers.export(view)
+            inherited.export(view)
             procinfo.note_sglang_version(view.version)
 
     def say_summary_when_due(self, missing_wrapt):

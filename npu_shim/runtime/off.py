@@ -5,7 +5,7 @@ import os
 
 from npu_shim.core import config
 from npu_shim.reporting import log, procinfo, state_record
-from npu_shim.source.live import find_package_dir, read_version
+from npu_shim.source.reading import find_package_dir, read_version
 
 
 def say_off():

@@ -22,7 +22,7 @@ import sys
 
 from npu_shim.reporting import log, procinfo, state_record
 from npu_shim.runtime.targets import Change, bind_arguments, function_wrapper, resolve
-from npu_shim.source.live import live_params
+from npu_shim.source.reading import live_params
 
 MODULE = "sglang.srt.managers.scheduler"
 ENTRY = "run_scheduler_process"

@@ -89,7 +89,7 @@ def _text(version):
 
 def find_image_wrapt():
     """(package dir, version tuple or None) of the ``wrapt`` this interpreter would import, or None."""
-    from npu_shim.source.live import find_package_dir
+    from npu_shim.source.reading import find_package_dir
 
     path = find_package_dir("wrapt")
     return (path, version_of(path)) if path else None

@@ -16,7 +16,7 @@ cannot be decoded, or parsed where it has to be, raises ``SourceError`` with a o
 which leaves the patch that asked ``unsupported``.
 
 What applying asks of the loaded code, and what deciding shares with it (reading a file, the
-fingerprint of a def), is in npu_shim/source/live.py: this module is needed only while deciding.
+fingerprint of a def), is in npu_shim/source/reading.py: this module is needed only while deciding.
 """
 
 import ast
@@ -24,7 +24,7 @@ import os
 import re
 
 from npu_shim.source import fastscan
-from npu_shim.source.live import SourceError, fingerprint_node, parse_source, read_source, read_version
+from npu_shim.source.reading import SourceError, fingerprint_node, parse_source, read_source, read_version
 
 
 class FunctionInfo:

@@ -333,7 +333,7 @@ def test_a_stand_in_that_breaks_its_schema_is_reported(npu):
 
 
 def test_a_declared_stand_in_keeps_its_signature_and_source_for_the_kernel_check():
-    from npu_shim.source.live import unwrap
+    from npu_shim.source.reading import unwrap
 
     kernel = dual_stream_kernels.split_qkv_rmsnorm_rope
     problem, partial = ds.loaded_kernel_support(kernel)

@@ -13,7 +13,7 @@ import pytest
 from npu_shim.core import framework
 from npu_shim.reporting import procinfo, state_record, summary
 from npu_shim.runtime import activation, role
-from npu_shim.source import answers, codeview
+from npu_shim.source import inherited, codeview
 from test_bootstrap import DEMO_PATCH, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 from test_framework import declare
 
@@ -55,7 +55,7 @@ def undecided(monkeypatch):
     for name in ("source", "sglang_path", "shim_enabled"):
         monkeypatch.setattr(state_record.ATTACHED, name, getattr(state_record.ATTACHED, name))
     monkeypatch.setattr(procinfo, "_sglang_version", "before")
-    for name in (answers.ENV, "NPU_SHIM_STATE_DIR", "NPU_SHIM_STRICT", "NPU_SHIM_DEMO"):
+    for name in (inherited.ENV, "NPU_SHIM_STATE_DIR", "NPU_SHIM_STRICT", "NPU_SHIM_DEMO"):
         monkeypatch.setenv(name, "")  # so that the undo also removes what deciding exports
         monkeypatch.delenv(name)
     return patch
@@ -74,9 +74,9 @@ def test_sglang_view_reads_the_directory_of_the_imported_package(monkeypatch, tm
     package = types.ModuleType("sglang")
     package.__file__ = str(tmp_path / "sglang" / "__init__.py")
     monkeypatch.setitem(sys.modules, "sglang", package)
-    monkeypatch.setenv(answers.ENV, "")
+    monkeypatch.setenv(inherited.ENV, "")
     view = activation.sglang_view()
-    assert isinstance(view, answers.AnsweringView)
+    assert isinstance(view, inherited.InheritedView)
     assert view.package_dir == str(tmp_path / "sglang")
 
 
@@ -87,7 +87,7 @@ def test_deciding_without_sglang_says_sglang_not_found_and_exports_nothing(undec
     assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang not found")
     assert activation.RUNTIME.states()["demo"]["targets"] == {}
     assert activation.RUNTIME.decided_from == "sglang source"
-    assert answers.ENV not in os.environ  # no answers to hand to children
+    assert inherited.ENV not in os.environ  # no answers to hand to children
     assert procinfo.sglang_version() == "before"  # no version read
     assert state_record.ATTACHED.sglang_path is None and state_record.ATTACHED.source is not None
 
@@ -98,7 +98,7 @@ def test_without_wrapt_and_without_sglang_on_disk_nothing_reads_applied(undecide
     activation.RUNTIME.fail_without_wrapt("wrapt is not available: test")
     record = activation.RUNTIME.record("demo")
     assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang not found")
-    assert answers.ENV not in os.environ and procinfo.sglang_version() == "before"
+    assert inherited.ENV not in os.environ and procinfo.sglang_version() == "before"
 
 
 def test_without_wrapt_a_patch_that_would_apply_is_failed(undecided, monkeypatch, tmp_path):
@@ -147,7 +147,7 @@ def requested(undecided, monkeypatch, tmp_path):
 
 
 FAILURE_POINTS = {
-    "answers.export": lambda mp: mp.setattr(answers, "export", boom),
+    "answers.export": lambda mp: mp.setattr(inherited, "export", boom),
     "procinfo.note_sglang_version": lambda mp: mp.setattr(procinfo, "note_sglang_version", boom),
     "summary.report_all": lambda mp: mp.setattr(summary, "report_all", boom),
     "report_invalid_variables": lambda mp: mp.setattr(activation, "report_invalid_variables", boom),

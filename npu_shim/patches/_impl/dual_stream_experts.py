@@ -12,7 +12,7 @@ import threading
 from npu_shim.core.framework import Inactive, Unsupported
 from npu_shim.patches.dual_stream_experts import GLM4_MOE, MULTI_STREAM
 from npu_shim.runtime.targets import Wrap, bind_arguments
-from npu_shim.source.live import SourceError, parse_source, read_source, unwrap
+from npu_shim.source.reading import SourceError, parse_source, read_source, unwrap
 
 KERNEL_MODULE = "sgl_kernel_npu.norm.split_qkv_rmsnorm_rope"
 KERNEL_NAME = "split_qkv_rmsnorm_rope"
@@ -22,7 +22,7 @@ PREPARE = "Glm4MoeAttention.forward_prepare"
 DEEPEP_PARAMS = ("hidden_states", "forward_batch")
 PREPARE_PARAMS = ("positions", "hidden_states", "forward_batch")
 
-# Fingerprints (live.fingerprint_node: the same on every Python) of the bodies the wrappers
+# Fingerprints (reading.fingerprint_node: the same on every Python) of the bodies the wrappers
 # stand in for, measured on the 0.5.7, 0.5.8 and 0.5.9 wheels (one body in all three).
 DEEPEP_FINGERPRINTS = {"12fa6dbf452e9ddf": "0.5.7-0.5.9"}
 PREPARE_FINGERPRINTS = {"e70a3adaa34177b5": "0.5.7-0.5.9"}

@@ -3,9 +3,9 @@
 Applying checks the loaded code against what deciding read: ``live_params`` reads an imported
 function's parameters from its ``__code__``; ``live_fingerprint`` gives its fingerprint, known
 from deciding (``remember``) while the file is still the one read.  Reading and parsing a source
-file, the fingerprint of a def, and where a package and its version are live here too.
+file, the fingerprint of a def, and where a package and its version are here too.
 
-Deciding itself (``codeview``'s SourceView, ``fastscan``, ``answers``) is needed once per
+Deciding itself (``codeview``'s SourceView, ``fastscan``, ``inherited``) is needed once per
 process: the runtime lets go of those modules once every patch is decided
 (npu_shim/runtime/activation.py), so nothing here may import them at module level.
 """

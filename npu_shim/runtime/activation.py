@@ -34,11 +34,6 @@ from npu_shim.runtime.finder import ShimFinder
 from npu_shim.runtime.targets import Wrap
 from npu_shim.source.reading import find_package_dir
 
-# Only deciding uses these (reading sglang's source, or the answers a parent's source gave): the
-# runtime lets go of them once every patch is decided (``let_go_of_deciding``).
-DECIDING_MODULES = ("npu_shim.source.inherited", "npu_shim.source.codeview", "npu_shim.source.fastscan")
-
-
 class PatchRecord:
     """What happened to one patch in this process."""
 
@@ -105,18 +100,6 @@ def view_of(package_dir):
     from npu_shim.source import inherited
 
     return inherited.view(package_dir) if package_dir else None
-
-
-def let_go_of_deciding(kept):
-    """Drop the modules only deciding uses, but those in ``kept`` (loaded before this decision:
-    someone else holds them): every sglang process would otherwise keep their code for good.  A
-    later need (``status``, a fallback of live_fingerprint) imports them again."""
-    package = sys.modules.get("npu_shim.source")
-    for name in DECIDING_MODULES:
-        if name not in kept:
-            sys.modules.pop(name, None)
-            if package is not None:
-                vars(package).pop(name.rsplit(".", 1)[1], None)
 
 
 def running_on_npu():
@@ -276,13 +259,8 @@ class Runtime:
         self._decide(lambda: view_of(find_package_dir("sglang")), on_npu, missing_wrapt=reason)
 
     def _decide(self, make_view, on_npu, missing_wrapt=None):
-        """Decide with the view ``make_view()`` gives, then let go of the deciding modules (those
-        this decision loaded)."""
-        kept = {name for name in DECIDING_MODULES if name in sys.modules}
-        try:
-            self._decide_with(make_view(), on_npu, missing_wrapt)
-        finally:
-            let_go_of_deciding(kept)
+        """Decide with the view ``make_view()`` gives."""
+        self._decide_with(make_view(), on_npu, missing_wrapt)
 
     def _decide_with(self, view, on_npu, missing_wrapt):
         """Decide, publish, then enforce whatever publishing did: a patch the user asked for that

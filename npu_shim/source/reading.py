@@ -6,8 +6,7 @@ from deciding (``remember``) while the file is still the one read.  Reading and 
 file, the fingerprint of a def, and where a package and its version are here too.
 
 Deciding itself (``codeview``'s SourceView, ``fastscan``, ``inherited``) is needed once per
-process: the runtime lets go of those modules once every patch is decided
-(npu_shim/runtime/activation.py), so nothing here may import them at module level.
+process, applying never: nothing here imports them at module level.
 """
 
 import ast

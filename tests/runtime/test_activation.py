@@ -229,42 +229,6 @@ def test_without_wrapt_before_torch_is_imported_the_npu_is_unknown(undecided, mo
                                              "not running on an NPU (torch.npu is unavailable)")
 
 
-def test_the_deciding_modules_are_let_go_once_every_patch_is_decided(tree):
-    """No sglang process keeps the code that reads sglang's source: once decided, the modules only
-    deciding uses are dropped and freed; the patches still apply, and the modules import again."""
-    proc = run(tree, """
-        import gc, json, sys, weakref
-        from npu_shim.runtime import activation
-        let_go, refs = activation.let_go_of_deciding, []
-        def watched(kept):
-            refs.extend(weakref.ref(sys.modules[n]) for n in activation.DECIDING_MODULES if n in sys.modules)
-            let_go(kept)
-        activation.let_go_of_deciding = watched
-        from sglang.srt.utils import get_npu_memory_capacity
-        import npu_shim
-        gc.collect()
-        out = {"value": get_npu_memory_capacity(), "state": npu_shim.states()["demo"]["state"],
-               "watched": len(refs), "alive": [r() is not None for r in refs],
-               "loaded": [n for n in activation.DECIDING_MODULES if n in sys.modules]}
-        from npu_shim.source import codeview
-        out["again"] = codeview.SourceView.__name__
-        print(json.dumps(out))
-    """)
-    out = last_json(proc)
-    assert out["value"] == 1001 and out["state"] == "applied"
-    assert out["watched"] == 3 and out["alive"] == [False, False, False] and out["loaded"] == []
-    assert out["again"] == "SourceView"
-
-
-def test_modules_loaded_before_deciding_are_kept(undecided, monkeypatch):
-    """Someone else (here: this test module) holds them: dropping them would give that holder
-    and the next importer two copies."""
-    monkeypatch.delitem(sys.modules, "sglang", raising=False)
-    activation.RUNTIME.decide_all()
-    assert all(name in sys.modules for name in activation.DECIDING_MODULES)
-    assert sys.modules["npu_shim.source.codeview"] is codeview
-
-
 # -- a wrapper that retires ------------------------------------------------------------------------------
 
 RETIRING = DEMO_PATCH.replace(

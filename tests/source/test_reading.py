@@ -103,8 +103,8 @@ def test_find_package_dir_never_asks_the_shims_own_watcher(monkeypatch, tmp_path
 
 
 def test_applying_needs_none_of_the_deciding_modules():
-    """The runtime lets go of codeview, fastscan and answers once every patch is decided: this
-    module must not hold them (an import at module level would)."""
+    """Applying never needs codeview, fastscan or inherited (deciding's modules): this module,
+    which applying uses, must not import them at module level."""
     import ast
 
     tree = ast.parse(open(reading.__file__).read())

@@ -15,7 +15,7 @@ import torch
 import wrapt
 
 from npu_shim.core import config, framework
-from npu_shim.runtime import activation, targets
+from npu_shim.runtime import activation, decisions, targets
 from npu_shim.core.loading import all_variables
 from npu_shim.source.codeview import SourceView
 from npu_shim.patches import zbal as zp
@@ -150,13 +150,13 @@ def test_must_honour_when_the_size_asks_for_zbal(environ, honour):
 
 
 def test_a_bad_url_with_zbal_requested_raises_at_decision(monkeypatch):
-    # activation.enforce is what the first import hook runs after deciding.
+    # decisions.enforce is what the first import hook runs after deciding.
     monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", "61440")
     monkeypatch.setenv("SGLANG_ZBAL_BOOTSTRAP_URL", "http://10.0.0.1:6789")
     d = framework.decide(zp.PATCH, view("0.5.11"), environ=dict(os.environ), on_npu=True)
-    record = activation.PatchRecord(zp.PATCH, d)
+    record = decisions.PatchRecord(zp.PATCH, d)
     with pytest.raises(framework.ShimError) as exc:
-        activation.enforce(record)
+        decisions.enforce(record)
     assert "SGLANG_ZBAL_BOOTSTRAP_URL='http://10.0.0.1:6789' is invalid" in str(exc.value)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from npu_shim.core import framework
 from npu_shim.reporting import procinfo, state_record, summary
-from npu_shim.runtime import activation, role
+from npu_shim.runtime import activation, decisions, role
 from npu_shim.source import inherited, codeview
 from test_bootstrap import DEMO_PATCH, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 from test_framework import declare
@@ -25,7 +25,7 @@ def test_states_and_record_before_the_shim_started(tree):
     proc = run(tree, """
         import json, sys
         import npu_shim
-        from npu_shim.runtime import activation
+        from npu_shim.runtime import activation, decisions
         print(json.dumps({"states": npu_shim.states(), "runtime_states": activation.RUNTIME.states(),
                           "record": activation.RUNTIME.record("demo"), "records": activation.RUNTIME.records,
                           "installed": activation.RUNTIME.installed, "sglang": "sglang" in sys.modules}))
@@ -63,11 +63,11 @@ def undecided(monkeypatch):
 
 def test_sglang_view_is_none_without_an_sglang_module(monkeypatch):
     monkeypatch.delitem(sys.modules, "sglang", raising=False)
-    assert activation.sglang_view() is None
+    assert decisions.sglang_view() is None
     namespace = types.ModuleType("sglang")  # a namespace package: no __file__
     namespace.__file__ = None
     monkeypatch.setitem(sys.modules, "sglang", namespace)
-    assert activation.sglang_view() is None
+    assert decisions.sglang_view() is None
 
 
 def test_sglang_view_reads_the_directory_of_the_imported_package(monkeypatch, tmp_path):
@@ -75,7 +75,7 @@ def test_sglang_view_reads_the_directory_of_the_imported_package(monkeypatch, tm
     package.__file__ = str(tmp_path / "sglang" / "__init__.py")
     monkeypatch.setitem(sys.modules, "sglang", package)
     monkeypatch.setenv(inherited.ENV, "")
-    view = activation.sglang_view()
+    view = decisions.sglang_view()
     assert isinstance(view, inherited.InheritedView)
     assert view.package_dir == str(tmp_path / "sglang")
 

@@ -192,7 +192,7 @@ def test_a_spawned_child_of_another_target_logs_its_summary_before_that_target_r
 STACKED = """
 import json, os, npu_shim
 import sglang.srt.managers.scheduler as sch
-from npu_shim.runtime import activation
+from npu_shim.runtime import activation, decisions
 original = sch.run_scheduler_process.__wrapped__.__wrapped__
 stacked = [type(sch.run_scheduler_process).__name__, type(sch.run_scheduler_process.__wrapped__).__name__]
 calls = []
@@ -200,7 +200,7 @@ class Queue:
     def put(self, item):
         calls.append(item)
 sch.run_scheduler_process(None, None, 0, 1, 0, None, Queue())
-activation.revert_record(activation.RUNTIME.record("demo"))  # the patch fails: it alone is undone
+decisions.revert_record(activation.RUNTIME.record("demo"))  # the patch fails: it alone is undone
 after_patch = sch.run_scheduler_process.__wrapped__ is original
 npu_shim.uninstall()
 print(json.dumps({"stacked": stacked, "marked": os.environ["DEMO_MARK"], "source": calls[0]["role"]["source"],

@@ -145,7 +145,7 @@ def exit_code(info):
 
 def run_running(args):
     """``status --running [DIR]``: the state records of the running processes (running_records.py)."""
-    from npu_shim.cli import running_records
+    from npu_shim.cli import running_records, running_table
     from npu_shim.reporting.terminal import printable
 
     dir_ = args.running or args.dir
@@ -175,7 +175,7 @@ def run_running(args):
     elif "error" in info:
         sys.stdout.write(printable("npu-shim status --running: %s: %s" % (dir_, info["error"])) + "\n")
     else:
-        running_records.print_table(info)
+        running_table.print_table(info)
     return code
 
 

@@ -423,7 +423,7 @@ import tempfile  # noqa: E402
 
 from hypothesis import given, strategies as st  # noqa: E402
 
-from npu_shim.cli import running_records  # noqa: E402
+from npu_shim.cli import running_records, running_table  # noqa: E402
 
 RAW_CONTROLS = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\ud800-\udfff]")
 TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["", "applied", "failed", "0.5.11", "\x1b[2J", "\u202e",
@@ -452,7 +452,7 @@ def _near_records():
 
 def _shown_safely(info):
     out = io.StringIO()
-    running_records.print_table(info, out)
+    running_table.print_table(info, out)
     text = out.getvalue()
     text.encode("utf-8")  # strict, as a UTF-8 locale's stdout
     assert not RAW_CONTROLS.search(text.replace("\n", "")), repr(text)

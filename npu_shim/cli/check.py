@@ -22,13 +22,20 @@ import sys
 from npu_shim import _paths
 from npu_shim.cli.exit_codes import (EXIT_BAD_ENV, EXIT_CHECK_FAILED, EXIT_NO_SGLANG, EXIT_NPU_STACK,
                                      config_exit_code)
-from npu_shim.reporting.log import one_line
 
 CHILD_TIMEOUT_S = 300
 _MARK = "npu-shim-check:"
 # What print_report reads of the child's report (the parent adds "bundle").
 REPORT_KEYS = ("pid", "python", "sitecustomize", "shim_active", "imports", "states", "wrapped",
                "wrapt", "sglang", "npu", "seconds")
+
+
+def _one_line(text):
+    """``text`` on one line (reporting.log, imported only once the bundle is verified: see
+    bundle_facts)."""
+    from npu_shim.reporting.log import one_line
+
+    return one_line(text)
 
 
 # -- in the child ---------------------------------------------------------------------------------
@@ -68,7 +75,7 @@ def torch_problem():
 
 def diagnose_torch_error(exc):
     """``torch_problem``'s answer for the exception ``import torch`` raised."""
-    error = one_line("%s: %s" % (type(exc).__name__, exc))
+    error = _one_line("%s: %s" % (type(exc).__name__, exc))
     for link in _chain(exc):
         found = _MISSING_LIBRARY.search(str(link))
         if found:
@@ -90,9 +97,9 @@ def import_target_modules():
             importlib.import_module(name)
             imports[name] = "ok"
         except ModuleNotFoundError as exc:
-            imports[name] = "absent" if exc.name and name.startswith(exc.name) else one_line(repr(exc))
+            imports[name] = "absent" if exc.name and name.startswith(exc.name) else _one_line(repr(exc))
         except BaseException as exc:  # noqa: BLE001 - ShimError included: report, don't die
-            imports[name] = one_line("%s: %s" % (type(exc).__name__, exc))
+            imports[name] = _one_line("%s: %s" % (type(exc).__name__, exc))
     return imports
 
 
@@ -113,7 +120,7 @@ def npu_facts():
         facts["npu_available"] = bool(npu is not None and npu.is_available())
         facts["npu_count"] = int(npu.device_count()) if facts["npu_available"] else 0
     except Exception as exc:  # noqa: BLE001
-        facts["npu_available"], facts["npu_error"] = False, one_line(repr(exc))
+        facts["npu_available"], facts["npu_error"] = False, _one_line(repr(exc))
     return facts
 
 
@@ -255,7 +262,7 @@ def last_words(*outputs):
     for text in outputs:
         lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
         if lines:
-            return one_line(lines[-1])
+            return _one_line(lines[-1])
     return "(nothing)"
 
 

@@ -18,6 +18,9 @@ from npu_shim.runtime.targets import Replace, Retirement, Wrap
 # Per-layer markers in the attention module's __dict__ (the hot-path check is one dict lookup).
 _DONE = "_npu_shim_mla_release_done"
 _FIRST = "_npu_shim_mla_release_first"
+# On a layer's NPUFusedMLAPreprocess built while npu_mla_preprocess's wrapper was away: its w_kc
+# is still to be released, by the wrapper, which is back until then.
+_LATE = "_npu_shim_mla_release_late"
 
 # --------------------------------------------------------------------------- the predicate
 
@@ -174,6 +177,7 @@ class MlaWeightReleaseState:
         self.said = set()
         self.summary_logged = False
         self.first_marked = False
+        self.late = 0  # layers first seen after the wrapper retired, their w_kc still to release
 
     def once(self, key, level, message):
         if key not in self.said:
@@ -337,7 +341,25 @@ class MlaWeightReleaseState:
             # A layer seen before the wrapper retired (a call that had looked the wrapper up
             # before it left, or one made through a copy the runtime does not rebind).
             return wrapped(*args, **kwargs)
+        preprocess = m.__dict__.get("mla_preprocess", getattr(m, "mla_preprocess", None))
+        if preprocess is not None and getattr(preprocess, "__dict__", {}).pop(_LATE, False):
+            return self._late_call(wrapped, m, args, kwargs)
         return self._first_calls(wrapped, m, args, kwargs)
+
+    def _late_call(self, wrapped, m, args, kwargs):
+        """The second call of a layer first seen after the wrapper retired (its first built its
+        preprocessor through sglang's own function): its w_kc is released now, and the wrapper
+        leaves again once no such layer is left."""
+        result = wrapped(*args, **kwargs)
+        try:
+            self.free_w_kc(m)
+        except Exception as exc:  # noqa: BLE001 - never break the forward pass over an optimisation
+            self.once("error", logging.ERROR, "keeping w_kc: deciding the release raised %r" % (exc,))
+        m.__dict__[_DONE] = True
+        self.late = max(0, self.late - 1)
+        if not self.late:
+            self._retire_entry()
+        return result
 
     def _first_calls(self, wrapped, m, args, kwargs):
         if _FIRST in m.__dict__:
@@ -363,6 +385,18 @@ class MlaWeightReleaseState:
             m.__dict__[_FIRST] = True
         return result
 
+    def _reinstate_entry(self):
+        """npu_mla_preprocess's wrapper back (a layer it has not seen); False where it cannot be."""
+        try:
+            back = self.entry.reinstate()
+        except Exception as exc:  # noqa: BLE001 - the layer then keeps its w_kc, and the log says so
+            self.once("reinstate", logging.ERROR, "npu_mla_preprocess's wrapper cannot come back: %r"
+                      % (exc,))
+            return False
+        if back:
+            self.entry_retired = False
+        return back
+
     def _retire_entry(self):
         try:
             self.entry_retired = self.entry.retire() or self.entry_retired
@@ -375,10 +409,18 @@ class MlaWeightReleaseState:
         try:
             self.free_qkv_a(instance)
             if self.entry_retired and self.details.get("role") == "decode":
-                # Only npu_mla_preprocess's wrapper frees w_kc, and it left after the first pass.
-                self.once("late", logging.WARNING, "layer %s first ran after the first pass over the "
-                          "layers: its qkv_a_proj.weight is released, its w_kc kept"
-                          % getattr(instance, "layer_id", "?"))
+                # Only npu_mla_preprocess's wrapper frees w_kc, and it left after the first pass:
+                # it comes back for this layer's next call (and leaves again after it).
+                layer = getattr(instance, "layer_id", "?")
+                if self._reinstate_entry():
+                    instance.__dict__[_LATE] = True
+                    self.late += 1
+                    self.once("late", logging.INFO, "layer %s first ran after the first pass over the "
+                              "layers: npu_mla_preprocess's wrapper is back until its w_kc is released"
+                              % layer)
+                else:
+                    self.once("late", logging.WARNING, "layer %s first ran after the first pass over "
+                              "the layers: its qkv_a_proj.weight is released, its w_kc kept" % layer)
         except Exception as exc:  # noqa: BLE001
             self.once("error", logging.ERROR,
                       "keeping qkv_a_proj.weight: deciding the release raised %r" % (exc,))

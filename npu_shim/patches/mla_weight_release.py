@@ -37,7 +37,8 @@ How
        layers is done) the wrapper retires (``runtime.targets.Retirement``): sglang's own
        function is back where the wrapper was, so later calls cost nothing; the guards, the
        weight wrapper of step 3 and the refusal of step 5 stay.  A layer first seen after that
-       keeps its ``w_kc`` (one warning says so).
+       (a layer list that changes) brings the wrapper back from the weight wrapper: its ``w_kc``
+       is released at its next call, and the wrapper leaves again (one line says so).
 
     5. Weight updates.  ``/update_weights_from_disk`` and the tensor / distributed /
        IPC variants exist on every 0.5.9 - 0.5.19 server whatever its flags.  Loading into a

@@ -17,13 +17,13 @@ from test_bootstrap import FAKE_COMMON
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUIDE = os.path.join(REPO, "docs", "adding-a-patch.md")
 NAME = "example_backport"
-TEMPLATE = re.compile(r"<!-- template: (?P<path>[\w/.]+) -->\n```python\n(?P<code>.*?)```", re.S)
+TEMPLATE = re.compile(r"<!-- template: (?P<path>patches/[\w/.]+) -->\n```python\n(?P<code>.*?)```", re.S)
 
 
 def template():
-    """{relative path: code} of the guide's template blocks."""
+    """{path in the repository: code} of the guide's template blocks (named there from npu_shim/)."""
     with open(GUIDE, encoding="utf-8") as handle:
-        return {m.group("path"): m.group("code") for m in TEMPLATE.finditer(handle.read())}
+        return {"npu_shim/" + m.group("path"): m.group("code") for m in TEMPLATE.finditer(handle.read())}
 
 
 def test_the_guide_holds_the_three_modules_of_one_patch():

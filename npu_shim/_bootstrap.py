@@ -9,10 +9,11 @@
 # touched; the first ``import sglang`` hands over to npu_shim.runtime.activation.
 #
 # The watcher is this module itself, placed in sys.meta_path: a finder that finds nothing.  It
-# notices the first ``import sglang`` and from then on hands every import to the active shim's
-# finder (runtime/finder.ShimFinder, through ``then``): one finder of ours in sys.meta_path, not
-# two, since the import system asks each finder about each of the thousands of imports of an
-# sglang process.
+# notices the first ``import sglang`` and from then on hands every import on to the active shim's
+# finder (runtime/finder.ShimFinder): one finder of ours in sys.meta_path, not two, since the
+# import system asks each finder about each of the thousands of imports of an sglang process.
+# The runtime talks to it through its functions (hand_on, stop_handing_on, waiting,
+# activates_the_shim, take_over, disarm); its state below is written only here.
 
 import os
 import sys
@@ -22,21 +23,21 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
 is_npu_shim_watcher = True  # what find_package_dir skips (asking it would activate the shim)
-fired = False
-off = False  # NPU_SHIM_ENABLED=0: only say so when sglang is imported
-then = None  # the active shim's finder's find_spec, once activated through this watcher
+_saw_sglang = False  # the first ``import sglang`` went past (the shim activated, or said off)
+_says_off_only = False  # NPU_SHIM_ENABLED=0: only say so when sglang is imported
+_hand_on_to = None  # the active shim's finder's find_spec, once activated through this watcher
 
 
 def find_spec(fullname, path=None, target=None):
-    global fired
-    if fired:
-        return None if then is None else then(fullname, path, target)
+    global _saw_sglang
+    if _saw_sglang:
+        return None if _hand_on_to is None else _hand_on_to(fullname, path, target)
     if fullname != "sglang":
         return None
     # Stay in sys.meta_path: the import system is iterating that list right now, and removing an
     # entry would make it skip the finder after us (editable installs live there).
-    fired = True
-    if off:
+    _saw_sglang = True
+    if _says_off_only:
         from npu_shim.runtime import off as off_line
 
         off_line.say_off()
@@ -49,30 +50,79 @@ def find_spec(fullname, path=None, target=None):
 
 def arm():
     # Put the watcher first in sys.meta_path (idempotent); False when sglang was already imported.
-    global fired
+    global _saw_sglang
     if "sglang" in sys.modules:
         return False
-    fired = False
+    _saw_sglang = False
     if WATCHER not in sys.meta_path:
         sys.meta_path.insert(0, WATCHER)
     return True
+
+
+def disarm():
+    # Out of sys.meta_path (uninstall()).
+    while WATCHER in sys.meta_path:
+        sys.meta_path.remove(WATCHER)
+
+
+def waiting():
+    # Armed and waiting for the first ``import sglang``.
+    return WATCHER in sys.meta_path and not _saw_sglang
+
+
+def says_off_only():
+    # Armed with NPU_SHIM_ENABLED=0: it only says "off" at ``import sglang``.
+    return _says_off_only
+
+
+def activates_the_shim():
+    # This process's start-up armed the shim itself (not only to say "off"): it activates, or
+    # did, at the first ``import sglang``.
+    return (waiting() or _saw_sglang) and not _says_off_only
+
+
+def take_over():
+    # An explicit install(): the watcher activates the shim even where it was armed only to say
+    # "off" (each patch then reads ``disabled``).
+    global _says_off_only
+    _says_off_only = False
+
+
+def hand_on(find_spec):
+    # Hand every later import on to ``find_spec`` (the active shim's finder); False, nothing
+    # changed, where the watcher has not seen sglang or is no longer in sys.meta_path (the finder
+    # then goes into sys.meta_path itself).
+    global _hand_on_to
+    if not _saw_sglang or WATCHER not in sys.meta_path:
+        return False
+    _hand_on_to = find_spec
+    return True
+
+
+def stop_handing_on():
+    global _hand_on_to
+    _hand_on_to = None
+
+
+def handing_on_to():
+    return _hand_on_to
 
 
 def start():
     # Arm the watcher; with NPU_SHIM_ENABLED off it only says so once sglang is imported (read
     # here without the config module: a bad value is reported through it and counts as off);
     # never raises.
-    global off
+    global _says_off_only
     try:
         raw = os.environ.get("NPU_SHIM_ENABLED", "").strip().lower()
         if raw == "" or raw in TRUE_WORDS:
             arm()
         elif raw in FALSE_WORDS:
-            off = True
+            _says_off_only = True
             arm()
         else:
             from npu_shim.core import config
-            from npu_shim.ops import log  # only on this error path
+            from npu_shim.reporting import log  # only on this error path
 
             try:
                 config.ENABLED.read()
@@ -80,7 +130,7 @@ def start():
                 log.error_once("config", "shim off: %s" % exc)
     except Exception as exc:  # noqa: BLE001 - nothing may reach the application from start-up
         try:
-            from npu_shim.ops import log
+            from npu_shim.reporting import log
 
             log.error_once("bootstrap", "shim off: bootstrap failed: %r" % (exc,))
         except Exception:  # noqa: BLE001

@@ -13,7 +13,7 @@
    images cached under the cache dir), started here beside step 2; one that cannot be set up
    fails those tests.
 
-Extra arguments go to pytest (e.g. ``-k zbal``, or ``tests/ops/test_log.py`` to run that file
+Extra arguments go to pytest (e.g. ``-k zbal``, or ``tests/reporting/test_log.py`` to run that file
 alone).  ``NPU_SHIM_CACHE`` moves the cache.
 """
 

@@ -1,6 +1,6 @@
 """Session fixtures shared by npu-shim's tests.
 
-* the tests mirror the package: ``tests/<room>/test_<module>.py`` (``core``, ``ops``, ``source``,
+* the tests mirror the package: ``tests/<room>/test_<module>.py`` (``core``, ``reporting``, ``source``,
   ``runtime``, ``patches``, ``cli``), the dev tooling's own tests in ``tests/dev/``, the whole
   shim's (drop-in, bootstrap, hostile inputs, the layering) here.  The folders have no
   ``__init__.py``: each is put on sys.path, so a test module imports another's helpers by its

@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from npu_shim.cli import bundle
+from npu_shim.cli import bundle, bundle_verify
 from npu_shim.runtime import activation, installer, wrapt_loader
 from test_bootstrap import DEMO_PATCH, IMAGE_SITECUSTOMIZE
 from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
@@ -142,7 +142,7 @@ def test_bundle_holds_every_build_pyc_and_a_manifest_that_verifies(built_bundle)
     # Top level: only what may shadow nothing in an image.
     assert sorted(os.listdir(str(built_bundle))) == ["MANIFEST", "SHA256SUMS", "__pycache__",
                                                      "npu_shim", "sitecustomize.py"]
-    assert bundle.verify(str(built_bundle)) == []
+    assert bundle_verify.verify(str(built_bundle)) == []
     sums = subprocess.run(["sha256sum", "--strict", "-c", "SHA256SUMS"], cwd=str(built_bundle),
                           capture_output=True, text=True)
     assert sums.returncode == 0, sums.stdout[-2000:]
@@ -198,7 +198,7 @@ def test_bundle_verify_names_a_changed_file(built_bundle, tmp_path):
     shutil.copytree(str(built_bundle), str(copy))
     (copy / "npu_shim" / "core" / "config.py").write_text("# edited\n")
     os.remove(str(copy / "sitecustomize.py"))
-    assert sorted(bundle.verify(str(copy))) == ["npu_shim/core/config.py: changed", "sitecustomize.py: missing"]
+    assert sorted(bundle_verify.verify(str(copy))) == ["npu_shim/core/config.py: changed", "sitecustomize.py: missing"]
 
 
 def test_bundle_refuses_a_non_empty_target_and_leaves_it_alone(tmp_path):

@@ -177,7 +177,7 @@ def test_every_wrapped_target_pickles_and_copies_like_the_plain_function():
 
 
 def test_every_log_line_is_one_line_of_at_most_300_characters(caplog):
-    from npu_shim.ops import log
+    from npu_shim.reporting import log
 
     with caplog.at_level("INFO", logger="npu_shim"):
         log.error("while patching x: " + "source line\n" * 2000)

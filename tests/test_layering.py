@@ -5,9 +5,9 @@ Every module under ``npu_shim/`` (the vendored wrapt left out) is parsed with ``
 lowest first -- a module may import its own layer and the ones below, never one above, and no
 import may close a circle, inside a layer or across:
 
-0. leaves: ``_version`` and the registry (``patches/registry.py``: a list of names);
+0. leaves: ``_version``, ``_paths`` (where the package is) and the registry (``patches/registry.py``: a list of names);
 1. ``core``: the variables, the patch model and deciding, loading the registered patches;
-2. ``ops``: logging, process identity, state records, the summary line, text for a terminal;
+2. ``reporting``: logging, process identity, state records, the summary line, text for a terminal;
 3. ``source``: reading sglang's code without importing it (view, fast scan, inherited answers);
 4. ``runtime``: one process's activation, finder, wrapt, targets and wrappers, install();
 5. ``patches``: the feature modules;
@@ -16,6 +16,12 @@ import may close a circle, inside a layer or across:
 
 A parent package is imported implicitly with its modules: that is not counted, and every
 sub-package ``__init__`` must be empty (nothing loads with it; memory in every sglang process).
+
+Imports by string count too: ``importlib.import_module`` of a constant (or a module-level name
+bound to one) is an import like any other.  A name built at run time is allowed only where this
+file lists it (``BUILT_NAMES``): the plug-in loads of the registered patches (their modules by the
+registry's names and the convention: ``core.loading``, ``Patch.implementation``: the one import
+that goes up, by design, and so in neither check) and imports of modules outside the package.
 """
 
 import ast
@@ -25,16 +31,16 @@ import pytest
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "npu_shim")
 LAYERS = [
-    ("npu_shim._version", "npu_shim.patches.registry"),
+    ("npu_shim._version", "npu_shim._paths", "npu_shim.patches.registry"),
     ("npu_shim.core",),
-    ("npu_shim.ops",),
+    ("npu_shim.reporting",),
     ("npu_shim.source",),
     ("npu_shim.runtime",),
     ("npu_shim.patches",),
     ("npu_shim.cli",),
     ("npu_shim", "npu_shim.__main__", "npu_shim._bootstrap"),
 ]
-SUBPACKAGES = ("core", "ops", "source", "runtime", "patches", "cli")
+SUBPACKAGES = ("core", "reporting", "source", "runtime", "patches", "cli")
 
 
 def modules():
@@ -50,12 +56,55 @@ def modules():
     return found
 
 
+# (module, function) that import a module whose name is built at run time, and what they import.
+PLUGIN_LOADS = {("npu_shim.core.loading", "load"), ("npu_shim.core.loading", "selftest_step"),
+                ("npu_shim.core.framework", "implementation")}
+BUILT_NAMES = PLUGIN_LOADS | {
+    ("npu_shim.cli.check", "import_target_modules"),        # sglang's modules the patches target
+    ("npu_shim.runtime.wrapt_loader", "_c_wrappers"),       # wrapt's, under its private name
+    ("npu_shim.runtime.wrapt_loader", "_load_private"),
+}
+
+
+def _constants(tree):
+    """{module-level name: string} of a module's constant assignments."""
+    return {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            for target in node.targets if isinstance(target, ast.Name)}
+
+
+def string_imports(tree):
+    """([module names imported by constant string], [function importing a name built at run time])."""
+    constants, named, built = _constants(tree), [], []
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and node.args and (
+                (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__")))):
+            continue
+        arg = node.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            named.append(arg.value)
+        elif isinstance(arg, ast.Name) and arg.id in constants:
+            named.append(constants[arg.id])
+        else:
+            inside = [f.name for f in functions if f.lineno <= node.lineno <= (f.end_lineno or f.lineno)]
+            built.append(inside[-1] if inside else "<module>")
+    return named, built
+
+
 def imports_of(name, path, known):
-    """The package's modules ``name`` imports (anywhere in it), each once."""
+    """The package's modules ``name`` imports (anywhere in it, by a constant string too), each once."""
     with open(path, encoding="utf-8") as handle:
         tree = ast.parse(handle.read(), path)
     is_package = path.endswith("__init__.py")
     targets = set()
+    named, _built = string_imports(tree)
+    for dotted in named:
+        while dotted and dotted not in known:
+            dotted = dotted.rpartition(".")[0]
+        if dotted and dotted != name:
+            targets.add(dotted)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             wanted = [alias.name for alias in node.names]
@@ -134,6 +183,23 @@ def test_no_import_circle():
     assert cycle_in(graph()) is None
 
 
+def test_a_module_name_built_at_run_time_is_imported_only_where_listed():
+    found = set()
+    for name, path in modules().items():
+        with open(path, encoding="utf-8") as handle:
+            found |= {(name, function) for function in string_imports(ast.parse(handle.read(), path))[1]}
+    assert found == BUILT_NAMES
+
+
+def test_imports_by_string_are_seen():
+    """A feature module that imported its implementation by a dotted string (the forwarding
+    ``__getattr__`` of old) and an implementation importing the feature module back: a circle."""
+    tree = ast.parse('IMPL = "npu_shim.patches._impl.p"\n'
+                     'def f():\n    import importlib\n    return importlib.import_module(IMPL)\n'
+                     'def g(name):\n    return importlib.import_module("npu_shim." + name)\n')
+    assert string_imports(tree) == (["npu_shim.patches._impl.p"], ["g"])
+
+
 @pytest.mark.parametrize("sub", SUBPACKAGES)
 def test_subpackage_inits_are_empty(sub):
     with open(os.path.join(PACKAGE, sub, "__init__.py"), encoding="utf-8") as handle:
@@ -144,5 +210,5 @@ def test_the_checks_see_a_circle_and_an_upward_import():
     """The checker itself: a circle through a function-level import is found."""
     assert cycle_in({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle_in({"a": {"b"}, "b": set()}) is None
-    assert layer_of("npu_shim.core.config") < layer_of("npu_shim.ops.log") < layer_of("npu_shim.cli.check")
+    assert layer_of("npu_shim.core.config") < layer_of("npu_shim.reporting.log") < layer_of("npu_shim.cli.check")
     assert layer_of("npu_shim.patches.registry") == 0 < layer_of("npu_shim.patches.zbal")

@@ -14,7 +14,7 @@ interpreter started by ``realsglang.run_in_release(..., env=DEMO_ENV, zbal=True)
   and what the stream sanitizer (on in every call) reported.
 
 A scheduler process's start, for the role tests (tests/runtime/test_role_real.py,
-tests/ops/test_ops_state_real.py): ``enter_scheduler_process`` calls the real (wrapped)
+tests/reporting/test_state_records_real.py): ``enter_scheduler_process`` calls the real (wrapped)
 ``run_scheduler_process`` with ``StopAtBody`` server arguments, which end the call where the
 body first reads them (a spawned child gets them as its arguments).
 
@@ -81,8 +81,8 @@ def zbal_fresh(mix=False, scheduler_started=False):
     from npu_shim.runtime import activation
 
     record = activation.RUNTIME.record("zbal")
-    if record is not None and record.process is not None:
-        record.process.__init__(record.details)  # a scheduler process sets zbal up once
+    if record is not None and record.process_state is not None:
+        record.process_state.__init__(record.details)  # a scheduler process sets zbal up once
     simnpu.reset()
     simzbal.reset()
     simzbal.STATE.mix = mix
@@ -294,7 +294,7 @@ def mla_demo(model="glm-5", tp=16):
 
     record = activation.RUNTIME.record("mla_weight_release")  # None until its modules are imported
     if record is not None:
-        record.process.reset()
+        record.process_state.reset()
     K.publish_server_args("decode")
     r = K.run_layer(model, tp)
     m = r.pop("layer")
@@ -332,7 +332,7 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from torch.overrides import TorchFunctionMode
     from npu_shim.runtime import activation
-    from npu_shim.source.live import unwrap
+    from npu_shim.source.reading import unwrap
 
     # What the real constructors read from a launched server: real ServerArgs, published as the
     # scheduler publishes them (each release has its own way to read them back).

@@ -5,7 +5,7 @@ A synthetic GLM-4.x-style MoE block (router gate, top-k, routed experts run expe
 one shared expert MLP) is run three ways on one device, side by side in one process:
 
 * serial     -- the original order, everything on the main stream;
-* overlapped -- the shim's own dual-stream body (``dual_stream_experts.DualStream._forward_deepep_dual_stream``:
+* overlapped -- the shim's own dual-stream body (``dual_stream_experts.DualStreamExpertsState._forward_deepep_dual_stream``:
   shared experts on the side stream, gate -> topk -> routed experts on the main stream, main waits
   for the side stream before the combine);
 * the parts alone -- shared experts only, routed path only; ideal = max(shared, routed).
@@ -102,7 +102,7 @@ def wrapper_cost(device, wrapt, tokens=16, calls=200, rounds=9, device_module=No
     sent down the dual-stream path} of the synthetic block's ``forward_deepep``, wall time
     per call over ``calls`` calls then a synchronize, arms in turn (the order reversed every other
     round): ``plain`` the unwrapped single-stream body (0.5.9's order), ``extend`` the same method
-    under the shim's wrapper (``DualStream.forward_deepep_wrapper`` through ``wrapt`` as a class
+    under the shim's wrapper (``DualStreamExpertsState.forward_deepep_wrapper`` through ``wrapt`` as a class
     attribute, as the shim installs it) on an extend batch: the dual-stream path, ``decode`` the
     wrapper on a decode batch: it calls through.  A small batch (``tokens``): the launches, not the
     device's arithmetic, set the time, so what the wrapper adds on the host shows."""
@@ -120,7 +120,7 @@ def wrapper_cost(device, wrapt, tokens=16, calls=200, rounds=9, device_module=No
     block = build_block(device, dtype, p)
     cls = type(block)
     cls.forward_plain = _serial_forward
-    process = ds.DualStream()  # the shim's per-process state, as a decision builds it
+    process = ds.DualStreamExpertsState()  # the shim's per-process state, as a decision builds it
     cls.forward_deepep = wrapt.FunctionWrapper(_serial_forward, process.forward_deepep_wrapper)
     hidden = torch.randn(p["tokens"], p["hidden"], device=device, dtype=dtype)
 

@@ -161,7 +161,7 @@ with_self.__self__ = None  # a function attribute: PyObject_GetAttr finds it, no
 def through(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
-shim = RI.FreedWeights().wrap_npu_mla_preprocess
+shim = RI.MlaWeightReleaseState().wrap_npu_mla_preprocess
 class Layer:
     pass
 m = Layer()
@@ -278,7 +278,7 @@ def call(mode):
     return one
 
 ARMS = {mode: call(mode) for mode in BATCHES}
-from npu_shim.source.live import unwrap
+from npu_shim.source.reading import unwrap
 OWN = unwrap(type(block).__dict__["forward_deepep"])
 if OWN is not type(block).__dict__["forward_deepep"]:
     # Where the method is wrapped: the release's own function under it, called as the layer would

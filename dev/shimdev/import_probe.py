@@ -59,9 +59,6 @@ result = {
     "wrapped": {name: wrapped_names(sys.modules[name]) for name in TARGETS if name in sys.modules},
     "copies_are_the_module_function": copies,
     "gpu_memory_is_wrapped": isinstance(common.get_available_gpu_memory, wrapt.FunctionWrapper),
-    # what deciding alone uses, let go once every patch was decided (runtime/activation.py)
-    "deciding_kept": [n for n in sys.modules["npu_shim.runtime.activation"].DECIDING_MODULES
-                      if n in sys.modules],
 }
 # The drivers, after every structural fact was taken (they replace bodies and globals).
 result["drivers"] = demo_features.run_drivers([n for n, s in states.items() if s["state"] == "applied"])
@@ -168,8 +165,6 @@ def problems(version: str, out: dict, table: dict) -> list:
                                                  "sglang.srt.model_executor.model_runner": True}:
         found.append("from-import copies differ from the module function: %s"
                      % out["copies_are_the_module_function"])
-    if out["deciding_kept"]:
-        found.append("the modules only deciding uses were kept: %s" % out["deciding_kept"])
     if out["gpu_memory_is_wrapped"] is not (states.get("zbal") == "applied"):
         found.append("get_available_gpu_memory wrapped: %s, zbal %s" % (out["gpu_memory_is_wrapped"],
                                                                        states.get("zbal")))

@@ -26,7 +26,7 @@ results = []
 for model, tp, role in {cases!r}:
     record = activation.RUNTIME.record("mla_weight_release")  # None until the first layer imported its modules
     if record is not None:
-        record.process.reset()
+        record.process_state.reset()
     K.publish_server_args(role)
     r = K.run_layer(model.lower(), tp)
     r.pop("layer")

@@ -56,29 +56,31 @@ MODULES = {
     "npu_shim/runtime/activation.py": {"tests": ["tests/runtime/test_activation.py", "tests/runtime/test_reliability.py",
                                       "tests/test_bootstrap.py"]},
     "npu_shim/runtime/finder.py": {"tests": ["tests/runtime/test_finder.py", "tests/runtime/test_reliability.py"]},
-    "npu_shim/source/answers.py": {"tests": ["tests/source/test_answers.py"]},
+    "npu_shim/source/inherited.py": {"tests": ["tests/source/test_inherited.py"]},
     "npu_shim/core/config.py": {"tests": ["tests/core/test_config.py", "tests/core/test_framework.py",
                                      "tests/test_hostile_inputs.py"]},
-    "npu_shim/ops/statefile.py": {"tests": ["tests/ops/test_statefile.py", "tests/ops/test_ops_state.py"]},
-    "npu_shim/ops/staterecord.py": {"tests": ["tests/ops/test_staterecord.py", "tests/ops/test_statefile.py"]},
-    "npu_shim/ops/statedir.py": {"tests": ["tests/ops/test_statefile.py", "tests/cli/test_running_records.py"]},
-    "npu_shim/cli/running_records.py": {"tests": ["tests/cli/test_running_records.py", "tests/ops/test_ops_state.py"]},
+    "npu_shim/reporting/record_writer.py": {"tests": ["tests/reporting/test_record_writer.py", "tests/reporting/test_state_records.py"]},
+    "npu_shim/reporting/state_record.py": {"tests": ["tests/reporting/test_state_record.py", "tests/reporting/test_record_writer.py"]},
+    "npu_shim/reporting/safe_dir.py": {"tests": ["tests/reporting/test_record_writer.py", "tests/cli/test_running_records.py"]},
+    "npu_shim/cli/running_records.py": {"tests": ["tests/cli/test_running_records.py", "tests/reporting/test_state_records.py"]},
     # the release / guard / accounting code of the MLA patch
-    "npu_shim/patches/_impl/mla_weight_release.py": {
+    "npu_shim/runtime/tensor_release.py": {
         "tests": ["tests/patches/test_mla_weight_release.py"],
         "scope": ["_find_released", "_guard_torch_function", "_guard_repr", "guarded_class",
                   "is_released", "storage_holders", "_base_chain", "_chain_refs",
-                  "_base_held_elsewhere", "free_weight", "_shares_storage", "_exclusive",
-                  "FreedWeights.free_allowed", "FreedWeights._account", "FreedWeights._note_guarded",
-                  "FreedWeights.released_weights", "FreedWeights.free_qkv_a", "FreedWeights.free_w_kc",
-                  "FreedWeights._free"]},
+                  "_base_held_elsewhere", "free_weight", "shares_storage", "exclusive"]},
+    "npu_shim/patches/_impl/mla_weight_release.py": {
+        "tests": ["tests/patches/test_mla_weight_release.py"],
+        "scope": ["free_weight", "MlaWeightReleaseState.free_allowed", "MlaWeightReleaseState._account", "MlaWeightReleaseState._note_guarded",
+                  "MlaWeightReleaseState.released_weights", "MlaWeightReleaseState.free_qkv_a", "MlaWeightReleaseState.free_w_kc",
+                  "MlaWeightReleaseState._free"]},
     # zbal's heap size and its set-up (full mode, the lazy GVA heap of mix mode)
     "npu_shim/patches/_impl/zbal.py": {
         "tests": ["tests/patches/test_zbal.py"],
         "scope": ["configured_mib", "_ip_port_kwargs", "_call_zbal_init", "gva_size_mib",
-                  "ZbalProcess.init_for_rank", "ZbalProcess.lazy_init_due", "ZbalProcess.lazy_init",
-                  "ZbalProcess.model_runner_initialize",
-                  "ZbalProcess.model_runner_init_device_graphs"]},
+                  "ZbalState.init_for_rank", "ZbalState.lazy_init_due", "ZbalState.lazy_init",
+                  "ZbalState.model_runner_initialize",
+                  "ZbalState.model_runner_init_device_graphs"]},
 }
 
 _BINOPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult,

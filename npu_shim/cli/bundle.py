@@ -15,28 +15,25 @@ set, so the bundle brings what the shim needs and is compiled ahead of time:
 
 Wheels come from PyPI through pip (``pip download --only-binary``); nothing is built from source.
 
-Every target is checked before anything is downloaded or created (``check_target``): OUT_DIR must
-be absent, an empty directory, or -- with ``force`` -- a previous bundle exactly as built (its
-MANIFEST names npu_shim and lists every file in it); ``/``, the current directory and its parents,
-the home directory, links, mount points and other files are refused.  The bundle is assembled in
+Every target is checked before anything is downloaded or created (npu_shim/cli/bundle_target.py;
+what ``check`` verifies of a built bundle: npu_shim/cli/bundle_verify.py).  The bundle is assembled in
 a staging directory beside OUT_DIR, then swapped in by renames: a previous bundle is renamed aside
 into the staging directory (deleted with it) and renamed back if the swap fails.
 
-Only the build imports tarfile, zipfile, shutil, subprocess and the like: ``check`` verifies a
-bundle with this module, and a file beside ``sitecustomize.py`` named like one of them would run
-in that process.
+The build imports tarfile, zipfile, shutil, subprocess and the like inside its functions only.
 """
 
-import hashlib
 import json
 import os
-import stat
 import sys
 
+from npu_shim import _paths
 from npu_shim._version import __version__
+from npu_shim.cli.bundle_target import BundleError, check_target, identity
+from npu_shim.cli.bundle_verify import sha256, shown
 
-# The npu_shim package being bundled (this module is npu_shim/cli/bundle.py).
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The npu_shim package being bundled.
+_PACKAGE = _paths.PACKAGE_DIR
 
 WRAPT_VERSION = "2.5.2"
 PYTHONS = ("3.9", "3.10", "3.11", "3.12", "3.13")
@@ -53,342 +50,6 @@ _PIP_TIMEOUT_S = 600
 # The command that runs pip.  tests/cli/test_bundle.py replaces it (in its wrapper process, never
 # through the environment) with a stand-in that waits, to stop a build while "pip" runs.
 _PIP = (sys.executable, "-m", "pip")
-_MANIFEST_MAX_BYTES = 16 << 20
-# Written beside the listed files, so never listed themselves.
-_OWN_FILES = ("MANIFEST", "SHA256SUMS")
-
-
-class BundleError(RuntimeError):
-    """The bundle could not be built; nothing was left at OUT_DIR."""
-
-
-def _shown(path):
-    """A path as one line of a message: control characters and undecodable bytes escaped."""
-    return path if path.isprintable() else ascii(path)
-
-
-# -- reading a bundle (check uses these: only modules every npu_shim command has loaded) -----------
-
-def _open_regular(path):
-    """A binary handle on a regular file, never through a link, never blocking on a FIFO."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError("not a regular file")
-    return os.fdopen(fd, "rb")
-
-
-def _sha256(path):
-    digest = hashlib.sha256()
-    with _open_regular(path) as handle:
-        for block in iter(lambda: handle.read(1 << 16), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _listed_path_problem(path):
-    """Why a MANIFEST path cannot be one of the bundle's files (absolute, '..', ...), or None."""
-    if not isinstance(path, str) or not path or "\0" in path:
-        return "a path that is not a file name"
-    if os.path.isabs(path) or os.path.normpath(path) != path or path.split(os.sep)[0] == "..":
-        return "%s is not a plain path inside the bundle" % _shown(path)
-    return None
-
-
-def _manifest_problem(manifest):
-    """Why parsed JSON is not one of our MANIFESTs, or None."""
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("npu_shim"), str):
-        return "does not name npu_shim"
-    files = manifest.get("files")
-    if not isinstance(files, list):
-        return "lists no files"
-    for entry in files:
-        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)
-                and isinstance(entry.get("sha256"), str)):
-            return "has an entry without path, size and sha256"
-        problem = _listed_path_problem(entry.get("path"))
-        if problem:
-            return "lists " + problem
-    return None
-
-
-def read_manifest(root):
-    """(the MANIFEST of the bundle at root, None), or (None, why not): "missing" when there is none."""
-    path = os.path.join(root, "MANIFEST")
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return None, "missing"
-    except OSError as exc:
-        return None, "unreadable (%s)" % exc.strerror
-    if not stat.S_ISREG(info.st_mode):
-        return None, "not a regular file"
-    if info.st_size > _MANIFEST_MAX_BYTES:
-        return None, "too large to be one of ours"
-    try:
-        with _open_regular(path) as handle:
-            manifest = json.loads(handle.read(_MANIFEST_MAX_BYTES + 1).decode("utf-8"))
-    except OSError as exc:
-        return None, "unreadable (%s)" % (exc.strerror or exc)
-    except (ValueError, RecursionError) as exc:  # truncated, edited, not JSON, nested too deep
-        return None, "does not parse (%s)" % " ".join(str(exc).split())[:120]
-    problem = _manifest_problem(manifest)
-    return (manifest, None) if problem is None else (None, problem)
-
-
-def _looks_like_bundle(root):
-    """Whether a directory without a MANIFEST was a bundle: only a bundle has these."""
-    return (os.path.lexists(os.path.join(root, "SHA256SUMS"))
-            or os.path.lexists(os.path.join(root, "npu_shim", "_vendor")))
-
-
-def unlisted(root, manifest):
-    """[(path, why)] for what is under root but not in its MANIFEST, sorted: "extra" for a file,
-    link or folder it does not list (a folder holding no listed file as "dir/", its contents not
-    named), "a mount point" and "unreadable" for folders it cannot vouch for.  MANIFEST and
-    SHA256SUMS are not listed in themselves; links are entries, never followed."""
-    listed = {entry["path"] for entry in manifest["files"]}
-    folders = {""}
-    for path in listed:
-        while path:
-            path = os.path.dirname(path)
-            folders.add(path)
-    device = os.lstat(root).st_dev
-    found, pending = [], [""]
-    while pending:
-        folder = pending.pop()
-        try:
-            entries = list(os.scandir(os.path.join(root, folder)))
-        except OSError as exc:
-            found.append((folder + os.sep, "unreadable (%s)" % exc.strerror))
-            continue
-        for entry in entries:
-            path = os.path.join(folder, entry.name)
-            if entry.is_dir(follow_symlinks=False):
-                if path not in folders:
-                    found.append((path + os.sep, "extra"))
-                elif _device(entry) != device:
-                    found.append((path + os.sep, "a mount point"))
-                else:
-                    pending.append(path)
-            elif path not in listed and not (not folder and entry.name in _OWN_FILES):
-                found.append((path, "extra"))
-    return sorted(found)
-
-
-def _device(entry):
-    try:
-        return entry.stat(follow_symlinks=False).st_dev
-    except OSError:  # gone since it was listed: not the folder that was checked
-        return None
-
-
-def _stdlib_names():
-    names = getattr(sys, "stdlib_module_names", None)  # absent on the oldest Python supported
-    if names is not None:
-        return names
-    found = set(sys.builtin_module_names)
-    lib = os.path.dirname(os.__file__)
-    for folder in (lib, os.path.join(lib, "lib-dynload")):
-        try:
-            found.update(name.split(".")[0] for name in os.listdir(folder))
-        except OSError:
-            pass
-    return found
-
-
-def _shadows(path):
-    """The standard-library module an extra entry at the bundle's top shadows, or None: the
-    bundle comes first on PYTHONPATH, so ``tarfile.py`` there is what ``import tarfile`` runs."""
-    if os.sep in path.rstrip(os.sep):
-        return None
-    name = path.rstrip(os.sep).split(".")[0]
-    # A folder (a package), a link (maybe to one), a module file.
-    importable = path.endswith((os.sep, ".py", ".pyc", ".so")) or "." not in path
-    return name if importable and name in _stdlib_names() else None
-
-
-def _describe_unlisted(path, why):
-    shadowed = _shadows(path) if why == "extra" else None
-    return "%s: %s%s" % (_shown(path), why, " (shadows the standard library's %s)" % shadowed
-                                            if shadowed else "")
-
-
-def _listed_file_problem(root, entry):
-    path = os.path.join(root, entry["path"])
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return "%s: missing" % _shown(entry["path"])
-    except OSError as exc:
-        return "%s: unreadable (%s)" % (_shown(entry["path"]), exc.strerror)
-    if not stat.S_ISREG(info.st_mode) or info.st_size != entry["size"]:
-        return "%s: changed" % _shown(entry["path"])
-    try:
-        same = _sha256(path) == entry["sha256"]
-    except OSError:
-        same = False  # swapped for something else since lstat
-    return None if same else "%s: changed" % _shown(entry["path"])
-
-
-def verify(root):
-    """How a bundle differs from its MANIFEST -- "PATH: missing", "PATH: changed", "PATH: extra"
-    -- ([] when intact); ["MANIFEST: missing"] (or what is wrong with it) for a directory that
-    was a bundle and lost its MANIFEST, or whose MANIFEST is broken; None if it is no bundle."""
-    manifest, problem = read_manifest(root)
-    if manifest is None:
-        if problem == "missing" and not _looks_like_bundle(root):
-            return None
-        return ["MANIFEST: %s" % problem]
-    problems = [_listed_file_problem(root, entry) for entry in manifest["files"]]
-    problems = [p for p in problems if p]
-    return problems + [_describe_unlisted(path, why) for path, why in unlisted(root, manifest)]
-
-
-# -- the target: checked before anything is downloaded or created ----------------------------------
-
-def _identity(path):
-    """What is at path (device, inode, kind; None when nothing), to see it unchanged later."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    return info.st_dev, info.st_ino, stat.S_IFMT(info.st_mode)
-
-
-def _home_dirs():
-    """The home directory as $HOME says and as the password database says."""
-    found = [os.path.expanduser("~")]
-    try:
-        import pwd
-
-        found.append(pwd.getpwuid(os.getuid()).pw_dir)
-    except (ImportError, KeyError):
-        pass
-    return [path for path in found if os.path.isabs(path)]
-
-
-def _refused_place(path):
-    """Why OUT_DIR may never be replaced, whatever is in it, or None: it is (or holds) the current
-    directory or the home directory, or it is, holds or is inside the npu_shim being bundled."""
-    places = [("the home directory", home) for home in _home_dirs()]
-    try:
-        places.append(("the current directory", os.getcwd()))
-    except OSError:
-        pass  # removed: it cannot be OUT_DIR
-    source = _PACKAGE
-    places.append(("the npu_shim package being bundled", source))
-    for what, given in places:
-        for place in {given, os.path.realpath(given)}:
-            for name in {path, os.path.realpath(path)}:
-                if name == place:
-                    return "%s is %s" % (_shown(path), what)
-                if place.startswith(name + os.sep):
-                    return "%s holds %s" % (_shown(path), what)
-                if given == source and name.startswith(place + os.sep):
-                    return "%s is inside %s" % (_shown(path), what)
-    return None
-
-
-def _absolute(out_dir):
-    """OUT_DIR made absolute, refusing the empty string and "/" (``$DEST/`` with DEST unset)."""
-    if not out_dir.strip():
-        raise BundleError("OUT_DIR is empty (is a variable in it unset?)")
-    if "\0" in out_dir:
-        raise BundleError("OUT_DIR %s holds a NUL character" % ascii(out_dir))
-    try:
-        path = os.path.abspath(out_dir)
-    except OSError as exc:  # a relative OUT_DIR and a current directory that was removed
-        raise BundleError("OUT_DIR %s: %s" % (_shown(out_dir), exc.strerror)) from None
-    if os.path.dirname(path) == path:
-        raise BundleError("OUT_DIR %s is the root directory (is a variable in it unset?)"
-                          % _shown(out_dir))
-    return path
-
-
-def _not_a_previous_bundle(path):
-    """Why the directory at path is not a previous bundle exactly as built, or None."""
-    manifest, problem = read_manifest(path)
-    if manifest is None:
-        return "its MANIFEST %s" % problem if problem != "missing" else "it has no MANIFEST"
-    found = unlisted(path, manifest)
-    if found:
-        return "it holds what its MANIFEST does not list: %s%s" % (
-            ", ".join(_shown(p) if why == "extra" else "%s (%s)" % (_shown(p), why)
-                      for p, why in found[:5]), ", ..." if len(found) > 5 else "")
-    return None
-
-
-def _check_out_dir(path, force):
-    try:
-        info = os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return _check_parents(path)
-    except OSError as exc:
-        raise BundleError("%s: %s" % (_shown(path), exc.strerror)) from None
-    if stat.S_ISLNK(info.st_mode):
-        raise BundleError("%s is a symbolic link (to %s): give a directory or a new path"
-                          % (_shown(path), _link_target(path)))
-    if not stat.S_ISDIR(info.st_mode):
-        raise BundleError("%s exists and is not a directory" % _shown(path))
-    if os.path.ismount(path):
-        raise BundleError("%s is a mount point: give a new directory inside it" % _shown(path))
-    try:
-        if not os.listdir(path):
-            return
-    except OSError as exc:
-        raise BundleError("%s: %s" % (_shown(path), exc.strerror)) from None
-    if not force:
-        raise BundleError("%s exists and is not empty (use --force to replace a previous bundle)"
-                          % _shown(path))
-    why = _not_a_previous_bundle(path)
-    if why:
-        raise BundleError("%s is not a previous npu-shim bundle (%s); --force replaces only one"
-                          % (_shown(path), why))
-
-
-def _link_target(path):
-    try:
-        return _shown(os.readlink(path))
-    except OSError:  # replaced since lstat
-        return "?"
-
-
-def _check_parents(path):
-    """A new OUT_DIR: the nearest existing folder above it must be a directory."""
-    parent = os.path.dirname(path)
-    while not os.path.lexists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise BundleError("%s cannot be created: %s is not a directory" % (_shown(path),
-                                                                           _shown(parent)))
-
-
-def _check_archive(archive, force):
-    try:
-        info = os.lstat(archive)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise BundleError("%s: %s" % (_shown(archive), exc.strerror)) from None
-    if not stat.S_ISREG(info.st_mode):
-        raise BundleError("%s exists and is not a regular file (%s)" % (
-            _shown(archive), "a symbolic link" if stat.S_ISLNK(info.st_mode) else
-            "a directory" if stat.S_ISDIR(info.st_mode) else "a special file"))
-    if not force:
-        raise BundleError("%s exists (use --force to replace it)" % _shown(archive))
-
-
-def check_target(out_dir, force=False):
-    """(absolute OUT_DIR, what is there now, what is at OUT_DIR.tar.gz now), after refusing --
-    with BundleError, one line -- every target a build must not write to or replace."""
-    path = _absolute(out_dir)
-    refused = _refused_place(path)
-    if refused:
-        raise BundleError(refused)
-    _check_out_dir(path, force)
-    _check_archive(path + ".tar.gz", force)
-    return path, _identity(path), _identity(path + ".tar.gz")
 
 
 # -- building ---------------------------------------------------------------------------------------
@@ -439,7 +100,7 @@ def _mkdirs_below(top, path):
     """``os.makedirs(path)`` where ``top``'s parent must exist already: a staging directory that
     vanished (its parent re-pointed) fails here instead of being made again somewhere else."""
     if not os.path.isdir(os.path.dirname(top)):
-        raise BundleError("the staging directory %s is gone" % _shown(top))
+        raise BundleError("the staging directory %s is gone" % shown(top))
     os.makedirs(path)
 
 
@@ -508,7 +169,7 @@ def interpreters(requested):
         if version is None:
             if requested:
                 raise BundleError("--python %s: %s; the bundle supports CPython %s"
-                                  % (_shown(path), why, ", ".join(PYTHONS)))
+                                  % (shown(path), why, ", ".join(PYTHONS)))
             continue
         if version not in seen:
             seen.add(version)
@@ -535,7 +196,7 @@ def _python_version(path):
             code, ", printing %s" % ascii(said) if said else " and printed nothing")
     version, implementation = found.groups()
     if implementation != "cpython" or version not in PYTHONS:
-        return None, "it is %s %s" % (_shown(implementation), version)
+        return None, "it is %s %s" % (shown(implementation), version)
     return version, None
 
 
@@ -583,7 +244,7 @@ def compile_pyc(root, pythons):
             code, out, err = None, "", "it did not finish in 300 s"
         if code != 0:
             raise BundleError("compiling .pyc with %s (%s) failed:\n%s%s"
-                              % (_shown(path), version, out[-2000:], err[-2000:]))
+                              % (shown(path), version, out[-2000:], err[-2000:]))
 
 
 def write_manifest(root, wrapt_version, builds, pythons):
@@ -595,7 +256,7 @@ def write_manifest(root, wrapt_version, builds, pythons):
         for name in sorted(names):
             path = os.path.join(folder, name)
             files.append({"path": os.path.relpath(path, root), "size": os.path.getsize(path),
-                          "sha256": _sha256(path)})
+                          "sha256": sha256(path)})
     manifest = {
         "npu_shim": __version__,
         "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -620,7 +281,7 @@ def _make_parents(parent):
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as exc:
-        raise BundleError("cannot create %s: %s" % (_shown(parent), exc.strerror)) from None
+        raise BundleError("cannot create %s: %s" % (shown(parent), exc.strerror)) from None
     return top
 
 
@@ -644,7 +305,7 @@ def _swap_in(staging, out_dir, had_dir):
             os.rename(out_dir, aside)
         except OSError as exc:
             raise BundleError("cannot move the previous %s aside: %s"
-                              % (_shown(out_dir), exc.strerror)) from None
+                              % (shown(out_dir), exc.strerror)) from None
     try:
         os.rename(root, out_dir)
         try:
@@ -653,7 +314,7 @@ def _swap_in(staging, out_dir, had_dir):
             os.rename(out_dir, root)
             raise
     except OSError as exc:
-        failed = "cannot put the bundle at %s: %s" % (_shown(out_dir), exc.strerror)
+        failed = "cannot put the bundle at %s: %s" % (shown(out_dir), exc.strerror)
         if not had_dir:
             raise BundleError(failed) from None
         try:
@@ -713,7 +374,7 @@ def build(out_dir, python_paths=(), wrapt_version=WRAPT_VERSION, pythons=PYTHONS
     # Staging and the swap go by the parent's real path, fixed now: a link on the way re-pointed
     # during the build must not send half the build elsewhere (it is refused before the swap).
     real_parent = os.path.realpath(parent)
-    place = _identity(real_parent)
+    place = identity(real_parent)
     real_out = os.path.join(real_parent, os.path.basename(out_dir))
     release, swapped = None, False
     try:
@@ -721,19 +382,19 @@ def build(out_dir, python_paths=(), wrapt_version=WRAPT_VERSION, pythons=PYTHONS
     except OSError as exc:
         _remove_made_parents(parent, made)
         raise BundleError("cannot create a staging directory in %s: %s"
-                          % (_shown(parent), exc.strerror)) from None
+                          % (shown(parent), exc.strerror)) from None
     try:
         manifest = _assemble(staging, os.path.basename(out_dir), wrapt_version, pythons, machines,
                              compilers, log)
         release = children.hold_signals()
         # The build took a while: OUT_DIR must still lead where it did, and what is there must
         # still be what was checked.
-        if os.path.realpath(parent) != real_parent or _identity(real_parent) != place:
+        if os.path.realpath(parent) != real_parent or identity(real_parent) != place:
             raise BundleError("%s now leads elsewhere (a link on the way changed during the build); "
-                              "nothing was replaced" % _shown(parent))
+                              "nothing was replaced" % shown(parent))
         if check_target(out_dir, force) != target:
             raise BundleError("%s or its .tar.gz changed during the build; nothing was replaced"
-                              % _shown(out_dir))
+                              % shown(out_dir))
         _swap_in(staging, real_out, target[1] is not None)
         swapped = True
     finally:
@@ -748,5 +409,20 @@ def build(out_dir, python_paths=(), wrapt_version=WRAPT_VERSION, pythons=PYTHONS
     # without running any of it (check, in a process that ran its sitecustomize, cannot).
     log("bundle: %s (%d files), %s.tar.gz; sha256 of its SHA256SUMS: %s (keep it: `sha256sum "
         "SHA256SUMS` and `sha256sum -c SHA256SUMS` in the bundle prove it unchanged)"
-        % (out_dir, len(manifest["files"]), out_dir, _sha256(os.path.join(out_dir, "SHA256SUMS"))))
+        % (out_dir, len(manifest["files"]), out_dir, sha256(os.path.join(out_dir, "SHA256SUMS"))))
     return manifest
+
+
+def run(args):
+    """The ``bundle`` command with its parsed ``args``; its exit status."""
+    from npu_shim.cli.exit_codes import EXIT_BUNDLE_FAILED
+    from npu_shim.reporting.terminal import printable
+
+    try:
+        build(args.out_dir, args.python, args.wrapt_version or WRAPT_VERSION,
+              machines=tuple(args.platform) or MACHINES, force=args.force,
+              log=lambda line: sys.stderr.write("npu-shim bundle: %s\n" % printable(line)))
+    except BundleError as exc:
+        sys.stderr.write("npu-shim bundle: error: %s\n" % printable(exc))
+        return EXIT_BUNDLE_FAILED
+    return 0

@@ -5,7 +5,7 @@ environment -- so the shim activates in it exactly as in a server process (``sit
 ``PYTHONPATH``, or the ``.pth`` of a pip install) -- imports every sglang module a patch targets,
 and reports what happened there: each patch's state and reason, the targets really wrapped,
 where wrapt came from, torch_npu and the NPU, and what each patch says about the image
-(``Patch.check_facts``: the packages it needs, read from their files).  Nothing initialises the
+(``Report.check_facts``: the packages it needs, read from their files).  Nothing initialises the
 device or a patch's package: the child imports modules and reads files; no tensor is allocated.
 
 A bundle is verified against its MANIFEST in the parent first (``bundle_facts``), with only
@@ -19,6 +19,10 @@ import os
 import re
 import sys
 
+from npu_shim import _paths
+from npu_shim.cli.exit_codes import (EXIT_BAD_ENV, EXIT_CHECK_FAILED, EXIT_NO_SGLANG, EXIT_NPU_STACK,
+                                     config_exit_code)
+
 CHILD_TIMEOUT_S = 300
 _MARK = "npu-shim-check:"
 # What print_report reads of the child's report (the parent adds "bundle").
@@ -26,9 +30,12 @@ REPORT_KEYS = ("pid", "python", "sitecustomize", "shim_active", "imports", "stat
                "wrapt", "sglang", "npu", "seconds")
 
 
-def _trim(text, limit=300):
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+def _one_line(text):
+    """``text`` on one line (reporting.log, imported only once the bundle is verified: see
+    bundle_facts)."""
+    from npu_shim.reporting.log import one_line
+
+    return one_line(text)
 
 
 # -- in the child ---------------------------------------------------------------------------------
@@ -68,7 +75,7 @@ def torch_problem():
 
 def diagnose_torch_error(exc):
     """``torch_problem``'s answer for the exception ``import torch`` raised."""
-    error = _trim("%s: %s" % (type(exc).__name__, exc))
+    error = _one_line("%s: %s" % (type(exc).__name__, exc))
     for link in _chain(exc):
         found = _MISSING_LIBRARY.search(str(link))
         if found:
@@ -90,22 +97,22 @@ def import_target_modules():
             importlib.import_module(name)
             imports[name] = "ok"
         except ModuleNotFoundError as exc:
-            imports[name] = "absent" if exc.name and name.startswith(exc.name) else _trim(repr(exc))
+            imports[name] = "absent" if exc.name and name.startswith(exc.name) else _one_line(repr(exc))
         except BaseException as exc:  # noqa: BLE001 - ShimError included: report, don't die
-            imports[name] = _trim("%s: %s" % (type(exc).__name__, exc))
+            imports[name] = _one_line("%s: %s" % (type(exc).__name__, exc))
     return imports
 
 
 def npu_facts():
-    from npu_shim.source import live
-    from npu_shim.source.live import find_package_dir
+    from npu_shim.source import reading
+    from npu_shim.source.reading import find_package_dir
 
     torch = sys.modules.get("torch")
     loaded = sys.modules.get("torch_npu")  # sglang imports it on an NPU image
     facts = {"torch_npu": getattr(loaded, "__file__", None) or find_package_dir("torch_npu"),
              "torch": getattr(torch, "__version__", None)}
     if facts["torch_npu"]:
-        facts["torch_npu_version"] = getattr(loaded, "__version__", None) or live.module_version(
+        facts["torch_npu_version"] = getattr(loaded, "__version__", None) or reading.module_version(
             ("torch_npu", "torch-npu"), os.path.dirname(facts["torch_npu"]))
     npu = getattr(torch, "npu", None)
     try:
@@ -113,7 +120,7 @@ def npu_facts():
         facts["npu_available"] = bool(npu is not None and npu.is_available())
         facts["npu_count"] = int(npu.device_count()) if facts["npu_available"] else 0
     except Exception as exc:  # noqa: BLE001
-        facts["npu_available"], facts["npu_error"] = False, _trim(repr(exc))
+        facts["npu_available"], facts["npu_error"] = False, _one_line(repr(exc))
     return facts
 
 
@@ -140,10 +147,10 @@ def wrapped_targets(records):
 def bundle_facts():
     """Whether this npu-shim is a bundle and, if so, whether its files still match its MANIFEST
     (none missing, changed or extra; the MANIFEST itself there and whole)."""
-    from npu_shim.cli import bundle
+    from npu_shim.cli import bundle_verify
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    problems = bundle.verify(root)
+    root = _paths.ROOT
+    problems = bundle_verify.verify(root)
     if problems is None:
         return {"is_bundle": False, "ok": True, "text": "not a bundle (%s)" % root}
     if problems and problems[0].startswith("MANIFEST: "):
@@ -171,7 +178,7 @@ def checked_by(root):
 
 def print_not_started(facts):
     """What ``check`` says instead of a report when the bundle does not match its MANIFEST."""
-    from npu_shim.ops.terminal import terminal_writer
+    from npu_shim.reporting.terminal import terminal_writer
 
     out = terminal_writer()
     out("npu-shim check: the check process was not started: this bundle does not match its "
@@ -180,7 +187,7 @@ def print_not_started(facts):
 
 
 def sglang_facts():
-    from npu_shim.source.live import read_version
+    from npu_shim.source.reading import read_version
 
     path = getattr(sys.modules.get("sglang"), "__file__", None)
     path = os.path.dirname(path) if path else None
@@ -195,19 +202,19 @@ def child_main(watcher):
     started = time.monotonic()
     sitecustomize = getattr(sys.modules.get("sitecustomize"), "__file__", None)
     from npu_shim.core.loading import load_all
-    from npu_shim.runtime import activation, installer, wrapt_loader
+    from npu_shim.runtime import activation, wrapt_loader
 
     # With NPU_SHIM_ENABLED=0 the watcher is armed only to say "off" at ``import sglang``.
-    activated_at_start = (installer.watcher_armed(watcher) or watcher.fired) and not watcher.off
+    activated_at_start = watcher.activates_the_shim()
     # Every target module imports torch first: when that fails, the reason is told once and no
     # module is tried (each would fail the same way, and later ones with Python's own KeyError).
     broken = torch_problem()
     imports = import_target_modules() if broken is None else {}
-    records = list((activation.RUNTIME.records or {}).values())
+    records = activation.RUNTIME.decided_records()
     origin = wrapt_loader.loaded_origin() or wrapt_loader.locate()
     facts = {}
     for patch in load_all():
-        facts.update(patch.check_facts())
+        facts.update(patch.report.check_facts())
     report = {
         "pid": os.getpid(),
         "python": "%d.%d.%d" % sys.version_info[:3],
@@ -255,7 +262,7 @@ def last_words(*outputs):
     for text in outputs:
         lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
         if lines:
-            return _trim(lines[-1])
+            return _one_line(lines[-1])
     return "(nothing)"
 
 
@@ -285,7 +292,7 @@ def sglang_line(sglang, import_failed):
 
 
 def print_report(report):
-    from npu_shim.ops.terminal import terminal_writer
+    from npu_shim.reporting.terminal import terminal_writer
 
     out = terminal_writer()
     out("npu-shim check: a child process (pid %d, Python %s) imported sglang's target modules\n"
@@ -324,3 +331,49 @@ def print_report(report):
             "torch does not import, so no sglang module was tried" if problem else
             "sglang's target modules were not imported with the shim on"))
     out("\n  %.1f s in the child\n" % report["seconds"])
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+def run(args):
+    """The ``check`` command with its parsed ``args``; its exit status."""
+    facts = bundle_facts()
+    if not facts["ok"]:
+        if args.json:
+            json.dump({"started": False, "bundle": facts}, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            print_not_started(facts)
+        return EXIT_CHECK_FAILED
+    report, error = run_child()
+    if report is None:
+        from npu_shim.reporting.terminal import terminal_writer
+
+        terminal_writer(sys.stderr)("npu-shim check: %s\n" % error)  # the child's own words
+        return EXIT_CHECK_FAILED
+    report["bundle"] = facts
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print_report(report)
+    return exit_code(report)
+
+
+def exit_code(report):
+    """As ``status``'s exit code: a bad variable first, then no sglang, then strict; then
+    EXIT_CHECK_FAILED when the shim was not active or a target module failed to import."""
+    # Not active: no patch was decided, so the strict rule finds nothing and this says 4.
+    code = config_exit_code(s["state"] for s in report["states"].values())
+    problem = report.get("torch_problem")
+    if problem and code != EXIT_BAD_ENV:  # nothing could be imported: the one finding that counts
+        return EXIT_NPU_STACK if problem["kind"] == "cann" else EXIT_CHECK_FAILED
+    failed_import = any(v not in ("ok", "absent") for v in report["imports"].values())
+    if code == EXIT_BAD_ENV:
+        return code
+    # A target module whose import failed may be sglang itself: that is the failure to report.
+    if not report["sglang"]["path"] and not failed_import:
+        return EXIT_NO_SGLANG
+    if not code and (not report["shim_active"] or failed_import):
+        return EXIT_CHECK_FAILED
+    return code

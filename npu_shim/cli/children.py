@@ -193,3 +193,19 @@ def run(argv, timeout, env=None, merge_stderr=False):
             pipe.close()
     return (proc.returncode, decode(b"".join(read[proc.stdout])),
             decode(b"".join(read[proc.stderr])) if proc.stderr is not None else "")
+
+
+def stoppable(command, body, gone):
+    """``body()``'s exit status, with SIGTERM and SIGHUP raising (npu_shim/cli/py) so
+    that the clean-up of every child runs, as for Ctrl-C; stopped: one line saying so (``gone``:
+    what the clean-up removed) and 128 + the signal, as a shell reports it."""
+    restore = on_stop_signals()
+    try:
+        return body()
+    except (Stopped, KeyboardInterrupt) as exc:
+        hold_signals()  # to the exit: a second signal must not cut this line short
+        sys.stderr.write("npu-shim %s: stopped by %s; %s\n" % (command, signal_name(exc), gone))
+        sys.stderr.flush()
+        return exit_status(exc)
+    finally:
+        restore()

@@ -1,8 +1,8 @@
 """``python -m npu_shim status --running [DIR]``: what the shim did in the running processes.
 
-Reads the records every sglang process keeps in ``NPU_SHIM_STATE_DIR`` (npu_shim/ops/statefile.py)
+Reads the records every sglang process keeps in ``NPU_SHIM_STATE_DIR`` (npu_shim/reporting/record_writer.py)
 and puts them in one table, process x patch.  Everything in the directory is hostile input: at
-most ``MAX_RECORDS`` files are read, each a regular file of at most ``statefile.MAX_RECORD_BYTES``
+most ``MAX_RECORDS`` files are read, each a regular file of at most ``record_writer.MAX_RECORD_BYTES``
 opened without following a symlink or blocking on a FIFO, parsed as strict JSON (no NaN, no
 Infinity, bounded nesting) and checked field by field; a file that fails is listed as unreadable
 with the reason, and every text a record carries is escaped before it reaches a terminal.
@@ -36,19 +36,17 @@ import math
 import os
 import re
 import stat
-import sys
 import time
 
-from npu_shim.ops import procinfo, statedir, statefile
+from npu_shim.reporting import procinfo, safe_dir, record_writer
 from npu_shim.core.framework import FAILED
-from npu_shim.ops.terminal import printable
 
 OFF = "disabled"  # what a patch reads in a process with the shim off
 MAX_RECORDS = 4096
 STALE_BEATS = 3
 PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT
 _MAX_TEXT = 300
-_OLD_NAME = re.compile(r"(?P<host>.+)-(?P<pid>[0-9]+)\.json\Z")  # npu-shim 0.2.2 and before
+_OLD_NAME = re.compile(r"(?P<host>.+)-(?P<pid>[0-9]+)\.json\Z")  # npu-shim up to the 0.2.2 release (2026-11-30)
 
 
 class BadRecord(ValueError):
@@ -169,7 +167,7 @@ def _entries(dir_fd, skip=()):
                 continue  # temporary files of a write in progress
             if name.endswith(".json"):
                 found.append(("", name))
-            elif name.startswith(statedir.USER_DIR_PREFIX) and entry.is_dir(follow_symlinks=False):
+            elif name.startswith(safe_dir.USER_DIR_PREFIX) and entry.is_dir(follow_symlinks=False):
                 found.append((name, None))
             if len(found) > MAX_RECORDS:
                 break
@@ -190,11 +188,11 @@ def load(dir_):
     The ``uid-<N>/`` directories of the trusted users (``trusted_uids``) are opened by name and
     read first, up to MAX_RECORDS; the rest of the directory is listed and read after them, up to
     MAX_RECORDS more: no number of files another user adds can push a trusted record out."""
-    fd = os.open(dir_, statedir.DIR_FLAGS)
+    fd = os.open(dir_, safe_dir.DIR_FLAGS)
     try:
         top_owner = os.fstat(fd).st_uid
         uids = trusted_uids(top_owner)
-        trusted = sorted(statedir.user_dir_name(uid) for uid in uids)
+        trusted = sorted(safe_dir.user_dir_name(uid) for uid in uids)
         found = []
         for sub in trusted:
             if _is_dir_here(fd, sub):
@@ -231,7 +229,7 @@ def _read_user_dir(fd, sub, room, uids):
     """The records of one user's subdirectory ``uid-<N>/`` (at most ``room``, plus one to show
     there are more)."""
     try:
-        sub_fd = os.open(sub, statedir.DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+        sub_fd = os.open(sub, safe_dir.DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
     except OSError as exc:
         return [(sub + "/", None, "%s: %s" % (type(exc).__name__, exc.strerror), {})]
     try:
@@ -244,7 +242,7 @@ def _read_user_dir(fd, sub, room, uids):
 
 def _read_one(dir_fd, name, shown, dir_owner, user_dir, uids):
     try:
-        data, st = statedir.read_regular(dir_fd, name, statefile.MAX_RECORD_BYTES)
+        data, st = safe_dir.read_regular(dir_fd, name, record_writer.MAX_RECORD_BYTES)
         record = validate(parse(data))
     except OSError as exc:
         return shown, None, "%s: %s" % (type(exc).__name__, exc.strerror or exc), {}
@@ -262,7 +260,7 @@ def suspicion(record, facts):
     owner, uid = facts.get("owner"), record.get("uid")
     user_dir = facts.get("user_dir")
     if user_dir is not None:
-        if user_dir != statedir.user_dir_name(facts.get("dir_owner")):
+        if user_dir != safe_dir.user_dir_name(facts.get("dir_owner")):
             return "its directory %s/ belongs to uid %s" % (user_dir, facts.get("dir_owner"))
         if owner != facts.get("dir_owner"):
             return "the file belongs to uid %s, not to the owner of %s/" % (owner, user_dir)
@@ -273,7 +271,7 @@ def suspicion(record, facts):
     name = facts.get("name")
     if name is not None:
         if record.get("format") is not None and record["format"] >= 2:
-            expected = statefile.record_name(record["host"], record.get("pid_ns"), record["pid"])
+            expected = record_writer.record_name(record["host"], record.get("pid_ns"), record["pid"])
         else:
             old = _OLD_NAME.match(name)
             expected = name if old and int(old.group("pid")) == record["pid"] else None
@@ -284,7 +282,7 @@ def suspicion(record, facts):
 
 def visible_here(record, here):
     """Whether this process can see the record's process (same boot of this host, same PID
-    namespace); records of npu-shim 0.2.2 and before name only the host."""
+    namespace); records of npu-shim up to the 0.2.2 release name only the host."""
     if record.get("pid_ns") is None and record.get("boot_id") is None:
         return record["host"] == here["host"]
     return (record.get("boot_id") == here["boot_id"] and record.get("pid_ns") == here["pid_ns"]
@@ -318,12 +316,12 @@ def judge(record, here, now=None):
         return "stale", "written before this host last booted"
     beat = record.get("heartbeat_s")
     if beat is None:
-        return "live", None  # npu-shim 0.2.2 and before: no heartbeat to judge by
+        return "live", None  # npu-shim up to the 0.2.2 release (2026-11-30): no heartbeat to judge by
     updated = record.get("updated")
     now = time.time() if now is None else now
     if updated is None:
         return "suspect", "no time of its last update"
-    if now - updated > STALE_BEATS * beat + statefile.INTERVAL_S:
+    if now - updated > STALE_BEATS * beat + record_writer.INTERVAL_S:
         return "stale", "no heartbeat for %ds" % (now - updated)
     return "live", None
 
@@ -391,89 +389,3 @@ def analyse(dir_):
             "live": len(live), "stale": sum(p["status"] == "stale" for p in processes),
             "other": sum(p["status"] == "other" for p in processes),
             "suspect": sum(p["status"] == "suspect" for p in processes), "problems": problems}
-
-
-# -- printing ------------------------------------------------------------------------------------
-
-def role_text(record):
-    role = record.get("role") or {}
-    label = procinfo.role_label(role)
-    if role.get("role") == "scheduler" and label and not label.startswith("scheduler"):
-        label = "scheduler " + label
-    return label or "unknown"
-
-
-def state_text(record, name, patches=None):
-    """A table cell: the patch's state, and the details its patch says are worth a column
-    (``Patch.running_details``; ``patches``: {name: Patch}, the registered ones by default)."""
-    if record.get("shim_enabled") is False:
-        return "off"
-    entry = (record.get("patches") or {}).get(name)
-    if not isinstance(entry, dict):
-        return "-"
-    text = entry.get("state") or "?"
-    patch = (registered_patches() if patches is None else patches).get(name)
-    extra = patch.running_details(entry.get("details") or {}) if patch is not None else []
-    return text + ("(%s)" % ", ".join(extra) if extra else "")
-
-
-def registered_patches():
-    """{name: Patch} of the registered patches (loaded once per command)."""
-    if not _PATCHES:
-        from npu_shim.core.loading import load_all
-
-        _PATCHES.update((patch.name, patch) for patch in load_all())
-    return _PATCHES
-
-
-_PATCHES = {}
-
-
-def _age(updated, now):
-    if updated is None:
-        return "?"
-    return "%ds ago" % max(0, now - updated) if now >= updated else "in %ds (clock ahead)" % (updated - now)
-
-
-def print_table(info, out=None):
-    write = (out or sys.stdout).write
-
-    def out_line(text):
-        write(printable(text) + "\n")
-
-    out_line("npu-shim status --running: %s -- %d live process(es), %d stale%s%s"
-             % (info["dir"], info["live"], info["stale"],
-                ", %d suspect" % info["suspect"] if info.get("suspect") else "",
-                ", %d of other users" % info["other"] if info.get("other") else ""))
-    if not info["processes"]:
-        out_line("  no state records (set NPU_SHIM_STATE_DIR to this directory in the server's "
-                 "environment)")
-    headers = ["host", "pid", "role", "shim", "sglang"] + [printable(n[:40]) for n in info["patches"]] + ["updated"]
-    rows = []
-    now = time.time()
-    for p in sorted(info["processes"], key=lambda r: (r["host"], r["pid"], r["file"])):
-        flag = {"stale": " STALE (%s)", "suspect": " SUSPECT (%s)", "other": " OTHER USER (%s)"}.get(p["status"])
-        rows.append([p["host"][:64], str(p["pid"]), role_text(p)[:40], str(p.get("shim"))[:20],
-                     str(p.get("sglang"))[:20]] + [state_text(p, n)[:60] for n in info["patches"]]
-                    + [_age(p.get("updated"), now) + (flag % p["why"] if flag else "")])
-    rows = [[printable(cell) for cell in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    for row in [headers] + rows:
-        out_line("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    for bad in info["unreadable"]:
-        out_line("  unreadable: %s (%s)" % (bad["file"], bad["error"]))
-    for problem in info["problems"]:
-        if problem["kind"] == "failed":
-            out_line("PROBLEM: %s failed in pid %s on %s: %s"
-                     % (problem["patch"], problem["pid"], problem["host"], problem["reason"]))
-        else:
-            out_line("PROBLEM: processes of sglang %s disagree on %s: %s" % (
-                problem["sglang"], problem["patch"],
-                "; ".join("%s in pid %s" % (s, ", ".join(map(str, pids)))
-                          for s, pids in sorted(problem["states"].items()))))
-    if info.get("suspect"):
-        out_line("WARNING: %d record(s) are not what they say (SUSPECT above): not counted; look "
-                 "at who can write to %s" % (info["suspect"], info["dir"]))
-    if not info["problems"] and info["live"]:
-        out_line("ok: no failed patch, every live process agrees")
-

@@ -2,13 +2,13 @@
 
 Run it like ``check``: with the server's ``PYTHONPATH`` and variables, on the node, while no server
 uses the device.  For each patch ``applied`` in that environment it exercises, at small scale and on
-the device, what the patch relies on -- each patch's own step (``Patch.selftest_module``, under
-npu_shim/patches/_selftest/; npu_shim/cli/selftest_child.py runs them) -- and prints one line per
+the device, what the patch relies on -- each patch's own step (its module npu_shim/patches/_selftest/<name>.py,
+``core.loading.selftest_step``; npu_shim/cli/selftest_child.py runs them) -- and prints one line per
 patch.  docs/rolling-out.md says what each patch's step checks.
 
-The work is done in child processes (a patch whose step must run alone, ``Patch.selftest_alone``,
+The work is done in child processes (a patch whose step must run alone, its module's ``ALONE``,
 gets a second one: its allocator goes in before anything touches the device), so nothing stays on
-the device.  A patch's step runs on the device kinds it names (``Patch.selftest_devices``); on
+the device.  A patch's step runs on the device kinds it names (its module's ``DEVICES``); on
 another it says ``n/a on <kind>``.  ``--patch NAME`` runs a patch's step whatever its state (e.g.
 a device-agnostic step on a CUDA machine without sglang).  The whole run is bounded
 (``TIMEOUT_S``, 60 s; ``--timeout``); a progress line per step goes to stderr.
@@ -48,7 +48,7 @@ def is_sglang_server(argv):
     (``sglang::scheduler_TP0`` ...), ``-m sglang.launch_server``, sglang's ``launch_server.py``
     run as a script, or ``sglang serve``.  Its arguments are read as arguments: the name in a file
     name (``tail -f sglang.launch_server.log``) is none of them."""
-    from npu_shim.ops import procinfo
+    from npu_shim.reporting import procinfo
 
     if not argv:
         return False
@@ -298,13 +298,14 @@ def print_result(result, out):
 def main(args):
     from npu_shim.cli import exit_codes as cli
     from npu_shim.patches.registry import known_names
-    from npu_shim.ops.terminal import terminal_writer
+    from npu_shim.reporting.terminal import terminal_writer
 
-    from npu_shim.core.loading import load_all
+    from npu_shim.core.loading import load_all, selftest_step
 
     unknown = [n for n in args.patch or () if n not in known_names()]
-    sized = {key: getattr(args, key) for patch in load_all() for _flag, key, _d, _h in patch.selftest_options}
-    flags = [flag for patch in load_all() for flag, _k, _d, _h in patch.selftest_options]
+    options = [option for patch in load_all() for option in (getattr(selftest_step(patch), "options", ()))]
+    sized = {key: getattr(args, key) for _flag, key, _d, _h in options}
+    flags = [flag for flag, _k, _d, _h in options]
     if unknown or min(list(sized.values()) + [args.timeout]) <= 0 or args.device_index < 0 \
             or args.timeout > MAX_TIMEOUT_S or max(list(sized.values()) + [args.device_index]) > MAX_NUMBER:
         sys.stderr.write(PREFIX + ("--patch %s: no such patch (%s)" % (unknown[0], ", ".join(known_names()))

@@ -3,21 +3,22 @@
 Stage ``main``: imports every sglang module a patch targets, as ``check`` does (the patches decide
 in this process as in a server), finds the device (NPU, else CUDA) and its free memory, refuses
 when too little is free, then runs the step of each applied patch that shares a process.  A patch
-whose step must run alone (``Patch.selftest_alone``: its allocator goes in before anything else
+whose step must run alone (its module's ``ALONE``: its allocator goes in before anything else
 touches the device) gets a fresh process of its own after that.  Each step is the patch's own
-(``Patch.selftest_module``, under npu_shim/patches/_selftest/): ``run(step)`` returns (ok, line,
+(npu_shim/patches/_selftest/<name>.py, ``core.loading.selftest_step``): ``run(step)`` returns (ok, line,
 facts).  Each stage prints progress lines and one report line (JSON) on stdout.
 
 On the tests' simulated NPU (``torch.npu.__simnpu__``) the flow runs on host tensors: no allocator
 statistics and no timings exist there, and the report says so.
 """
 
-import importlib
 import json
 import os
 import sys
 import time
 import types
+
+from npu_shim.reporting.log import one_line
 
 MARK = "npu-shim-selftest:"
 PROGRESS = "npu-shim-selftest-progress:"
@@ -35,8 +36,7 @@ def emit(report):
 
 
 def _one_line(exc):
-    text = " ".join(("%s: %s" % (type(exc).__name__, exc)).split())
-    return text if len(text) <= 300 else text[:297] + "..."
+    return one_line("%s: %s" % (type(exc).__name__, exc))
 
 
 def patches():
@@ -46,22 +46,29 @@ def patches():
     return {patch.name: patch for patch in load_all()}
 
 
+def steps_of_patches():
+    """{name: its SelftestStep, or None} of the registered patches, in registry order."""
+    from npu_shim.core.loading import selftest_step
+
+    return {name: selftest_step(patch) for name, patch in patches().items()}
+
+
 # -- what to run -----------------------------------------------------------------------------------
 
 def plan(states, kind, forced=()):
     """{patch: None (run its step) or why not} for every known patch, in registry order.
     ``states``: {name: {"state", "reason"}} of this process; ``kind``: "npu", "cuda" or None;
     ``forced``: names run whatever their state (``--patch``)."""
-    decided = {}
-    for name, patch in patches().items():
+    decided, steps = {}, steps_of_patches()
+    for name, step in steps.items():
         state = (states.get(name) or {}).get("state")
         if state != "applied" and name not in forced:
             decided[name] = "not applied here" if state else "not decided here (no target module imported)"
-        elif not patch.selftest_module:
+        elif step is None:
             decided[name] = "nothing to exercise on a device"
         elif kind is None:
             decided[name] = "no device"
-        elif kind not in patch.selftest_devices:
+        elif kind not in step.devices:
             decided[name] = "n/a on %s" % kind
         else:
             decided[name] = None
@@ -70,8 +77,8 @@ def plan(states, kind, forced=()):
 
 def need_mib(steps, options):
     """Free device memory the planned steps need: the largest step's (they run one after another)."""
-    found = patches()
-    return max([found[name].selftest_mib(options) for name in steps] or [0])
+    found = steps_of_patches()
+    return max([found[name].mib(options) for name in steps] or [0])
 
 
 def no_torch():
@@ -136,8 +143,7 @@ def step_context(torch, kind, index, simulated, options, record=None):
 def run_patch_step(results, name, step):
     started = time.monotonic()
     try:
-        module = importlib.import_module(patches()[name].selftest_module)
-        ok, line, facts = module.run(step)
+        ok, line, facts = steps_of_patches()[name].module.run(step)
     except Exception as exc:  # noqa: BLE001 - a step that raises failed; the others still run
         ok, line, facts = False, "raised " + _one_line(exc), {}
     results[name] = {"result": "ok" if ok else "FAILED", "line": line, "facts": facts,
@@ -157,9 +163,7 @@ def stage_main(options, watcher):
     report["torch_problem"] = broken
     if broken is not None:
         return report
-    from npu_shim.runtime import installer
-
-    report["shim_active"] = bool((installer.watcher_armed(watcher) or watcher.fired) and not watcher.off)
+    report["shim_active"] = watcher.activates_the_shim()
     report["imports"] = check.import_target_modules()
     report["sglang"] = check.sglang_facts()
     states = activation.RUNTIME.states()
@@ -189,14 +193,14 @@ def stage_main(options, watcher):
         return report
     if not simulated:
         torch.get_device_module(kind).set_device(index)
-    found = patches()
+    found = steps_of_patches()
     results = {}
     for name in steps:
-        if not found[name].selftest_alone:
+        if not found[name].alone:
             run_patch_step(results, name, step_context(torch, kind, index, simulated, options,
                                                        _record_of(name)))
     report["results"] = results
-    report["alone_next"] = [name for name in steps if found[name].selftest_alone]
+    report["alone_next"] = [name for name in steps if found[name].alone]
     report["seconds"] = round(time.monotonic() - started, 2)
     return report
 

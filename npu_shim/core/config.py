@@ -238,7 +238,7 @@ STATE_DIR = EnvVar(
     "its role and patch states; 'status --running' reads them. Unset: nothing is written.", _parse_dir)
 
 SHIM_VARIABLES = (ENABLED, ACTIVATE, STRICT, LOG_LEVEL, LOG_FORMAT, STATE_DIR, PATCHES)
-# Set by npu-shim itself (source/answers.py) or its dev tooling (the test cache), not by users.
+# Set by npu-shim itself (source/inherited.py) or its dev tooling (the test cache), not by users.
 INTERNAL_NAMES = ("NPU_SHIM_SOURCE_ANSWERS", "NPU_SHIM_CACHE")
 
 

@@ -1,14 +1,24 @@
 """The patch model: what a patch declares and how it is decided (nothing is changed here).
 
-A feature module ``npu_shim/patches/<name>.py`` defines ``PATCH``, an instance of a ``Patch``
-subclass that says in one place: the upstream PR it backports and the release that has it, the
-releases it backports to, its switch and the variables it reads, a ``probe`` that recognises
-upstream's own implementation in the running code, and its ``targets`` (npu_shim/runtime/targets.py).
+A patch is three modules found from its name (docs/adding-a-patch.md):
+
+* ``npu_shim/patches/<name>.py`` defines ``PATCH``, an instance of a ``Patch`` subclass -- the
+  thin contract, all that deciding needs: the upstream PR it backports and the release that has
+  it, the releases it backports to, its switch and the variables it reads, a ``probe`` that
+  recognises upstream's own implementation in the running code; optionally a ``Report`` (what it
+  says about itself in ``check``, the summary line and ``status --running``);
+* ``npu_shim/patches/_impl/<name>.py`` defines ``targets(view, ctx)`` (npu_shim/runtime/targets.py)
+  and what its wrappers share in a process; it is loaded only where the patch is decided past its
+  probe and trigger (``Patch.implementation``);
+* ``npu_shim/patches/_selftest/<name>.py``, optional: its step of ``python -m npu_shim selftest``.
+
 The declaration is checked when the class is defined, and every target against ``modules`` when
 the patch is decided.  ``decide`` turns it into one of the states below from the sglang *source*
 (``codeview.SourceView``), before anything is changed; the runtime then applies the targets.
 """
 
+import importlib
+import importlib.util
 import re
 
 from npu_shim.core import config
@@ -43,8 +53,8 @@ def version_tuple(text):
 
 
 class Verdict(Exception):
-    """How a patch's decision ends other than ``applied``: raised from anywhere in ``trigger``,
-    ``new_process_state`` or ``targets`` with the reason (the one way a patch says "not here")."""
+    """How a patch's decision ends other than ``applied``: raised from anywhere in ``trigger`` or
+    ``targets`` with the reason (the one way a patch says "not here")."""
 
     state = None
 
@@ -76,16 +86,63 @@ class ShimError(RuntimeError):
     configured cannot be honoured (running without it would be silently wrong)."""
 
 
-class Patch:
-    """Base class: a feature module subclasses it and fills in the class attributes."""
+class Report:
+    """What a patch says about itself beyond its state -- all optional, none of it needed to
+    decide or apply (the core and the commands name no patch: they ask this)."""
 
-    name = ""              # short id: the module's name, used in logs, status and NPU_SHIM_PATCHES
+    def check_facts(self):
+        """{report key: {"label", "text", ...}}: what ``python -m npu_shim check`` shows about the
+        image for this patch (read from files; nothing is imported or initialised)."""
+        return {}
+
+    def summary(self, details):
+        """The words the summary line adds after this patch's state (``applied(full, 49152
+        MiB)``); ``details``: a ``Details`` reader of this process's record."""
+        return []
+
+    def running(self, details):
+        """The same for ``status --running``; ``details``: a ``Details`` reader of a record another
+        process wrote (untrusted: its readers return only values of the type asked for)."""
+        return []
+
+
+class Details:
+    """Typed readers of a patch record's details, which may come from another process's state
+    record: each returns the value only when it has the type asked for, else None."""
+
+    def __init__(self, details):
+        self._details = details if isinstance(details, dict) else {}
+
+    def text(self, key, limit=None):
+        value = self._details.get(key)
+        return (value if limit is None else value[:limit]) if isinstance(value, str) else None
+
+    def count(self, key):
+        """A non-negative int (never a bool)."""
+        value = self._details.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+    def number(self, key):
+        """An int or a float (never a bool)."""
+        value = self._details.get(key)
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+class Patch:
+    """The contract: what a patch declares to be decided and applied.  A feature module subclasses
+    it and fills in the class attributes and ``probe``; its targets are its implementation
+    module's ``targets(view, ctx)`` (found from ``name``)."""
+
+    name = ""              # short id, used in logs, status and NPU_SHIM_PATCHES: the module's name
+                           # unless given
     title = ""             # one line: what it does
     upstream_pr = ""       # e.g. "sgl-project/sglang#19246"
     upstream_release = ""  # first sglang release that has it, e.g. "0.5.10"
     backport_range = ()    # (first, last) release the shim backports it to, e.g. ("0.5.7", "0.5.9")
     remove_when = ""       # when this patch can be deleted
-    switch = None          # config.EnvVar (config.switch(name)) that turns it off
+    switch_doc = ""        # what its switch, NPU_SHIM_<NAME>, says in the variables' table
+    switch_aliases = ()    # older names of the switch, still read
+    switch = None          # the config.EnvVar made from those (or given: config.switch(name, doc))
     reads = ()             # other config.EnvVar it depends on; a bad value fails the patch
     trigger_env = {}       # the variables that turn it on (tests, the demo and the release table)
     modules = ()           # every module its targets can live in (hooks are put on these)
@@ -93,9 +150,14 @@ class Patch:
     error = ShimError      # what the process raises when a requested patch cannot be honoured
     requires = None        # a method run before any target of the patch changes a loaded module;
                            # it raises (with the reason) when an apply-time precondition fails
+    report = Report()      # what it says about itself (optional: a Report subclass's instance)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            cls.name = cls.__module__.rpartition(".")[2]
+        if cls.__dict__.get("switch") is None and cls.switch_doc and _NAME.match(cls.name):
+            cls.switch = config.switch(cls.name, cls.switch_doc, aliases=cls.switch_aliases)
         problems = declaration_problems(cls)
         if problems:
             raise TypeError("patch %s is declared wrongly: %s" % (cls.__name__, "; ".join(problems)))
@@ -108,16 +170,22 @@ class Patch:
         """Raise ``Inactive(reason)`` when the patch has nothing to do in this job."""
         return None
 
-    def new_process_state(self, view, details):
-        """The object the patch's wrappers share in this process (what they set up and count), or
-        None; made once per decision (so uninstall/install starts over) and handed to ``targets``
-        as ``ctx.process``; ``details``: the record's, which status shows."""
-        return None
-
     def targets(self, view, ctx):
-        """The Wrap/Replace targets for this release (``ctx``: a DecideContext); raise a
-        ``Verdict`` (``Inactive``, ``Unsupported``, ``Failed``) where there are none to apply."""
-        raise NotImplementedError
+        """The Wrap/Replace targets for this release (``ctx``: a DecideContext): the
+        implementation module's ``targets(view, ctx)``, which raises a ``Verdict`` (``Inactive``,
+        ``Unsupported``, ``Failed``) where there are none to apply."""
+        return self.implementation().targets(view, ctx)
+
+    def implementation(self):
+        """The patch's implementation module, ``<its package>._impl.<name>`` (loaded on first use:
+        a process whose sglang has the feature upstream never loads it)."""
+        package = type(self).__module__.rpartition(".")[0]
+        name = "%s._impl.%s" % (package, self.name)
+        if not package or importlib.util.find_spec(package + "._impl") is None \
+                or importlib.util.find_spec(name) is None:
+            raise NotImplementedError("patch %s has no implementation module %s (nor targets of its own)"
+                                      % (self.name, name))
+        return importlib.import_module(name)
 
     def must_honour(self, environ):
         """True when the user explicitly asked for the feature, so that failing to apply it must
@@ -127,32 +195,6 @@ class Patch:
     def origin(self):
         return "backport of %s; upstream since %s" % (self.upstream_pr, self.upstream_release)
 
-    # -- python -m npu_shim selftest: what the patch exercises on a device
-    selftest_module = ""          # dotted module whose ``run(step)`` does it ("": nothing to run)
-    selftest_devices = ("npu",)   # device kinds the step runs on ("n/a on <kind>" elsewhere)
-    selftest_alone = False        # its step runs in a process of its own, before anything touches the device
-    selftest_options = ()         # (flag, options key, default, help) of the ``selftest`` options it reads
-
-    def selftest_mib(self, options):
-        """Free device memory (MiB) the step needs, with this run's ``options``."""
-        return 0
-
-    # -- what the patch says about itself (the core and the commands name no patch)
-    def check_facts(self):
-        """{report key: {"label", "text", ...}}: what ``python -m npu_shim check`` shows about the
-        image for this patch (read from files; nothing is imported or initialised)."""
-        return {}
-
-    def summary_details(self, details):
-        """The words the summary line adds after this patch's state (``applied(full, 49152
-        MiB)``), from its record's details."""
-        return []
-
-    def running_details(self, details):
-        """The same for ``status --running``, from a record another process wrote (untrusted:
-        every value's type is checked)."""
-        return []
-
 
 def declaration_problems(cls):
     """What is wrong with a Patch subclass's declaration ([] when nothing)."""
@@ -160,7 +202,8 @@ def declaration_problems(cls):
     if not _NAME.match(cls.name or ""):
         problems.append("name %r is not a lower-case identifier" % (cls.name,))
     if not isinstance(cls.switch, config.EnvVar):
-        problems.append("switch must be a config.EnvVar (config.switch(name, doc))")
+        problems.append("switch must be a config.EnvVar (made from switch_doc, or given: "
+                        "config.switch(name, doc))")
     elif cls.switch.name != config.switch_name(cls.name):
         problems.append("switch is %s, expected %s" % (cls.switch.name, config.switch_name(cls.name)))
     if not all(isinstance(var, config.EnvVar) for var in cls.reads):
@@ -191,13 +234,16 @@ def expected_state(patch, version):
 
 
 class DecideContext:
-    """What ``Patch.targets`` may consult and say while the patch is being decided."""
+    """What ``targets(view, ctx)`` may consult and say while the patch is being decided."""
 
-    def __init__(self, environ, assume_triggered, details=None, process=None):
+    def __init__(self, environ, assume_triggered, details=None):
         self.environ = environ                    # None: os.environ (as EnvVar.read takes it)
         self.assume_triggered = assume_triggered  # "would it apply if switched on?"
         self.details = {} if details is None else details  # the record's: status shows them
-        self.process = process                    # Patch.new_process_state's object, if any
+        # What the patch's wrappers share in this process (what they set up and count), set by
+        # ``targets``: made once per decision, so uninstall()/install() starts over; the record
+        # keeps it (tests and the demo reach it).
+        self.process_state = None
         self.notes = []                           # appended to the ``applied`` reason
 
     def note(self, text):
@@ -205,12 +251,12 @@ class DecideContext:
 
 
 class Decision:
-    def __init__(self, state, reason, targets=(), details=None, process=None):
+    def __init__(self, state, reason, targets=(), details=None, process_state=None):
         self.state = state
         self.reason = reason
         self.targets = list(targets)
         self.details = {} if details is None else details
-        self.process = process
+        self.process_state = process_state
 
     def __repr__(self):
         return "Decision(%s: %s)" % (self.state, self.reason)
@@ -271,15 +317,13 @@ def _decide_from_source(patch, view, environ, on_npu, assume_triggered):
     if problems:
         return Decision(UNSUPPORTED, "; ".join(problems))
     reason = patch.origin() + (" (%s)" % "; ".join(ctx.notes) if ctx.notes else "")
-    return Decision(APPLIED, reason, targets, ctx.details, ctx.process)
+    return Decision(APPLIED, reason, targets, ctx.details, ctx.process_state)
 
 
 def targets_for(patch, view, environ=None, assume_triggered=True):
-    """(ctx, targets) as a decision lists them: the patch's process state made and handed in, its
-    ``requires`` put on every target that has none of its own.  Raises a ``Verdict`` where the
-    patch has none to apply here."""
-    details = {}
-    ctx = DecideContext(environ, assume_triggered, details, patch.new_process_state(view, details))
+    """(ctx, targets) as a decision lists them, the patch's ``requires`` put on every target that
+    has none of its own.  Raises a ``Verdict`` where the patch has none to apply here."""
+    ctx = DecideContext(environ, assume_triggered)
     targets = patch.targets(view, ctx)
     if patch.requires is not None:
         for target in targets:

@@ -1,10 +1,17 @@
 """Loading the registered patches (npu_shim/patches/registry.py) and what the rest asks of them:
-the modules their targets live in, the variables they read.  A feature module that cannot be
-loaded becomes a ``BrokenPatch``: that patch alone is ``failed``; the others work."""
+the modules their targets live in, the variables they read, their selftest steps.  A feature
+module that cannot be loaded becomes a ``BrokenPatch``: that patch alone is ``failed``; the
+others work.
+
+The patches are plug-ins: this module and ``Patch.implementation`` are the only places that
+import a patch's modules, by the names the registry and the convention give
+(tests/test_layering.py holds it so)."""
 
 import importlib
+import importlib.util
 
 from npu_shim.core import config
+from npu_shim.core.framework import Report
 from npu_shim.patches import registry
 
 
@@ -18,6 +25,7 @@ class BrokenPatch:
     reads = ()
     modules = ()
     trigger_env = {}
+    report = Report()
 
     def __init__(self, name, reason):
         self.name = name
@@ -26,15 +34,6 @@ class BrokenPatch:
 
     def must_honour(self, environ):
         return False
-
-    def check_facts(self):
-        return {}
-
-    def summary_details(self, details):
-        return []
-
-    def running_details(self, details):
-        return []
 
     def origin(self):
         return "feature module npu_shim.patches.%s" % self.name
@@ -50,6 +49,38 @@ def load(module_name):
     if getattr(patch, "name", None) != name:
         return BrokenPatch(name, "%s.PATCH is named %r, not %r" % (module_name, getattr(patch, "name", None), name))
     return patch
+
+
+class SelftestStep:
+    """A patch's step of ``python -m npu_shim selftest``: its module ``<its package>._selftest.<name>``,
+    whose ``run(step)`` exercises the patch, and what that module says of the step (each optional):
+    ``DEVICES`` the device kinds it runs on (default: the NPU), ``ALONE`` whether it runs in a
+    process of its own before anything touches the device, ``OPTIONS`` the (flag, options key,
+    default, help) of the ``selftest`` options it reads, ``mib(options)`` the free device memory it
+    needs."""
+
+    def __init__(self, module):
+        self.module = module
+        self.devices = getattr(module, "DEVICES", ("npu",))
+        self.alone = getattr(module, "ALONE", False)
+        self.options = getattr(module, "OPTIONS", ())
+
+    def mib(self, options):
+        need = getattr(self.module, "mib", None)
+        return need(options) if need is not None else 0
+
+
+def selftest_step(patch):
+    """The patch's SelftestStep, or None: it has none (a broken patch has none either)."""
+    if getattr(patch, "broken", None):
+        return None
+    package = type(patch).__module__.rpartition(".")[0]
+    name = "%s._selftest.%s" % (package, patch.name)
+    try:
+        found = importlib.util.find_spec(name) if package else None
+    except ImportError:
+        found = None
+    return SelftestStep(importlib.import_module(name)) if found is not None else None
 
 
 def load_all():

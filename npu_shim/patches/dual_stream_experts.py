@@ -37,55 +37,36 @@ Upstream: sgl-project/sglang#19246 ("[NPU] optimize glm4.7"), sglang 0.5.10
 (``hardware_backend/npu/utils.py``: ``process_shared_expert``, ``wait_share_stream``).
 Remove when every supported image runs sglang >= 0.5.10.
 """
-import importlib
-
 from npu_shim.core import config
-from npu_shim.core.framework import Patch
+from npu_shim.core.framework import Patch, Report
 
 GLM4_MOE = "sglang.srt.models.glm4_moe"
 NPU_UTILS = "sglang.srt.hardware_backend.npu.utils"
-IMPLEMENTATION = "npu_shim.patches._impl.dual_stream_experts"
 
-
-SWITCH = config.switch(
-    "dual_stream_experts",
-    "Switch for the GLM-4.x MoE dual-stream experts and fused qkv-rmsnorm-rope backport.",
-    aliases=("NPU_SHIM_DUAL_STREAM",))
 MULTI_STREAM = config.boolean(
     "SGLANG_NPU_USE_MULTI_STREAM", False,
     "Run GLM-4.x shared experts on a side stream during extend/verify (upstream name and meaning).")
 
 
-def implementation():
-    """The wrappers, the kernel checks and the targets (npu_shim/patches/_impl/), loaded on first
-    use: a process whose sglang has the feature upstream never loads them."""
-    return importlib.import_module(IMPLEMENTATION)
-
-
-def __getattr__(name):
-    """The implementation's names read through this module (``DualStream``, ``kernel_problem``)."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    return getattr(implementation(), name)
+class DualStreamExpertsReport(Report):
+    def check_facts(self):
+        problem = PATCH.implementation().kernel_problem()
+        return {"kernel": {"label": "sgl_kernel_npu", "ok": problem is None,
+                           "text": "split_qkv_rmsnorm_rope usable" if problem is None else str(problem)}}
 
 
 class DualStreamExperts(Patch):
-    name = "dual_stream_experts"
     title = "GLM-4.x MoE: shared experts on a side stream; fused qkv-rmsnorm-rope in decode"
     upstream_pr = "sgl-project/sglang#19246"
     upstream_release = "0.5.10"
     backport_range = ("0.5.7", "0.5.9")
     remove_when = "every supported image runs sglang >= 0.5.10"
-    switch = SWITCH
+    switch_doc = "Switch for the GLM-4.x MoE dual-stream experts and fused qkv-rmsnorm-rope backport."
+    switch_aliases = ("NPU_SHIM_DUAL_STREAM",)
     reads = (MULTI_STREAM,)
     trigger_env = {MULTI_STREAM.name: "1"}
     modules = (GLM4_MOE,)
-
-    selftest_module = "npu_shim.patches._selftest.dual_stream_experts"
-    selftest_devices = ("npu", "cuda")  # the streams go through torch.get_device_module()
-
-    def selftest_mib(self, options):
-        return 2048  # the GLM-4.5-Air-shaped block and its activations, with room to spare
+    report = DualStreamExpertsReport()
 
     def probe(self, view):
         module = view.module(GLM4_MOE)
@@ -93,23 +74,6 @@ class DualStreamExperts(Patch):
                 and view.has(NPU_UTILS, "process_shared_expert")):
             return "glm4_moe runs shared experts through hardware_backend.npu.utils.process_shared_expert"
         return None
-
-    def kernel_problem(self):
-        return implementation().kernel_problem()
-
-    def new_process_state(self, view, details):
-        return implementation().DualStream(details)
-
-    def check_facts(self):
-        kernel = self.kernel_problem()
-        return {"kernel": {"label": "sgl_kernel_npu", "ok": kernel is None,
-                           "text": "split_qkv_rmsnorm_rope usable" if kernel is None else str(kernel)}}
-
-    def targets(self, view, ctx):
-        # Nothing makes the whole patch inactive: the fused path is on by default on an NPU, as
-        # upstream; the streams only when the job asks (or when asked "would it apply if on?").
-        streams = ctx.assume_triggered or MULTI_STREAM.read(ctx.environ)
-        return implementation().targets(ctx, streams, self.kernel_problem(), MULTI_STREAM.name)
 
 
 PATCH = DualStreamExperts()

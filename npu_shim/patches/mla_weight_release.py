@@ -27,7 +27,7 @@ How
     2. Role: ``runtime_context.get_disagg().disaggregation_mode`` where it exists (0.5.17+), else
        ``get_global_server_args().disaggregation_mode``; read when each layer decides.  Which of
        the two, and forward()'s W8A8 attribute, are read from the code when the patch is decided
-       and handed to the wrappers through ``FreedWeights`` (one per decision).  Unknown
+       and handed to the wrappers through ``MlaWeightReleaseState`` (one per decision).  Unknown
        (not published yet, no such field, odd value): nothing is released and one warning says so.
     3. ``mlaprolog_preprocess_weight`` is wrapped: after it made the q_a / kv_a copies, the fused
        ``qkv_a_proj.weight`` is released when role != ``null``.
@@ -37,7 +37,8 @@ How
        layers is done) the wrapper retires (``runtime.targets.Retirement``): sglang's own
        function is back where the wrapper was, so later calls cost nothing; the guards, the
        weight wrapper of step 3 and the refusal of step 5 stay.  A layer first seen after that
-       keeps its ``w_kc`` (one warning says so).
+       (a layer list that changes) brings the wrapper back from the weight wrapper: its ``w_kc``
+       is released at its next call, and the wrapper leaves again (one line says so).
 
     5. Weight updates.  ``/update_weights_from_disk`` and the tensor / distributed /
        IPC variants exist on every 0.5.9 - 0.5.19 server whatever its flags.  Loading into a
@@ -87,10 +88,8 @@ Upstream: sgl-project/sglang#38807, sglang 0.5.20 (``NPUFusedMLAPreprocess.uses_
 Remove when every supported image runs sglang >= 0.5.20.
 """
 
-import importlib
-
 from npu_shim.core import config
-from npu_shim.core.framework import Inactive, Patch, Unsupported
+from npu_shim.core.framework import Patch, Report
 
 MLA_PRE = "sglang.srt.hardware_backend.npu.attention.mla_preprocess"
 MLA_NPU = "sglang.srt.hardware_backend.npu.modules.deepseek_v2_attention_mla_npu"
@@ -106,13 +105,9 @@ PREPROCESS_SIG = ("m", "hidden_states", "positions", "forward_batch", "zero_allo
 MIB = 1 << 20
 ROLES = ("null", "prefill", "decode")
 
-SWITCH = config.switch(
-    "mla_weight_release",
-    "Switch for freeing MLA weights the mlaprolog path no longer reads (PD disaggregation only).")
 RELEASE_FORCE = config.boolean(
     "NPU_SHIM_MLA_RELEASE_FORCE", False,
     "Release MLA weights even when the server can reload or adapt weights (LoRA, weight updates).")
-SWITCH_HINT = "set %s=0 to keep the MLA weights (turns the release off)" % SWITCH.name
 
 # codeview fingerprints of what the release relies on, as shipped in 0.5.9 - 0.5.19.
 # forward(): its code also says how it detects modelslim W8A8 (the attribute of quant_method).
@@ -186,7 +181,6 @@ CALLER_PINS = {
 PINNED.update({(TP_WORKER, "BaseTpWorker." + op): pinned for op, pinned in UPDATE_PINS.items()})
 PINNED.update({(module, cls + "." + op): pinned
                for (module, cls), ops in CALLER_PINS.items() for op, pinned in ops.items()})
-IMPLEMENTATION = "npu_shim.patches._impl.mla_weight_release"
 
 
 class ReleasedWeightError(RuntimeError):
@@ -205,83 +199,36 @@ def pins(*defs):
     return {key: PINNED[key] for key in defs}
 
 
-def implementation():
-    """The predicate, the guards, the accounting and the wrappers' per-process state
-    (``FreedWeights``; npu_shim/patches/_impl/mla_weight_release.py), loaded on first use: only
-    where the patch is decided past its probe (never on a release that has the release upstream)."""
-    return importlib.import_module(IMPLEMENTATION)
-
-
-def __getattr__(name):
-    """The implementation's names read through this module (``free_weight``, ``is_released``...)."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    return getattr(implementation(), name)
-
-
 # --------------------------------------------------------------------------- the patch
 
+class MlaWeightReleaseReport(Report):
+    def summary(self, details):
+        released = details.number("released_mib")
+        return [] if released is None else ["released %s MiB" % released]
+
+    def running(self, details):
+        released = details.number("released_mib")
+        return [] if released is None else ["-%s MiB" % released]
+
+
 class MlaWeightRelease(Patch):
-    name = "mla_weight_release"
     title = "Free MLA weights the mlaprolog path no longer reads (PD disaggregation)"
     upstream_pr = "sgl-project/sglang#38807"
     upstream_release = "0.5.20"
     backport_range = ("0.5.9", "0.5.19")
     remove_when = "every supported image runs sglang >= 0.5.20"
-    switch = SWITCH
+    switch_doc = "Switch for freeing MLA weights the mlaprolog path no longer reads (PD disaggregation only)."
     reads = (RELEASE_FORCE,)
     trigger_env = {}  # on by default; the disaggregation role decides in the server
     modules = (MLA_PRE, MLA_NPU, TP_WORKER)
-
-    selftest_module = "npu_shim.patches._selftest.mla_weight_release"
-
-    def selftest_mib(self, options):
-        return 2048  # two layers' weights, one at a time, with room to spare
+    report = MlaWeightReleaseReport()
 
     def probe(self, view):
         if view.has(MLA_PRE, CLASS + ".uses_mlaprolog"):
             return "%s.uses_mlaprolog exists (and the release with it)" % CLASS
         return None
 
-    def summary_details(self, details):
-        return [] if details.get("released_mib") is None else ["released %s MiB" % details["released_mib"]]
-
-    def running_details(self, details):
-        released = details.get("released_mib")
-        if isinstance(released, (int, float)) and not isinstance(released, bool):
-            return ["-%s MiB" % released]
-        return []
-
-    def new_process_state(self, view, details):
-        """What the decision read from the code, for the wrappers: forward()'s W8A8 attribute and
-        where the disaggregation role is published."""
-        if view.function(MLA_PRE, CLASS + ".forward_mlaprolog") is None and view.function(
-                MLA_NPU, "npu_mla_preprocess") is None:
-            raise Inactive("this sglang has no mlaprolog path (it appears in 0.5.9), so there is "
-                           "nothing to release")
-        forward = FORWARD_FINGERPRINTS.get(fingerprint(view, MLA_PRE, CLASS + ".forward"))
-        role_source = "get_disagg" if view.has(RUNTIME_CONTEXT, "get_disagg") else "server_args"
-        return implementation().FreedWeights(w8a8_attr=forward, role_source=role_source, details=details)
-
-    def targets(self, view, ctx):
-        entry = (MLA_NPU, "npu_mla_preprocess")
-        weight = (MLA_PRE, CLASS + ".mlaprolog_preprocess_weight")
-        # (no mlaprolog path at all: ``inactive``, said by new_process_state)
-        missing = [d for d in (entry, weight) if view.function(*d) is None]
-        if missing:
-            raise Unsupported("%s:%s not found, although this sglang has the mlaprolog path "
-                              "(%s.forward_mlaprolog): renamed or moved in this image, so the shim "
-                              "cannot tell what would still read the weights" % (missing[0] + (CLASS,)))
-        caller = next((c for c in (SCHEDULER_MIXIN, SCHEDULER_UPDATER)
-                       if view.function(c[0], c[1] + ".update_weights_from_disk") is not None), None)
-        if caller is None:
-            raise Unsupported("the scheduler's update_weights_from_disk was not found (%s.%s or %s.%s): "
-                              "the shim cannot tell how a refused weight update would be answered, so "
-                              "it releases nothing" % (SCHEDULER_MIXIN + SCHEDULER_UPDATER))
-        ctx.note("frees memory only where the disaggregation role is prefill (qkv_a) or decode "
-                 "(qkv_a, w_kc), and not with LoRA, weight updates or speculative decoding; once "
-                 "it has, update_weights_* requests are refused")
-        return implementation().targets(ctx.process, caller)
-
 
 PATCH = MlaWeightRelease()
+SWITCH = MlaWeightRelease.switch
+SWITCH_HINT = "set %s=0 to keep the MLA weights (turns the release off)" % SWITCH.name

@@ -70,7 +70,7 @@ import importlib
 import importlib.util
 
 from npu_shim.core import config
-from npu_shim.core.framework import Failed, Inactive, Patch, ShimError
+from npu_shim.core.framework import Inactive, Patch, Report, ShimError
 
 SCHEDULER = "sglang.srt.managers.scheduler"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
@@ -78,7 +78,6 @@ COMMON = "sglang.srt.utils.common"
 DEEPEP = "sglang.srt.layers.moe.token_dispatcher.deepep"
 PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
 NPU_UTILS = "sglang.srt.hardware_backend.npu.utils"
-IMPLEMENTATION = "npu_shim.patches._impl.zbal"
 
 MIB = 1 << 20
 ALIGN_MIB = 128
@@ -98,7 +97,6 @@ class ZbalInitError(ZbalError):
         self.size_mib = size_mib
 
 
-SWITCH = config.switch("zbal", "Switch for the zbal allocator backport (also needs SGLANG_ZBAL_LOCAL_MEM_SIZE).")
 LOCAL_MEM_SIZE = config.mib(
     "SGLANG_ZBAL_LOCAL_MEM_SIZE",
     "Device memory zbal manages, in MiB (at most 1048576 = 1 TiB); > 0 turns zbal on (upstream name "
@@ -181,41 +179,53 @@ def api_problems(package_dir):
     return problems
 
 
-def implementation():
-    """The wrappers, their per-process state (``ZbalProcess``) and the targets
-    (npu_shim/patches/_impl/zbal.py), loaded on first use: only where the patch is decided past its
-    probe and trigger (never on a release that has zbal upstream, nor with the size unset)."""
-    return importlib.import_module(IMPLEMENTATION)
-
-
-def __getattr__(name):
-    """The implementation's names read through this module (``ZbalProcess``, ``zbal_module``...)."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    return getattr(implementation(), name)
-
-
 # -- the patch -----------------------------------------------------------------------------------
 
+class ZbalReport(Report):
+    def check_facts(self):
+        """The zbal package the shim would use, read from its files (never imported: importing
+        loads the native library, which needs CANN), and whether it has the Python API called."""
+        from npu_shim.source.reading import find_package_dir, module_version
+
+        package_dir = find_package_dir("zbal")
+        if package_dir is None:
+            return {"zbal": {"label": "zbal", "found": False,
+                             "text": "not installed (needed only with SGLANG_ZBAL_LOCAL_MEM_SIZE)"}}
+        version = module_version(("memfabric-zbal", "memfabric_zbal"), package_dir)
+        missing = api_problems(package_dir)
+        text = "%s at %s: %s" % (version or "unknown version", package_dir,
+                                 "API as memfabric-zbal 1.1.2/1.2.0" if not missing else
+                                 "API differs: " + "; ".join(missing))
+        return {"zbal": {"label": "zbal", "found": True, "version": version, "path": package_dir,
+                         "api_ok": not missing, "api_problems": missing, "text": text}}
+
+    def summary(self, details):
+        parts = [details.text("mode")] if details.text("mode") else []
+        size = details.count("gva_mib")
+        if size is not None:
+            parts.append("%d MiB" % size)
+        return parts
+
+    def running(self, details):
+        parts = [details.text("mode", 16)] if details.text("mode") else []
+        size = details.count("gva_mib")
+        if size is not None:
+            parts.append("%d MiB" % size)
+        return parts
+
+
 class ZbalPatch(Patch):
-    name = "zbal"
     title = "memfabric zbal allocator: init, lazy GVA heap, memory queries, DeepEP, dist backend"
     upstream_pr = "sgl-project/sglang#24575"
     upstream_release = "0.5.12"
     backport_range = ("0.5.7", "0.5.11")
     remove_when = "every supported image runs sglang >= 0.5.12"
-    switch = SWITCH
+    switch_doc = "Switch for the zbal allocator backport (also needs SGLANG_ZBAL_LOCAL_MEM_SIZE)."
     reads = (LOCAL_MEM_SIZE, BOOTSTRAP_URL)
     trigger_env = {LOCAL_MEM_SIZE.name: "12288"}
     modules = (COMMON, PARALLEL_STATE, DEEPEP, MODEL_RUNNER, SCHEDULER)
     error = ZbalError
-
-    selftest_module = "npu_shim.patches._selftest.zbal"
-    selftest_alone = True  # zbal's allocator goes in before anything else touches the device
-    selftest_options = (("--zbal-mib", "zbal_mib", 1024, "size of the zbal heap the selftest sets up, MiB"),)
-
-    def selftest_mib(self, options):
-        return options["zbal_mib"] + 512
+    report = ZbalReport()
 
     def probe(self, view):
         if view.has(SCHEDULER, "Scheduler.init_zbal_on_npu"):
@@ -232,9 +242,6 @@ class ZbalPatch(Patch):
         """Every target: zbal must be findable when its module is patched."""
         require_zbal()
 
-    def new_process_state(self, view, details):
-        return implementation().ZbalProcess(details)
-
     def must_honour(self, environ):
         if not LOCAL_MEM_SIZE.is_set(environ):
             return False
@@ -243,39 +250,5 @@ class ZbalPatch(Patch):
         except config.ConfigError:
             return True  # an invalid size is a request we cannot read, not a request for nothing
 
-    def check_facts(self):
-        """The zbal package the shim would use, read from its files (never imported: importing
-        loads the native library, which needs CANN), and whether it has the Python API called."""
-        from npu_shim.source.live import find_package_dir, module_version
-
-        package_dir = find_package_dir("zbal")
-        if package_dir is None:
-            return {"zbal": {"label": "zbal", "found": False,
-                             "text": "not installed (needed only with SGLANG_ZBAL_LOCAL_MEM_SIZE)"}}
-        version = module_version(("memfabric-zbal", "memfabric_zbal"), package_dir)
-        missing = api_problems(package_dir)
-        text = "%s at %s: %s" % (version or "unknown version", package_dir,
-                                 "API as memfabric-zbal 1.1.2/1.2.0" if not missing else
-                                 "API differs: " + "; ".join(missing))
-        return {"zbal": {"label": "zbal", "found": True, "version": version, "path": package_dir,
-                         "api_ok": not missing, "api_problems": missing, "text": text}}
-
-    def summary_details(self, details):
-        parts = [str(details["mode"])] if details.get("mode") else []
-        if isinstance(details.get("gva_mib"), int):
-            parts.append("%d MiB" % details["gva_mib"])
-        return parts
-
-    def running_details(self, details):
-        parts = [details["mode"][:16]] if isinstance(details.get("mode"), str) else []
-        size = details.get("gva_mib")
-        if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
-            parts.append("%d MiB" % size)
-        return parts
-
-    def targets(self, view, ctx):
-        if not ctx.assume_triggered and not zbal_findable():
-            raise Failed(missing_message())
-        return implementation().targets(view, ctx)
 
 PATCH = ZbalPatch()

@@ -11,7 +11,7 @@ Timeline in a process:
    anything changes.  A spawned child that decides while unpickling its target logs that line
    when the target starts (a scheduler's then carries its role: npu_shim/runtime/role.py).
    With ``NPU_SHIM_STATE_DIR`` set the process's state record is written then, and again
-   whenever it changes (npu_shim/ops/statefile.py).
+   whenever it changes (npu_shim/reporting/record_writer.py).
 3. Each hook then applies the targets that live in its module -- the shim's own first (the
    scheduler's role, npu_shim/runtime/role.py), undone last, so a patch's wrapper of the same
    function stacks on it -- a target whose loaded code does not match fails its whole patch,
@@ -26,162 +26,15 @@ import os
 import sys
 import threading
 
-from npu_shim.core import config, framework, loading
-from npu_shim.core.framework import APPLIED, FAILED, PROBLEMS, ShimError
-from npu_shim.ops import log, procinfo, staterecord, summary
-from npu_shim.runtime import installer, metrics_hook, role, wrapt_loader
+from npu_shim.core import loading
+from npu_shim.core.framework import APPLIED, FAILED, ShimError
+from npu_shim.reporting import log, procinfo, state_record, summary
+from npu_shim.runtime import metrics_hook, role, wrapt_loader
+from npu_shim.runtime.decisions import (
+    decide_each, enforce, publish_record, published, report_invalid_variables,
+    revert_record, running_on_npu, sglang_view, strict, view_of)
 from npu_shim.runtime.finder import ShimFinder
-from npu_shim.runtime.targets import Wrap
-from npu_shim.source.live import find_package_dir
-
-# Only deciding uses these (reading sglang's source, or the answers a parent's source gave): the
-# runtime lets go of them once every patch is decided (``let_go_of_deciding``).
-DECIDING_MODULES = ("npu_shim.source.answers", "npu_shim.source.codeview", "npu_shim.source.fastscan")
-
-
-class PatchRecord:
-    """What happened to one patch in this process."""
-
-    def __init__(self, patch, decision):
-        self.patch = patch
-        self.state = decision.state
-        self.reason = decision.reason
-        self.targets = decision.targets
-        self.changes = []        # targets.Change, in the order applied
-        self.applied = set()     # describe() of targets applied so far
-        self.retired = {}        # describe() of a retired target: its changes, reverted (Runtime.retire)
-        self.details = decision.details  # what the patch's wrappers report (e.g. MiB released)
-        self.process = decision.process  # the wrappers' per-process state (ctx.process)
-
-    def as_dict(self):
-        return {
-            "name": self.patch.name,
-            "state": self.state,
-            "reason": self.reason,
-            "targets": {t.describe(): t.describe() in self.applied for t in self.targets},
-            "wrappers": sorted(t.describe() for t in self.targets
-                               if isinstance(t, Wrap) and t.describe() in self.applied
-                               and t.describe() not in self.retired),
-            "retired": sorted(self.retired),
-            "details": dict(self.details),
-        }
-
-
-def strict():
-    try:
-        return config.STRICT.read()
-    except config.ConfigError as exc:
-        log.error_once(log.config_key(config.STRICT), "%s (strict mode off)" % exc)
-        return False
-
-
-def report_invalid_variables(records, patches):
-    """Each invalid variable once, at activation: those a patch read are in its ``failed`` line
-    already; the others (e.g. strict mode, the log level, a switched-off patch's) are said here,
-    and so is every ``NPU_SHIM_*`` name the shim does not read (a typo is not silently ignored)."""
-    from npu_shim.core.loading import all_variables
-
-    strict()
-    log.configure()  # reports a bad log level
-    said = " ".join(record.reason for record in records.values())
-    variables = loading.all_variables(patches)
-    for var in variables:
-        try:
-            var.read()
-        except config.ConfigError as exc:
-            if str(exc) not in said:
-                log.error_once(log.config_key(var), "%s (ignored)" % exc)
-    for name, suggestion in config.unknown_names(variables):
-        log.warning_once("unknown:" + name, "%s is not a variable npu-shim reads (ignored)%s"
-                         % (name, "; did you mean %s?" % suggestion if suggestion else ""))
-
-
-def sglang_view():
-    package = sys.modules.get("sglang")
-    path = getattr(package, "__file__", None)
-    return view_of(os.path.dirname(path)) if path else None
-
-
-def view_of(package_dir):
-    """What deciding reads sglang's source through (source/answers.py), or None without a directory."""
-    from npu_shim.source import answers
-
-    return answers.view(package_dir) if package_dir else None
-
-
-def let_go_of_deciding(kept):
-    """Drop the modules only deciding uses, but those in ``kept`` (loaded before this decision:
-    someone else holds them): every sglang process would otherwise keep their code for good.  A
-    later need (``status``, a fallback of live_fingerprint) imports them again."""
-    package = sys.modules.get("npu_shim.source")
-    for name in DECIDING_MODULES:
-        if name not in kept:
-            sys.modules.pop(name, None)
-            if package is not None:
-                vars(package).pop(name.rsplit(".", 1)[1], None)
-
-
-def running_on_npu():
-    """The same test sglang's ``is_npu()`` makes; torch is loaded by the time a target imports."""
-    torch = sys.modules.get("torch")
-    try:
-        return bool(torch is not None and hasattr(torch, "npu") and torch.npu.is_available())
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def enforce(record):
-    """Raise when a patch that did not apply must not be silently skipped."""
-    if record.state not in PROBLEMS:
-        return
-    if record.patch.must_honour(os.environ):
-        raise getattr(record.patch, "error", ShimError)(
-            "npu-shim: %s was requested but is %s: %s" % (record.patch.name, record.state, record.reason))
-    if strict():
-        raise ShimError("npu-shim (strict): %s is %s: %s"
-                        % (record.patch.name, record.state, record.reason))
-
-
-def revert_record(record):
-    for change in reversed(record.changes):
-        change.revert()
-    record.changes = []
-    record.applied = set()
-    record.retired = {}  # their originals are back already
-    record.details.pop("retired", None)
-
-
-def decide_each(patches, view, on_npu, missing_wrapt):
-    """{name: PatchRecord}: every patch decided with ``view``; a patch whose deciding raised is
-    ``failed`` (the others are decided regardless)."""
-    records = {}
-    for patch in patches:
-        try:
-            decision = framework.decide(patch, view, on_npu=on_npu)
-        except Exception as exc:  # noqa: BLE001
-            decision = framework.Decision(FAILED, "deciding raised %r" % (exc,))
-        if missing_wrapt is not None:
-            decision = framework.without_wrapt(decision, missing_wrapt)
-        records[patch.name] = PatchRecord(patch, decision)
-    return records
-
-
-def published(what, step):
-    """Run one step of publishing the decisions; False when it raised.  A failure is logged once
-    and not raised: enforcing, which comes after, must still run."""
-    try:
-        step()
-        return True
-    except Exception as exc:  # noqa: BLE001 - enforce runs whatever happened here
-        log.error_once("publish:" + what, "%s failed: %r" % (what, exc))
-        return False
-
-
-def publish_record(snapshot, view):
-    """Hand the records to the state record's writer, and write it where one is asked for."""
-    staterecord.attach(snapshot, getattr(view, "package_dir", None))
-    staterecord.write()
-
+from npu_shim.source.reading import find_package_dir
 
 class Runtime:
     """The shim in this process: the patches, their records, the hooks and the finder.  The
@@ -194,7 +47,7 @@ class Runtime:
         self.generation = 0
         self.patches = None           # loaded Patch instances
         self.records = None           # {name: PatchRecord} once decided
-        self.decided_from = None      # "sglang source", or "inherited answers" (source/answers.py)
+        self.decided_from = None      # "sglang source", or "inherited answers" (source/inherited.py)
         self.imported_before = set()  # target modules already imported when the shim activated
         self.hooked = set()           # every module a patch may touch
         self.watcher = None           # the start-up watcher, once handed in
@@ -278,24 +131,29 @@ class Runtime:
         self._decide(lambda: view_of(find_package_dir("sglang")), on_npu, missing_wrapt=reason)
 
     def _decide(self, make_view, on_npu, missing_wrapt=None):
-        """Decide with the view ``make_view()`` gives, then let go of the deciding modules (those
-        this decision loaded)."""
-        kept = {name for name in DECIDING_MODULES if name in sys.modules}
-        try:
-            self._decide_with(make_view(), on_npu, missing_wrapt)
-        finally:
-            let_go_of_deciding(kept)
+        """Decide with the view ``make_view()`` gives."""
+        self._decide_with(make_view(), on_npu, missing_wrapt)
 
     def _decide_with(self, view, on_npu, missing_wrapt):
         """Decide, publish, then enforce whatever publishing did: a patch the user asked for that
         failed stops the process even where saying so (the answers, the summary line, the state
         record) raised."""
         self.records = decide_each(self.patches, view, on_npu, missing_wrapt)
+        failures = self.publish(view, missing_wrapt)
+        self.enforce_all(failures)
+
+    def publish(self, view, missing_wrapt):
+        """Say the decisions: the answers children inherit, the summary line (now, or when a
+        spawned child's target starts), the state record; the steps that raised (each logged once)."""
         self.summary_due = os.getpid()
         steps = (("exporting the answers", lambda: self.publish_view(view)),
                  ("the summary line", lambda: self.say_summary_when_due(missing_wrapt)),
                  ("the state record", lambda: publish_record(self.state_snapshot, view)))
-        failures = [what for what, step in steps if not published(what, step)]
+        return [what for what, step in steps if not published(what, step)]
+
+    def enforce_all(self, failures):
+        """Stop the process where a patch that did not apply must not be skipped; in strict mode,
+        also where publishing the decisions failed (``failures``: the steps that raised)."""
         for record in self.records.values():
             self.enforce(record)
         if failures and strict():
@@ -307,9 +165,9 @@ class Runtime:
         inherited = getattr(view, "reused", False) and not getattr(view, "_modules", None)
         self.decided_from = "inherited answers" if inherited else "sglang source"
         if view is not None:
-            from npu_shim.source import answers
+            from npu_shim.source import inherited
 
-            answers.export(view)
+            inherited.export(view)
             procinfo.note_sglang_version(view.version)
 
     def say_summary_when_due(self, missing_wrapt):
@@ -352,7 +210,7 @@ class Runtime:
         if not any(target is change.replacement for change in self.own_changes):
             procinfo.note_child_target(target)
             self.say_summary()
-            staterecord.touch(now=True)  # the role it now has: at once, as the scheduler's
+            state_record.touch(now=True)  # the role it now has: at once, as the scheduler's
 
     # -- applying
     def watches(self, name):
@@ -396,9 +254,9 @@ class Runtime:
                 record.state, record.reason = FAILED, "while patching %s: %s" % (name, exc)
                 if self.summary_due is None:  # else the summary line, still to come, says it
                     summary.report(record)
-                staterecord.write()
+                state_record.write()
                 self.enforce(record)
-        staterecord.write()
+        state_record.write()
 
     # -- a wrapper that leaves (targets.Retirement)
     def bind_retirement(self, record, target):
@@ -425,7 +283,7 @@ class Runtime:
             record.details["retired"] = sorted(record.retired)
         log.debug("%s: %s retired (its job in this process is done): the original is back"
                   % (record.patch.name, what))
-        staterecord.touch()
+        state_record.touch()
         return True
 
     def reinstate(self, record, what, generation):
@@ -441,7 +299,7 @@ class Runtime:
                 record.details["retired"] = sorted(record.retired)
             else:
                 record.details.pop("retired", None)
-        staterecord.touch()
+        state_record.touch()
         return True
 
     def reapply_after_reload(self, module):
@@ -463,11 +321,11 @@ class Runtime:
         """Arm the shim in this process; patches already imported sglang modules in place.  False
         when it is armed or active already."""
         with self.lock:
-            if self.installed or (installer.watcher_armed(watcher) and not watcher.off):
+            if self.installed or (watcher.waiting() and not watcher.says_off_only()):
                 return False
             # An explicit install() decides every patch even with NPU_SHIM_ENABLED=0 (each then
             # reads ``disabled``), as it always has; the start-up watcher only says "off".
-            watcher.off = False
+            watcher.take_over()
             self.watcher = watcher
             if "sglang" in sys.modules:
                 self.activate(watcher)
@@ -478,8 +336,7 @@ class Runtime:
     def uninstall(self, watcher):
         """Restore every original (and every rebound copy); the shim is then off in this process."""
         with self.lock:
-            while watcher in sys.meta_path:
-                sys.meta_path.remove(watcher)
+            watcher.disarm()
             self.finder.uninstall(watcher)
             if self.records:
                 for record in self.records.values():
@@ -491,9 +348,13 @@ class Runtime:
             self.generation += 1
             self.records = None
             self.patches = None
-        staterecord.write()
+        state_record.write()
 
     # -- what the process says
+    def decided_records(self):
+        """The PatchRecord of every patch, in registry order ([] before the patches are decided)."""
+        return list((self.records or {}).values())
+
     def record(self, name):
         """The PatchRecord of a decided patch, or None."""
         records = self.records

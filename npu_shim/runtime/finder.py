@@ -2,7 +2,7 @@
 
 The import system asks every finder in ``sys.meta_path`` about every import (thousands in an
 sglang process; scripts/bench_drop_in.py measures what each finder costs), so the shim keeps one: the start-up watcher
-(the ``npu_shim._bootstrap`` module itself, handed in by the runtime) hands each import to ``ShimFinder`` once it fired.
+(the ``npu_shim._bootstrap`` module itself, handed in by the runtime) hands each import on to ``ShimFinder`` once it saw ``import sglang`` (``watcher.hand_on``).
 ``ShimFinder`` owns the shim's post-import hooks (as dd-trace-py's ModuleWatchdog owns its own):
 wrapt gives the shim only its function wrappers, and an application's own
 ``wrapt.register_post_import_hook`` keeps wrapt's finder, untouched.  It answers almost every
@@ -53,18 +53,18 @@ class ShimFinder:
             hook(module)
 
     def install(self, watcher=None):
-        """Answer through the start-up ``watcher`` when it fired (it is in sys.meta_path already,
+        """Answer through the start-up ``watcher`` once it saw sglang (it is in sys.meta_path already,
         and a list the import system may be walking right now is not reordered), else from the
         front of sys.meta_path (``install()`` after sglang was imported)."""
         self.watcher = watcher
-        if watcher is not None and watcher.fired and watcher in sys.meta_path:
-            watcher.then = self.find_spec
-        elif self not in sys.meta_path:
+        if watcher is not None and watcher.hand_on(self.find_spec):
+            return
+        if self not in sys.meta_path:
             sys.meta_path.insert(0, self)
 
     def uninstall(self, watcher=None):
         if watcher is not None:
-            watcher.then = None
+            watcher.stop_handing_on()
         while self in sys.meta_path:
             sys.meta_path.remove(self)
 

@@ -3,15 +3,10 @@
 (npu_shim/runtime/activation.py)."""
 
 import os
-import sys
 
+from npu_shim import _paths
 from npu_shim.core import config
-from npu_shim.ops import log
-
-
-def watcher_armed(watcher):
-    """The start-up watcher is waiting for ``import sglang`` in this process."""
-    return watcher in sys.meta_path and not watcher.fired
+from npu_shim.reporting import log
 
 
 def reach_children(environ=None):
@@ -20,7 +15,7 @@ def reach_children(environ=None):
     directory goes first on PYTHONPATH (its ``sitecustomize.py``), or, for a pip install, its
     ``.pth`` is told to activate.  Returns the variable set, or None (already so, or impossible)."""
     environ = os.environ if environ is None else environ
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = _paths.ROOT
     if _bootstrap_file_is_ours(os.path.join(root, "sitecustomize.py")):
         entries = [e for e in environ.get("PYTHONPATH", "").split(os.pathsep) if e]
         if entries[:1] == [root]:

@@ -3,11 +3,11 @@
 Wherever sglang makes a ``TokenizerMetricsCollector`` (the launcher, with ``--enable-metrics``)
 or a ``SchedulerMetricsCollector`` (each scheduler), its ``__init__`` has just imported
 ``prometheus_client`` after setting ``PROMETHEUS_MULTIPROC_DIR`` -- the order multiprocess metrics
-need.  The wrapper calls the original, then ``ops.metrics.start`` (npu_shim/ops/metrics.py).  A
+need.  The wrapper calls the original, then ``reporting.metrics.start`` (npu_shim/reporting/metrics.py).  A
 release whose collector module lacks a class is left alone for it (DEBUG line).
 """
 
-from npu_shim.ops import log, metrics
+from npu_shim.reporting import log, metrics
 from npu_shim.runtime.targets import Change, function_wrapper, resolve
 
 #: Where the collectors live: 0.5.7-0.5.9, then 0.5.10 on.

@@ -4,8 +4,8 @@
 import os
 
 from npu_shim.core import config
-from npu_shim.ops import log, procinfo, staterecord
-from npu_shim.source.live import find_package_dir, read_version
+from npu_shim.reporting import log, procinfo, state_record
+from npu_shim.source.reading import find_package_dir, read_version
 
 
 def say_off():
@@ -17,7 +17,7 @@ def say_off():
         log.info("off (%s=%s): sglang is not patched in this process"
                  % (config.ENABLED.name, os.environ.get(config.ENABLED.name, "").strip()),
                  fields={"event": "off"})
-        staterecord.write_off_record(package_dir)
+        state_record.write_off_record(package_dir)
     except Exception as exc:  # noqa: BLE001
         try:
             log.error_once("off", "shim off; could not say more: %r" % (exc,))

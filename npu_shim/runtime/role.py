@@ -20,9 +20,9 @@ gets that far (a child killed before it starts its target says none).
 import os
 import sys
 
-from npu_shim.ops import log, procinfo, staterecord
+from npu_shim.reporting import log, procinfo, state_record
 from npu_shim.runtime.targets import Change, bind_arguments, function_wrapper, resolve
-from npu_shim.source.live import live_params
+from npu_shim.source.reading import live_params
 
 MODULE = "sglang.srt.managers.scheduler"
 ENTRY = "run_scheduler_process"
@@ -44,7 +44,7 @@ def prepare(module, started):
         try:
             note(bind_arguments(params, args, kwargs))
             started()
-            staterecord.touch(now=True)
+            state_record.touch(now=True)
         except Exception as exc:  # noqa: BLE001 - the scheduler starts whatever happens here
             log.error_once("role:note", "noting the scheduler's role failed: %r" % (exc,))
         return wrapped(*args, **kwargs)

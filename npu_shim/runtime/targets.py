@@ -4,7 +4,7 @@ Both say in one vocabulary what the code must still be for the change to be righ
 
 * ``signatures`` (Wrap): the parameter tuples the wrapper was written for;
 * ``pins``: ``{(module, qualname): {fingerprint: releases}}`` -- defs whose code the change relies
-  on must be code the shim has read (the fingerprints of npu_shim/source/live.py).  A pin on the target itself is
+  on must be code the shim has read (the fingerprints of npu_shim/source/reading.py).  A pin on the target itself is
   checked again in the loaded code, since the wrapper stands in for (part of) that body;
 * ``source_has``: ``[(regex, what)]`` the target's module source must match;
 * ``requires``: a callable run before the loaded module is changed; it raises (with the reason)
@@ -18,7 +18,7 @@ gives the patch a handle whose ``retire()`` has the runtime put the original bac
 wrapper was put (npu_shim/runtime/activation.py, ``Runtime.retire``), so calls stop paying for it.
 """
 
-from npu_shim.source.live import SourceError, live_fingerprint, live_params
+from npu_shim.source.reading import SourceError, live_fingerprint, live_params
 
 _MISSING = object()
 

@@ -26,6 +26,8 @@ import os
 import re
 import sys
 
+from npu_shim import _paths
+
 MIN_IMAGE_VERSION = (1, 14)  # measured: 1.14.1, 1.17.3 and 2.5.2 patch the real sglang 0.5.11
 PRIVATE_NAME = "npu_shim._wrapt"
 PURE_BUILD = "py3-none-any"
@@ -65,8 +67,7 @@ class Origin:
 
 def vendor_dir():
     """``npu_shim/_vendor/wrapt`` (present in a bundle, absent in the repo)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.path.join(package, "_vendor", "wrapt")
+    return os.path.join(_paths.PACKAGE_DIR, "_vendor", "wrapt")
 
 
 def version_of(package_dir):
@@ -88,7 +89,7 @@ def _text(version):
 
 def find_image_wrapt():
     """(package dir, version tuple or None) of the ``wrapt`` this interpreter would import, or None."""
-    from npu_shim.source.live import find_package_dir
+    from npu_shim.source.reading import find_package_dir
 
     path = find_package_dir("wrapt")
     return (path, version_of(path)) if path else None

@@ -7,16 +7,17 @@ or nothing), ``python -m npu_shim status`` can answer without importing sglang, 
 can ask the same questions of every released wheel.
 
 A function is read from its own lines when they can be told apart without parsing the module,
-and a module-level name found the same way (npu_shim/source/fastscan.py).  Where that is not certain, or
-where the answer is "not there", the whole module is parsed, once, and answers as before.  Either
-way the function's AST is the one the whole parse gives (same fingerprint, same parameters).
+and a module-level name found the same way (npu_shim/source/fastscan.py).  A name the text cannot
+define (no ``def name(`` for a function, the name nowhere for any other) is "not there" without
+parsing; where the answer is not certain, the whole module is parsed, once, and answers as before.
+Either way the function's AST is the one the whole parse gives (same fingerprint, same parameters).
 
 Files are decoded the way Python imports them (PEP 263 coding cookie, UTF-8 BOM); a file that
 cannot be decoded, or parsed where it has to be, raises ``SourceError`` with a one-line reason,
 which leaves the patch that asked ``unsupported``.
 
 What applying asks of the loaded code, and what deciding shares with it (reading a file, the
-fingerprint of a def), is in npu_shim/source/live.py: this module is needed only while deciding.
+fingerprint of a def), is in npu_shim/source/reading.py: this module is needed only while deciding.
 """
 
 import ast
@@ -24,7 +25,7 @@ import os
 import re
 
 from npu_shim.source import fastscan
-from npu_shim.source.live import SourceError, fingerprint_node, parse_source, read_source, read_version
+from npu_shim.source.reading import SourceError, fingerprint_node, parse_source, read_source, read_version
 
 
 class FunctionInfo:

@@ -267,7 +267,7 @@ def read_def(text, qualname, body=True):
     """(the FunctionDef of ``qualname`` parsed from its own lines, decorators included; the line
     number its first line has in the file), or None where those lines cannot be told apart for
     certain without parsing the whole module.  ``body=False``: only the decorators and the
-    signature are parsed (the node's body is ``pass``).  ``text``: a str, or the module's _Text."""
+    signature are parsed (the node's body is ``pass``).  ``text``: a str, or the module's Text."""
     where = locate_def(as_text(text), qualname)
     node = parse_def(where, body) if where is not None else None
     return (node, where.top + 1) if node is not None else None
@@ -286,7 +286,7 @@ class DefLines:
 
 
 def locate_def(source, qualname):
-    """The DefLines of ``qualname`` (``f`` or ``Class.method``) in ``source`` (a _Text), or None
+    """The DefLines of ``qualname`` (``f`` or ``Class.method``) in ``source`` (a Text), or None
     where its lines cannot be told apart for certain without parsing the whole module."""
     text, lines, line_at = source.text, source.lines, source.line_at
     parts = qualname.split(".")

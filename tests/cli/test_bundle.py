@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from npu_shim.cli import bundle
+from npu_shim.cli import bundle, bundle_verify
 from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
 from test_check_image import _check
 from test_drop_in import bare_venvs, snapshot, tree  # noqa: F401 - fixtures
@@ -56,7 +56,7 @@ def small_bundle(tmp_path_factory):
 
 def copy_of(small_bundle, dest):
     shutil.copytree(str(small_bundle), str(dest), symlinks=True)
-    assert bundle.verify(str(dest)) == []
+    assert bundle_verify.verify(str(dest)) == []
     return dest
 
 
@@ -155,7 +155,7 @@ def test_bundle_force_replaces_a_previous_bundle_and_its_archive(small_bundle, t
     proc = cli("bundle", out, "--force", *FAST)
     assert proc.returncode == 0, proc.stderr
     assert all(os.lstat(p).st_ino != inode for p, inode in old.items())
-    assert bundle.verify(str(out)) == []
+    assert bundle_verify.verify(str(out)) == []
     assert sorted(os.listdir(str(tmp_path))) == ["npu-shim", "npu-shim.tar.gz"]  # no staging left
 
 
@@ -317,11 +317,11 @@ def test_verify_names_extra_files_folders_and_pyc_and_never_follows_links(small_
     (copy / "npu_shim" / "drafts").mkdir()
     (copy / "npu_shim" / "drafts" / "a.py").write_text("")
     (copy / "json").mkdir()
-    os.remove(str(copy / "npu_shim" / "ops" / "log.py"))
-    os.symlink("/etc/passwd", str(copy / "npu_shim" / "ops" / "log.py"))
+    os.remove(str(copy / "npu_shim" / "reporting" / "log.py"))
+    os.symlink("/etc/passwd", str(copy / "npu_shim" / "reporting" / "log.py"))
     os.mkfifo(str(copy / "npu_shim" / "fifo"))
-    assert bundle.verify(str(copy)) == [
-        "npu_shim/ops/log.py: changed",
+    assert bundle_verify.verify(str(copy)) == [
+        "npu_shim/reporting/log.py: changed",
         "json/: extra (shadows the standard library's json)",
         "npu_shim/__pycache__/config.cpython-399.pyc: extra",
         "npu_shim/drafts/: extra",
@@ -443,13 +443,13 @@ def test_a_bundle_below_a_link_is_built_in_its_real_place(monkeypatch, tmp_path)
     lines = []
     manifest = bundle.build(str(tmp_path / "link" / "npu-shim"), [sys.executable], log=lines.append)
     assert sorted(os.listdir(str(tmp_path / "real"))) == ["npu-shim", "npu-shim.tar.gz"]
-    assert bundle.verify(str(tmp_path / "real" / "npu-shim")) == []
+    assert bundle_verify.verify(str(tmp_path / "real" / "npu-shim")) == []
     paths = {entry["path"] for entry in manifest["files"]}
     assert {"sitecustomize.py", "npu_shim/__init__.py"} <= paths
     # every optimisation level, so that -O and -OO find theirs (below)
     tag = sys.implementation.cache_tag
     assert {"__pycache__/sitecustomize.%s%s.pyc" % (tag, opt) for opt in ("", ".opt-1", ".opt-2")} <= paths
-    digest = bundle._sha256(str(tmp_path / "real" / "npu-shim" / "SHA256SUMS"))
+    digest = bundle_verify.sha256(str(tmp_path / "real" / "npu-shim" / "SHA256SUMS"))
     assert lines[-1].endswith("sha256 of its SHA256SUMS: %s (keep it: `sha256sum SHA256SUMS` and "
                               "`sha256sum -c SHA256SUMS` in the bundle prove it unchanged)" % digest)
 
@@ -549,7 +549,7 @@ def test_check_under_O_writes_nothing_into_a_writable_bundle(flag, small_bundle,
         assert proc.returncode == 0, proc.stdout + proc.stderr
         report = json.loads(proc.stdout)
         assert report["bundle"]["ok"] and report["shim_active"], report["bundle"]
-    assert bundle.verify(str(copy)) == []
+    assert bundle_verify.verify(str(copy)) == []
 
 
 EDITED = "import os\nopen(os.environ['EDIT_MARKER'], 'a').write('edited sitecustomize.py ran\\n')\n"
@@ -572,8 +572,8 @@ def test_an_edited_sitecustomize_does_not_run_under_any_optimisation_level(flag,
 
 # A sitecustomize whose .pyc makes any reading of the bundle in its process say "match".
 LYING_SITECUSTOMIZE = """
-from npu_shim.cli import bundle
-bundle.verify = lambda root: []
+from npu_shim.cli import bundle_verify
+bundle_verify.verify = lambda root: []
 """
 
 
@@ -598,7 +598,7 @@ def test_a_replaced_sitecustomize_pyc_is_named_as_what_check_cannot_prove(small_
                              capture_output=True, text=True)
     assert outside.returncode == 1 and "sitecustomize.%s.pyc: FAILED" % sys.implementation.cache_tag in outside.stdout
     # Read by a process that ran none of the bundle's code, the same bundle is "changed".
-    assert bundle.verify(str(copy)) == ["__pycache__/sitecustomize.%s.pyc: changed" % sys.implementation.cache_tag]
+    assert bundle_verify.verify(str(copy)) == ["__pycache__/sitecustomize.%s.pyc: changed" % sys.implementation.cache_tag]
 
 
 # -- property: whatever a MANIFEST holds -------------------------------------------------------------
@@ -630,9 +630,9 @@ def test_any_manifest_is_read_or_refused_in_one_line(manifest):
         os.mkdir(os.path.join(root, "npu_shim"))
         with open(os.path.join(root, "MANIFEST"), "wb") as handle:
             handle.write(manifest)
-        parsed, why = bundle.read_manifest(root)
+        parsed, why = bundle_verify.read_manifest(root)
         assert (parsed is None) != (why is None)
-        problems = bundle.verify(root)
+        problems = bundle_verify.verify(root)
         assert isinstance(problems, list) and problems == [p for p in problems if isinstance(p, str)]
         for problem in problems:
             assert "\n" not in problem
@@ -641,4 +641,4 @@ def test_any_manifest_is_read_or_refused_in_one_line(manifest):
             assert problems == ["MANIFEST: %s" % why]
 
 
-from npu_shim.ops.terminal import printable  # noqa: E402
+from npu_shim.reporting.terminal import printable  # noqa: E402

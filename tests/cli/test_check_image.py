@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from npu_shim.cli import bundle
+from npu_shim.cli import bundle, bundle_verify
 from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
 from test_drop_in import REPO, REPORT, bare_venvs, last_json, run, tree  # noqa: F401 - fixtures
 
@@ -30,7 +30,7 @@ def test_patch_facts_in_an_image_without_their_packages():
     sgl-kernel-npu is installed (this interpreter)."""
     from npu_shim.patches import dual_stream_experts, zbal as zbal_patch
 
-    report = dict(zbal_patch.PATCH.check_facts(), **dual_stream_experts.PATCH.check_facts())
+    report = dict(zbal_patch.PATCH.report.check_facts(), **dual_stream_experts.PATCH.report.check_facts())
     assert report["zbal"]["found"] is False and report["kernel"]["ok"] is False
     assert (report["zbal"]["label"], report["kernel"]["label"]) == ("zbal", "sgl_kernel_npu")
 
@@ -73,7 +73,7 @@ def test_check_fails_where_the_shim_is_not_active_or_wrapt_is_missing(bare_venvs
     assert "shim active at start-up: NO" in off.stdout
 
 
-@pytest.mark.parametrize("edited", ["npu_shim/ops/log.py", "sitecustomize.py"])
+@pytest.mark.parametrize("edited", ["npu_shim/reporting/log.py", "sitecustomize.py"])
 def test_check_fails_on_a_bundle_whose_files_changed(edited, bare_venvs, built_bundle, tree, tmp_path):
     """sitecustomize.py too: its .pyc is unchecked-hash, so an edit of it does not run, and check
     is where the operator learns of it."""
@@ -100,7 +100,7 @@ def test_unpacked_or_copied_bundle_starts_from_its_pyc(how, bare_venvs, built_bu
     else:
         root = dest / "npu-shim"
         subprocess.run(["cp", "-r", str(built_bundle), str(root)], check=True)  # new mtimes
-    assert bundle.verify(str(root)) == []
+    assert bundle_verify.verify(str(root)) == []
     proc = run(bare_venvs("3.11"), tree, REPORT, root, env={"PYTHONVERBOSE": "1"}, readonly=root)
     out = last_json(proc)
     assert out["state"] == "applied" and out["origin"]["source"] == "bundle" and out["c_ext"]

@@ -11,10 +11,10 @@ import sys
 import time
 
 import pytest
-from test_statefile import NOBODY, SYSTEM_PYTHON, as_nobody, shared_tmp  # noqa: F401 - a fixture
+from test_record_writer import NOBODY, SYSTEM_PYTHON, as_nobody, shared_tmp  # noqa: F401 - a fixture
 
 import npu_shim
-from npu_shim.ops import procinfo, statefile
+from npu_shim.reporting import procinfo, record_writer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 60
@@ -38,18 +38,18 @@ def strict_json(text):
 def record(pid=None, **fields):
     """A well-formed record of this npu-shim for ``pid`` (this test process by default: live)."""
     pid = os.getpid() if pid is None else pid
-    base = {"format": statefile.FORMAT, "pid": pid, "ppid": 1, "uid": os.geteuid(),
+    base = {"format": record_writer.FORMAT, "pid": pid, "ppid": 1, "uid": os.geteuid(),
             "host": procinfo.host(), "boot_id": procinfo.boot_id(), "pid_ns": procinfo.pid_namespace(),
             "start_ticks": procinfo.start_ticks(pid), "role": {"role": "scheduler", "tp_rank": 0},
             "shim": npu_shim.__version__, "shim_enabled": True, "sglang": "0.5.11", "python": "3.11.7",
-            "program": "sglang.launch_server", "heartbeat_s": statefile.HEARTBEAT_S,
+            "program": "sglang.launch_server", "heartbeat_s": record_writer.HEARTBEAT_S,
             "updated": time.time(), "patches": {"zbal": {"state": "applied", "reason": "r", "details": {}}}}
     base.update(fields)
     return base
 
 
 def put(dir_, rec, name=None, raw=None):
-    name = name or statefile.record_name(rec["host"], rec.get("pid_ns"), rec["pid"])
+    name = name or record_writer.record_name(rec["host"], rec.get("pid_ns"), rec["pid"])
     with open(os.path.join(str(dir_), name), "w") as handle:
         handle.write(raw if raw is not None else json.dumps(rec))
     return name
@@ -229,7 +229,7 @@ def test_forged_records_are_flagged_and_not_counted(tmp_path):
     info = strict_json(status_running(str(tmp_path), "--json").stdout)
     by_file = {p["file"]: (p["status"], p["why"]) for p in info["processes"]}
     assert by_file[mine] == ("live", None)
-    assert by_file[statefile.record_name(procinfo.host(), procinfo.pid_namespace(), 1)] == (
+    assert by_file[record_writer.record_name(procinfo.host(), procinfo.pid_namespace(), 1)] == (
         "suspect", "it names running pid 1 but gives no start time to prove it")
     assert by_file["other-x-1.json"][0] == "suspect" and by_file["other-x-1.json"][1].startswith(
         "named other-x-1.json, but its writer would name it ")
@@ -257,7 +257,7 @@ def test_a_record_naming_a_process_of_another_user_is_suspect(tmp_path):
 def test_records_of_other_hosts_go_stale_when_their_heartbeat_stops(tmp_path):
     now = time.time()
     fresh = put(tmp_path, record(pid=7, host="node-2", boot_id="b" * 36, updated=now - 1))
-    silent = put(tmp_path, record(pid=8, host="node-2", boot_id="b" * 36, updated=now - 4 * statefile.HEARTBEAT_S - 10))
+    silent = put(tmp_path, record(pid=8, host="node-2", boot_id="b" * 36, updated=now - 4 * record_writer.HEARTBEAT_S - 10))
     undated = put(tmp_path, record(pid=9, host="node-2", boot_id="b" * 36, updated=None))
     rebooted = put(tmp_path, record(pid=os.getpid(), boot_id="0" * 36))  # this host, an earlier boot
     info = strict_json(status_running(str(tmp_path), "--json").stdout)
@@ -379,7 +379,7 @@ def test_no_number_of_files_another_user_adds_hides_root_s_records(shared_tmp, w
     proc = status_running(shared, "--json")
     info = strict_json(proc.stdout)
     mine = [p for p in info["processes"] if p["pid"] == os.getpid()]
-    assert [(p["file"], p["status"]) for p in mine] == [("uid-0/" + statefile.record_name(
+    assert [(p["file"], p["status"]) for p in mine] == [("uid-0/" + record_writer.record_name(
         procinfo.host(), procinfo.pid_namespace(), os.getpid()), "live")]
     assert proc.returncode == 0 and info["live"] == 1, proc.stdout[-2000:]
 
@@ -423,7 +423,7 @@ import tempfile  # noqa: E402
 
 from hypothesis import given, strategies as st  # noqa: E402
 
-from npu_shim.cli import running_records  # noqa: E402
+from npu_shim.cli import running_records, running_table  # noqa: E402
 
 RAW_CONTROLS = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\ud800-\udfff]")
 TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["", "applied", "failed", "0.5.11", "\x1b[2J", "\u202e",
@@ -452,7 +452,7 @@ def _near_records():
 
 def _shown_safely(info):
     out = io.StringIO()
-    running_records.print_table(info, out)
+    running_table.print_table(info, out)
     text = out.getvalue()
     text.encode("utf-8")  # strict, as a UTF-8 locale's stdout
     assert not RAW_CONTROLS.search(text.replace("\n", "")), repr(text)

@@ -24,9 +24,10 @@ from npu_shim.cli import selftest, selftest_child
 from npu_shim.patches import zbal as zbal_patch
 from npu_shim.patches._selftest import dual_stream_experts as dual_stream_selftest
 from npu_shim.patches._selftest import mla_weight_release as mla_selftest
+from npu_shim.patches._selftest import zbal as zbal_selftest
 from npu_shim.patches._selftest import synthetic_moe
 
-DEFAULT_ZBAL_MIB = zbal_patch.ZbalPatch.selftest_options[0][2]  # --zbal-mib's default
+DEFAULT_ZBAL_MIB = zbal_selftest.OPTIONS[0][2]  # --zbal-mib's default
 from shimdev import realsglang
 
 RELEASE = "0.5.9"
@@ -100,7 +101,7 @@ def test_full_mode_json_every_applied_patch_passes_within_the_bound(release_venv
     assert list(patches) == ["zbal", "mla_weight_release", "dual_stream_experts"]
     assert {n: (p["state"], p["result"]) for n, p in patches.items()} == {
         n: ("applied", "ok") for n in patches}
-    # zbal: full mode through the shim's ZbalProcess, the chosen heap handed to zbal_init
+    # zbal: full mode through the shim's ZbalState, the chosen heap handed to zbal_init
     z = patches["zbal"]["facts"]
     assert (z["mode"], z["heap_mib"], z["backend"], z["shim_capacity_mib"]) == ("full", 512, "pluggable", 512)
     assert z["shim_free_gib"] == z["zbal_free"] / (1 << 30) and z["problems"] == []
@@ -708,7 +709,7 @@ def test_a_device_index_past_the_devices_is_a_usage_error(monkeypatch):
     from npu_shim.runtime import activation
 
     monkeypatch.setattr(activation.RUNTIME, "states", lambda: {"zbal": {"state": "applied", "reason": "r"}})
-    watcher = types.SimpleNamespace(fired=True, off=False)
+    watcher = types.SimpleNamespace(activates_the_shim=lambda: True)  # armed at start-up, sglang seen
     report = selftest_child.stage_main({"device_index": 5, "patches": ["zbal"], "zbal_mib": 64}, watcher)
     assert report["bad_index"] == "--device-index 5: torch sees 1 npu device here (0)"
     monkeypatch.setattr(selftest, "run_stage", lambda *a: (dict(_report({"zbal": None}, {}), bad_index="b"), None))

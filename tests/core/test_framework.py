@@ -69,7 +69,6 @@ def test_a_wrong_declaration_fails_when_the_class_is_defined(overrides, words):
     ("upstream_pr", "title, upstream_pr and remove_when are required"),
     ("title", "title, upstream_pr and remove_when are required"),
     ("remove_when", "title, upstream_pr and remove_when are required"),
-    ("name", "name '' is not a lower-case identifier"),
     ("switch", "switch must be a config.EnvVar"),
     ("upstream_release", "backport_range must be (first, last) and upstream_release a release number"),
     ("backport_range", "backport_range must be (first, last) and upstream_release a release number"),
@@ -81,6 +80,18 @@ def test_a_declaration_that_leaves_out_a_required_attribute_fails(omitted, words
     with pytest.raises(TypeError) as info:
         declare(omit=(omitted,))
     assert words in str(info.value)
+
+
+def test_a_patch_is_named_after_its_module_and_its_switch_made_from_its_doc():
+    """Its name is spelled once, by its module's file name: left out, the name is the module's and
+    the switch NPU_SHIM_<NAME> is made from ``switch_doc``; a name given wrongly still fails."""
+    module = __name__.rpartition(".")[2]
+    patch = declare(omit=("name", "switch"), switch_doc="test switch", switch_aliases=("NPU_SHIM_OLD",))()
+    assert patch.name == module and patch.switch.name == config.switch_name(module)
+    assert patch.switch.doc == "test switch" and patch.switch.aliases == ("NPU_SHIM_OLD",)
+    with pytest.raises(TypeError) as info:
+        declare(name="")
+    assert "name '' is not a lower-case identifier" in str(info.value)
 
 
 def test_the_defaults_a_declaration_may_leave_out():
@@ -220,12 +231,12 @@ def test_decisions_hand_the_wrappers_their_details_and_process_state():
     state = object()
 
     def targets_(self, view, ctx):
-        ctx.process = state
+        ctx.process_state = state
         ctx.details["seen"] = True
         return [targets.Wrap("sglang.srt.a", "f", lambda *a: None, [()])]
 
     decision = framework.decide(declare(targets=targets_)(), View(), environ={})
-    assert decision.process is state and decision.details == {"seen": True}
+    assert decision.process_state is state and decision.details == {"seen": True}
 
 
 def test_a_backport_range_of_one_release_is_a_valid_declaration():
@@ -243,3 +254,16 @@ def test_without_wrapt_only_a_patch_that_would_apply_fails():
     for state in (framework.UPSTREAM, framework.DISABLED, framework.INACTIVE, framework.UNSUPPORTED):
         decision = framework.Decision(state, "why")
         assert framework.without_wrapt(decision, "wrapt is not available: x") is decision
+
+
+def test_the_details_readers_return_only_the_type_asked_for():
+    """What crosses processes (another process's state record) is read through typed readers: a
+    report never formats a value of the wrong type."""
+    details = framework.Details({"mode": "full" * 10, "gva_mib": 49152, "flag": True, "neg": -1,
+                                 "mib": 12.5, "text_number": "12"})
+    assert details.text("mode", 16) == "fullfullfullfull" and details.text("gva_mib") is None
+    assert details.count("gva_mib") == 49152 and details.count("flag") is None and details.count("neg") is None
+    assert details.number("mib") == 12.5 and details.number("flag") is None and details.number("text_number") is None
+    assert framework.Details(None).text("mode") is None and framework.Details(["x"]).count("x") is None
+    report = framework.Report()
+    assert (report.check_facts(), report.summary(details), report.running(details)) == ({}, [], [])

@@ -9,7 +9,7 @@ from npu_shim.patches.registry import known_names
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "npu_shim")
-ROOMS = ("core", "ops", "source", "runtime", "cli")
+ROOMS = ("core", "reporting", "source", "runtime", "cli")
 TOP = ("__init__.py", "__main__.py", "_bootstrap.py")
 
 
@@ -21,16 +21,27 @@ def files():
     yield from (os.path.join(PACKAGE, name) for name in TOP)
 
 
-def words_of(name):
-    """A patch's name and its words that name nothing else (``zbal``; ``mla``, ``dual_stream``)."""
-    parts = name.split("_")
-    return {name, parts[0]} | ({"_".join(parts[:2])} if len(parts) > 2 else set())
+def pattern_of(name):
+    """How code names a patch: its name, in any case (also inside ``NPU_SHIM_<NAME>``), and its
+    class-style CamelCase (``mla_weight_release``, ``MlaWeightRelease``).  Its words alone are not
+    its name: a patch named ``memory_*`` or ``kernel_*`` must not make every use of those words
+    fail."""
+    camel = "".join(part.capitalize() for part in name.split("_"))
+    return re.compile(r"(?<![A-Za-z0-9])((?i:%s)|%s)" % (re.escape(name), re.escape(camel)))
+
+
+def test_the_check_is_of_names_not_words():
+    pattern = pattern_of("memory_pool")
+    assert pattern.search("NPU_SHIM_MEMORY_POOL=0") and pattern.search("class MemoryPoolState:")
+    assert pattern.search("npu_shim/patches/memory_pool.py")
+    assert not pattern.search("free device memory (MiB)") and not pattern.search("a memory pool")
+    assert not pattern_of("kernel_cache").search("the kernel's cache")
 
 
 def test_no_module_outside_the_patches_names_a_patch():
     found = []
     for name in known_names():
-        pattern = re.compile(r"(?<![A-Za-z])(%s)(?![A-Za-z])" % "|".join(map(re.escape, words_of(name))), re.I)
+        pattern = pattern_of(name)
         for path in files():
             with open(path, encoding="utf-8") as handle:
                 for number, line in enumerate(handle, 1):

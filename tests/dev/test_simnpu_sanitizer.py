@@ -1,6 +1,6 @@
 """The simulated NPU's stream sanitizer (dev/shimdev/simnpu/_sanitizer.py), in this process.
 
-Seeded bugs, each in the shim's own dual-stream body (``DualStream._forward_deepep_dual_stream``
+Seeded bugs, each in the shim's own dual-stream body (``DualStreamExpertsState._forward_deepep_dual_stream``
 on a small pure-torch MoE block) or in a few lines of stream code, must each be reported with the
 right kind; the same code without the bug must report nothing.  Then the happens-before edges one by
 one, the record_stream rule, storage resizes as frees, the declared stand-in kernels, and that the
@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from npu_shim.patches import dual_stream_experts as ds
+from npu_shim.patches._impl import dual_stream_experts as ds
 from shimdev import csan_check, dual_stream_bench, dual_stream_kernels, mla_kernels
 from shimdev.simnpu import _sanitizer
 
@@ -54,7 +54,7 @@ def kinds(san):
 # -- the shim's dual-stream body: correct, and with each bug seeded ---------------------------------
 
 def test_the_backports_dual_stream_body_reports_nothing(npu, block):
-    process = ds.DualStream()
+    process = ds.DualStreamExpertsState()
     with _sanitizer.sanitize() as san:
         two_layers(process, block, npu)
     san.assert_clean()
@@ -62,7 +62,7 @@ def test_the_backports_dual_stream_body_reports_nothing(npu, block):
 
 
 def test_a_removed_wait_share_stream_is_reported(npu, block, monkeypatch):
-    process = ds.DualStream()
+    process = ds.DualStreamExpertsState()
     monkeypatch.setattr(process, "wait_share_stream", lambda: None)
     with _sanitizer.sanitize() as san:
         two_layers(process, block, npu)
@@ -74,7 +74,7 @@ def test_a_removed_wait_share_stream_is_reported(npu, block, monkeypatch):
 
 
 def test_a_wait_moved_after_add_is_reported(npu, block, monkeypatch):
-    process = ds.DualStream()
+    process = ds.DualStreamExpertsState()
     real_wait = process.wait_share_stream
     monkeypatch.setattr(process, "wait_share_stream", lambda: None)
     with _sanitizer.sanitize() as san:
@@ -90,7 +90,7 @@ def test_an_in_place_write_to_hidden_states_on_the_main_stream_is_reported(npu, 
     block.experts = InPlaceExperts(block.experts)
     with _sanitizer.sanitize() as san:
         with torch.no_grad():
-            moe_layer(ds.DualStream(), block, torch.randn(SMALL["tokens"], SMALL["hidden"]))
+            moe_layer(ds.DualStreamExpertsState(), block, torch.randn(SMALL["tokens"], SMALL["hidden"]))
     assert "write-after-read" in kinds(san), san.reports
     (race,) = [r for r in san.reports if r.kind == "write-after-read"]
     assert race.streams == ("side-1", "main") and race.ops[1] == "copy_", race
@@ -111,7 +111,7 @@ class InPlaceExperts(torch.nn.Module):
 
 
 def test_a_side_stream_that_does_not_wait_for_main_is_reported(npu, block, monkeypatch):
-    process = ds.DualStream()
+    process = ds.DualStreamExpertsState()
     side = npu.Stream()
 
     def no_wait(hidden_states, forward_func):
@@ -333,7 +333,7 @@ def test_a_stand_in_that_breaks_its_schema_is_reported(npu):
 
 
 def test_a_declared_stand_in_keeps_its_signature_and_source_for_the_kernel_check():
-    from npu_shim.source.live import unwrap
+    from npu_shim.source.reading import unwrap
 
     kernel = dual_stream_kernels.split_qkv_rmsnorm_rope
     problem, partial = ds.loaded_kernel_support(kernel)

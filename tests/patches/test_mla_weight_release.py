@@ -18,13 +18,14 @@ from npu_shim.core import config, framework
 from npu_shim.source.codeview import SourceView
 from npu_shim.patches import mla_weight_release as R
 from npu_shim.patches._impl import mla_weight_release as RI
+from npu_shim.runtime import tensor_release
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shimdev import sglang_envs
 
 
 # The wrappers' per-process state, as a decision builds it for 0.5.10 - 0.5.16 (each test afresh).
-REL = RI.FreedWeights("quantization_config", "server_args")
+REL = RI.MlaWeightReleaseState("quantization_config", "server_args")
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +66,7 @@ def test_states_across_every_release():
         states[version] = decision.state
         if decision.state == framework.APPLIED:
             attr = "quant_config" if version == "0.5.9" else "quantization_config"
-            release = decision.process  # what the code said reaches the wrappers, not a global
+            release = decision.process_state  # what the code said reaches the wrappers, not a global
             assert release.w8a8_attr == attr, version
             newer = sglang_envs.RELEASES.index(version) >= sglang_envs.RELEASES.index("0.5.17")
             assert release.role_source == ("get_disagg" if newer else "server_args"), version
@@ -101,7 +102,7 @@ def test_weight_update_targets_pin_the_worker_and_the_scheduler_side_of_every_re
         updates = {t.qualname.split(".")[1]: t for t in decision.targets if t.module == R.TP_WORKER}
         assert set(updates) == set(R.UPDATE_OPS), version
         for op, target in updates.items():
-            assert target.signatures == (("recv_req",),) and target.wrapper == decision.process.wrap_weight_update
+            assert target.signatures == (("recv_req",),) and target.wrapper == decision.process_state.wrap_weight_update
             assert set(target.pins) == {(R.TP_WORKER, "BaseTpWorker." + op), (caller[0], caller[1] + "." + op)}
             assert target.check_source(view) is None, (version, op)
             assert view.function(caller[0], caller[1] + "." + op).fingerprint in R.PINNED[
@@ -605,7 +606,7 @@ def test_weight_updates_are_refused_once_weights_are_released(server, logs, monk
     layers = [layer(i) for i in range(3)]
     step(layers)
     touched = []
-    monkeypatch.setattr(RI.staterecord, "touch", lambda now=False: touched.append(now))
+    monkeypatch.setattr(RI.state_record, "touch", lambda now=False: touched.append(now))
     for op, call in (("update_weights_from_disk", worker.update_weights_from_disk),
                      ("init_weights_update_group", worker.init_weights_update_group)):
         success, message = call("req")
@@ -634,7 +635,7 @@ def test_guarded_but_still_held_weight_refuses_updates_too(server, monkeypatch):
     m = layer(0)
     base = torch.randn(4, 12, 8)
     m.w_kc = base.transpose(1, 2)  # the base, held here, outlives the release
-    monkeypatch.setattr(RI, "_base_held_elsewhere", lambda chain: False)
+    monkeypatch.setattr(tensor_release, "_base_held_elsewhere", lambda chain: False)
     step([m])
     assert RI.is_released(m.w_kc) and base.untyped_storage().nbytes() > 0
     assert REL.released_bytes["w_kc"] == 0 and REL.guarded["w_kc"] == {0}
@@ -763,7 +764,7 @@ def test_weight_that_cannot_be_swapped_or_guarded_is_kept_whole(logs, monkeypatc
     other = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     values = other.clone()
     slotted = type("Slotted", (torch.nn.Parameter,), {"__slots__": ("x",)})
-    monkeypatch.setattr(RI, "guarded_class", lambda cls: slotted)  # __class__ assignment fails
+    monkeypatch.setattr(tensor_release, "guarded_class", lambda cls, guard: slotted)  # __class__ assignment fails
     assert RI.free_weight(other, "w_kc of layer 5", REL.once) == 0 and type(other) is torch.nn.Parameter
     assert torch.equal(other, values)
     assert any("keeping w_kc of layer 5: its class Parameter cannot be guarded" in l for l in logs)
@@ -774,12 +775,12 @@ def test_memory_still_held_after_the_swap_is_not_freed(logs, monkeypatch):
     resized under it (the base stays readable) and nothing is counted as freed."""
     base = torch.randn(4, 12, 8)
     weight = base.transpose(1, 2)
-    monkeypatch.setattr(RI, "_base_held_elsewhere", lambda chain: False)
+    monkeypatch.setattr(tensor_release, "_base_held_elsewhere", lambda chain: False)
     assert RI.free_weight(weight, "w_kc of layer 6", REL.once) == 0 and RI.is_released(weight)
     assert base.untyped_storage().nbytes() == 4 * 12 * 8 * 4
     assert any("w_kc of layer 6 is guarded but its memory still has 1 holder;" in l for l in logs)
 
 
 def test_storage_that_cannot_be_compared_counts_as_shared():
-    assert RI._shares_storage(object(), torch.ones(1)) is True
-    assert RI._shares_storage(torch.ones(1), torch.ones(1)) is False
+    assert tensor_release.shares_storage(object(), torch.ones(1)) is True
+    assert tensor_release.shares_storage(torch.ones(1), torch.ones(1)) is False

@@ -28,7 +28,7 @@ class Capture(logging.Handler):
 logging.getLogger("npu_shim").addHandler(Capture())
 
 def case(role, model="glm-5", tp=16, args=None, force=False, **build):
-    activation.RUNTIME.record("mla_weight_release").process.reset()
+    activation.RUNTIME.record("mla_weight_release").process_state.reset()
     del LOG[:]
     K.publish_server_args(role, **(args or {}))
     if force:
@@ -63,7 +63,7 @@ def called():
 def passes(layers=3, count=2):
     # ``count`` forward passes over ``layers`` decode layers, each call made through what the
     # caller would look up at that moment.
-    activation.RUNTIME.record("mla_weight_release").process.reset()
+    activation.RUNTIME.record("mla_weight_release").process_state.reset()
     K.publish_server_args("decode")
     K.install()
     ms = [K.build_attention("glm-5", 16, layer_id=i) for i in range(layers)]
@@ -106,7 +106,7 @@ out["lora_forced"] = case("decode", args={"enable_lora": True}, force=True)[0]
 out["refit"] = case("decode", args={"load_format": "dummy"})[0]
 out["spec_forced"] = case("decode", args={"speculative_algorithm": "EAGLE"}, force=True)[0]
 out["shared_w_kc"] = case("decode", w_kc_contiguous=True)[0]
-activation.RUNTIME.record("mla_weight_release").process.reset()
+activation.RUNTIME.record("mla_weight_release").process_state.reset()
 out["alt_stream"] = K.run_alt_stream_step()
 
 from shimdev import simnpu
@@ -146,14 +146,14 @@ def predicate(attr):
                                   m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
                                   m.quant_config)
     return pre.uses_mlaprolog()
-attr = activation.RUNTIME.record("mla_weight_release").process.w8a8_attr
+attr = activation.RUNTIME.record("mla_weight_release").process_state.w8a8_attr
 out["w8a8_attr"] = attr
 out["predicate_w8a8"] = predicate(attr)
 other = {"quant_config": "quantization_config", "quantization_config": "quant_config"}
 out["predicate_other_attr"] = predicate(other[attr])
 out["passes"] = passes()
-# A layer first seen after the retirement: the weight wrapper still frees its qkv_a; its w_kc,
-# which only npu_mla_preprocess's wrapper frees, is kept, and the log says so.
+# A layer first seen after the retirement: the weight wrapper still frees its qkv_a and brings
+# npu_mla_preprocess's wrapper back, which frees its w_kc at its next call and leaves again.
 del LOG[:]
 unseen = K.build_attention("glm-5", 16, layer_id=9)
 for _ in range(2):
@@ -161,7 +161,8 @@ for _ in range(2):
     with context:
         called()(unseen, hidden, positions, batch, None)
 out["unseen"] = {"types": [type(unseen.fused_qkv_a_proj_with_mqa.weight).__name__, type(unseen.w_kc).__name__],
-                 "log": list(LOG)}
+                 "log": list(LOG), "sglangs": is_sglangs(called()),
+                 "retired": activation.RUNTIME.states()["mla_weight_release"]["retired"]}
 out["after_reset"] = case("decode", layer_id=7)[0]  # reset() starts over: the wrapper is back
 # Retired, then uninstalled: every original back, nothing of the shim left on the classes.
 passes(layers=2)
@@ -238,9 +239,10 @@ def test_npu_mla_preprocess_wrapper_retires_after_one_pass_and_the_release_stays
     assert passes["details"]["retired"] == [WRAPPER] and passes["details"]["layers"] == 3
     assert len(passes["wrappers"]) == 1 + len(R_UPDATE_OPS)  # the weight and update wrappers stay
     unseen = out["unseen"]
-    assert unseen["types"] == ["ReleasedParameter", "Tensor"], version
-    assert any("layer 9 first ran after the first pass" in line and "w_kc kept" in line
-               for line in unseen["log"]), unseen["log"]
+    assert unseen["types"] == ["ReleasedParameter", "ReleasedTensor"], version  # issue 32: w_kc too
+    assert any("layer 9 first ran after the first pass" in line and "wrapper is back until its w_kc is released"
+               in line for line in unseen["log"]), unseen["log"]
+    assert unseen["retired"] == [WRAPPER] and unseen["sglangs"] is True, unseen  # and it left again
     after = out["after_reset"]  # reset() starts over: the wrapper is back, and frees as before
     assert after["freed"] == after["expected"] and after["details"]["layers"] == 1, version
 
@@ -412,7 +414,7 @@ for kind, hold in KINDS.items():
     print("holding", kind, flush=True)  # a signal would show which kind
     # Each kind a fresh layer 0: start over, or it would be a layer first seen after the first
     # pass (the wrapper retired), whose w_kc is kept.
-    activation.RUNTIME.record("mla_weight_release").process.reset()
+    activation.RUNTIME.record("mla_weight_release").process_state.reset()
     r = K.run_layer("glm-5", 16, hold=hold)
     weight = "qkv_a" if kind.startswith("qkv") else "w_kc"
     other = "w_kc" if weight == "qkv_a" else "qkv_a"

@@ -33,7 +33,7 @@ NEW = hasattr(__import__("sglang.srt.model_executor.model_runner", fromlist=["x"
 # accelerator, which the simulated NPU is not): recorded, so each handler is seen to get there.
 BARRIERS = []
 dist.barrier = lambda group=None, **kw: BARRIERS.append(group)
-release = activation.RUNTIME.record("mla_weight_release").process
+release = activation.RUNTIME.record("mla_weight_release").process_state
 
 
 class Model(torch.nn.Module):

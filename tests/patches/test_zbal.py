@@ -15,7 +15,7 @@ import torch
 import wrapt
 
 from npu_shim.core import config, framework
-from npu_shim.runtime import activation, targets
+from npu_shim.runtime import activation, decisions, targets
 from npu_shim.core.loading import all_variables
 from npu_shim.source.codeview import SourceView
 from npu_shim.patches import zbal as zp
@@ -35,7 +35,7 @@ _VIEWS = {}
 
 
 # The wrappers' per-process state, as a decision builds it (the fixture starts each test afresh).
-PROC = zimpl.ZbalProcess()
+PROC = zimpl.ZbalState()
 
 
 def view(version):
@@ -150,13 +150,13 @@ def test_must_honour_when_the_size_asks_for_zbal(environ, honour):
 
 
 def test_a_bad_url_with_zbal_requested_raises_at_decision(monkeypatch):
-    # activation.enforce is what the first import hook runs after deciding.
+    # decisions.enforce is what the first import hook runs after deciding.
     monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", "61440")
     monkeypatch.setenv("SGLANG_ZBAL_BOOTSTRAP_URL", "http://10.0.0.1:6789")
     d = framework.decide(zp.PATCH, view("0.5.11"), environ=dict(os.environ), on_npu=True)
-    record = activation.PatchRecord(zp.PATCH, d)
+    record = decisions.PatchRecord(zp.PATCH, d)
     with pytest.raises(framework.ShimError) as exc:
-        activation.enforce(record)
+        decisions.enforce(record)
     assert "SGLANG_ZBAL_BOOTSTRAP_URL='http://10.0.0.1:6789' is invalid" in str(exc.value)
 
 
@@ -434,7 +434,7 @@ def test_graphs_outside_initialize_do_not_init(zb, simnpu_clean):
 
 
 def test_initialize_without_graphs_inits_after_it(zb, simnpu_clean, caplog):
-    from npu_shim.ops import log
+    from npu_shim.reporting import log
 
     log.configure()  # sets the logger's level once per process: before caplog lowers it
     mix_mode_started(zb)
@@ -742,15 +742,15 @@ def test_in_use_is_rounded_up_to_the_mib_at_the_boundary(zb, simnpu_clean, monke
 def state_dir(tmp_path, monkeypatch):
     """NPU_SHIM_STATE_DIR set for this process, its record written from PROC.details as the
     runtime's snapshot would; no writer thread (the writes under test are the synchronous ones)."""
-    from npu_shim.ops import statefile, staterecord
+    from npu_shim.reporting import record_writer, state_record
 
     for name in ("source", "sglang_path", "shim_enabled"):
-        monkeypatch.setattr(staterecord.ATTACHED, name, getattr(staterecord.ATTACHED, name))
+        monkeypatch.setattr(state_record.ATTACHED, name, getattr(state_record.ATTACHED, name))
     for name in ("last", "last_pid", "thread_pid"):
-        monkeypatch.setattr(statefile._W, name, getattr(statefile._W, name))
-    monkeypatch.setattr(statefile, "_ensure_thread", lambda: None)
+        monkeypatch.setattr(record_writer._W, name, getattr(record_writer._W, name))
+    monkeypatch.setattr(record_writer, "_ensure_thread", lambda: None)
     monkeypatch.setenv("NPU_SHIM_STATE_DIR", str(tmp_path / "state"))
-    staterecord.attach(lambda: {"zbal": {"state": "applied", "details": dict(PROC.details)}})
+    state_record.attach(lambda: {"zbal": {"state": "applied", "details": dict(PROC.details)}})
 
     def details():
         import json

@@ -11,9 +11,9 @@ import types
 import pytest
 
 from npu_shim.core import framework
-from npu_shim.ops import procinfo, staterecord, summary
-from npu_shim.runtime import activation, role
-from npu_shim.source import answers, codeview
+from npu_shim.reporting import procinfo, state_record, summary
+from npu_shim.runtime import activation, decisions, role
+from npu_shim.source import inherited, codeview
 from test_bootstrap import DEMO_PATCH, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 from test_framework import declare
 
@@ -25,7 +25,7 @@ def test_states_and_record_before_the_shim_started(tree):
     proc = run(tree, """
         import json, sys
         import npu_shim
-        from npu_shim.runtime import activation
+        from npu_shim.runtime import activation, decisions
         print(json.dumps({"states": npu_shim.states(), "runtime_states": activation.RUNTIME.states(),
                           "record": activation.RUNTIME.record("demo"), "records": activation.RUNTIME.records,
                           "installed": activation.RUNTIME.installed, "sglang": "sglang" in sys.modules}))
@@ -53,9 +53,9 @@ def undecided(monkeypatch):
     monkeypatch.setattr(activation.RUNTIME, "records", None)
     monkeypatch.setattr(activation.RUNTIME, "decided_from", None)
     for name in ("source", "sglang_path", "shim_enabled"):
-        monkeypatch.setattr(staterecord.ATTACHED, name, getattr(staterecord.ATTACHED, name))
+        monkeypatch.setattr(state_record.ATTACHED, name, getattr(state_record.ATTACHED, name))
     monkeypatch.setattr(procinfo, "_sglang_version", "before")
-    for name in (answers.ENV, "NPU_SHIM_STATE_DIR", "NPU_SHIM_STRICT", "NPU_SHIM_DEMO"):
+    for name in (inherited.ENV, "NPU_SHIM_STATE_DIR", "NPU_SHIM_STRICT", "NPU_SHIM_DEMO"):
         monkeypatch.setenv(name, "")  # so that the undo also removes what deciding exports
         monkeypatch.delenv(name)
     return patch
@@ -63,20 +63,20 @@ def undecided(monkeypatch):
 
 def test_sglang_view_is_none_without_an_sglang_module(monkeypatch):
     monkeypatch.delitem(sys.modules, "sglang", raising=False)
-    assert activation.sglang_view() is None
+    assert decisions.sglang_view() is None
     namespace = types.ModuleType("sglang")  # a namespace package: no __file__
     namespace.__file__ = None
     monkeypatch.setitem(sys.modules, "sglang", namespace)
-    assert activation.sglang_view() is None
+    assert decisions.sglang_view() is None
 
 
 def test_sglang_view_reads_the_directory_of_the_imported_package(monkeypatch, tmp_path):
     package = types.ModuleType("sglang")
     package.__file__ = str(tmp_path / "sglang" / "__init__.py")
     monkeypatch.setitem(sys.modules, "sglang", package)
-    monkeypatch.setenv(answers.ENV, "")
-    view = activation.sglang_view()
-    assert isinstance(view, answers.AnsweringView)
+    monkeypatch.setenv(inherited.ENV, "")
+    view = decisions.sglang_view()
+    assert isinstance(view, inherited.InheritedView)
     assert view.package_dir == str(tmp_path / "sglang")
 
 
@@ -87,9 +87,9 @@ def test_deciding_without_sglang_says_sglang_not_found_and_exports_nothing(undec
     assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang not found")
     assert activation.RUNTIME.states()["demo"]["targets"] == {}
     assert activation.RUNTIME.decided_from == "sglang source"
-    assert answers.ENV not in os.environ  # no answers to hand to children
+    assert inherited.ENV not in os.environ  # no answers to hand to children
     assert procinfo.sglang_version() == "before"  # no version read
-    assert staterecord.ATTACHED.sglang_path is None and staterecord.ATTACHED.source is not None
+    assert state_record.ATTACHED.sglang_path is None and state_record.ATTACHED.source is not None
 
 
 def test_without_wrapt_and_without_sglang_on_disk_nothing_reads_applied(undecided, monkeypatch):
@@ -98,7 +98,7 @@ def test_without_wrapt_and_without_sglang_on_disk_nothing_reads_applied(undecide
     activation.RUNTIME.fail_without_wrapt("wrapt is not available: test")
     record = activation.RUNTIME.record("demo")
     assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang not found")
-    assert answers.ENV not in os.environ and procinfo.sglang_version() == "before"
+    assert inherited.ENV not in os.environ and procinfo.sglang_version() == "before"
 
 
 def test_without_wrapt_a_patch_that_would_apply_is_failed(undecided, monkeypatch, tmp_path):
@@ -112,7 +112,7 @@ def test_without_wrapt_a_patch_that_would_apply_is_failed(undecided, monkeypatch
     assert record.state == framework.FAILED
     assert record.reason.startswith("wrapt is not available: test (use an npu-shim bundle")
     assert procinfo.sglang_version() == "0.5.9"
-    assert staterecord.ATTACHED.sglang_path == str(package)
+    assert state_record.ATTACHED.sglang_path == str(package)
 
 
 def test_an_sglang_directory_gone_from_disk_is_unsupported_naming_the_target(undecided, monkeypatch,
@@ -147,14 +147,14 @@ def requested(undecided, monkeypatch, tmp_path):
 
 
 FAILURE_POINTS = {
-    "answers.export": lambda mp: mp.setattr(answers, "export", boom),
+    "answers.export": lambda mp: mp.setattr(inherited, "export", boom),
     "procinfo.note_sglang_version": lambda mp: mp.setattr(procinfo, "note_sglang_version", boom),
     "summary.report_all": lambda mp: mp.setattr(summary, "report_all", boom),
     "report_invalid_variables": lambda mp: mp.setattr(activation, "report_invalid_variables", boom),
     "role.when_child_starts": lambda mp: (mp.setattr(role, "child_unpickling", lambda: True),
                                           mp.setattr(role, "when_child_starts", boom)),
-    "staterecord.attach": lambda mp: mp.setattr(staterecord, "attach", boom),
-    "staterecord.write": lambda mp: mp.setattr(staterecord, "write", boom),
+    "state_record.attach": lambda mp: mp.setattr(state_record, "attach", boom),
+    "state_record.write": lambda mp: mp.setattr(state_record, "write", boom),
 }
 
 
@@ -227,42 +227,6 @@ def test_without_wrapt_before_torch_is_imported_the_npu_is_unknown(undecided, mo
     record = activation.RUNTIME.record("demo")
     assert (record.state, record.reason) == (framework.INACTIVE,
                                              "not running on an NPU (torch.npu is unavailable)")
-
-
-def test_the_deciding_modules_are_let_go_once_every_patch_is_decided(tree):
-    """No sglang process keeps the code that reads sglang's source: once decided, the modules only
-    deciding uses are dropped and freed; the patches still apply, and the modules import again."""
-    proc = run(tree, """
-        import gc, json, sys, weakref
-        from npu_shim.runtime import activation
-        let_go, refs = activation.let_go_of_deciding, []
-        def watched(kept):
-            refs.extend(weakref.ref(sys.modules[n]) for n in activation.DECIDING_MODULES if n in sys.modules)
-            let_go(kept)
-        activation.let_go_of_deciding = watched
-        from sglang.srt.utils import get_npu_memory_capacity
-        import npu_shim
-        gc.collect()
-        out = {"value": get_npu_memory_capacity(), "state": npu_shim.states()["demo"]["state"],
-               "watched": len(refs), "alive": [r() is not None for r in refs],
-               "loaded": [n for n in activation.DECIDING_MODULES if n in sys.modules]}
-        from npu_shim.source import codeview
-        out["again"] = codeview.SourceView.__name__
-        print(json.dumps(out))
-    """)
-    out = last_json(proc)
-    assert out["value"] == 1001 and out["state"] == "applied"
-    assert out["watched"] == 3 and out["alive"] == [False, False, False] and out["loaded"] == []
-    assert out["again"] == "SourceView"
-
-
-def test_modules_loaded_before_deciding_are_kept(undecided, monkeypatch):
-    """Someone else (here: this test module) holds them: dropping them would give that holder
-    and the next importer two copies."""
-    monkeypatch.delitem(sys.modules, "sglang", raising=False)
-    activation.RUNTIME.decide_all()
-    assert all(name in sys.modules for name in activation.DECIDING_MODULES)
-    assert sys.modules["npu_shim.source.codeview"] is codeview
 
 
 # -- a wrapper that retires ------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def test_only_modules_with_a_hook_waiting_are_looked_up_and_no_wrapt_import_hook
                                       for f in sys.meta_path
                                       if "ImportHookFinder" in type(f).__name__ or getattr(f, "is_npu_shim_watcher", False)
                                       or type(f).__module__.startswith(("npu_shim", "sitecustomize"))],
-                          "through_watcher": _bootstrap.WATCHER.then == activation.RUNTIME.finder.find_spec,
+                          "through_watcher": _bootstrap.handing_on_to() == activation.RUNTIME.finder.find_spec,
                           "importers": sorted(m for m in sys.modules if "wrapt" in m and "importer" in m),
                           "waiting": waiting, "left": shim.waiting(), "asked": sorted(set(asked)),
                           "value": common.get_npu_memory_capacity()}))
@@ -99,8 +99,8 @@ def own_meta_path(monkeypatch):
     from npu_shim import _bootstrap
 
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    monkeypatch.setattr(_bootstrap.WATCHER, "fired", False)
-    monkeypatch.setattr(_bootstrap.WATCHER, "then", None)
+    monkeypatch.setattr(_bootstrap, "_saw_sglang", False)
+    monkeypatch.setattr(_bootstrap, "_hand_on_to", None)
     return sys.meta_path
 
 
@@ -128,23 +128,23 @@ def test_without_the_watcher_the_finder_goes_first_once_and_leaves_entirely(own_
     assert shim not in own_meta_path and own_meta_path[0] is other
 
 
-def test_once_the_watcher_fired_the_finder_answers_through_it(own_meta_path):
+def test_once_the_watcher_fired_the_finder_answers_through_it(own_meta_path, monkeypatch):
     from npu_shim import _bootstrap
 
     shim = finder.ShimFinder(lambda name: False, lambda module: None)
     before = list(own_meta_path)
-    _bootstrap.WATCHER.fired = True
+    monkeypatch.setattr(_bootstrap, "_saw_sglang", True)  # as the first ``import sglang`` leaves it
     if _bootstrap.WATCHER not in own_meta_path:
         own_meta_path.append(_bootstrap.WATCHER)
         before.append(_bootstrap.WATCHER)
     shim.install(_bootstrap.WATCHER)
-    assert own_meta_path == before and _bootstrap.WATCHER.then == shim.find_spec
+    assert own_meta_path == before and _bootstrap.handing_on_to() == shim.find_spec
     shim.uninstall(_bootstrap.WATCHER)
-    assert _bootstrap.WATCHER.then is None
+    assert _bootstrap.handing_on_to() is None
     # fired, but no longer in sys.meta_path (uninstall() removed it): the finder goes first
     own_meta_path.remove(_bootstrap.WATCHER)
     shim.install(_bootstrap.WATCHER)
-    assert own_meta_path[0] is shim and _bootstrap.WATCHER.then is None
+    assert own_meta_path[0] is shim and _bootstrap.handing_on_to() is None
 
 
 def test_a_finder_in_front_does_not_stop_reloads_being_reapplied(tree):

@@ -1,7 +1,7 @@
 """runtime/metrics_hook.py: the shim's gauges start where sglang makes its metrics collector."""
 import types
 
-from npu_shim.ops import metrics
+from npu_shim.reporting import metrics
 from npu_shim.runtime import metrics_hook
 
 

@@ -173,12 +173,12 @@ def test_states_name_every_target_and_exactly_the_wrappers_applied(tree):
 
 def test_record_lists_only_applied_wraps_as_wrappers():
     from npu_shim.core import framework
-    from npu_shim.runtime import activation, targets
+    from npu_shim.runtime import activation, decisions, targets
 
     wrap = targets.Wrap("m", "f", None, [()])
     other = targets.Wrap("m", "g", None, [()])
     replace = targets.Replace("m", "X", lambda original: 1)
-    record = activation.PatchRecord(types.SimpleNamespace(name="p"),
+    record = decisions.PatchRecord(types.SimpleNamespace(name="p"),
                                  framework.Decision(framework.APPLIED, "why", [wrap, other, replace]))
     record.applied = {wrap.describe(), replace.describe()}
     assert record.as_dict() == {
@@ -195,7 +195,7 @@ def test_record_lists_only_applied_wraps_as_wrappers():
 def test_running_on_npu_is_false_without_torch_without_npu_and_when_asking_fails(monkeypatch):
     import sys
 
-    from npu_shim.runtime import activation
+    from npu_shim.runtime import activation, decisions
 
     def npu(available):
         def is_available():
@@ -207,15 +207,15 @@ def test_running_on_npu_is_false_without_torch_without_npu_and_when_asking_fails
     for torch, expected in ((None, False), (types.SimpleNamespace(), False), (npu(False), False),
                             (npu(RuntimeError("driver")), False), (npu(True), True)):
         monkeypatch.setitem(sys.modules, "torch", torch)
-        assert activation.running_on_npu() is expected, torch
+        assert decisions.running_on_npu() is expected, torch
 
 
 def _record(state, must_honour=False):
     from npu_shim.core import framework
-    from npu_shim.runtime import activation, targets
+    from npu_shim.runtime import activation, decisions, targets
 
     patch = types.SimpleNamespace(name="p", must_honour=lambda environ: must_honour)
-    return activation.PatchRecord(patch, framework.Decision(state, "because"))
+    return decisions.PatchRecord(patch, framework.Decision(state, "because"))
 
 
 def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(caplog, monkeypatch):
@@ -223,11 +223,11 @@ def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(c
 
     import pytest
 
-    from npu_shim.ops import summary
-    from npu_shim.runtime import activation
+    from npu_shim.reporting import summary
+    from npu_shim.runtime import activation, decisions
     from npu_shim.core.framework import ShimError
 
-    from npu_shim.ops import log
+    from npu_shim.reporting import log
 
     monkeypatch.delenv("NPU_SHIM_STRICT", raising=False)
     log.configure()  # sets the logger's level once per process: before caplog lowers it
@@ -237,17 +237,17 @@ def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(c
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("ERROR", "p: failed (because)"), ("WARNING", "p: unsupported (because)"),
         ("DEBUG", "p: applied (because)"), ("DEBUG", "p: inactive (because)")]
-    activation.enforce(_record("failed"))  # not requested, not strict: logged only
-    activation.enforce(_record("applied", must_honour=True))
+    decisions.enforce(_record("failed"))  # not requested, not strict: logged only
+    decisions.enforce(_record("applied", must_honour=True))
     with pytest.raises(ShimError, match="^npu-shim: p was requested but is unsupported: because$"):
-        activation.enforce(_record("unsupported", must_honour=True))
+        decisions.enforce(_record("unsupported", must_honour=True))
     monkeypatch.setenv("NPU_SHIM_STRICT", "1")
     with pytest.raises(ShimError, match=r"^npu-shim \(strict\): p is failed: because$"):
-        activation.enforce(_record("failed"))
+        decisions.enforce(_record("failed"))
 
 
 def test_hooks_of_an_earlier_install_do_nothing(monkeypatch):
-    from npu_shim.runtime import activation
+    from npu_shim.runtime import activation, decisions
 
     calls = []
     monkeypatch.setattr(activation.RUNTIME, "apply_module", calls.append)
@@ -266,11 +266,11 @@ def test_hooks_of_an_earlier_install_do_nothing(monkeypatch):
 
 def test_record_of_a_decided_patch_holds_the_details_its_decision_handed_out(monkeypatch):
     from npu_shim.core import framework
-    from npu_shim.runtime import activation
+    from npu_shim.runtime import activation, decisions
 
     details = {}
     decision = framework.Decision("applied", "ok", details=details)
-    record = activation.PatchRecord(types.SimpleNamespace(name="p"), decision)
+    record = decisions.PatchRecord(types.SimpleNamespace(name="p"), decision)
     monkeypatch.setattr(activation.RUNTIME, "records", {"p": record})
     assert activation.RUNTIME.record("p") is record and activation.RUNTIME.record("q") is None
     details["released_mib"] = 1.5  # what a wrapper writes through its closure
@@ -281,7 +281,7 @@ def test_record_of_a_decided_patch_holds_the_details_its_decision_handed_out(mon
 
 def test_a_module_is_applied_for_every_applied_patch_after_one_that_is_not(monkeypatch):
     from npu_shim.core import framework
-    from npu_shim.runtime import activation, targets
+    from npu_shim.runtime import activation, decisions, targets
 
     module = types.ModuleType("sglang.fake_target")
 
@@ -290,7 +290,7 @@ def test_a_module_is_applied_for_every_applied_patch_after_one_that_is_not(monke
 
     module.f = f
     skipped = _record("unsupported")
-    applied = activation.PatchRecord(types.SimpleNamespace(name="q", must_honour=lambda e: False),
+    applied = decisions.PatchRecord(types.SimpleNamespace(name="q", must_honour=lambda e: False),
                                   framework.Decision(framework.APPLIED, "ok", [
                                       targets.Wrap("sglang.fake_target", "f",
                                                     lambda w, i, a, k: w() + 1, [()])]))
@@ -298,7 +298,7 @@ def test_a_module_is_applied_for_every_applied_patch_after_one_that_is_not(monke
     monkeypatch.setattr(activation.RUNTIME, "imported_before", set())
     activation.RUNTIME.apply_module(module)
     assert module.f() == 2 and applied.applied == {"sglang.fake_target:f"}
-    activation.revert_record(applied)
+    decisions.revert_record(applied)
     assert module.f is f
 
 

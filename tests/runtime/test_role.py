@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from npu_shim.ops import procinfo
+from npu_shim.reporting import procinfo
 from npu_shim.runtime import role
 from test_bootstrap import TAG, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 
@@ -109,7 +109,7 @@ import os, sys
 
 def %s(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer):
     import multiprocessing.process as mp
-    from npu_shim.ops import procinfo
+    from npu_shim.reporting import procinfo
     sys.stderr.write("BODY %%d\\n" %% os.getpid())
     sys.stderr.flush()
     pipe_writer.put({"role": procinfo.role(), "pid": os.getpid(),
@@ -192,7 +192,7 @@ def test_a_spawned_child_of_another_target_logs_its_summary_before_that_target_r
 STACKED = """
 import json, os, npu_shim
 import sglang.srt.managers.scheduler as sch
-from npu_shim.runtime import activation
+from npu_shim.runtime import activation, decisions
 original = sch.run_scheduler_process.__wrapped__.__wrapped__
 stacked = [type(sch.run_scheduler_process).__name__, type(sch.run_scheduler_process.__wrapped__).__name__]
 calls = []
@@ -200,7 +200,7 @@ class Queue:
     def put(self, item):
         calls.append(item)
 sch.run_scheduler_process(None, None, 0, 1, 0, None, Queue())
-activation.revert_record(activation.RUNTIME.record("demo"))  # the patch fails: it alone is undone
+decisions.revert_record(activation.RUNTIME.record("demo"))  # the patch fails: it alone is undone
 after_patch = sch.run_scheduler_process.__wrapped__ is original
 npu_shim.uninstall()
 print(json.dumps({"stacked": stacked, "marked": os.environ["DEMO_MARK"], "source": calls[0]["role"]["source"],
@@ -214,7 +214,7 @@ def test_a_patch_wrapping_the_same_function_stacks_on_the_role_target_and_is_und
     demo = demo.replace('modules = ("sglang.srt.utils.common",)',
                         'modules = ("sglang.srt.utils.common", "sglang.srt.managers.scheduler")')
     demo = demo.replace("        return [\n", """        def mark(wrapped, instance, args, kwargs):
-            from npu_shim.ops import procinfo
+            from npu_shim.reporting import procinfo
             os.environ["DEMO_MARK"] = procinfo.role()["role"]  # outside the role target's wrapper
             return wrapped(*args, **kwargs)
         return [

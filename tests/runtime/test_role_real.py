@@ -17,7 +17,7 @@ simnpu.install(release="0.5.11")  # the spawned child runs this too (as __mp_mai
 if __name__ == "__main__":
     import json, multiprocessing as mp, os, socket, sys
     import sglang.srt.managers.scheduler as sch
-    from npu_shim.ops import procinfo, statefile
+    from npu_shim.reporting import procinfo, record_writer
     from shimdev.demo_features import scheduler_process_args
     log_path = os.path.join(os.getcwd(), "child.log")
     saved = os.dup(2)
@@ -30,7 +30,7 @@ if __name__ == "__main__":
     finally:
         os.dup2(saved, 2)
     path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
-                        statefile.record_name(socket.gethostname(), procinfo.pid_namespace(), child.pid))
+                        record_writer.record_name(socket.gethostname(), procinfo.pid_namespace(), child.pid))
     sys.stdout.write("\n" + json.dumps({
         "exitcode": child.exitcode, "pid": child.pid, "lines": open(log_path).read().splitlines(),
         "record": json.load(open(path))}) + "\n")

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from npu_shim.core import framework
-from npu_shim.source import answers, codeview, fastscan
+from npu_shim.source import inherited, codeview, fastscan
 from npu_shim.source.codeview import ModuleSource
 from npu_shim.core.loading import load_all
 from shimdev import sglang_envs
@@ -239,11 +239,11 @@ def test_a_release_gives_the_same_answers_read_fast_or_whole(version, monkeypatc
     """Every answer the patches' decisions ask of the release's source, fast path vs the whole
     parse; and every function of every module read, one by one."""
     package = os.path.join(str(sglang_envs.ensure_sources(version)), "sglang")
-    fast = answers.AnsweringView(package)
+    fast = inherited.InheritedView(package)
     _decide_every_patch(fast)
     with monkeypatch.context() as patched:
         _forced_whole(patched)
-        reference = answers.AnsweringView(package)
+        reference = inherited.InheritedView(package)
         _decide_every_patch(reference)
     assert fast.answers == reference.answers
     for dotted in fast.files:

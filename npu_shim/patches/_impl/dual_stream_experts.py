@@ -1,4 +1,4 @@
-"""dual_stream_experts' implementation: the wrappers' per-process state (``DualStream``), the
+"""dual_stream_experts' implementation: the wrappers' per-process state (``DualStreamExpertsState``), the
 kernel checks and the targets.  Loaded only where the patch is decided past its probe (not on a
 release that has the feature upstream): npu_shim/patches/dual_stream_experts.py is the patch and
 its documentation."""
@@ -11,12 +11,11 @@ import threading
 import time
 
 from npu_shim.core.framework import Inactive, Unsupported
-from npu_shim.ops import staterecord
+from npu_shim.patches.dual_stream_experts import GLM4_MOE, MULTI_STREAM
+from npu_shim.reporting import state_record
 from npu_shim.runtime.targets import Wrap, bind_arguments
-from npu_shim.source.live import SourceError, parse_source, read_source, unwrap
+from npu_shim.source.reading import SourceError, parse_source, read_source, unwrap
 
-GLM4_MOE = "sglang.srt.models.glm4_moe"
-NPU_UTILS = "sglang.srt.hardware_backend.npu.utils"
 KERNEL_MODULE = "sgl_kernel_npu.norm.split_qkv_rmsnorm_rope"
 KERNEL_NAME = "split_qkv_rmsnorm_rope"
 
@@ -25,7 +24,7 @@ PREPARE = "Glm4MoeAttention.forward_prepare"
 DEEPEP_PARAMS = ("hidden_states", "forward_batch")
 PREPARE_PARAMS = ("positions", "hidden_states", "forward_batch")
 
-# Fingerprints (live.fingerprint_node: the same on every Python) of the bodies the wrappers
+# Fingerprints (reading.fingerprint_node: the same on every Python) of the bodies the wrappers
 # stand in for, measured on the 0.5.7, 0.5.8 and 0.5.9 wheels (one body in all three).
 DEEPEP_FINGERPRINTS = {"12fa6dbf452e9ddf": "0.5.7-0.5.9"}
 PREPARE_FINGERPRINTS = {"e70a3adaa34177b5": "0.5.7-0.5.9"}
@@ -64,7 +63,7 @@ def _layer_key(attn):
     )
 
 
-class DualStream:
+class DualStreamExpertsState:
     """Both sub-features in one process: the side streams, the kernel and each layer's plan, and
     how often each path ran (``details["counts"]``, live in status).  A decision builds a fresh
     one (so uninstall/install starts over); ``details`` is the patch record's."""
@@ -90,7 +89,7 @@ class DualStream:
         now = time.monotonic()
         if self._published is None or now - self._published >= 1.0:
             self._published = now
-            staterecord.touch()
+            state_record.touch()
         elif not self._flush_pending:
             self._flush_pending = True
             timer = threading.Timer(1.0 - (now - self._published), self._flush)
@@ -100,7 +99,7 @@ class DualStream:
     def _flush(self):
         self._flush_pending = False
         self._published = time.monotonic()
-        staterecord.touch()
+        state_record.touch()
 
     def _note(self, key, value):
         self.details[key] = value
@@ -402,10 +401,14 @@ def kernel_problem():
 
 # -- targets --------------------------------------------------------------------------------------
 
-def targets(ctx, streams, kernel, multi_stream_name):
-    """The targets of a decision: the dual-stream forward_deepep when ``streams``, the fused
-    forward_prepare when ``kernel`` (its problem) is None; a Verdict when neither."""
-    process = ctx.process
+def targets(view, ctx):
+    """The targets of a decision: the dual-stream forward_deepep when the job asks for the streams
+    (or when asked "would it apply if on?"), the fused forward_prepare when the image's kernel is
+    usable; a Verdict when neither.  Nothing else makes the whole patch inactive: the fused path
+    is on by default on an NPU, as upstream."""
+    streams = ctx.assume_triggered or MULTI_STREAM.read(ctx.environ)
+    problem = kernel_problem()
+    process = ctx.process_state = DualStreamExpertsState(ctx.details)
     deepep = Wrap(GLM4_MOE, DEEPEP, process.forward_deepep_wrapper, [DEEPEP_PARAMS],
                   pins={(GLM4_MOE, DEEPEP): DEEPEP_FINGERPRINTS})
     prepare = Wrap(GLM4_MOE, PREPARE, process.forward_prepare_wrapper, [PREPARE_PARAMS],
@@ -415,15 +418,15 @@ def targets(ctx, streams, kernel, multi_stream_name):
         chosen.append(deepep)
         parts.append("dual-stream experts on")
     else:
-        parts.append("dual-stream experts off (%s is not on)" % multi_stream_name)
-    if kernel is None:
+        parts.append("dual-stream experts off (%s is not on)" % MULTI_STREAM.name)
+    if problem is None:
         chosen.append(prepare)
         parts.append("fused qkv-rmsnorm-rope decode path on")
     else:
         parts.append("fused qkv-rmsnorm-rope decode path %s: %s"
-                     % ("off" if getattr(kernel, "absent", False) else "unsupported", str(kernel)))
+                     % ("off" if getattr(problem, "absent", False) else "unsupported", str(problem)))
     if not chosen:
-        raise (Inactive if getattr(kernel, "absent", False) else Unsupported)("; ".join(parts))
+        raise (Inactive if getattr(problem, "absent", False) else Unsupported)("; ".join(parts))
     for part in parts:
         ctx.note(part)
     return chosen

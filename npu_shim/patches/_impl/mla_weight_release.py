@@ -1,22 +1,26 @@
-"""mla_weight_release's implementation: the predicate, the guards of released weights, the
-accounting and the wrappers' per-process state (``FreedWeights``), and the targets.  Loaded only
+"""mla_weight_release's implementation: the predicate, the guard its released weights get (the
+release itself: npu_shim/runtime/tensor_release.py), the accounting and the wrappers' per-process state (``MlaWeightReleaseState``), and the targets.  Loaded only
 where the patch is decided past its probe (not on a release that has the release upstream):
 npu_shim/patches/mla_weight_release.py is the patch and its documentation."""
 
 import logging
 import re
-import sys
 
-from npu_shim.ops import log, staterecord
+from npu_shim.reporting import log, state_record
+from npu_shim.core.framework import Inactive, Unsupported
 from npu_shim.patches.mla_weight_release import (
-    CLASS, MIB, MLA_NPU, MLA_PRE, PREPROCESS_SIG, ROLES, RELEASE_FORCE, SWITCH, SWITCH_HINT,
-    TP_WORKER, UPDATE_OPS, UPDATE_SIG, ReleasedWeightError, pins)
+    CLASS, FORWARD_FINGERPRINTS, MIB, MLA_NPU, MLA_PRE, PREPROCESS_SIG, ROLES, RELEASE_FORCE, RUNTIME_CONTEXT,
+    SCHEDULER_MIXIN, SCHEDULER_UPDATER, SWITCH, SWITCH_HINT, TP_WORKER, UPDATE_OPS, UPDATE_SIG,
+    ReleasedWeightError, fingerprint, pins)
+from npu_shim.runtime import tensor_release
 from npu_shim.runtime.targets import Replace, Retirement, Wrap
 
 # Per-layer markers in the attention module's __dict__ (the hot-path check is one dict lookup).
 _DONE = "_npu_shim_mla_release_done"
 _FIRST = "_npu_shim_mla_release_first"
-_TAG = "_npu_shim_released"
+# On a layer's NPUFusedMLAPreprocess built while npu_mla_preprocess's wrapper was away: its w_kc
+# is still to be released, by the wrapper, which is back until then.
+_LATE = "_npu_shim_mla_release_late"
 
 # --------------------------------------------------------------------------- the predicate
 
@@ -109,163 +113,26 @@ def other_reader_reasons(args):
 
 # --------------------------------------------------------------------------- the guard
 
-_GUARDED = {}
-
-
-def _find_released(args, kwargs):
-    for value in list(args) + list((kwargs or {}).values()):
-        for item in (value if isinstance(value, (list, tuple)) else (value,)):
-            tag = getattr(type(item), "_npu_shim_guard", False) and item.__dict__.get(_TAG)
-            if tag:
-                return tag
-    return None
-
-
-def _guard_torch_function(cls, func, types, args=(), kwargs=None):
-    name = getattr(func, "__name__", None) or repr(func)
-    what = _find_released(args, kwargs) or "an MLA weight"
-    raise ReleasedWeightError(
-        "npu-shim released %s to free NPU memory (the mlaprolog path no longer reads it), but "
-        "`%s` touched it afterwards; %s" % (what, name, SWITCH_HINT))
-
-
-def _guard_repr(self):
-    return "<released by npu-shim: %s; %s>" % (self.__dict__.get(_TAG, "MLA weight"), SWITCH_HINT)
-
-
-def guarded_class(cls):
-    """The subclass of a tensor class (Tensor, Parameter, sglang's parameter classes) whose
-    every torch operation raises ReleasedWeightError."""
-    guarded = _GUARDED.get(cls)
-    if guarded is None:
-        guarded = type("Released" + cls.__name__, (cls,), {
-            "__torch_function__": classmethod(_guard_torch_function),
-            "__repr__": _guard_repr,
-            "__str__": _guard_repr,
-            "_npu_shim_guard": True,
-            "__module__": __name__,
-        })
-        _GUARDED[cls] = guarded
-    return guarded
-
-
-def is_released(tensor):
-    return bool(getattr(type(tensor), "_npu_shim_guard", False))
-
-
-def storage_holders(storage):
-    """How many tensors and storage objects hold ``storage`` (the C++ use count of its StorageImpl;
-    ``storage`` itself, a Python handle, counts as one)."""
-    import torch
-
-    return torch._C._storage_Use_Count(storage._cdata)
-
-
-def _base_chain(tensor, storage):
-    """The tensor's own ``_base`` chain on the same memory (what the view keeps alive)."""
-    chain, base = [], tensor._base
-    while base is not None and base.untyped_storage().data_ptr() == storage.data_ptr():
-        chain.append(base)
-        base = base._base
-    return chain
-
-
-def _chain_refs(chain):
-    return [sys.getrefcount(base) for base in chain]
-
-
-_BASE_REFS = []  # Python references to a base that only its own view holds (measured once)
-
-
-def _base_held_elsewhere(chain):
-    """True when code other than the view holds a base tensor object (it would outlive the
-    release).  The baseline is measured on a fresh view through the same calls, so it does not
-    depend on how this Python version counts references."""
-    import torch
-
-    if not _BASE_REFS:
-        probe = torch.empty(1)[:]
-        _BASE_REFS.extend(_chain_refs(_base_chain(probe, probe.untyped_storage())))
-    return any(refs > _BASE_REFS[0] for refs in _chain_refs(chain))
+# How a released MLA weight answers a touch (npu_shim/runtime/tensor_release.py frees and guards).
+GUARD = tensor_release.Guard(ReleasedWeightError, "the mlaprolog path no longer reads it", SWITCH_HINT,
+                             unnamed="an MLA weight", repr_unnamed="MLA weight")
+is_released = tensor_release.is_released
 
 
 def _log_line(level, message):
     log.log(level, "mla_weight_release: " + message)
 
 
-def _each_time(key, level, message):
-    """``free_weight``'s ``once`` where no process state keeps track (``FreedWeights.once`` says
+def _say_each_time(key, level, message):
+    """``free_weight``'s ``say`` where no process state keeps track (``MlaWeightReleaseState.once`` says
     each ``key`` once per process): every message is logged, ``key`` is not used."""
     _log_line(level, message)
 
 
-def free_weight(tensor, what, once=_each_time):
-    """Free ``tensor``'s memory and guard the object; returns the bytes freed (0: kept).
-    ``once(key, level, message)`` says why a weight is kept (``FreedWeights.once``: once per process).
-
-    Nothing is freed that anything but the weight itself and its own ``_base`` chain holds: the
-    storage's real holders (the C++ use count) decide.  Otherwise the weight is kept whole and one
-    warning names the holder count.  The weight object (every reference to it) then holds a fresh
-    0-element tensor without ``_base``, so code that bypasses ``__torch_function__`` sees an empty
-    tensor, never freed memory."""
-    import torch
-
-    if is_released(tensor):
-        return 0
-    storage = tensor.untyped_storage()
-    nbytes = storage.nbytes()
-    chain = _base_chain(tensor, storage)
-    # Holders: our ``storage`` handle, the weight, its base chain; anything more is an alias.
-    others = storage_holders(storage) - 2 - len(chain)
-    if others > 0 or _base_held_elsewhere(chain):
-        count = max(others, 1)
-        once("aliased", logging.WARNING,
-              "keeping %s: its memory has %d other holder%s (a view, .data, .detach() or its base "
-              "taken elsewhere); freeing it would crash whoever reads them"
-              % (what, count, "" if count == 1 else "s"))
-        return 0
-    cls = type(tensor)
-    guarded = guarded_class(cls)
-    emptied = torch.Tensor._make_subclass(cls, torch.empty(0, dtype=tensor.dtype, device=tensor.device),
-                                          False)
-    try:
-        # The weight object gets the empty tensor; ``emptied`` gets the old one with its _base.
-        torch.utils.swap_tensors(tensor, emptied)
-    except RuntimeError as exc:  # C++ holds the tensor itself, or a weakref points at it
-        once("swap", logging.WARNING, "keeping %s: it is held where it cannot be replaced (%s)"
-              % (what, str(exc).split(".")[0]))
-        return 0
-    tensor.__dict__, emptied.__dict__ = emptied.__dict__, {}
-    try:
-        tensor.__class__ = guarded
-    except TypeError as exc:
-        torch.utils.swap_tensors(tensor, emptied)
-        tensor.__dict__, emptied.__dict__ = emptied.__dict__, {}
-        once("guard:" + cls.__name__, logging.WARNING,
-              "keeping %s: its class %s cannot be guarded (%s)" % (what, cls.__name__, exc))
-        return 0
-    tensor.__dict__[_TAG] = what
-    del emptied, chain
-    left = storage_holders(storage) - 1
-    if left:
-        once("still-held", logging.WARNING,
-              "%s is guarded but its memory still has %d holder%s; it is freed when they let go"
-              % (what, left, "" if left == 1 else "s"))
-        return 0
-    storage.resize_(0)  # only our handle (and Python storage objects, which see 0 bytes) remain
-    return nbytes
-
-
-def _shares_storage(a, b):
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except Exception:  # noqa: BLE001
-        return True  # cannot tell: treat as shared (keep the weight)
-
-
-def _exclusive(tensor):
-    """The tensor's storage holds this tensor and nothing else."""
-    return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+def free_weight(tensor, what, say=None):
+    """``tensor_release.free_weight`` with this patch's guard; ``say(key, level, message)`` says
+    why a weight is kept (``MlaWeightReleaseState.once``: once per process; None: every time)."""
+    return tensor_release.free_weight(tensor, what, GUARD, say or _say_each_time)
 
 
 def _layer_list(layers):
@@ -284,7 +151,7 @@ def _layer_list(layers):
 
 # --------------------------------------------------------------------------- the release in a process
 
-class FreedWeights:
+class MlaWeightReleaseState:
     """The release in one process: what the decision read from the code (forward()'s W8A8
     attribute, where the role is published), the wrappers built on it, and what they freed.  A
     decision builds a fresh one (so uninstall/install starts over); ``details`` is the patch
@@ -310,6 +177,7 @@ class FreedWeights:
         self.said = set()
         self.summary_logged = False
         self.first_marked = False
+        self.late = 0  # layers first seen after the wrapper retired, their w_kc still to release
 
     def once(self, key, level, message):
         if key not in self.said:
@@ -372,7 +240,7 @@ class FreedWeights:
                             released_bytes=total, qkv_a_bytes=self.released_bytes["qkv_a"],
                             w_kc_bytes=self.released_bytes["w_kc"])
         log.debug("mla_weight_release: released %s (%.2f MiB)" % (what, nbytes / MIB))
-        staterecord.touch()
+        state_record.touch()
         if self.summary_logged:
             self._log_summary("more layers released")
 
@@ -416,7 +284,7 @@ class FreedWeights:
         op = getattr(wrapped, "__name__", "the weight update")
         message = self.update_refusal(op)
         self.details["updates_refused"] = self.details.get("updates_refused", 0) + 1
-        staterecord.touch()  # the running record (status --running, the metrics) says so too
+        state_record.touch()  # the running record (status --running, the metrics) says so too
         log.warning("mla_weight_release: refused %s: MLA weights are released in %s (%s=0 keeps "
                     "them)" % (op, log.pid_text(), SWITCH.name))
         return False, message
@@ -437,7 +305,7 @@ class FreedWeights:
         if no:
             return 0
         copies = [getattr(preprocess, name, None) for name in ("q_a_proj_weight", "kv_a_proj_weight")]
-        if any(c is None or _shares_storage(c, weight) for c in copies) or not _exclusive(weight):
+        if any(c is None or tensor_release.shares_storage(c, weight) for c in copies) or not tensor_release.exclusive(weight):
             self.once("qkv-shared", logging.WARNING, "keeping %s: its q_a/kv_a copies share its memory, "
                                                      "or its storage holds more than this weight" % what)
             return 0
@@ -457,7 +325,7 @@ class FreedWeights:
         if no:
             return 0
         own = getattr(preprocess, "w_kc", None)
-        if own is None or own is w_kc or _shares_storage(own, w_kc) or not _exclusive(w_kc):
+        if own is None or own is w_kc or tensor_release.shares_storage(own, w_kc) or not tensor_release.exclusive(w_kc):
             self.once("wkc-shared", logging.WARNING, "keeping %s: the preprocessor's w_kc shares its "
                                                      "memory, or its storage holds more than this weight" % what)
             return 0
@@ -476,7 +344,25 @@ class FreedWeights:
             # A layer seen before the wrapper retired (a call that had looked the wrapper up
             # before it left, or one made through a copy the runtime does not rebind).
             return wrapped(*args, **kwargs)
+        preprocess = m.__dict__.get("mla_preprocess", getattr(m, "mla_preprocess", None))
+        if preprocess is not None and getattr(preprocess, "__dict__", {}).pop(_LATE, False):
+            return self._late_call(wrapped, m, args, kwargs)
         return self._first_calls(wrapped, m, args, kwargs)
+
+    def _late_call(self, wrapped, m, args, kwargs):
+        """The second call of a layer first seen after the wrapper retired (its first built its
+        preprocessor through sglang's own function): its w_kc is released now, and the wrapper
+        leaves again once no such layer is left."""
+        result = wrapped(*args, **kwargs)
+        try:
+            self.free_w_kc(m)
+        except Exception as exc:  # noqa: BLE001 - never break the forward pass over an optimisation
+            self.once("error", logging.ERROR, "keeping w_kc: deciding the release raised %r" % (exc,))
+        m.__dict__[_DONE] = True
+        self.late = max(0, self.late - 1)
+        if not self.late:
+            self._retire_entry()
+        return result
 
     def _first_calls(self, wrapped, m, args, kwargs):
         if _FIRST in m.__dict__:
@@ -502,6 +388,18 @@ class FreedWeights:
             m.__dict__[_FIRST] = True
         return result
 
+    def _reinstate_entry(self):
+        """npu_mla_preprocess's wrapper back (a layer it has not seen); False where it cannot be."""
+        try:
+            back = self.entry.reinstate()
+        except Exception as exc:  # noqa: BLE001 - the layer then keeps its w_kc, and the log says so
+            self.once("reinstate", logging.ERROR, "npu_mla_preprocess's wrapper cannot come back: %r"
+                      % (exc,))
+            return False
+        if back:
+            self.entry_retired = False
+        return back
+
     def _retire_entry(self):
         try:
             self.entry_retired = self.entry.retire() or self.entry_retired
@@ -514,10 +412,18 @@ class FreedWeights:
         try:
             self.free_qkv_a(instance)
             if self.entry_retired and self.details.get("role") == "decode":
-                # Only npu_mla_preprocess's wrapper frees w_kc, and it left after the first pass.
-                self.once("late", logging.WARNING, "layer %s first ran after the first pass over the "
-                          "layers: its qkv_a_proj.weight is released, its w_kc kept"
-                          % getattr(instance, "layer_id", "?"))
+                # Only npu_mla_preprocess's wrapper frees w_kc, and it left after the first pass:
+                # it comes back for this layer's next call (and leaves again after it).
+                layer = getattr(instance, "layer_id", "?")
+                if self._reinstate_entry():
+                    instance.__dict__[_LATE] = True
+                    self.late += 1
+                    self.once("late", logging.INFO, "layer %s first ran after the first pass over the "
+                              "layers: npu_mla_preprocess's wrapper is back until its w_kc is released"
+                              % layer)
+                else:
+                    self.once("late", logging.WARNING, "layer %s first ran after the first pass over "
+                              "the layers: its qkv_a_proj.weight is released, its w_kc kept" % layer)
         except Exception as exc:  # noqa: BLE001
             self.once("error", logging.ERROR,
                       "keeping qkv_a_proj.weight: deciding the release raised %r" % (exc,))
@@ -526,11 +432,32 @@ class FreedWeights:
 
 # --------------------------------------------------------------------------- the targets
 
-def targets(release, caller):
-    """MlaWeightRelease.targets past its code checks: bound to ``release`` (the decision's
-    FreedWeights); ``caller``: the scheduler class that answers a refused weight update."""
+def targets(view, ctx):
+    """What the decision reads from the code, for the wrappers (forward()'s W8A8 attribute, where
+    the disaggregation role is published: ``ctx.process_state``), and the targets bound to it."""
     entry = (MLA_NPU, "npu_mla_preprocess")
     weight = (MLA_PRE, CLASS + ".mlaprolog_preprocess_weight")
+    if view.function(MLA_PRE, CLASS + ".forward_mlaprolog") is None and view.function(*entry) is None:
+        raise Inactive("this sglang has no mlaprolog path (it appears in 0.5.9), so there is "
+                       "nothing to release")
+    forward_attr = FORWARD_FINGERPRINTS.get(fingerprint(view, MLA_PRE, CLASS + ".forward"))
+    role_source = "get_disagg" if view.has(RUNTIME_CONTEXT, "get_disagg") else "server_args"
+    release = ctx.process_state = MlaWeightReleaseState(
+        w8a8_attr=forward_attr, role_source=role_source, details=ctx.details)
+    missing = [d for d in (entry, weight) if view.function(*d) is None]
+    if missing:
+        raise Unsupported("%s:%s not found, although this sglang has the mlaprolog path "
+                          "(%s.forward_mlaprolog): renamed or moved in this image, so the shim "
+                          "cannot tell what would still read the weights" % (missing[0] + (CLASS,)))
+    caller = next((c for c in (SCHEDULER_MIXIN, SCHEDULER_UPDATER)
+                   if view.function(c[0], c[1] + ".update_weights_from_disk") is not None), None)
+    if caller is None:
+        raise Unsupported("the scheduler's update_weights_from_disk was not found (%s.%s or %s.%s): "
+                          "the shim cannot tell how a refused weight update would be answered, so "
+                          "it releases nothing" % (SCHEDULER_MIXIN + SCHEDULER_UPDATER))
+    ctx.note("frees memory only where the disaggregation role is prefill (qkv_a) or decode "
+             "(qkv_a, w_kc), and not with LoRA, weight updates or speculative decoding; once "
+             "it has, update_weights_* requests are refused")
     forward = (MLA_PRE, CLASS + ".forward")
     return [
         Wrap(MLA_NPU, "npu_mla_preprocess", release.wrap_npu_mla_preprocess, [PREPROCESS_SIG],

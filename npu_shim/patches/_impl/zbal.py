@@ -1,14 +1,15 @@
-"""zbal's implementation: the wrappers, their per-process state (``ZbalProcess``), the memory
+"""zbal's implementation: the wrappers, their per-process state (``ZbalState``), the memory
 queries and the targets.  Loaded only where the patch is decided past its probe and trigger (not on
 a release that has zbal upstream, nor while SGLANG_ZBAL_LOCAL_MEM_SIZE is unset):
 npu_shim/patches/zbal.py is the patch and its documentation."""
 
 import sys
 
-from npu_shim.ops import log, staterecord
+from npu_shim.core.framework import Failed
+from npu_shim.reporting import log, state_record
 from npu_shim.patches.zbal import (
     BOOTSTRAP_URL, COMMON, DEEPEP, LOCAL_MEM_SIZE, MIB, ALIGN_MIB, MODEL_RUNNER, PARALLEL_STATE,
-    SCHEDULER, ZbalError, ZbalInitError, missing_message)
+    SCHEDULER, ZbalError, ZbalInitError, missing_message, zbal_findable)
 from npu_shim.runtime.targets import Replace, Wrap, bind_arguments
 
 SCHEDULER_INIT_SIGS = (
@@ -126,7 +127,7 @@ def _world_group():
 
 # -- 1./2./6. what zbal set up in this process ---------------------------------------------------
 
-class ZbalProcess:
+class ZbalState:
     """zbal in one process: the wrappers that set it up, and what they did.  A decision builds a
     fresh one (``targets``), so uninstall/install starts over; ``details`` is the patch record's
     (``npu_shim.states()`` and status show it)."""
@@ -166,7 +167,7 @@ class ZbalProcess:
             bound = bind_arguments(params, args, kwargs)
             server_args = bound["server_args"]
             self.init_for_rank(server_args.tp_size, server_args.pp_size, bound["gpu_id"], bound["tp_rank"])
-            staterecord.touch(now=True)
+            state_record.touch(now=True)
             return wrapped(*args, **kwargs)
 
         return scheduler_init
@@ -196,7 +197,7 @@ class ZbalProcess:
                         "mix mode, lazy GVA heap %s" % when)
         self.gva_mib = size
         self.details.update(gva_mib=size, in_use_mib=in_use, device_total_mib=total, gva_init=when)
-        staterecord.touch(now=True)
+        state_record.touch(now=True)
         log.info("zbal: rank %d initialised a %d MiB GVA heap (%d MiB configured, %d of %d MiB in use)"
                  % (group.rank_in_group, size, configured_mib(), in_use, total))
 
@@ -302,8 +303,11 @@ def _backend_map(original):
 # -- the targets ---------------------------------------------------------------------------------
 
 def targets(view, ctx):
-    """ZbalPatch.targets past its zbal check: the ten targets, bound to ``ctx.process``."""
-    process = ctx.process
+    """The ten targets, bound to this decision's ``ZbalState`` (``ctx.process_state``); ``failed``
+    where the job asks for zbal and its package cannot be found."""
+    if not ctx.assume_triggered and not zbal_findable():
+        raise Failed(missing_message())
+    process = ctx.process_state = ZbalState(ctx.details)
     sched = view.function(SCHEDULER, "Scheduler.__init__")
     sched_params = sched.params if sched else SCHEDULER_INIT_SIGS[-1]
     dist = view.function(PARALLEL_STATE, "init_distributed_environment")

@@ -6,6 +6,15 @@ share of the ideal saving (serial - max(shared, routed)) achieved.  Reported aga
 ``torch.get_device_module()``); on the tests' simulated NPU the flow only, on a tiny block.
 """
 
+DEVICES = ("npu", "cuda")  # the device kinds its step runs on: the streams go through torch.get_device_module()
+
+
+def mib(options):
+    """Free device memory (MiB) the step needs: the GLM-4.5-Air-shaped block and its activations,
+    with room to spare."""
+    return 2048
+
+
 # Timing repetitions on a device; on the simulated NPU a tiny block, once (the flow only).
 DEVICE_TIMING = dict(samples=7, reps=5, warmup=3)
 SIMULATED_SHAPE = dict(hidden=16, shared_inter=16, experts=4, topk=2, expert_inter=8, samples=1,

@@ -6,7 +6,7 @@ the selftest measure the same thing.  The block has a router gate, top-k, routed
 by expert, and one shared-expert MLP; it runs
 
 * serial     -- 0.5.9's ``forward_deepep`` order, everything on the current (main) stream;
-* overlapped -- the shim's own dual-stream body (``DualStream._forward_deepep_dual_stream``:
+* overlapped -- the shim's own dual-stream body (``DualStreamExpertsState._forward_deepep_dual_stream``:
   shared experts on the side stream, gate -> topk -> routed experts on the main one, main waits
   for the side stream before the combine);
 * each part alone -- shared only, routed only: ideal = max(shared, routed).
@@ -186,7 +186,7 @@ def measure(device, device_module=None, dtype=None, **overrides):
     torch.get_device_module = lambda d=None: dm if d is None else real_get(d)
     try:
         with torch.no_grad():
-            process = ds.DualStream()  # the shim's per-process state, as a decision builds it
+            process = ds.DualStreamExpertsState()  # the shim's per-process state, as a decision builds it
             fns = {
                 "serial": lambda: serial_forward(block, hidden, batch),
                 "overlapped": lambda: process._forward_deepep_dual_stream(serial_forward, block, hidden, batch),

@@ -1,5 +1,5 @@
 """``python -m npu_shim selftest``'s step of zbal, in a process of its own (zbal's allocator goes in
-before anything else touches the device): zbal set up through the process's own ``ZbalProcess`` as
+before anything else touches the device): zbal set up through the process's own ``ZbalState`` as
 the ``Scheduler.__init__`` wrapper sets it up (full mode: a heap of ``--zbal-mib``; mix mode: the
 allocator switch, an allocation, then the lazy GVA heap), a tensor allocated through it, the
 allocator backend, and the shim's memory queries (``get_available_gpu_memory``,
@@ -7,18 +7,25 @@ allocator backend, and the shim's memory queries (``get_available_gpu_memory``,
 """
 
 MIB = 1 << 20
+ALONE = True  # its step runs in a process of its own: zbal's allocator goes in before anything else touches the device
+OPTIONS = (("--zbal-mib", "zbal_mib", 1024, "size of the zbal heap the selftest sets up, MiB"),)
+
+
+def mib(options):
+    """Free device memory (MiB) the step needs: the heap it sets up, and room beside it."""
+    return options["zbal_mib"] + 512
 
 
 def _one_rank_world():
+    """The world group of a one-rank job, for ZbalState.lazy_init (sglang's own group exists only
+    once torch.distributed is initialised, which the selftest does not do)."""
     import types
 
-    """The world group of a one-rank job, for ZbalProcess.lazy_init (sglang's own group exists only
-    once torch.distributed is initialised, which the selftest does not do)."""
     return types.SimpleNamespace(world_size=1, cpu_group=None, rank_in_group=0)
 
 
 def run(step):
-    """zbal set up as the Scheduler wrapper does (the live ZbalProcess of this process's decision),
+    """zbal set up as the Scheduler wrapper does (the live ZbalState of this process's decision),
     a tensor allocated through it, the shim's memory queries against zbal's; (ok, line, facts)."""
     import os
     import types
@@ -34,10 +41,10 @@ def run(step):
     from sglang.srt.utils import common
 
     record = step.record()
-    if record is None or record.process is None:
+    if record is None or record.process_state is None:
         return False, "the zbal patch was not applied in this process (%s)" % (
             record.state if record else "not decided"), {}
-    process = record.process
+    process = record.process_state
     mix = bool(zbal.is_mix_alloc())
     device = "cpu" if simulated else "npu:%d" % index
     facts = {"mode": "mix" if mix else "full"}

@@ -1,7 +1,7 @@
 """What a process says about the shim: its one summary line and each patch's reason (log)."""
 
-from npu_shim.core.framework import FAILED, UNSUPPORTED
-from npu_shim.ops import log
+from npu_shim.core.framework import FAILED, UNSUPPORTED, Details
+from npu_shim.reporting import log
 
 
 def report(record):
@@ -18,7 +18,7 @@ def report(record):
 
 def short_details(record):
     """What the summary line adds after a state, from the details the wrappers keep."""
-    parts = record.patch.summary_details(record.details or {})
+    parts = record.patch.report.summary(Details(record.details))
     return "(%s)" % ", ".join(parts) if parts else ""
 
 

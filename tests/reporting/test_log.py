@@ -1,4 +1,4 @@
-"""The shim's log lines (npu_shim/ops/log.py) stay one line each, whatever sglang's files or the
+"""The shim's log lines (npu_shim/reporting/log.py) stay one line each, whatever sglang's files or the
 environment hold: nothing a local user can write reaches the operator's terminal raw."""
 
 import json
@@ -10,7 +10,7 @@ import sys
 from test_bootstrap import REPO, run, tree  # noqa: F401 - ``tree`` is a fixture
 
 import npu_shim
-from npu_shim.ops import log
+from npu_shim.reporting import log
 
 RAW_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202e]")
 

@@ -17,7 +17,7 @@ import json
 import os
 
 from npu_shim.source.codeview import SourceView
-from npu_shim.source.live import file_identity, remember
+from npu_shim.source.reading import file_identity, remember
 
 ENV = "NPU_SHIM_SOURCE_ANSWERS"
 # 2: a function is [params, fingerprint -- null until asked for --, first line in its file]
@@ -58,7 +58,7 @@ class ModuleAnswer:
         return self._view.contains(self._dotted, pattern)
 
 
-class AnsweringView(SourceView):
+class InheritedView(SourceView):
     """A SourceView that records every answer (and the files behind them), and answers from a
     record it was given."""
 
@@ -112,7 +112,7 @@ class AnsweringView(SourceView):
     def fingerprint(self, dotted, qualname):
         """The fingerprint of a function ``function`` answered for (recorded once computed).  The
         loaded code is checked against it at apply time without reading the file again, while the
-        file is the one read (``live.remember``)."""
+        file is the one read (``reading.remember``)."""
         answer = self.answers["function|%s|%s" % (dotted, qualname)]
         if answer[1] is None:
             answer[1] = self._info(dotted, qualname).fingerprint
@@ -143,15 +143,15 @@ def view(package_dir, environ=None):
         try:
             record = json.loads(raw)
             if isinstance(record, dict) and _still_valid(record, package_dir):
-                return AnsweringView(package_dir, record)
+                return InheritedView(package_dir, record)
         except (ValueError, TypeError, AttributeError):
             pass  # anything odd: read the source, as without a record
-    return AnsweringView(package_dir)
+    return InheritedView(package_dir)
 
 
 def export(answering_view, environ=None):
     """Put the view's answers into the environment children inherit (a plain view: nothing)."""
-    if not isinstance(answering_view, AnsweringView):
+    if not isinstance(answering_view, InheritedView):
         return
     environ = os.environ if environ is None else environ
     environ[ENV] = json.dumps(answering_view.record(), separators=(",", ":"), sort_keys=True)

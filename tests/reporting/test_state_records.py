@@ -14,7 +14,7 @@ from test_bootstrap import REPO, TAG, last_json, run, tree  # noqa: F401 - ``tre
 
 import npu_shim
 from npu_shim.cli import running_records
-from npu_shim.ops import procinfo, statefile
+from npu_shim.reporting import procinfo, record_writer
 
 # A process that looks like sglang's scheduler TP3 of DP0 (sglang sets this title itself).
 AS_SCHEDULER = """
@@ -51,13 +51,13 @@ def test_state_record_has_role_versions_states_and_follows_details_and_state_cha
     proc = run(tree, AS_SCHEDULER + textwrap.dedent("""
         import json, os, socket, time
         import npu_shim
-        from npu_shim.ops import statefile
+        from npu_shim.reporting import record_writer
         from npu_shim.runtime import activation
-        statefile.INTERVAL_S = 0.05
+        record_writer.INTERVAL_S = 0.05
         from sglang.srt.utils import common
-        from npu_shim.ops import procinfo
+        from npu_shim.reporting import procinfo
         path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
-                            statefile.record_name(socket.gethostname(), procinfo.pid_namespace(), os.getpid()))
+                            record_writer.record_name(socket.gethostname(), procinfo.pid_namespace(), os.getpid()))
         first = json.load(open(path))
         activation.RUNTIME.record("demo").details["calls"] = 7   # a wrapper's live details: no call into the shim
         deadline = time.time() + 10
@@ -82,7 +82,7 @@ def test_state_record_has_role_versions_states_and_follows_details_and_state_cha
     assert out["second"]["updated"] >= first["updated"]
     assert out["third"]["patches"] == {}
     # one file per process, no temporary file left behind; the exit rewrote it (atexit), unchanged
-    assert out["files"] == [statefile.record_name(procinfo.host(), procinfo.pid_namespace(), out["pid"])]
+    assert out["files"] == [record_writer.record_name(procinfo.host(), procinfo.pid_namespace(), out["pid"])]
     final = records(str(state_dir))[out["files"][0]]
     assert final["patches"] == {}
     # the summary line carries the role the process title gives
@@ -102,8 +102,8 @@ def test_unwritable_state_dir_is_one_error_line_and_the_application_runs_on(tree
     blocker = tree / "not-a-dir"
     blocker.write_text("a file where the directory should be")
     proc = run(tree, """
-        from npu_shim.ops import statefile
-        statefile.INTERVAL_S = 0.05
+        from npu_shim.reporting import record_writer
+        record_writer.INTERVAL_S = 0.05
         from sglang.srt.utils import common
         import time
         from npu_shim.runtime import activation
@@ -309,21 +309,21 @@ def test_an_exited_process_not_yet_reaped_is_stale():
 
 
 def test_a_record_is_never_written_without_its_patches(tmp_path, monkeypatch):
-    from npu_shim.ops import statefile, staterecord
+    from npu_shim.reporting import record_writer, state_record
 
     monkeypatch.setenv("NPU_SHIM_STATE_DIR", str(tmp_path))
-    monkeypatch.setattr(statefile._W, "thread_pid", os.getpid())  # no writer thread in this test
-    saved = staterecord.ATTACHED.source
+    monkeypatch.setattr(record_writer._W, "thread_pid", os.getpid())  # no writer thread in this test
+    saved = state_record.ATTACHED.source
 
     def busy():
         raise RuntimeError("dictionary changed size during iteration")
 
     try:
-        staterecord.attach(busy)
-        assert staterecord.write() is False and os.listdir(tmp_path) == []
-        staterecord.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": {"n": 1}}})
-        assert staterecord.write() is True and staterecord.write() is False  # unchanged: not rewritten
+        state_record.attach(busy)
+        assert state_record.write() is False and os.listdir(tmp_path) == []
+        state_record.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": {"n": 1}}})
+        assert state_record.write() is True and state_record.write() is False  # unchanged: not rewritten
         (name,) = os.listdir(tmp_path)
         assert json.load(open(tmp_path / name))["patches"]["p"]["details"] == {"n": 1}
     finally:
-        staterecord.ATTACHED.source, statefile._W.last = saved, None
+        state_record.ATTACHED.source, record_writer._W.last = saved, None

@@ -151,8 +151,10 @@ class _Dir:
                 pass
             raise
 
-    def sweep(self, prefix, suffix, max_age_s):
-        """Remove this user's temporary files older than ``max_age_s`` (a killed writer's)."""
+    def sweep(self, suffix, max_age_s):
+        """Remove this user's temporary files older than ``max_age_s`` (a killed writer's): every
+        dot-file ending ``suffix``, whatever its prefix (today's writers and older ones named them
+        differently)."""
         import time
 
         now = time.time()
@@ -163,7 +165,7 @@ class _Dir:
         removed = 0
         for name in names:
             if not (name.startswith(".") and name.endswith(suffix)):
-                continue  # ``prefix`` today; ``.<host>-<pid>.*.tmp`` from npu-shim 0.2.2 and before
+                continue  # ``.npu-shim-*`` today; ``.<host>-<pid>.*.tmp`` up to the 0.2.2 release
             try:
                 st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
                 if st.st_uid == os.geteuid() and now - st.st_mtime > max_age_s and \

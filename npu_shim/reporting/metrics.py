@@ -12,7 +12,7 @@ server of its own is started:
   the bytes a patch released, ...), as the state record has them; docs/operations.md lists them.
 
 Each is a ``liveall`` gauge: one sample per live process, labelled with its ``pid``.  Values are
-written again whenever the state record would be (``staterecord.write`` / ``touch`` call
+written again whenever the state record would be (``state_record.write`` / ``touch`` call
 ``publish``), so a heap made later (mix mode) or weights released at the first forward show up.
 """
 

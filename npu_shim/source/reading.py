@@ -3,11 +3,10 @@
 Applying checks the loaded code against what deciding read: ``live_params`` reads an imported
 function's parameters from its ``__code__``; ``live_fingerprint`` gives its fingerprint, known
 from deciding (``remember``) while the file is still the one read.  Reading and parsing a source
-file, the fingerprint of a def, and where a package and its version are live here too.
+file, the fingerprint of a def, and where a package and its version are here too.
 
-Deciding itself (``codeview``'s SourceView, ``fastscan``, ``answers``) is needed once per
-process: the runtime lets go of those modules once every patch is decided
-(npu_shim/runtime/activation.py), so nothing here may import them at module level.
+Deciding itself (``codeview``'s SourceView, ``fastscan``, ``inherited``) is needed once per
+process, applying never: nothing here imports them at module level.
 """
 
 import ast
@@ -16,7 +15,7 @@ import os
 import re
 
 from npu_shim.core.framework import SourceError  # noqa: F401 - raised here, caught by deciding
-from npu_shim.ops.log import one_line
+from npu_shim.reporting.log import one_line
 
 
 def read_source(path):

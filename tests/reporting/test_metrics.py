@@ -1,10 +1,10 @@
-"""ops/metrics.py: the shim's gauges in sglang's multiprocess Prometheus metrics."""
+"""reporting/metrics.py: the shim's gauges in sglang's multiprocess Prometheus metrics."""
 import json
 import subprocess
 import sys
 import textwrap
 
-from npu_shim.ops import metrics
+from npu_shim.reporting import metrics
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 
@@ -14,7 +14,7 @@ _CHILD = textwrap.dedent("""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[2]
     import prometheus_client  # as sglang does: after the variable is set
     from prometheus_client import CollectorRegistry, multiprocess
-    from npu_shim.ops import metrics
+    from npu_shim.reporting import metrics
 
     records = {"zbal": {"state": "applied", "details": {"mode": "mix"}},
                "mla_weight_release": {"state": "applied", "details": {}}}

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from npu_shim.source import codeview, fastscan, live
+from npu_shim.source import codeview, fastscan, reading
 from npu_shim.source.codeview import ModuleSource
 
 
@@ -18,7 +18,7 @@ def _loaded_functions(module):
     """(function object, whole-parse FunctionInfo) for each def of ``module`` that is the one loaded."""
     import types
 
-    whole_parse = ModuleSource(module.__file__, live.read_source(module.__file__)).functions
+    whole_parse = ModuleSource(module.__file__, reading.read_source(module.__file__)).functions
     for qualname, info in whole_parse.items():
         owner = module
         for part in qualname.split("."):
@@ -42,9 +42,9 @@ def test_the_loaded_code_has_the_fingerprint_its_source_has(read_from_its_lines,
     if not read_from_its_lines:
         monkeypatch.setattr(fastscan, "read_def", lambda text, qualname, body=True: None)
     checked = 0
-    for module in (argparse, dataclasses, logging, codeview, live):
+    for module in (argparse, dataclasses, logging, codeview, reading):
         for function, info in _loaded_functions(module):
-            assert live.live_fingerprint(function) == info.fingerprint, function.__qualname__
+            assert reading.live_fingerprint(function) == info.fingerprint, function.__qualname__
             checked += 1
     assert checked > 200
 
@@ -55,19 +55,19 @@ def test_loaded_code_is_checked_from_memory_only_while_its_file_is_the_one_read(
     import importlib
     import time
 
-    monkeypatch.setattr(live, "_KNOWN", {})
+    monkeypatch.setattr(reading, "_KNOWN", {})
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "known_module.py").write_text("def target(a):\n    return a\n")
     target = importlib.import_module("known_module").target
     path = target.__code__.co_filename
-    read = live.live_fingerprint(target)
-    live.remember(path, "target", 2, "remembered", live.file_identity(path))
-    assert live.live_fingerprint(target) == read  # another line: not that def
-    live.remember(path, "target", 1, "remembered", live.file_identity(path))
-    assert live.live_fingerprint(target) == "remembered"
+    read = reading.live_fingerprint(target)
+    reading.remember(path, "target", 2, "remembered", reading.file_identity(path))
+    assert reading.live_fingerprint(target) == read  # another line: not that def
+    reading.remember(path, "target", 1, "remembered", reading.file_identity(path))
+    assert reading.live_fingerprint(target) == "remembered"
     time.sleep(0.01)
     os.utime(path)  # any change of the file changes its ctime
-    assert live.live_fingerprint(target) == read
+    assert reading.live_fingerprint(target) == read
 
 
 def test_live_params_read_the_parameters_as_the_source_names_them():
@@ -83,9 +83,9 @@ def test_live_params_read_the_parameters_as_the_source_names_them():
         def klass(cls, a):
             pass
 
-    assert live.live_params(Owner.method, True) == ("a", "b", "*rest", "c", "**more")
-    assert live.live_params(vars(Owner)["static"], True) == ("a",)
-    assert live.live_params(vars(Owner)["klass"], True) == ("a",)
+    assert reading.live_params(Owner.method, True) == ("a", "b", "*rest", "c", "**more")
+    assert reading.live_params(vars(Owner)["static"], True) == ("a",)
+    assert reading.live_params(vars(Owner)["klass"], True) == ("a",)
 
 
 def test_find_package_dir_never_asks_the_shims_own_watcher(monkeypatch, tmp_path):
@@ -95,21 +95,21 @@ def test_find_package_dir_never_asks_the_shims_own_watcher(monkeypatch, tmp_path
     (tmp_path / "somepkg" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     asked = []
-    monkeypatch.setattr(_bootstrap, "then", lambda *args: asked.append(args))
-    monkeypatch.setattr(_bootstrap, "fired", True)
+    monkeypatch.setattr(_bootstrap, "_hand_on_to", lambda *args: asked.append(args))
+    monkeypatch.setattr(_bootstrap, "_saw_sglang", True)
     monkeypatch.setattr(sys, "meta_path", [_bootstrap.WATCHER] + sys.meta_path)
-    assert live.find_package_dir("somepkg") == str(tmp_path / "somepkg")
+    assert reading.find_package_dir("somepkg") == str(tmp_path / "somepkg")
     assert asked == []
 
 
 def test_applying_needs_none_of_the_deciding_modules():
-    """The runtime lets go of codeview, fastscan and answers once every patch is decided: this
-    module must not hold them (an import at module level would)."""
+    """Applying never needs codeview, fastscan or inherited (deciding's modules): this module,
+    which applying uses, must not import them at module level."""
     import ast
 
-    tree = ast.parse(open(live.__file__).read())
+    tree = ast.parse(open(reading.__file__).read())
     top = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
     names = {alias.name for node in top for alias in node.names} | {
         node.module for node in top if isinstance(node, ast.ImportFrom)}
     assert not names & {"codeview", "fastscan", "answers", "npu_shim.source.codeview",
-                        "npu_shim.source.fastscan", "npu_shim.source.answers"}
+                        "npu_shim.source.fastscan", "npu_shim.source.inherited"}

@@ -2,11 +2,11 @@
 
 Each process that imports sglang keeps one JSON file, ``<host>-<pid namespace>-<pid>.json``
 (``python -m npu_shim status --running`` gathers them): who wrote it (pid, user, host, boot id, PID
-namespace, start time), its role (npu_shim/ops/procinfo.py), shim / sglang / Python versions, the main
+namespace, start time), its role (npu_shim/reporting/procinfo.py), shim / sglang / Python versions, the main
 module (never the command line's arguments: they may carry an API key) and every patch's state,
 reason and details.  Nothing is written while the variable is unset.
 
-The directory is trusted only as far as the kernel guarantees it (npu_shim/ops/statedir.py): every
+The directory is trusted only as far as the kernel guarantees it (npu_shim/reporting/safe_dir.py): every
 directory on the way must belong to root or this user and be writable by nobody else unless it is
 sticky, the last one must belong to this user, and nothing is followed through a symlink.  A
 sticky directory writable by others (``install -d -m 1777 /dev/shm/npu-shim``: one directory
@@ -37,7 +37,7 @@ import threading
 import time
 
 from npu_shim.core import config
-from npu_shim.ops import log, procinfo
+from npu_shim.reporting import log, procinfo
 
 FORMAT = 2
 INTERVAL_S = 5.0
@@ -59,7 +59,7 @@ class _Writer:
         self.swept_pid = None     # the process that swept the directory's leftovers
         self.failing = False
         self.atexit_registered = False
-        self.attached = None      # staterecord.ATTACHED, handed in with the first write
+        self.attached = None      # state_record.ATTACHED, handed in with the first write
 
 
 _W = _Writer()
@@ -98,9 +98,9 @@ def directory():
 
 def record_name(host, pid_ns, pid):
     """The file name of a process's record: host, PID namespace and pid name one process."""
-    from npu_shim.ops import statedir  # only where records are written or read
+    from npu_shim.reporting import safe_dir  # only where records are written or read
 
-    return "%s-%s-%d.json" % (statedir.safe_name(host), pid_ns if pid_ns is not None else "x", pid)
+    return "%s-%s-%d.json" % (safe_dir.safe_name(host), pid_ns if pid_ns is not None else "x", pid)
 
 
 def build():
@@ -144,7 +144,7 @@ def build():
 
 def write(force=False, attached=None):
     """Write the record now if the directory is set and (or ``force``) it changed, or its
-    heartbeat is due; ``attached``: what the runtime handed staterecord (kept for the writer's
+    heartbeat is due; ``attached``: what the runtime handed state_record (kept for the writer's
     thread and the exit).  Never raises."""
     if attached is not None:
         _W.attached = attached
@@ -169,12 +169,12 @@ def write(force=False, attached=None):
             if len(data) > MAX_RECORD_BYTES:
                 raise ValueError("the record would be %d bytes, over the %d readers accept"
                                  % (len(data), MAX_RECORD_BYTES))
-            from npu_shim.ops import statedir
+            from npu_shim.reporting import safe_dir
 
-            with statedir.open_for_writing(dir_) as handle:
+            with safe_dir.open_for_writing(dir_) as handle:
                 if _W.swept_pid != os.getpid():
                     _W.swept_pid = os.getpid()
-                    handle.sweep(TEMP_PREFIX, TEMP_SUFFIX, TEMP_MAX_AGE_S)
+                    handle.sweep(TEMP_SUFFIX, TEMP_MAX_AGE_S)
                 handle.replace_file(record_name(record["host"], record["pid_ns"], record["pid"]),
                                     data, TEMP_PREFIX, TEMP_SUFFIX)
             _W.last, _W.last_pid, _W.last_time = text, os.getpid(), time.monotonic()
@@ -183,23 +183,23 @@ def write(force=False, attached=None):
                 log.info("the state record is written to %s=%s again" % (config.STATE_DIR.name, dir_))
     except Exception as exc:  # noqa: BLE001 - never into the application
         _W.failing = True
-        log.error_once("statefile", "cannot write the state record to %s=%s: %s (retried every "
+        log.error_once("record_writer", "cannot write the state record to %s=%s: %s (retried every "
                        "%gs; said once)" % (config.STATE_DIR.name, dir_, _why(exc), INTERVAL_S))
         return False
     return True
 
 
 def _why(exc):
-    from npu_shim.ops import statedir
+    from npu_shim.reporting import safe_dir
 
-    if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, statedir.UnsafeDirectory):
+    if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, safe_dir.UnsafeDirectory):
         return exc.strerror  # the path is already on the line
-    return str(exc.args[-1] if isinstance(exc, statedir.UnsafeDirectory) else exc)
+    return str(exc.args[-1] if isinstance(exc, safe_dir.UnsafeDirectory) else exc)
 
 
 def touch(now=False):
     """Something in a record changed: rewrite it soon (from the writer thread), or ``now``
-    (the runtime calls staterecord.touch)."""
+    (the runtime calls state_record.touch)."""
     if _W.thread_pid is None and not now:
         return  # nothing written yet in this process: the first write is synchronous
     if now:

@@ -5,20 +5,20 @@ import os
 
 from test_bootstrap import last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 
-WRITER_MODULES = ["npu_shim.ops.statedir", "npu_shim.ops.statefile"]
+WRITER_MODULES = ["npu_shim.reporting.record_writer", "npu_shim.reporting.safe_dir"]  # sorted
 
 REPORT = """
     import json, os, sys
     from sglang.srt.utils import get_npu_memory_capacity
     import npu_shim
-    from npu_shim.ops import staterecord
+    from npu_shim.reporting import state_record
     loaded = lambda: sorted(m for m in %r if m in sys.modules)
     out = {"value": get_npu_memory_capacity(), "after_import": loaded()}
-    staterecord.touch()              # something changed, but no record is kept: nothing to wake
+    state_record.touch()              # something changed, but no record is kept: nothing to wake
     out["after_touch"] = loaded()
     if os.environ.get("LATE_STATE_DIR"):  # asked for once the patches are decided
         os.environ["NPU_SHIM_STATE_DIR"] = os.environ["LATE_STATE_DIR"]
-        staterecord.touch(now=True)
+        state_record.touch(now=True)
     out["at_end"] = loaded()
     print(json.dumps(out))
 """ % (WRITER_MODULES,)

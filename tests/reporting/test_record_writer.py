@@ -1,4 +1,4 @@
-"""The state record's writer (npu_shim/ops/statefile.py, npu_shim/ops/statedir.py) against an attacker with a
+"""The state record's writer (npu_shim/reporting/record_writer.py, npu_shim/reporting/safe_dir.py) against an attacker with a
 shell on the node and against a clumsy operator: real processes, real users (root and ``nobody``),
 real PID namespaces.  The suite runs as root, as servers do."""
 
@@ -17,11 +17,11 @@ import time
 import pytest
 from test_bootstrap import REPO, run, tree  # noqa: F401 - ``tree`` is a fixture
 
-from npu_shim.ops import procinfo, statedir, statefile
+from npu_shim.reporting import procinfo, safe_dir, record_writer
 
 NOBODY = 65534
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or "/usr/bin/python3"
-FAST = "from npu_shim.ops import statefile, staterecord; statefile.INTERVAL_S = 0.05; statefile.HEARTBEAT_S = 0.5\n"
+FAST = "from npu_shim.reporting import record_writer, state_record; record_writer.INTERVAL_S = 0.05; record_writer.HEARTBEAT_S = 0.5\n"
 
 
 def as_nobody():
@@ -50,7 +50,7 @@ def write_in_child(state_dir, code="", env=None, user=None, python=None):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("NPU_SHIM_")}
     full_env.update({"PYTHONPATH": REPO, "NPU_SHIM_STATE_DIR": state_dir, "PYTHONDONTWRITEBYTECODE": "1"})
     full_env.update(env or {})
-    script = FAST + "import os\nstaterecord.write()\n" + textwrap.dedent(code)
+    script = FAST + "import os\nstate_record.write()\n" + textwrap.dedent(code)
     return subprocess.run([python or sys.executable, "-c", script], env=full_env, capture_output=True,
                           text=True, timeout=60, preexec_fn=as_nobody if user == NOBODY else None)
 
@@ -90,7 +90,7 @@ def test_a_state_dir_another_user_created_first_is_refused_and_a_victim_file_kee
             import time
             from sglang.srt.utils import common
             for _ in range(200):
-                staterecord.write(force=True)
+                state_record.write(force=True)
         """), env={"NPU_SHIM_STATE_DIR": state_dir})
     finally:
         open(os.path.join(state_dir, "stop"), "w").close()
@@ -110,7 +110,7 @@ def test_the_temporary_file_is_made_readable_through_its_descriptor_never_by_pat
     monkeypatch.setattr(os, "lchmod", no_chmod_by_path, raising=False)
     os.umask(0o077)  # a strict umask: the record is still readable by a non-root operator
     try:
-        with statedir.open_for_writing(str(tmp_path / "state")) as handle:
+        with safe_dir.open_for_writing(str(tmp_path / "state")) as handle:
             handle.replace_file("r.json", b"{}", ".npu-shim-", ".tmp")
     finally:
         os.umask(0o022)
@@ -178,7 +178,7 @@ def test_root_takes_back_its_user_dir_that_another_user_made_first(shared_tmp, w
     assert "cannot write the state record" not in proc.stderr and proc.returncode == 0, proc.stderr
     st = os.stat(squat)
     assert st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o755
-    assert files(squat) == [statefile.record_name(procinfo.host(), procinfo.pid_namespace(), int(proc.stdout))]
+    assert files(squat) == [record_writer.record_name(procinfo.host(), procinfo.pid_namespace(), int(proc.stdout))]
     aside = [name for name in files(shared) if name != "uid-0"]
     assert len(aside) == 1 and aside[0].startswith(".squatted-uid-0-by-uid-%d-" % NOBODY)
 
@@ -210,10 +210,10 @@ def test_a_sticky_shared_dir_gives_each_user_a_subdirectory_and_status_reads_bot
                     ignore=shutil.ignore_patterns("__pycache__", "_vendor"))
     keep = "import time; print('up', flush=True); time.sleep(30)\n"
     env = {"PYTHONPATH": copy}
-    theirs = subprocess.Popen([SYSTEM_PYTHON, "-c", FAST + "staterecord.write()\n" + keep],
+    theirs = subprocess.Popen([SYSTEM_PYTHON, "-c", FAST + "state_record.write()\n" + keep],
                               env=dict(env, NPU_SHIM_STATE_DIR=shared, PATH=os.environ["PATH"]),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=as_nobody)
-    ours = subprocess.Popen([sys.executable, "-c", FAST + "staterecord.write()\n" + keep],
+    ours = subprocess.Popen([sys.executable, "-c", FAST + "state_record.write()\n" + keep],
                             env=dict(os.environ, PYTHONPATH=REPO, NPU_SHIM_STATE_DIR=shared),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -255,14 +255,14 @@ def test_the_record_keeps_no_command_line_argument(tree):
     assert "sk-very-secret" not in data and "--api-key" not in data and "30000" not in data
     record = json.loads(data)
     assert record["program"] == "launch_server.py" and "argv" not in record
-    assert record["format"] == 2 and record["heartbeat_s"] == statefile.HEARTBEAT_S
+    assert record["format"] == 2 and record["heartbeat_s"] == record_writer.HEARTBEAT_S
     assert record["uid"] == os.geteuid() and record["boot_id"] == procinfo.boot_id()
 
 
 def test_records_of_two_pid_namespaces_with_one_hostname_both_live(tmp_path):
     # Two containers with host networking and their own PID namespaces: both servers are pid 1.
     state_dir = str(tmp_path / "state")
-    code = FAST + "staterecord.write()\nimport os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n"
+    code = FAST + "state_record.write()\nimport os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n"
     env = dict(os.environ, PYTHONPATH=REPO, NPU_SHIM_STATE_DIR=state_dir)
     procs = [subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-c", code],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -351,7 +351,7 @@ def test_a_forked_child_writes_its_own_record_while_it_runs(tree):
 def test_temporary_files_of_killed_writers_are_removed_once_old(tmp_path):
     state_dir = tmp_path / "state"
     state_dir.mkdir()
-    old = time.time() - 2 * statefile.TEMP_MAX_AGE_S
+    old = time.time() - 2 * record_writer.TEMP_MAX_AGE_S
     names = {".npu-shim-h-1-1-aaaa.tmp": old, ".h-2.abcd.tmp": old,  # ours, and npu-shim 0.2.2's
              ".npu-shim-h-3-3-bbbb.tmp": time.time(),  # a write in progress: kept
              ".npu-shim-not-ours.tmp": old}
@@ -372,10 +372,10 @@ def test_killed_writers_leave_no_temporary_file_behind_after_the_next_writer(tmp
     for _ in range(5):
         proc = subprocess.Popen([sys.executable, "-c", FAST + textwrap.dedent("""
             import os
-            staterecord.write()
+            state_record.write()
             print("up", flush=True)
             while True:
-                staterecord.write(force=True)
+                state_record.write(force=True)
         """)], env=dict(os.environ, PYTHONPATH=REPO, NPU_SHIM_STATE_DIR=str(state_dir)),
             stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "up"
@@ -383,7 +383,7 @@ def test_killed_writers_leave_no_temporary_file_behind_after_the_next_writer(tmp
         proc.kill()
         proc.wait()
     leftovers = [n for n in files(state_dir) if n.endswith(".tmp")]
-    old = time.time() - 2 * statefile.TEMP_MAX_AGE_S
+    old = time.time() - 2 * record_writer.TEMP_MAX_AGE_S
     for name in leftovers:
         os.utime(state_dir / name, (old, old))
     write_in_child(str(state_dir))
@@ -392,8 +392,8 @@ def test_killed_writers_leave_no_temporary_file_behind_after_the_next_writer(tmp
 
 def test_an_oversized_record_is_refused_by_the_writer_with_one_line(tmp_path):
     proc = write_in_child(str(tmp_path / "state"), textwrap.dedent("""
-        staterecord.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": {"x": "y" * 300000}}})
-        print(staterecord.write())
+        state_record.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": {"x": "y" * 300000}}})
+        print(state_record.write())
     """))
     assert proc.stdout.strip() == "False"
     assert re.search(r"the record would be \d+ bytes, over the 262144 readers accept", proc.stderr), proc.stderr
@@ -402,12 +402,12 @@ def test_an_oversized_record_is_refused_by_the_writer_with_one_line(tmp_path):
 def test_a_fork_while_the_writer_holds_its_lock_cannot_stall_the_child(tmp_path):
     proc = write_in_child(str(tmp_path / "state"), """
         import signal
-        statefile._W.lock.acquire()          # as the writer thread may hold it when fork() comes
+        record_writer._W.lock.acquire()          # as the writer thread may hold it when fork() comes
         pid = os.fork()
         if pid == 0:
             signal.alarm(10)                 # a lock inherited held would hang here
-            os._exit(0 if staterecord.write(force=True) else 3)
-        statefile._W.lock.release()
+            os._exit(0 if state_record.write(force=True) else 3)
+        record_writer._W.lock.release()
         print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
     """)
     assert proc.stdout.strip() == "0", proc.stdout + proc.stderr
@@ -417,12 +417,12 @@ def test_a_failed_rename_leaves_no_temporary_file(tmp_path):
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     proc = write_in_child(str(state_dir), """
-        from npu_shim.ops import procinfo
+        from npu_shim.reporting import procinfo
         path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
-                            statefile.record_name(procinfo.host(), procinfo.pid_namespace(), os.getpid()))
+                            record_writer.record_name(procinfo.host(), procinfo.pid_namespace(), os.getpid()))
         os.unlink(path)
         os.mkdir(path)       # the record's name taken by a directory: the rename fails
-        print(staterecord.write(force=True))
+        print(state_record.write(force=True))
     """)
     assert proc.stdout.strip() == "False", proc.stdout + proc.stderr
     assert [n for n in files(state_dir) if n.endswith(".tmp")] == [], files(state_dir)
@@ -432,16 +432,16 @@ def test_a_failed_rename_leaves_no_temporary_file(tmp_path):
 def test_touch_wakes_the_writer_before_its_interval(tmp_path):
     proc = write_in_child(str(tmp_path / "state"), """
         import json, time
-        from npu_shim.ops import procinfo
-        statefile.INTERVAL_S = statefile.HEARTBEAT_S = 60.0   # only touch() can bring the change in time
+        from npu_shim.reporting import procinfo
+        record_writer.INTERVAL_S = record_writer.HEARTBEAT_S = 60.0   # only touch() can bring the change in time
         details = {}
-        staterecord.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": dict(details)}})
-        staterecord.write()
+        state_record.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": dict(details)}})
+        state_record.write()
         path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
-                            statefile.record_name(procinfo.host(), procinfo.pid_namespace(), os.getpid()))
+                            record_writer.record_name(procinfo.host(), procinfo.pid_namespace(), os.getpid()))
         time.sleep(0.2)     # the writer thread is waiting out its interval now
         details["n"] = 1
-        statefile.touch()
+        record_writer.touch()
         deadline = time.time() + 10
         while json.load(open(path))["patches"]["p"]["details"] != {"n": 1}:
             assert time.time() < deadline, "touch() did not wake the writer"
@@ -454,10 +454,10 @@ def test_touch_wakes_the_writer_before_its_interval(tmp_path):
 def test_the_exit_writes_the_final_figures(tmp_path):
     state_dir = tmp_path / "state"
     proc = write_in_child(str(state_dir), """
-        statefile.INTERVAL_S = statefile.HEARTBEAT_S = 60.0   # only the exit can write them in time
+        record_writer.INTERVAL_S = record_writer.HEARTBEAT_S = 60.0   # only the exit can write them in time
         details = {}
-        staterecord.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": dict(details)}})
-        staterecord.write()
+        state_record.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": dict(details)}})
+        state_record.write()
         details["final"] = 1
     """)
     assert proc.returncode == 0, proc.stderr
@@ -468,8 +468,8 @@ def test_the_exit_writes_the_final_figures(tmp_path):
 def test_a_nan_in_the_details_is_never_written_as_non_strict_json(tmp_path):
     state_dir = tmp_path / "state"
     proc = write_in_child(str(state_dir), """
-        staterecord.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": {"x": float("nan")}}})
-        print(staterecord.write(force=True))
+        state_record.attach(lambda: {"p": {"state": "applied", "reason": "r", "details": {"x": float("nan")}}})
+        print(state_record.write(force=True))
     """)
     assert proc.stdout.strip() == "False"
     assert "cannot write the state record" in proc.stderr and "Out of range float values" in proc.stderr

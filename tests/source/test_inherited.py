@@ -1,4 +1,4 @@
-"""npu_shim/source/answers.py: a child decides from the answers its parent's source gave, never
+"""npu_shim/source/inherited.py: a child decides from the answers its parent's source gave, never
 from a file that changed since."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from shimdev import realsglang
 from npu_shim.core import framework
-from npu_shim.source import answers
+from npu_shim.source import inherited
 from npu_shim.core.loading import load_all
 
 
@@ -32,20 +32,20 @@ def decide_all(view):
 
 
 def parent(tree):
-    view = answers.view(tree, environ={})
+    view = inherited.view(tree, environ={})
     states = decide_all(view)
     environ = {}
-    answers.export(view, environ)
+    inherited.export(view, environ)
     return states, environ
 
 
 def test_a_child_decides_the_same_without_parsing_anything(tree):
     states, environ = parent(tree)
     assert states["zbal"][0] == "applied" and states["mla_weight_release"][0] == "applied"
-    record = json.loads(environ[answers.ENV])
+    record = json.loads(environ[inherited.ENV])
     assert record["dir"] == tree and record["answers"] and record["files"]
-    assert len(environ[answers.ENV]) < 16384  # an environment variable, not a file
-    child = answers.view(tree, environ=environ)
+    assert len(environ[inherited.ENV]) < 16384  # an environment variable, not a file
+    child = inherited.view(tree, environ=environ)
     assert child.reused
     assert decide_all(child) == states
     assert child._modules == {}  # no sglang file was read, let alone parsed
@@ -59,7 +59,7 @@ def test_a_file_changed_since_is_never_trusted(tree):
         handle.write(b"\n# edited\n")
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # mtime put back: ctime tells
     try:
-        child = answers.view(tree, environ=environ)
+        child = inherited.view(tree, environ=environ)
         assert not child.reused
         assert decide_all(child) == states and child._modules  # read from the source again
     finally:
@@ -71,7 +71,7 @@ def test_a_file_changed_since_is_never_trusted(tree):
 
 def test_a_module_that_appeared_since_is_noticed(tree):
     _states, environ = parent(tree)
-    record = json.loads(environ[answers.ENV])
+    record = json.loads(environ[inherited.ENV])
     missing = [d for d, ids in record["files"].items() if ids == [None, None]]
     assert missing, "the decision asked about at least one module this release does not have"
     parts = missing[0].split(".")[1:]
@@ -79,50 +79,50 @@ def test_a_module_that_appeared_since_is_noticed(tree):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     open(path, "w").close()
     try:
-        assert not answers.view(tree, environ=environ).reused
+        assert not inherited.view(tree, environ=environ).reused
     finally:
         os.unlink(path)
 
 
 @pytest.mark.parametrize("raw", ["", "{", "[]", '{"format": 1}', '{"format": 99, "dir": "x"}', "null"])
 def test_anything_odd_in_the_variable_means_reading_the_source(tree, raw):
-    view = answers.view(tree, environ={answers.ENV: raw})
+    view = inherited.view(tree, environ={inherited.ENV: raw})
     assert not view.reused
     assert decide_all(view)["zbal"][0] == "applied"
 
 
 def test_another_sglang_directory_does_not_use_the_record(tree, tmp_path):
     _states, environ = parent(tree)
-    assert not answers.view(str(tmp_path), environ=environ).reused
+    assert not inherited.view(str(tmp_path), environ=environ).reused
 
 
 @pytest.mark.parametrize("record", [
-    {"format": answers.FORMAT, "dir": "/elsewhere", "files": {}},  # another directory
-    {"format": answers.FORMAT - 1, "files": {}},                   # another format, this dir
+    {"format": inherited.FORMAT, "dir": "/elsewhere", "files": {}},  # another directory
+    {"format": inherited.FORMAT - 1, "files": {}},                   # another format, this dir
 ])
 def test_a_record_of_another_directory_or_format_is_never_used(tree, record):
     """Each alone is enough: no file identity is left to tell the record is not this tree's."""
     record = dict({"dir": tree, "version": "9.9.9", "answers": {"module|sglang.srt.nothing": True}},
                   **record)
-    view = answers.view(tree, environ={answers.ENV: json.dumps(record)})
+    view = inherited.view(tree, environ={inherited.ENV: json.dumps(record)})
     assert not view.reused and view.answers == {} and view.version != "9.9.9"
-    good = dict(record, format=answers.FORMAT, dir=tree)
-    assert answers.view(tree, environ={answers.ENV: json.dumps(good)}).reused
+    good = dict(record, format=inherited.FORMAT, dir=tree)
+    assert inherited.view(tree, environ={inherited.ENV: json.dumps(good)}).reused
 
 
 def test_a_fingerprint_deciding_read_is_known_when_applying_without_reading_the_file(tmp_path,
                                                                                    monkeypatch):
     """The loaded code is checked against the fingerprint deciding read while its file is the one
-    read (``live.remember``, keyed by the file's path): applying reads nothing again."""
+    read (``reading.remember``, keyed by the file's path): applying reads nothing again."""
     import inspect
 
-    from npu_shim.source import live
+    from npu_shim.source import reading
 
     package = tmp_path / "sglang"
     (package / "srt").mkdir(parents=True)
     path = package / "srt" / "a.py"
     path.write_text("def f(x):\n    return x + 1\n")
-    view = answers.view(str(package), environ={})
+    view = inherited.view(str(package), environ={})
     fingerprint = view.function("sglang.srt.a", "f").fingerprint
     loaded = {}
     exec(compile(path.read_text(), str(path), "exec"), loaded)  # as the import would load it
@@ -130,6 +130,6 @@ def test_a_fingerprint_deciding_read_is_known_when_applying_without_reading_the_
     def unread(*args, **kwargs):
         raise AssertionError("the file was read again")
 
-    monkeypatch.setattr(live, "read_source", unread)
+    monkeypatch.setattr(reading, "read_source", unread)
     monkeypatch.setattr(inspect, "getsource", unread)
-    assert live.live_fingerprint(loaded["f"]) == fingerprint
+    assert reading.live_fingerprint(loaded["f"]) == fingerprint

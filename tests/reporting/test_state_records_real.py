@@ -12,12 +12,12 @@ import json, logging, os, socket
 import sglang.srt.managers.scheduler  # the scheduler's module: every patch is decided here
 import sglang.srt.model_executor.model_runner, sglang.srt.utils.common
 import sglang.srt.layers.moe.token_dispatcher.deepep, sglang.srt.distributed.parallel_state
-from npu_shim.ops import log
+from npu_shim.reporting import log
 from shimdev.demo_features import zbal_fresh, make_scheduler, enter_scheduler_process
 
-from npu_shim.ops import procinfo, statefile
+from npu_shim.reporting import procinfo, record_writer
 path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
-                    statefile.record_name(socket.gethostname(), procinfo.pid_namespace(), os.getpid()))
+                    record_writer.record_name(socket.gethostname(), procinfo.pid_namespace(), os.getpid()))
 before = json.load(open(path))
 lines = []
 class Capture(logging.Handler):

@@ -1,4 +1,4 @@
-"""Text for the operator's terminal (npu_shim/ops/terminal.py): escaped wherever it comes from --
+"""Text for the operator's terminal (npu_shim/reporting/terminal.py): escaped wherever it comes from --
 ``check``'s report included, whose child imports sglang modules that may say anything."""
 
 import os
@@ -9,7 +9,7 @@ import sys
 import pytest
 from test_bootstrap import REPO, tree  # noqa: F401 - ``tree`` is a fixture
 
-from npu_shim.ops import terminal
+from npu_shim.reporting import terminal
 
 RAW_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202e]")
 

@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from npu_shim.ops import procinfo
+from npu_shim.reporting import procinfo
 
 
 @pytest.fixture

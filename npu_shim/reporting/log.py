@@ -1,6 +1,6 @@
 """The shim's one logger, ``npu_shim``; lines read ``[npu-shim VERSION sglang VERSION pid 812 tp 3/16]
 <message>`` -- the shim's version, then as far as known the running sglang's, the pid and the
-process's sglang role (npu_shim/ops/procinfo.py), so that 16 ranks x N processes can be told apart.
+process's sglang role (npu_shim/reporting/procinfo.py), so that 16 ranks x N processes can be told apart.
 
 If the application has configured no handler for it (or for the root logger) by the time the shim
 first logs, a stderr handler is attached so the shim's lines are seen in every process.  With
@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from npu_shim.ops.terminal import printable
+from npu_shim.reporting.terminal import printable
 
 LOGGER_NAME = "npu_shim"
 logger = logging.getLogger(LOGGER_NAME)
@@ -53,7 +53,7 @@ def configure():
 def tag():
     """``npu-shim VERSION sglang VERSION pid 812 tp 3/16``: who says it (parts not yet known left out)."""
     from npu_shim._version import __version__
-    from npu_shim.ops import procinfo
+    from npu_shim.reporting import procinfo
 
     parts = ["npu-shim", __version__]
     sglang = procinfo.sglang_version()
@@ -79,7 +79,7 @@ class TextFormatter(logging.Formatter):
 def json_fields():
     """The fields every JSON line carries."""
     from npu_shim._version import __version__
-    from npu_shim.ops import procinfo
+    from npu_shim.reporting import procinfo
 
     fields = {"pid": os.getpid(), "host": procinfo.host(), "shim": __version__,
               "sglang": procinfo.sglang_version()}

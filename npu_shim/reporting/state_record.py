@@ -1,16 +1,16 @@
 """Whether this process keeps a state record, and what the runtime hands the writer.
 
 An operator asks for records with ``NPU_SHIM_STATE_DIR``; most processes never set it, so the
-writer (npu_shim/ops/statefile.py: its thread, the record and the directory checks) is imported
+writer (npu_shim/reporting/record_writer.py: its thread, the record and the directory checks) is imported
 only by the first write the variable asks for.  The runtime calls only this module.
 """
 
 import sys
 
 from npu_shim.core import config
-from npu_shim.ops import metrics
+from npu_shim.reporting import metrics
 
-WRITER = "npu_shim.ops.statefile"
+WRITER = "npu_shim.reporting.record_writer"
 
 
 class Attached:
@@ -31,16 +31,16 @@ def attach(source, sglang_path=None, shim_enabled=True):
 
 
 def write(force=False):
-    """Write the record now where one is asked for (statefile.write, which checks the value);
-    never raises.  The shim's gauges in sglang's metrics follow (ops/metrics.py)."""
+    """Write the record now where one is asked for (record_writer.write, which checks the value);
+    never raises.  The shim's gauges in sglang's metrics follow (reporting/metrics.py)."""
     metrics.publish()
     if not config.STATE_DIR.is_set():
         return False
     try:
-        from npu_shim.ops import statefile
+        from npu_shim.reporting import record_writer
     except Exception:  # noqa: BLE001 - never into the application
         return False
-    return statefile.write(force, ATTACHED)
+    return record_writer.write(force, ATTACHED)
 
 
 def touch(now=False):

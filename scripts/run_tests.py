@@ -26,7 +26,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import containers, runner, sglang_envs  # noqa: E402
+from shimdev import containers, machine, runner, sglang_envs  # noqa: E402
 
 PYTEST_NO_TESTS = 5
 
@@ -58,6 +58,9 @@ def start_containers(started):
 
 def prepare():
     started = time.monotonic()
+    gaps = machine.missing()
+    if gaps:  # the tests that need it fail with the same words; the others still run
+        log("this machine lacks what some tests need: %s" % gaps)
     engine = start_containers(started)
     python = runner_python()
     log("runner venv ready (%.0fs)" % (time.monotonic() - started))

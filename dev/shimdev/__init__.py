@@ -5,6 +5,8 @@ What lives here (each module says more):
 * ``sglang_envs``    the supported releases, their wheels, sources and layered environments;
 * ``runner``         the test runner's venv (torch, wrapt, pytest), shared by the test command and
                      the benchmarks;
+* ``machine``        what the test command needs of a machine: the CPythons 3.9-3.13 (through
+                     ``PYENV_ROOT`` and ``PATH``), a C compiler;
 * ``realsglang``     run code in a release's environment with the simulated NPU;
 * ``simnpu``         a simulated Ascend NPU (``torch.npu`` on the CPU, a recorded event log);
 * ``simzbal``       the native half of memfabric-zbal 1.2.0, simulated (``zbal_native.c`` and the

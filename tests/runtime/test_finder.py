@@ -284,7 +284,7 @@ def test_a_namespace_package_without_a_loader_in_its_spec_runs_its_hooks(version
     """Before Python 3.11 a namespace package's spec has no loader (the import system makes one)."""
     import subprocess
 
-    from test_drop_in import REPO, pyenv_python
+    from test_drop_in import REPO, cpython
 
     (tmp_path / "hk_ns").mkdir()
     code = """if 1:
@@ -297,7 +297,7 @@ def test_a_namespace_package_without_a_loader_in_its_spec_runs_its_hooks(version
         import hk_ns
         print(json.dumps([fired, hk_ns.__spec__.loader is hk_ns.__loader__, hk_ns.__file__]))
     """
-    proc = subprocess.run([pyenv_python(version), "-c", code], capture_output=True, text=True,
+    proc = subprocess.run([cpython(version), "-c", code], capture_output=True, text=True,
                           env={"PYTHONPATH": "%s:%s" % (tmp_path, REPO), "PYTHONDONTWRITEBYTECODE": "1"},
                           timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -9,8 +9,8 @@ everything:
 * looks at the loaded modules themselves: which functions are wrapt wrappers (exactly the applied
   patches' targets), and whether the copies other modules took with ``from ... import`` are the
   wrapped ones;
-* runs each applied feature's driver (dev/shimdev/demo_features.py, shared with the real-release
-  tests and the demo) on the release's real code; import_probe.problems() checks what it measured.
+* runs each applied feature's driver (dev/shimdev/demo_features.py, shared with the demo; their
+  set-ups, dev/shimdev/release_beds.py, with the real-release tests) on the release's real code; import_probe.problems() checks what it measured.
 
 A release whose layers cannot be built FAILS (never skips).
 """

@@ -12,7 +12,9 @@ What lives here (each module says more):
 * ``simzbal``       the native half of memfabric-zbal 1.2.0, simulated (``zbal_native.c`` and the
                      module it fills); ``import zbal`` gets the wheel's own Python files over it
                      where the zbal layer (``sglang_envs.ensure_zbal_layer``) is on the path;
-* ``demo_features``  the per-patch drivers of the demo, the import probe and the real-release tests;
+* ``demo_features``  the per-patch drivers of the demo and the import probe;
+* ``release_beds``   the set-ups over a release's real modules those drivers and the real-release
+                     tests stand on (a stubbed scheduler and model runner, a synthetic GLM-4 MoE);
 * ``expected_states`` the release table; ``mla_kernels``, ``dual_stream_kernels`` NPU kernel
                      stand-ins; ``import_probe``, ``drop_in_probe`` child-process probes;
 * ``release_report``, ``dual_stream_bench``, ``mla_real_bench`` code shared by a script and a test;

@@ -13,7 +13,7 @@ import sglang.srt.managers.scheduler  # the scheduler's module: every patch is d
 import sglang.srt.model_executor.model_runner, sglang.srt.utils.common
 import sglang.srt.layers.moe.token_dispatcher.deepep, sglang.srt.distributed.parallel_state
 from npu_shim.ops import log
-from shimdev.demo_features import zbal_fresh, make_scheduler, enter_scheduler_process
+from shimdev.release_beds import zbal_fresh, make_scheduler, enter_scheduler_process
 
 from npu_shim.ops import procinfo, statefile
 path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],

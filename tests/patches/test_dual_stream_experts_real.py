@@ -23,7 +23,7 @@ SIDE = "side-1"
 # Builds the synthetic MoE block and two attention layers; defines run helpers.  {kernel} is
 # "partial", "full_head" or None (see dev/shimdev/dual_stream_kernels.py).
 BED = r'''
-from shimdev.demo_features import glm4_moe_bed
+from shimdev.release_beds import glm4_moe_bed
 bed = glm4_moe_bed({kernel!r})
 globals().update(vars(bed))
 '''

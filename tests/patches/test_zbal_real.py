@@ -35,7 +35,7 @@ from npu_shim.patches import zbal as zp
 GIB, MIB = 1 << 30, 1 << 20
 out = {"state": activation.RUNTIME.states()["zbal"]}
 
-from shimdev.demo_features import zbal_fresh as fresh, event_order as order, make_scheduler, stub_model_runner
+from shimdev.release_beds import zbal_fresh as fresh, event_order as order, make_scheduler, stub_model_runner
 
 def is_wrapper(obj):
     return isinstance(obj, wrapt.FunctionWrapper)

@@ -2,7 +2,7 @@
 off: a scheduler spawned as sglang spawns it (multiprocessing spawn, target the real
 ``run_scheduler_process``) logs one summary line that carries its role, and its state record has
 the role -- before the body of ``run_scheduler_process`` ran (its first read of the server
-arguments ends the child: ``shimdev.demo_features.StopAtBody``)."""
+arguments ends the child: ``shimdev.release_beds.StopAtBody``)."""
 from __future__ import annotations
 
 import re
@@ -18,7 +18,7 @@ if __name__ == "__main__":
     import json, multiprocessing as mp, os, socket, sys
     import sglang.srt.managers.scheduler as sch
     from npu_shim.ops import procinfo, statefile
-    from shimdev.demo_features import scheduler_process_args
+    from shimdev.release_beds import scheduler_process_args
     log_path = os.path.join(os.getcwd(), "child.log")
     saved = os.dup(2)
     os.dup2(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)  # the child's stderr

@@ -1,4 +1,5 @@
-"""The zbal backport's own cost, side by side in one run (simulated NPU, memfabric-zbal's Python layer over its simulated native side, medians).
+"""The zbal backport's own cost, side by side in one run (simulated NPU, memfabric-zbal's Python
+layer over its simulated native side, medians).
 
 zbal's wrappers run a handful of times per process (start-up memory queries, one Scheduler, one
 ModelRunner), so what matters is that they add microseconds, not milliseconds, and that deciding

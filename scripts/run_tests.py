@@ -1,7 +1,8 @@
 """The test command: everything the suite needs, then the suite.  `python3 scripts/run_tests.py`
 
-1. a runner venv (``CACHE/venvs/test-runner-<pins>``, dev/shimdev/runner.py): torch==2.13.0 (CPU), wrapt, pytest, pytest-mock,
-   pytest-xdist, hypothesis, and the clients the real-server tests talk with (openai, prometheus-client);
+1. a runner venv (``CACHE/venvs/test-runner-<pins>``, dev/shimdev/runner.py): torch==2.13.0 (CPU),
+   wrapt, pytest, pytest-mock, pytest-xdist, hypothesis, and the clients the real-server tests talk
+   with (openai, prometheus-client);
 2. the sglang wheels of every supported release and their extracted sources (static matrix), and
    the layered environments of the import matrix (dev/shimdev/sglang_envs.py: one base venv with
    torch and no wrapt, per release a thin sglang layer and a dependency layer, a wrapt layer, the

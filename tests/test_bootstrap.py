@@ -19,7 +19,8 @@ from npu_shim.core.loading import all_variables
 from npu_shim.patches import zbal as zbal_patch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TAG = r"\[npu-shim %s sglang 0\.5\.9 pid [0-9]+\]" % re.escape(npu_shim.__version__)  # every line of a process that saw sglang
+# every line of a process that saw sglang
+TAG = r"\[npu-shim %s sglang 0\.5\.9 pid [0-9]+\]" % re.escape(npu_shim.__version__)
 
 FAKE_COMMON = '''
 def get_npu_memory_capacity():
@@ -452,8 +453,6 @@ def test_status_reports_invalid_env_with_exit_code_2(tree):
 
 
 def test_env_command_lists_every_variable():
-    from npu_shim.core import config
-
     proc = subprocess.run([sys.executable, "-m", "npu_shim", "env"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0

@@ -21,7 +21,7 @@ import textwrap
 import pytest
 
 from npu_shim.cli import bundle
-from npu_shim.runtime import activation, installer, wrapt_loader
+from npu_shim.runtime import installer
 from shimdev import machine
 from test_bootstrap import DEMO_PATCH, IMAGE_SITECUSTOMIZE
 from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture

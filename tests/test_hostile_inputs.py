@@ -17,10 +17,9 @@ import pytest
 
 from npu_shim.core.loading import all_variables
 from npu_shim.patches import zbal as zbal_patch
-from shimdev import realsglang
+from shimdev import realsglang, sglang_envs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from shimdev import sglang_envs
 
 MLA_PRE = "srt/hardware_backend/npu/attention/mla_preprocess.py"
 
@@ -203,7 +202,6 @@ def test_every_variable_rejects_each_bad_value_in_one_line(tmp_path, value):
     """Every variable set to the same hostile value at once: ``status`` exits 2 (or 5, no sglang
     here, where the value is acceptable for every variable) and names each invalid variable in
     one line."""
-    from npu_shim.core import config
 
     env = {os.fsencode(k): os.fsencode(v) for k, v in clean_env(PYTHONPATH=REPO).items()}
     raw = value if isinstance(value, bytes) else value.encode()

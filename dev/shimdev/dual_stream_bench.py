@@ -1,5 +1,6 @@
 """Benchmark (run by scripts/bench_dual_stream.py and scripts/bench.py; smoke-tested by
-tests/patches/test_dual_stream_experts.py): how much of the ideal saving the dual-stream experts path gets (CUDA or NPU).
+tests/patches/test_dual_stream_experts.py): how much of the ideal saving the dual-stream experts path
+gets (CUDA or NPU).
 
 A synthetic GLM-4.x-style MoE block (router gate, top-k, routed experts run expert by expert,
 one shared expert MLP) is run three ways on one device, side by side in one process:

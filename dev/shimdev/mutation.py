@@ -53,8 +53,8 @@ QUICK_SAMPLE = 12
 MODULES = {
     "npu_shim/core/framework.py": {"tests": ["tests/core/test_framework.py"]},
     "npu_shim/runtime/targets.py": {"tests": ["tests/runtime/test_targets.py", "tests/runtime/test_reliability.py"]},
-    "npu_shim/runtime/activation.py": {"tests": ["tests/runtime/test_activation.py", "tests/runtime/test_reliability.py",
-                                      "tests/test_bootstrap.py"]},
+    "npu_shim/runtime/activation.py": {"tests": ["tests/runtime/test_activation.py",
+                                                 "tests/runtime/test_reliability.py", "tests/test_bootstrap.py"]},
     "npu_shim/runtime/finder.py": {"tests": ["tests/runtime/test_finder.py", "tests/runtime/test_reliability.py"]},
     "npu_shim/source/answers.py": {"tests": ["tests/source/test_answers.py"]},
     "npu_shim/core/config.py": {"tests": ["tests/core/test_config.py", "tests/core/test_framework.py",
@@ -472,7 +472,7 @@ def run_tests(python, root, tests, timeout, basetemp):
 
 
 def _tail(out, lines=6):
-    kept = [l for l in (out or "").splitlines() if l.startswith(("FAILED", "ERROR"))]
+    kept = [line for line in (out or "").splitlines() if line.startswith(("FAILED", "ERROR"))]
     return "\n".join(kept[:2] or (out or "").strip().splitlines()[-lines:])
 
 

@@ -160,10 +160,10 @@ def stub_model_runner():
         """Everything initialize() calls that needs a model is a stub; initialize() itself is real."""
 
         def __init__(self, draft=False, weights=0, kv=0):
-            self.server_args = _Args(); self.device = "npu"; self.gpu_id = 0; self.tp_rank = 0
-            self.tp_size = 1; self.dp_size = 1; self.moe_ep_rank = 0; self.is_draft_worker = draft
-            self.enable_hisparse = False; self.spec_algorithm = _Falsy()
-            self.eagle_use_aux_hidden_state = False; self.max_total_num_tokens = 64
+            self.server_args, self.device, self.gpu_id, self.tp_rank = _Args(), "npu", 0, 0
+            self.tp_size, self.dp_size, self.moe_ep_rank, self.is_draft_worker = 1, 1, 0, draft
+            self.enable_hisparse, self.spec_algorithm = False, _Falsy()
+            self.eagle_use_aux_hidden_state, self.max_total_num_tokens = False, 64
             self.req_to_token_pool = types.SimpleNamespace(size=8)
             self.model_config = types.SimpleNamespace(
                 num_nextn_predict_layers=None, num_hidden_layers=2, num_attention_layers=2,
@@ -217,7 +217,7 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
     import sglang.srt.models.glm4_moe as m
     from sglang.srt.layers.layernorm import RMSNorm
     from sglang.srt.layers.rotary_embedding import get_rope
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: F401 - the bed's, through locals()
     from torch.overrides import TorchFunctionMode
     from npu_shim.runtime import activation
     from npu_shim.source.live import unwrap
@@ -230,7 +230,7 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
     m.ExpertLocationDispatchInfo = types.SimpleNamespace(init_new=lambda layer_id: None)
 
     torch.manual_seed(0)
-    H, I, E, TOPK = 16, 8, 4, 2
+    H, INTER, E, TOPK = 16, 8, 4, 2  # hidden, shared-expert intermediate, experts, top-k
 
     def where():
         return simnpu.current_stream_name()
@@ -276,7 +276,7 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
     block.routed_scaling_factor = 2.5
     block.gate = m.Glm4MoeGate(types.SimpleNamespace(n_routed_experts=E, hidden_size=H))  # real
     torch.nn.init.normal_(block.gate.weight)
-    block.shared_experts = synthetic_moe.mlp_class()(H, I)  # the selftest's shared-expert MLP
+    block.shared_experts = synthetic_moe.mlp_class()(H, INTER)  # the selftest's shared-expert MLP
     block.topk = TopKRef()
     block.experts = ExpertsRef()
     block.gate.register_forward_pre_hook(logged("gate"))

@@ -31,7 +31,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 from shimdev import REPO, expected_states, realsglang, sglang_envs
 
@@ -85,7 +84,7 @@ def moved(prev_view, new_view):
             listed = framework.targets_for(patch, prev_view, {})[1]
         except framework.Verdict:
             continue  # nothing to list for the previous release
-        except Exception as exc:  # a release the patch cannot even list targets for
+        except Exception as exc:  # noqa: BLE001 - a release the patch cannot even list targets for
             lines.append("%s: cannot list the previous release's targets (%r)" % (patch.name, exc))
             continue
         for target in listed:

@@ -136,8 +136,9 @@ BASE_PINS = (
 
 #: Requirements taken from each release's wheel metadata (``Requires-Dist``, as the release
 #: states them) into its dependency layer: the packages whose version decides whether the
-#: release imports on CPU (found by importing every release's target modules on CPU torch).  The rest of sglang's requirements are
-#: GPU kernels or serving extras that importing the patched modules on CPU does not need.
+#: release imports on CPU (found by importing every release's target modules on CPU torch).  The
+#: rest of sglang's requirements are GPU kernels or serving extras that importing the patched
+#: modules on CPU does not need.
 LAYER_REQUIREMENTS = ("transformers", "tokenizers", "openai", "compressed-tensors", "apache-tvm-ffi",
                       "huggingface-hub", "uvicorn", "fastapi")
 #: Taken from the metadata too, but installed with ``--no-deps`` (xgrammar's would pull a 1 GB

@@ -12,7 +12,6 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 
 from shimdev import realsglang
 from shimdev import sglang_envs

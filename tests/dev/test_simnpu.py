@@ -67,7 +67,6 @@ def test_memory_driving(simnpu_clean):
 
 
 def test_memory_from_env_in_subprocess():
-    from pathlib import Path
 
     from shimdev import DEV
 

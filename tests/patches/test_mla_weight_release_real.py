@@ -311,12 +311,14 @@ def test_the_absorb_paths_alt_stream_has_no_wait_back_to_the_main_stream(scenari
     the preprocessing on ``m.alt_stream`` and then calls ``current_stream().wait_event(m.alt_stream)``
     with the stream itself.  torch-npu's Stream.wait_event calls ``event.wait(self)``, which a
     Stream lacks: on a device that line raises AttributeError, and so it does here.  Were it to
-    make no wait instead of raising, the main stream would never wait: it reads what the alt stream wrote (q_pe, q_nope, the caches), and the
+    make no wait instead of raising, the main stream would never wait: it reads what the alt stream
+    wrote (q_pe, q_nope, the caches), and the
     blocks the alt stream read (hidden states, positions, slots) can be handed to the main
     stream's next allocations.  With the wait the line means, nothing is left to report."""
     version, out = scenarios
     assert "wait" in out["sanitized_alt_stream_absorb"]["raised"], (version, out["sanitized_alt_stream_absorb"])
-    assert out["sanitized_alt_stream_absorb_waiting"]["reports"] == [], (version, out["sanitized_alt_stream_absorb_waiting"])
+    waiting = out["sanitized_alt_stream_absorb_waiting"]
+    assert waiting["reports"] == [], (version, waiting)
     case = out["sanitized_alt_stream_absorb_unwaited"]
     assert _kinds(case) == ["read-after-write", "unsafe-reuse"], (version, case["reports"])
     raw = [r for r in case["reports"] if r["kind"] == "read-after-write"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 import wrapt
 
-from npu_shim.core import config, framework
+from npu_shim.core import framework
 from npu_shim.runtime import activation, targets
 from npu_shim.core.loading import all_variables
 from npu_shim.source.codeview import SourceView

@@ -36,7 +36,8 @@ def test_only_modules_with_a_hook_waiting_are_looked_up_and_no_wrapt_import_hook
         from npu_shim import _bootstrap
         print(json.dumps({"finders": ["watcher" if getattr(f, "is_npu_shim_watcher", False) else type(f).__name__
                                       for f in sys.meta_path
-                                      if "ImportHookFinder" in type(f).__name__ or getattr(f, "is_npu_shim_watcher", False)
+                                      if "ImportHookFinder" in type(f).__name__
+                                      or getattr(f, "is_npu_shim_watcher", False)
                                       or type(f).__module__.startswith(("npu_shim", "sitecustomize"))],
                           "through_watcher": _bootstrap.WATCHER.then == activation.RUNTIME.finder.find_spec,
                           "importers": sorted(m for m in sys.modules if "wrapt" in m and "importer" in m),
@@ -309,11 +310,11 @@ def test_a_module_that_fails_to_import_runs_no_hook_and_leaves_nothing(hooks):
     fired = []
     hooks.register("hk_bad", lambda module: fired.append(module.__name__))
     with pytest.raises(RuntimeError, match="broken"):
-        import hk_bad  # noqa: F401
+        import hk_bad
     assert fired == [] and "hk_bad" not in sys.modules
     assert hooks.waiting() == ["hk_bad"] and hooks._finding == set()
     _write(hooks, "hk_bad.py", "X = 'fixed'\n")
-    import hk_bad  # noqa: F401,F811
+    import hk_bad  # noqa: F401
     assert fired == ["hk_bad"] and hooks.waiting() == []
 
 
@@ -411,7 +412,8 @@ def test_the_shims_hooks_with_the_images_wrapt(version, private, app, tree, bare
     # not asked.
     reapplied = not (app == "app-hooks-first" and version == "1.14.1")
     assert out == {
-        "origin": "image %s" % version, "waiting": sorted(OWN_MODULES + ["sglang.srt.utils.common"]), "left": OWN_MODULES,
+        "origin": "image %s" % version, "waiting": sorted(OWN_MODULES + ["sglang.srt.utils.common"]),
+        "left": OWN_MODULES,
         "patched": 1001, "after_reload": 1001 if reapplied else 1000, "state": "applied",
         # reused as the application imported it, or loaded privately: wrappers only
         "private": private if app == "shim-first" else [],

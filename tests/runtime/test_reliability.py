@@ -1,7 +1,6 @@
 """States never lie and half-applied patches never stay, each case in a fresh
 interpreter with the fake sglang tree and demo patch of test_bootstrap.py."""
 
-import importlib
 import types
 
 import npu_shim
@@ -110,7 +109,8 @@ def test_bad_variables_are_each_reported_once_with_the_prefix_at_activation(tree
     """, env={"NPU_SHIM_LOG_LEVEL": "loud", "NPU_SHIM_STRICT": "maybe",
               "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://[:]:1", "SGLANG_ZBAL_LOCAL_MEM_SIZE": "１２２８８"})
     lines = proc.stderr.strip().splitlines()
-    assert lines and all(line.startswith("[npu-shim %s sglang 0.5.9 pid " % npu_shim.__version__) for line in lines), lines
+    prefix = "[npu-shim %s sglang 0.5.9 pid " % npu_shim.__version__
+    assert lines and all(line.startswith(prefix) for line in lines), lines
     for name in ("NPU_SHIM_LOG_LEVEL", "NPU_SHIM_STRICT", "SGLANG_ZBAL_BOOTSTRAP_URL",
                  "SGLANG_ZBAL_LOCAL_MEM_SIZE"):
         assert sum(name + "=" in line for line in lines) == 1, (name, lines)
@@ -212,7 +212,7 @@ def test_running_on_npu_is_false_without_torch_without_npu_and_when_asking_fails
 
 def _record(state, must_honour=False):
     from npu_shim.core import framework
-    from npu_shim.runtime import activation, targets
+    from npu_shim.runtime import activation
 
     patch = types.SimpleNamespace(name="p", must_honour=lambda environ: must_honour)
     return activation.PatchRecord(patch, framework.Decision(state, "because"))

@@ -79,7 +79,6 @@ def report_invalid_variables(records, patches):
     """Each invalid variable once, at activation: those a patch read are in its ``failed`` line
     already; the others (e.g. strict mode, the log level, a switched-off patch's) are said here,
     and so is every ``NPU_SHIM_*`` name the shim does not read (a typo is not silently ignored)."""
-    from npu_shim.core.loading import all_variables
 
     strict()
     log.configure()  # reports a bad log level
@@ -209,7 +208,7 @@ class Runtime:
             self.activate(watcher)
         except ShimError:
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.error_once("activate", "shim off: activation failed: %r" % (exc,))
             if strict():
                 raise ShimError("npu-shim activation failed: %r" % (exc,)) from exc
@@ -255,7 +254,7 @@ class Runtime:
                     self.apply_module(module)
             except ShimError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - never break the application's import
+            except Exception as exc:  # never break the application's import
                 log.error_once("hook:" + module.__name__, "hook on %s failed: %r" % (module.__name__, exc))
                 if strict():
                     raise ShimError("npu-shim hook on %s failed: %r" % (module.__name__, exc)) from exc

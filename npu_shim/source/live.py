@@ -15,7 +15,7 @@ import hashlib
 import os
 import re
 
-from npu_shim.core.framework import SourceError  # noqa: F401 - raised here, caught by deciding
+from npu_shim.core.framework import SourceError  # raised here, caught by deciding
 from npu_shim.ops.log import one_line
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 
 from npu_shim.patches._selftest import synthetic_moe
-from npu_shim.patches._selftest.synthetic_moe import DEFAULTS, build_block, serial_forward as _serial_forward  # noqa: F401
+from npu_shim.patches._selftest.synthetic_moe import DEFAULTS, build_block, serial_forward as _serial_forward  # noqa: F401 - for csan_check and the tests
 
 WHAT = "dual-stream overlap (CUDA or NPU when present)"
 TARGET = ">= 90 % of the ideal saving (serial - max(shared, routed))"
@@ -37,7 +37,7 @@ def find_device():
     """('cuda'|'npu', name) for a real accelerator, else (None, why not); the simulated NPU of the
     tests is no device here (npu_shim.cli.selftest_child.find_device, as the selftest finds it)."""
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401 - only whether it imports
     except ImportError:
         return None, "torch is not installed"
     from npu_shim.cli.selftest_child import find_device as find_accelerator

@@ -758,7 +758,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("python", help="print the python that runs a release (building its layers)")
     p.add_argument("version")
     a = ap.parse_args(argv)
-    err = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+
+    def err(s):
+        print(s, file=sys.stderr, flush=True)
+
     try:
         if a.cmd == "wheels":
             for v in ALL_RELEASES:

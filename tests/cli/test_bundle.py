@@ -605,9 +605,9 @@ def test_a_replaced_sitecustomize_pyc_is_named_as_what_check_cannot_prove(small_
 
 # -- property: whatever a MANIFEST holds -------------------------------------------------------------
 
-import tempfile  # noqa: E402
+import tempfile  # noqa: E402 - the property tests' imports, beside them
 
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st  # noqa: E402 - the property tests' imports, beside them
 
 PATHS = st.one_of(st.text(max_size=20), st.sampled_from(["sitecustomize.py", "../x", "/etc/passwd", "a/../b",
                                                         "npu_shim/__init__.py", "a\0b", "\udcff", ""]))
@@ -643,4 +643,4 @@ def test_any_manifest_is_read_or_refused_in_one_line(manifest):
             assert problems == ["MANIFEST: %s" % why]
 
 
-from npu_shim.ops.terminal import printable  # noqa: E402
+from npu_shim.ops.terminal import printable  # noqa: E402 - the property tests' imports, beside them

@@ -418,12 +418,12 @@ def test_another_user_s_own_live_records_cannot_fail_root_s_status(shared_tmp):
 
 # -- property: whatever a record or a directory holds ----------------------------------------------
 
-import io  # noqa: E402
-import tempfile  # noqa: E402
+import io  # noqa: E402 - the property tests' imports, beside them
+import tempfile  # noqa: E402 - the property tests' imports, beside them
 
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st  # noqa: E402 - the property tests' imports, beside them
 
-from npu_shim.cli import running_records  # noqa: E402
+from npu_shim.cli import running_records  # noqa: E402 - the property tests' imports, beside them
 
 RAW_CONTROLS = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\ud800-\udfff]")
 TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["", "applied", "failed", "0.5.11", "\x1b[2J", "\u202e",

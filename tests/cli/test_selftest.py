@@ -779,7 +779,7 @@ def _ppid(pid):
 
 # -- property: whatever another process's command line is -------------------------------------------
 
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st  # noqa: E402 - the property tests' imports, beside them
 
 
 @given(argv=st.lists(st.one_of(st.text(max_size=30), st.sampled_from(

@@ -223,7 +223,7 @@ def test_a_module_imported_inside_another_modules_hook_gets_its_hooks(hooks):
 
     hooks.register("hk_outer", outer)
     hooks.register("hk_inner", lambda module: fired.append(module.__name__))
-    import hk_outer  # noqa: F401
+    import hk_outer  # noqa: F401 - the import fires the hooks
     assert fired == ["hk_outer", "hk_inner", "registered in its own hook"] and hooks.waiting() == []
 
 
@@ -314,7 +314,7 @@ def test_a_module_that_fails_to_import_runs_no_hook_and_leaves_nothing(hooks):
     assert fired == [] and "hk_bad" not in sys.modules
     assert hooks.waiting() == ["hk_bad"] and hooks._finding == set()
     _write(hooks, "hk_bad.py", "X = 'fixed'\n")
-    import hk_bad  # noqa: F401
+    import hk_bad  # noqa: F401 - the import fires the hook
     assert fired == ["hk_bad"] and hooks.waiting() == []
 
 

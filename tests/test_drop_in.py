@@ -23,7 +23,7 @@ import pytest
 from npu_shim.cli import bundle
 from npu_shim.runtime import installer
 from shimdev import machine
-from test_bootstrap import DEMO_PATCH, IMAGE_SITECUSTOMIZE
+from test_bootstrap import DEMO_PATCH, IMAGE_SITECUSTOMIZE, last_json, run_python
 from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,25 +107,13 @@ def run(python, tree, code, first, env=None, readonly=None, check=True, after=()
     process and its children."""
     paths = [str(p) for p in ([first] if first else [])] + [str(tree / "image"), str(tree / "pkgs")]
     paths += [str(p) for p in after]
-    full_env = {k: v for k, v in os.environ.items()
-                if not k.startswith(("NPU_SHIM_", "SGLANG_", "DEMO_", "PYTHON"))}
-    full_env.update({"PYTHONPATH": os.pathsep.join(paths), "CHAIN_MARKER": str(tree / "marker"),
-                     "PYTHONDONTWRITEBYTECODE": "1"})
-    full_env.update(env or {})
     command = [python, "-c", textwrap.dedent(code)]
     if readonly:
         mount = ("mount --bind {0} {0} && mount -o remount,ro,bind {0} && exec \"$@\""
                  .format(readonly))
         command = ["unshare", "-m", "sh", "-c", mount, "sh"] + command
-    proc = subprocess.run(command, cwd=str(tree), env=full_env, capture_output=True, text=True,
-                          timeout=180)
-    if check and proc.returncode != 0:
-        raise AssertionError("exit %d\nstdout:\n%s\nstderr:\n%s" % (proc.returncode, proc.stdout, proc.stderr))
-    return proc
-
-
-def last_json(proc):
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_python(command, tree, paths, env, check, drop=("NPU_SHIM_", "SGLANG_", "DEMO_", "PYTHON"),
+                      timeout=180)
 
 
 # -- the bundle ------------------------------------------------------------------------------------

@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "dev"), str(REPO)]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
 from shimdev import demo_features  # noqa: E402  (stdlib only at import)
-from shimdev import expected_states  # noqa: E402
-from shimdev import realsglang  # noqa: E402
+from shimdev import expected_states  # noqa: E402 - after dev/ is put on sys.path
+from shimdev import realsglang  # noqa: E402 - after dev/ is put on sys.path
 
 RULE = "=" * 100
 SIMULATED = ("SIMULATED NPU: torch.npu runs on the CPU (dev/shimdev/simnpu), zbal's native library is "

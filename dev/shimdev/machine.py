@@ -17,6 +17,8 @@ import os
 import shutil
 import subprocess
 
+from shimdev import npu_layers
+
 PYTHONS = ("3.9", "3.10", "3.11", "3.12", "3.13")
 
 # What an interpreter prints of itself: its version and implementation, then its real executable
@@ -74,7 +76,7 @@ def missing() -> str:
     absent = [version for version in PYTHONS if cpython(version) is None]
     if absent:
         gaps.append(how_to_get(*absent))
-    compiler = os.environ.get("CC", "cc")  # as sglang_envs compiles the zbal layer
+    compiler = npu_layers.c_compiler()
     if shutil.which(compiler) is None:
         gaps.append("no C compiler %r (the zbal layer's native stand-in is built with it): "
                     "`apt-get install gcc`, or set CC" % compiler)

@@ -205,7 +205,7 @@ def report(version: str) -> int:
     say("   its row in %s (python3 scripts/release_report.py --write-docs):" % expected_states.DOC)
     say("   " + expected_states.row(version, states))
     if not known:
-        say("   new release: add it to RELEASES (or POST_RELEASES) in dev/shimdev/sglang_envs.py, then "
+        say("   new release: add it to RELEASES (or POST_RELEASES) in dev/shimdev/releases.py, then "
             "--write-docs")
     return 0 if agree and not found else 1
 

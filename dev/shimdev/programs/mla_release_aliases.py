@@ -1,7 +1,9 @@
 """Aliases of an MLA weight taken before the first step keep it
 (tests/patches/test_mla_weight_release_real.py, 0.5.11)."""
 import torch
+from npu_shim.runtime import activation
 from shimdev import mla_kernels as K
+from shimdev.programs import emit
 K.publish_server_args("decode")
 KINDS = {
     "qkv.detach()": lambda m: m.fused_qkv_a_proj_with_mqa.weight.detach(),
@@ -12,7 +14,6 @@ KINDS = {
     "w_kc._base": lambda m: m.w_kc._base,
 }
 out = {}
-from npu_shim.runtime import activation
 for kind, hold in KINDS.items():
     print("holding", kind, flush=True)  # a signal would show which kind
     # Each kind a fresh layer 0: start over, or it would be a layer first seen after the first

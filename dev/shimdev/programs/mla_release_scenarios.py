@@ -1,8 +1,13 @@
 """mla_weight_release's role and guard cases in one release process
 (tests/patches/test_mla_weight_release_real.py, 0.5.9, 0.5.11, 0.5.19)."""
-import logging, os
+import logging
+import os
+
+import npu_shim
 import torch
 from shimdev import mla_kernels as K
+from shimdev import simnpu
+from shimdev.programs import emit
 from npu_shim.runtime import activation
 from npu_shim.patches import mla_weight_release as R
 from npu_shim.patches._impl import mla_weight_release as RI
@@ -70,7 +75,7 @@ def passes(layers=3, count=2):
             "touch": touch(lambda: ms[-1].w_kc.sum()), "retired": state["retired"],
             "wrappers": state["wrappers"], "details": state["details"]}
 
-from sglang.srt.managers import tp_worker as TW
+from sglang.srt.managers import tp_worker as TW  # noqa: E402 - imported where the update ops are checked
 out = {"state": activation.RUNTIME.states()["mla_weight_release"]["state"],
        "wrapped": type(N.npu_mla_preprocess).__name__,
        "updates_wrapped": sorted(op for op in R.UPDATE_OPS
@@ -97,7 +102,6 @@ out["shared_w_kc"] = case("decode", w_kc_contiguous=True)[0]
 activation.RUNTIME.record("mla_weight_release").process.reset()
 out["alt_stream"] = K.run_alt_stream_step()
 
-from shimdev import simnpu
 def sanitized(role, **build):
     # The same case under the stream sanitizer, the layer's output read by the current stream as
     # the attention after it does.
@@ -153,7 +157,6 @@ out["unseen"] = {"types": [type(unseen.fused_qkv_a_proj_with_mqa.weight).__name_
 out["after_reset"] = case("decode", layer_id=7)[0]  # reset() starts over: the wrapper is back
 # Retired, then uninstalled: every original back, nothing of the shim left on the classes.
 passes(layers=2)
-import npu_shim
 npu_shim.uninstall()
 out["uninstalled"] = {
     "called": is_sglangs(called()), "module": is_sglangs(N.npu_mla_preprocess),

@@ -2,10 +2,16 @@
 its summary line and state record carry its role.  The spawned child runs this module too (as
 ``__mp_main__``), so the simulated NPU is installed first at module level."""
 from shimdev import simnpu
+
 simnpu.install(release="0.5.11")  # the spawned child runs this too (as __mp_main__), first
 
 if __name__ == "__main__":
-    import json, multiprocessing as mp, os, socket, sys
+    import json
+    import multiprocessing as mp
+    import os
+    import socket
+    import sys
+
     import sglang.srt.managers.scheduler as sch
     from npu_shim.ops import procinfo, statefile
     from shimdev.release_beds import scheduler_process_args

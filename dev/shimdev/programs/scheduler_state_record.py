@@ -1,13 +1,21 @@
 """A scheduler process with zbal on in full mode (tests/ops/test_ops_state_real.py, 0.5.11): its
 state record and its process-tagged log."""
-import json, logging, os, socket
+import json
+import logging
+import os
+import socket
+
 import sglang.srt.managers.scheduler  # the scheduler's module: every patch is decided here
-import sglang.srt.model_executor.model_runner, sglang.srt.utils.common
-import sglang.srt.layers.moe.token_dispatcher.deepep, sglang.srt.distributed.parallel_state
+# target modules, imported as a scheduler does
+import sglang.srt.model_executor.model_runner
+import sglang.srt.utils.common
+import sglang.srt.layers.moe.token_dispatcher.deepep
+import sglang.srt.distributed.parallel_state  # noqa: F401 - (pyflakes counts only the last of these)
 from npu_shim.ops import log
+from npu_shim.ops import procinfo, statefile
+from shimdev.programs import emit
 from shimdev.release_beds import zbal_fresh, make_scheduler, enter_scheduler_process
 
-from npu_shim.ops import procinfo, statefile
 path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
                     statefile.record_name(socket.gethostname(), procinfo.pid_namespace(), os.getpid()))
 before = json.load(open(path))

@@ -12,7 +12,7 @@ has had (two layers, in-place routed experts, a draft model on a stream of its o
 reports ``upstream``.
 
 One subprocess per environment (a real import is slow); the programs they run:
-dev/shimdev/programs/glm4_moe_*.py.
+dev/shimdev/programs/glm4_moe.py and glm4_moe_upstream.py.
 """
 import pytest
 
@@ -22,11 +22,11 @@ RELEASE = "0.5.9"
 SIDE = "side-1"
 
 
-def _run(program, kernel, env):
-    """``program`` (dev/shimdev/programs/glm4_moe_*.py) on the synthetic MoE block and two attention
+def _run(scenario, kernel, env):
+    """``scenario`` of dev/shimdev/programs/glm4_moe.py on the synthetic MoE block and two attention
     layers of release_beds.glm4_moe_bed; ``kernel`` is "partial", "full_head" or None (see
     dev/shimdev/dual_stream_kernels.py)."""
-    return run_program(RELEASE, program, kernel, env=env)
+    return run_program(RELEASE, "glm4_moe", kernel, scenario, env=env)
 
 
 def _order(events):
@@ -36,7 +36,7 @@ def _order(events):
 @pytest.fixture(scope="module")
 def streams_and_fused():
     """One release process for the stream order, numerics, fused decode and races."""
-    return _run("glm4_moe_streams_and_fused", "partial", {"SGLANG_NPU_USE_MULTI_STREAM": "1"})
+    return _run("streams_and_fused", "partial", {"SGLANG_NPU_USE_MULTI_STREAM": "1"})
 
 
 def test_real_0_5_9_dual_stream_order_numerics_and_fused_decode(streams_and_fused):
@@ -106,7 +106,7 @@ def test_real_0_5_9_dual_stream_is_race_free_under_the_stream_sanitizer(streams_
 
 
 def test_real_0_5_9_streams_off_keeps_original_experts_fused_still_on():
-    res = _run("glm4_moe_streams_off", "partial", {"SGLANG_NPU_USE_MULTI_STREAM": "0"})
+    res = _run("streams_off", "partial", {"SGLANG_NPU_USE_MULTI_STREAM": "0"})
     st = res["state"]
     assert st["state"] == "applied", st
     assert "dual-stream experts off (SGLANG_NPU_USE_MULTI_STREAM is not on)" in st["reason"], st
@@ -121,7 +121,7 @@ def test_real_0_5_9_streams_off_keeps_original_experts_fused_still_on():
 def test_real_0_5_9_kernel_missing_and_streams_off_is_inactive_with_reason():
     """Nothing to do (no kernel in the image, streams not asked for) is not "should apply but
     cannot": strict mode passes on such a healthy image."""
-    res = _run("glm4_moe_nothing_applies", None, {"SGLANG_NPU_USE_MULTI_STREAM": None})
+    res = _run("nothing_applies", None, {"SGLANG_NPU_USE_MULTI_STREAM": None})
     st = res["state"]
     assert st["state"] == "inactive", st
     assert "fused qkv-rmsnorm-rope decode path off: sgl_kernel_npu has no " \
@@ -132,7 +132,7 @@ def test_real_0_5_9_kernel_missing_and_streams_off_is_inactive_with_reason():
 def test_real_0_5_9_old_kernel_is_refused_per_layer_and_streams_still_apply():
     # A kernel without partial rotary would rotate whole heads (wrong for GLM-4.x): the layer keeps
     # its original path, the reason is in the details; the streams are unaffected.
-    res = _run("glm4_moe_old_kernel", "full_head", {"SGLANG_NPU_USE_MULTI_STREAM": "1"})
+    res = _run("old_kernel", "full_head", {"SGLANG_NPU_USE_MULTI_STREAM": "1"})
     st = res["state"]
     assert st["state"] == "applied", st
     assert res["wrapped"] == {"forward_deepep": "FunctionWrapper", "forward_prepare": "FunctionWrapper"}
@@ -143,7 +143,7 @@ def test_real_0_5_9_old_kernel_is_refused_per_layer_and_streams_still_apply():
 
 
 def test_real_0_5_9_switch_off_leaves_glm4_moe_untouched():
-    res = _run("glm4_moe_nothing_applies", "partial",
+    res = _run("nothing_applies", "partial",
                {"SGLANG_NPU_USE_MULTI_STREAM": "1", "NPU_SHIM_DUAL_STREAM": "0"})
     assert res["state"]["state"] == "disabled"
     assert res["wrapped"] == {"forward_deepep": "function", "forward_prepare": "function"}

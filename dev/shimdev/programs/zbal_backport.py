@@ -134,14 +134,19 @@ os.environ["SGLANG_ZBAL_LOCAL_MEM_SIZE"] = "61440"
 out["runner"] = runner
 
 # -- 7./settings: re-decide in this process ---------------------------------------------------------
-def redecide(env, hide_zbal=False):
-    npu_shim.uninstall()
-    saved = {k: os.environ.get(k) for k in env}
-    for k, v in env.items():
+def put_env(values):
+    """Set each variable of ``values``; None unsets it."""
+    for k, v in values.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def redecide(env, hide_zbal=False):
+    npu_shim.uninstall()
+    saved = {k: os.environ.get(k) for k in env}
+    put_env(env)
     if hide_zbal:
         saved_zbal = {n: m for n, m in sys.modules.items() if n == "zbal" or n.startswith("zbal.")}
         for n in saved_zbal:
@@ -153,11 +158,7 @@ def redecide(env, hide_zbal=False):
     except ShimError as exc:
         result = {"state": activation.RUNTIME.states()["zbal"]["state"], "error": str(exc)}
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        put_env(saved)
         if hide_zbal:
             del sys.modules["zbal"]
             sys.modules.update(saved_zbal)
@@ -168,6 +169,7 @@ def redecide(env, hide_zbal=False):
         is_wrapper(ps.init_distributed_environment), getattr(dp, "Buffer", None) is zbal.zbal_buffer.Buffer,
         getattr(ps, "_DEVICE_TO_DISTRIBUTED_BACKEND", {}).get("npu") == "zbal", dp.use_deepep is True))
     return result
+
 
 out["off"] = redecide({"SGLANG_ZBAL_LOCAL_MEM_SIZE": None})
 out["zero"] = redecide({"SGLANG_ZBAL_LOCAL_MEM_SIZE": "0"})

@@ -23,7 +23,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import bench_rows  # noqa: E402
+from shimdev import bench_rows  # noqa: E402 - after dev/ is put on sys.path
 
 
 def machine():

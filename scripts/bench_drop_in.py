@@ -23,7 +23,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from bench_shim_cost import alternate, clean_env, instructions_side_by_side  # noqa: E402
+from bench_shim_cost import alternate, clean_env, instructions_side_by_side  # noqa: E402 - after dev/ is put on sys.path
 
 
 def build_bundle(workdir):

@@ -28,9 +28,9 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import DEV, sglang_envs  # noqa: E402
-from shimdev.bench_rows import clean_env  # noqa: E402
-from shimdev.demo_features import DEMO_ENV  # noqa: E402
+from shimdev import DEV, sglang_envs  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.bench_rows import clean_env  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.demo_features import DEMO_ENV  # noqa: E402 - after dev/ is put on sys.path
 
 IMPORT_RELEASE = "0.5.11"
 # What the zbal integration itself loads when it is on (upstream 0.5.12's does the same): imported

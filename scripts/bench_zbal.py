@@ -1,4 +1,5 @@
-"""The zbal backport's own cost, side by side in one run (simulated NPU, memfabric-zbal's Python layer over its simulated native side, medians).
+"""The zbal backport's own cost, side by side in one run (simulated NPU, memfabric-zbal's Python
+layer over its simulated native side, medians).
 
 zbal's wrappers run a handful of times per process (start-up memory queries, one Scheduler, one
 ModelRunner), so what matters is that they add microseconds, not milliseconds, and that deciding
@@ -21,7 +22,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import sglang_envs  # noqa: E402
+from shimdev import sglang_envs  # noqa: E402 - after dev/ is put on sys.path
 
 RELEASE = "0.5.11"
 

@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "dev"), str(REPO)]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
 from shimdev import demo_features  # noqa: E402  (stdlib only at import)
-from shimdev import expected_states  # noqa: E402
-from shimdev import realsglang  # noqa: E402
+from shimdev import expected_states  # noqa: E402 - after dev/ is put on sys.path
+from shimdev import realsglang  # noqa: E402 - after dev/ is put on sys.path
 
 RULE = "=" * 100
 SIMULATED = ("SIMULATED NPU: torch.npu runs on the CPU (dev/shimdev/simnpu), zbal's native library is "
@@ -80,7 +80,7 @@ def ensure_env(version, step="1/3"):
     threading.Thread(target=ticker, daemon=True).start()
     try:
         python = realsglang.sglang_envs.ensure_release(version, log=lambda s: say("      " + s)).python
-    except Exception as exc:  # EnvError and pip failures
+    except Exception as exc:  # noqa: BLE001 - EnvError and pip failures
         raise DemoFailure(f"could not build the sglang {version} environment: {exc}") from None
     finally:
         done.set()
@@ -278,7 +278,8 @@ def run_release(version, failures, step, same_as=None):
     for name, want in expected_states.expected(version).items():
         check(status.get(name) == want, f"status: {name} is {status.get(name)!r}, expected {want!r}",
               failures)
-    say(f"[{step if same_as is None else step + 'b'}] one process in the {version} environment: import the real sglang modules, drive each patch")
+    say(f"[{step if same_as is None else step + 'b'}] one process in the {version} environment: "
+        "import the real sglang modules, drive each patch")
     t1 = time.monotonic()
     try:
         out = realsglang.run_in_release(version, SNIPPET.format(v=version),

@@ -11,7 +11,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev.mutation import main  # noqa: E402
+from shimdev.mutation import main  # noqa: E402 - after dev/ is put on sys.path
 
 if __name__ == "__main__":
     sys.exit(main())

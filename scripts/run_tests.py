@@ -1,13 +1,18 @@
 """The test command: everything the suite needs, then the suite.  `python3 scripts/run_tests.py`
 
-1. a runner venv (``CACHE/venvs/test-runner-<pins>``, dev/shimdev/runner.py): torch==2.13.0 (CPU), wrapt, pytest, pytest-mock,
-   pytest-xdist, hypothesis, and the clients the real-server tests talk with (openai, prometheus-client);
+0. what this machine lacks of what the tests need (the CPythons 3.9-3.13, a C compiler:
+   dev/shimdev/machine.py), said in one line with how to get it; the tests that need it fail;
+1. a runner venv (``CACHE/venvs/test-runner-<pins>``, dev/shimdev/runner.py): torch==2.13.0 (CPU),
+   wrapt, pytest, pytest-mock, pytest-xdist, hypothesis, ruff, and the clients the real-server tests talk
+   with (openai, prometheus-client);
 2. the sglang wheels of every supported release and their extracted sources (static matrix), and
    the layered environments of the import matrix (dev/shimdev/sglang_envs.py: one base venv with
    torch and no wrapt, per release a thin sglang layer and a dependency layer, a wrapt layer, the
    editable install; all cached, content-addressed: a changed pin builds a new layer).  A layer
    that cannot be built stops the run (exit 1) -- nothing is skipped;
-3. pytest over tests/ in the runner venv.  Exits non-zero on any failure, and also when pytest
+3. ruff over the checkout (dev/shimdev/lint.py, configured in pyproject.toml): its findings fail the
+   run, after the suite has run;
+4. pytest over tests/ in the runner venv.  Exits non-zero on any failure, and also when pytest
    collected no test (its exit code 5).  The deploy tests (tests/test_deploy.py) set up their
    container engine themselves (dev/shimdev/containers.py: podman from apt-get where missing, its
    images cached under the cache dir), started here beside step 2; one that cannot be set up
@@ -26,7 +31,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import containers, runner, sglang_envs  # noqa: E402
+from shimdev import containers, lint, machine, runner, sglang_envs  # noqa: E402 - after dev/ is put on sys.path
 
 PYTEST_NO_TESTS = 5
 
@@ -58,6 +63,9 @@ def start_containers(started):
 
 def prepare():
     started = time.monotonic()
+    gaps = machine.missing()
+    if gaps:  # the tests that need it fail with the same words; the others still run
+        log("this machine lacks what some tests need: %s" % gaps)
     engine = start_containers(started)
     python = runner_python()
     log("runner venv ready (%.0fs)" % (time.monotonic() - started))
@@ -78,6 +86,7 @@ def main(argv):
     except sglang_envs.EnvError as exc:
         log("error: %s" % exc)
         return 1
+    linted = lint.check(python, REPO, log=log)
     # The suite sets every switch it tests; switches exported in the caller's shell must not leak in.
     env = {k: v for k, v in os.environ.items()
            if k != "PYTHONPATH" and (k == "NPU_SHIM_CACHE" or not k.startswith(("NPU_SHIM_", "SGLANG_")))}
@@ -92,6 +101,9 @@ def main(argv):
     if code == PYTEST_NO_TESTS:
         log("error: pytest ran no test")
         return 1
+    if not linted:
+        log("error: the lint failed (its line above the tests'), whatever the tests did")
+        return code or 1
     return code
 
 

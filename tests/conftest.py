@@ -26,7 +26,7 @@ for _folder in [DEV, TESTS] + sorted(p for p in TESTS.iterdir() if p.is_dir() an
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
 
-from shimdev import realsglang  # noqa: E402
+from shimdev import realsglang  # noqa: E402 - after dev/ is put on sys.path
 
 try:  # the property tests' settings (hypothesis is in the runner venv, dev/shimdev/runner.py)
     from hypothesis import HealthCheck, settings as _hypothesis_settings

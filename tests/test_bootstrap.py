@@ -19,7 +19,8 @@ from npu_shim.core.loading import all_variables
 from npu_shim.patches import zbal as zbal_patch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TAG = r"\[npu-shim %s sglang 0\.5\.9 pid [0-9]+\]" % re.escape(npu_shim.__version__)  # every line of a process that saw sglang
+# every line of a process that saw sglang
+TAG = r"\[npu-shim %s sglang 0\.5\.9 pid [0-9]+\]" % re.escape(npu_shim.__version__)
 
 FAKE_COMMON = '''
 def get_npu_memory_capacity():
@@ -106,17 +107,32 @@ def run(tree, code, env=None, shim=True, check=True):
     """Run ``code`` in a fresh interpreter.  PYTHONPATH: repo, image dir, fake sglang -- or, with
     ``shim=False``, the repo last (npu_shim importable, its sitecustomize shadowed by the image's)."""
     paths = [str(tree / "image"), str(tree / "pkgs")]
-    paths = [REPO] + paths if shim else paths + [REPO]
-    full_env = {k: v for k, v in os.environ.items()
-                if not k.startswith(("NPU_SHIM_", "SGLANG_", "DEMO_PATCH_"))}
+    return run_python([sys.executable, "-c", textwrap.dedent(code)], tree,
+                      [REPO] + paths if shim else paths + [REPO], env, check)
+
+
+def run_python(command, tree, paths, env=None, check=True, drop=("NPU_SHIM_", "SGLANG_", "DEMO_PATCH_"),
+               timeout=120):
+    """``command`` (an interpreter's) run in ``tree`` with PYTHONPATH ``paths``: the environment
+    without the variables starting with ``drop``, the chain marker, no bytecode written, then
+    ``env``.  ``check``: a non-zero exit raises with its output."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     full_env.update({"PYTHONPATH": os.pathsep.join(paths), "CHAIN_MARKER": str(tree / "marker"),
                      "PYTHONDONTWRITEBYTECODE": "1"})
     full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=str(tree), env=full_env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(command, cwd=str(tree), env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError("exit %d\nstdout:\n%s\nstderr:\n%s" % (proc.returncode, proc.stdout, proc.stderr))
     return proc
+
+
+#: What a process reports in most tests here: the (patched or not) value and every state.
+VALUE_AND_STATES = """
+    import json, npu_shim
+    from sglang.srt.utils import get_npu_memory_capacity
+    print(json.dumps({"value": get_npu_memory_capacity(), "states": npu_shim.states()}))
+"""
 
 
 def last_json(proc):
@@ -253,11 +269,7 @@ def test_hooks_fire_on_sglang_import_and_log_one_summary_line(tree):
 def test_upstream_probe_stands_down_and_touches_nothing(tree):
     common = tree / "pkgs" / "sglang" / "srt" / "utils" / "common.py"
     common.write_text(FAKE_COMMON + "\ndef upstream_has_it():\n    pass\n")
-    proc = run(tree, """
-        import json, npu_shim
-        from sglang.srt.utils import get_npu_memory_capacity
-        print(json.dumps({"value": get_npu_memory_capacity(), "states": npu_shim.states()}))
-    """)
+    proc = run(tree, VALUE_AND_STATES)
     out = last_json(proc)
     assert out["value"] == 1000
     assert out["states"]["demo"]["state"] == "upstream"
@@ -268,11 +280,7 @@ def test_unknown_signature_is_unsupported_and_nothing_is_changed(tree):
     common = tree / "pkgs" / "sglang" / "srt" / "utils" / "common.py"
     common.write_text(FAKE_COMMON.replace("def __init__(self, server_args, gpu_id)",
                                           "def __init__(self, server_args, port_args, gpu_id)"))
-    proc = run(tree, """
-        import json, npu_shim
-        from sglang.srt.utils import get_npu_memory_capacity
-        print(json.dumps({"value": get_npu_memory_capacity(), "states": npu_shim.states()}))
-    """)
+    proc = run(tree, VALUE_AND_STATES)
     out = last_json(proc)
     assert out["value"] == 1000  # the valid target was not applied either: all or nothing
     assert out["states"]["demo"]["state"] == "unsupported"
@@ -281,11 +289,7 @@ def test_unknown_signature_is_unsupported_and_nothing_is_changed(tree):
 
 
 def test_exception_inside_a_patch_does_not_break_the_import(tree):
-    proc = run(tree, """
-        import json, npu_shim
-        from sglang.srt.utils import get_npu_memory_capacity
-        print(json.dumps({"value": get_npu_memory_capacity(), "states": npu_shim.states()}))
-    """, env={"DEMO_PATCH_TARGETS_RAISE": "1"})
+    proc = run(tree, VALUE_AND_STATES, env={"DEMO_PATCH_TARGETS_RAISE": "1"})
     out = last_json(proc)
     assert out["value"] == 1000
     assert out["states"]["demo"]["state"] == "failed"
@@ -321,11 +325,7 @@ def test_master_switch_off_leaves_sglang_untouched(tree):
 
 
 def test_per_patch_switch_disables_only_that_patch(tree):
-    proc = run(tree, """
-        import json, npu_shim
-        from sglang.srt.utils import get_npu_memory_capacity
-        print(json.dumps({"value": get_npu_memory_capacity(), "states": npu_shim.states()}))
-    """, env={"NPU_SHIM_DUAL_STREAM": "off"})
+    proc = run(tree, VALUE_AND_STATES, env={"NPU_SHIM_DUAL_STREAM": "off"})
     out = last_json(proc)
     assert out["value"] == 1000
     assert out["states"]["demo"]["state"] == "disabled"
@@ -452,8 +452,6 @@ def test_status_reports_invalid_env_with_exit_code_2(tree):
 
 
 def test_env_command_lists_every_variable():
-    from npu_shim.core import config
-
     proc = subprocess.run([sys.executable, "-m", "npu_shim", "env"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0

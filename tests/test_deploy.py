@@ -123,7 +123,7 @@ def built_here(podman):
 
 def served_report(output):
     """The fake launcher's report in a server's output."""
-    lines = [l for l in output.splitlines() if l.startswith(fake_launch_server.REPORT_PREFIX)]
+    lines = [line for line in output.splitlines() if line.startswith(fake_launch_server.REPORT_PREFIX)]
     assert len(lines) == 1, output[-3000:]
     return json.loads(lines[0][len(fake_launch_server.REPORT_PREFIX):])
 

@@ -3,7 +3,8 @@
 that called ``install()``.
 
 Each case runs fresh interpreters -- bare venvs without wrapt (``python -m venv --without-pip``)
-of every CPython pyenv has here -- against the minimal ``sglang`` tree and demo patch of
+of every CPython 3.9-3.13 this machine has (pyenv's under ``PYENV_ROOT``, or ``python3.X`` on
+``PATH``: dev/shimdev/machine.py) -- against the minimal ``sglang`` tree and demo patch of
 tests/test_bootstrap.py.  The real releases get the same treatment in tests/test_drop_in_real.py.
 """
 
@@ -20,12 +21,13 @@ import textwrap
 import pytest
 
 from npu_shim.cli import bundle, bundle_verify
-from npu_shim.runtime import activation, installer, wrapt_loader
-from test_bootstrap import DEMO_PATCH, IMAGE_SITECUSTOMIZE
+from npu_shim.runtime import installer
+from shimdev import machine
+from test_bootstrap import DEMO_PATCH, IMAGE_SITECUSTOMIZE, last_json, run_python
 from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PYTHONS = ("3.9", "3.10", "3.11", "3.12", "3.13")
+PYTHONS = machine.PYTHONS
 
 # The demo patch, made "explicitly requested" (like zbal with a size) when DEMO_MUST_HONOUR is set.
 DEMO_PATCH_MUST_HONOUR = DEMO_PATCH.replace(
@@ -54,12 +56,13 @@ print(json.dumps({"value": get_npu_memory_capacity(), "state": state.get("state"
 """
 
 
-def pyenv_python(version):
-    found = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/%s.*/bin/python3" % version)))
-    if not found:
-        pytest.fail("CPython %s is not installed under ~/.pyenv (this machine kind has 3.9-3.13)"
-                    % version, pytrace=False)
-    return found[-1]
+def cpython(version):
+    """The executable of CPython ``version`` on this machine (pyenv's under PYENV_ROOT, or
+    python3.X on PATH: shimdev.machine); a test that needs a missing one fails saying how to get it."""
+    found = machine.cpython(version)
+    if found is None:
+        pytest.fail(machine.how_to_get(version), pytrace=False)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,7 @@ def bare_venvs(tmp_path_factory):
     def get(version="3.11"):
         if version not in cache:
             venv = root / version
-            subprocess.run([pyenv_python(version), "-m", "venv", "--without-pip", str(venv)],
+            subprocess.run([cpython(version), "-m", "venv", "--without-pip", str(venv)],
                            check=True, capture_output=True, timeout=120)
             cache[version] = str(venv / "bin" / "python")
             probe = subprocess.run([cache[version], "-c", "import wrapt"], capture_output=True)
@@ -104,25 +107,13 @@ def run(python, tree, code, first, env=None, readonly=None, check=True, after=()
     process and its children."""
     paths = [str(p) for p in ([first] if first else [])] + [str(tree / "image"), str(tree / "pkgs")]
     paths += [str(p) for p in after]
-    full_env = {k: v for k, v in os.environ.items()
-                if not k.startswith(("NPU_SHIM_", "SGLANG_", "DEMO_", "PYTHON"))}
-    full_env.update({"PYTHONPATH": os.pathsep.join(paths), "CHAIN_MARKER": str(tree / "marker"),
-                     "PYTHONDONTWRITEBYTECODE": "1"})
-    full_env.update(env or {})
     command = [python, "-c", textwrap.dedent(code)]
     if readonly:
         mount = ("mount --bind {0} {0} && mount -o remount,ro,bind {0} && exec \"$@\""
                  .format(readonly))
         command = ["unshare", "-m", "sh", "-c", mount, "sh"] + command
-    proc = subprocess.run(command, cwd=str(tree), env=full_env, capture_output=True, text=True,
-                          timeout=180)
-    if check and proc.returncode != 0:
-        raise AssertionError("exit %d\nstdout:\n%s\nstderr:\n%s" % (proc.returncode, proc.stdout, proc.stderr))
-    return proc
-
-
-def last_json(proc):
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_python(command, tree, paths, env, check, drop=("NPU_SHIM_", "SGLANG_", "DEMO_", "PYTHON"),
+                      timeout=180)
 
 
 # -- the bundle ------------------------------------------------------------------------------------
@@ -177,7 +168,7 @@ def test_an_image_sitecustomize_in_a_folder_listed_at_start_up_is_chained(versio
     """As on a Debian image: the image's sitecustomize lies in a folder the interpreter has already
     listed before sitecustomize runs (a .pth file imported a module from it)."""
     venv = tmp_path / "venv"
-    subprocess.run([pyenv_python(version), "-m", "venv", "--without-pip", str(venv)],
+    subprocess.run([cpython(version), "-m", "venv", "--without-pip", str(venv)],
                    check=True, capture_output=True, timeout=120)
     site_packages = venv / "lib" / ("python" + version) / "site-packages"
     (site_packages / "sitecustomize.py").write_text(IMAGE_SITECUSTOMIZE)
@@ -407,7 +398,7 @@ def pip_installed(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(source), "-w",
                     str(wheels)], check=True, capture_output=True, timeout=600, cwd=str(root))
     venv = root / "venv"
-    subprocess.run([pyenv_python("3.11"), "-m", "venv", str(venv)], check=True, capture_output=True,
+    subprocess.run([cpython("3.11"), "-m", "venv", str(venv)], check=True, capture_output=True,
                    timeout=300)
     python = str(venv / "bin" / "python")
     wheel = glob.glob(str(wheels / "npu_shim-*.whl"))[0]

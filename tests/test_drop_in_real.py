@@ -51,8 +51,9 @@ def test_no_wrapt_each_patch_that_would_apply_fails_in_one_line(tmp_path):
     assert out["reasons"]["mla_weight_release"].startswith("wrapt is not available: wrapt is not "
                                                           "installed in this image")
     assert out["wrappers"] == [] and out["origin"] is None and out["app_wrapt"] is None
-    failed = [l for l in proc.stderr.splitlines() if l.startswith("[npu-shim %s " % npu_shim.__version__) and ": failed" in l]
-    assert [re.sub(r"^\[[^\]]*\] ", "", l) for l in failed] == [
+    failed = [line for line in proc.stderr.splitlines()
+              if line.startswith("[npu-shim %s " % npu_shim.__version__) and ": failed" in line]
+    assert [re.sub(r"^\[[^\]]*\] ", "", line) for line in failed] == [
         "mla_weight_release: failed (%s)" % out["reasons"]["mla_weight_release"]]
 
 

@@ -32,7 +32,8 @@ COMMANDS = {
 }
 UNDECODABLE = b"\xff\xfe"
 # Under -I the interpreter reads no PYTHONPATH: npu_shim as if installed, by its own sys.path.
-ISOLATED = "import sys; sys.path[:0] = %r; from npu_shim.__main__ import run; sys.argv[0] = 'npu_shim'; sys.exit(run(sys.argv[1:]))"
+ISOLATED = ("import sys; sys.path[:0] = %r; from npu_shim.__main__ import run; sys.argv[0] = 'npu_shim'; "
+            "sys.exit(run(sys.argv[1:]))")
 
 
 @pytest.fixture

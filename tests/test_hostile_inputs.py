@@ -17,10 +17,9 @@ import pytest
 
 from npu_shim.core.loading import all_variables
 from npu_shim.patches import zbal as zbal_patch
-from shimdev import realsglang
+from shimdev import realsglang, sglang_envs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from shimdev import sglang_envs
 
 MLA_PRE = "srt/hardware_backend/npu/attention/mla_preprocess.py"
 
@@ -102,62 +101,12 @@ def test_tampered_target_source_gets_a_one_line_answer(tmp_path, case):
     strict = status(tmp_path, NPU_SHIM_STRICT="1")
     assert_clean_answer(strict, (3,) if state == "unsupported" else (0,))
 
-PICKLE = r'''
-import copy, importlib, pickle
-import dill
-import npu_shim
-from npu_shim.runtime import activation
-importlib.import_module("sglang.srt.managers.scheduler")
-for patch in ("zbal", "mla_weight_release", "dual_stream_experts"):
-    for module in activation.RUNTIME.record(patch).patch.modules:
-        importlib.import_module(module)
-
-def resolve(target):
-    module, qualname = target.split(":")
-    owner = importlib.import_module(module)
-    parts = qualname.split(".")
-    for part in parts[:-1]:
-        owner = getattr(owner, part)
-    return owner, parts[-1]
-
-results = {}
-for name, state in npu_shim.states().items():
-    for target in state["wrappers"]:
-        owner, attr = resolve(target)
-        objects = {"": getattr(owner, attr)}
-        if isinstance(owner, type):
-            # an abstract class (BaseTpWorker) is bound through its concrete subclass there
-            cls = owner if not getattr(owner, "__abstractmethods__", None) else next(
-                sub for sub in owner.__subclasses__()
-                if sub.__module__ == owner.__module__ and not sub.__abstractmethods__)
-            objects["bound"] = getattr(object.__new__(cls), attr)
-        for how, obj in objects.items():
-            key = "%s %s" % (target, how)
-            try:
-                back = pickle.loads(pickle.dumps(obj))
-                dill_back = dill.loads(dill.dumps(obj))
-                copied = copy.deepcopy(obj)
-                results[key] = {
-                    "same_function": all(x.__wrapped__ is obj.__wrapped__ if how == "" else
-                                         x.__func__ is obj.__func__ if hasattr(x, "__func__") else
-                                         x.__wrapped__.__func__ is obj.__wrapped__.__func__
-                                         for x in (back, dill_back, copied)),
-                    "still_wrapped": all(type(x).__module__ == "npu_shim.runtime.targets"
-                                         for x in (back, dill_back, copied)),
-                    "global_by_name": how == "" and not isinstance(owner, type)
-                                      and back is obj and copied is obj,
-                }
-            except Exception as exc:
-                results[key] = repr(exc)
-emit({"states": {k: v["state"] for k, v in npu_shim.states().items()}, "results": results})
-'''
-
 
 def test_every_wrapped_target_pickles_and_copies_like_the_plain_function():
     """pickle, copy.deepcopy and dill of each wrapper (functions, methods unbound and bound) work
     and give back the wrapper itself or one around the same function."""
-    out = realsglang.run_in_release(
-        "0.5.9", PICKLE, zbal=True,
+    out = realsglang.run_program(
+        "0.5.9", "wrapper_pickling", zbal=True,
         env={"SGLANG_ZBAL_LOCAL_MEM_SIZE": "4096", "SGLANG_NPU_USE_MULTI_STREAM": "1"})
     assert set(out["states"].values()) == {"applied"}, out["states"]
     results = out["results"]
@@ -203,7 +152,6 @@ def test_every_variable_rejects_each_bad_value_in_one_line(tmp_path, value):
     """Every variable set to the same hostile value at once: ``status`` exits 2 (or 5, no sglang
     here, where the value is acceptable for every variable) and names each invalid variable in
     one line."""
-    from npu_shim.core import config
 
     env = {os.fsencode(k): os.fsencode(v) for k, v in clean_env(PYTHONPATH=REPO).items()}
     raw = value if isinstance(value, bytes) else value.encode()
@@ -242,35 +190,11 @@ def test_sizes_and_urls_accept_exactly_the_documented_forms():
 
 # ---------------------------------------------------------------------- not on an NPU
 
-OFF_NPU = r'''
-import importlib, sys
-from shimdev import simnpu
-simnpu.install_without_npu("0.5.11")
-import npu_shim
-from npu_shim.runtime import wrapt_loader
-# Every hooked module that imports on a plain CPU torch (the NPU-only ones need torch_npu).
-imported = []
-for name in ("sglang.srt.utils.common", "sglang.srt.distributed.parallel_state",
-             "sglang.srt.managers.scheduler", "sglang.srt.model_executor.model_runner"):
-    try:
-        importlib.import_module(name)
-        imported.append(name)
-    except Exception as exc:
-        print("cannot import %s on CPU: %r" % (name, exc), file=sys.stderr)
-import torch
-common = sys.modules["sglang.srt.utils.common"]
-emit({"npu": hasattr(torch, "npu") and torch.npu.is_available(), "imported": imported,
-      "states": {k: [v["state"], v["reason"], v["targets"]] for k, v in npu_shim.states().items()},
-      "wrapped": isinstance(common.get_available_gpu_memory, wrapt_loader.load().FunctionWrapper)})
-'''
-
-
 def test_real_release_off_the_npu_changes_nothing():
     """A real sglang process on a machine without an NPU (no simulated one installed): every
     patch that needs the NPU is inactive and wraps nothing, whatever is asked for."""
-    out = realsglang.run_in_release("0.5.11", OFF_NPU, install_sim=False, zbal=True,
-                                    env={"SGLANG_ZBAL_LOCAL_MEM_SIZE": "4096",
-                                         "SGLANG_NPU_USE_MULTI_STREAM": "1"})
+    out = realsglang.run_program("0.5.11", "off_npu", install_sim=False, zbal=True,
+                                 env={"SGLANG_ZBAL_LOCAL_MEM_SIZE": "4096", "SGLANG_NPU_USE_MULTI_STREAM": "1"})
     assert out["npu"] is False and "sglang.srt.utils.common" in out["imported"]
     assert out["wrapped"] is False
     for name, (state, reason, targets) in out["states"].items():

@@ -50,7 +50,8 @@ def test_nothing_loads_a_script_by_path_and_no_test_imports_a_benchmark():
             assert not re.search(r"^\s*(import|from)\s+bench_", text, re.M), rel
         # the old locations and the old double import are gone
         assert "tests/support" not in text and "npu_shim_sglang_envs" not in text, rel
-        assert not re.search(r"^\s*import ([\w, ]*\b)?(simnpu|realsglang|sglang_envs|demo_features|expected_states|mla_kernels|dual_stream_kernels|import_probe|drop_in_probe)\b",
+        assert not re.search(r"^\s*import ([\w, ]*\b)?(simnpu|realsglang|sglang_envs|demo_features|expected_states"
+                             r"|mla_kernels|dual_stream_kernels|import_probe|drop_in_probe|release_beds)\b",
                              text, re.M), rel
 
 

@@ -8,13 +8,13 @@ import re
 
 import pytest
 
-from npu_shim.core import config, framework
+from npu_shim.core import framework
 from npu_shim.core.loading import all_variables
 from shimdev import release_report, sglang_envs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ["README.md", "CHANGELOG.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "**", "*.md"),
-                                                                       recursive=True))
+PAGES = ["README.md", "CHANGELOG.md"] + sorted(
+    os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True))
 EXIT_CODES_PAGE = "docs/operations.md"
 EXIT_TABLE_HEADER = "| code | meaning |"
 
@@ -66,7 +66,7 @@ def test_readme_gives_exactly_the_two_commands_ci_runs():
     text = read("README.md")
     assert "python3 scripts/demo.py" in text and "python3 scripts/run_tests.py" in text
     with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as handle:
-        ci = [l for l in handle.read().splitlines() if l.strip() and not l.startswith("#")]
+        ci = [line for line in handle.read().splitlines() if line.strip() and not line.startswith("#")]
     assert ci[-1] == "exec python3 scripts/run_tests.py"
 
 
@@ -114,7 +114,8 @@ def test_documented_scripts_exist(page):
 
 @pytest.mark.parametrize("page", [p for p in PAGES if p != "CHANGELOG.md"])  # its old entries name old files
 def test_every_file_of_the_repository_a_page_names_exists(page):
-    for path in re.findall(r"(?<![\w/.~-])((?:npu_shim|tests|dev|scripts|docs)/[\w/.-]*\w\.(?:py|md|c|yaml))", read(page)):
+    named = re.findall(r"(?<![\w/.~-])((?:npu_shim|tests|dev|scripts|docs)/[\w/.-]*\w\.(?:py|md|c|yaml))", read(page))
+    for path in named:
         assert os.path.isfile(os.path.join(REPO, path)), (page, path)
 
 

@@ -254,7 +254,7 @@ def test_the_shim_state_is_in_sglangs_own_metrics(servers, version):
 
 @pytest.mark.parametrize("version", PER_RELEASE)
 def test_mix_mode_tp2_one_world_heap_after_the_kv_cache(servers, version):
-    off = servers.get("off-tp2", version, shim="absent", tp=2, state_dir=False)
+    servers.get("off-tp2", version, shim="absent", tp=2, state_dir=False)  # the answers to compare
     mix = servers.get("mix-tp2", version, tp=2, zbal_mib=MIX_HEAP_MIB, mix=True)
     assert servers.answers_of("mix-tp2", version) == servers.answers_of("off-tp2", version)
     # mix mode: the KV cache sized from the device (not the heap), as without the shim.  With

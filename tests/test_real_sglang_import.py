@@ -4,13 +4,15 @@ user has it.  One subprocess per release (dev/shimdev/import_probe.py) does
 everything:
 
 * imports every module a patch targets, with every patch triggered (demo_features.DEMO_ENV: zbal
-  size and bootstrap set, zbal importable (the wheel's Python layer, simulated native side), multi-stream on, the fused decode kernel
+  size and bootstrap set, zbal importable (the wheel's Python layer, simulated native side),
+  multi-stream on, the fused decode kernel
   present), so each reaches the state the expected table gives for that release;
 * looks at the loaded modules themselves: which functions are wrapt wrappers (exactly the applied
   patches' targets), and whether the copies other modules took with ``from ... import`` are the
   wrapped ones;
-* runs each applied feature's driver (dev/shimdev/demo_features.py, shared with the real-release
-  tests and the demo) on the release's real code; import_probe.problems() checks what it measured.
+* runs each applied feature's driver (dev/shimdev/demo_features.py, shared with the demo; their
+  set-ups, dev/shimdev/release_beds.py, with the real-release tests) on the release's real code;
+  import_probe.problems() checks what it measured.
 
 A release whose layers cannot be built FAILS (never skips).
 """

@@ -6,7 +6,7 @@ signature), with the patch switched on and its trigger assumed set.  The expecte
 (dev/shimdev/expected_states.py) is the one docs/releases.md shows users; test_docs_table_matches
 keeps the two identical.
 
-Adding a release: one line in dev/shimdev/sglang_envs.py RELEASES (or POST_RELEASES) and its row in
+Adding a release: one line in dev/shimdev/releases.py RELEASES (or POST_RELEASES) and its row in
 expected_states.py (``python3 scripts/release_report.py VERSION`` prints it), then
 ``python3 scripts/release_report.py --write-docs``.
 """

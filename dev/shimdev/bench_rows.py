@@ -42,7 +42,8 @@ ROWS = (
     ("bench_drop_in", "start-up of `python -c pass`, read-only bundle (its .pyc) on PYTHONPATH vs no shim"),
     ("bench_drop_in", "start-up of `python -c pass`, read-only bundle vs no shim, in instructions executed"),
     ("bench_hot_path", "npu_mla_preprocess after the first pass: added ns/call (real sglang 0.5.11)"),
-    ("bench_hot_path", "npu_mla_preprocess wrapper before the first pass is done: added ns/call, bundle's wrapt C build"),
+    ("bench_hot_path", "npu_mla_preprocess wrapper before the first pass is done: added ns/call, bundle's wrapt "
+                       "C build"),
     ("bench_hot_path", "npu_mla_preprocess wrapper before the first pass is done: added ns/call, bundle's wrapt "
                        "pure-Python build"),
     ("bench_hot_path", "why the C build reads slower: wrapt's C `__call__` and a function without `__self__`"),
@@ -60,7 +61,8 @@ ROWS = (
                          "(simulated NPU), shim on vs off"),
     ("bench_moe_server", "GLM-4 MoE server (simulated NPU, DeepEP, dual-stream on), decode tokens per second, "
                          "shim on sglang 0.5.8 vs sglang 0.5.10's own"),
-    ("bench_moe_server", "the same shim server vs sglang 0.5.8 without the shim (neither path), decode tokens per second"),
+    ("bench_moe_server", "the same shim server vs sglang 0.5.8 without the shim (neither path), decode tokens "
+                         "per second"),
 )
 
 RESULT = {True: "ok", False: "MISSED", None: "-"}

@@ -1,11 +1,13 @@
 """Benchmark (run by scripts/bench_dual_stream.py and scripts/bench.py; smoke-tested by
-tests/patches/test_dual_stream_experts.py): how much of the ideal saving the dual-stream experts path gets (CUDA or NPU).
+tests/patches/test_dual_stream_experts.py): how much of the ideal saving the dual-stream experts path
+gets (CUDA or NPU).
 
 A synthetic GLM-4.x-style MoE block (router gate, top-k, routed experts run expert by expert,
 one shared expert MLP) is run three ways on one device, side by side in one process:
 
 * serial     -- the original order, everything on the main stream;
-* overlapped -- the shim's own dual-stream body (``dual_stream_experts.DualStreamExpertsState._forward_deepep_dual_stream``:
+* overlapped -- the shim's own dual-stream body
+  (``dual_stream_experts.DualStreamExpertsState._forward_deepep_dual_stream``:
   shared experts on the side stream, gate -> topk -> routed experts on the main stream, main waits
   for the side stream before the combine);
 * the parts alone -- shared experts only, routed path only; ideal = max(shared, routed).
@@ -27,7 +29,7 @@ import argparse
 import time
 
 from npu_shim.patches._selftest import synthetic_moe
-from npu_shim.patches._selftest.synthetic_moe import DEFAULTS, build_block, serial_forward as _serial_forward  # noqa: F401
+from npu_shim.patches._selftest.synthetic_moe import DEFAULTS, build_block, serial_forward as _serial_forward
 
 WHAT = "dual-stream overlap (CUDA or NPU when present)"
 TARGET = ">= 90 % of the ideal saving (serial - max(shared, routed))"
@@ -37,7 +39,7 @@ def find_device():
     """('cuda'|'npu', name) for a real accelerator, else (None, why not); the simulated NPU of the
     tests is no device here (npu_shim.cli.selftest_child.find_device, as the selftest finds it)."""
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401 - only whether it imports
     except ImportError:
         return None, "torch is not installed"
     from npu_shim.cli.selftest_child import find_device as find_accelerator

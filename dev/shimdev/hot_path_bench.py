@@ -28,7 +28,7 @@ hold the core, which that clock leaves out; one torch thread), with the wall tim
   ``Glm4MoeSparseMoeBlock.forward_deepep``, 0.5.10 with its own ``forward_deepep`` and
   ``process_shared_expert`` (the shim stands down there), and, to say where a difference comes
   from, 0.5.9's own with the patch switched off (single stream, no wrapper); the same synthetic block in both
-  (``demo_features.glm4_moe_bed``: the real ``Glm4MoeGate``, the selftest's shared-expert MLP,
+  (``release_beds.glm4_moe_bed``: the real ``Glm4MoeGate``, the selftest's shared-expert MLP,
   stand-in top-k and experts; its weights re-drawn from one seed, the forward hooks of the tests
   removed), the simulated NPU, ``SGLANG_NPU_USE_MULTI_STREAM=1``, one torch thread; per MoE layer call on an extend
   batch (dual stream) and a decode batch (single stream: the wrapper calls through), the outputs'
@@ -221,7 +221,7 @@ import torch
 # One intra-op thread in both arms: with two, on 2 cores other jobs share, a call of this small
 # block took ~10x longer (1.3 ms -> 14 ms in 0.5.10, measured 2026-12-02), most of it waiting.
 torch.set_num_threads(1)
-from shimdev.demo_features import glm4_moe_bed
+from shimdev.release_beds import glm4_moe_bed
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 bed = glm4_moe_bed("partial")
 block = bed.block

@@ -135,7 +135,7 @@ def moe_rows(rounds, calls, tokens=16):
             "how": "three processes, the simulated NPU, SGLANG_NPU_USE_MULTI_STREAM=1: 0.5.9's forward_deepep under "
                    "the shim's wrapper, 0.5.10's own (the shim stands down there), and 0.5.9's own with the patch "
                    "off (NPU_SHIM_DUAL_STREAM_EXPERTS=0: single stream, no wrapper); the same synthetic block "
-                   "(demo_features.glm4_moe_bed: real Glm4MoeGate, the selftest's shared MLP, stand-in top-k and "
+                   "(release_beds.glm4_moe_bed: real Glm4MoeGate, the selftest's shared MLP, stand-in top-k and "
                    "experts; hidden %d, weights from one seed), %d tokens; the processes asked in alternating "
                    "rounds, %d rounds x %d calls, one torch thread, medians of the thread's CPU time per call"
                    % (si["hidden"], tokens, rounds, calls),

@@ -2,7 +2,8 @@
 must hold of it -- shared by the import matrix (tests/test_real_sglang_import.py) and
 ``scripts/release_report.py``.
 
-``probe(version)`` runs one subprocess in the release's layered environment: it imports every
+``probe(version)`` runs one subprocess in the release's layered environment (the program
+dev/shimdev/programs/release_import.py): it imports every
 module a patch targets, records the states, which functions are wrapt wrappers, whether the
 ``from ... import`` copies are the module's own function, then runs each applied feature's driver
 (dev/shimdev/demo_features.py) under the stream sanitizer, and the dual-stream MoE path (the
@@ -21,52 +22,6 @@ from npu_shim.runtime import role
 # Every module a patch hooks (0.5.7/0.5.8 lack the MLA ones: "failed" is checked against that).
 TARGETS = sorted({module for patch in load_all() for module in patch.modules})
 MLA_MODULES = {m for patch in load_all() if patch.name == "mla_weight_release" for m in patch.modules}
-
-SNIPPET = """
-from shimdev import demo_features, stream_races
-failed = demo_features.import_targets()  # before anything else imports sglang
-import importlib.metadata, sys
-import sglang
-import npu_shim
-from npu_shim.runtime import wrapt_loader
-wrapt = wrapt_loader.load()  # the shim's own (npu_shim._wrapt): its wrappers' classes
-from sglang.srt.utils.common import is_npu
-
-def wrapped_names(module):
-    # Functions defined in ``module`` that are wrappers (copies imported from elsewhere are not counted).
-    found = []
-    for key, value in vars(module).items():
-        if isinstance(value, wrapt.FunctionWrapper) and value.__wrapped__.__module__ == module.__name__:
-            found.append(key)
-        elif isinstance(value, type) and value.__module__ == module.__name__:
-            found += [key + "." + k for k, v in vars(value).items() if isinstance(v, wrapt.FunctionWrapper)]
-    return sorted(found)
-
-common = sys.modules["sglang.srt.utils.common"]
-copies = {
-    name: getattr(sys.modules[name], "get_available_gpu_memory", None) is common.get_available_gpu_memory
-    for name in ("sglang.srt.utils", "sglang.srt.model_executor.model_runner")
-}
-states = npu_shim.states()
-result = {
-    "failed": failed,
-    "is_npu": is_npu(),
-    "version": getattr(sglang, "__version__", None),
-    "dist_version": importlib.metadata.version("sglang"),
-    "sglang_file": sglang.__file__,
-    "finders": [type(f).__name__ if not isinstance(f, type) else f.__name__ for f in sys.meta_path],
-    "states": states,
-    "wrapped": {name: wrapped_names(sys.modules[name]) for name in TARGETS if name in sys.modules},
-    "copies_are_the_module_function": copies,
-    "gpu_memory_is_wrapped": isinstance(common.get_available_gpu_memory, wrapt.FunctionWrapper),
-}
-# The drivers, after every structural fact was taken (they replace bodies and globals).
-result["drivers"] = demo_features.run_drivers([n for n, s in states.items() if s["state"] == "applied"])
-# The dual-stream MoE path, the backport's or upstream's own, under the stream sanitizer.
-if states.get("dual_stream_experts", {}).get("state") in ("applied", "upstream"):
-    result["races"] = stream_races.run()
-emit(result)
-"""
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -112,8 +67,7 @@ CHECKS = {"zbal": check_zbal, "mla_weight_release": check_mla, "dual_stream_expe
 
 def probe(version: str, timeout: float = 600) -> dict:
     """The facts of one release (see the module docstring); raises realsglang.ReleaseRunError."""
-    return realsglang.run_in_release(version, "TARGETS = %r\n%s" % (TARGETS, SNIPPET), env=DEMO_ENV,
-                                     zbal=True, timeout=timeout)
+    return realsglang.run_program(version, "release_import", TARGETS, env=DEMO_ENV, zbal=True, timeout=timeout)
 
 
 def _check(problems, what, fn, *args):

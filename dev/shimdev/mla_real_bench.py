@@ -17,31 +17,7 @@ from shimdev.demo_features import DEMO_ENV
 
 RELEASE = "0.5.11"
 
-_SNIPPET = r'''
-from npu_shim.runtime import activation
-from npu_shim.patches import mla_weight_release as R
-from shimdev import mla_kernels as K
-
-results = []
-for model, tp, role in {cases!r}:
-    record = activation.RUNTIME.record("mla_weight_release")  # None until the first layer imported its modules
-    if record is not None:
-        record.process_state.reset()
-    K.publish_server_args(role)
-    r = K.run_layer(model.lower(), tp)
-    r.pop("layer")
-    c = K.CONFIGS[model.lower()]
-    shape_qkv = (c["q_lora"] + c["kv_lora"] + c["rope"]) * c["hidden"] * 2
-    shape_w_kc = (c["heads"] // tp) * c["nope"] * c["kv_lora"] * 2 if role == "decode" else 0
-    results.append({{"model": model, "tp": tp, "role": role, "layers": c["layers"],
-                    "freed": r["freed"], "before": r["before"], "after": r["after"],
-                    "shape": {{"qkv_a": shape_qkv, "w_kc": shape_w_kc}},
-                    "kernels": r["kernels"]}})
-emit({{"state": activation.RUNTIME.states()["mla_weight_release"]["state"], "results": results}})
-'''
-
-
 def measure(release=RELEASE, cases=MLA_CASES):
     """{"state": the patch's state in that process, "results": [per case]}."""
-    return realsglang.run_in_release(release, _SNIPPET.format(cases=list(cases)), env=DEMO_ENV,
-                                     zbal=True, timeout=900)
+    return realsglang.run_program(release, "mla_release_measure", list(cases), env=DEMO_ENV, zbal=True,
+                                  timeout=900)

@@ -53,16 +53,20 @@ QUICK_SAMPLE = 12
 MODULES = {
     "npu_shim/core/framework.py": {"tests": ["tests/core/test_framework.py"]},
     "npu_shim/runtime/targets.py": {"tests": ["tests/runtime/test_targets.py", "tests/runtime/test_reliability.py"]},
-    "npu_shim/runtime/activation.py": {"tests": ["tests/runtime/test_activation.py", "tests/runtime/test_reliability.py",
-                                      "tests/test_bootstrap.py"]},
+    "npu_shim/runtime/activation.py": {"tests": ["tests/runtime/test_activation.py",
+                                                 "tests/runtime/test_reliability.py", "tests/test_bootstrap.py"]},
     "npu_shim/runtime/finder.py": {"tests": ["tests/runtime/test_finder.py", "tests/runtime/test_reliability.py"]},
     "npu_shim/source/inherited.py": {"tests": ["tests/source/test_inherited.py"]},
     "npu_shim/core/config.py": {"tests": ["tests/core/test_config.py", "tests/core/test_framework.py",
                                      "tests/test_hostile_inputs.py"]},
-    "npu_shim/reporting/record_writer.py": {"tests": ["tests/reporting/test_record_writer.py", "tests/reporting/test_state_records.py"]},
-    "npu_shim/reporting/state_record.py": {"tests": ["tests/reporting/test_state_record.py", "tests/reporting/test_record_writer.py"]},
-    "npu_shim/reporting/safe_dir.py": {"tests": ["tests/reporting/test_record_writer.py", "tests/cli/test_running_records.py"]},
-    "npu_shim/cli/running_records.py": {"tests": ["tests/cli/test_running_records.py", "tests/reporting/test_state_records.py"]},
+    "npu_shim/reporting/record_writer.py": {"tests": [
+        "tests/reporting/test_record_writer.py", "tests/reporting/test_state_records.py"]},
+    "npu_shim/reporting/state_record.py": {"tests": [
+        "tests/reporting/test_state_record.py", "tests/reporting/test_record_writer.py"]},
+    "npu_shim/reporting/safe_dir.py": {"tests": [
+        "tests/reporting/test_record_writer.py", "tests/cli/test_running_records.py"]},
+    "npu_shim/cli/running_records.py": {"tests": [
+        "tests/cli/test_running_records.py", "tests/reporting/test_state_records.py"]},
     # the release / guard / accounting code of the MLA patch
     "npu_shim/runtime/tensor_release.py": {
         "tests": ["tests/patches/test_mla_weight_release.py"],
@@ -71,8 +75,9 @@ MODULES = {
                   "_base_held_elsewhere", "free_weight", "shares_storage", "exclusive"]},
     "npu_shim/patches/_impl/mla_weight_release.py": {
         "tests": ["tests/patches/test_mla_weight_release.py"],
-        "scope": ["free_weight", "MlaWeightReleaseState.free_allowed", "MlaWeightReleaseState._account", "MlaWeightReleaseState._note_guarded",
-                  "MlaWeightReleaseState.released_weights", "MlaWeightReleaseState.free_qkv_a", "MlaWeightReleaseState.free_w_kc",
+        "scope": ["free_weight", "MlaWeightReleaseState.free_allowed", "MlaWeightReleaseState._account",
+                  "MlaWeightReleaseState._note_guarded", "MlaWeightReleaseState.released_weights",
+                  "MlaWeightReleaseState.free_qkv_a", "MlaWeightReleaseState.free_w_kc",
                   "MlaWeightReleaseState._free"]},
     # zbal's heap size and its set-up (full mode, the lazy GVA heap of mix mode)
     "npu_shim/patches/_impl/zbal.py": {
@@ -474,7 +479,7 @@ def run_tests(python, root, tests, timeout, basetemp):
 
 
 def _tail(out, lines=6):
-    kept = [l for l in (out or "").splitlines() if l.startswith(("FAILED", "ERROR"))]
+    kept = [line for line in (out or "").splitlines() if line.startswith(("FAILED", "ERROR"))]
     return "\n".join(kept[:2] or (out or "").strip().splitlines()[-lines:])
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import textwrap
 from pathlib import Path
@@ -35,12 +34,16 @@ class ReleaseRunError(AssertionError):
 
 
 _PRELUDE = """\
-import json as _json, sys as _sys
 from shimdev import simnpu
 simnpu.install(release={release!r})
-def emit(obj):
-    _sys.stdout.write("\\n" + _json.dumps(obj, default=repr, sort_keys=True) + "\\n")
-    _sys.stdout.flush()
+from shimdev.programs import emit
+"""
+
+#: What runs a program of shimdev.programs (run_program): as ``__main__``, with its arguments.
+_PROGRAM = """\
+import json, runpy, sys
+sys.argv[1:] = [json.dumps(a) for a in {args!r}]
+runpy.run_module("shimdev.programs.{name}", run_name="__main__", alter_sys=True)
 """
 
 
@@ -160,6 +163,15 @@ def run_in_release(version: str, code: str, env: dict | None = None, timeout: fl
         raise ReleaseRunError(
             f"sglang {version}: last stdout line is not JSON (call emit(obj) last): {lines[-1][:300]!r}"
             f"\n--- stderr (tail) ---\n{_tail(p.stderr)}", p.stdout, p.stderr, p.returncode) from None
+
+
+def run_program(version: str, name: str, *args, **kwargs) -> dict:
+    """Run the program ``shimdev.programs.<name>`` (dev/shimdev/programs/) in sglang ``version``
+    as ``run_in_release`` runs a snippet (same keywords), with ``args`` (JSON values) its
+    arguments; return what it ``emit()``-ed last."""
+    if not name.isidentifier():
+        raise ValueError("not a program's name: %r" % (name,))
+    return run_in_release(version, _PROGRAM.format(name=name, args=list(args)), **kwargs)
 
 
 def _s(b) -> str:

@@ -31,7 +31,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 from shimdev import REPO, expected_states, realsglang, sglang_envs
 
@@ -85,7 +84,7 @@ def moved(prev_view, new_view):
             listed = framework.targets_for(patch, prev_view, {})[1]
         except framework.Verdict:
             continue  # nothing to list for the previous release
-        except Exception as exc:  # a release the patch cannot even list targets for
+        except Exception as exc:  # noqa: BLE001 - a release the patch cannot even list targets for
             lines.append("%s: cannot list the previous release's targets (%r)" % (patch.name, exc))
             continue
         for target in listed:
@@ -206,7 +205,7 @@ def report(version: str) -> int:
     say("   its row in %s (python3 scripts/release_report.py --write-docs):" % expected_states.DOC)
     say("   " + expected_states.row(version, states))
     if not known:
-        say("   new release: add it to RELEASES (or POST_RELEASES) in dev/shimdev/sglang_envs.py, then "
+        say("   new release: add it to RELEASES (or POST_RELEASES) in dev/shimdev/releases.py, then "
             "--write-docs")
     return 0 if agree and not found else 1
 

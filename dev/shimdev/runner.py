@@ -1,4 +1,4 @@
-"""The test runner's venv: torch (CPU), wrapt, pytest, hypothesis, and the clients the server
+"""The test runner's venv: torch (CPU), wrapt, pytest, hypothesis, ruff, and the clients the server
 tests talk with (the real ``openai`` client, ``prometheus_client``'s parser) -- built once in the
 cache, in a directory named by ``RUNNER_PINS`` (a changed pin builds a new one and never replaces a
 venv another test run is using).  Used by the test command (scripts/run_tests.py) and by the
@@ -10,12 +10,13 @@ import json
 import subprocess
 import sys
 
-from shimdev import sglang_envs
+from shimdev import lint, sglang_envs
 
 RUNNER_PINS = (sglang_envs.TORCH_PIN, "wrapt==2.5.2", "pytest==9.2.0", "pytest-mock==3.17.0",
                "pytest-xdist==3.8.0", "numpy==2.4.6",  # numpy: torch warns at import without it
                "openai==2.6.1", "prometheus-client==0.26.0",
-               "hypothesis==6.168.3")  # the property tests of the parsers of untrusted input
+               "hypothesis==6.168.3",  # the property tests of the parsers of untrusted input
+               lint.RUFF_PIN)  # the linter the test command runs
 
 
 def _digest():

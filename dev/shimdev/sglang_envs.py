@@ -1,13 +1,7 @@
 #!/usr/bin/env python3
-"""Test bed: the sglang releases npu-shim supports, their wheels, sources and layered environments.
+"""Test bed: the layered environments the sglang releases run in, and the one import of the test
+bed's names.
 
-One place for:
-
-* ``CACHE`` -- ``$NPU_SHIM_CACHE`` or ``~/.cache/npu-shim``;
-* ``RELEASES`` / ``POST_RELEASES`` / ``ALL_RELEASES`` -- every supported release (add one line to
-  support one more); ``EDITABLE`` -- the release installed editable with a dev version string;
-* ``ensure_wheel(v)`` -- the sglang wheel in ``CACHE/wheels`` (``pip download --no-deps``);
-* ``ensure_sources(v)`` -- the wheel's ``sglang/`` tree extracted to ``CACHE/src/<v>/``;
 * ``ensure_release(v)`` -- what it takes to run release ``v`` on CPU (simulated NPU), as layers
   under ``CACHE/layered/``:
 
@@ -25,9 +19,19 @@ One place for:
 
   ``ensure_release`` returns a ``ReleaseEnv`` (python, layer paths in ``PYTHONPATH`` order).
 
-Everything is reused when present, guarded by file locks (two processes may call the same
-function at once), and content-addressed: a changed pin gives a new directory, so a build never
-replaces an environment another process is running in.
+The rest of the test bed, each a module of its own, is re-exported here (``__all__``), so that a
+caller imports the test bed once (``from shimdev import sglang_envs``):
+
+* ``shimdev.releases`` -- ``RELEASES`` / ``POST_RELEASES`` / ``ALL_RELEASES`` (add one line to
+  support one more), ``EDITABLE``, ``version_key``;
+* ``shimdev.buildcache`` -- ``cache_dir()`` (``$NPU_SHIM_CACHE`` or ``~/.cache/npu-shim``), file
+  locks, pip runs, ``build_once`` (content-addressed, stamped last: a changed pin gives a new
+  directory, so a build never replaces an environment another process is running in);
+* ``shimdev.wheels`` -- ``ensure_wheel(v)`` (the sglang wheel in ``CACHE/wheels``),
+  ``ensure_sources(v)`` (its ``sglang/`` tree in ``CACHE/src/<v>/``), the sdist, the pinned
+  memfabric-zbal and torch-npu wheels;
+* ``shimdev.npu_layers`` -- the zbal layer (the wheel's Python files over the simulated native
+  library) and the no-CANN torch-npu layer.
 
 CLI::
 
@@ -42,15 +46,10 @@ sys.path (see shimdev/__init__.py), never by file path.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import email.parser
-import fcntl
-import hashlib
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 import tarfile
 import time
@@ -58,65 +57,35 @@ import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
+from shimdev.buildcache import (LAYOUT, TORCH_PIN, EnvError, build_once, cache_dir, constraints_file, digest,
+                                file_lock, layered_dir, pip, python_tag, run, stamp_of)
+from shimdev.npu_layers import ZBAL_PY_FILES, ensure_torch_npu_layer, ensure_zbal_layer, zbal_env
+from shimdev.releases import ALL_RELEASES, EDITABLE, POST_RELEASES, RELEASES, check_release, version_key
+from shimdev.wheels import (ensure_sdist, ensure_sources, ensure_torch_npu_wheel, ensure_wheel, ensure_zbal_wheel,
+                            find_wheel)
+
+__all__ = [
+    # the releases (shimdev.releases)
+    "RELEASES", "POST_RELEASES", "ALL_RELEASES", "EDITABLE", "version_key",
+    # the cache and its builds (shimdev.buildcache)
+    "EnvError", "LAYOUT", "TORCH_PIN", "cache_dir", "layered_dir", "file_lock", "run", "pip", "constraints_file",
+    "digest", "build_once",
+    # wheels and sources (shimdev.wheels)
+    "ensure_wheel", "ensure_sources", "ensure_sdist", "ensure_zbal_wheel", "ensure_torch_npu_wheel",
+    # the NPU stack's layers (shimdev.npu_layers)
+    "ZBAL_PY_FILES", "ensure_zbal_layer", "zbal_env", "ensure_torch_npu_layer",
+    # the layered environments (here)
+    "WRAPT_DEFAULT", "COMMON_DEPS", "BASE_PINS", "LAYER_REQUIREMENTS", "NODEPS_REQUIREMENTS", "NEVER_IN_LAYERS",
+    "base_spec", "base_dir", "base_python", "site_packages", "ensure_base", "ensure_wrapt", "ensure_sglang_layer",
+    "wheel_requirements", "ensure_deps_layer", "ReleaseEnv", "ensure_release", "editable_dir", "put_base_under",
+    "ensure_editable", "release_is_built", "release_env_paths", "ensure_all", "main",
+]
+
+
 # --------------------------------------------------------------------------------------------
-# Configuration
+# Configuration of the layers
 # --------------------------------------------------------------------------------------------
 
-#: Every supported base release, oldest first.  One line to add one.
-RELEASES = (
-    "0.5.7",
-    "0.5.8",
-    "0.5.9",
-    "0.5.10",
-    "0.5.11",
-    "0.5.12",
-    "0.5.13",
-    "0.5.14",
-    "0.5.15",
-    "0.5.16",
-    "0.5.17",
-    "0.5.18",
-    "0.5.19",
-    "0.5.20",
-    "0.5.21",
-    "0.5.22",
-    "0.5.23",
-)
-
-#: Every post release on PyPI of a supported base release (``pip index versions sglang``).
-POST_RELEASES = (
-    "0.5.8.post1",
-    "0.5.10.post1",
-    "0.5.12.post1",
-    "0.5.13.post1",
-    "0.5.15.post1",
-)
-
-_VERSION_RE = re.compile(r"^(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?(?:\.dev(\d+))?(?:\+[\w.]+)?$")
-
-
-def version_key(version: str) -> tuple:
-    """Sort key of an sglang version: 0.5.10 < 0.5.10.post1 < 0.5.11; a .devN sorts before the
-    release it leads to (PEP 440 for the forms sglang uses)."""
-    m = _VERSION_RE.match(version)
-    if not m:
-        raise ValueError(f"not an sglang version: {version!r}")
-    major, minor, micro, post, dev = m.groups()
-    post_key = int(post) if post is not None else -1
-    return (int(major), int(minor), int(micro), post_key, int(dev) if dev is not None else 1 << 30)
-
-
-#: Every release the test bed knows, oldest first (the expected table has one row per entry).
-ALL_RELEASES = tuple(sorted(RELEASES + POST_RELEASES, key=version_key))
-
-#: The editable install (upstream's NPU image: ``pip install -e`` of a source tree, version from
-#: setuptools-scm).  ``release``: the sdist whose tree is installed (PyPI has sdists up to
-#: 0.5.10.post1); ``version``: the dev version setuptools-scm is made to give it (what a checkout
-#: 3 commits after the 0.5.10.post1 tag reads).  Its expected states are those of ``release``.
-EDITABLE = {"release": "0.5.10.post1", "version": "0.5.10.post2.dev3+g5d1c3a7"}
-
-#: The only torch ever installed (a CPU build is on the local disk); also passed as constraint.
-TORCH_PIN = "torch==2.13.0"
 #: The shim's runtime dependency in normal runs (a layer of its own, never in the base).
 WRAPT_DEFAULT = "2.5.2"
 
@@ -136,8 +105,9 @@ BASE_PINS = (
 
 #: Requirements taken from each release's wheel metadata (``Requires-Dist``, as the release
 #: states them) into its dependency layer: the packages whose version decides whether the
-#: release imports on CPU (found by importing every release's target modules on CPU torch).  The rest of sglang's requirements are
-#: GPU kernels or serving extras that importing the patched modules on CPU does not need.
+#: release imports on CPU (found by importing every release's target modules on CPU torch).  The
+#: rest of sglang's requirements are GPU kernels or serving extras that importing the patched
+#: modules on CPU does not need.
 LAYER_REQUIREMENTS = ("transformers", "tokenizers", "openai", "compressed-tensors", "apache-tvm-ffi",
                       "huggingface-hub", "uvicorn", "fastapi")
 #: Taken from the metadata too, but installed with ``--no-deps`` (xgrammar's would pull a 1 GB
@@ -148,236 +118,15 @@ NODEPS_REQUIREMENTS = {"xgrammar": "0.5.16"}
 #: Packages that must never be in the base or a release layer (they come in their own layer).
 NEVER_IN_LAYERS = ("wrapt", "torch")
 
-#: Bump to build every layer anew (part of every layer's hash).
-LAYOUT = 1
-
-PIP_TIMEOUT_S = 1800
-
-
-class EnvError(RuntimeError):
-    """A wheel, source tree or environment could not be provided."""
-
-
-# --------------------------------------------------------------------------------------------
-# Paths and helpers
-# --------------------------------------------------------------------------------------------
-
-def cache_dir() -> Path:
-    """``$NPU_SHIM_CACHE`` or ``~/.cache/npu-shim`` (read at call time)."""
-    env = os.environ.get("NPU_SHIM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "npu-shim"
-
-
-def _check_release(version: str, strict: bool = True) -> None:
-    """A release of the table (``strict``), or at least an sglang version string."""
-    if strict and version not in ALL_RELEASES:
-        raise EnvError(f"sglang {version!r} is not a supported release; supported: "
-                       f"{', '.join(ALL_RELEASES)}")
-    if not _VERSION_RE.match(version):
-        raise EnvError(f"{version!r} is not an sglang version")
-
-
-@contextlib.contextmanager
-def file_lock(name: str):
-    """Exclusive inter-process lock ``CACHE/locks/<name>.lock`` (blocks until acquired)."""
-    d = cache_dir() / "locks"
-    d.mkdir(parents=True, exist_ok=True)
-    with open(d / f"{name}.lock", "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def run(cmd: list[str], what: str, env: dict | None = None) -> None:
-    """Run quietly; on failure raise with the command and the tail of its output."""
-    full_env = dict(os.environ)
-    full_env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
-    full_env.pop("PYTHONPATH", None)  # the shim/tests must not leak into pip
-    if env:
-        full_env.update(env)
-    try:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env=full_env, timeout=PIP_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        raise EnvError(f"{what}: timed out after {PIP_TIMEOUT_S}s: {' '.join(cmd)}") from e
-    if p.returncode != 0:
-        tail = "\n".join(p.stdout.splitlines()[-60:])
-        raise EnvError(f"{what} failed (exit {p.returncode}): {' '.join(cmd)}\n{tail}")
-
-
-def pip(python: str | Path, *args: str) -> list[str]:
-    return [str(python), "-m", "pip", "-q", "--disable-pip-version-check", *args]
-
-
-def constraints_file() -> Path:
-    p = cache_dir() / "constraints.txt"
-    text = f"{TORCH_PIN}\n"
-    if not p.exists() or p.read_text() != text:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(text)
-        tmp.replace(p)
-    return p
-
-
-# --------------------------------------------------------------------------------------------
-# Wheels and sources
-# --------------------------------------------------------------------------------------------
-
-def _find_wheel(d: Path, version: str) -> Path | None:
-    hits = sorted(d.glob(f"sglang-{version}-*.whl"))
-    return hits[0] if hits else None
-
-
-def ensure_wheel(version: str, *, strict: bool = True) -> Path:
-    """Path of sglang ``version``'s wheel in ``CACHE/wheels`` (downloaded once, with --no-deps).
-    ``strict=False`` accepts a release outside the table (scripts/release_report.py)."""
-    _check_release(version, strict)
-    d = cache_dir() / "wheels"
-    hit = _find_wheel(d, version)
-    if hit:
-        return hit
-    with file_lock(f"wheel-{version}"):
-        hit = _find_wheel(d, version)
-        if hit:
-            return hit
-        d.mkdir(parents=True, exist_ok=True)
-        run(pip(sys.executable, "download", "--no-deps", "--only-binary=:all:",
-                  "-d", str(d), f"sglang=={version}"),
-             f"downloading the sglang {version} wheel")
-        hit = _find_wheel(d, version)
-        if not hit:
-            raise EnvError(f"pip download reported success but no sglang-{version}-*.whl is in {d}")
-        return hit
-
-
-def ensure_sources(version: str, *, strict: bool = True) -> Path:
-    """``CACHE/src/<version>/`` holding the wheel's ``sglang/`` tree (extracted once)."""
-    wheel = ensure_wheel(version, strict=strict)
-    dest = cache_dir() / "src" / version
-    stamp = dest / ".extracted"
-    if stamp.exists() and stamp.read_text() == wheel.name:
-        return dest
-    with file_lock(f"src-{version}"):
-        if stamp.exists() and stamp.read_text() == wheel.name:
-            return dest
-        tmp = dest.with_name(f"{version}.tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            with zipfile.ZipFile(wheel) as zf:
-                members = [m for m in zf.namelist() if m.startswith("sglang/")]
-                if not members:
-                    raise EnvError(f"{wheel} holds no sglang/ tree")
-                zf.extractall(tmp, members)
-            (tmp / ".extracted").write_text(wheel.name)
-            shutil.rmtree(dest, ignore_errors=True)
-            tmp.replace(dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return dest
-
-
-ZBAL_PIN = "memfabric-zbal==1.2.0"
-#: The torch_npu the simulated NPU is held to (tests/dev/test_simnpu_conformance.py reads its Python
-#: files) and the no-CANN environment installs (its C extension cannot load without CANN).
-TORCH_NPU_PIN = "torch-npu==2.13.0"
-
-
-def _ensure_pinned_wheel(pin: str, subdir: str) -> Path:
-    """The wheel of ``pin`` in ``CACHE/<subdir>`` (``pip download --no-deps``, once)."""
-    d = cache_dir() / subdir
-    name, version = pin.split("==")
-    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
-    hits = sorted(d.glob(pattern))
-    if hits:
-        return hits[0]
-    with file_lock(f"{subdir}-wheel"):
-        hits = sorted(d.glob(pattern))
-        if not hits:
-            d.mkdir(parents=True, exist_ok=True)
-            run(pip(sys.executable, "download", "--no-deps", "--only-binary=:all:", "-d", str(d),
-                      pin), f"downloading {pin}")
-            hits = sorted(d.glob(pattern))
-        if not hits:
-            raise EnvError(f"pip download reported success but no {pattern} is in {d}")
-        return hits[0]
-
-
-def ensure_zbal_wheel() -> Path:
-    """The real memfabric-zbal wheel in ``CACHE/zbal`` (its Python files run in the zbal layer;
-    its native library is never loaded)."""
-    return _ensure_pinned_wheel(ZBAL_PIN, "zbal")
-
-
-def ensure_torch_npu_wheel() -> Path:
-    """The real torch-npu wheel in ``CACHE/torch-npu`` (read by the conformance test, unpacked
-    into the no-CANN layer)."""
-    return _ensure_pinned_wheel(TORCH_NPU_PIN, "torch-npu")
-
 
 # --------------------------------------------------------------------------------------------
 # Layered environments
 # --------------------------------------------------------------------------------------------
 
-def layered_dir() -> Path:
-    return cache_dir() / "layered"
-
-
-def digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def _python_tag() -> str:
-    return f"{sys.version_info[0]}.{sys.version_info[1]}"
-
-
-def _stamp_of(d: Path) -> dict | None:
-    try:
-        return json.loads((d / "npu-shim-stamp.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_stamp(d: Path, info: dict) -> None:
-    (d / "npu-shim-stamp.json").write_text(json.dumps(info, indent=1, sort_keys=True))
-
-
-def build_once(d: Path, lock: str, build, *, in_place: bool = False) -> Path:
-    """``d`` when its stamp exists; else ``build(dir) -> stamp dict``, under a file lock.
-
-    The stamp is written last: a directory without one is never used.  ``--target`` layers are
-    built in a temporary sibling renamed to ``d``; a venv (``in_place``) is built at ``d`` itself,
-    since it records its own absolute path."""
-    if _stamp_of(d) is not None:
-        return d
-    with file_lock(lock):
-        if _stamp_of(d) is not None:
-            return d
-        work = d if in_place else d.with_name(f"{d.name}.tmp{os.getpid()}")
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(d, ignore_errors=True)
-        work.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.monotonic()
-        try:
-            info = build(work)
-            info["build_seconds"] = round(time.monotonic() - t0, 1)
-            _write_stamp(work, info)
-            if work != d:
-                work.replace(d)
-        except BaseException:
-            shutil.rmtree(work, ignore_errors=True)
-            raise
-    return d
-
-
 # -- the base ---------------------------------------------------------------------------------
 
 def base_spec() -> dict:
-    return {"layout": LAYOUT, "python": _python_tag(), "torch": TORCH_PIN, "common": list(COMMON_DEPS),
+    return {"layout": LAYOUT, "python": python_tag(), "torch": TORCH_PIN, "common": list(COMMON_DEPS),
             "pins": list(BASE_PINS)}
 
 
@@ -390,7 +139,7 @@ def base_python() -> Path:
 
 
 def site_packages(prefix: Path) -> Path:
-    return prefix / "lib" / f"python{_python_tag()}" / "site-packages"
+    return prefix / "lib" / f"python{python_tag()}" / "site-packages"
 
 
 def _check_no(python: Path, names, what: str) -> None:
@@ -428,7 +177,7 @@ def ensure_wrapt(version: str = WRAPT_DEFAULT) -> Path:
     """``CACHE/layered/wrapt-<version>``: wrapt alone (``pip install --no-deps --target``)."""
     if not re.fullmatch(r"[\w.]+", version):
         raise EnvError(f"not a wrapt version: {version!r}")
-    d = layered_dir() / f"wrapt-{version}-py{_python_tag()}"
+    d = layered_dir() / f"wrapt-{version}-py{python_tag()}"
 
     def build(tmp: Path) -> dict:
         run(pip(sys.executable, "install", "--no-deps", "--only-binary=:all:", "--target", str(tmp),
@@ -543,7 +292,7 @@ def ensure_release(version: str, *, log=None, strict: bool = True) -> ReleaseEnv
     install); raises EnvError when one cannot be built."""
     if version == EDITABLE["version"]:
         return ensure_editable(log=log)
-    _check_release(version, strict)
+    check_release(version, strict)
     python = ensure_base(log=log)
     sglang = ensure_sglang_layer(version, strict=strict, log=log)
     deps = ensure_deps_layer(wheel_requirements(version, strict=strict), log=log)
@@ -551,22 +300,6 @@ def ensure_release(version: str, *, log=None, strict: bool = True) -> ReleaseEnv
 
 
 # -- the editable install --------------------------------------------------------------------------
-
-def ensure_sdist(version: str) -> Path:
-    """sglang ``version``'s sdist in ``CACHE/sdists`` (``pip download --no-binary``)."""
-    d = cache_dir() / "sdists"
-    pattern = f"sglang-{version}.tar.gz"
-    if (d / pattern).exists():
-        return d / pattern
-    with file_lock(f"sdist-{version}"):
-        if not (d / pattern).exists():
-            d.mkdir(parents=True, exist_ok=True)
-            run(pip(sys.executable, "download", "--no-deps", "--no-binary=:all:", "-d", str(d),
-                      f"sglang=={version}"), f"downloading the sglang {version} sdist")
-        if not (d / pattern).exists():
-            raise EnvError(f"pip download reported success but no {pattern} is in {d}")
-    return d / pattern
-
 
 def editable_dir() -> Path:
     key = {"base": base_dir().name, "editable": EDITABLE, "layout": LAYOUT}
@@ -623,19 +356,19 @@ def ensure_editable(*, log=None) -> ReleaseEnv:
 
 def release_is_built(version: str) -> bool:
     """Whether every layer ``version`` runs on (the default wrapt's included) is already built."""
-    if _stamp_of(base_dir()) is None or _stamp_of(layered_dir() / f"wrapt-{WRAPT_DEFAULT}-py{_python_tag()}") is None:
+    if stamp_of(base_dir()) is None or stamp_of(layered_dir() / f"wrapt-{WRAPT_DEFAULT}-py{python_tag()}") is None:
         return False
     if version == EDITABLE["version"]:
-        if _stamp_of(editable_dir()) is None:
+        if stamp_of(editable_dir()) is None:
             return False
         version = EDITABLE["release"]
-    elif _stamp_of(layered_dir() / f"sglang-{version}") is None:
+    elif stamp_of(layered_dir() / f"sglang-{version}") is None:
         return False
-    if _find_wheel(cache_dir() / "wheels", version) is None:
+    if find_wheel(cache_dir() / "wheels", version) is None:
         return False
     key = {"base": base_dir().name, "requirements": wheel_requirements(version, strict=False),
            "layout": LAYOUT}
-    return _stamp_of(_deps_dir(key)) is not None
+    return stamp_of(_deps_dir(key)) is not None
 
 
 def release_env_paths(version: str, *, wrapt: str | None = WRAPT_DEFAULT, log=None,
@@ -656,84 +389,6 @@ def ensure_all(*, log=None) -> list[ReleaseEnv]:
     return [ensure_release(v, log=log) for v in ALL_RELEASES] + [ensure_editable(log=log)]
 
 
-# -- memfabric-zbal: the wheel's Python files over a simulated native module --------------------------
-
-#: The C source of the simulated native library (dev/shimdev/simzbal/zbal_native.c).
-ZBAL_NATIVE_SOURCE = Path(__file__).resolve().parent / "simzbal" / "zbal_native.c"
-#: The wheel's files the layer takes, byte for byte.
-ZBAL_PY_FILES = ("__init__.py", "zbal_module.py", "zbal_buffer.py", "zbal_utils.py")
-#: The directory MEMFABRIC_HYBRID_LIBRARY_PATH names in the layer (empty: only the native side
-#: would load memfabric from it).
-MEMFABRIC_DIR = "memfabric-lib"
-
-
-def zbal_layer_dir() -> Path:
-    key = {"zbal": ZBAL_PIN, "native": hashlib.sha256(ZBAL_NATIVE_SOURCE.read_bytes()).hexdigest(),
-           "python": _python_tag(), "layout": LAYOUT, "files": list(ZBAL_PY_FILES) + ["dist-info"]}
-    return layered_dir() / f"zbal-{ZBAL_PIN.split('==')[1]}-{digest(key)}"
-
-
-def _compile_zbal_native(out: Path) -> str:
-    """Build the simulated ``zbal.zbal`` extension and allocator library with the C compiler
-    (``$CC`` or ``cc``) against this interpreter's headers; returns the command line."""
-    import sysconfig
-
-    cc = os.environ.get("CC", "cc")
-    cmd = [cc, "-shared", "-fPIC", "-O1", "-Wall", "-I", sysconfig.get_paths()["include"],
-           "-o", str(out), str(ZBAL_NATIVE_SOURCE)]
-    run(cmd, "compiling the simulated zbal native library")
-    return " ".join(cmd)
-
-
-def ensure_zbal_layer(*, log=None) -> Path:
-    """``CACHE/layered/zbal-1.2.0-<hash>``: the wheel's zbal/*.py unmodified and its dist-info (as
-    pip installs it: the version is read from there), and in place of its native
-    ``zbal.cpython-*.so`` the library compiled from ZBAL_NATIVE_SOURCE under the same name (an
-    extension module and an allocator library in one file, as the real one is)."""
-    import sysconfig
-
-    wheel = ensure_zbal_wheel()
-
-    def build(tmp: Path) -> dict:
-        (log or (lambda s: None))(f"[zbal] {wheel.name}'s Python files + the simulated native library")
-        package = tmp / "zbal"
-        package.mkdir(parents=True)
-        with zipfile.ZipFile(wheel) as zf:
-            for name in ZBAL_PY_FILES:
-                (package / name).write_bytes(zf.read(f"zbal/{name}"))
-            # not its RECORD: that lists the real native library's hash
-            zf.extractall(tmp, [n for n in zf.namelist() if n.split("/")[0].endswith(".dist-info")
-                                and not n.endswith("/RECORD")])
-        (tmp / MEMFABRIC_DIR).mkdir()
-        command = _compile_zbal_native(package / ("zbal" + sysconfig.get_config_var("EXT_SUFFIX")))
-        return {"wheel": wheel.name, "files": list(ZBAL_PY_FILES), "compiled": command}
-
-    return build_once(zbal_layer_dir(), "layered-zbal", build)
-
-
-def zbal_env(layer: Path) -> dict:
-    """The variables a process using the zbal layer gets (zbal_init reads memfabric's path)."""
-    return {"MEMFABRIC_HYBRID_LIBRARY_PATH": str(layer / MEMFABRIC_DIR)}
-
-
-# -- torch_npu without CANN: the image where set_env.sh was not sourced --------------------------------
-
-def ensure_torch_npu_layer(*, log=None) -> Path:
-    """``CACHE/layered/torch-npu-2.13.0-py3.11``: the real torch-npu wheel unpacked as pip would
-    (``--no-deps --target``; its ``torch.backends`` entry point included).  No CANN exists here, so
-    with this layer on PYTHONPATH ``import torch`` fails as on an image without set_env.sh."""
-    wheel = ensure_torch_npu_wheel()
-    d = layered_dir() / f"torch-npu-{TORCH_NPU_PIN.split('==')[1]}-py{_python_tag()}"
-
-    def build(tmp: Path) -> dict:
-        (log or (lambda s: None))(f"[torch-npu] unpacking {wheel.name} as a layer")
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extractall(tmp)
-        return {"wheel": wheel.name}
-
-    return build_once(d, "layered-torch-npu", build)
-
-
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
@@ -742,7 +397,7 @@ def _versions(args: list[str], default) -> list[str]:
     vs = list(args) or list(default)
     for v in vs:
         if v != EDITABLE["version"]:
-            _check_release(v)
+            check_release(v)
     return vs
 
 
@@ -757,7 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("python", help="print the python that runs a release (building its layers)")
     p.add_argument("version")
     a = ap.parse_args(argv)
-    err = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+
+    def err(s):
+        print(s, file=sys.stderr, flush=True)
+
     try:
         if a.cmd == "wheels":
             for v in ALL_RELEASES:

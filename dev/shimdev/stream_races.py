@@ -1,10 +1,10 @@
 """The GLM-4.x MoE dual-stream path of a real sglang release under the simulated NPU's stream
 sanitizer: the shim's backport on 0.5.7-0.5.9, upstream's own ``process_shared_expert`` from 0.5.10.
 
-Run inside a release process (``realsglang.run_in_release``, the import probe), after the release's
+Run inside a release process (``realsglang.run_program``, the import probe), after the release's
 modules were imported with the streams asked for (``SGLANG_NPU_USE_MULTI_STREAM=1``).  Each scenario
 drives the release's real ``Glm4MoeSparseMoeBlock.forward_deepep`` on the synthetic block of
-``demo_features.glm4_moe_bed`` and returns what the sanitizer reported:
+``release_beds.glm4_moe_bed`` and returns what the sanitizer reported:
 
 * ``extend`` / ``target_verify`` -- two MoE layers on the main stream; the first layer's output is
   read by the main stream (the decoder layer's residual add) and freed before the second;
@@ -88,7 +88,7 @@ def run(bed=None):
     """{scenario: [report as a dict]} for every scenario, on ``bed`` (a glm4_moe_bed)."""
     import torch
     from shimdev import simnpu
-    from shimdev.demo_features import glm4_moe_bed
+    from shimdev.release_beds import glm4_moe_bed
 
     bed = bed or glm4_moe_bed("partial", head_dim=64)
     drive = {
@@ -122,20 +122,12 @@ def problems(races, who):
 
 # ------------------------------------------------------------------------------ from outside
 
-PROBE = """
-from shimdev import demo_features, stream_races
-demo_features.import_targets()  # before anything else imports sglang
-import npu_shim
-emit({"state": npu_shim.states()["dual_stream_experts"]["state"], "races": stream_races.run()})
-"""
-
-
 def probe(version):
     """{state, races} of dual_stream_experts in release ``version`` (its own process)."""
     from shimdev import realsglang
     from shimdev.demo_features import DEMO_ENV
 
-    return realsglang.run_in_release(version, PROBE, env=DEMO_ENV, zbal=True)
+    return realsglang.run_program(version, "dual_stream_races", env=DEMO_ENV, zbal=True)
 
 
 def main(argv):

@@ -75,8 +75,9 @@ Deliberate differences from upstream 0.5.20
     * Nothing is released when the server can reload or adapt weights -- LoRA, memory saver /
       weights CPU backup (RL refit), ``load_format=dummy``, checkpoint engine, custom weight loader,
       serving as a remote-instance weight seed -- unless ``NPU_SHIM_MLA_RELEASE_FORCE=1``; the log
-      says which.  Where weights were released, update requests are refused cleanly (step 5).  Nor with speculative decoding (not forcible): its target-verify / draft-extend
-      batches take the unfused path of ``forward_dsa_prepare_npu``, which reads both weights.
+      says which.  Where weights were released, update requests are refused cleanly (step 5).  Nor with
+      speculative decoding (not forcible): its target-verify / draft-extend batches take the
+      unfused path of ``forward_dsa_prepare_npu``, which reads both weights.
     * Before releasing, the copies are checked not to share the original's memory, and the
       original's storage to hold only that weight (else: kept, with a warning).
     * Per process: MiB released and layers are logged (after the first full pass over the layers)

@@ -62,7 +62,7 @@ class Runtime:
             self.activate(watcher)
         except ShimError:
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.error_once("activate", "shim off: activation failed: %r" % (exc,))
             if strict():
                 raise ShimError("npu-shim activation failed: %r" % (exc,)) from exc
@@ -108,7 +108,7 @@ class Runtime:
                     self.apply_module(module)
             except ShimError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - never break the application's import
+            except Exception as exc:
                 log.error_once("hook:" + module.__name__, "hook on %s failed: %r" % (module.__name__, exc))
                 if strict():
                     raise ShimError("npu-shim hook on %s failed: %r" % (module.__name__, exc)) from exc

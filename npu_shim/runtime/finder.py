@@ -1,8 +1,9 @@
 """The shim's one meta-path finder while it is active, and the shim's own post-import hooks.
 
 The import system asks every finder in ``sys.meta_path`` about every import (thousands in an
-sglang process; scripts/bench_drop_in.py measures what each finder costs), so the shim keeps one: the start-up watcher
-(the ``npu_shim._bootstrap`` module itself, handed in by the runtime) hands each import on to ``ShimFinder`` once it saw ``import sglang`` (``watcher.hand_on``).
+sglang process; scripts/bench_drop_in.py measures what each finder costs), so the shim keeps one:
+the start-up watcher (the ``npu_shim._bootstrap`` module itself, handed in by the runtime) hands
+each import on to ``ShimFinder`` once it saw ``import sglang`` (``watcher.hand_on``).
 ``ShimFinder`` owns the shim's post-import hooks (as dd-trace-py's ModuleWatchdog owns its own):
 wrapt gives the shim only its function wrappers, and an application's own
 ``wrapt.register_post_import_hook`` keeps wrapt's finder, untouched.  It answers almost every

@@ -14,7 +14,7 @@ import hashlib
 import os
 import re
 
-from npu_shim.core.framework import SourceError  # noqa: F401 - raised here, caught by deciding
+from npu_shim.core.framework import SourceError
 from npu_shim.reporting.log import one_line
 
 

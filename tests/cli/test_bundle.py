@@ -383,7 +383,8 @@ def test_check_exits_4_when_sglang_is_there_but_fails_to_import(bare_venvs, smal
 @pytest.mark.parametrize("program, words", [
     ("#!/bin/sh\nexit 0\n", "it is not a Python (it exited 0 and printed nothing)"),
     ("#!/bin/sh\necho 3.11\n", "it is not a Python (it exited 0, printing '3.11')"),
-    ("#!/bin/sh\nprintf '\\377\\376 3.11 cpython\\n'\n", "it is not a Python (it exited 0, printing '\\\\xff\\\\xfe 3.11 cpython')"),
+    ("#!/bin/sh\nprintf '\\377\\376 3.11 cpython\\n'\n",
+     "it is not a Python (it exited 0, printing '\\\\xff\\\\xfe 3.11 cpython')"),
     ("#!/bin/sh\necho 'npu-shim-python 3.11 pypy'\n", "it is pypy 3.11"),
     ("#!/bin/sh\necho 'npu-shim-python 2.7 cpython'\n", "it is cpython 2.7"),
 ])
@@ -540,7 +541,7 @@ def _check_cli(copy, tree, *flags, env=None):
 
 
 @pytest.mark.parametrize("flag", ["-O", "-OO"])
-def test_check_under_O_writes_nothing_into_a_writable_bundle(flag, small_bundle, tree, tmp_path):
+def test_check_under_O_writes_nothing_into_a_writable_bundle(flag, small_bundle, tree, tmp_path):  # noqa: N802 - Python's -O flag
     """Before the fix ``python -O -m npu_shim check`` wrote .opt-1.pyc files into the bundle, and
     from then on every check and selftest refused it as tampered (extra files)."""
     copy = copy_of(small_bundle, tmp_path / "npu-shim")
@@ -586,7 +587,8 @@ def test_a_replaced_sitecustomize_pyc_is_named_as_what_check_cannot_prove(small_
     copy = copy_of(small_bundle, tmp_path / "npu-shim")
     source = tmp_path / "lying.py"
     source.write_text(LYING_SITECUSTOMIZE)
-    py_compile.compile(str(source), cfile=str(copy / "__pycache__" / ("sitecustomize.%s.pyc" % sys.implementation.cache_tag)),
+    py_compile.compile(str(source),
+                       cfile=str(copy / "__pycache__" / ("sitecustomize.%s.pyc" % sys.implementation.cache_tag)),
                        invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
     report = json.loads(_check_cli(copy, tree, env={"PYTHONDONTWRITEBYTECODE": "1"}).stdout)
     assert report["bundle"]["text"].endswith("files match its MANIFEST")  # the lie, in this process
@@ -598,14 +600,15 @@ def test_a_replaced_sitecustomize_pyc_is_named_as_what_check_cannot_prove(small_
                              capture_output=True, text=True)
     assert outside.returncode == 1 and "sitecustomize.%s.pyc: FAILED" % sys.implementation.cache_tag in outside.stdout
     # Read by a process that ran none of the bundle's code, the same bundle is "changed".
-    assert bundle_verify.verify(str(copy)) == ["__pycache__/sitecustomize.%s.pyc: changed" % sys.implementation.cache_tag]
+    changed = "__pycache__/sitecustomize.%s.pyc: changed" % sys.implementation.cache_tag
+    assert bundle_verify.verify(str(copy)) == [changed]
 
 
 # -- property: whatever a MANIFEST holds -------------------------------------------------------------
 
-import tempfile  # noqa: E402
+import tempfile  # noqa: E402 - the property tests' imports, beside them
 
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st  # noqa: E402 - the property tests' imports, beside them
 
 PATHS = st.one_of(st.text(max_size=20), st.sampled_from(["sitecustomize.py", "../x", "/etc/passwd", "a/../b",
                                                         "npu_shim/__init__.py", "a\0b", "\udcff", ""]))
@@ -641,4 +644,4 @@ def test_any_manifest_is_read_or_refused_in_one_line(manifest):
             assert problems == ["MANIFEST: %s" % why]
 
 
-from npu_shim.reporting.terminal import printable  # noqa: E402
+from npu_shim.reporting.terminal import printable  # noqa: E402 - the property tests' imports, beside them

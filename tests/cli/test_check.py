@@ -2,7 +2,14 @@
 ``print_report`` makes of it (the command itself, against bundles and bare venvs:
 tests/test_drop_in.py)."""
 
-from test_bootstrap import last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_bootstrap import REPO, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 
 NOT_STARTED = """
     import contextlib, io, json
@@ -38,15 +45,6 @@ def test_check_in_a_process_where_the_shim_never_started(tree):
 
 
 # -- the command under hostile output and the interpreter's flags ----------------------------------
-
-import json  # noqa: E402
-
-import pytest  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-from test_bootstrap import REPO  # noqa: E402
 
 # Written by a module the check child imports: bytes that are no UTF-8, a line that looks like the
 # report's start but is not JSON, and one that is JSON but no report.
@@ -160,9 +158,9 @@ def test_a_stop_signal_ends_check_with_its_child_gone(tree, tmp_path, signame):
 
 # -- property: whatever a child prints -------------------------------------------------------------
 
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st  # noqa: E402 - the property tests' imports, beside them
 
-from npu_shim.cli import check  # noqa: E402
+from npu_shim.cli import check  # noqa: E402 - the property tests' imports, beside them
 
 LINES = st.one_of(st.text(max_size=40), st.just("npu-shim-check:"),
                   st.builds(lambda v: "npu-shim-check:" + v, st.text(max_size=40)),

@@ -257,7 +257,8 @@ def test_a_record_naming_a_process_of_another_user_is_suspect(tmp_path):
 def test_records_of_other_hosts_go_stale_when_their_heartbeat_stops(tmp_path):
     now = time.time()
     fresh = put(tmp_path, record(pid=7, host="node-2", boot_id="b" * 36, updated=now - 1))
-    silent = put(tmp_path, record(pid=8, host="node-2", boot_id="b" * 36, updated=now - 4 * record_writer.HEARTBEAT_S - 10))
+    silent = put(tmp_path, record(pid=8, host="node-2", boot_id="b" * 36,
+                                  updated=now - 4 * record_writer.HEARTBEAT_S - 10))
     undated = put(tmp_path, record(pid=9, host="node-2", boot_id="b" * 36, updated=None))
     rebooted = put(tmp_path, record(pid=os.getpid(), boot_id="0" * 36))  # this host, an earlier boot
     info = strict_json(status_running(str(tmp_path), "--json").stdout)
@@ -418,12 +419,12 @@ def test_another_user_s_own_live_records_cannot_fail_root_s_status(shared_tmp):
 
 # -- property: whatever a record or a directory holds ----------------------------------------------
 
-import io  # noqa: E402
-import tempfile  # noqa: E402
+import io  # noqa: E402 - the property tests' imports, beside them
+import tempfile  # noqa: E402 - the property tests' imports, beside them
 
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st  # noqa: E402 - the property tests' imports, beside them
 
-from npu_shim.cli import running_records, running_table  # noqa: E402
+from npu_shim.cli import running_records, running_table  # noqa: E402 - the property tests' imports, beside them
 
 RAW_CONTROLS = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\ud800-\udfff]")
 TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["", "applied", "failed", "0.5.11", "\x1b[2J", "\u202e",

@@ -21,14 +21,14 @@ import pytest
 
 from npu_shim import __main__ as cli
 from npu_shim.cli import selftest, selftest_child
-from npu_shim.patches import zbal as zbal_patch
 from npu_shim.patches._selftest import dual_stream_experts as dual_stream_selftest
 from npu_shim.patches._selftest import mla_weight_release as mla_selftest
 from npu_shim.patches._selftest import zbal as zbal_selftest
 from npu_shim.patches._selftest import synthetic_moe
 
-DEFAULT_ZBAL_MIB = zbal_selftest.OPTIONS[0][2]  # --zbal-mib's default
 from shimdev import realsglang
+
+DEFAULT_ZBAL_MIB = zbal_selftest.OPTIONS[0][2]  # --zbal-mib's default
 
 RELEASE = "0.5.9"
 ENV = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": "61440", "SGLANG_NPU_USE_MULTI_STREAM": "1",
@@ -73,8 +73,8 @@ def selftest_run(tmp_path, *args, env=None, release=RELEASE, zbal=True):
     argv, full = _command(tmp_path, env, release, zbal)
     started = time.monotonic()
     # A generous bound here: this test machine's cores are shared (the 60 s default is tested below).
-    proc = subprocess.run(argv + ["-m", "npu_shim", "selftest", "--timeout", "240"] + list(args), env=full, cwd=str(tmp_path),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(argv + ["-m", "npu_shim", "selftest", "--timeout", "240"] + list(args), env=full,
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
     proc.wall = time.monotonic() - started
     return proc
 
@@ -447,7 +447,8 @@ def test_sample_ms_reads_device_events_and_falls_back_to_the_wall_clock():
 def test_summarise_the_share_of_the_ideal_saving():
     r = synthetic_moe.summarise({"serial": 10.0, "serial_again": 10.0, "overlapped": 7.0, "ideal": 6.0})
     assert (r["serial_median"], r["possible"], r["fraction"]) == (10.0, 4.0, 0.75)
-    assert synthetic_moe.summarise({"serial": 0.0, "serial_again": 0.0, "overlapped": 0.0, "ideal": 0.0})["fraction"] is None
+    zero = {"serial": 0.0, "serial_again": 0.0, "overlapped": 0.0, "ideal": 0.0}
+    assert synthetic_moe.summarise(zero)["fraction"] is None
 
 
 def _step(torch, dm, device, **options):
@@ -778,7 +779,7 @@ def _ppid(pid):
 
 # -- property: whatever another process's command line is -------------------------------------------
 
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st  # noqa: E402 - the property tests' imports, beside them
 
 
 @given(argv=st.lists(st.one_of(st.text(max_size=30), st.sampled_from(

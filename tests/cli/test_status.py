@@ -88,7 +88,7 @@ def test_a_typo_in_a_shim_variable_is_named_and_fails_the_gate(source):
 def test_a_sitecustomize_that_shadows_ours_is_named(source, tmp_path):
     (tmp_path / "sitecustomize.py").write_text("")
     proc = status(source, {}, before=[str(tmp_path)])
-    line = [l for l in proc.stdout.splitlines() if "active in this interpreter" in l][0]
+    line = [line for line in proc.stdout.splitlines() if "active in this interpreter" in line][0]
     assert ("no: another sitecustomize (%s) was loaded first and shadows npu-shim's; put %s before %s "
             "on PYTHONPATH" % (tmp_path / "sitecustomize.py", REPO, tmp_path)) in line
 
@@ -117,7 +117,8 @@ def test_a_flag_that_stops_sitecustomize_is_named_not_pythonpath(source, flag, w
     already there.  (-E: npu_shim found by the command's own sys.path, as an install would be.)"""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_"))}
     clean["PYTHONPATH"] = os.pathsep.join([REPO, source])
-    code = "import sys; sys.path[:0] = %r; from npu_shim.__main__ import run; sys.exit(run(['status']))" % [REPO, source]
+    code = ("import sys; sys.path[:0] = %r; from npu_shim.__main__ import run; sys.exit(run(['status']))"
+            % [REPO, source])
     proc = subprocess.run([sys.executable, flag, "-c", code], env=clean, capture_output=True, text=True,
                           timeout=120, cwd=REPO)
     assert "  active in this interpreter: %s\n" % words in proc.stdout, proc.stdout + proc.stderr

@@ -88,10 +88,10 @@ def test_a_state_dir_every_reader_can_open(raw, ok):
 
 # -- property: every variable's value, whatever it is -----------------------------------------------
 
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st  # noqa: E402 - the property tests' imports, beside them
 
-from npu_shim.core.loading import all_variables  # noqa: E402
-from npu_shim.reporting.terminal import printable  # noqa: E402
+from npu_shim.core.loading import all_variables  # noqa: E402 - the property tests' imports, beside them
+from npu_shim.reporting.terminal import printable  # noqa: E402 - the property tests' imports, beside them
 
 # Values as the environment can hand them over: any text, with the lone surrogates Python makes of
 # bytes that are no UTF-8, and the shapes the parsers look for (digits, URLs, paths, lists).

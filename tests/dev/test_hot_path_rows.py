@@ -1,6 +1,7 @@
-"""scripts/bench_hot_path.py's rows (shimdev/hot_path_rows.py) from given measurements (its plumbing, nothing timed): what a
-row's result rests on -- identity for the first, the outputs and the states for the MoE rows --
-and that a measurement that fails is one line and a problem for bench.py."""
+"""scripts/bench_hot_path.py's rows (shimdev/hot_path_rows.py) from given measurements (its
+plumbing, nothing timed): what a row's result rests on -- identity for the first, the outputs and
+the states for the MoE rows -- and that a measurement that fails is one line and a problem for
+bench.py."""
 import pytest
 
 from shimdev import bench_rows

@@ -12,35 +12,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 
 from shimdev import realsglang
 from shimdev import sglang_envs
 
 REPO = Path(__file__).resolve().parents[2]
 
-FACTS = r"""
-import importlib.metadata, importlib.util, json, os, subprocess, sys
-def version(name):
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-spec = importlib.util.find_spec("sglang")
-child = subprocess.run([sys.executable, "-c", "import importlib.util as u; print(u.find_spec('sglang').origin)"],
-                       stdout=subprocess.PIPE, text=True, check=True).stdout.strip()
-print(json.dumps({
-    "path0": sys.path[0] if sys.path[0] else sys.path[1],
-    "pythonpath": os.environ["PYTHONPATH"].split(os.pathsep),
-    "wrapt_spec": bool(importlib.util.find_spec("wrapt")),
-    "wrapt": version("wrapt"),
-    "wrapt_file": getattr(importlib.util.find_spec("wrapt"), "origin", None),
-    "sglang": spec.origin if spec else None, "child_sglang": child,
-    "sglang_version": version("sglang"), "transformers": version("transformers"),
-    "torch": version("torch"), "shim_file": importlib.util.find_spec("npu_shim").origin,
-    "executable": sys.executable,
-}))
-"""
+#: The program a release process runs (its sys.path as ``-c`` has it): dev/shimdev/programs/release_facts.py.
+FACTS = "import runpy; runpy.run_module('shimdev.programs.release_facts', run_name='__main__')"
 
 
 def facts(version, **kw):

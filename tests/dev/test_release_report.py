@@ -42,13 +42,13 @@ def test_what_moved_between_releases_is_named():
     mod = load_report()
     # 0.5.9 -> 0.5.10: upstream merged the dual-stream experts (the probe says so)
     lines = mod.moved(mod.release_view("0.5.9"), mod.release_view("0.5.10"))
-    assert any(l.startswith("dual_stream_experts: the probe now says upstream: ") for l in lines), lines
+    assert any(line.startswith("dual_stream_experts: the probe now says upstream: ") for line in lines), lines
     # 0.5.11 -> 0.5.12: zbal merged upstream
     lines = mod.moved(mod.release_view("0.5.11"), mod.release_view("0.5.12"))
-    assert any(l.startswith("zbal: the probe now says upstream: ") for l in lines), lines
+    assert any(line.startswith("zbal: the probe now says upstream: ") for line in lines), lines
     # 0.5.8 -> 0.5.9: the dual-stream bodies are pinned by fingerprint and did not change
     lines = mod.moved(mod.release_view("0.5.8"), mod.release_view("0.5.9"))
-    assert not [l for l in lines if l.startswith("dual_stream_experts")], lines
+    assert not [line for line in lines if line.startswith("dual_stream_experts")], lines
     # a post release changes nothing the shim reads
     assert mod.moved(mod.release_view("0.5.10"), mod.release_view("0.5.10.post1")) == []
 
@@ -69,8 +69,8 @@ def test_a_changed_pinned_body_is_reported(tmp_path):
     tail = tail[:body_start] + "        hidden_states = hidden_states + 0\n" + tail[body_start:]
     glm.write_text(head + marker + tail)
     lines = mod.moved(mod.release_view("0.5.9"), SourceView(str(copy)))
-    assert any("pinned body sglang.srt.models.glm4_moe:Glm4MoeSparseMoeBlock.forward_deepep changed" in l
-               for l in lines), lines
+    assert any("pinned body sglang.srt.models.glm4_moe:Glm4MoeSparseMoeBlock.forward_deepep changed" in line
+               for line in lines), lines
 
 
 def test_write_docs_is_a_no_op_on_current_docs():

@@ -67,7 +67,6 @@ def test_memory_driving(simnpu_clean):
 
 
 def test_memory_from_env_in_subprocess():
-    from pathlib import Path
 
     from shimdev import DEV
 
@@ -171,7 +170,7 @@ def test_stubs(sim):
     assert kernel(3, 4) == 3
     assert isinstance(triton.Config | triton.runtime.Autotuner, object)  # real types: A | B works
     with pytest.raises(RuntimeError):
-        triton.runtime.driver.active  # noqa: B018
+        triton.runtime.driver.active  # noqa: B018 - the read raises
     # absent by default; a test can add it explicitly and remove it again
     if sim.installed()["release"] is None:
         with pytest.raises(ImportError):
@@ -277,9 +276,9 @@ def test_wait_event_given_a_stream_raises_as_on_the_real_stack(simnpu_clean):
 def test_only_names_of_the_real_module_exist(simnpu_clean):
     npu = torch.npu
     with pytest.raises(AttributeError):
-        npu.no_such_function  # noqa: B018
+        npu.no_such_function  # noqa: B018 - the read raises
     with pytest.raises(AttributeError):
-        npu.memory.mem_get_info  # noqa: B018
+        npu.memory.mem_get_info  # noqa: B018 - the read raises
     with pytest.raises(AttributeError):
         npu.config.allow_internal_format  # noqa: B018 - written by sglang, never readable
     npu.config.allow_internal_format = True

@@ -1,6 +1,6 @@
 """The simulated NPU (dev/shimdev/simnpu) is held to the real torch-npu 2.13.0.
 
-The test command fetches the wheel (``sglang_envs.ensure_torch_npu_wheel``) and unpacks it as the
+The test command fetches the wheel (``wheels.ensure_torch_npu_wheel``) and unpacks it as the
 no-CANN layer; its Python files are read here with ``ast``, its C extension is never loaded (it
 needs CANN).  Checked against the wheel:
 

@@ -60,7 +60,8 @@ def test_mla_prolog_absorbs_w_uk_and_writes_both_caches_at_the_slots():
     torch.manual_seed(2)
     t, hidden, q_lora, heads, nope, rope, kv_lora = 2, 8, 4, 2, 3, 2, 4
     x = torch.randn(t, hidden)
-    w_dq, w_uq, w_uk = torch.randn(hidden, q_lora), torch.randn(q_lora, heads * (nope + rope)), torch.randn(heads, nope, kv_lora)
+    w_dq, w_uq = torch.randn(hidden, q_lora), torch.randn(q_lora, heads * (nope + rope))
+    w_uk = torch.randn(heads, nope, kv_lora)
     w_dkv = torch.randn(hidden, kv_lora + rope)
     cos, sin = torch.ones(t, rope), torch.zeros(t, rope)  # rope the identity here
     kv, kr = torch.zeros(3, PAGE, 1, kv_lora), torch.zeros(3, PAGE, 1, rope)
@@ -72,7 +73,8 @@ def test_mla_prolog_absorbs_w_uk_and_writes_both_caches_at_the_slots():
     assert torch.allclose(q_nope, torch.einsum("thn,hnk->thk", q[..., :nope], w_uk), atol=1e-4)
     assert torch.allclose(q_pe, q[..., nope:], atol=1e-4)
     ckv = x @ w_dkv
-    assert torch.allclose(kv.view(-1, kv_lora)[[5, 9]], _ops._rms(ckv[:, :kv_lora], torch.ones(kv_lora), 1e-6)[0], atol=1e-4)
+    normed = _ops._rms(ckv[:, :kv_lora], torch.ones(kv_lora), 1e-6)[0]
+    assert torch.allclose(kv.view(-1, kv_lora)[[5, 9]], normed, atol=1e-4)
     assert torch.allclose(kr.view(-1, rope)[[5, 9]], ckv[:, kv_lora:], atol=1e-4)
     assert kv.view(-1, kv_lora)[[0, 6]].abs().sum() == 0  # nothing else written
 

@@ -284,7 +284,8 @@ def _declared_calls():
     yield k.split_qkv_rmsnorm_rope, (x, sin, cos, h * d, 2 * d, d), dict(eps=1e-6, q_weight=w, k_weight=w)
     yield k.split_qkv_rmsnorm_rope_full_head, (x, sin, cos, h * d, 2 * d, d), dict(eps=1e-6, q_weight=w, k_weight=w)
     yield k.npu_rms_norm, (torch.randn(t, d), w), {}
-    yield k.npu_mrope, (torch.arange(t), torch.randn(t, h * d), torch.randn(t, 2 * d), cache, d), dict(mrope_section=[0, 0, 0])
+    yield (k.npu_mrope, (torch.arange(t), torch.randn(t, h * d), torch.randn(t, 2 * d), cache, d),
+           dict(mrope_section=[0, 0, 0]))
     m = mla_kernels
     yield m.npu_interleave_rope, (torch.randn(t, 1, 1, 8), cos, sin), {}
     yield m.npu_format_cast, (torch.randn(4, 4), 29), {}

@@ -112,7 +112,8 @@ def test_the_dense_path_ops_compute_the_reference_math():
             "is_op": type(torch_npu.npu_rms_norm).__name__}))
     """)
     assert out == {"rms": True, "add": True, "swiglu": True, "bad_keyword": "RuntimeError",
-                   "cache": True, "paged": True, "is_op": "OpOverloadPacket"}  # a wrong keyword: what the dispatcher says
+                   "cache": True, "paged": True,
+                   "is_op": "OpOverloadPacket"}  # a wrong keyword: what the dispatcher says
 
 
 def test_the_moe_ops_compute_the_reference_math_and_are_one_launch_each_reading_their_inputs():

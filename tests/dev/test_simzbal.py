@@ -1,7 +1,7 @@
 """memfabric-zbal 1.2.0 in the tests: the wheel's Python files, run unmodified, over a simulated
 native half (dev/shimdev/simzbal).
 
-The zbal layer (``sglang_envs.ensure_zbal_layer``, built by the test command) holds the wheel's
+The zbal layer (``npu_layers.ensure_zbal_layer``, built by the test command) holds the wheel's
 ``__init__.py``, ``zbal_module.py``, ``zbal_buffer.py`` and ``zbal_utils.py`` byte for byte, and in
 place of the native ``zbal.cpython-311-x86_64-linux-gnu.so`` (it links CANN) a library compiled
 from ``simzbal/zbal_native.c`` under the same name.  Checked here:

@@ -7,7 +7,6 @@ import ast
 import shutil
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
@@ -159,7 +158,8 @@ def test_comments_and_formatting_do_not_count(tmp_path, kernel):
 
 def _loaded_module(tmp_path, body_source):
     """A module whose Glm4MoeAttention.forward_prepare has ``body_source`` (a def)."""
-    text = "from __future__ import annotations\n\n\nclass Glm4MoeAttention:\n" + "\n".join("    " + line for line in body_source.splitlines()) + "\n"
+    text = ("from __future__ import annotations\n\n\nclass Glm4MoeAttention:\n"
+            + "\n".join("    " + line for line in body_source.splitlines()) + "\n")
     path = tmp_path / ("glm_loaded_%d.py" % abs(hash(body_source)))
     path.write_text(text)
     module = types.ModuleType(path.stem)

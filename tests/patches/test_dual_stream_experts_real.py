@@ -11,55 +11,22 @@ on in every dual-stream call, and dev/shimdev/stream_races.py drives the races t
 has had (two layers, in-place routed experts, a draft model on a stream of its own).  0.5.11
 reports ``upstream``.
 
-One subprocess per environment (a real import is slow).
+One subprocess per environment (a real import is slow); the programs they run:
+dev/shimdev/programs/glm4_moe.py and glm4_moe_upstream.py.
 """
 import pytest
 
-from shimdev.realsglang import run_in_release
+from shimdev.realsglang import run_program
 
 RELEASE = "0.5.9"
 SIDE = "side-1"
 
-# Builds the synthetic MoE block and two attention layers; defines run helpers.  {kernel} is
-# "partial", "full_head" or None (see dev/shimdev/dual_stream_kernels.py).
-BED = r'''
-from shimdev.demo_features import glm4_moe_bed
-bed = glm4_moe_bed({kernel!r})
-globals().update(vars(bed))
-'''
 
-STREAMS_AND_FUSED = r'''
-result = {"wrapped": wrapped_names()}
-h = torch.randn(5, H)
-runs = {}
-for name in ("EXTEND", "TARGET_VERIFY", "MIXED", "DECODE"):
-    out, ref, events = moe(h, getattr(ForwardMode, name))
-    runs[name] = {"equal": bool(torch.equal(out, ref)), "events": events}
-out, ref, events = moe(torch.empty(0, H), ForwardMode.EXTEND)
-runs["EMPTY_EXTEND"] = {"equal": bool(torch.equal(out, ref)), "events": events}
-result["moe"] = runs
-
-steps = []
-for step, positions in enumerate((torch.tensor([3, 9, 17]), torch.tensor([4, 10, 18]))):
-    hidden = torch.randn(3, H)
-    diffs = [max_diff(*prepare(layer, positions, hidden, ForwardMode.DECODE)) for layer in layers]
-    steps.append({"diffs": diffs, "cos_sin_calls": len(cos_sin_calls)})
-result["decode_steps"] = steps
-fused_before = state()["details"]["counts"]["fused_calls"]
-got, ref = prepare(layers[0], torch.tensor([1, 2, 3, 4]), torch.randn(4, H), ForwardMode.EXTEND)
-result["extend_equal"] = all(bool(torch.equal(g, r)) for g, r in zip(got, ref))
-result["extend_fused_calls"] = state()["details"]["counts"]["fused_calls"] - fused_before
-import copy
-result["state"] = copy.deepcopy(state())  # its counts are live: the races below call forward_deepep
-result["sanitizer"] = sanitizer_reports
-from shimdev import stream_races
-result["races"] = stream_races.run(bed)
-emit(result)
-'''
-
-
-def _run(code, kernel, env):
-    return run_in_release(RELEASE, BED.format(kernel=kernel) + code, env=env)
+def _run(scenario, kernel, env):
+    """``scenario`` of dev/shimdev/programs/glm4_moe.py on the synthetic MoE block and two attention
+    layers of release_beds.glm4_moe_bed; ``kernel`` is "partial", "full_head" or None (see
+    dev/shimdev/dual_stream_kernels.py)."""
+    return run_program(RELEASE, "glm4_moe", kernel, scenario, env=env)
 
 
 def _order(events):
@@ -69,7 +36,7 @@ def _order(events):
 @pytest.fixture(scope="module")
 def streams_and_fused():
     """One release process for the stream order, numerics, fused decode and races."""
-    return _run(STREAMS_AND_FUSED, "partial", {"SGLANG_NPU_USE_MULTI_STREAM": "1"})
+    return _run("streams_and_fused", "partial", {"SGLANG_NPU_USE_MULTI_STREAM": "1"})
 
 
 def test_real_0_5_9_dual_stream_order_numerics_and_fused_decode(streams_and_fused):
@@ -138,17 +105,8 @@ def test_real_0_5_9_dual_stream_is_race_free_under_the_stream_sanitizer(streams_
     assert "glm4_moe.py" in race["message"] and "dual_stream_experts.py" in race["message"], race
 
 
-STREAMS_OFF = r'''
-h = torch.randn(5, H)
-out, ref, events = moe(h, ForwardMode.EXTEND)
-got, fref = prepare(layers[0], torch.tensor([3, 9, 17]), torch.randn(3, H), ForwardMode.DECODE)
-emit({"wrapped": wrapped_names(), "state": state(), "equal": bool(torch.equal(out, ref)),
-      "events": events, "fused_diff": max_diff(got, fref)})
-'''
-
-
 def test_real_0_5_9_streams_off_keeps_original_experts_fused_still_on():
-    res = _run(STREAMS_OFF, "partial", {"SGLANG_NPU_USE_MULTI_STREAM": "0"})
+    res = _run("streams_off", "partial", {"SGLANG_NPU_USE_MULTI_STREAM": "0"})
     st = res["state"]
     assert st["state"] == "applied", st
     assert "dual-stream experts off (SGLANG_NPU_USE_MULTI_STREAM is not on)" in st["reason"], st
@@ -160,15 +118,10 @@ def test_real_0_5_9_streams_off_keeps_original_experts_fused_still_on():
     assert st["details"]["counts"]["fused_calls"] == 1
 
 
-NOTHING_APPLIES = r'''
-emit({"wrapped": wrapped_names(), "state": state()})
-'''
-
-
 def test_real_0_5_9_kernel_missing_and_streams_off_is_inactive_with_reason():
     """Nothing to do (no kernel in the image, streams not asked for) is not "should apply but
     cannot": strict mode passes on such a healthy image."""
-    res = _run(NOTHING_APPLIES, None, {"SGLANG_NPU_USE_MULTI_STREAM": None})
+    res = _run("nothing_applies", None, {"SGLANG_NPU_USE_MULTI_STREAM": None})
     st = res["state"]
     assert st["state"] == "inactive", st
     assert "fused qkv-rmsnorm-rope decode path off: sgl_kernel_npu has no " \
@@ -176,20 +129,10 @@ def test_real_0_5_9_kernel_missing_and_streams_off_is_inactive_with_reason():
     assert res["wrapped"] == {"forward_deepep": "function", "forward_prepare": "function"}
 
 
-OLD_KERNEL = r'''
-h = torch.randn(5, H)
-out, ref, events = moe(h, ForwardMode.EXTEND)
-got, fref = prepare(layers[0], torch.tensor([3, 9, 17]), torch.randn(3, H), ForwardMode.DECODE)
-emit({"wrapped": wrapped_names(), "state": state(), "equal": bool(torch.equal(out, ref)),
-      "fused_equal": all(bool(torch.equal(g, r)) for g, r in zip(got, fref)),
-      "waits": [e for e in events if e[0] == "wait_stream"]})
-'''
-
-
 def test_real_0_5_9_old_kernel_is_refused_per_layer_and_streams_still_apply():
     # A kernel without partial rotary would rotate whole heads (wrong for GLM-4.x): the layer keeps
     # its original path, the reason is in the details; the streams are unaffected.
-    res = _run(OLD_KERNEL, "full_head", {"SGLANG_NPU_USE_MULTI_STREAM": "1"})
+    res = _run("old_kernel", "full_head", {"SGLANG_NPU_USE_MULTI_STREAM": "1"})
     st = res["state"]
     assert st["state"] == "applied", st
     assert res["wrapped"] == {"forward_deepep": "FunctionWrapper", "forward_prepare": "FunctionWrapper"}
@@ -200,21 +143,14 @@ def test_real_0_5_9_old_kernel_is_refused_per_layer_and_streams_still_apply():
 
 
 def test_real_0_5_9_switch_off_leaves_glm4_moe_untouched():
-    res = _run(NOTHING_APPLIES, "partial",
+    res = _run("nothing_applies", "partial",
                {"SGLANG_NPU_USE_MULTI_STREAM": "1", "NPU_SHIM_DUAL_STREAM": "0"})
     assert res["state"]["state"] == "disabled"
     assert res["wrapped"] == {"forward_deepep": "function", "forward_prepare": "function"}
 
 
 def test_real_0_5_11_stands_down_upstream():
-    code = r'''
-import sglang.srt.models.glm4_moe as m
-from npu_shim.runtime import activation
-emit({"state": activation.RUNTIME.states()["dual_stream_experts"],
-      "deepep": type(m.Glm4MoeSparseMoeBlock.__dict__["forward_deepep"]).__name__,
-      "prepare": type(m.Glm4MoeAttention.__dict__["forward_prepare"]).__name__})
-'''
-    res = run_in_release("0.5.11", code, env={"SGLANG_NPU_USE_MULTI_STREAM": "1"})
+    res = run_program("0.5.11", "glm4_moe_upstream", env={"SGLANG_NPU_USE_MULTI_STREAM": "1"})
     assert res["state"]["state"] == "upstream", res
     assert "process_shared_expert" in res["state"]["reason"]
     assert res["deepep"] == "function" and res["prepare"] == "function"

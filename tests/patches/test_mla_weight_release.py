@@ -14,14 +14,14 @@ import pytest
 import torch
 import wrapt
 
-from npu_shim.core import config, framework
+from npu_shim.core import framework
 from npu_shim.source.codeview import SourceView
 from npu_shim.patches import mla_weight_release as R
 from npu_shim.patches._impl import mla_weight_release as RI
 from npu_shim.runtime import tensor_release
+from shimdev import sglang_envs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from shimdev import sglang_envs
 
 
 # The wrappers' per-process state, as a decision builds it for 0.5.10 - 0.5.16 (each test afresh).
@@ -130,8 +130,10 @@ def decide_edited(tmp_path, version, relpath, old, new):
                 "        )\n        return success")),
     # the scheduler side answers a failed update differently (0.5.9 - 0.5.12: the mixin)
     ("0.5.11", ("managers/scheduler_update_weights_mixin.py",
-                "        if not success:\n            logger.error(message)\n        return UpdateWeightFromDiskReqOutput",
-                "        if not success:\n            raise RuntimeError(message)\n        return UpdateWeightFromDiskReqOutput")),
+                "        if not success:\n            logger.error(message)\n"
+                "        return UpdateWeightFromDiskReqOutput",
+                "        if not success:\n            raise RuntimeError(message)\n"
+                "        return UpdateWeightFromDiskReqOutput")),
     # 0.5.13 - 0.5.19: the scheduler's weight_updater component
     ("0.5.19", ("managers/scheduler_components/weight_updater.py",
                 "            success, message = worker.update_weights_from_tensor(recv_req)\n",
@@ -760,14 +762,14 @@ def test_weight_that_cannot_be_swapped_or_guarded_is_kept_whole(logs, monkeypatc
     ref = weakref.ref(weight)  # swap_tensors refuses a tensor that has weakrefs
     assert RI.free_weight(weight, "w_kc of layer 4", REL.once) == 0 and not RI.is_released(weight)
     assert torch.equal(weight, values) and ref() is weight
-    assert any("keeping w_kc of layer 4: it is held where it cannot be replaced" in l for l in logs)
+    assert any("keeping w_kc of layer 4: it is held where it cannot be replaced" in line for line in logs)
     other = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     values = other.clone()
     slotted = type("Slotted", (torch.nn.Parameter,), {"__slots__": ("x",)})
     monkeypatch.setattr(tensor_release, "guarded_class", lambda cls, guard: slotted)  # __class__ assignment fails
     assert RI.free_weight(other, "w_kc of layer 5", REL.once) == 0 and type(other) is torch.nn.Parameter
     assert torch.equal(other, values)
-    assert any("keeping w_kc of layer 5: its class Parameter cannot be guarded" in l for l in logs)
+    assert any("keeping w_kc of layer 5: its class Parameter cannot be guarded" in line for line in logs)
 
 
 def test_memory_still_held_after_the_swap_is_not_freed(logs, monkeypatch):
@@ -778,7 +780,7 @@ def test_memory_still_held_after_the_swap_is_not_freed(logs, monkeypatch):
     monkeypatch.setattr(tensor_release, "_base_held_elsewhere", lambda chain: False)
     assert RI.free_weight(weight, "w_kc of layer 6", REL.once) == 0 and RI.is_released(weight)
     assert base.untyped_storage().nbytes() == 4 * 12 * 8 * 4
-    assert any("w_kc of layer 6 is guarded but its memory still has 1 holder;" in l for l in logs)
+    assert any("w_kc of layer 6 is guarded but its memory still has 1 holder;" in line for line in logs)
 
 
 def test_storage_that_cannot_be_compared_counts_as_shared():

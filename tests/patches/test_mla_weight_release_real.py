@@ -5,179 +5,12 @@ mla_kernels.py) goes through the release's own ``npu_mla_preprocess`` -> ``NPUFu
 -> ``forward_mlaprolog`` / ``mlaprolog_preprocess_weight`` (or the absorb path), with the
 disaggregation role published through real ``ServerArgs`` the way the scheduler does.  Freed memory
 is measured as ``untyped_storage().nbytes()`` before / after.  One subprocess per release holds all
-the role / guard cases (each case resets the patch's per-process state).
+the role / guard cases (each case resets the patch's per-process state).  The programs they run:
+dev/shimdev/programs/mla_release_*.py.
 """
 import pytest
 
 from shimdev import realsglang
-
-SCENARIOS = r'''
-import logging, os
-import torch
-from shimdev import mla_kernels as K
-from npu_shim.runtime import activation
-from npu_shim.patches import mla_weight_release as R
-from npu_shim.patches._impl import mla_weight_release as RI
-from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P
-from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
-
-LOG = []
-class Capture(logging.Handler):
-    def emit(self, record):
-        LOG.append(record.getMessage())
-logging.getLogger("npu_shim").addHandler(Capture())
-
-def case(role, model="glm-5", tp=16, args=None, force=False, **build):
-    activation.RUNTIME.record("mla_weight_release").process_state.reset()
-    del LOG[:]
-    K.publish_server_args(role, **(args or {}))
-    if force:
-        os.environ["NPU_SHIM_MLA_RELEASE_FORCE"] = "1"
-    try:
-        r = K.run_layer(model, tp, **build)
-    finally:
-        os.environ.pop("NPU_SHIM_MLA_RELEASE_FORCE", None)
-    m = r.pop("layer")
-    r["log"] = list(LOG)
-    r["details"] = dict(activation.RUNTIME.record("mla_weight_release").details)
-    return r, m
-
-def touch(fn):
-    try:
-        fn()
-    except R.ReleasedWeightError as exc:
-        return str(exc)
-    return "no error"
-
-# sglang's own function, under the wrapper; in a list, as a module-level copy of it would be
-# rebound to the wrapper when reset() puts the wrapper back, as the first apply rebinds copies.
-SGLANGS = [N.npu_mla_preprocess.__wrapped__]
-
-def is_sglangs(fn):
-    return fn is SGLANGS[0]
-
-def called():
-    # What a layer calls: the name its caller, sglang's forward_dsa_prepare_npu, looks up.
-    return N.forward_dsa_prepare_npu.__globals__["npu_mla_preprocess"]
-
-def passes(layers=3, count=2):
-    # ``count`` forward passes over ``layers`` decode layers, each call made through what the
-    # caller would look up at that moment.
-    activation.RUNTIME.record("mla_weight_release").process_state.reset()
-    K.publish_server_args("decode")
-    K.install()
-    ms = [K.build_attention("glm-5", 16, layer_id=i) for i in range(layers)]
-    sglangs = []
-    for _ in range(count):
-        for m in ms:
-            fn = called()
-            sglangs.append(is_sglangs(fn))
-            hidden, positions, batch, context = K.make_batch("glm-5")
-            with context:
-                fn(m, hidden, positions, batch, None)
-    state = activation.RUNTIME.states()["mla_weight_release"]
-    return {"sglangs": sglangs, "after": is_sglangs(called()),
-            "types": sorted({(type(m.fused_qkv_a_proj_with_mqa.weight).__name__, type(m.w_kc).__name__)
-                             for m in ms}),
-            "touch": touch(lambda: ms[-1].w_kc.sum()), "retired": state["retired"],
-            "wrappers": state["wrappers"], "details": state["details"]}
-
-from sglang.srt.managers import tp_worker as TW
-out = {"state": activation.RUNTIME.states()["mla_weight_release"]["state"],
-       "wrapped": type(N.npu_mla_preprocess).__name__,
-       "updates_wrapped": sorted(op for op in R.UPDATE_OPS
-                                 if type(TW.BaseTpWorker.__dict__[op]).__name__ == "FunctionWrapper"),
-       "method_is_predicate": P.NPUFusedMLAPreprocess.uses_mlaprolog.__code__
-                              is RI.make_uses_mlaprolog_method("x").__code__}
-out["decode"], m = case("decode")
-out["decode_retired"] = is_sglangs(called())
-c = K.CONFIGS["glm-5"]
-out["touch_qkv"] = touch(lambda: m.fused_qkv_a_proj_with_mqa(torch.zeros(1, c["hidden"], dtype=K.DTYPE)))
-out["touch_w_kc"] = touch(lambda: m.w_kc.sum())
-out["touch_shape"] = touch(lambda: m.w_kc.shape)
-out["isinstance_param"] = isinstance(m.fused_qkv_a_proj_with_mqa.weight, torch.nn.Parameter)
-out["decode_v3_tp8"] = case("decode", "deepseek-v3", 8)[0]
-out["prefill"] = case("prefill")[0]
-out["null"] = case("null")[0]
-out["non_mlaprolog"] = case("decode", mlaprolog=False)[0]
-out["unknown"] = case(None)[0]
-out["lora"] = case("decode", args={"enable_lora": True})[0]
-out["lora_forced"] = case("decode", args={"enable_lora": True}, force=True)[0]
-out["refit"] = case("decode", args={"load_format": "dummy"})[0]
-out["spec_forced"] = case("decode", args={"speculative_algorithm": "EAGLE"}, force=True)[0]
-out["shared_w_kc"] = case("decode", w_kc_contiguous=True)[0]
-activation.RUNTIME.record("mla_weight_release").process_state.reset()
-out["alt_stream"] = K.run_alt_stream_step()
-
-from shimdev import simnpu
-def sanitized(role, **build):
-    # The same case under the stream sanitizer, the layer's output read by the current stream as
-    # the attention after it does.
-    try:
-        with simnpu.sanitize() as san:
-            r = case(role, consume=True, **build)[0]
-    except AttributeError as exc:  # a simulated NPU that refuses Stream.wait_event(stream) as torch-npu does
-        return {"raised": "AttributeError: %s" % exc}
-    return {"freed": r["freed"], "kernels": r["kernels"], "reports": [x.as_dict() for x in san.reports]}
-out["sanitized_decode"] = sanitized("decode")
-out["sanitized_decode_alt_stream"] = sanitized("decode", alt_stream=True)
-out["sanitized_alt_stream_absorb"] = sanitized("decode", mlaprolog=False, alt_stream=True)
-real_wait_event = torch.npu.Stream.wait_event
-def with_stream_wait(given_a_stream):
-    # The absorb path again, with Stream.wait_event(a_stream) doing ``given_a_stream(stream, event)``.
-    def wait_event(stream, event):
-        if isinstance(event, torch.npu.Stream):
-            return given_a_stream(stream, event)
-        return real_wait_event(stream, event)
-    torch.npu.Stream.wait_event = wait_event
-    try:
-        return sanitized("decode", mlaprolog=False, alt_stream=True)
-    finally:
-        torch.npu.Stream.wait_event = real_wait_event
-# The wait the line means (the main stream waits for the alt stream) ...
-out["sanitized_alt_stream_absorb_waiting"] = with_stream_wait(lambda stream, event: stream.wait_stream(event))
-# ... and no wait at all, where the line did not raise (a stack as loose as the old simulation).
-out["sanitized_alt_stream_absorb_unwaited"] = with_stream_wait(lambda stream, event: None)
-
-def predicate(attr):
-    m = K.build_attention("glm-5", 16, w8a8_attr=attr)
-    pre = P.NPUFusedMLAPreprocess(m.fused_qkv_a_proj_with_mqa, m.q_a_layernorm, m.kv_a_layernorm,
-                                  m.q_b_proj, m.w_kc, m.rotary_emb, m.layer_id, m.num_local_heads,
-                                  m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
-                                  m.quant_config)
-    return pre.uses_mlaprolog()
-attr = activation.RUNTIME.record("mla_weight_release").process_state.w8a8_attr
-out["w8a8_attr"] = attr
-out["predicate_w8a8"] = predicate(attr)
-other = {"quant_config": "quantization_config", "quantization_config": "quant_config"}
-out["predicate_other_attr"] = predicate(other[attr])
-out["passes"] = passes()
-# A layer first seen after the retirement: the weight wrapper still frees its qkv_a and brings
-# npu_mla_preprocess's wrapper back, which frees its w_kc at its next call and leaves again.
-del LOG[:]
-unseen = K.build_attention("glm-5", 16, layer_id=9)
-for _ in range(2):
-    hidden, positions, batch, context = K.make_batch("glm-5")
-    with context:
-        called()(unseen, hidden, positions, batch, None)
-out["unseen"] = {"types": [type(unseen.fused_qkv_a_proj_with_mqa.weight).__name__, type(unseen.w_kc).__name__],
-                 "log": list(LOG), "sglangs": is_sglangs(called()),
-                 "retired": activation.RUNTIME.states()["mla_weight_release"]["retired"]}
-out["after_reset"] = case("decode", layer_id=7)[0]  # reset() starts over: the wrapper is back
-# Retired, then uninstalled: every original back, nothing of the shim left on the classes.
-passes(layers=2)
-import npu_shim
-npu_shim.uninstall()
-out["uninstalled"] = {
-    "called": is_sglangs(called()), "module": is_sglangs(N.npu_mla_preprocess),
-    "weight": type(P.NPUFusedMLAPreprocess.__dict__["mlaprolog_preprocess_weight"]).__name__,
-    "updates": sorted({type(TW.BaseTpWorker.__dict__[op]).__name__ for op in R.UPDATE_OPS}),
-    "uses_mlaprolog": "uses_mlaprolog" in P.NPUFusedMLAPreprocess.__dict__}
-for value in out.values():
-    if isinstance(value, dict):
-        value.pop("before", None)
-emit(out)
-'''
 
 MIB = 1 << 20
 R_UPDATE_OPS = ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed",
@@ -186,7 +19,7 @@ R_UPDATE_OPS = ("update_weights_from_disk", "update_weights_from_tensor", "updat
 
 @pytest.fixture(scope="module", params=["0.5.9", "0.5.11", "0.5.19"])
 def scenarios(request):
-    return request.param, realsglang.run_in_release(request.param, SCENARIOS)
+    return request.param, realsglang.run_program(request.param, "mla_release_scenarios")
 
 
 def freed(case):
@@ -313,12 +146,14 @@ def test_the_absorb_paths_alt_stream_has_no_wait_back_to_the_main_stream(scenari
     the preprocessing on ``m.alt_stream`` and then calls ``current_stream().wait_event(m.alt_stream)``
     with the stream itself.  torch-npu's Stream.wait_event calls ``event.wait(self)``, which a
     Stream lacks: on a device that line raises AttributeError, and so it does here.  Were it to
-    make no wait instead of raising, the main stream would never wait: it reads what the alt stream wrote (q_pe, q_nope, the caches), and the
+    make no wait instead of raising, the main stream would never wait: it reads what the alt stream
+    wrote (q_pe, q_nope, the caches), and the
     blocks the alt stream read (hidden states, positions, slots) can be handed to the main
     stream's next allocations.  With the wait the line means, nothing is left to report."""
     version, out = scenarios
     assert "wait" in out["sanitized_alt_stream_absorb"]["raised"], (version, out["sanitized_alt_stream_absorb"])
-    assert out["sanitized_alt_stream_absorb_waiting"]["reports"] == [], (version, out["sanitized_alt_stream_absorb_waiting"])
+    waiting = out["sanitized_alt_stream_absorb_waiting"]
+    assert waiting["reports"] == [], (version, waiting)
     case = out["sanitized_alt_stream_absorb_unwaited"]
     assert _kinds(case) == ["read-after-write", "unsafe-reuse"], (version, case["reports"])
     raw = [r for r in case["reports"] if r["kind"] == "read-after-write"]
@@ -369,25 +204,13 @@ def test_predicate_follows_the_release_w8a8_routing(scenarios):
     assert out["predicate_other_attr"] is True  # the attribute this release does not read
 
 
-TOUCH = r'''
-from shimdev import mla_kernels as K
-K.publish_server_args("decode")
-r = K.run_layer("glm-5", 16)
-assert r["freed"] == r["expected"], r
-m = r["layer"]
-print("released; touching", flush=True)
-{touch}
-emit({{"survived": True}})
-'''
-
-
 @pytest.mark.parametrize("version,touch", [
-    ("0.5.11", "m.fused_qkv_a_proj_with_mqa(K.torch.zeros(1, 6144, dtype=K.DTYPE))"),
-    ("0.5.19", "m.w_kc.sum()"),
+    ("0.5.11", "fused_qkv_a_proj_with_mqa(x)"),
+    ("0.5.19", "w_kc.sum()"),
 ])
 def test_touching_a_released_weight_exits_with_the_error_not_a_signal(version, touch):
     with pytest.raises(realsglang.ReleaseRunError) as info:
-        realsglang.run_in_release(version, TOUCH.format(touch=touch))
+        realsglang.run_program(version, "mla_release_touch", touch)
     error = info.value
     assert error.returncode == 1, (error.returncode, error.stderr[-2000:])  # < 0 would be a signal
     assert "released; touching" in error.stdout
@@ -396,40 +219,9 @@ def test_touching_a_released_weight_exits_with_the_error_not_a_signal(version, t
     assert "layer 0" in last and "NPU_SHIM_MLA_WEIGHT_RELEASE=0" in last
 
 
-ALIASES = r'''
-import torch
-from shimdev import mla_kernels as K
-K.publish_server_args("decode")
-KINDS = {
-    "qkv.detach()": lambda m: m.fused_qkv_a_proj_with_mqa.weight.detach(),
-    "qkv.view(-1)": lambda m: m.fused_qkv_a_proj_with_mqa.weight.view(-1),
-    "qkv.data": lambda m: m.fused_qkv_a_proj_with_mqa.weight.data,
-    "qkv.t()": lambda m: m.fused_qkv_a_proj_with_mqa.weight.t(),
-    "w_kc.detach()": lambda m: m.w_kc.detach(),
-    "w_kc._base": lambda m: m.w_kc._base,
-}
-out = {}
-from npu_shim.runtime import activation
-for kind, hold in KINDS.items():
-    print("holding", kind, flush=True)  # a signal would show which kind
-    # Each kind a fresh layer 0: start over, or it would be a layer first seen after the first
-    # pass (the wrapper retired), whose w_kc is kept.
-    activation.RUNTIME.record("mla_weight_release").process_state.reset()
-    r = K.run_layer("glm-5", 16, hold=hold)
-    weight = "qkv_a" if kind.startswith("qkv") else "w_kc"
-    other = "w_kc" if weight == "qkv_a" else "qkv_a"
-    with torch._C.DisableTorchFunctionSubclass():
-        base = r["layer"].w_kc._base
-    out[kind] = {"kept": r["freed"][weight] == 0, "other_freed": r["freed"][other] == r["expected"][other],
-                 "sum_is_finite": bool(torch.isfinite(r["held"].float().sum())),
-                 "w_kc_base": None if base is None else base.numel()}
-emit(out)
-'''
-
-
 def test_aliases_taken_before_the_first_step_keep_their_weight_in_a_release():
     """Each alias read after the decode step used to segfault the process."""
-    out = realsglang.run_in_release("0.5.11", ALIASES)
+    out = realsglang.run_program("0.5.11", "mla_release_aliases")
     for kind, result in out.items():
         assert result["kept"] and result["sum_is_finite"], (kind, result)
         assert result["other_freed"], (kind, result)  # the weight nobody else holds still goes
@@ -437,23 +229,8 @@ def test_aliases_taken_before_the_first_step_keep_their_weight_in_a_release():
         assert (result["w_kc_base"] is None) is kind.startswith("qkv"), (kind, result)
 
 
-SWITCHED_OFF = r'''
-from shimdev import mla_kernels as K
-from npu_shim.runtime import activation
-from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P
-from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
-K.publish_server_args("decode")
-r = K.run_layer("glm-5", 16)
-from sglang.srt.managers import tp_worker as TW
-emit({"state": activation.RUNTIME.states()["mla_weight_release"], "freed": r["freed"],
-      "alt_stream": K.run_alt_stream_step(), "wrapped": type(N.npu_mla_preprocess).__name__,
-      "update_fn": type(TW.BaseTpWorker.__dict__["update_weights_from_disk"]).__name__,
-      "has_method": hasattr(P.NPUFusedMLAPreprocess, "uses_mlaprolog")})
-'''
-
-
 def test_switch_off_touches_nothing():
-    out = realsglang.run_in_release("0.5.19", SWITCHED_OFF, env={"NPU_SHIM_MLA_WEIGHT_RELEASE": "0"})
+    out = realsglang.run_program("0.5.19", "mla_release_switched_off", env={"NPU_SHIM_MLA_WEIGHT_RELEASE": "0"})
     assert out["state"]["state"] == "disabled"
     assert out["alt_stream"] == {"error": UPSTREAM_ALT_STREAM_ERROR, "freed": 0, "built_preprocess": True}
     assert out["freed"] == {"qkv_a": 0, "w_kc": 0}
@@ -461,19 +238,8 @@ def test_switch_off_touches_nothing():
     assert out["update_fn"] == "function"
 
 
-UPSTREAM = r'''
-from npu_shim.runtime import activation
-from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P
-from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
-emit({"state": activation.RUNTIME.states()["mla_weight_release"],
-      "wrapped": type(N.npu_mla_preprocess).__name__,
-      "weight_fn": type(P.NPUFusedMLAPreprocess.__dict__["mlaprolog_preprocess_weight"]).__name__,
-      "uses_module": P.NPUFusedMLAPreprocess.uses_mlaprolog.__module__})
-'''
-
-
 def test_upstream_release_stands_down():
-    out = realsglang.run_in_release("0.5.23", UPSTREAM)
+    out = realsglang.run_program("0.5.23", "mla_release_upstream")
     assert out["state"]["state"] == "upstream"
     assert out["state"]["targets"] == {}
     assert out["wrapped"] == "function" and out["weight_fn"] == "function"

@@ -14,8 +14,8 @@ import pytest
 import torch
 import wrapt
 
-from npu_shim.core import config, framework
-from npu_shim.runtime import activation, decisions, targets
+from npu_shim.core import framework
+from npu_shim.runtime import decisions, targets
 from npu_shim.core.loading import all_variables
 from npu_shim.source.codeview import SourceView
 from npu_shim.patches import zbal as zp

@@ -10,7 +10,6 @@ import sys
 from test_bootstrap import REPO, run, tree  # noqa: F401 - ``tree`` is a fixture
 
 import npu_shim
-from npu_shim.reporting import log
 
 RAW_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202e]")
 

@@ -1,6 +1,6 @@
-"""The state record's writer (npu_shim/reporting/record_writer.py, npu_shim/reporting/safe_dir.py) against an attacker with a
-shell on the node and against a clumsy operator: real processes, real users (root and ``nobody``),
-real PID namespaces.  The suite runs as root, as servers do."""
+"""The state record's writer (npu_shim/reporting/record_writer.py, npu_shim/reporting/safe_dir.py)
+against an attacker with a shell on the node and against a clumsy operator: real processes, real
+users (root and ``nobody``), real PID namespaces.  The suite runs as root, as servers do."""
 
 import json
 import os
@@ -21,7 +21,8 @@ from npu_shim.reporting import procinfo, safe_dir, record_writer
 
 NOBODY = 65534
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or "/usr/bin/python3"
-FAST = "from npu_shim.reporting import record_writer, state_record; record_writer.INTERVAL_S = 0.05; record_writer.HEARTBEAT_S = 0.5\n"
+FAST = ("from npu_shim.reporting import record_writer, state_record; record_writer.INTERVAL_S = 0.05; "
+        "record_writer.HEARTBEAT_S = 0.5\n")
 
 
 def as_nobody():
@@ -98,7 +99,8 @@ def test_a_state_dir_another_user_created_first_is_refused_and_a_victim_file_kee
     assert stat.S_IMODE(os.stat(victim).st_mode) == 0o600
     errors = [line for line in proc.stderr.splitlines() if "cannot write the state record" in line]
     assert len(errors) == 1, proc.stderr
-    assert "it belongs to uid %d, not uid 0; use your own directory, or share one: install -d -m 1777 DIR" % NOBODY in errors[0]
+    assert ("it belongs to uid %d, not uid 0; use your own directory, or share one: install -d -m 1777 DIR"
+            % NOBODY in errors[0])
     assert not [n for n in files(state_dir) if n.endswith(".json")]
 
 
@@ -196,7 +198,8 @@ def test_another_user_s_user_dir_made_first_is_still_refused_to_that_user(shared
                     ignore=shutil.ignore_patterns("__pycache__", "_vendor"))
     proc = write_in_child(shared, env={"PYTHONPATH": copy}, user=NOBODY, python=SYSTEM_PYTHON)
     errors = [line for line in proc.stderr.splitlines() if "cannot write the state record" in line]
-    assert len(errors) == 1 and ": its uid-%d/ belongs to uid 12345, not uid %d" % (NOBODY, NOBODY) in errors[0], proc.stderr
+    assert len(errors) == 1, proc.stderr
+    assert ": its uid-%d/ belongs to uid 12345, not uid %d" % (NOBODY, NOBODY) in errors[0], proc.stderr
     assert files(shared) == ["uid-%d" % NOBODY]
 
 
@@ -264,8 +267,8 @@ def test_records_of_two_pid_namespaces_with_one_hostname_both_live(tmp_path):
     state_dir = str(tmp_path / "state")
     code = FAST + "state_record.write()\nimport os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n"
     env = dict(os.environ, PYTHONPATH=REPO, NPU_SHIM_STATE_DIR=state_dir)
-    procs = [subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-c", code],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable,
+                               "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     try:
         assert [p.stdout.readline().strip() for p in procs] == ["1", "1"], [p.stderr.read() for p in procs]

@@ -86,7 +86,8 @@ def test_state_record_has_role_versions_states_and_follows_details_and_state_cha
     final = records(str(state_dir))[out["files"][0]]
     assert final["patches"] == {}
     # the summary line carries the role the process title gives
-    assert re.search(r"\[npu-shim %s sglang 0\.5\.9 pid [0-9]+ dp 0 tp 3\] demo=applied" % re.escape(npu_shim.__version__), proc.stderr), proc.stderr
+    assert re.search(r"\[npu-shim %s sglang 0\.5\.9 pid [0-9]+ dp 0 tp 3\] demo=applied"
+                     % re.escape(npu_shim.__version__), proc.stderr), proc.stderr
 
 
 def test_a_failing_patch_is_in_the_record_at_once(tree):
@@ -195,8 +196,8 @@ def test_status_running_agreeing_processes_exit_0_with_one_row_each(tmp_path):
     proc = status_running(str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "3 live process(es), 0 stale" in proc.stdout
-    assert re.search(r"%d\s+scheduler tp 3/16\s+%s\s+0\.5\.11\s+applied\s+applied\s+upstream" % (me, re.escape(npu_shim.__version__)),
-                     proc.stdout), proc.stdout
+    assert re.search(r"%d\s+scheduler tp 3/16\s+%s\s+0\.5\.11\s+applied\s+applied\s+upstream"
+                     % (me, re.escape(npu_shim.__version__)), proc.stdout), proc.stdout
     assert "applied(full, 49152 MiB)" in proc.stdout and "detokenizer" in proc.stdout
     assert "ok: no failed patch, every live process agrees" in proc.stdout
 

@@ -56,7 +56,7 @@ def test_printable_text_always_encodes_as_strict_utf8():
 
 # -- property --------------------------------------------------------------------------------------
 
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st  # noqa: E402 - the property tests' imports, beside them
 
 
 @given(text=st.one_of(st.text(), st.binary().map(lambda raw: raw.decode("utf-8", "surrogateescape"))))

@@ -13,7 +13,7 @@ import pytest
 from npu_shim.core import framework
 from npu_shim.reporting import procinfo, state_record, summary
 from npu_shim.runtime import activation, decisions, role
-from npu_shim.source import inherited, codeview
+from npu_shim.source import inherited
 from test_bootstrap import DEMO_PATCH, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 from test_framework import declare
 

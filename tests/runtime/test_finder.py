@@ -36,7 +36,8 @@ def test_only_modules_with_a_hook_waiting_are_looked_up_and_no_wrapt_import_hook
         from npu_shim import _bootstrap
         print(json.dumps({"finders": ["watcher" if getattr(f, "is_npu_shim_watcher", False) else type(f).__name__
                                       for f in sys.meta_path
-                                      if "ImportHookFinder" in type(f).__name__ or getattr(f, "is_npu_shim_watcher", False)
+                                      if "ImportHookFinder" in type(f).__name__
+                                      or getattr(f, "is_npu_shim_watcher", False)
                                       or type(f).__module__.startswith(("npu_shim", "sitecustomize"))],
                           "through_watcher": _bootstrap.handing_on_to() == activation.RUNTIME.finder.find_spec,
                           "importers": sorted(m for m in sys.modules if "wrapt" in m and "importer" in m),
@@ -222,7 +223,7 @@ def test_a_module_imported_inside_another_modules_hook_gets_its_hooks(hooks):
 
     hooks.register("hk_outer", outer)
     hooks.register("hk_inner", lambda module: fired.append(module.__name__))
-    import hk_outer  # noqa: F401
+    import hk_outer  # noqa: F401 - the import fires the hooks
     assert fired == ["hk_outer", "hk_inner", "registered in its own hook"] and hooks.waiting() == []
 
 
@@ -284,7 +285,7 @@ def test_a_namespace_package_without_a_loader_in_its_spec_runs_its_hooks(version
     """Before Python 3.11 a namespace package's spec has no loader (the import system makes one)."""
     import subprocess
 
-    from test_drop_in import REPO, pyenv_python
+    from test_drop_in import REPO, cpython
 
     (tmp_path / "hk_ns").mkdir()
     code = """if 1:
@@ -297,7 +298,7 @@ def test_a_namespace_package_without_a_loader_in_its_spec_runs_its_hooks(version
         import hk_ns
         print(json.dumps([fired, hk_ns.__spec__.loader is hk_ns.__loader__, hk_ns.__file__]))
     """
-    proc = subprocess.run([pyenv_python(version), "-c", code], capture_output=True, text=True,
+    proc = subprocess.run([cpython(version), "-c", code], capture_output=True, text=True,
                           env={"PYTHONPATH": "%s:%s" % (tmp_path, REPO), "PYTHONDONTWRITEBYTECODE": "1"},
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -309,11 +310,11 @@ def test_a_module_that_fails_to_import_runs_no_hook_and_leaves_nothing(hooks):
     fired = []
     hooks.register("hk_bad", lambda module: fired.append(module.__name__))
     with pytest.raises(RuntimeError, match="broken"):
-        import hk_bad  # noqa: F401
+        import hk_bad
     assert fired == [] and "hk_bad" not in sys.modules
     assert hooks.waiting() == ["hk_bad"] and hooks._finding == set()
     _write(hooks, "hk_bad.py", "X = 'fixed'\n")
-    import hk_bad  # noqa: F401,F811
+    import hk_bad  # noqa: F401 - the import fires the hook
     assert fired == ["hk_bad"] and hooks.waiting() == []
 
 
@@ -411,7 +412,8 @@ def test_the_shims_hooks_with_the_images_wrapt(version, private, app, tree, bare
     # not asked.
     reapplied = not (app == "app-hooks-first" and version == "1.14.1")
     assert out == {
-        "origin": "image %s" % version, "waiting": sorted(OWN_MODULES + ["sglang.srt.utils.common"]), "left": OWN_MODULES,
+        "origin": "image %s" % version, "waiting": sorted(OWN_MODULES + ["sglang.srt.utils.common"]),
+        "left": OWN_MODULES,
         "patched": 1001, "after_reload": 1001 if reapplied else 1000, "state": "applied",
         # reused as the application imported it, or loaded privately: wrappers only
         "private": private if app == "shim-first" else [],

@@ -2,7 +2,6 @@
 fake sglang tree and demo patch of tests/test_bootstrap.py (install twice, uninstall restoring
 copies and the children's environment: tests/test_bootstrap.py, tests/test_drop_in.py)."""
 
-import json
 import os
 import subprocess
 import sys
@@ -41,7 +40,8 @@ from npu_shim.runtime import activation
 
 def shim_finders():
     return ["watcher" if getattr(f, "is_npu_shim_watcher", False) else type(f).__name__
-            for f in sys.meta_path if getattr(f, "is_npu_shim_watcher", False) or type(f).__module__.startswith("npu_shim")]
+            for f in sys.meta_path
+            if getattr(f, "is_npu_shim_watcher", False) or type(f).__module__.startswith("npu_shim")]
 
 seen = {"wrapt": importlib.util.find_spec("wrapt")}
 seen["install_1"] = npu_shim.install()   # before sglang: arms the watcher

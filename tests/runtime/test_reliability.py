@@ -1,7 +1,6 @@
 """States never lie and half-applied patches never stay, each case in a fresh
 interpreter with the fake sglang tree and demo patch of test_bootstrap.py."""
 
-import importlib
 import types
 
 import npu_shim
@@ -110,7 +109,8 @@ def test_bad_variables_are_each_reported_once_with_the_prefix_at_activation(tree
     """, env={"NPU_SHIM_LOG_LEVEL": "loud", "NPU_SHIM_STRICT": "maybe",
               "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://[:]:1", "SGLANG_ZBAL_LOCAL_MEM_SIZE": "１２２８８"})
     lines = proc.stderr.strip().splitlines()
-    assert lines and all(line.startswith("[npu-shim %s sglang 0.5.9 pid " % npu_shim.__version__) for line in lines), lines
+    prefix = "[npu-shim %s sglang 0.5.9 pid " % npu_shim.__version__
+    assert lines and all(line.startswith(prefix) for line in lines), lines
     for name in ("NPU_SHIM_LOG_LEVEL", "NPU_SHIM_STRICT", "SGLANG_ZBAL_BOOTSTRAP_URL",
                  "SGLANG_ZBAL_LOCAL_MEM_SIZE"):
         assert sum(name + "=" in line for line in lines) == 1, (name, lines)
@@ -173,7 +173,7 @@ def test_states_name_every_target_and_exactly_the_wrappers_applied(tree):
 
 def test_record_lists_only_applied_wraps_as_wrappers():
     from npu_shim.core import framework
-    from npu_shim.runtime import activation, decisions, targets
+    from npu_shim.runtime import decisions, targets
 
     wrap = targets.Wrap("m", "f", None, [()])
     other = targets.Wrap("m", "g", None, [()])
@@ -195,7 +195,7 @@ def test_record_lists_only_applied_wraps_as_wrappers():
 def test_running_on_npu_is_false_without_torch_without_npu_and_when_asking_fails(monkeypatch):
     import sys
 
-    from npu_shim.runtime import activation, decisions
+    from npu_shim.runtime import decisions
 
     def npu(available):
         def is_available():
@@ -212,7 +212,7 @@ def test_running_on_npu_is_false_without_torch_without_npu_and_when_asking_fails
 
 def _record(state, must_honour=False):
     from npu_shim.core import framework
-    from npu_shim.runtime import activation, decisions, targets
+    from npu_shim.runtime import decisions
 
     patch = types.SimpleNamespace(name="p", must_honour=lambda environ: must_honour)
     return decisions.PatchRecord(patch, framework.Decision(state, "because"))
@@ -224,7 +224,7 @@ def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(c
     import pytest
 
     from npu_shim.reporting import summary
-    from npu_shim.runtime import activation, decisions
+    from npu_shim.runtime import decisions
     from npu_shim.core.framework import ShimError
 
     from npu_shim.reporting import log
@@ -247,7 +247,7 @@ def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(c
 
 
 def test_hooks_of_an_earlier_install_do_nothing(monkeypatch):
-    from npu_shim.runtime import activation, decisions
+    from npu_shim.runtime import activation
 
     calls = []
     monkeypatch.setattr(activation.RUNTIME, "apply_module", calls.append)

@@ -2,7 +2,8 @@
 off: a scheduler spawned as sglang spawns it (multiprocessing spawn, target the real
 ``run_scheduler_process``) logs one summary line that carries its role, and its state record has
 the role -- before the body of ``run_scheduler_process`` ran (its first read of the server
-arguments ends the child: ``shimdev.demo_features.StopAtBody``)."""
+arguments ends the child: ``shimdev.release_beds.StopAtBody``).  The program the release process
+runs: dev/shimdev/programs/scheduler_role_spawn.py."""
 from __future__ import annotations
 
 import re
@@ -10,45 +11,12 @@ import re
 import npu_shim
 from shimdev import realsglang
 
-MAIN = r'''
-from shimdev import simnpu
-simnpu.install(release="0.5.11")  # the spawned child runs this too (as __mp_main__), first
-
-if __name__ == "__main__":
-    import json, multiprocessing as mp, os, socket, sys
-    import sglang.srt.managers.scheduler as sch
-    from npu_shim.reporting import procinfo, record_writer
-    from shimdev.demo_features import scheduler_process_args
-    log_path = os.path.join(os.getcwd(), "child.log")
-    saved = os.dup(2)
-    os.dup2(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)  # the child's stderr
-    try:
-        child = mp.get_context("spawn").Process(
-            target=sch.run_scheduler_process, args=scheduler_process_args(tp=16, tp_rank=3))
-        child.start()
-        child.join(300)
-    finally:
-        os.dup2(saved, 2)
-    path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
-                        record_writer.record_name(socket.gethostname(), procinfo.pid_namespace(), child.pid))
-    sys.stdout.write("\n" + json.dumps({
-        "exitcode": child.exitcode, "pid": child.pid, "lines": open(log_path).read().splitlines(),
-        "record": json.load(open(path))}) + "\n")
-'''
-
-SNIPPET = r'''
-import os, runpy
-with open("main.py", "w") as handle:
-    handle.write(%r)
-runpy.run_path(os.path.abspath("main.py"), run_name="__main__")
-''' % MAIN
-
 
 def test_a_spawned_scheduler_with_zbal_off_logs_its_role_in_its_summary_line(release_venv, tmp_path):
     release_venv("0.5.11")
     env = {"NPU_SHIM_STATE_DIR": str(tmp_path / "state"), "NPU_SHIM_ZBAL": "0",
            "SGLANG_ZBAL_LOCAL_MEM_SIZE": None, "NPU_SHIM_STRICT": None, "NPU_SHIM_LOG_FORMAT": None}
-    out = realsglang.run_in_release("0.5.11", SNIPPET, env=env)
+    out = realsglang.run_program("0.5.11", "scheduler_role_spawn", env=env)
     assert out["exitcode"] == 0, out["lines"]
     tag = "[npu-shim %s sglang 0.5.11 pid %d" % (npu_shim.__version__, out["pid"])
     mine = [line for line in out["lines"] if line.startswith(tag)]

@@ -5,7 +5,8 @@
         server.openai().chat.completions.create(...)           # the real openai client
 
 ``start()`` runs ``python -m sglang.launch_server`` as on a node (the simulated NPU put in place in
-every process of it by ``startup.py``, through the server venv of ``layer.py``) in a new session, its output in a log file, and waits until ``/health_generate``
+every process of it by ``startup.py``, through the server venv of ``layer.py``) in a new session,
+its output in a log file, and waits until ``/health_generate``
 answers -- at most ``ready_timeout`` seconds; a server that exits or does not come up fails with
 the log's last lines.  ``stop()`` sends SIGTERM to the session's process group (sglang's launcher
 then kills its own children), SIGKILL to whatever is left after ``stop_timeout``, and checks that

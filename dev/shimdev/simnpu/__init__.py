@@ -36,10 +36,10 @@ import os
 import sys
 
 from . import _device, _stubs
-from ._device import STATE, mem_get_info, set_memory, stream_name  # noqa: F401
-from ._log import EVENTS, clear_events, log  # noqa: F401
-from ._stubs import STUB_IMPORTS, StubValue  # noqa: F401
-from ._sanitizer import active as active_sanitizer, declare_kernel, sanitize  # noqa: F401
+from ._device import STATE, mem_get_info, set_memory, stream_name
+from ._log import EVENTS, clear_events, log
+from ._stubs import STUB_IMPORTS, StubValue
+from ._sanitizer import active as active_sanitizer, declare_kernel, sanitize
 
 __all__ = [
     "install", "installed", "reset", "set_memory", "mem_get_info", "EVENTS", "clear_events",

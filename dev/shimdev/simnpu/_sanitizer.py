@@ -653,7 +653,7 @@ def _mode_class():
 _MODE_CLASS = None
 
 
-def _Mode(san):
+def _Mode(san):  # noqa: N802 - reads like the class it builds
     global _MODE_CLASS
     if _MODE_CLASS is None:
         _MODE_CLASS = _mode_class()

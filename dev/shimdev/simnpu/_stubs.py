@@ -28,6 +28,14 @@ import typing
 STUB_IMPORTS: list[str] = []
 
 
+def _called(origin, args, kwargs):
+    """What calling the stub ``origin`` gives: used as a decorator, the function it decorates;
+    otherwise an inert ``StubValue``."""
+    if len(args) == 1 and not kwargs and callable(args[0]):
+        return args[0]
+    return StubValue(f"{origin}()")
+
+
 class StubValue:
     """What calling a stub returns: inert, callable, attribute-rich; never equal to real data."""
 
@@ -40,9 +48,7 @@ class StubValue:
         return StubValue(f"{self._origin}.{name}")
 
     def __call__(self, *args, **kwargs):
-        if len(args) == 1 and not kwargs and callable(args[0]):
-            return args[0]
-        return StubValue(f"{self._origin}()")
+        return _called(self._origin, args, kwargs)
 
     def __getitem__(self, item):
         return self
@@ -80,9 +86,7 @@ class _AutoBase(metaclass=_AutoMeta):
         self._stub_args = (args, kwargs)
 
     def __call__(self, *args, **kwargs):
-        if len(args) == 1 and not kwargs and callable(args[0]):
-            return args[0]
-        return StubValue(f"{type(self).__qualname__}()")
+        return _called(type(self).__qualname__, args, kwargs)
 
     def __getattr__(self, name):
         if name.startswith("__"):
@@ -111,9 +115,7 @@ class StubModule(types.ModuleType):
         return importlib.import_module(full)  # parent gets the attribute set by the import system
 
     def __call__(self, *args, **kwargs):
-        if len(args) == 1 and not kwargs and callable(args[0]):
-            return args[0]
-        return StubValue(f"{self.__name__}()")
+        return _called(self.__name__, args, kwargs)
 
     def __getitem__(self, item):
         return self

@@ -2,7 +2,7 @@
 
 ``import zbal`` in the tests loads the wheel's own ``__init__.py``, ``zbal_module.py``,
 ``zbal_buffer.py`` and ``zbal_utils.py``, unmodified, from the zbal layer the test command builds
-(``sglang_envs.ensure_zbal_layer``).  Next to them lies ``zbal.cpython-311-x86_64-linux-gnu.so``,
+(``npu_layers.ensure_zbal_layer``).  Next to them lies ``zbal.cpython-311-x86_64-linux-gnu.so``,
 compiled from ``zbal_native.c`` here: Python imports it as the extension module ``zbal.zbal``, and
 ``zbal_module.py`` and torch_npu's ``NPUPluggableAllocator`` open it with ctypes and look up the
 ``zbal_pluggable_*`` symbols in it, as on a device.  What cannot run without CANN is simulated:

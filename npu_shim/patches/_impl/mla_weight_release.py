@@ -1,7 +1,8 @@
 """mla_weight_release's implementation: the predicate, the guard its released weights get (the
-release itself: npu_shim/runtime/tensor_release.py), the accounting and the wrappers' per-process state (``MlaWeightReleaseState``), and the targets.  Loaded only
-where the patch is decided past its probe (not on a release that has the release upstream):
-npu_shim/patches/mla_weight_release.py is the patch and its documentation."""
+release itself: npu_shim/runtime/tensor_release.py), the accounting and the wrappers' per-process
+state (``MlaWeightReleaseState``), and the targets.  Loaded only where the patch is decided past
+its probe (not on a release that has the release upstream): npu_shim/patches/mla_weight_release.py
+is the patch and its documentation."""
 
 import logging
 import re
@@ -305,7 +306,8 @@ class MlaWeightReleaseState:
         if no:
             return 0
         copies = [getattr(preprocess, name, None) for name in ("q_a_proj_weight", "kv_a_proj_weight")]
-        if any(c is None or tensor_release.shares_storage(c, weight) for c in copies) or not tensor_release.exclusive(weight):
+        if (any(c is None or tensor_release.shares_storage(c, weight) for c in copies)
+                or not tensor_release.exclusive(weight)):
             self.once("qkv-shared", logging.WARNING, "keeping %s: its q_a/kv_a copies share its memory, "
                                                      "or its storage holds more than this weight" % what)
             return 0

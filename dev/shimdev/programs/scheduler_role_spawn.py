@@ -1,0 +1,32 @@
+"""A scheduler spawned as sglang spawns it, zbal off (tests/runtime/test_role_real.py, 0.5.11):
+its summary line and state record carry its role.  The spawned child runs this module too (as
+``__mp_main__``), so the simulated NPU is installed first at module level."""
+from shimdev import simnpu
+
+simnpu.install(release="0.5.11")  # the spawned child runs this too (as __mp_main__), first
+
+if __name__ == "__main__":
+    import json
+    import multiprocessing as mp
+    import os
+    import socket
+    import sys
+
+    import sglang.srt.managers.scheduler as sch
+    from npu_shim.reporting import procinfo, record_writer
+    from shimdev.release_beds import scheduler_process_args
+    log_path = os.path.join(os.getcwd(), "child.log")
+    saved = os.dup(2)
+    os.dup2(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)  # the child's stderr
+    try:
+        child = mp.get_context("spawn").Process(
+            target=sch.run_scheduler_process, args=scheduler_process_args(tp=16, tp_rank=3))
+        child.start()
+        child.join(300)
+    finally:
+        os.dup2(saved, 2)
+    path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
+                        record_writer.record_name(socket.gethostname(), procinfo.pid_namespace(), child.pid))
+    sys.stdout.write("\n" + json.dumps({
+        "exitcode": child.exitcode, "pid": child.pid, "lines": open(log_path).read().splitlines(),
+        "record": json.load(open(path))}) + "\n")

@@ -22,14 +22,13 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 
 import pytest
 
-from shimdev import realsglang
 from shimdev.server import models
-from shimdev.server.process import Server, ServerError, free_port, session_pids
+from shimdev.server.pool import ServerPool
+from shimdev.server.process import Server, free_port, session_pids, status_running
 
 RELEASES = ("0.5.9", "0.5.11")
 DEVICE_MIB = 512           # the simulated device (SIMNPU_TOTAL_MIB); its KV cache is real memory
@@ -109,17 +108,13 @@ class Servers:
     tests of a release run in file order, each using the servers the one before started."""
 
     def __init__(self, tmp):
-        self.tmp, self.live, self.stopped, self.answers = tmp, {}, {}, {}
+        self.tmp, self.pool, self.answers = tmp, ServerPool(MAX_LIVE), {}
 
-    def get(self, name, version, *, shim="on", tp=1, env=None, zbal_mib=None, mix=False,
-            args=(), state_dir=True, metrics=False):
-        key = (name, version)
-        if key in self.live or key in self.stopped:
-            return self.live.get(key) or self.stopped[key]
-        while len(self.live) >= MAX_LIVE:
-            oldest = next(iter(self.live))
-            self.stopped[oldest] = self.live.pop(oldest)
-            self.stopped[oldest].stop()
+    def get(self, name, version, **options):
+        return self.pool.get((name, version), lambda: self._start(name, version, **options))
+
+    def _start(self, name, version, *, shim="on", tp=1, env=None, zbal_mib=None, mix=False,
+               args=(), state_dir=True, metrics=False):
         model = models.ensure_model("qwen2", version)
         env = {"SIMNPU_TOTAL_MIB": DEVICE_MIB, **(env or {})}
         if zbal_mib:
@@ -136,25 +131,18 @@ class Servers:
                         log_path=self.tmp / f"{name}-{version}.log")
         server.start()
         server.name, server.model_dir = name, model
-        self.live[key] = server
         return server
 
     def answers_of(self, name, version, **kwargs):
         key = (name, version)
         if key not in self.answers:
             server = self.get(name, version, **kwargs)
-            assert key in self.live, "%s was stopped before it answered" % (key,)
+            assert key in self.pool.live, "%s was stopped before it answered" % (key,)
             self.answers[key] = answers(server)
         return self.answers[key]
 
     def stop_all(self):
-        errors = []
-        for server in self.live.values():
-            try:
-                server.stop()
-            except ServerError as exc:
-                errors.append(str(exc))
-        assert not errors, errors
+        self.pool.stop_all()
 
 
 @pytest.fixture(scope="session")
@@ -162,14 +150,6 @@ def servers(tmp_path_factory):
     bed = Servers(tmp_path_factory.mktemp("servers"))
     yield bed
     bed.stop_all()
-
-
-def status_running(version, state_dir) -> dict:
-    argv, env = realsglang.release_command(version, wrapt=None)
-    p = subprocess.run(argv + ["-m", "npu_shim", "status", "--running", "--json", str(state_dir)],
-                       env=env, capture_output=True, text=True, timeout=120)
-    assert p.stdout, p.stderr
-    return json.loads(p.stdout)
 
 
 def live_roles(info) -> list[str]:

@@ -35,7 +35,8 @@ import time
 import pytest
 
 from shimdev.server import mla
-from shimdev.server.process import Server, ServerError
+from shimdev.server.pool import ServerPool
+from shimdev.server.process import Server
 
 VERSION = "0.5.11"
 TP = 2
@@ -50,16 +51,21 @@ class Bed:
     to the fixed requests and its ranks' device counters right after."""
 
     def __init__(self, tmp):
-        self.tmp, self.servers, self.after = tmp, {}, {}
+        self.tmp, self.pool, self.after = tmp, ServerPool(max_live=2), {}
 
     def get(self, name) -> Server:
-        if name not in self.servers:
-            server = mla.decode_server(VERSION, TP, "on" if name == "on" else "absent", self.tmp, name)
-            self.servers[name] = server
-            server.start()
+        return self.pool.get(name, lambda: self._start(name))
+
+    def _start(self, name) -> Server:
+        server = mla.decode_server(VERSION, TP, "on" if name == "on" else "absent", self.tmp, name)
+        server.start()
+        try:
             answers = [mla.decode(server, p, NEW_TOKENS) for p in PROMPTS]
             self.after[name] = (answers, mla.devices(server))
-        return self.servers[name]
+        except BaseException:
+            server.stop()  # not in the pool yet: nothing else would stop it
+            raise
+        return server
 
     def answers(self, name):
         self.get(name)
@@ -70,13 +76,7 @@ class Bed:
         return self.after[name][1]
 
     def stop_all(self):
-        errors = []
-        for server in self.servers.values():
-            try:
-                server.stop()
-            except ServerError as exc:
-                errors.append(str(exc))
-        assert not errors, errors
+        self.pool.stop_all()
 
 
 @pytest.fixture(scope="module")

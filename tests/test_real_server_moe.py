@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import time
 
 import pytest
 
-from shimdev import realsglang
 from shimdev.server import models, moe_job
-from shimdev.server.process import Server, ServerError, free_port
+from shimdev.server.pool import ServerPool
+from shimdev.server.process import Server, free_port, status_running
 
 VERSION = "0.5.8"
 HEAP_MIB = 256
@@ -92,15 +91,12 @@ def same_or_near_tie(npu_tokens, cpu_tokens, cpu_top2):
 
 class Servers:
     def __init__(self, tmp):
-        self.tmp, self.live, self.stopped, self.answers = tmp, {}, {}, {}
+        self.tmp, self.pool, self.answers = tmp, ServerPool(MAX_LIVE), {}
 
     def get(self, name):
-        if name in self.live or name in self.stopped:
-            return self.live.get(name) or self.stopped[name]
-        while len(self.live) >= MAX_LIVE:
-            oldest = next(iter(self.live))
-            self.stopped[oldest] = self.live.pop(oldest)
-            self.stopped[oldest].stop()
+        return self.pool.get(name, lambda: self._start(name))
+
+    def _start(self, name):
         model = models.ensure_model("glm4_moe", VERSION)
         if name == "cpu":
             env, args, shim, zbal = dict(CPU_ENV), CPU_ARGS, "absent", False
@@ -115,24 +111,17 @@ class Servers:
         server = Server(VERSION, model, args=args, env=env, zbal=zbal, shim=shim,
                         log_path=self.tmp / f"moe-{name}.log", ready_timeout=420)
         server.start()
-        self.live[name] = server
         return server
 
     def answers_of(self, name):
         if name not in self.answers:
             server = self.get(name)
-            assert name in self.live, "%s was stopped before it answered" % name
+            assert name in self.pool.live, "%s was stopped before it answered" % name
             self.answers[name] = answers(server)
         return self.answers[name]
 
     def stop_all(self):
-        errors = []
-        for server in self.live.values():
-            try:
-                server.stop()
-            except ServerError as exc:
-                errors.append(str(exc))
-        assert not errors, errors
+        self.pool.stop_all()
 
 
 @pytest.fixture(scope="module")
@@ -142,16 +131,8 @@ def servers(tmp_path_factory):
     bed.stop_all()
 
 
-def status_running(state_dir) -> dict:
-    argv, env = realsglang.release_command(VERSION, wrapt=None)
-    p = subprocess.run(argv + ["-m", "npu_shim", "status", "--running", "--json", str(state_dir)],
-                       env=env, capture_output=True, text=True, timeout=120)
-    assert p.stdout, p.stderr
-    return json.loads(p.stdout)
-
-
 def scheduler_record(server) -> dict:
-    info = status_running(server.env["NPU_SHIM_STATE_DIR"])
+    info = status_running(VERSION, server.env["NPU_SHIM_STATE_DIR"])
     (scheduler,) = [p for p in info["processes"]
                     if p["status"] == "live" and (p.get("role") or {}).get("role") == "scheduler"]
     return scheduler

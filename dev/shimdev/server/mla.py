@@ -12,13 +12,11 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
-from shimdev import realsglang
 from shimdev.server import models
-from shimdev.server.process import Server, ServerError, session_pids
+from shimdev.server.process import Server, ServerError, session_pids, status_running
 
 #: sglang's stand-in bootstrap host of the fake transfer backend (sglang.srt.disaggregation.utils
 #: FAKE_BOOTSTRAP_HOST; 0.5.11's decode server cannot take a request without a bootstrap host).
@@ -109,15 +107,6 @@ def device_memory(server: Server, pid: int, timeout: float = 30) -> dict:
 def devices(server: Server) -> dict:
     """TP rank -> that scheduler's device counters now."""
     return {rank: device_memory(server, pid) for rank, pid in schedulers(server).items()}
-
-
-def status_running(version: str, state_dir) -> dict:
-    argv, env = realsglang.release_command(version, wrapt=None)
-    p = subprocess.run(argv + ["-m", "npu_shim", "status", "--running", "--json", str(state_dir)],
-                       env=env, capture_output=True, text=True, timeout=120)
-    if not p.stdout:
-        raise ServerError("status --running printed nothing: %s" % p.stderr[-2000:])
-    return json.loads(p.stdout)
 
 
 def release_details(server: Server) -> dict:

@@ -99,6 +99,18 @@ def session_pids(sid: int) -> list[int]:
     return pids
 
 
+
+def status_running(version: str, state_dir) -> dict:
+    """What ``python -m npu_shim status --running --json STATE_DIR`` says, run in the release's
+    environment as an operator would (no wrapt: the command needs none)."""
+    argv, env = realsglang.release_command(version, wrapt=None)
+    p = subprocess.run(argv + ["-m", "npu_shim", "status", "--running", "--json", str(state_dir)],
+                       env=env, capture_output=True, text=True, timeout=120)
+    if not p.stdout:
+        raise ServerError("status --running printed nothing: %s" % p.stderr[-2000:])
+    return json.loads(p.stdout)
+
+
 class Server:
     def __init__(self, version: str, model: Path, *, args=(), env: dict | None = None,
                  zbal: bool = False, shim: str = "on", log_path: Path | None = None,

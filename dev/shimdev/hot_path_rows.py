@@ -170,10 +170,10 @@ def rows(rounds=15, calls=100000, moe_calls=2000, bundle_dir=None):
                 bundle_dir = os.path.join(workdir, "npu-shim")
                 bundle.build(bundle_dir, log=lambda line: None)
             result += wrapt_rows(bundle_dir, rounds, calls)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - one line in the table
             result += _failed([WHAT_BEFORE % "C build", WHAT_BEFORE % "pure-Python build", WHAT_WHY], exc)
     try:
         result += moe_rows(rounds, moe_calls)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - one line in the table
         result += _failed([WHAT_EXTEND, WHAT_DECODE], exc)
     return result

@@ -108,6 +108,7 @@ def wrapper_cost(device, wrapt, tokens=16, calls=200, rounds=9, device_module=No
     attribute, as the shim installs it) on an extend batch: the dual-stream path, ``decode`` the
     wrapper on a decode batch: it calls through.  A small batch (``tokens``): the launches, not the
     device's arithmetic, set the time, so what the wrapper adds on the host shows."""
+    import enum
     import types
 
     import torch
@@ -126,9 +127,18 @@ def wrapper_cost(device, wrapt, tokens=16, calls=200, rounds=9, device_module=No
     cls.forward_deepep = wrapt.FunctionWrapper(_serial_forward, process.forward_deepep_wrapper)
     hidden = torch.randn(p["tokens"], p["hidden"], device=device, dtype=dtype)
 
+    class Mode(enum.IntEnum):  # sglang's ForwardMode, the two members and predicates it asks
+        EXTEND = 1
+        DECODE = 2
+
+        def is_extend(self):
+            return self is Mode.EXTEND
+
+        def is_target_verify(self):
+            return False
+
     def batch(extend):
-        mode = types.SimpleNamespace(is_extend=lambda: extend, is_target_verify=lambda: False)
-        return types.SimpleNamespace(num_token_non_padded=None, forward_mode=mode)
+        return types.SimpleNamespace(num_token_non_padded=None, forward_mode=Mode.EXTEND if extend else Mode.DECODE)
 
     extend, decode = batch(True), batch(False)
     arms = {"plain": lambda: block.forward_plain(hidden, extend),

@@ -45,11 +45,13 @@ def _device_module():
 
     return torch.get_device_module()
 
-def _dual_stream_wanted(forward_batch):
-    # As upstream 0.5.10: extend (which includes mixed/draft-extend) or target-verify; decode stays
-    # single-stream (its launches are too small to gain, and it runs in captured graphs).
-    mode = forward_batch.forward_mode
-    return mode.is_extend() or mode.is_target_verify()
+def _dual_stream_modes(mode_class):
+    """The forward modes upstream 0.5.10 runs on two streams: extend (which includes mixed /
+    draft-extend) or target-verify; decode stays single-stream (its launches are too small to gain,
+    and it runs in captured graphs).  Read once from the release's own predicates, so that a decode
+    call, which only passes through the wrapper, asks one set membership (docs/performance.md,
+    the decode row)."""
+    return frozenset(m for m in mode_class if m.is_extend() or m.is_target_verify())
 
 
 def _layer_key(attn):
@@ -76,6 +78,7 @@ class DualStreamExpertsState:
         self.kernel_error = None    # why it could not be imported/used
         self.kernel_partial = None  # True/False once its signature was read (kernel_support)
         self.layer_plans = {}       # layer-config key -> None (fused) or reason (original path)
+        self.dual_stream_modes = None  # _dual_stream_modes, at the first call
         self.counts = {"dual_stream_calls": 0, "fused_calls": 0}
         self.details["counts"] = self.counts  # live: status shows how often each path ran
         self._published = None      # monotonic time the counts last went to the state record
@@ -143,10 +146,16 @@ class DualStreamExpertsState:
 
     # -- the dual-stream forward_deepep
     def forward_deepep_wrapper(self, wrapped, instance, args, kwargs):
-        bound = bind_arguments(DEEPEP_PARAMS, args, kwargs)
-        hidden_states = bound["hidden_states"]
-        forward_batch = bound["forward_batch"]
-        if hidden_states.shape[0] == 0 or not _dual_stream_wanted(forward_batch):
+        if len(args) == 2 and not kwargs:  # as sglang's forward calls it: no binding to pay
+            hidden_states, forward_batch = args
+        else:
+            bound = bind_arguments(DEEPEP_PARAMS, args, kwargs)
+            hidden_states, forward_batch = bound["hidden_states"], bound["forward_batch"]
+        mode = forward_batch.forward_mode
+        modes = self.dual_stream_modes
+        if modes is None:
+            modes = self.dual_stream_modes = _dual_stream_modes(type(mode))
+        if mode not in modes or hidden_states.shape[0] == 0:
             return wrapped(*args, **kwargs)
         return self._forward_deepep_dual_stream(wrapped, instance, hidden_states, forward_batch)
 

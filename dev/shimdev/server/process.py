@@ -60,15 +60,17 @@ def _empty_dir() -> Path:
 
 
 def free_port() -> int:
-    """A free port below 50000: sglang derives others from it (0.5.11 adds 10000 for its gRPC
-    port and refuses one past 65535), so the kernel's ephemeral range is no good."""
+    """A free port below the kernel's ephemeral range (32768 up): a readiness probe to a port not
+    yet listened on can be given that same port as its own and connect to itself, reading its own
+    request back (seen once as ``BadStatusLine: GET /health_generate``); and sglang derives other
+    ports from it (0.5.11 adds 10000 for its gRPC port and refuses one past 65535)."""
     import random
 
     for _ in range(1000):
-        port = random.randrange(20000, 50000)
+        port = random.randrange(20000, 32768)
         if port_is_free(port):
             return port
-    raise ServerError("no free port in 20000-50000")
+    raise ServerError("no free port in 20000-32767")
 
 
 def port_is_free(port: int) -> bool:

@@ -12,6 +12,9 @@ import sys
 import types
 
 from shimdev import simzbal
+# DeepEP's Config as sgl-kernel-npu's deep_ep stand-in defines it: the real zbal library registers
+# the same class (zbal.zbal.deepep_adaptor looks it up by name, DEEPEP_NAMES).
+from shimdev.simnpu._deepep import Config as Config
 
 
 class ZBALBootstrapType(enum.IntEnum):
@@ -150,27 +153,6 @@ def _deepep():
     from shimdev.simnpu import _deepep
 
     return _deepep
-
-
-class Config:
-    def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6, num_max_nvl_chunked_recv_tokens=256,
-                 num_max_rdma_chunked_send_tokens=6, num_max_rdma_chunked_recv_tokens=128):
-        self.num_sms = num_sms
-        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
-        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
-        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
-        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
-
-    # sglang's DeepEPBuffer sizes its buffers with these (DeepEP's Config methods, registered by
-    # the real library too)
-    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
-        return self.num_max_nvl_chunked_recv_tokens * hidden_bytes * num_ranks
-
-    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
-        return 0  # intranode only
-
-    def __eq__(self, other):
-        return isinstance(other, Config) and vars(self) == vars(other)
 
 
 class EventHandle:

@@ -51,7 +51,8 @@ def wrapt_rows(bundle_dir, rounds, calls):
     from npu_shim.runtime import wrapt_loader
     from shimdev import hot_path_bench as H
 
-    vendor = os.path.join(bundle_dir, "npu_shim", "_vendor", "wrapt")
+    # absolute: the workers run in a directory of their own, where a relative bundle is not found
+    vendor = os.path.join(os.path.abspath(bundle_dir), "npu_shim", "_vendor", "wrapt")
     c_build, _ = wrapt_loader.select_build(wrapt_loader.bundled_builds(vendor), *wrapt_loader.platform_facts())
     builds = {"C build": c_build, "pure-Python build": wrapt_loader.PURE_BUILD}
     out = H.wrapt_builds({label: os.path.join(vendor, build, "wrapt") for label, build in builds.items()},

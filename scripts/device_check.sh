@@ -13,6 +13,8 @@
 #                      (their processes asked in alternating rounds), and why the C build reads slower
 #   5. moe_wrapper     scripts/bench_dual_stream.py --wrapper-cost: the dual-stream wrapper's host
 #                      time per MoE layer call on the device (extend: dual stream; decode: calls through)
+#   6. sweep           the overlap over batch sizes, shapes and both routed paths (--routed
+#                      per-expert / masked): where on this device the side stream can pay at all
 #
 # Steps 4 and 5 use a bundle's wrapt (BUNDLE, default .device-bundle/npu-shim): a device machine
 # reaches no package index, so build it here and carry it --
@@ -29,7 +31,7 @@ DRY=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "device_check.sh: unknown argument $arg (--dry-run, --help)" >&2; exit 2 ;;
   esac
 done
@@ -59,6 +61,9 @@ if [ $DRY -eq 1 ]; then
   OVERLAP_SIZES=(--tokens 32 --hidden 64 --shared-inter 64 --expert-inter 32 --experts 4 --samples 2 --reps 1)
   WRAPPER_SIZES=(--tokens 8 --hidden 64 --shared-inter 64 --expert-inter 32 --experts 4 --calls 5 --rounds 3)
   HOT_SIZES=(--rounds 3 --calls 2000)
+  SWEEP_TOKENS=(16 32)
+  AIR_TOKENS=(16)
+  SWEEP_SIZES=(--hidden 64 --shared-inter 64 --expert-inter 32 --experts 4 --samples 2 --reps 1)
   if [ ! -d "$BUNDLE/npu_shim/_vendor/wrapt" ]; then
     note "building the bundle $BUNDLE (pip: wrapt wheels)"
     "$PY" -m npu_shim bundle "$BUNDLE" > "$OUT/bundle.txt" 2>&1 || note "bundle: build failed (see bundle.txt)"
@@ -68,6 +73,9 @@ else
   OVERLAP_SIZES=()
   WRAPPER_SIZES=()
   HOT_SIZES=(--rounds 9 --calls 100000)
+  SWEEP_TOKENS=(512 2048 8192)
+  AIR_TOKENS=(1024 4096 8192)
+  SWEEP_SIZES=()
 fi
 
 {
@@ -88,6 +96,24 @@ timeout 120 "$PY" -m npu_shim selftest --json "${ARGS[@]}" > "$OUT/selftest.json
 note "selftest --json: exit $?"
 
 step overlap 240 "$PY" scripts/bench_dual_stream.py "${DEVICE[@]}" "${OVERLAP_SIZES[@]}"
+
+# sweep_row ARGS...: one overlap row of the sweep, its measured line and verdict
+sweep_row() {
+  echo "== $*"
+  timeout 90 "$PY" scripts/bench_dual_stream.py "${DEVICE[@]}" "$@" 2>&1 | grep -E "^(how|measured|ok|not measured)"
+}
+sweep() {
+  local r t air=(--hidden 4096 --shared-inter 1408 --experts 16 --topk 8 --expert-inter 1408)
+  for r in per-expert masked; do
+    for t in "${SWEEP_TOKENS[@]}"; do sweep_row --routed "$r" --tokens "$t" "${SWEEP_SIZES[@]}"; done
+  done
+  [ $DRY -eq 1 ] && air=("${SWEEP_SIZES[@]}")
+  for t in "${AIR_TOKENS[@]}"; do sweep_row --routed masked --tokens "$t" "${air[@]}"; done
+}
+# a shell function, so not through step's timeout: each of its rows has its own
+sweep > "$OUT/sweep.txt" 2>&1
+note "sweep: $(grep -c '^measured:' "$OUT/sweep.txt") rows measured"
+cat "$OUT/sweep.txt"
 
 if [ -d "$BUNDLE/npu_shim/_vendor/wrapt" ]; then
   step mla_wrapper 180 "$PY" scripts/bench_hot_path.py --wrapt-only --bundle "$BUNDLE" "${HOT_SIZES[@]}"

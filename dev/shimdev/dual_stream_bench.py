@@ -71,9 +71,9 @@ def _row(result, device, name):
     return {
         "what": WHAT,
         "how": ("%s (%s): synthetic MoE block, %d tokens x hidden %d, shared MLP %d, %d routed experts "
-                "(top-%d, MLP %d) run one by one; medians of %d samples x %d reps"
+                "(top-%d, MLP %d) run one by one, %s; medians of %d samples x %d reps"
                 % (device, name, p["tokens"], p["hidden"], p["shared_inter"], p["experts"], p["topk"],
-                   p["expert_inter"], p["samples"], p["reps"])),
+                   p["expert_inter"], p["routed"], p["samples"], p["reps"])),
         "measured": measured,
         "target": TARGET,
         "ok": ok,
@@ -209,6 +209,8 @@ def main(argv=None):
     parser.add_argument("--device", choices=("cuda", "npu", "cpu"), help="default: the one present")
     for key in ("tokens", "hidden", "shared_inter", "experts", "topk", "expert_inter", "samples", "reps"):
         parser.add_argument("--" + key.replace("_", "-"), type=int, dest=key)
+    parser.add_argument("--routed", choices=synthetic_moe.ROUTED,
+                        help="how the routed experts run (synthetic_moe.ROUTED; default per-expert)")
     parser.add_argument("--wrapper-cost", action="store_true",
                         help="the shim's wrapper's host time per call instead of the overlap")
     parser.add_argument("--bundle", help="with --wrapper-cost: a bundle whose wrapt to use (default: import wrapt)")

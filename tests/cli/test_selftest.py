@@ -451,6 +451,27 @@ def test_summarise_the_share_of_the_ideal_saving():
     assert synthetic_moe.summarise(zero)["fraction"] is None
 
 
+def test_the_synthetic_block_s_two_routed_paths_compute_the_same_sums():
+    """``masked`` (every expert over every token, weighted; no host wait) stands in for
+    ``per-expert`` (each expert's own tokens) in the device sweep: the same MoE, so the same output
+    up to float rounding; any other name is refused before a block is built."""
+    import torch
+
+    small = dict(synthetic_moe.DEFAULTS, tokens=12, hidden=16, shared_inter=24, experts=4, topk=2, expert_inter=8)
+    hidden = torch.randn(12, 16, generator=torch.Generator().manual_seed(3))
+    batch = types.SimpleNamespace(num_token_non_padded=None)
+    out = {}
+    for routed in synthetic_moe.ROUTED:
+        block = synthetic_moe.build_block("cpu", torch.float64, dict(small, routed=routed))  # same seed, same weights
+        with torch.no_grad():
+            out[routed] = synthetic_moe.serial_forward(block, hidden.double(), batch)
+            routed_part = synthetic_moe.routed_only(block, hidden.double(), batch)
+        assert routed_part.abs().max() > 0  # the routed experts contribute: not a vacuous equality
+    torch.testing.assert_close(out["masked"], out["per-expert"], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="routed must be one of per-expert, masked, not 'dense'"):
+        synthetic_moe.build_block("cpu", torch.float64, dict(small, routed="dense"))
+
+
 def _step(torch, dm, device, **options):
     """What selftest_child hands a patch's ``run(step)`` on a (stand-in) device, index 0."""
     return types.SimpleNamespace(torch=torch, kind=device.split(":")[0], dm=dm, device=device, index=0,

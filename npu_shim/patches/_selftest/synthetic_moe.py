@@ -26,7 +26,12 @@ import time
 GLM4_AIR = dict(hidden=4096, shared_inter=1408, experts=16, topk=8, expert_inter=1408)
 SELFTEST_TOKENS = (256, 1024, 4096)
 DEFAULTS = dict(tokens=512, hidden=2048, shared_inter=4096, experts=8, topk=2, expert_inter=1024,
-                samples=15, reps=10, warmup=5)
+                samples=15, reps=10, warmup=5, routed="per-expert")
+# How the routed experts run: "per-expert" gathers each expert's tokens (``nonzero``: the host
+# waits for the main stream once per expert, as an eager loop over experts does); "masked" runs
+# each expert over every token with its routing weight (zero where it was not chosen): the same
+# sums, no host wait, as a grouped matmul queues the routed work without stopping the host.
+ROUTED = ("per-expert", "masked")
 TARGET_FRACTION = 0.9
 
 
@@ -80,6 +85,10 @@ def build_block(device, dtype, p):
             weights, ids = torch.softmax(router_logits.float(), dim=-1).topk(K, dim=-1)
             return (weights / weights.sum(dim=-1, keepdim=True)).to(hidden_states.dtype), ids
 
+    if p["routed"] not in ROUTED:
+        raise ValueError("routed must be one of %s, not %r" % (", ".join(ROUTED), p["routed"]))
+    masked = p["routed"] == "masked"
+
     class Experts(torch.nn.Module):
         """Routed experts, one expert at a time (small GEMMs: the device is far from full)."""
         should_fuse_routed_scaling_factor_in_topk = False
@@ -92,6 +101,10 @@ def build_block(device, dtype, p):
             weights, ids = topk_output
             out = torch.zeros_like(hidden_states)
             for e, mlp in enumerate(self.experts):
+                if masked:
+                    weight = (weights * (ids == e)).sum(dim=-1, keepdim=True)
+                    out.add_(mlp(hidden_states) * weight)
+                    continue
                 token, slot = (ids == e).nonzero(as_tuple=True)
                 if token.numel():
                     y = mlp(hidden_states[token]) * weights[token, slot].unsqueeze(-1)

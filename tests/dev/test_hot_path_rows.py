@@ -80,3 +80,19 @@ def test_round_ratios_give_the_middle_half():
     ratios, (low, high) = H.round_ratios([1, 2, 3, 4, 5, 6, 7, 8], [1] * 8)
     assert ratios == [1, 2, 3, 4, 5, 6, 7, 8] and (low, high) == (3, 6)
     assert H.round_ratios([2], [1])[1] == (2, 2)
+
+
+def test_the_wrapt_rows_find_a_bundle_given_by_a_relative_path(built_bundle, monkeypatch):
+    """device_check.sh passes ``.device-bundle/npu-shim``: the builds' workers run in a directory of
+    their own, where the relative path named nothing and the C build's worker could not load wrapt
+    (found on the first device run, 2026-12-04).  Tiny rounds: the rows' plumbing, nothing timed."""
+    import os
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(str(built_bundle))))
+    relative = os.path.join(os.path.basename(os.path.dirname(str(built_bundle))), "npu-shim")
+    assert not os.path.isabs(relative) and os.path.isdir(relative)
+    rows = hot_path_rows.wrapt_rows(relative, 1, 200)
+    assert [r["what"] for r in rows[:2]] == [hot_path_rows.WHAT_BEFORE % label
+                                             for label in ("C build", "pure-Python build")]
+    # wrapt_rows itself refuses a build loaded with the wrong extension; here each row names its build
+    assert len(rows) == 3 and "cp3" in rows[0]["how"] and "py3-none-any" in rows[1]["how"], rows

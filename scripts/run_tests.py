@@ -93,7 +93,8 @@ def main(argv):
     # loadgroup: the real-server tests of one release (xdist_group) share its servers on one worker
     # the whole suite unless the arguments name test files or folders of their own
     chosen = [a for a in argv if not a.startswith("-") and a.split("::")[0].startswith("tests")]
-    command = ([str(python), "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q", "-ra"]
+    command = ([str(python), "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q", "-ra",
+                "--durations=25"]
                + ([] if chosen else ["tests"]) + list(argv))
     log(" ".join(command))
     code = subprocess.call(command, cwd=REPO, env=env)

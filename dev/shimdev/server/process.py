@@ -122,6 +122,15 @@ class Server:
         self.port = port or free_port()
         self.args = [*BASE_ARGS, "--model-path", str(model), "--host", "127.0.0.1",
                      "--port", str(self.port), *args]
+        if "--nccl-port" not in args:
+            # Left to itself, sglang 0.5.9+ takes the torch.distributed store's port from the
+            # kernel's ephemeral range (bind to 0, close, bind again much later), where any
+            # outgoing connection on the machine may take it first: a full run with other servers
+            # up failed once with EADDRINUSE there.  Ours comes from below that range.
+            nccl_port = free_port()
+            while nccl_port == self.port:
+                nccl_port = free_port()
+            self.args += ["--nccl-port", str(nccl_port)]
         if shim not in ("on", "disabled", "absent"):
             raise ValueError("shim is 'on', 'disabled' (NPU_SHIM_ENABLED=0) or 'absent' (not on "
                              "PYTHONPATH): %r" % (shim,))

@@ -338,10 +338,11 @@ def print_report(report):
 def run(args):
     """The ``check`` command with its parsed ``args``; its exit status."""
     facts = bundle_facts()
+    from npu_shim.reporting.terminal import print_json  # once the bundle is verified (bundle_facts)
+
     if not facts["ok"]:
         if args.json:
-            json.dump({"started": False, "bundle": facts}, sys.stdout, indent=2)
-            sys.stdout.write("\n")
+            print_json({"started": False, "bundle": facts})
         else:
             print_not_started(facts)
         return EXIT_CHECK_FAILED
@@ -353,8 +354,7 @@ def run(args):
         return EXIT_CHECK_FAILED
     report["bundle"] = facts
     if args.json:
-        json.dump(report, sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
+        print_json(report, default=str)
     else:
         print_report(report)
     return exit_code(report)

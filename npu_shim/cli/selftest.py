@@ -297,10 +297,9 @@ def print_result(result, out):
 
 def main(args):
     from npu_shim.cli import exit_codes as cli
-    from npu_shim.patches.registry import known_names
-    from npu_shim.reporting.terminal import terminal_writer
-
     from npu_shim.core.loading import load_all, selftest_step
+    from npu_shim.patches.registry import known_names
+    from npu_shim.reporting.terminal import print_json, terminal_writer
 
     unknown = [n for n in args.patch or () if n not in known_names()]
     options = [option for patch in load_all() for option in (getattr(selftest_step(patch), "options", ()))]
@@ -324,8 +323,7 @@ def main(args):
 
     result = run(options, log=log)
     if args.json:
-        json.dump(result, sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
+        print_json(result, default=str)
     else:
         print_result(result, terminal_writer())
     return result["exit"]

@@ -153,7 +153,7 @@ def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
     """(report or None, error or None) of one child; progress lines go to ``log`` as they come.
     The child runs in its own process group (npu_shim/cli/children.py), killed with whatever it
     started on every way out of here."""
-    from npu_shim.cli import check, children
+    from npu_shim.cli import children
     from npu_shim.cli import selftest_child as child
 
     proc = children.start(children.python_command(CHILD_CODE, stage, json.dumps(options)),
@@ -185,11 +185,11 @@ def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
             if reader.ident is not None:
                 reader.join(5)
         children.stop(proc)
-    report, problem = check.find_report("\n".join(lines), child.MARK)
+    report, problem = children.find_report("\n".join(lines), child.MARK)
     if report is not None:
         return report, None
     return None, "the selftest process exited %d %s: %s" % (
-        proc.returncode, problem, check.last_words("".join(errors), "\n".join(lines)))
+        proc.returncode, problem, children.last_words("".join(errors), "\n".join(lines)))
 
 
 def run(options, log=None):

@@ -31,8 +31,9 @@ def progress(text):
 
 
 def emit(report):
-    sys.stdout.write("\n" + MARK + json.dumps(report, default=str) + "\n")
-    sys.stdout.flush()
+    from npu_shim.cli import children
+
+    children.write_report(MARK, report)
 
 
 def _one_line(exc):

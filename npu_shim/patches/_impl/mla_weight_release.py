@@ -129,7 +129,7 @@ class MlaWeightReleaseState:
             return role, "role %s" % role
         try:
             args = server_args()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - unknown args: nothing is released, and the log says why
             return self._skip("args", "the server args cannot be read (%r), so LoRA / weight updates "
                                       "cannot be ruled out" % (exc,),
                               "server args unknown", (role, "server args unknown"))
@@ -344,7 +344,7 @@ class MlaWeightReleaseState:
                 else:
                     self.once("late", logging.WARNING, "layer %s first ran after the first pass over "
                               "the layers: its qkv_a_proj.weight is released, its w_kc kept" % layer)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - never break weight loading over an optimisation
             self.once("error", logging.ERROR,
                       "keeping qkv_a_proj.weight: deciding the release raised %r" % (exc,))
         return result

@@ -5,7 +5,7 @@ call ``npu_shim.install()`` yourself.  Nothing heavy is imported here: this modu
 interpreter start-up in every process of the image.
 """
 
-from npu_shim._version import __version__  # noqa: F401
+from npu_shim._version import __version__  # noqa: F401 - npu_shim.__version__, the package's version
 
 
 def install():

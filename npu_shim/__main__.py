@@ -23,7 +23,7 @@ from npu_shim.cli.exit_codes import (  # noqa: F401 - the codes, importable from
 # What verifying a bundle imports, loaded before any command: ``check`` verifies the bundle it runs
 # from with only modules this process has loaded already (a file beside sitecustomize.py named like
 # one it imported later would run before the verification could see it).
-from npu_shim.cli import bundle_verify  # noqa: F401
+from npu_shim.cli import bundle_verify  # noqa: F401 - loaded now, for what it imports (above)
 
 # Not read from __doc__: under -OO (PYTHONOPTIMIZE=2) there is none.
 DESCRIPTION = "python -m npu_shim status|check|selftest|env|bundle."

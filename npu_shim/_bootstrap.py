@@ -133,7 +133,7 @@ def start():
             from npu_shim.reporting import log
 
             log.error_once("bootstrap", "shim off: bootstrap failed: %r" % (exc,))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - saying so failed too: start-up goes on, silent
             pass
 
 
@@ -224,5 +224,5 @@ if __name__ == "sitecustomize":
         sys.stderr.write("[npu-shim] shim off: bootstrap failed: %r\n" % (exc,))
     try:
         chain_next_sitecustomize(__file__)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - the image's own sitecustomize failing must not stop start-up
         sys.stderr.write("[npu-shim] could not run the next sitecustomize: %r\n" % (exc,))

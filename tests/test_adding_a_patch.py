@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from test_bootstrap import FAKE_COMMON
+from test_bootstrap import write_fake_sglang
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUIDE = os.path.join(REPO, "docs", "adding-a-patch.md")
@@ -45,13 +45,7 @@ def tree(tmp_path_factory):
     text = registry.read_text()
     registry.write_text(text.replace('"npu_shim.patches.dual_stream_experts",\n',
                                      '"npu_shim.patches.dual_stream_experts",\n    "npu_shim.patches.%s",\n' % NAME))
-    sg = root / "pkgs" / "sglang"
-    (sg / "srt" / "utils").mkdir(parents=True)
-    (sg / "__init__.py").write_text("")
-    (sg / "version.py").write_text('__version__ = "0.5.9"\n')
-    (sg / "srt" / "__init__.py").write_text("")
-    (sg / "srt" / "utils" / "__init__.py").write_text("from .common import *\n")
-    (sg / "srt" / "utils" / "common.py").write_text(FAKE_COMMON)
+    write_fake_sglang(root / "pkgs")
     return root
 
 

@@ -33,6 +33,23 @@ class Scheduler:
 __all__ = ["get_npu_memory_capacity", "Scheduler"]
 '''
 
+# The minimal sglang the mechanism tests import: {path below the folder put on PYTHONPATH: text}
+# (tests/test_adding_a_patch.py and the deploy tests' fake image use it too).
+FAKE_SGLANG = {
+    "sglang/__init__.py": "",
+    "sglang/version.py": '__version__ = "0.5.9"\n',
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/utils/__init__.py": "from .common import *\n",
+    "sglang/srt/utils/common.py": FAKE_COMMON,
+}
+
+
+def write_fake_sglang(folder):
+    """FAKE_SGLANG below ``folder`` (a Path, the folder put on PYTHONPATH)."""
+    for path, text in FAKE_SGLANG.items():
+        (folder / path).parent.mkdir(parents=True, exist_ok=True)
+        (folder / path).write_text(text)
+
 DEMO_PATCH = '''
 import os
 from npu_shim.core import config, framework
@@ -89,13 +106,7 @@ npu_shim.patches.registry.PATCH_MODULES[:] = ["demo"]
 @pytest.fixture
 def tree(tmp_path):
     """tmp/sglang (fake package), tmp/image (the image's own sitecustomize + demo patch)."""
-    sg = tmp_path / "pkgs" / "sglang"
-    (sg / "srt" / "utils").mkdir(parents=True)
-    (sg / "__init__.py").write_text("")
-    (sg / "version.py").write_text('__version__ = "0.5.9"\n')
-    (sg / "srt" / "__init__.py").write_text("")
-    (sg / "srt" / "utils" / "__init__.py").write_text("from .common import *\n")
-    (sg / "srt" / "utils" / "common.py").write_text(FAKE_COMMON)
+    write_fake_sglang(tmp_path / "pkgs")
     image = tmp_path / "image"
     image.mkdir()
     (image / "sitecustomize.py").write_text(IMAGE_SITECUSTOMIZE)

@@ -25,7 +25,7 @@ import npu_shim
 from npu_shim.cli import bundle
 from shimdev import containers, sglang_envs
 from shimdev import fake_launch_server
-from test_bootstrap import DEMO_PATCH, FAKE_COMMON
+from test_bootstrap import DEMO_PATCH, FAKE_SGLANG
 from test_drop_in import snapshot
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,15 +59,10 @@ ENV PYTHONDONTWRITEBYTECODE=1
 
 def fake_sglang_files():
     """The build context of the fake image: test_bootstrap's tree, the launcher, the demo patch."""
-    site = {
-        "sglang/__init__.py": "",
-        "sglang/version.py": '__version__ = "0.5.9"\n',
-        "sglang/srt/__init__.py": "",
-        "sglang/srt/utils/__init__.py": "from .common import *\n",
-        "sglang/srt/utils/common.py": FAKE_COMMON,
+    site = dict(FAKE_SGLANG, **{
         "sglang/launch_server.py": Path(fake_launch_server.__file__).read_text(),
         "demo.py": DEMO_PATCH,
-    }
+    })
     files = {"site/" + name: text for name, text in site.items()}
     files["sitecustomize.py"] = IMAGE_SITECUSTOMIZE
     return files

@@ -4,7 +4,7 @@ scripts/csan_dual_stream.py; its cases are also run under the simulated NPU's sa
 tests/dev/test_simnpu_sanitizer.py, which keeps ``OURS`` honest).
 
 Each case drives ``DualStreamExpertsState._forward_deepep_dual_stream`` (npu_shim/patches/_impl/dual_stream_experts.py)
-on the benchmark's synthetic MoE block (npu_shim/patches/_selftest/synthetic_moe.py) through
+on the benchmark's synthetic MoE block (npu_shim/patches/_selftest/_synthetic_moe.py) through
 ``torch.get_device_module()``, so the same code runs on the simulated NPU and on CUDA.  On CUDA each
 case runs in a child process with ``TORCH_CUDA_SANITIZER=1`` (CSAN must be on before the first
 CUDA call, and it raises at the first race it finds).

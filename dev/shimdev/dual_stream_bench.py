@@ -14,7 +14,7 @@ one shared expert MLP) is run three ways on one device, side by side in one proc
 
 It prints serial, overlapped and ideal time (medians of device time between two events on the main
 stream), overlapped/ideal, and the fraction of the ideal saving (serial - ideal) that the overlap
-realises; target >= 90 %.  Block and measurement are npu_shim/patches/_selftest/synthetic_moe.py's, the code
+realises; target >= 90 %.  Block and measurement are npu_shim/patches/_selftest/_synthetic_moe.py's, the code
 ``python -m npu_shim selftest`` runs on the device.  The stream helpers use
 ``torch.get_device_module()`` as upstream does, so the same code runs on CUDA and on an NPU.
 Without either device it says so and measures nothing.
@@ -28,8 +28,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from npu_shim.patches._selftest import synthetic_moe
-from npu_shim.patches._selftest.synthetic_moe import DEFAULTS, build_block, serial_forward as _serial_forward
+from npu_shim.patches._selftest import _synthetic_moe
+from npu_shim.patches._selftest._synthetic_moe import DEFAULTS, build_block, serial_forward as _serial_forward
 
 WHAT = "dual-stream overlap (CUDA or NPU when present)"
 TARGET = ">= 90 % of the ideal saving (serial - max(shared, routed))"
@@ -51,8 +51,8 @@ def find_device():
 
 
 def measure(device, **overrides):
-    """npu_shim.patches._selftest.synthetic_moe.measure: the same code as ``python -m npu_shim selftest``."""
-    return synthetic_moe.measure(device, **overrides)
+    """npu_shim.patches._selftest._synthetic_moe.measure: the same code as ``python -m npu_shim selftest``."""
+    return _synthetic_moe.measure(device, **overrides)
 
 
 def _row(result, device, name):
@@ -64,7 +64,7 @@ def _row(result, device, name):
                 % (serial, over, result["shared"], result["routed"], ideal,
                    "%.2f" % (over / ideal) if ideal > 0 else "n/a",
                    "%.0f %%" % (fraction * 100) if fraction is not None else "n/a", result["equal"]))
-    ok = bool(result["equal"] and fraction is not None and fraction >= synthetic_moe.TARGET_FRACTION)
+    ok = bool(result["equal"] and fraction is not None and fraction >= _synthetic_moe.TARGET_FRACTION)
     if device == "cpu":
         measured += " (CPU smoke run: CPU streams are no-ops, nothing to overlap)"
         ok = None

@@ -207,7 +207,7 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
     and 0.5.8 build their NPU rotary embedding only for head sizes 64/128/256/512 (others take a
     vllm kernel)."""
     import torch
-    from npu_shim.patches._selftest import synthetic_moe
+    from npu_shim.patches._selftest import _synthetic_moe
     from shimdev import simnpu
     from shimdev import dual_stream_kernels as K
     from shimdev import mla_kernels
@@ -276,7 +276,7 @@ def glm4_moe_bed(kernel="partial", head_dim=16):
     block.routed_scaling_factor = 2.5
     block.gate = m.Glm4MoeGate(types.SimpleNamespace(n_routed_experts=E, hidden_size=H))  # real
     torch.nn.init.normal_(block.gate.weight)
-    block.shared_experts = synthetic_moe.mlp_class()(H, INTER)  # the selftest's shared-expert MLP
+    block.shared_experts = _synthetic_moe.mlp_class()(H, INTER)  # the selftest's shared-expert MLP
     block.topk = TopKRef()
     block.experts = ExpertsRef()
     block.gate.register_forward_pre_hook(logged("gate"))

@@ -13,14 +13,16 @@ set, so the bundle brings what the shim needs and is compiled ahead of time:
     OUT_DIR/SHA256SUMS                       the same hashes for ``sha256sum -c``
     OUT_DIR.tar.gz                           the whole directory
 
-Wheels come from PyPI through pip (``pip download --only-binary``); nothing is built from source.
+Wheels come from PyPI through pip (``pip download --only-binary``); nothing is built from source
+(npu_shim/cli/bundle_wheels.py); the .pyc are compiled by each interpreter found
+(npu_shim/cli/bundle_pyc.py).
 
 Every target is checked before anything is downloaded or created (npu_shim/cli/bundle_target.py;
 what ``check`` verifies of a built bundle: npu_shim/cli/bundle_verify.py).  The bundle is assembled in
 a staging directory beside OUT_DIR, then swapped in by renames: a previous bundle is renamed aside
 into the staging directory (deleted with it) and renamed back if the swap fails.
 
-The build imports tarfile, zipfile, shutil, subprocess and the like inside its functions only.
+The build imports tarfile, shutil, tempfile and the like inside its functions only.
 """
 
 import json
@@ -29,113 +31,18 @@ import sys
 
 from npu_shim import _paths
 from npu_shim._version import __version__
+from npu_shim.cli.bundle_pyc import PYTHONS, compile_pyc, interpreters
 from npu_shim.cli.bundle_target import BundleError, check_target, identity
 from npu_shim.cli.bundle_verify import sha256, shown
+from npu_shim.cli.bundle_wheels import MACHINES, download_wrapt, extract_package
 
 # The npu_shim package being bundled.
 _PACKAGE = _paths.PACKAGE_DIR
 
 WRAPT_VERSION = "2.5.2"
-PYTHONS = ("3.9", "3.10", "3.11", "3.12", "3.13")
-MACHINES = ("x86_64", "aarch64")
-# Oldest first: pip matches a wheel's tags exactly, so every manylinux name wrapt publishes is given.
-MANYLINUX = {
-    "x86_64": ("manylinux1_x86_64", "manylinux_2_5_x86_64", "manylinux2010_x86_64",
-               "manylinux_2_12_x86_64", "manylinux2014_x86_64", "manylinux_2_17_x86_64",
-               "manylinux_2_28_x86_64"),
-    "aarch64": ("manylinux2014_aarch64", "manylinux_2_17_aarch64", "manylinux_2_28_aarch64"),
-}
-_LEGACY_GLIBC = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
-_PIP_TIMEOUT_S = 600
-# The command that runs pip.  tests/cli/test_bundle.py replaces it (in its wrapper process, never
-# through the environment) with a stand-in that waits, to stop a build while "pip" runs.
-_PIP = (sys.executable, "-m", "pip")
 
 
 # -- building ---------------------------------------------------------------------------------------
-
-def oldest_glibc(wheel_name):
-    """The lowest glibc any of a wheel file's manylinux tags needs, e.g. (2, 5)."""
-    import re
-
-    platforms = wheel_name[:-len(".whl")].split("-")[-1].split(".")
-    found = []
-    for tag in platforms:
-        match = re.match(r"manylinux_(\d+)_(\d+)_", tag)
-        if match:
-            found.append((int(match.group(1)), int(match.group(2))))
-        elif tag.split("_")[0] in _LEGACY_GLIBC:
-            found.append(_LEGACY_GLIBC[tag.split("_")[0]])
-    if not found:
-        raise BundleError("%s has no manylinux tag" % wheel_name)
-    return min(found)
-
-
-def _pip_download(args, dest, what):
-    import subprocess
-
-    from npu_shim.cli import children
-
-    command = list(_PIP) + ["download", "-q", "--disable-pip-version-check", "--no-deps",
-                            "--only-binary=:all:", "-d", dest] + args
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)  # pip must not run with the shim active
-    try:
-        # pip in its own process group, killed with it on every way out (a stop signal included)
-        returncode, out, _err = children.run(command, _PIP_TIMEOUT_S, env=env, merge_stderr=True)
-    except subprocess.TimeoutExpired:
-        raise BundleError("%s: pip timed out after %ds" % (what, _PIP_TIMEOUT_S)) from None
-    except OSError as exc:
-        raise BundleError("%s: cannot run pip: %s" % (what, exc.strerror or exc)) from None
-    if returncode != 0:
-        tail = "\n".join(out.strip().splitlines()[-5:])
-        raise BundleError("%s failed: %s\n%s" % (what, " ".join(command), tail))
-    wheels = [name for name in os.listdir(dest) if name.endswith(".whl")]
-    if len(wheels) != 1:
-        raise BundleError("%s: expected one wheel in %s, found %s" % (what, dest, wheels or "none"))
-    return os.path.join(dest, wheels[0])
-
-
-def _mkdirs_below(top, path):
-    """``os.makedirs(path)`` where ``top``'s parent must exist already: a staging directory that
-    vanished (its parent re-pointed) fails here instead of being made again somewhere else."""
-    if not os.path.isdir(os.path.dirname(top)):
-        raise BundleError("the staging directory %s is gone" % shown(top))
-    os.makedirs(path)
-
-
-def download_wrapt(workdir, version, pythons, machines):
-    """{build folder name: wheel path} for every C build plus the pure-Python one."""
-    wheels = {}
-    for python in pythons:
-        abi = "cp" + python.replace(".", "")
-        for machine in machines:
-            dest = os.path.join(workdir, "%s-%s" % (abi, machine))
-            _mkdirs_below(workdir, dest)
-            args = ["--python-version", python, "--implementation", "cp", "--abi", abi]
-            for platform in MANYLINUX[machine]:
-                args += ["--platform", platform]
-            wheel = _pip_download(args + ["wrapt==%s" % version], dest,
-                                  "wrapt %s for CPython %s on %s" % (version, python, machine))
-            glibc = oldest_glibc(os.path.basename(wheel))
-            wheels["%s-%s-glibc%d.%d" % (abi, machine, glibc[0], glibc[1])] = wheel
-    dest = os.path.join(workdir, "pure")
-    _mkdirs_below(workdir, dest)
-    wheels["py3-none-any"] = _pip_download(["--platform", "any", "wrapt==%s" % version], dest,
-                                           "wrapt %s pure-Python wheel" % version)
-    return wheels
-
-
-def _extract_package(wheel, dest):
-    """Extract the ``wrapt/`` package of a wheel (not its stubs or dist-info) into dest/wrapt."""
-    import zipfile
-
-    with zipfile.ZipFile(wheel) as archive:
-        members = [m for m in archive.namelist() if m.startswith("wrapt/") and not m.endswith(".c")]
-        if "wrapt/__init__.py" not in members:
-            raise BundleError("%s holds no wrapt package" % wheel)
-        archive.extractall(dest, members)
-
 
 def _copy_shim(root):
     """sitecustomize.py and the npu_shim package (sources only) into root."""
@@ -150,101 +57,6 @@ def _copy_shim(root):
     shutil.copy2(bootstrap, root)
     shutil.copytree(source_package, os.path.join(root, "npu_shim"),
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "_vendor"))
-
-
-def interpreters(requested):
-    """[(path, "3.11")] for the interpreters to compile .pyc with: those requested, else this one,
-    every ``python3.9`` .. ``python3.13`` on PATH and every CPython 3.9-3.13 pyenv has."""
-    import shutil
-    import subprocess
-
-    candidates = list(requested) or [sys.executable] + [
-        found for found in (shutil.which("python" + v) for v in PYTHONS) if found] + _pyenv_pythons()
-    result, seen = [], set()
-    for path in candidates:
-        try:
-            version, why = _python_version(path)
-        except (OSError, subprocess.SubprocessError) as exc:
-            version, why = None, "cannot run it: %s" % (getattr(exc, "strerror", None) or exc)
-        if version is None:
-            if requested:
-                raise BundleError("--python %s: %s; the bundle supports CPython %s"
-                                  % (shown(path), why, ", ".join(PYTHONS)))
-            continue
-        if version not in seen:
-            seen.add(version)
-            result.append((path, version))
-    return result
-
-
-# What an interpreter prints of itself; one line, so that anything else it prints is not taken.
-_WHO = "import sys; print('npu-shim-python %d.%d %s' % (sys.version_info[:2] + (sys.implementation.name,)))"
-
-
-def _python_version(path):
-    """("3.11", None) for a CPython 3.9-3.13 at ``path``, or (None, what it is instead): a
-    program that is no Python, or prints something else, is told apart from one that is."""
-    import re
-
-    from npu_shim.cli import children
-
-    code, out, _err = children.run([path, "-I", "-S", "-c", _WHO], 60)
-    found = re.search(r"^npu-shim-python (\d+\.\d+) (\S+)$", out, re.M)
-    if code != 0 or not found:
-        said = " ".join(out.split())[:60]
-        return None, "it is not a Python (it exited %d%s)" % (
-            code, ", printing %s" % ascii(said) if said else " and printed nothing")
-    version, implementation = found.groups()
-    if implementation != "cpython" or version not in PYTHONS:
-        return None, "it is %s %s" % (shown(implementation), version)
-    return version, None
-
-
-def _pyenv_pythons():
-    """Interpreters pyenv has installed (its shims on PATH run only the selected ones)."""
-    import glob
-
-    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
-    return sorted(glob.glob(os.path.join(root, "versions", "3.*", "bin", "python3")))
-
-
-# Hash-based .pyc stay valid whatever mtimes a copy, a tar or an image layer gives the files.
-# sitecustomize's is unchecked: every Python process on the node loads it, and checking means
-# reading and hashing its source each time; the bundle is verified as a whole instead (an edited
-# sitecustomize.py is "changed" to check, and is not what runs).  The package's are checked: only
-# sglang processes load them.
-#
-# Every optimisation level (.pyc, .opt-1.pyc, .opt-2.pyc): a process started with -O or -OO finds
-# its own, so it neither writes one into a writable bundle (which check would then call an extra
-# file) nor compiles an edited sitecustomize.py that the plain level would not run.
-_COMPILE = """\
-import compileall, os, py_compile, re, sys
-root = sys.argv[1]
-tag = "cp%d%d-" % sys.version_info[:2]
-vendor = os.path.join(root, "npu_shim", "_vendor", "wrapt")
-levels = [0, 1, 2]
-ok = compileall.compile_file(os.path.join(root, "sitecustomize.py"), quiet=2, optimize=levels,
-                             invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
-skip = re.compile(re.escape(vendor + os.sep) + r"(?!(%s|py3-none-any))" % re.escape(tag))
-ok &= compileall.compile_dir(os.path.join(root, "npu_shim"), quiet=2, rx=skip, optimize=levels,
-                             invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
-sys.exit(0 if ok else 1)
-"""
-
-
-def compile_pyc(root, pythons):
-    import subprocess
-
-    from npu_shim.cli import children
-
-    for path, version in pythons:
-        try:
-            code, out, err = children.run([path, "-I", "-c", _COMPILE, root], 300)
-        except subprocess.TimeoutExpired:
-            code, out, err = None, "", "it did not finish in 300 s"
-        if code != 0:
-            raise BundleError("compiling .pyc with %s (%s) failed:\n%s%s"
-                              % (shown(path), version, out[-2000:], err[-2000:]))
 
 
 def write_manifest(root, wrapt_version, builds, pythons):
@@ -336,7 +148,7 @@ def _assemble(staging, name, wrapt_version, pythons, machines, compilers, log):
     wheels = download_wrapt(os.path.join(staging, "wheels"), wrapt_version, pythons, machines)
     vendor = os.path.join(root, "npu_shim", "_vendor", "wrapt")
     for build_name, wheel in sorted(wheels.items()):
-        _extract_package(wheel, os.path.join(vendor, build_name))
+        extract_package(wheel, os.path.join(vendor, build_name))
     log("compiling .pyc (checked-hash) with CPython %s" % ", ".join(v for _, v in compilers))
     compile_pyc(root, compilers)
     manifest = write_manifest(root, wrapt_version, wheels, compilers)

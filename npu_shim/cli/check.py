@@ -14,7 +14,6 @@ is started, since what was changed or added to it would run there (``tarfile.py`
 shadows the standard library's in any process it is on ``PYTHONPATH`` of).
 """
 
-import json
 import os
 import re
 import sys
@@ -119,7 +118,7 @@ def npu_facts():
         # Counts devices through the driver; no device is set and nothing is allocated.
         facts["npu_available"] = bool(npu is not None and npu.is_available())
         facts["npu_count"] = int(npu.device_count()) if facts["npu_available"] else 0
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - whatever the driver raises is a fact check reports
         facts["npu_available"], facts["npu_error"] = False, _one_line(repr(exc))
     return facts
 
@@ -232,8 +231,9 @@ def child_main(watcher):
         "patch_facts": list(facts),  # the patches' own facts, each under its key, in this order
     }
     report.update(facts)
-    sys.stdout.write("\n" + _MARK + json.dumps(report, default=str) + "\n")
-    sys.stdout.flush()
+    from npu_shim.cli import children
+
+    children.write_report(_MARK, report)
 
 
 # -- in the parent --------------------------------------------------------------------------------
@@ -250,36 +250,10 @@ def run_child(timeout=CHILD_TIMEOUT_S):
         returncode, out, err = children.run(children.python_command(code), timeout)
     except subprocess.TimeoutExpired:
         return None, "the check process did not finish in %ds" % timeout
-    report, problem = find_report(out, _MARK, REPORT_KEYS)
+    report, problem = children.find_report(out, _MARK, REPORT_KEYS)
     if report is not None:
         return report, None
-    return None, "the check process exited %d %s: %s" % (returncode, problem, last_words(err, out))
-
-
-def last_words(*outputs):
-    """What a child that gave no report last said, in one line: the last line of the first output
-    with any (a traceback's last line is its exception)."""
-    for text in outputs:
-        lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-        if lines:
-            return _one_line(lines[-1])
-    return "(nothing)"
-
-
-def find_report(out, mark, keys=()):
-    """(the report: the JSON object with ``keys`` on the last line of ``out`` that starts with
-    ``mark``, None), or (None, why not).  A child's output holds whatever a module it imported
-    printed too, and the child may die half-way through its own line."""
-    for line in reversed(out.splitlines()):
-        if line.startswith(mark):
-            try:
-                report = json.loads(line[len(mark):])
-            except (ValueError, RecursionError):
-                report = None
-            if not isinstance(report, dict) or not all(key in report for key in keys):
-                return None, "with a malformed report line"
-            return report, None
-    return None, "without a report"
+    return None, "the check process exited %d %s: %s" % (returncode, problem, children.last_words(err, out))
 
 
 def sglang_line(sglang, import_failed):
@@ -338,10 +312,11 @@ def print_report(report):
 def run(args):
     """The ``check`` command with its parsed ``args``; its exit status."""
     facts = bundle_facts()
+    from npu_shim.reporting.terminal import print_json  # once the bundle is verified (bundle_facts)
+
     if not facts["ok"]:
         if args.json:
-            json.dump({"started": False, "bundle": facts}, sys.stdout, indent=2)
-            sys.stdout.write("\n")
+            print_json({"started": False, "bundle": facts})
         else:
             print_not_started(facts)
         return EXIT_CHECK_FAILED
@@ -353,8 +328,7 @@ def run(args):
         return EXIT_CHECK_FAILED
     report["bundle"] = facts
     if args.json:
-        json.dump(report, sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
+        print_json(report, default=str)
     else:
         print_report(report)
     return exit_code(report)

@@ -8,6 +8,9 @@ interpreters), and the signals that end a command while they run.
   raise before the caller had the child to kill (an orphaned pip, before this).
 * A child's output is read as bytes and decoded here, what is not UTF-8 shown as ``\\xNN``: a
   module that writes one stray byte must not cost the report.
+* A ``check`` or ``selftest`` child reports on one line of its stdout, a mark and a JSON object
+  (``write_report``), which its command finds there whatever else the child printed
+  (``find_report``).
 * ``check`` and ``selftest`` children run with the interpreter flags that change what a server
   process does (``-O``, ``-S``, ``-I`` ...): they stand for a server started as this command was.
 
@@ -193,6 +196,45 @@ def run(argv, timeout, env=None, merge_stderr=False):
             pipe.close()
     return (proc.returncode, decode(b"".join(read[proc.stdout])),
             decode(b"".join(read[proc.stderr])) if proc.stderr is not None else "")
+
+
+def write_report(mark, report):
+    """In a child: its report to the command that started it, ``mark`` and the JSON object on one
+    line of stdout of its own (after a newline: a module it imported may have left one unended)."""
+    import json
+
+    sys.stdout.write("\n" + mark + json.dumps(report, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def last_words(*outputs):
+    """What a child that gave no report last said, in one line: the last line of the first output
+    with any (a traceback's last line is its exception)."""
+    for text in outputs:
+        lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+        if lines:
+            from npu_shim.reporting.log import one_line
+
+            return one_line(lines[-1])
+    return "(nothing)"
+
+
+def find_report(out, mark, keys=()):
+    """(the report: the JSON object with ``keys`` on the last line of ``out`` that starts with
+    ``mark``, None), or (None, why not).  A child's output holds whatever a module it imported
+    printed too, and the child may die half-way through its own line."""
+    for line in reversed(out.splitlines()):
+        if line.startswith(mark):
+            try:
+                import json
+
+                report = json.loads(line[len(mark):])
+            except (ValueError, RecursionError):
+                report = None
+            if not isinstance(report, dict) or not all(key in report for key in keys):
+                return None, "with a malformed report line"
+            return report, None
+    return None, "without a report"
 
 
 def stoppable(command, body, gone):

@@ -1,7 +1,6 @@
 """``python -m npu_shim env``: every variable the shim reads, with its kind, default and doc
 (``core.loading.all_variables``: the shim's own, then each patch's)."""
 
-import json
 import sys
 
 
@@ -15,8 +14,9 @@ def env_rows():
 def print_env(as_json=False):
     rows = env_rows()
     if as_json:
-        json.dump(rows, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        from npu_shim.reporting.terminal import print_json
+
+        print_json(rows)
         return
     for row in rows:
         also = " (also read as %s)" % ", ".join(row["aliases"]) if row["aliases"] else ""

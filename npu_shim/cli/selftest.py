@@ -153,7 +153,7 @@ def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
     """(report or None, error or None) of one child; progress lines go to ``log`` as they come.
     The child runs in its own process group (npu_shim/cli/children.py), killed with whatever it
     started on every way out of here."""
-    from npu_shim.cli import check, children
+    from npu_shim.cli import children
     from npu_shim.cli import selftest_child as child
 
     proc = children.start(children.python_command(CHILD_CODE, stage, json.dumps(options)),
@@ -185,11 +185,11 @@ def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
             if reader.ident is not None:
                 reader.join(5)
         children.stop(proc)
-    report, problem = check.find_report("\n".join(lines), child.MARK)
+    report, problem = children.find_report("\n".join(lines), child.MARK)
     if report is not None:
         return report, None
     return None, "the selftest process exited %d %s: %s" % (
-        proc.returncode, problem, check.last_words("".join(errors), "\n".join(lines)))
+        proc.returncode, problem, children.last_words("".join(errors), "\n".join(lines)))
 
 
 def run(options, log=None):
@@ -297,10 +297,9 @@ def print_result(result, out):
 
 def main(args):
     from npu_shim.cli import exit_codes as cli
-    from npu_shim.patches.registry import known_names
-    from npu_shim.reporting.terminal import terminal_writer
-
     from npu_shim.core.loading import load_all, selftest_step
+    from npu_shim.patches.registry import known_names
+    from npu_shim.reporting.terminal import print_json, terminal_writer
 
     unknown = [n for n in args.patch or () if n not in known_names()]
     options = [option for patch in load_all() for option in (getattr(selftest_step(patch), "options", ()))]
@@ -324,8 +323,7 @@ def main(args):
 
     result = run(options, log=log)
     if args.json:
-        json.dump(result, sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
+        print_json(result, default=str)
     else:
         print_result(result, terminal_writer())
     return result["exit"]

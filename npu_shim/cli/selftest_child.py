@@ -31,8 +31,9 @@ def progress(text):
 
 
 def emit(report):
-    sys.stdout.write("\n" + MARK + json.dumps(report, default=str) + "\n")
-    sys.stdout.flush()
+    from npu_shim.cli import children
+
+    children.write_report(MARK, report)
 
 
 def _one_line(exc):
@@ -85,7 +86,7 @@ def no_torch():
     """``torch_problem``'s answer where no torch is installed at all (``check`` leaves that to the
     target modules' imports; every step here needs torch)."""
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401 - whether it imports is the question
     except ModuleNotFoundError as exc:
         if exc.name == "torch":
             return {"kind": "torch", "error": _one_line(exc),

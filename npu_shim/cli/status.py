@@ -3,7 +3,6 @@ source on disk (nothing of sglang, torch or wrapt is imported), per patch and va
 ``--running``, the state records of the running processes (npu_shim/cli/running_records.py).
 Its exit codes: npu_shim/cli/exit_codes.py."""
 
-import json
 import os
 import sys
 
@@ -146,7 +145,7 @@ def exit_code(info):
 def run_running(args):
     """``status --running [DIR]``: the state records of the running processes (running_records.py)."""
     from npu_shim.cli import running_records, running_table
-    from npu_shim.reporting.terminal import printable
+    from npu_shim.reporting.terminal import print_json, printable
 
     dir_ = args.running or args.dir
     if not dir_:
@@ -170,8 +169,7 @@ def run_running(args):
     info["exit"] = code
     if args.json:
         # strict JSON (a record's numbers are finite by the time they are read)
-        json.dump(info, sys.stdout, indent=2, default=str, sort_keys=True, allow_nan=False)
-        sys.stdout.write("\n")
+        print_json(info, default=str, sort_keys=True, allow_nan=False)
     elif "error" in info:
         sys.stdout.write(printable("npu-shim status --running: %s: %s" % (dir_, info["error"])) + "\n")
     else:
@@ -181,6 +179,8 @@ def run_running(args):
 
 def run(args):
     """The ``status`` command with its parsed ``args``; its exit status."""
+    from npu_shim.reporting.terminal import print_json
+
     if args.running is not None:
         return run_running(args)
     if args.dir is not None:
@@ -188,8 +188,7 @@ def run(args):
         return EXIT_USAGE
     info = collect()
     if args.json:
-        json.dump(info, sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
+        print_json(info, default=str)
     else:
         print_status(info)
     return exit_code(info)

@@ -85,7 +85,7 @@ def json_fields():
               "sglang": procinfo.sglang_version()}
     try:
         role = procinfo.role()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a log line must not fail over the role it carries
         role = {"role": "unknown"}
     fields.update((k, v) for k, v in role.items() if k != "source")
     return fields

@@ -61,7 +61,7 @@ def _title():
     module = sys.modules.get("setproctitle")
     try:
         return module.getproctitle() if module is not None else None
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - the application's setproctitle: a title is optional
         return None
 
 
@@ -113,7 +113,7 @@ def role_label(info=None):
 def host():
     try:
         return socket.gethostname()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a record and a log line still need a host
         return "localhost"
 
 

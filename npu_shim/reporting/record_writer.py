@@ -233,5 +233,5 @@ def _loop():
 def _final():
     try:
         write()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - at exit: the process's own exit must not fail over its record
         pass

@@ -30,6 +30,16 @@ def terminal_writer(stream=None):
     return lambda text: stream.write("\n".join(printable(line) for line in str(text).split("\n")))
 
 
+def print_json(value, **options):
+    """``value`` on stdout as indented JSON, then a newline: what a command's ``--json`` prints
+    (``options``: json.dump's, e.g. ``default=str``).  JSON escapes every control character
+    itself, so nothing here needs ``printable``."""
+    import json
+
+    json.dump(value, sys.stdout, indent=2, **options)
+    sys.stdout.write("\n")
+
+
 def _escape(match):
     code = ord(match.group())
     return "\\x%02x" % code if code < 0x100 else "\\u%04x" % code

@@ -249,7 +249,7 @@ class Runtime:
                     record.applied.add(target.describe())
                     if getattr(target, "retirement", None) is not None:
                         self.bind_retirement(record, target)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - any failure while patching reverts the whole patch
                 revert_record(record)
                 record.state, record.reason = FAILED, "while patching %s: %s" % (name, exc)
                 if self.summary_due is None:  # else the summary line, still to come, says it

@@ -86,7 +86,7 @@ def running_on_npu():
     torch = sys.modules.get("torch")
     try:
         return bool(torch is not None and hasattr(torch, "npu") and torch.npu.is_available())
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a device stack that cannot answer is no NPU to patch for
         return False
 
 
@@ -118,7 +118,7 @@ def decide_each(patches, view, on_npu, missing_wrapt):
     for patch in patches:
         try:
             decision = framework.decide(patch, view, on_npu=on_npu)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - one patch's bug fails that patch alone
             decision = framework.Decision(FAILED, "deciding raised %r" % (exc,))
         if missing_wrapt is not None:
             decision = framework.without_wrapt(decision, missing_wrapt)

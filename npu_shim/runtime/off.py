@@ -18,8 +18,8 @@ def say_off():
                  % (config.ENABLED.name, os.environ.get(config.ENABLED.name, "").strip()),
                  fields={"event": "off"})
         state_record.write_off_record(package_dir)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - inside an import hook: never break the application's import
         try:
             log.error_once("off", "shim off; could not say more: %r" % (exc,))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - saying so failed too: the import goes on, silent
             pass

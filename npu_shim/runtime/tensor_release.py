@@ -168,7 +168,7 @@ def free_weight(tensor, what, guard, say):
 def shares_storage(a, b):
     try:
         return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - any tensor type's failure means "cannot tell", answered below
         return True  # cannot tell: treat as shared (keep the weight)
 
 

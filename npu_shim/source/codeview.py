@@ -122,7 +122,7 @@ class ModuleSource:
             # The header alone gives the parameters; most functions are asked for nothing else, and
             # the large ones (Scheduler.__init__, ModelRunner.initialize) are most of the text.
             node = fastscan.parse_def(where, body=False) if where is not None else None
-            read_body = lambda: fastscan.parse_def(where) or self._whole_def(qualname)  # noqa: E731
+            read_body = lambda: fastscan.parse_def(where) or self._whole_def(qualname)  # noqa: E731 - bound here, read later
             if node is None and where is not None:  # a one-line def: its body is on its header's line
                 node, read_body = fastscan.parse_def(where), None
             if node is not None:

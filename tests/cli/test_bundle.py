@@ -219,12 +219,12 @@ def test_bundle_refuses_a_hostile_out_dir_before_building(make, force, words, tm
 
 # -- bundle: SIGTERM during the build ---------------------------------------------------------------
 
-# The CLI with pip replaced by a stand-in that writes its pid and waits (bundle._PIP, set in this
-# wrapper process only: the seam is a module attribute, never an environment variable).
+# The CLI with pip replaced by a stand-in that writes its pid and waits (bundle_wheels._PIP, set in
+# this wrapper process only: the seam is a module attribute, never an environment variable).
 WRAPPER = """
 import sys
-from npu_shim.cli import bundle
-bundle._PIP = (sys.executable, sys.argv.pop(1))
+from npu_shim.cli import bundle_wheels
+bundle_wheels._PIP = (sys.executable, sys.argv.pop(1))
 from npu_shim.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """

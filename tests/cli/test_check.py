@@ -160,7 +160,7 @@ def test_a_stop_signal_ends_check_with_its_child_gone(tree, tmp_path, signame):
 
 from hypothesis import given, strategies as st  # noqa: E402 - the property tests' imports, beside them
 
-from npu_shim.cli import check  # noqa: E402 - the property tests' imports, beside them
+from npu_shim.cli import check, children  # noqa: E402 - the property tests' imports, beside them
 
 LINES = st.one_of(st.text(max_size=40), st.just("npu-shim-check:"),
                   st.builds(lambda v: "npu-shim-check:" + v, st.text(max_size=40)),
@@ -173,8 +173,8 @@ def test_any_child_output_is_a_report_or_one_reason(lines, raw):
     """The parent's reading of a child's output (check's and selftest's): the last report line as
     a dict with every key print_report reads, or one reason -- never an exception."""
     out = "\n".join(lines) + raw.decode("utf-8", "backslashreplace")
-    report, why = check.find_report(out, "npu-shim-check:", check.REPORT_KEYS)
+    report, why = children.find_report(out, "npu-shim-check:", check.REPORT_KEYS)
     assert (report is None) != (why is None)
     if report is not None:
         assert set(check.REPORT_KEYS) <= set(report)
-    assert "\n" not in check.last_words(out, "")
+    assert "\n" not in children.last_words(out, "")

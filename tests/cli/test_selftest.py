@@ -24,7 +24,7 @@ from npu_shim.cli import selftest, selftest_child
 from npu_shim.patches._selftest import dual_stream_experts as dual_stream_selftest
 from npu_shim.patches._selftest import mla_weight_release as mla_selftest
 from npu_shim.patches._selftest import zbal as zbal_selftest
-from npu_shim.patches._selftest import synthetic_moe
+from npu_shim.patches._selftest import _synthetic_moe
 
 from shimdev import realsglang
 
@@ -439,16 +439,16 @@ def test_sample_ms_reads_device_events_and_falls_back_to_the_wall_clock():
     def work():
         _Event.clock[0] += 3.0  # 3 ms of device time per call
 
-    assert synthetic_moe.sample_ms(work, dm, 4) == 3.0
-    wall = synthetic_moe.sample_ms(lambda: time.sleep(0.01), types.SimpleNamespace(synchronize=lambda: None), 2)
+    assert _synthetic_moe.sample_ms(work, dm, 4) == 3.0
+    wall = _synthetic_moe.sample_ms(lambda: time.sleep(0.01), types.SimpleNamespace(synchronize=lambda: None), 2)
     assert 9.0 <= wall < 200.0
 
 
 def test_summarise_the_share_of_the_ideal_saving():
-    r = synthetic_moe.summarise({"serial": 10.0, "serial_again": 10.0, "overlapped": 7.0, "ideal": 6.0})
+    r = _synthetic_moe.summarise({"serial": 10.0, "serial_again": 10.0, "overlapped": 7.0, "ideal": 6.0})
     assert (r["serial_median"], r["possible"], r["fraction"]) == (10.0, 4.0, 0.75)
     zero = {"serial": 0.0, "serial_again": 0.0, "overlapped": 0.0, "ideal": 0.0}
-    assert synthetic_moe.summarise(zero)["fraction"] is None
+    assert _synthetic_moe.summarise(zero)["fraction"] is None
 
 
 def test_the_synthetic_block_s_two_routed_paths_compute_the_same_sums():
@@ -484,9 +484,9 @@ def test_dual_stream_step_on_a_device_reports_times_and_the_target(monkeypatch):
 
     fake = dict(serial_median=10.0, overlapped=6.4, shared=4.0, routed=6.0, ideal=6.0, possible=4.0,
                 fraction=0.9, equal=True)
-    monkeypatch.setattr(synthetic_moe, "measure", lambda device, device_module, **p: dict(fake, tokens=p["tokens"]))
+    monkeypatch.setattr(_synthetic_moe, "measure", lambda device, device_module, **p: dict(fake, tokens=p["tokens"]))
     ok, line, facts = dual_stream_selftest.run(_step(torch, None, "cuda:0"))
-    assert ok and [f["tokens"] for f in facts] == list(synthetic_moe.SELFTEST_TOKENS)
+    assert ok and [f["tokens"] for f in facts] == list(_synthetic_moe.SELFTEST_TOKENS)
     assert line.startswith("256 tokens: serial 10.000 ms, overlapped 6.400 ms, saving 90 % of the ideal "
                            "(serial - max(shared, routed) = 4.000 ms)")
     assert line.endswith("outputs equal to single-stream: yes; target >= 90 % of the ideal saving: met")
@@ -527,8 +527,8 @@ def test_mla_step_fails_when_memory_does_not_drop():
 def test_the_bench_row_and_the_selftest_share_one_measurement():
     from shimdev import dual_stream_bench
 
-    assert dual_stream_bench.synthetic_moe is synthetic_moe
-    assert dual_stream_bench.build_block is synthetic_moe.build_block
+    assert dual_stream_bench._synthetic_moe is _synthetic_moe
+    assert dual_stream_bench.build_block is _synthetic_moe.build_block
     (row,) = dual_stream_bench.rows("cpu", tokens=8, hidden=16, shared_inter=16, experts=4, topk=2,
                                     expert_inter=8, samples=1, reps=1, warmup=1)
     assert "outputs equal: True" in row["measured"] and row["ok"] is None
@@ -604,7 +604,7 @@ def test_measure_through_a_cuda_like_module_uses_its_streams_and_timing_events()
     assert list(inspect.signature(torch.cuda.Event.elapsed_time).parameters) == ["self", "end_event"]
     cuda = _CudaLike()
     real_get = torch.get_device_module
-    r = synthetic_moe.measure("cpu", device_module=cuda, tokens=8, hidden=16, shared_inter=16, experts=4,
+    r = _synthetic_moe.measure("cpu", device_module=cuda, tokens=8, hidden=16, shared_inter=16, experts=4,
                               topk=2, expert_inter=8, samples=2, reps=2, warmup=1)
     assert torch.get_device_module is real_get  # put back
     assert r["equal"] is True
@@ -621,13 +621,13 @@ def test_the_selftest_needs_nothing_from_dev_and_its_parent_no_torch():
     """The shim ships without dev/: its selftest modules import nothing from there; the parent's
     modules import no torch at load (only the children do)."""
     code = ("import sys; from npu_shim.cli import selftest, selftest_child; "
-            "from npu_shim.patches._selftest import dual_stream_experts, mla_weight_release, synthetic_moe, zbal; "
+            "from npu_shim.patches._selftest import dual_stream_experts, mla_weight_release, _synthetic_moe, zbal; "
             "print(sorted(n for n in ('torch', 'wrapt', 'shimdev') if n in sys.modules))")
     env = {"PYTHONPATH": str(realsglang.REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
-    for name in ("cli/selftest.py", "cli/selftest_child.py", "patches/_selftest/synthetic_moe.py",
+    for name in ("cli/selftest.py", "cli/selftest_child.py", "patches/_selftest/_synthetic_moe.py",
                  "patches/_selftest/zbal.py", "patches/_selftest/mla_weight_release.py",
                  "patches/_selftest/dual_stream_experts.py"):
         with open(os.path.join(realsglang.REPO, "npu_shim", name), encoding="utf-8") as handle:

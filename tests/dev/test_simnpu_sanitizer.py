@@ -70,7 +70,7 @@ def test_a_removed_wait_share_stream_is_reported(npu, block, monkeypatch):
     (race,) = [r for r in san.reports if r.kind == "write-after-write"]
     # both call sites: the shared experts' output written on the side stream, add_ on main
     assert race.streams == ("side-1", "main") and race.ops[1] == "add_", race
-    assert "synthetic_moe.py" in race.sites[0] and "dual_stream_experts.py" in race.sites[1], race
+    assert "_synthetic_moe.py" in race.sites[0] and "dual_stream_experts.py" in race.sites[1], race
 
 
 def test_a_wait_moved_after_add_is_reported(npu, block, monkeypatch):
@@ -334,10 +334,11 @@ def test_a_stand_in_that_breaks_its_schema_is_reported(npu):
 
 
 def test_a_declared_stand_in_keeps_its_signature_and_source_for_the_kernel_check():
+    from npu_shim.patches._impl._dual_stream_experts_kernel import loaded_kernel_support
     from npu_shim.source.reading import unwrap
 
     kernel = dual_stream_kernels.split_qkv_rmsnorm_rope
-    problem, partial = ds.loaded_kernel_support(kernel)
+    problem, partial = loaded_kernel_support(kernel)
     assert problem is None and partial is True
     assert unwrap(kernel) is not kernel and kernel.declared.name == "split_qkv_rmsnorm_rope"
 

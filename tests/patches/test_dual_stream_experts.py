@@ -14,6 +14,7 @@ from npu_shim.core import framework
 from npu_shim.runtime import targets
 from npu_shim.source.codeview import SourceView
 from npu_shim.patches import dual_stream_experts as ds
+from npu_shim.patches._impl import _dual_stream_experts_kernel as dsk  # the kernel checks
 from npu_shim.patches._impl import dual_stream_experts as dsi
 from shimdev import realsglang
 
@@ -306,7 +307,7 @@ def test_kernel_history_is_judged_by_signature_the_same_before_and_at_call_time(
 
 
 def test_kernel_the_shim_cannot_read_keeps_the_original_path(monkeypatch):
-    monkeypatch.setattr(dsi, "importlib", types.SimpleNamespace(
+    monkeypatch.setattr(dsk, "importlib", types.SimpleNamespace(
         import_module=lambda name: types.SimpleNamespace(split_qkv_rmsnorm_rope=len)))  # a builtin
     assert "cannot read the source of the loaded split_qkv_rmsnorm_rope" in DS._plan_layer(_attn())
 
@@ -391,7 +392,7 @@ def _attn(**kw):
 def test_layer_plan(monkeypatch):
     from shimdev import dual_stream_kernels as K
 
-    monkeypatch.setattr(dsi, "importlib", types.SimpleNamespace(
+    monkeypatch.setattr(dsk, "importlib", types.SimpleNamespace(
         import_module=lambda name: types.SimpleNamespace(split_qkv_rmsnorm_rope=K.split_qkv_rmsnorm_rope)))
     assert DS._plan_layer(_attn()) is None
     assert DS.kernel_partial is True
@@ -400,7 +401,7 @@ def test_layer_plan(monkeypatch):
     assert "not a neox-style" in DS._plan_layer(_attn(rotary_emb=_Rope(8, neox=False)))
     # The old kernel (whole-head rope) is fine only where the rope covers the whole head.
     DS.__init__()
-    monkeypatch.setattr(dsi, "importlib", types.SimpleNamespace(
+    monkeypatch.setattr(dsk, "importlib", types.SimpleNamespace(
         import_module=lambda name: types.SimpleNamespace(split_qkv_rmsnorm_rope=K.split_qkv_rmsnorm_rope_full_head)))
     assert "rotates 8 of 16 head dims" in DS._plan_layer(_attn())
     assert DS._plan_layer(_attn(rotary_emb=_Rope(16))) is None
@@ -410,7 +411,7 @@ def test_missing_kernel_at_call_time_keeps_the_original_path(monkeypatch):
     def missing(name):
         raise ImportError("No module named %r" % name)
 
-    monkeypatch.setattr(dsi, "importlib", types.SimpleNamespace(import_module=missing))
+    monkeypatch.setattr(dsk, "importlib", types.SimpleNamespace(import_module=missing))
     import torch
 
     assert DS._fused_kernel_for(_attn(), torch.arange(3)) is None

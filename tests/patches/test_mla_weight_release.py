@@ -378,7 +378,7 @@ def server(monkeypatch):
         return state["args"]
 
     monkeypatch.setattr(REL, "disagg_role", role)
-    monkeypatch.setattr(RI, "_server_args", args)
+    monkeypatch.setattr(RI, "server_args", args)
     monkeypatch.delenv("NPU_SHIM_MLA_RELEASE_FORCE", raising=False)
     return state
 

@@ -147,7 +147,7 @@ def requested(undecided, monkeypatch, tmp_path):
 
 
 FAILURE_POINTS = {
-    "answers.export": lambda mp: mp.setattr(inherited, "export", boom),
+    "inherited.export": lambda mp: mp.setattr(inherited, "export", boom),
     "procinfo.note_sglang_version": lambda mp: mp.setattr(procinfo, "note_sglang_version", boom),
     "summary.report_all": lambda mp: mp.setattr(summary, "report_all", boom),
     "report_invalid_variables": lambda mp: mp.setattr(activation, "report_invalid_variables", boom),

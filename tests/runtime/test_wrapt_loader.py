@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from npu_shim.cli import bundle
+from npu_shim.cli import bundle_wheels
 from npu_shim.runtime import wrapt_loader
 from test_drop_in import REPO, bare_venvs  # noqa: F401 - ``bare_venvs`` is a fixture
 
@@ -52,7 +52,7 @@ def test_select_build_without_any_usable_build():
     ("x-1-cp311-cp311-manylinux_2_34_x86_64.whl", (2, 34)),
 ])
 def test_oldest_glibc_of_a_wheel(name, glibc):
-    assert bundle.oldest_glibc(name) == glibc
+    assert bundle_wheels.oldest_glibc(name) == glibc
 
 
 def test_wrapt_version_is_read_from_source_of_1x_and_2x(tmp_path):

@@ -1,23 +1,18 @@
-"""dual_stream_experts' implementation: the wrappers' per-process state (``DualStreamExpertsState``), the
-kernel checks and the targets.  Loaded only where the patch is decided past its probe (not on a
-release that has the feature upstream): npu_shim/patches/dual_stream_experts.py is the patch and
-its documentation."""
+"""dual_stream_experts' implementation: the wrappers' per-process state (``DualStreamExpertsState``)
+and the targets.  Whether the image's fused kernel takes the call made of it is
+_dual_stream_experts_kernel.py beside it.  Loaded only where the patch is decided past its probe
+(not on a release that has the feature upstream): npu_shim/patches/dual_stream_experts.py is the
+patch and its documentation."""
 
-import ast
-import importlib
-import importlib.util
-import os
 import threading
 import time
 
 from npu_shim.core.framework import Inactive, Unsupported
+from npu_shim.patches._impl._dual_stream_experts_kernel import KERNEL_NAME, kernel_problem, load_kernel
 from npu_shim.patches.dual_stream_experts import GLM4_MOE, MULTI_STREAM
 from npu_shim.reporting import state_record
 from npu_shim.runtime.targets import Wrap, bind_arguments
-from npu_shim.source.reading import SourceError, parse_source, read_source, unwrap
-
-KERNEL_MODULE = "sgl_kernel_npu.norm.split_qkv_rmsnorm_rope"
-KERNEL_NAME = "split_qkv_rmsnorm_rope"
+from npu_shim.source.reading import unwrap
 
 DEEPEP = "Glm4MoeSparseMoeBlock.forward_deepep"
 PREPARE = "Glm4MoeAttention.forward_prepare"
@@ -29,21 +24,13 @@ PREPARE_PARAMS = ("positions", "hidden_states", "forward_batch")
 DEEPEP_FINGERPRINTS = {"12fa6dbf452e9ddf": "0.5.7-0.5.9"}
 PREPARE_FINGERPRINTS = {"e70a3adaa34177b5": "0.5.7-0.5.9"}
 
-# How ``_forward_prepare_fused`` calls the kernel (as upstream 0.5.10): these parameters by
-# position, then these by keyword.  sgl-kernel-npu's history of the function: 2025-11-19
-# (input, sin, cos, q_weight, k_weight, q_hidden_size, ...), full rotation; 2025-12-26 today's
-# order, full rotation; 2026-03-05 partial rotation (``rope_dim = sin.shape[-1]``); 2026-05-27
-# ``is_neox_style=True`` appended.
-KERNEL_POSITIONAL = ("input", "sin", "cos", "q_hidden_size", "kv_hidden_size", "head_dim")
-KERNEL_KEYWORDS = ("eps", "q_weight", "k_weight", "q_bias", "k_bias")
-
-
 # -- the backport in one process ------------------------------------------------------------------
 
 def _device_module():
     import torch
 
     return torch.get_device_module()
+
 
 def _dual_stream_modes(mode_class):
     """The forward modes upstream 0.5.10 runs on two streams: extend (which includes mixed /
@@ -275,137 +262,11 @@ class DualStreamExpertsState:
 
     def _load_kernel(self):
         if self.kernel is None and self.kernel_error is None:
-            try:
-                kernel = getattr(importlib.import_module(KERNEL_MODULE), KERNEL_NAME)
-            except Exception as exc:  # noqa: BLE001 - an image without it keeps the original path
-                self.kernel_error = "cannot import %s.%s: %r" % (KERNEL_MODULE, KERNEL_NAME, exc)
-                return None
-            problem, partial = loaded_kernel_support(kernel)
-            if problem:
-                self.kernel_error = problem
-                return None
-            self.kernel_partial = partial
-            self.kernel = kernel
+            kernel, partial, self.kernel_error = load_kernel()
+            if kernel is not None:
+                self.kernel_partial = partial
+                self.kernel = kernel
         return self.kernel
-
-
-def kernel_support(node, where):
-    """(problem, partial) for the ``def`` of the kernel: problem is None when the call this module
-    makes binds as meant (each argument to the parameter of that name, every other parameter has
-    a default); partial is True when it rotates only ``sin.shape[-1]`` dims of each head (partial
-    rotary) rather than the whole head.  The decision and the call-time check both ask this."""
-    args = node.args
-    positional = [a.arg for a in args.posonlyargs + args.args]
-    keywords = set(positional[len(args.posonlyargs):]) | {a.arg for a in args.kwonlyargs}
-    for index, name in enumerate(KERNEL_POSITIONAL[1:], 1):
-        if index >= len(positional) or positional[index] != name:
-            found = positional[index] if index < len(positional) else "nothing"
-            return ("%s: parameter %d is %s where the call passes %s (a kernel signature the shim "
-                    "was not written for)" % (where, index + 1, found, name)), False
-    for name in KERNEL_KEYWORDS:
-        if name not in keywords or name in positional[:len(KERNEL_POSITIONAL)]:
-            return "%s takes no keyword argument %s" % (where, name), False
-    bound = set(positional[:len(KERNEL_POSITIONAL)]) | set(KERNEL_KEYWORDS)
-    defaults = positional[len(positional) - len(args.defaults):] if args.defaults else []
-    unbound = [a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is None]
-    unbound += [name for name in positional if name not in bound and name not in defaults]
-    if unbound:
-        return "%s requires %s, which the call does not pass" % (where, ", ".join(unbound)), False
-    return None, _reads_width_of(node, positional[1])
-
-
-def _reads_width_of(node, name):
-    """Whether the function reads ``<name>.shape[-1]`` (the rotary width, from sin)."""
-    for sub in ast.walk(node):
-        if (isinstance(sub, ast.Subscript) and isinstance(sub.value, ast.Attribute)
-                and sub.value.attr == "shape" and isinstance(sub.value.value, ast.Name)
-                and sub.value.value.id == name and _is_minus_one(sub.slice)):
-            return True
-    return False
-
-
-def _is_minus_one(node):
-    return (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
-            and isinstance(node.operand, ast.Constant) and node.operand.value == 1) or (
-        isinstance(node, ast.Constant) and node.value == -1)
-
-
-def loaded_kernel_support(kernel):
-    """``kernel_support`` of the imported kernel, from the source it was loaded from."""
-    import inspect
-    import textwrap
-
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(unwrap(kernel))))
-    except (OSError, TypeError, SyntaxError) as exc:
-        return "cannot read the source of the loaded %s to check its signature (%r)" % (
-            KERNEL_NAME, exc), False
-    node = tree.body[0] if tree.body else None
-    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return "the loaded %s is not a plain function" % KERNEL_NAME, False
-    return kernel_support(node, "the loaded " + KERNEL_NAME)
-
-
-# -- kernel availability, decided before anything is patched -------------------------------------
-
-class KernelProblem:
-    """Why the fused path cannot be used (``text``; ``str()`` of it); ``absent``: the image has no
-    such kernel (an older or no sgl-kernel-npu: nothing to do) rather than one the shim cannot
-    call (unsupported)."""
-
-    def __init__(self, text, absent=False):
-        self.text = text
-        self.absent = absent
-
-    def __str__(self):
-        return self.text
-
-    def __repr__(self):
-        return "KernelProblem(%r, absent=%r)" % (self.text, self.absent)
-
-
-def _absent(text):
-    return KernelProblem(text, absent=True)
-
-
-def kernel_problem():
-    """None when the image's sgl_kernel_npu provides a usable ``norm.split_qkv_rmsnorm_rope``,
-    else why not (a KernelProblem).  A package on disk is read as text (nothing is imported:
-    ``status`` runs it)."""
-    try:
-        top = importlib.util.find_spec("sgl_kernel_npu")
-    except (ImportError, ValueError) as exc:
-        return KernelProblem("sgl_kernel_npu cannot be located: %r" % (exc,))
-    if top is None:
-        return _absent("sgl_kernel_npu is not installed")
-    for location in list(top.submodule_search_locations or []):
-        if not os.path.isdir(location):
-            continue
-        path = os.path.join(location, "norm", KERNEL_NAME + ".py")
-        if not os.path.isfile(path):
-            return _absent("sgl_kernel_npu at %s has no norm/%s.py (an older sgl-kernel-npu)"
-                           % (location, KERNEL_NAME))
-        try:
-            tree = parse_source(read_source(path), path)
-        except (SourceError, OSError) as exc:
-            return KernelProblem(str(exc))
-        node = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == KERNEL_NAME),
-                    None)
-        if node is None:
-            return _absent("%s defines no %s()" % (path, KERNEL_NAME))
-        problem, partial = kernel_support(node, "%s %s()" % (path, KERNEL_NAME))
-        if problem:
-            return KernelProblem(problem)
-        if not partial:
-            return _absent("%s has no partial-rotary support (GLM-4.x rotates half of each head; "
-                    "this kernel would rotate all of it)" % path)
-        return None
-    # Not a directory package (zip, or a finder of its own): ask the import system.
-    try:
-        spec = importlib.util.find_spec(KERNEL_MODULE)
-    except (ImportError, ValueError, AttributeError):
-        spec = None
-    return None if spec is not None else _absent("sgl_kernel_npu has no norm.%s" % KERNEL_NAME)
 
 
 # -- targets --------------------------------------------------------------------------------------

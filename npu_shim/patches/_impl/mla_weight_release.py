@@ -1,18 +1,22 @@
-"""mla_weight_release's implementation: the predicate, the guard its released weights get (the
-release itself: npu_shim/runtime/tensor_release.py), the accounting and the wrappers' per-process
-state (``MlaWeightReleaseState``), and the targets.  Loaded only where the patch is decided past
-its probe (not on a release that has the release upstream): npu_shim/patches/mla_weight_release.py
-is the patch and its documentation."""
+"""mla_weight_release's implementation: the guard its released weights get (the release itself:
+npu_shim/runtime/tensor_release.py), the accounting, the refusal of weight updates and the
+wrappers' per-process state (``MlaWeightReleaseState``), and the targets.  When a weight may go
+(the mlaprolog predicate, the disaggregation role, the server's arguments) is
+_mla_weight_release_rules.py beside it.  Loaded only where the patch is decided past its probe (not
+on a release that has the release upstream): npu_shim/patches/mla_weight_release.py is the patch
+and its documentation."""
 
 import logging
-import re
 
-from npu_shim.reporting import log, state_record
 from npu_shim.core.framework import Inactive, Unsupported
+from npu_shim.patches._impl._mla_weight_release_rules import (
+    disagg_role, make_uses_mlaprolog_method, other_reader_reasons, server_args, uses_mlaprolog,
+    weight_update_reasons)
 from npu_shim.patches.mla_weight_release import (
-    CLASS, FORWARD_FINGERPRINTS, MIB, MLA_NPU, MLA_PRE, PREPROCESS_SIG, ROLES, RELEASE_FORCE, RUNTIME_CONTEXT,
+    CLASS, FORWARD_FINGERPRINTS, MIB, MLA_NPU, MLA_PRE, PATCH, PREPROCESS_SIG, RELEASE_FORCE, RUNTIME_CONTEXT,
     SCHEDULER_MIXIN, SCHEDULER_UPDATER, SWITCH, SWITCH_HINT, TP_WORKER, UPDATE_OPS, UPDATE_SIG,
     ReleasedWeightError, fingerprint, pins)
+from npu_shim.reporting import log, state_record
 from npu_shim.runtime import tensor_release
 from npu_shim.runtime.targets import Replace, Retirement, Wrap
 
@@ -23,95 +27,6 @@ _FIRST = "_npu_shim_mla_release_first"
 # is still to be released, by the wrapper, which is back until then.
 _LATE = "_npu_shim_mla_release_late"
 
-# --------------------------------------------------------------------------- the predicate
-
-_KV_B_PROJ = re.compile(r".*kv_b_proj")
-
-
-def uses_mlaprolog(preprocess, w8a8_attr):
-    """True exactly when the running release's ``NPUFusedMLAPreprocess.forward()`` routes to
-    ``forward_mlaprolog`` (same expressions, same order as its source, pinned by code shape);
-    ``w8a8_attr``: the quant_method attribute its forward() reads (FORWARD_FINGERPRINTS)."""
-    quant_method = preprocess.qkv_a_proj.quant_method
-    is_w8a8 = hasattr(quant_method, w8a8_attr) and getattr(quant_method, w8a8_attr).get_name() == "modelslim"
-    quant_config = preprocess.quant_config
-    is_mlaprolog = hasattr(quant_config, "ignore") and any(
-        _KV_B_PROJ.fullmatch(name) for name in quant_config.ignore)
-    return (not is_w8a8) and bool(is_mlaprolog)
-
-
-def make_uses_mlaprolog_method(w8a8_attr):
-    """``NPUFusedMLAPreprocess.uses_mlaprolog`` as upstream names it, for this release's W8A8 check."""
-    def method(self):
-        """Whether this layer's forward() takes the mlaprolog path (npu-shim backport of 0.5.20)."""
-        return uses_mlaprolog(self, w8a8_attr)
-
-    method.__name__, method.__qualname__ = "uses_mlaprolog", CLASS + ".uses_mlaprolog"
-    return method
-
-
-# --------------------------------------------------------------------------- role and guards
-
-def disagg_role(role_source):
-    """(role, None) with role in null/prefill/decode, or (None, why it cannot be known);
-    ``role_source``: "get_disagg" (0.5.17+) or "server_args"."""
-    try:
-        if role_source == "get_disagg":
-            from sglang.srt.runtime_context import get_disagg
-
-            role = get_disagg().disaggregation_mode
-            where = "runtime_context.get_disagg()"
-        else:
-            from sglang.srt.server_args import get_global_server_args
-
-            role = get_global_server_args().disaggregation_mode
-            where = "server_args.disaggregation_mode"
-    except Exception as exc:  # noqa: BLE001 - not published yet, missing field, ...
-        return None, "reading the disaggregation role failed: %r" % (exc,)
-    if role not in ROLES:
-        return None, "%s is %r" % (where, role)
-    return role, None
-
-
-def _server_args():
-    from sglang.srt.server_args import get_global_server_args
-
-    args = get_global_server_args()
-    if args is None:
-        raise ValueError("server args are not published")
-    return args
-
-
-def weight_update_reasons(args):
-    """What lets this server reload or adapt weights after start (forcible with
-    NPU_SHIM_MLA_RELEASE_FORCE)."""
-    reasons = []
-    if getattr(args, "enable_lora", None) or getattr(args, "lora_paths", None):
-        reasons.append("LoRA (enable_lora / lora_paths)")
-    if getattr(args, "enable_memory_saver", False):
-        reasons.append("enable_memory_saver (release/resume of weights for RL refit)")
-    if getattr(args, "enable_weights_cpu_backup", False):
-        reasons.append("enable_weights_cpu_backup (weights are restored in place)")
-    if getattr(args, "load_format", None) == "dummy":
-        reasons.append("load_format=dummy (weights arrive later through update_weights_*)")
-    if getattr(args, "checkpoint_engine_wait_weights_before_ready", False):
-        reasons.append("checkpoint engine pushes weights")
-    if getattr(args, "custom_weight_loader", None):
-        reasons.append("custom_weight_loader (update_weights_from_tensor)")
-    if getattr(args, "remote_instance_weight_loader_start_seed_via_transfer_engine", False):
-        reasons.append("this instance seeds other instances' weights")
-    return reasons
-
-
-def other_reader_reasons(args):
-    """Paths that read the weights after the release (not forcible)."""
-    algorithm = getattr(args, "speculative_algorithm", None)
-    if algorithm:
-        return ["speculative decoding (%s): target-verify / draft-extend batches take the unfused "
-                "path of forward_dsa_prepare_npu, which reads qkv_a_proj.weight and w_kc" % algorithm]
-    return []
-
-
 # --------------------------------------------------------------------------- the guard
 
 # How a released MLA weight answers a touch (npu_shim/runtime/tensor_release.py frees and guards).
@@ -120,8 +35,11 @@ GUARD = tensor_release.Guard(ReleasedWeightError, "the mlaprolog path no longer 
 is_released = tensor_release.is_released
 
 
+_PREFIX = PATCH.name + ": "  # every line this patch logs starts with its name
+
+
 def _log_line(level, message):
-    log.log(level, "mla_weight_release: " + message)
+    log.log(level, _PREFIX + message)
 
 
 def _say_each_time(key, level, message):
@@ -210,8 +128,8 @@ class MlaWeightReleaseState:
         if role == "null" or (kind == "w_kc" and role != "decode"):
             return role, "role %s" % role
         try:
-            args = _server_args()
-        except Exception as exc:  # noqa: BLE001
+            args = server_args()
+        except Exception as exc:  # noqa: BLE001 - unknown args: nothing is released, and the log says why
             return self._skip("args", "the server args cannot be read (%r), so LoRA / weight updates "
                                       "cannot be ruled out" % (exc,),
                               "server args unknown", (role, "server args unknown"))
@@ -240,7 +158,7 @@ class MlaWeightReleaseState:
                             w_kc_mib=round(self.released_bytes["w_kc"] / MIB, 3),
                             released_bytes=total, qkv_a_bytes=self.released_bytes["qkv_a"],
                             w_kc_bytes=self.released_bytes["w_kc"])
-        log.debug("mla_weight_release: released %s (%.2f MiB)" % (what, nbytes / MIB))
+        _log_line(logging.DEBUG, "released %s (%.2f MiB)" % (what, nbytes / MIB))
         state_record.touch()
         if self.summary_logged:
             self._log_summary("more layers released")
@@ -248,9 +166,9 @@ class MlaWeightReleaseState:
     def _log_summary(self, prefix="released"):
         self.summary_logged = True
         total = sum(self.released_bytes.values())
-        log.info("mla_weight_release: %s: %.1f MiB in %d layers (qkv_a %.1f MiB, w_kc %.1f MiB) in %s"
-                 % (prefix, total / MIB, len(self.layers), self.released_bytes["qkv_a"] / MIB,
-                    self.released_bytes["w_kc"] / MIB, log.pid_text()))
+        _log_line(logging.INFO, "%s: %.1f MiB in %d layers (qkv_a %.1f MiB, w_kc %.1f MiB) in %s"
+                  % (prefix, total / MIB, len(self.layers), self.released_bytes["qkv_a"] / MIB,
+                     self.released_bytes["w_kc"] / MIB, log.pid_text()))
 
     def _note_guarded(self, kind, layer, tensor):
         """A guarded weight raises on every touch, freed or not (memory still held elsewhere):
@@ -286,8 +204,8 @@ class MlaWeightReleaseState:
         message = self.update_refusal(op)
         self.details["updates_refused"] = self.details.get("updates_refused", 0) + 1
         state_record.touch()  # the running record (status --running, the metrics) says so too
-        log.warning("mla_weight_release: refused %s: MLA weights are released in %s (%s=0 keeps "
-                    "them)" % (op, log.pid_text(), SWITCH.name))
+        _log_line(logging.WARNING, "refused %s: MLA weights are released in %s (%s=0 keeps them)"
+                  % (op, log.pid_text(), SWITCH.name))
         return False, message
 
     # -- the wrappers
@@ -426,7 +344,7 @@ class MlaWeightReleaseState:
                 else:
                     self.once("late", logging.WARNING, "layer %s first ran after the first pass over "
                               "the layers: its qkv_a_proj.weight is released, its w_kc kept" % layer)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - never break weight loading over an optimisation
             self.once("error", logging.ERROR,
                       "keeping qkv_a_proj.weight: deciding the release raised %r" % (exc,))
         return result

@@ -272,7 +272,7 @@ def get_available_gpu_memory(wrapped, instance, args, kwargs):
 
 def get_npu_memory_capacity(wrapped, instance, args, kwargs):
     try:
-        import torch_npu  # noqa: F401  (the original's contract)
+        import torch_npu  # noqa: F401 - the original's contract: it raises without torch_npu
     except ImportError:
         raise ImportError("torch_npu is required when run on npu device.")
     return configured_mib()  # unit: MB, as upstream

@@ -1,5 +1,5 @@
 """``python -m npu_shim selftest``'s step of dual_stream_experts: the shim's dual-stream body on a
-GLM-4.5-Air-shaped MoE block at three batch sizes (synthetic_moe.py, the code the benchmark row
+GLM-4.5-Air-shaped MoE block at three batch sizes (_synthetic_moe.py, the code the benchmark row
 runs): output equal to single-stream, and serial / overlapped time from device events with the
 share of the ideal saving (serial - max(shared, routed)) achieved.  Reported against its target
 (>= 90 %), never failed on it.  Runs on an NPU and on CUDA (the streams go through
@@ -25,17 +25,17 @@ SIMULATED_TOKENS = (4, 8)
 def run(step):
     """The shim's dual-stream body on a GLM-4.x-shaped block at a few batch sizes; (ok, line, facts).
     ok: outputs equal to single-stream at every size (the overlap is reported against its target)."""
-    from npu_shim.patches._selftest import synthetic_moe
+    from npu_shim.patches._selftest import _synthetic_moe
 
     device, dm, simulated, progress = step.device, step.dm, step.simulated, step.progress
     tokens = step.options.get("tokens")
 
-    shape = dict(SIMULATED_SHAPE) if simulated else dict(synthetic_moe.GLM4_AIR, **DEVICE_TIMING)
-    sizes = tokens or (SIMULATED_TOKENS if simulated else synthetic_moe.SELFTEST_TOKENS)
+    shape = dict(SIMULATED_SHAPE) if simulated else dict(_synthetic_moe.GLM4_AIR, **DEVICE_TIMING)
+    sizes = tokens or (SIMULATED_TOKENS if simulated else _synthetic_moe.SELFTEST_TOKENS)
     facts, parts, ok = [], [], True
     for count in sizes:
         progress("dual_stream_experts: %d tokens: single-stream vs dual-stream, timed with events" % count)
-        r = synthetic_moe.measure(device, device_module=dm, **dict(shape, tokens=count))
+        r = _synthetic_moe.measure(device, device_module=dm, **dict(shape, tokens=count))
         ok = ok and r["equal"]
         facts.append(dict({k: r[k] for k in ("serial_median", "overlapped", "shared", "routed", "ideal",
                                              "possible", "fraction", "equal")}, tokens=count))
@@ -54,7 +54,7 @@ def run(step):
                 % ("; ".join(parts), shape_text))
     else:
         best = [f["fraction"] for f in facts if f["fraction"] is not None]
-        target = synthetic_moe.TARGET_FRACTION
+        target = _synthetic_moe.TARGET_FRACTION
         line = "%s (%s); outputs equal to single-stream: %s; target >= %.0f %% of the ideal saving: %s" % (
             "; ".join(parts), shape_text, "yes" if ok else "NO", target * 100,
             "met" if best and max(best) >= target else "not met")

@@ -209,8 +209,8 @@ def main(argv=None):
     parser.add_argument("--device", choices=("cuda", "npu", "cpu"), help="default: the one present")
     for key in ("tokens", "hidden", "shared_inter", "experts", "topk", "expert_inter", "samples", "reps"):
         parser.add_argument("--" + key.replace("_", "-"), type=int, dest=key)
-    parser.add_argument("--routed", choices=synthetic_moe.ROUTED,
-                        help="how the routed experts run (synthetic_moe.ROUTED; default per-expert)")
+    parser.add_argument("--routed", choices=_synthetic_moe.ROUTED,
+                        help="how the routed experts run (_synthetic_moe.ROUTED; default per-expert)")
     parser.add_argument("--wrapper-cost", action="store_true",
                         help="the shim's wrapper's host time per call instead of the overlap")
     parser.add_argument("--bundle", help="with --wrapper-cost: a bundle whose wrapt to use (default: import wrapt)")

@@ -457,19 +457,21 @@ def test_the_synthetic_block_s_two_routed_paths_compute_the_same_sums():
     up to float rounding; any other name is refused before a block is built."""
     import torch
 
-    small = dict(synthetic_moe.DEFAULTS, tokens=12, hidden=16, shared_inter=24, experts=4, topk=2, expert_inter=8)
+    small = dict(_synthetic_moe.DEFAULTS, tokens=12, hidden=16, shared_inter=24, experts=4, topk=2,
+                 expert_inter=8)
     hidden = torch.randn(12, 16, generator=torch.Generator().manual_seed(3))
     batch = types.SimpleNamespace(num_token_non_padded=None)
     out = {}
-    for routed in synthetic_moe.ROUTED:
-        block = synthetic_moe.build_block("cpu", torch.float64, dict(small, routed=routed))  # same seed, same weights
+    for routed in _synthetic_moe.ROUTED:
+        # the same seed, so the same weights for both
+        block = _synthetic_moe.build_block("cpu", torch.float64, dict(small, routed=routed))
         with torch.no_grad():
-            out[routed] = synthetic_moe.serial_forward(block, hidden.double(), batch)
-            routed_part = synthetic_moe.routed_only(block, hidden.double(), batch)
+            out[routed] = _synthetic_moe.serial_forward(block, hidden.double(), batch)
+            routed_part = _synthetic_moe.routed_only(block, hidden.double(), batch)
         assert routed_part.abs().max() > 0  # the routed experts contribute: not a vacuous equality
     torch.testing.assert_close(out["masked"], out["per-expert"], rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="routed must be one of per-expert, masked, not 'dense'"):
-        synthetic_moe.build_block("cpu", torch.float64, dict(small, routed="dense"))
+        _synthetic_moe.build_block("cpu", torch.float64, dict(small, routed="dense"))
 
 
 def _step(torch, dm, device, **options):

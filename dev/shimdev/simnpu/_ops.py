@@ -999,7 +999,8 @@ def _alloc_extend_kernel(prefix_lens, seq_lens, last_loc, free_pages, out_indice
     for pid in range(prefix_lens.shape[0]):
         pre_len, seq_len = int(prefix_lens[pid]), int(seq_lens[pid])
         output_start = int((seq_lens[:pid + 1] - prefix_lens[:pid + 1]).sum()) - (seq_len - pre_len)
-        new_pages = (seq_lens[:pid + 1] + page_size - 1) // page_size - (prefix_lens[:pid + 1] + page_size - 1) // page_size
+        new_pages = ((seq_lens[:pid + 1] + page_size - 1) // page_size
+                     - (prefix_lens[:pid + 1] + page_size - 1) // page_size)
         self_pages = int(new_pages[-1])
         page_start = int(new_pages.sum()) - self_pages
         part1 = min(seq_len, (pre_len + page_size - 1) // page_size * page_size) - pre_len

@@ -115,10 +115,12 @@ class Servers:
             env, args, zbal = dict(NPU_ENV), NPU_ARGS + (SPEC_ARGS if spec else []), arm == "on"
             shim = "on" if arm == "on" else "absent"
         if arm == "on":
+            (self.tmp / name).mkdir()
             env.update({"SGLANG_ZBAL_LOCAL_MEM_SIZE": HEAP_MIB,
                         "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://127.0.0.1:%d" % free_port(),
-                        "NPU_SHIM_STATE_DIR": str(self.tmp / "state"),
-                        "SIMNPU_SANITIZE_DIR": str(self.tmp / "sanitizer")})
+                        # a directory each: one server's record and sanitizer files only
+                        "NPU_SHIM_STATE_DIR": str(self.tmp / name / "state"),
+                        "SIMNPU_SANITIZE_DIR": str(self.tmp / name / "sanitizer")})
         server = Server(VERSION, model, args=args, env=env, zbal=zbal, shim=shim,
                         log_path=self.tmp / f"moe-{name}.log", ready_timeout=420)
         server.start()
@@ -144,9 +146,10 @@ def servers(tmp_path_factory):
 
 def scheduler_record(server) -> dict:
     info = status_running(VERSION, server.env["NPU_SHIM_STATE_DIR"])
-    (scheduler,) = [p for p in info["processes"]
-                    if p["status"] == "live" and (p.get("role") or {}).get("role") == "scheduler"]
-    return scheduler
+    live = [p for p in info["processes"]
+            if p["status"] == "live" and (p.get("role") or {}).get("role") == "scheduler"]
+    assert len(live) == 1, [(p.get("pid"), p["status"], p.get("role")) for p in info["processes"]]
+    return live[0]
 
 
 def sanitizer_files(server) -> dict:

@@ -15,13 +15,21 @@ One server per configuration, on one xdist worker, at most two alive:
   kernel in the image (``SIMNPU_FUSED_KERNEL``), the stream sanitizer in every spawned process for
   its whole life (``SIMNPU_SANITIZE_DIR``);
 * ``off``: the same job without the shim (sgl-kernel-npu's ``deep_ep``);
-* ``cpu``: ``--device cpu`` (sglang's CPU MoE, no DeepEP), the reference tokens.
+* ``cpu``: ``--device cpu`` (sglang's CPU MoE, no DeepEP), the reference tokens;
+* ``spec-on`` / ``spec-off``: the ``on`` / ``off`` job with a draft model: the checkpoint's NextN
+  (MTP) layer, ``--speculative-algorithm NEXTN`` (moe_job.SPEC_ARGS).  No ``--device cpu`` arm:
+  0.5.8's DraftBackendFactory has no CPU attention backend (torch_native / intel_amx raise "EAGLE
+  is not supported in attention backend ...").
 
 Checked: the same tokens on all three (against the CPU: or one request parting at a near-tie of the
 CPU's two best tokens, ``NEAR_TIE``); on ``on`` the dual-stream forward_deepep ran once per
 prefill of the MoE layer and the fused split_qkv_rmsnorm_rope once per decode step of each
 layer, read from the patch's details in the scheduler's state record; the sanitizer followed the
-scheduler's kernels on the main and side streams and reported nothing.
+scheduler's kernels on the main and side streams and reported nothing.  With the draft: the same
+tokens shim on and off, and the target's (speculative greedy decoding is the target's greedy
+decoding); each target-verify batch once through the dual-stream forward_deepep and twice through
+the fused kernel, counted per request in the record; the sanitizer silent; one main stream for the
+target and the draft.
 """
 from __future__ import annotations
 
@@ -42,6 +50,7 @@ CHAT = "Hello, who are you?"
 NEW_TOKENS = 8
 NPU_ARGS, NPU_ENV = list(moe_job.NPU_ARGS), moe_job.NPU_ENV   # the job: dev/shimdev/server/moe_job.py
 CPU_ARGS, CPU_ENV = list(moe_job.CPU_ARGS), moe_job.CPU_ENV
+SPEC_ARGS = list(moe_job.SPEC_ARGS)
 MAX_LIVE = 2
 
 #: The tests share their servers: one xdist worker runs them all.
@@ -97,17 +106,21 @@ class Servers:
         return self.pool.get(name, lambda: self._start(name))
 
     def _start(self, name):
-        model = models.ensure_model("glm4_moe", VERSION)
-        if name == "cpu":
+        spec = name.startswith("spec-")
+        model = models.ensure_model("glm4_moe_mtp" if spec else "glm4_moe", VERSION)
+        arm = name[len("spec-"):] if spec else name
+        if arm == "cpu":
             env, args, shim, zbal = dict(CPU_ENV), CPU_ARGS, "absent", False
         else:
-            env, args, zbal = dict(NPU_ENV), NPU_ARGS, name == "on"
-            shim = "on" if name == "on" else "absent"
-        if name == "on":
+            env, args, zbal = dict(NPU_ENV), NPU_ARGS + (SPEC_ARGS if spec else []), arm == "on"
+            shim = "on" if arm == "on" else "absent"
+        if arm == "on":
+            (self.tmp / name).mkdir()
             env.update({"SGLANG_ZBAL_LOCAL_MEM_SIZE": HEAP_MIB,
                         "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://127.0.0.1:%d" % free_port(),
-                        "NPU_SHIM_STATE_DIR": str(self.tmp / "state"),
-                        "SIMNPU_SANITIZE_DIR": str(self.tmp / "sanitizer")})
+                        # a directory each: one server's record and sanitizer files only
+                        "NPU_SHIM_STATE_DIR": str(self.tmp / name / "state"),
+                        "SIMNPU_SANITIZE_DIR": str(self.tmp / name / "sanitizer")})
         server = Server(VERSION, model, args=args, env=env, zbal=zbal, shim=shim,
                         log_path=self.tmp / f"moe-{name}.log", ready_timeout=420)
         server.start()
@@ -133,9 +146,10 @@ def servers(tmp_path_factory):
 
 def scheduler_record(server) -> dict:
     info = status_running(VERSION, server.env["NPU_SHIM_STATE_DIR"])
-    (scheduler,) = [p for p in info["processes"]
-                    if p["status"] == "live" and (p.get("role") or {}).get("role") == "scheduler"]
-    return scheduler
+    live = [p for p in info["processes"]
+            if p["status"] == "live" and (p.get("role") or {}).get("role") == "scheduler"]
+    assert len(live) == 1, [(p.get("pid"), p["status"], p.get("role")) for p in info["processes"]]
+    return live[0]
 
 
 def sanitizer_files(server) -> dict:
@@ -198,3 +212,82 @@ def test_the_same_tokens_with_the_shim_without_it_and_on_the_cpu(servers):
     assert re.search(r"^\[simzbal\] deepep_adaptor\.Buffer: rank 0 of 1", on_log, re.M), on_log[-3000:]
     assert "[simnpu] deep_ep.Buffer" not in on_log
     assert "[simnpu] deep_ep.Buffer: rank 0 of 1" in off_log and "[simzbal]" not in off_log
+
+
+# -- with a draft model (MTP / NextN) ---------------------------------------------------------------
+
+def generate_one(server, prompt):
+    status, out = server.post("/generate", {
+        "input_ids": list(prompt),
+        "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}})
+    assert status == 200, out
+    return out
+
+
+def settled_counts(server, done=lambda counts: True):
+    """The dual-stream patch's counts in the scheduler's record once ``done(counts)`` holds (the
+    record follows within a second or so), or as they stand after 15 s."""
+    deadline = time.monotonic() + 15
+    while True:
+        patch = scheduler_record(server)["patches"]["dual_stream_experts"]
+        counts = dict(patch["details"]["counts"])
+        if done(counts) or time.monotonic() > deadline:
+            return patch, counts
+        time.sleep(1)
+
+
+@ON_ONE_WORKER
+def test_with_a_draft_model_each_verify_batch_takes_the_dual_stream_and_fused_paths(servers):
+    done = servers.answers_of("spec-on")
+    server = servers.get("spec-on")
+    assert "spec-on" in servers.pool.live
+    # the requests above are answered: the counts stand still once the record caught up
+    _, before = settled_counts(server, lambda c: c["fused_calls"] > 0)
+    time.sleep(2)
+    _, before = settled_counts(server)
+    out = generate_one(server, [11, 12, 13, 14, 15])
+    verifies = out["meta_info"]["spec_verify_ct"]
+    assert verifies >= 1, out["meta_info"]
+    patch, after = settled_counts(server, lambda c: c["fused_calls"] >= before["fused_calls"] + 2 * verifies)
+    delta = {k: after[k] - before[k] for k in after}
+    assert patch["state"] == "applied", patch
+    # one target-verify batch per verify step (one request at a time), each through the MoE layer
+    # once on two streams; the other dual-stream calls are the target's prefill and the draft's
+    # extends (its NextN layer is an MoE layer too): one after the prefill and one after each
+    # verify but the last -- eagle_worker.forward_batch_generation skips the draft extend once the
+    # verify finished the request (``verified_id`` empty)
+    assert delta["dual_stream_verify_calls"] == verifies, (delta, out["meta_info"])
+    assert delta["dual_stream_calls"] == 1 + 1 + verifies + (verifies - 1), (delta, out["meta_info"])
+    # the fused kernel: in the target's two layers of each verify batch (draft extends are extend)
+    assert delta["fused_calls"] == 2 * verifies, (delta, out["meta_info"])
+    assert after["dual_stream_verify_calls"] >= done["prefills"] > 0, after
+    assert "fused_fallback" not in patch["details"], patch["details"]
+    # the target and the draft run on one main stream (the scheduler's), so one side stream serves
+    # both: 0.5.8's EAGLE worker makes no stream of its own
+    assert len(patch["details"]["side_streams"]) == 1, patch["details"]["side_streams"]
+
+
+@ON_ONE_WORKER
+def test_with_a_draft_model_the_stream_sanitizer_stayed_silent(servers):
+    servers.answers_of("spec-on")
+    files = sanitizer_files(servers.get("spec-on"))
+    (scheduler,) = [d for title, d in files.items() if title.startswith("sglang::scheduler")]
+    assert "main" in scheduler["streams"] and [s for s in scheduler["streams"] if s.startswith("side-")]
+    assert scheduler["launches"] > 1000, scheduler["launches"]
+    for title, data in files.items():
+        assert data["reports"] == [], (title, [r["message"] for r in data["reports"]])
+
+
+@ON_ONE_WORKER
+def test_with_a_draft_model_the_same_tokens_with_and_without_the_shim_and_as_the_target_alone(servers):
+    on = servers.answers_of("spec-on")
+    off = servers.answers_of("spec-off")
+    assert {k: on[k] for k in ("generate", "chat")} == {k: off[k] for k in ("generate", "chat")}
+    # the MTP checkpoint's target layers are the glm4_moe model's, bit for bit (one seed, one
+    # config but the extra layer): greedy speculative decoding gives the target's greedy tokens --
+    # or parts at a near-tie (a verify batch attends through npu_fused_infer_attention_score, a
+    # decode step through _npu_paged_attention: two orders of summation)
+    alone = servers.answers_of("off")
+    parted = [same_or_near_tie(a, b, top2) for a, b, top2 in zip(on["generate"], alone["generate"], alone["top2"])]
+    assert sum(p is not None for p in parted) <= 1, parted
+    assert servers.get("spec-on").log_text().count("[simzbal] deepep_adaptor.Buffer") >= 1

@@ -429,13 +429,36 @@ def _dsa_calls():
                                         torch.empty(t, heads, dim)), {}
 
 
-def test_the_dsa_stand_ins_keep_to_their_real_schemas(npu):
+def _speculative_calls():
+    """What an EAGLE / NextN server's verify and draft-extend batches call on NPU (a real 0.5.8
+    server runs them: tests/test_real_server_moe.py)."""
+    from shimdev.simnpu import _ops
+
+    k = _ops.kernel
+    heads, kv_heads, dim, page = 4, 2, 8, 4
+    cache = torch.randn(3, page, kv_heads * dim)
+    mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+    yield k("npu_fused_infer_attention_score"), (torch.randn(4, heads, dim), cache, cache), dict(
+        block_table=torch.tensor([[0, 1], [2, 0]], dtype=torch.int32), block_size=page, num_heads=heads,
+        num_key_value_heads=kv_heads, input_layout="TND", atten_mask=mask, scale=0.5,
+        actual_seq_lengths=[2, 4], actual_seq_lengths_kv=[6, 3], sparse_mode=3)
+    bs, n = 2, 2
+    yield k("build_tree_kernel_efficient"), (
+        torch.zeros(bs, 1, dtype=torch.int64), torch.zeros(bs, n - 1, dtype=torch.int64),
+        torch.tensor([5, 7]), torch.ones(12 * n + bs * n * n, dtype=torch.bool),
+        torch.empty(bs * n, dtype=torch.int64), torch.full((bs, n), -1), torch.full((bs, n), -1),
+        torch.full((bs, n), -1), 1, 1, n, 0), {}
+
+
+def test_the_dsa_and_speculative_stand_ins_keep_to_their_real_schemas(npu):
     """What sglang's DSA decode path calls (a real 0.5.11 server runs them: tests/test_real_server_mla.py)
-    is declared with the real op's schema: in place only where it says ``(a!)``."""
+    and its NPU speculative decoding (0.5.8: tests/test_real_server_moe.py) is declared with the real
+    op's schema: in place only where it says ``(a!)`` -- or, for build_tree_kernel_efficient, whose
+    registered string marks nothing, on its five output buffers (``SANITIZER_WRITES``)."""
     from shimdev.simnpu import _ops
 
     seen = []
-    for fn, args, kwargs in _dsa_calls():
+    for fn, args, kwargs in [*_dsa_calls(), *_speculative_calls()]:
         seen.append(fn.declared.name.split("::")[-1])
         with _sanitizer.sanitize() as san:
             fn(*args, **kwargs)
@@ -446,3 +469,6 @@ def test_the_dsa_stand_ins_keep_to_their_real_schemas(npu):
     prolog = _ops.kernel("npu_mla_prolog_v3").declared
     assert prolog.writes("kv_cache") and prolog.writes("kr_cache") and not prolog.writes("token_x")
     assert _ops.kernel("batch_matmul_transpose").declared.writes("tensor_c")
+    tree = _ops.kernel("build_tree_kernel_efficient").declared
+    assert [a for a in _ops.SANITIZER_WRITES["build_tree_kernel_efficient"] if not tree.writes(a)] == []
+    assert not tree.writes("parent_list") and not tree.writes("selected_index")

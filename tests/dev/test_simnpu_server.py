@@ -345,3 +345,103 @@ def test_the_deepep_bf16_experts_of_each_release_meet_the_grouped_matmul_as_on_a
         assert out["refused"].startswith("Dim 1 value of x[0] should be equal with dim 1 value of weight[0]"), out
     else:
         assert out == {"shape": [5, 64]}, out
+
+
+# -- what an EAGLE / NextN speculative server calls on NPU (tests/test_real_server_moe.py's draft) --
+
+def test_alloc_extend_kernel_places_each_token_as_the_triton_kernel_does():
+    """sgl-kernel-npu's alloc_extend_kernel stand-in against the rule its triton kernel implements:
+    a request's new token at position p goes on in its old partial page (last_loc + 1 + ...) while
+    p is inside it, else into the free pages handed out in request order -- the speculative draft's
+    case (prefix 4, one more token, page 128) included, which 0.5.8's own naive copy gets wrong."""
+    import random
+
+    import torch
+
+    from shimdev.simnpu import _ops
+
+    rng = random.Random(0)
+    cases = [(128, [4], [5]), (128, [0], [1]), (4, [3, 8], [9, 13])]
+    for _ in range(200):
+        page, bs = rng.choice([1, 4, 16, 128]), rng.randint(1, 4)
+        pre = [rng.randint(0, 300) for _ in range(bs)]
+        cases.append((page, pre, [p + rng.randint(1, 300) for p in pre]))
+    for page, pre, seq in cases:
+        last = [(1000 + i) * page + (p - 1) % page if p else -1 for i, p in enumerate(pre)]
+        free = torch.randperm(5000)[:2000] + 1
+        out = torch.full((sum(seq) - sum(pre),), -7, dtype=torch.int64)
+        _ops._alloc_extend_kernel(torch.tensor(pre), torch.tensor(seq), torch.tensor(last), free, out,
+                                  8, page, 1024)
+        expected, next_page = [], 0
+        for p0, s0, last_loc in zip(pre, seq, last):
+            old_end = -(-p0 // page) * page  # the end of the old partial page
+            own = []
+            for pos in range(p0, s0):
+                if pos < old_end:
+                    expected.append(last_loc + 1 + pos - p0)
+                else:
+                    k = pos // page - old_end // page
+                    while len(own) <= k:
+                        own.append(int(free[next_page]))
+                        next_page += 1
+                    expected.append(own[k] * page + pos % page)
+        assert out.tolist() == expected, (page, pre, seq)
+
+
+def test_fused_infer_attention_score_is_right_down_causal_attention_over_the_paged_cache():
+    """forward_mtp's call: TND queries (cumulative lengths), a [blocks, page, H_kv * D] cache read
+    through the block table, sparse_mode 3 -- each request's queries are its last tokens."""
+    import torch
+
+    from shimdev.simnpu import _ops
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, page = 4, 2, 8, 4
+    k_cache, v_cache = torch.randn(4, page, kv_heads * dim), torch.randn(4, page, kv_heads * dim)
+    table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+    q = torch.randn(5, heads, dim)
+    mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+    out, _ = _ops.npu_fused_infer_attention_score(
+        q, k_cache, v_cache, block_table=table, block_size=page, num_heads=heads, num_key_value_heads=kv_heads,
+        input_layout="TND", atten_mask=mask, scale=0.3, actual_seq_lengths=[2, 5], actual_seq_lengths_kv=[6, 8],
+        sparse_mode=3)
+    for b, (start, end, total) in enumerate(((0, 2, 6), (2, 5, 8))):
+        slots = torch.cat([torch.arange(page) + int(blk) * page for blk in table[b]])[:total]
+        k = k_cache.reshape(-1, kv_heads, dim)[slots].repeat_interleave(2, dim=1)
+        v = v_cache.reshape(-1, kv_heads, dim)[slots].repeat_interleave(2, dim=1)
+        for i in range(end - start):
+            seen = total - (end - start) + i + 1
+            w = (torch.einsum("hd,mhd->hm", q[start + i], k[:seen]) * 0.3).softmax(-1)
+            assert torch.allclose(out[start + i], torch.einsum("hm,mhd->hd", w, v[:seen]), atol=1e-5), (b, i)
+    with pytest.raises(NotImplementedError, match="input_layout='BSND'"):
+        _ops.npu_fused_infer_attention_score(q, k_cache, v_cache, block_table=table, input_layout="BSND",
+                                             sparse_mode=3, atten_mask=mask)
+
+
+def test_the_draft_tree_and_greedy_verify_of_a_top_1_chain():
+    """build_tree_kernel_efficient and verify_tree_greedy as EAGLE top-1 uses them (one step, two
+    tokens per request): positions seq_len, seq_len + 1; the chain's retrieval lists; the verify
+    accepts the draft token where the target predicted it, and ends with the target's token."""
+    import torch
+
+    from shimdev.simnpu import _ops
+
+    bs, n, seq_lens = 2, 2, torch.tensor([5, 7])
+    tree_mask = torch.ones(int(seq_lens.sum()) * n + bs * n * n, dtype=torch.bool)
+    positions = torch.empty(bs * n, dtype=torch.int64)
+    index, nxt, sib = (torch.full((bs, n), -1) for _ in range(3))
+    _ops.build_tree_kernel_efficient(torch.zeros(bs, 1, dtype=torch.int64), torch.zeros(bs, 1, dtype=torch.int64),
+                                     seq_lens, tree_mask, positions, index, nxt, sib, 1, 1, n, 0)
+    assert positions.tolist() == [5, 6, 7, 8]
+    assert index.tolist() == [[0, 1], [2, 3]] and nxt.tolist() == [[1, -1], [1, -1]] and sib.eq(-1).all()
+    # request 0's rows: [prefix 5 | draft 2] per draft token, the second seeing the first
+    assert tree_mask[:14].tolist() == [True] * 5 + [True, False] + [True] * 5 + [True, True]
+    candidates = torch.tensor([[10, 20], [30, 40]])
+    target = torch.tensor([[20, 21], [41, 42]])  # request 0's draft (20) is right, request 1's (40) is not
+    predicts = torch.zeros(bs * n, dtype=torch.int32)
+    accept_index = torch.full((bs, n), -1, dtype=torch.int32)
+    accept_num = torch.zeros(bs, dtype=torch.int32)
+    _ops.verify_tree_greedy(predicts, accept_index, accept_num, candidates, index, nxt, sib, target)
+    assert accept_num.tolist() == [1, 0]
+    assert accept_index.tolist() == [[0, 1], [2, -1]]
+    assert predicts.tolist() == [20, 21, 41, 0]

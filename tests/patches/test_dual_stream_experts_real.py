@@ -73,6 +73,8 @@ def test_real_0_5_9_dual_stream_order_numerics_and_fused_decode(streams_and_fuse
     # Every path gives the single-stream result bit for bit.
     assert all(run["equal"] for run in moe.values()), {k: v["equal"] for k, v in moe.items()}
     assert st["details"]["counts"]["dual_stream_calls"] == 3
+    # of which one target-verify batch, counted apart (a speculative server's record shows it)
+    assert st["details"]["counts"]["dual_stream_verify_calls"] == 1
     assert st["details"]["side_streams"] == {"<simnpu Stream main>": "<simnpu Stream side-1>"}
     # The stream sanitizer was on in every call above and found nothing.
     assert res["sanitizer"] == [], res["sanitizer"]

@@ -62,9 +62,16 @@ SPECS = {
         rope_theta=10000.0, rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=3, torch_dtype="bfloat16")),
 }
+# The same GLM-4 MoE with one MTP (NextN) layer, as GLM-4.5/4.6 checkpoints ship it: config.json's
+# ``num_nextn_predict_layers: 1`` and the layer as ``model.layers.<num_hidden_layers>`` (an MoE
+# decoder layer plus ``eh_proj``, ``enorm``, ``hnorm``, ``shared_head``).  sglang's target
+# ``Glm4MoeForCausalLM.load_weights`` skips that layer; with ``--speculative-algorithm NEXTN`` the
+# draft (``Glm4MoeForCausalLMNextN``, draft path = model path) loads only it.  transformers does
+# not make it from Glm4MoeConfig: the "glm4_nextn_layer" step of _BUILD adds it.
+SPECS["glm4_moe_mtp"] = (SPECS["glm4_moe"][0], dict(SPECS["glm4_moe"][1], num_nextn_predict_layers=1))
 
 #: kind -> what is done to the saved checkpoint after ``save_pretrained`` (in _BUILD).
-POST = {"dsa": "modelslim_w8a8_dsa"}
+POST = {"dsa": "modelslim_w8a8_dsa", "glm4_moe_mtp": "glm4_nextn_layer"}
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
@@ -125,6 +132,40 @@ if spec.get("post") == "modelslim_w8a8_dsa":
     description["ignore"] = ignore
     save_file(tensors, out + "/model.safetensors", metadata={"format": "pt"})
     json.dump(description, open(out + "/quant_model_description.json", "w"), indent=1, sort_keys=True)
+if spec.get("post") == "glm4_nextn_layer":
+    # The MTP layer, under the names a GLM-4.5 checkpoint gives it (model.layers.<n>, n =
+    # num_hidden_layers): a decoder layer shaped as the last (MoE) one, with random weights of its
+    # own, plus the NextN parts (eh_proj [hidden, 2*hidden], enorm, hnorm, shared_head.norm) and,
+    # as the real checkpoints have them, shared_head.head and embed_tokens (sglang's draft takes
+    # both from the target and skips these).
+    import glob, os
+    from safetensors.torch import load_file, save_file
+    files = sorted(glob.glob(out + "/*.safetensors"))
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(f))
+        os.remove(f)
+    for f in glob.glob(out + "/*.safetensors.index.json"):
+        os.remove(f)
+    n, hidden = kwargs["num_hidden_layers"], kwargs["hidden_size"]
+    gen = torch.Generator().manual_seed(2)
+    last, mtp = "model.layers.%d." % (n - 1), "model.layers.%d." % n
+    for name in sorted(tensors):
+        if name.startswith(last):
+            t = tensors[name]
+            if name.endswith("norm.weight"):
+                new = torch.ones_like(t)
+            elif name.endswith("e_score_correction_bias"):
+                new = torch.zeros_like(t)
+            else:
+                new = (torch.randn(t.shape, generator=gen) * 0.02).to(t.dtype)
+            tensors[mtp + name[len(last):]] = new
+    tensors[mtp + "eh_proj.weight"] = (torch.randn(hidden, 2 * hidden, generator=gen) * 0.02).to(torch.bfloat16)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[mtp + norm + ".weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, out + "/model.safetensors", metadata={"format": "pt"})
 
 rng = random.Random(0)
 syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "an", "el", "is", "or", "un", "th",

@@ -6,6 +6,10 @@ scripts/bench_moe_server.py): ``--moe-a2a-backend deepep`` with the streams on, 
 * ``SGLANG_DEEPEP_BF16_DISPATCH=1``: bf16 tokens into the low-latency dispatch (the NPU's "fp8"
   dispatch quantises to int8, which the bf16 expert path cannot take).
 * ``SIMNPU_FUSED_KERNEL=1``: sgl-kernel-npu's ``norm.split_qkv_rmsnorm_rope`` in the image.
+* ``SPEC_ARGS``: the same job with its MTP layer as the draft (``models.ensure_model("glm4_moe_mtp")``;
+  NEXTN is EAGLE with the draft path = the model path): one draft step, top-1, two tokens per
+  verify -- each decode step one target-verify batch (two tokens per request) and one draft
+  extend; no draft decode batch (that needs two or more steps).
 """
 import json
 
@@ -26,3 +30,7 @@ NPU_ENV = {"SIMNPU_TOTAL_MIB": DEVICE_MIB, "SGLANG_NPU_USE_MULTI_STREAM": "1",
 #: of the machine's memory), no NPU in the processes at all.
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "4096")
 CPU_ENV = {"SIMNPU_SERVER_DEVICE": "cpu", "SGLANG_USE_CPU_ENGINE": "1"}
+#: Speculative decoding with the checkpoint's NextN (MTP) layer as the draft (0.5.8 turns NEXTN into
+#: EAGLE and, for Glm4MoeForCausalLM, takes the model path as the draft's).
+SPEC_ARGS = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "1",
+             "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2")

@@ -65,6 +65,24 @@ NPU_SCHEMAS = {
         'str quant_mode="pertoken", float dst_type_max=0.0) -> (Tensor, Tensor)'),
     "npu_format_cast": ("(Tensor input, int acl_format, *, int? customize_dtype=None, "
                         "int? input_dtype=None) -> Tensor"),
+    # -- speculative decoding (EAGLE / NextN): ascend_backend.forward_mtp's attention for
+    # target-verify and draft-extend batches
+    "npu_fused_infer_attention_score": (
+        '(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, Tensor? atten_mask=None, '
+        'SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, '
+        'Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, '
+        'Tensor? quant_scale2=None, Tensor? quant_offset2=None, Tensor? antiquant_scale=None, '
+        'Tensor? antiquant_offset=None, Tensor? key_antiquant_scale=None, '
+        'Tensor? key_antiquant_offset=None, Tensor? value_antiquant_scale=None, '
+        'Tensor? value_antiquant_offset=None, Tensor? block_table=None, '
+        'Tensor? query_padding_size=None, Tensor? kv_padding_size=None, '
+        'Tensor? key_shared_prefix=None, Tensor? value_shared_prefix=None, '
+        'SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, Tensor? key_rope=None, '
+        'Tensor? key_rope_antiquant_scale=None, int num_heads=1, float scale=1.0, '
+        'int pre_tokens=2147483647, int next_tokens=2147483647, str input_layout="BSH", '
+        'int num_key_value_heads=0, int sparse_mode=0, int inner_precise=0, int block_size=0, '
+        'int antiquant_mode=0, int key_antiquant_mode=0, int value_antiquant_mode=0, '
+        'bool softmax_lse_flag=False) -> (Tensor, Tensor)'),
     # -- the MoE path (sglang's hardware_backend/npu/moe/topk.py, ep_moe/layer.py's forward_npu,
     # quantization/unquant.py's forward_npu, npu/quantization/fused_moe_method_npu.py)
     "npu_moe_gating_top_k": (
@@ -126,7 +144,22 @@ SGL_KERNEL_NPU_SCHEMAS = {
     "batch_matmul_transpose": (
         "(Tensor tensor_a, Tensor tensor_b, Tensor(a!) tensor_c, str? format_mode=None, "
         "str? quant_mode=None) -> ()"),
+    # EAGLE's draft tree (sglang speculative/eagle_utils.py calls torch.ops.npu.<this> on NPU).
+    # The registered string marks no argument written, though the kernel fills its five output
+    # buffers in place (as sgl-kernel's CUDA op of the same name, whose schema marks them ``!``):
+    # the op is defined here under the real string, and declared to the sanitizer with the writes
+    # (SANITIZER_WRITES).
+    "build_tree_kernel_efficient": (
+        "(Tensor parent_list, Tensor selected_index, Tensor verified_seq_len, Tensor tree_mask, "
+        "Tensor positions, Tensor retrive_index, Tensor retrive_next_token, "
+        "Tensor retrive_next_sibling, int topk, int depth, int draft_token_num, "
+        "int tree_mask_mode)->()"),
 }
+
+#: op -> the arguments its kernel writes where its registered schema does not say so: the schema
+#: the stream sanitizer is given marks them ``(x!)``.
+SANITIZER_WRITES = {"build_tree_kernel_efficient": ("tree_mask", "positions", "retrive_index",
+                                                    "retrive_next_token", "retrive_next_sibling")}
 
 #: Where each op's schema (and so what it reads and writes, for the stream sanitizer) is from.
 SOURCES = {
@@ -494,6 +527,179 @@ def npu_format_cast(input, acl_format, *, customize_dtype=None, input_dtype=None
     return input.clone()
 
 
+def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None,
+                                    actual_seq_lengths=None, actual_seq_lengths_kv=None,
+                                    dequant_scale1=None, quant_scale1=None, dequant_scale2=None,
+                                    quant_scale2=None, quant_offset2=None, antiquant_scale=None,
+                                    antiquant_offset=None, key_antiquant_scale=None,
+                                    key_antiquant_offset=None, value_antiquant_scale=None,
+                                    value_antiquant_offset=None, block_table=None,
+                                    query_padding_size=None, kv_padding_size=None,
+                                    key_shared_prefix=None, value_shared_prefix=None,
+                                    actual_shared_prefix_len=None, query_rope=None, key_rope=None,
+                                    key_rope_antiquant_scale=None, num_heads=1, scale=1.0,
+                                    pre_tokens=2147483647, next_tokens=2147483647,
+                                    input_layout="BSH", num_key_value_heads=0, sparse_mode=0,
+                                    inner_precise=0, block_size=0, antiquant_mode=0,
+                                    key_antiquant_mode=0, value_antiquant_mode=0,
+                                    softmax_lse_flag=False):
+    """aclnnFusedInferAttentionScore as sglang's ascend ``forward_mtp`` calls it for GQA models
+    (target-verify and draft-extend batches): ``input_layout="TND"`` queries ``[T, N, D]`` with
+    ``actual_seq_lengths`` their *cumulative* ends per request, a paged key/value cache
+    ``[blocks, block_size, H_kv * D]`` read through ``block_table`` for ``actual_seq_lengths_kv``
+    tokens per request, and ``sparse_mode=3`` (rightDownCausal: the queries are the last tokens of
+    their request, query i of n sees keys ``<= kv_len - n + i``) with the op's compressed 2048 x
+    2048 upper-triangle mask.  Returns (attention_out ``[T, N, D]`` in the query's dtype,
+    softmax_lse -- a one-element tensor, as the op gives without ``softmax_lse_flag``).  Anything
+    else sglang does not pass here raises by name."""
+    import torch
+
+    op = "npu_fused_infer_attention_score"
+    _unsupported(op, pse_shift=pse_shift is not None, dequant_scale1=dequant_scale1 is not None,
+                 quant_scale1=quant_scale1 is not None, dequant_scale2=dequant_scale2 is not None,
+                 quant_scale2=quant_scale2 is not None, quant_offset2=quant_offset2 is not None,
+                 antiquant_scale=antiquant_scale is not None, antiquant_offset=antiquant_offset is not None,
+                 key_antiquant_scale=key_antiquant_scale is not None,
+                 key_antiquant_offset=key_antiquant_offset is not None,
+                 value_antiquant_scale=value_antiquant_scale is not None,
+                 value_antiquant_offset=value_antiquant_offset is not None,
+                 query_padding_size=query_padding_size is not None, kv_padding_size=kv_padding_size is not None,
+                 key_shared_prefix=key_shared_prefix is not None, value_shared_prefix=value_shared_prefix is not None,
+                 actual_shared_prefix_len=actual_shared_prefix_len is not None,
+                 query_rope=query_rope is not None, key_rope=key_rope is not None,
+                 key_rope_antiquant_scale=key_rope_antiquant_scale is not None,
+                 softmax_lse_flag=softmax_lse_flag, antiquant_mode=antiquant_mode,
+                 key_antiquant_mode=key_antiquant_mode, value_antiquant_mode=value_antiquant_mode)
+    if input_layout != "TND" or block_table is None or sparse_mode != 3:
+        raise NotImplementedError("simnpu: %s with input_layout=%r, sparse_mode=%r and %s block table "
+                                  "is not simulated (sglang's forward_mtp passes TND, 3, a table)"
+                                  % (op, input_layout, sparse_mode, "a" if block_table is not None else "no"))
+    if atten_mask is None or tuple(atten_mask.shape[-2:]) != (2048, 2048):
+        raise RuntimeError("%s: sparse_mode 3 takes the compressed 2048 x 2048 causal mask, got %r"
+                           % (op, None if atten_mask is None else tuple(atten_mask.shape)))
+    if actual_seq_lengths is None or actual_seq_lengths_kv is None:
+        raise RuntimeError("%s: TND needs actual_seq_lengths and actual_seq_lengths_kv" % op)
+    kv_heads = num_key_value_heads or num_heads
+    if num_heads % kv_heads or query.dim() != 3 or query.shape[1] != num_heads:
+        raise RuntimeError("%s: query %r for %d heads over %d key/value heads"
+                           % (op, tuple(query.shape), num_heads, kv_heads))
+    ends = [int(e) for e in actual_seq_lengths]
+    kv_lens = [int(n) for n in actual_seq_lengths_kv]
+    if len(ends) != len(kv_lens) or ends[-1] != query.shape[0] or block_table.shape[0] != len(kv_lens):
+        raise RuntimeError("%s: actual_seq_lengths %r / actual_seq_lengths_kv %r / block_table %r do not "
+                           "describe %d query tokens" % (op, ends, kv_lens, tuple(block_table.shape), query.shape[0]))
+    if block_size and key.shape[1] != block_size:
+        raise RuntimeError("%s: key cache blocks of %d tokens, block_size %d" % (op, key.shape[1], block_size))
+    head_dim = query.shape[-1]
+    k_cache = key.reshape(key.shape[0], key.shape[1], kv_heads, -1)
+    v_cache = value.reshape(value.shape[0], value.shape[1], kv_heads, -1)
+    out = torch.empty(query.shape[0], num_heads, v_cache.shape[-1], dtype=query.dtype)
+    start = 0
+    for b, (end, total) in enumerate(zip(ends, kv_lens)):
+        n = end - start
+        if n > total or k_cache.shape[-1] != head_dim:
+            raise RuntimeError("%s: request %d has %d queries over %d keys of dim %d (query dim %d)"
+                               % (op, b, n, total, k_cache.shape[-1], head_dim))
+        if n:
+            k = _gather(k_cache, block_table[b], total)
+            v = _gather(v_cache, block_table[b], total)
+            out[start:end] = _attend(query[start:end], k, v, scale, total - n).to(query.dtype)
+        start = end
+    return out, torch.zeros(1, dtype=query.dtype)
+
+
+def build_tree_kernel_efficient(parent_list, selected_index, verified_seq_len, tree_mask, positions,
+                                retrive_index, retrive_next_token, retrive_next_sibling, topk, depth,
+                                draft_token_num, tree_mask_mode):
+    """sgl-kernel-npu's EAGLE draft tree, as sgl-kernel's CUDA ``build_tree_efficient`` computes it
+    (csrc/speculative/eagle_utils.cu; the NPU op takes the same arguments for the same result),
+    thread by thread: per request, the token tree's mask rows (FULL_MASK: each draft token's row
+    over the prefix and the draft tokens; QLEN_ONLY: over the draft tokens only), each draft
+    token's position (seq_len + its depth), and the retrieval lists (index, first child, next
+    sibling).  QLEN_ONLY_BITPACKING raises by name."""
+    if tree_mask_mode not in (0, 1):
+        raise NotImplementedError("simnpu: build_tree_kernel_efficient with tree_mask_mode %d" % tree_mask_mode)
+    n = draft_token_num
+    sel = selected_index.reshape(-1).tolist()
+    parents = parent_list.reshape(-1).tolist()
+    seq_lens = [int(x) for x in verified_seq_len.tolist()]
+    width = topk * (depth - 1) + 1
+    nt, ns = retrive_next_token.view(-1), retrive_next_sibling.view(-1)
+    for bid in range(parent_list.shape[0]):
+        seq_len = seq_lens[bid]
+        seq_tree_idx = n * n * bid + sum(seq_lens[:bid]) * n
+        for tid in range(n):
+            if tree_mask_mode == 0:
+                token_tree_idx = seq_tree_idx + (seq_len + n) * tid + seq_len + 1
+            else:
+                token_tree_idx = n * n * bid + n * tid + 1
+            tree_mask[token_tree_idx - 1] = True
+            tree_mask[token_tree_idx:token_tree_idx + n - 1] = False
+            if tid == 0:
+                positions[bid * n] = seq_len
+                for i in range(n - 1, 0, -1):
+                    retrive_index[bid, i] = bid * n + i
+                    parent_tb_idx = sel[bid * (n - 1) + i - 1] // topk
+                    parent_position = 0
+                    if parent_tb_idx > 0:
+                        parent_token_idx = parents[bid * width + parent_tb_idx]
+                        while parent_position < n:
+                            if sel[bid * (n - 1) + parent_position] == parent_token_idx:
+                                parent_position += 1
+                                break
+                            parent_position += 1
+                    if parent_position == n:
+                        continue  # the kernel's "invalid eagle tree" case: the token is skipped
+                    slot = bid * n + parent_position
+                    if int(nt[slot]) == -1:
+                        nt[slot] = i
+                    else:
+                        ns[bid * n + i] = int(nt[slot])
+                        nt[slot] = i
+                retrive_index[bid, 0] = bid * n
+            else:
+                cur, position = tid - 1, 0
+                while True:
+                    position += 1
+                    tree_mask[token_tree_idx + cur] = True
+                    parent_tb_idx = sel[bid * (n - 1) + cur] // topk
+                    if parent_tb_idx == 0:
+                        break
+                    token_idx = parents[bid * width + parent_tb_idx]
+                    cur = next((c for c in range(n - 1) if sel[bid * (n - 1) + c] == token_idx), n - 1)
+                positions[bid * n + tid] = position + seq_len
+
+
+def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                       retrive_next_token, retrive_next_sibling, target_predict):
+    """sgl_kernel_npu.sample.verify_tree_greedy (a triton kernel and its launcher; sglang's
+    eagle_utils.verify_tree_greedy_func calls it on NPU), program by program as
+    ``verify_tree_greedy_kernel`` computes it: per request, walk the draft chain in order (the
+    kernel reads candidates i = 1.. against the target's prediction at i - 1, not the sibling
+    lists), accepting while draft token == target token; the accepted slots into accept_index
+    (its row of num_draft_tokens), their count, and the target's tokens into predicts."""
+    bs, n = candidates.shape
+    cand, ridx, target = candidates.tolist(), retrive_index.tolist(), target_predict.tolist()
+    flat_accept = accept_index.view(-1)
+    for req in range(bs):
+        last = ridx[req][0]
+        flat_accept[req * n] = last
+        accepted, rejected = 0, False
+        for i in range(1, n):
+            if rejected:
+                continue
+            if cand[req][i] == target[req][i - 1]:
+                draft_idx = ridx[req][i]
+                predicts[last] = target[req][i - 1]
+                accepted += 1
+                flat_accept[req * n + accepted] = draft_idx
+                last = draft_idx
+            else:
+                rejected = True
+        accept_token_num[req] = accepted
+        predicts[last] = target[req][last - n * req]
+
+
 # -- the MoE path ---------------------------------------------------------------------------------
 #
 # What each computes follows the op's documentation (Ascend "torch_npu API" pages for torch_npu
@@ -724,7 +930,8 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
 #: The ops whose stand-ins are declared to the stream sanitizer (``simnpu.declare_kernel``) with
 #: the real op's schema: one launch reading and writing what the real kernel does.
 DECLARED = ("npu_rotary_mul", "npu_interleave_rope", "npu_lightning_indexer",
-            "npu_sparse_flash_attention", "npu_quant_matmul", "npu_dynamic_quant")
+            "npu_sparse_flash_attention", "npu_quant_matmul", "npu_dynamic_quant",
+            "npu_fused_infer_attention_score")
 
 
 def _schemas():
@@ -745,6 +952,8 @@ def kernel(name):
         if op == name:
             fn = globals()[name]
             if name in DECLARED or namespace == "custom" or name in SGL_KERNEL_NPU_SCHEMAS:
+                for index, written in enumerate(SANITIZER_WRITES.get(name, ())):
+                    schema = schema.replace("Tensor %s," % written, "Tensor(%s!) %s," % (chr(97 + index), written))
                 return declare_kernel(name + schema, source)(fn)
             return fn
     raise KeyError(name)
@@ -775,15 +984,40 @@ def torch_npu_names() -> dict:
 
 def _alloc_extend_kernel(prefix_lens, seq_lens, last_loc, free_pages, out_indices, bs_upper,
                          page_size, max_num_extend_tokens):
-    """sgl_kernel_npu.mem_cache.allocator.alloc_extend_kernel: what sglang's own
-    ``alloc_extend_naive`` computes (the path sglang itself takes past 200 new pages)."""
-    try:  # 0.5.9+
-        from sglang.srt.mem_cache.allocator import alloc_extend_naive
-    except ImportError:  # 0.5.7/0.5.8: the NPU allocator's own copy
-        from sglang.srt.hardware_backend.npu.allocator_npu import _alloc_extend_naive as alloc_extend_naive
+    """sgl_kernel_npu.mem_cache.allocator.alloc_extend_kernel, program by program: the triton
+    kernel sglang's own ``mem_cache/allocator.py`` defines under the same name and signature (its
+    three parts: the rest of the old partial page, the new full pages, the new partial page; a
+    program returns as soon as its request's tokens are placed).
 
-    alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size,
-                       out_indices.device)
+    Not sglang's ``alloc_extend_naive``: 0.5.7/0.5.8's NPU copy (``allocator_npu._alloc_extend_naive``)
+    lacks the early return after part 1 that 0.5.9 added, so for a request that stays in its
+    partial page (a speculative draft's slots: prefix 4, seq 5, page 128) its part 2 is -128 tokens
+    and it writes the free-page list's tail into nothing -- a path that release takes only past 200
+    new pages, never for the draft's few slots, which the kernel places."""
+    import torch
+
+    for pid in range(prefix_lens.shape[0]):
+        pre_len, seq_len = int(prefix_lens[pid]), int(seq_lens[pid])
+        output_start = int((seq_lens[:pid + 1] - prefix_lens[:pid + 1]).sum()) - (seq_len - pre_len)
+        new_pages = ((seq_lens[:pid + 1] + page_size - 1) // page_size
+                     - (prefix_lens[:pid + 1] + page_size - 1) // page_size)
+        self_pages = int(new_pages[-1])
+        page_start = int(new_pages.sum()) - self_pages
+        part1 = min(seq_len, (pre_len + page_size - 1) // page_size * page_size) - pre_len
+        if part1 > 0:
+            out_indices[output_start:output_start + part1] = int(last_loc[pid]) + 1 + torch.arange(part1)
+        if pre_len + part1 == seq_len:
+            continue
+        part2 = seq_len // page_size * page_size - (pre_len + page_size - 1) // page_size * page_size
+        if part2 > 0:
+            offsets = torch.arange(part2)
+            out_indices[output_start + part1:output_start + part1 + part2] = (
+                free_pages[page_start + offsets // page_size] * page_size + offsets % page_size)
+        if pre_len + part1 + part2 == seq_len:
+            continue
+        part3 = seq_len - seq_len // page_size * page_size
+        first = int(free_pages[page_start + self_pages - 1]) * page_size
+        out_indices[output_start + part1 + part2:output_start + part1 + part2 + part3] = first + torch.arange(part3)
 
 
 # -- triton kernels sglang launches itself (triton-ascend runs them on a device) ---------------------
@@ -820,12 +1054,104 @@ def _compute_position(positions, extend_start_loc, extend_prefix_lens, extend_se
         start += n
 
 
+# -- EAGLE / NextN speculative decoding's triton kernels (sglang.srt.speculative.spec_utils), each
+# program of the kernel's grid in turn, as the kernel computes it (masked loads and stores become
+# the slices they cover)
+
+def _create_extend_after_decode_spec_info(verified_id, seq_lens, accept_lens, positions,
+                                          new_verified_id, bs_upper):
+    """spec_utils.create_extend_after_decode_spec_info: per request, the positions of its accepted
+    tokens (seq_len - accept_len ... seq_len - 1, packed after the earlier requests') and its last
+    accepted token as the new verified id."""
+    import torch
+
+    cum = 0
+    for pid in range(seq_lens.shape[0]):
+        seq, acc = int(seq_lens[pid]), int(accept_lens[pid])
+        positions[cum:cum + acc] = torch.arange(seq - acc, seq)
+        new_verified_id[pid] = verified_id[cum + acc - 1]
+        cum += acc
+
+
+def _assign_req_to_token_pool(req_pool_indices, req_to_token, start_offset, end_offset,
+                              out_cache_loc, pool_len, bs_upper):
+    """spec_utils.assign_req_to_token_pool: request pid's slots start..end of its req_to_token row
+    from out_cache_loc, packed after the earlier requests' (end - start each)."""
+    out = 0
+    for pid in range(req_pool_indices.shape[0]):
+        start, end = int(start_offset[pid]), int(end_offset[pid])
+        row = req_to_token[int(req_pool_indices[pid])]
+        row[start:end] = out_cache_loc[out:out + end - start].to(row.dtype)
+        out += end - start
+
+
+def _assign_draft_cache_locs(req_pool_indices, req_to_token, seq_lens, extend_lens,
+                             num_new_pages_per_topk, out_cache_loc, source_cache_loc,
+                             target_cache_loc, last_page_lens_cumsum, duplicate_cache_len, pool_len,
+                             topk, speculative_num_steps, page_size, bs_upper, iter_upper):
+    """spec_utils.assign_draft_cache_locs, its part 1 (page size 1 or top-k 1, the case sglang
+    launches it for here): each request's topk * steps draft slots into its req_to_token row after
+    its seq_len.  The paged top-k > 1 duplication (parts 2 and 3) raises by name."""
+    if not (page_size == 1 or topk == 1):
+        raise NotImplementedError("simnpu: assign_draft_cache_locs with page_size %d and topk %d "
+                                  "(the last-page duplication) has no stand-in" % (page_size, topk))
+    copy_len = topk * speculative_num_steps
+    for pid in range(req_pool_indices.shape[0]):
+        row = req_to_token[int(req_pool_indices[pid])]
+        kv_start = int(seq_lens[pid])
+        row[kv_start:kv_start + copy_len] = out_cache_loc[pid * copy_len:(pid + 1) * copy_len].to(row.dtype)
+
+
+def _align_evict_mask_to_page_size(seq_lens, evict_mask, page_size, num_draft_tokens, BLOCK_SIZE):
+    """spec_utils.align_evict_mask_to_page_size: keep (un-evict) the draft slots of the page the
+    accepted tokens end in.  ``evict_mask`` is [bs * num_draft_tokens]."""
+    for bid in range(seq_lens.shape[0]):
+        row = evict_mask[bid * num_draft_tokens:(bid + 1) * num_draft_tokens]
+        num_false = num_draft_tokens - int(row.sum())
+        seq_len = int(seq_lens[bid])
+        start = (seq_len + num_false - 1) // page_size * page_size - seq_len
+        for i in range(max(start, 0), min(start + page_size, num_draft_tokens)):
+            row[i] = False
+
+
+def _get_target_cache_loc(tgt_cache_loc, to_free_slots, accept_length, to_free_num_slots,
+                          out_cache_loc, num_verify_tokens, num_verify_tokens_upper, bs_upper):
+    """spec_utils.get_target_cache_loc: per request, its first accept_length + 1 verify slots into
+    tgt_cache_loc and its last to_free_num_slots into to_free_slots, each packed after the earlier
+    requests'."""
+    for bid in range(accept_length.shape[0]):
+        row = out_cache_loc[bid * num_verify_tokens:(bid + 1) * num_verify_tokens]
+        start = int(accept_length[:bid].sum()) + bid
+        n = int(accept_length[bid]) + 1
+        tgt_cache_loc[start:start + n] = row[:n]
+        free_n = int(to_free_num_slots[bid])
+        free_start = int(to_free_num_slots[:bid].sum())
+        to_free_slots[free_start:free_start + free_n] = row[num_verify_tokens - free_n:]
+
+
+def _filter_finished_cache_loc(out_cache_loc, tgt_cache_loc, accept_length, accept_length_filter,
+                               bs_upper, num_verify_tokens_upper):
+    """spec_utils.filter_finished_cache_loc_kernel: the kept slots of the unfinished requests
+    (accept_length_filter each, 0 for a finished one) packed into out_cache_loc."""
+    for bid in range(accept_length.shape[0]):
+        old = int(accept_length[:bid].sum()) + bid
+        new = int(accept_length_filter[:bid].sum())
+        n = int(accept_length_filter[bid])
+        out_cache_loc[new:new + n] = tgt_cache_loc[old:old + n]
+
+
 #: "module.function" of a triton kernel -> what it computes, in torch: sglang's own ``@triton.jit``
 #: kernels, and sgl-kernel-npu's (shipped compiled, so the stub module hands out a JitKernel).
 TRITON_KERNELS = {
     "sglang.srt.mem_cache.common.write_req_to_token_pool_triton": _write_req_to_token_pool,
     "sglang.srt.model_executor.forward_batch_info.compute_position_kernel": _compute_position,
     "sgl_kernel_npu.mem_cache.allocator.alloc_extend_kernel": _alloc_extend_kernel,
+    "sglang.srt.speculative.spec_utils.create_extend_after_decode_spec_info": _create_extend_after_decode_spec_info,
+    "sglang.srt.speculative.spec_utils.assign_req_to_token_pool": _assign_req_to_token_pool,
+    "sglang.srt.speculative.spec_utils.assign_draft_cache_locs": _assign_draft_cache_locs,
+    "sglang.srt.speculative.spec_utils.align_evict_mask_to_page_size": _align_evict_mask_to_page_size,
+    "sglang.srt.speculative.spec_utils.get_target_cache_loc": _get_target_cache_loc,
+    "sglang.srt.speculative.spec_utils.filter_finished_cache_loc_kernel": _filter_finished_cache_loc,
 }
 
 
@@ -894,4 +1220,5 @@ def kernel_stand_ins() -> dict:
     return {"sgl_kernel_npu.mem_cache.allocator": {
                 "alloc_extend_kernel": JitKernel(name="sgl_kernel_npu.mem_cache.allocator.alloc_extend_kernel")},
             "sgl_kernel_npu.activation.swiglu_quant": {"swiglu_quant": swiglu_quant},
+            "sgl_kernel_npu.sample.verify_tree_greedy": {"verify_tree_greedy": verify_tree_greedy},
             "triton": {"jit": jit}}

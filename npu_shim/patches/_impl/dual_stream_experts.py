@@ -66,7 +66,11 @@ class DualStreamExpertsState:
         self.kernel_partial = None  # True/False once its signature was read (kernel_support)
         self.layer_plans = {}       # layer-config key -> None (fused) or reason (original path)
         self.dual_stream_modes = None  # _dual_stream_modes, at the first call
-        self.counts = {"dual_stream_calls": 0, "fused_calls": 0}
+        self.verify_mode = None     # the release's ForwardMode.TARGET_VERIFY, at the first call
+        # dual_stream_calls: every dual-stream forward_deepep; dual_stream_verify_calls: those of
+        # them for target-verify batches (speculative decoding), so that a record tells the
+        # verify path ran apart from prefills
+        self.counts = {"dual_stream_calls": 0, "dual_stream_verify_calls": 0, "fused_calls": 0}
         self.details["counts"] = self.counts  # live: status shows how often each path ran
         self._published = None      # monotonic time the counts last went to the state record
         self._flush_pending = False  # a timer will publish the counts the last touch missed
@@ -141,9 +145,12 @@ class DualStreamExpertsState:
         mode = forward_batch.forward_mode
         modes = self.dual_stream_modes
         if modes is None:
+            self.verify_mode = getattr(type(mode), "TARGET_VERIFY", None)
             modes = self.dual_stream_modes = _dual_stream_modes(type(mode))
         if mode not in modes or hidden_states.shape[0] == 0:
             return wrapped(*args, **kwargs)
+        if mode is self.verify_mode:
+            self.counts["dual_stream_verify_calls"] += 1  # published with dual_stream_calls below
         return self._forward_deepep_dual_stream(wrapped, instance, hidden_states, forward_batch)
 
     def _forward_deepep_dual_stream(self, wrapped, block, hidden_states, forward_batch):

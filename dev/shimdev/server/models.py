@@ -89,19 +89,28 @@ config = getattr(transformers, cls_name)(**kwargs)
 torch.manual_seed(0)
 model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
 model.save_pretrained(out, safe_serialization=True)
-if spec.get("post") == "modelslim_w8a8_dsa":
-    # The DSA indexer's weights (transformers' DeepseekV3 has none), then modelslim W8A8: q_b_proj
-    # and indexer.wq_b INT8 per output channel (weight_scale / weight_offset [out, 1]), the rest
-    # FLOAT; kv_b_proj listed in "ignore" (what sends npu_mla_preprocess to forward_mlaprolog).
+
+
+def take_shards():
+    """Every tensor save_pretrained wrote, its shard files and index removed: a post step saves
+    the checkpoint again as one model.safetensors."""
     import glob, os
-    from safetensors.torch import load_file, save_file
-    files = sorted(glob.glob(out + "/*.safetensors"))
+    from safetensors.torch import load_file
     tensors = {}
-    for f in files:
+    for f in sorted(glob.glob(out + "/*.safetensors")):
         tensors.update(load_file(f))
         os.remove(f)
     for f in glob.glob(out + "/*.safetensors.index.json"):
         os.remove(f)
+    return tensors
+
+
+if spec.get("post") == "modelslim_w8a8_dsa":
+    # The DSA indexer's weights (transformers' DeepseekV3 has none), then modelslim W8A8: q_b_proj
+    # and indexer.wq_b INT8 per output channel (weight_scale / weight_offset [out, 1]), the rest
+    # FLOAT; kv_b_proj listed in "ignore" (what sends npu_mla_preprocess to forward_mlaprolog).
+    from safetensors.torch import save_file
+    tensors = take_shards()
     gen = torch.Generator().manual_seed(1)
     heads, head_dim, hidden = kwargs["index_n_heads"], kwargs["index_head_dim"], kwargs["hidden_size"]
     def rand(*shape):
@@ -138,15 +147,8 @@ if spec.get("post") == "glm4_nextn_layer":
     # own, plus the NextN parts (eh_proj [hidden, 2*hidden], enorm, hnorm, shared_head.norm) and,
     # as the real checkpoints have them, shared_head.head and embed_tokens (sglang's draft takes
     # both from the target and skips these).
-    import glob, os
-    from safetensors.torch import load_file, save_file
-    files = sorted(glob.glob(out + "/*.safetensors"))
-    tensors = {}
-    for f in files:
-        tensors.update(load_file(f))
-        os.remove(f)
-    for f in glob.glob(out + "/*.safetensors.index.json"):
-        os.remove(f)
+    from safetensors.torch import save_file
+    tensors = take_shards()
     n, hidden = kwargs["num_hidden_layers"], kwargs["hidden_size"]
     gen = torch.Generator().manual_seed(2)
     last, mtp = "model.layers.%d." % (n - 1), "model.layers.%d." % n

@@ -132,13 +132,18 @@ def find_device(torch=None):
     return None, "no NPU or CUDA device visible to torch", False
 
 
-def step_context(torch, kind, index, simulated, options, record=None):
-    """What a patch's ``run(step)`` is handed: torch, the device module and device, this run's
-    options, ``progress(text)``, and the patch's record in this process."""
+def step_context(name, torch, kind, index, simulated, options):
+    """What patch ``name``'s ``run(step)`` is handed: torch, the device module and device, this
+    run's options, ``progress(text)`` (the line names the patch), and ``record()``, the patch's
+    PatchRecord in this process once its target modules are imported."""
+    from npu_shim.runtime import activation
+
     dm = torch.get_device_module(kind) if kind else None
     device = "cpu" if simulated else "%s:%d" % (kind, index)
     return types.SimpleNamespace(torch=torch, kind=kind, dm=dm, device=device, index=index,
-                                 simulated=simulated, options=options, progress=progress, record=record)
+                                 simulated=simulated, options=options,
+                                 progress=lambda text: progress("%s: %s" % (name, text)),
+                                 record=lambda: activation.RUNTIME.record(name))
 
 
 def run_patch_step(results, name, step):
@@ -198,19 +203,11 @@ def stage_main(options, watcher):
     results = {}
     for name in steps:
         if not found[name].alone:
-            run_patch_step(results, name, step_context(torch, kind, index, simulated, options,
-                                                       _record_of(name)))
+            run_patch_step(results, name, step_context(name, torch, kind, index, simulated, options))
     report["results"] = results
     report["alone_next"] = [name for name in steps if found[name].alone]
     report["seconds"] = round(time.monotonic() - started, 2)
     return report
-
-
-def _record_of(name):
-    """``record()``: the patch's PatchRecord in this process once its target modules are imported."""
-    from npu_shim.runtime import activation
-
-    return lambda: activation.RUNTIME.record(name)
 
 
 def stage_alone(name, options):
@@ -221,8 +218,8 @@ def stage_alone(name, options):
     npu = getattr(torch, "npu", None)
     simulated = bool(getattr(npu, "__simnpu__", False))
     results = {}
-    run_patch_step(results, name, step_context(torch, options["kind"], options["device_index"],
-                                               simulated, options, _record_of(name)))
+    run_patch_step(results, name, step_context(name, torch, options["kind"], options["device_index"],
+                                               simulated, options))
     report["results"] = results
     return report
 

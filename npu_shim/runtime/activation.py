@@ -39,13 +39,14 @@ from npu_shim.source.reading import find_package_dir
 class Runtime:
     """The shim in this process: the patches, their records, the hooks and the finder.  The
     start-up watcher (npu_shim/_bootstrap.py) is handed in by whoever activates (the watcher
-    itself, or ``install()``); nothing else reaches into this object's fields."""
+    itself, or ``install()``); nothing else reaches into this object's fields.  ``patches``: the
+    Patch instances to decide before ``activate`` loads the registry's (a test's own runtime)."""
 
-    def __init__(self):
+    def __init__(self, patches=None):
         self.lock = threading.RLock()
         self.installed = False
         self.generation = 0
-        self.patches = None           # loaded Patch instances
+        self.patches = patches        # loaded Patch instances
         self.records = None           # {name: PatchRecord} once decided
         self.decided_from = None      # "sglang source", or "inherited answers" (source/inherited.py)
         self.imported_before = set()  # target modules already imported when the shim activated

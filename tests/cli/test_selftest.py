@@ -732,7 +732,8 @@ def test_a_device_index_past_the_devices_is_a_usage_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", Torch)
     from npu_shim.runtime import activation
 
-    monkeypatch.setattr(activation.RUNTIME, "states", lambda: {"zbal": {"state": "applied", "reason": "r"}})
+    monkeypatch.setattr(activation, "RUNTIME", types.SimpleNamespace(  # the runtime as zbal's decision left it
+        states=lambda: {"zbal": {"state": "applied", "reason": "r"}}))
     watcher = types.SimpleNamespace(activates_the_shim=lambda: True)  # armed at start-up, sglang seen
     report = selftest_child.stage_main({"device_index": 5, "patches": ["zbal"], "zbal_mib": 64}, watcher)
     assert report["bad_index"] == "--device-index 5: torch sees 1 npu device here (0)"

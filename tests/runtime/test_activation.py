@@ -35,30 +35,29 @@ def test_states_and_record_before_the_shim_started(tree):
     assert proc.stderr == ""
 
 
-def test_states_and_record_in_process_while_nothing_is_decided(monkeypatch):
-    monkeypatch.setattr(activation.RUNTIME, "records", None)
-    assert activation.RUNTIME.states() == {} and activation.RUNTIME.record("zbal") is None
-    monkeypatch.setattr(activation.RUNTIME, "records", {})  # decided, no patch registered
-    assert activation.RUNTIME.states() == {} and activation.RUNTIME.record("zbal") is None
+def test_states_and_record_in_process_while_nothing_is_decided(undecided, monkeypatch):
+    runtime = activation.Runtime()
+    assert runtime.states() == {} and runtime.record("zbal") is None and runtime.decided_records() == []
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    runtime = activation.Runtime(patches=[])
+    runtime.decide_all()  # decided, no patch registered
+    assert runtime.records == {}
+    assert runtime.states() == {} and runtime.record("zbal") is None and runtime.decided_records() == []
 
 
 # -- no sglang to read ----------------------------------------------------------------------------------
 
 @pytest.fixture
 def undecided(monkeypatch):
-    """The runtime with one test patch (the demo of test_framework: needs no NPU, wraps
-    sglang.srt.a:f), nothing decided; the global state decide_all touches is restored after."""
-    patch = declare()()
-    monkeypatch.setattr(activation.RUNTIME, "patches", [patch])
-    monkeypatch.setattr(activation.RUNTIME, "records", None)
-    monkeypatch.setattr(activation.RUNTIME, "decided_from", None)
+    """A runtime of the test's own with one test patch (the demo of test_framework: needs no NPU,
+    wraps sglang.srt.a:f), nothing decided; the global state deciding touches is restored after."""
     for name in ("source", "sglang_path", "shim_enabled"):
         monkeypatch.setattr(state_record.ATTACHED, name, getattr(state_record.ATTACHED, name))
     monkeypatch.setattr(procinfo, "_sglang_version", "before")
     for name in (inherited.ENV, "NPU_SHIM_STATE_DIR", "NPU_SHIM_STRICT", "NPU_SHIM_DEMO"):
         monkeypatch.setenv(name, "")  # so that the undo also removes what deciding exports
         monkeypatch.delenv(name)
-    return patch
+    return activation.Runtime(patches=[declare()()])
 
 
 def test_sglang_view_is_none_without_an_sglang_module(monkeypatch):
@@ -82,11 +81,11 @@ def test_sglang_view_reads_the_directory_of_the_imported_package(monkeypatch, tm
 
 def test_deciding_without_sglang_says_sglang_not_found_and_exports_nothing(undecided, monkeypatch):
     monkeypatch.delitem(sys.modules, "sglang", raising=False)
-    activation.RUNTIME.decide_all()
-    record = activation.RUNTIME.record("demo")
+    undecided.decide_all()
+    record = undecided.record("demo")
     assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang not found")
-    assert activation.RUNTIME.states()["demo"]["targets"] == {}
-    assert activation.RUNTIME.decided_from == "sglang source"
+    assert undecided.states()["demo"]["targets"] == {}
+    assert undecided.decided_from == "sglang source"
     assert inherited.ENV not in os.environ  # no answers to hand to children
     assert procinfo.sglang_version() == "before"  # no version read
     assert state_record.ATTACHED.sglang_path is None and state_record.ATTACHED.source is not None
@@ -95,8 +94,8 @@ def test_deciding_without_sglang_says_sglang_not_found_and_exports_nothing(undec
 def test_without_wrapt_and_without_sglang_on_disk_nothing_reads_applied(undecided, monkeypatch):
     """``fail_without_wrapt`` at ``import sglang`` when the package directory cannot be found."""
     monkeypatch.setattr(activation, "find_package_dir", lambda name: None)
-    activation.RUNTIME.fail_without_wrapt("wrapt is not available: test")
-    record = activation.RUNTIME.record("demo")
+    undecided.fail_without_wrapt("wrapt is not available: test")
+    record = undecided.record("demo")
     assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang not found")
     assert inherited.ENV not in os.environ and procinfo.sglang_version() == "before"
 
@@ -107,8 +106,8 @@ def test_without_wrapt_a_patch_that_would_apply_is_failed(undecided, monkeypatch
     (package / "version.py").write_text('__version__ = "0.5.9"\n')
     (package / "srt" / "a.py").write_text("def f():\n    return 1\n")
     monkeypatch.setattr(activation, "find_package_dir", lambda name: str(package))
-    activation.RUNTIME.fail_without_wrapt("wrapt is not available: test")
-    record = activation.RUNTIME.record("demo")
+    undecided.fail_without_wrapt("wrapt is not available: test")
+    record = undecided.record("demo")
     assert record.state == framework.FAILED
     assert record.reason.startswith("wrapt is not available: test (use an npu-shim bundle")
     assert procinfo.sglang_version() == "0.5.9"
@@ -123,8 +122,8 @@ def test_an_sglang_directory_gone_from_disk_is_unsupported_naming_the_target(und
     module.__file__ = str(package / "__init__.py")
     shutil.rmtree(str(package))
     monkeypatch.setitem(sys.modules, "sglang", module)
-    activation.RUNTIME.decide_all()
-    record = activation.RUNTIME.record("demo")
+    undecided.decide_all()
+    record = undecided.record("demo")
     assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang.srt.a:f not found")
 
 
@@ -138,12 +137,11 @@ def boom(*args, **kwargs):
 def requested(undecided, monkeypatch, tmp_path):
     """The runtime with one patch the user asked for (``must_honour``) that cannot apply: sglang's
     directory is gone, so a view exists (the answers are exported) and the patch is unsupported."""
-    monkeypatch.setattr(activation.RUNTIME, "patches",
-                        [declare(must_honour=lambda self, environ: True)()])
     module = types.ModuleType("sglang")
     module.__file__ = str(tmp_path / "gone" / "__init__.py")
     monkeypatch.setitem(sys.modules, "sglang", module)
     monkeypatch.setattr(summary, "report_all", lambda records: None)  # no lines in the test's log
+    return activation.Runtime(patches=[declare(must_honour=lambda self, environ: True)()])
 
 
 FAILURE_POINTS = {
@@ -164,26 +162,26 @@ def test_a_requested_patch_that_failed_stops_the_process_whatever_publishing_rai
     FAILURE_POINTS[point](monkeypatch)
     with pytest.raises(framework.ShimError, match=r"^npu-shim: demo was requested but is unsupported: "
                                                  r"sglang\.srt\.a:f not found$"):
-        activation.RUNTIME.decide_all()
-    assert activation.RUNTIME.record("demo").state == framework.UNSUPPORTED
+        requested.decide_all()
+    assert requested.record("demo").state == framework.UNSUPPORTED
 
 
 @pytest.mark.parametrize("point", sorted(FAILURE_POINTS))
 def test_publishing_that_raised_is_logged_and_raised_only_in_strict_mode(undecided, monkeypatch, point):
     """A patch that has nothing to enforce (upstream): deciding goes on (the hook then applies);
     strict mode stops."""
-    monkeypatch.setattr(activation.RUNTIME, "patches", [declare(probe=lambda self, view: "it is there")()])
+    runtime = activation.Runtime(patches=[declare(probe=lambda self, view: "it is there")()])
     monkeypatch.setattr(summary, "report_all", lambda records: None)
     monkeypatch.setattr(activation, "sglang_view", lambda: types.SimpleNamespace(
         version="0.5.9", package_dir=None, function=lambda *a: None, module=lambda d: None))
     FAILURE_POINTS[point](monkeypatch)
-    activation.RUNTIME.decide_all()
-    assert activation.RUNTIME.record("demo").state == framework.UPSTREAM
+    runtime.decide_all()
+    assert runtime.record("demo").state == framework.UPSTREAM
     if point == "role.when_child_starts":
         return  # the line is said at once instead (the next test): nothing was lost
     monkeypatch.setenv("NPU_SHIM_STRICT", "1")
     with pytest.raises(framework.ShimError, match=r"^npu-shim \(strict\): "):
-        activation.RUNTIME.decide_all()
+        runtime.decide_all()
 
 
 @pytest.mark.parametrize("hook", ["raises", "cannot be set"])
@@ -193,8 +191,8 @@ def test_a_child_whose_start_cannot_be_hooked_says_its_summary_line_at_once(unde
     monkeypatch.setattr(summary, "report_all", said.append)
     monkeypatch.setattr(role, "child_unpickling", lambda: True)
     monkeypatch.setattr(role, "when_child_starts", boom if hook == "raises" else lambda starts, exits: False)
-    activation.RUNTIME.decide_all()
-    assert said == [activation.RUNTIME.records] and activation.RUNTIME.summary_due is None
+    undecided.decide_all()
+    assert said == [undecided.records] and undecided.summary_due is None
 
 
 # -- activation failing ---------------------------------------------------------------------------------
@@ -203,12 +201,13 @@ def test_an_activation_that_fails_is_raised_only_in_strict_mode(monkeypatch):
     def boom(watcher=None):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(activation.RUNTIME, "activate", boom)
+    runtime = activation.Runtime()
+    monkeypatch.setattr(runtime, "activate", boom)
     monkeypatch.delenv("NPU_SHIM_STRICT", raising=False)
-    activation.RUNTIME.activate_guarded()  # logged once, the application goes on
+    runtime.activate_guarded()  # logged once, the application goes on
     monkeypatch.setenv("NPU_SHIM_STRICT", "1")
     with pytest.raises(framework.ShimError, match=r"^npu-shim activation failed: RuntimeError\('boom'\)$"):
-        activation.RUNTIME.activate_guarded()
+        runtime.activate_guarded()
 
 
 def test_without_wrapt_before_torch_is_imported_the_npu_is_unknown(undecided, monkeypatch, tmp_path):
@@ -218,13 +217,13 @@ def test_without_wrapt_before_torch_is_imported_the_npu_is_unknown(undecided, mo
     (package / "srt").mkdir(parents=True)
     (package / "srt" / "a.py").write_text("def f():\n    return 1\n")
     monkeypatch.setattr(activation, "find_package_dir", lambda name: str(package))
-    monkeypatch.setattr(activation.RUNTIME, "patches", [declare(needs_npu=True)()])
+    runtime = activation.Runtime(patches=[declare(needs_npu=True)()])
     monkeypatch.delitem(sys.modules, "torch", raising=False)
-    activation.RUNTIME.fail_without_wrapt("wrapt is not available: test")
-    assert activation.RUNTIME.record("demo").state == framework.FAILED
+    runtime.fail_without_wrapt("wrapt is not available: test")
+    assert runtime.record("demo").state == framework.FAILED
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace())  # imported, and no NPU
-    activation.RUNTIME.fail_without_wrapt("wrapt is not available: test")
-    record = activation.RUNTIME.record("demo")
+    runtime.fail_without_wrapt("wrapt is not available: test")
+    record = runtime.record("demo")
     assert (record.state, record.reason) == (framework.INACTIVE,
                                              "not running on an NPU (torch.npu is unavailable)")
 

@@ -246,40 +246,40 @@ def test_each_state_is_logged_at_its_level_and_a_requested_feature_is_enforced(c
         decisions.enforce(_record("failed"))
 
 
-def test_hooks_of_an_earlier_install_do_nothing(monkeypatch):
+def test_hooks_of_an_earlier_install_do_nothing():
     from npu_shim.runtime import activation
 
     calls = []
-    monkeypatch.setattr(activation.RUNTIME, "apply_module", calls.append)
-    monkeypatch.setattr(activation.RUNTIME, "records", {})
-    monkeypatch.setattr(activation.RUNTIME, "installed", True)
-    monkeypatch.setattr(activation.RUNTIME, "generation", 7)
+    runtime = activation.Runtime(patches=[])  # the test's own, in the state of a 7th install
+    runtime.apply_module = calls.append
+    runtime.records, runtime.installed, runtime.generation = {}, True, 7
     module = types.ModuleType("sglang.x")
-    activation.RUNTIME.import_hook(6)(module)  # an earlier install
-    monkeypatch.setattr(activation.RUNTIME, "installed", False)
-    activation.RUNTIME.import_hook(7)(module)  # this install, since uninstalled
+    runtime.import_hook(6)(module)  # an earlier install
+    runtime.installed = False
+    runtime.import_hook(7)(module)  # this install, since uninstalled
     assert calls == []
-    monkeypatch.setattr(activation.RUNTIME, "installed", True)
-    activation.RUNTIME.import_hook(7)(module)
+    runtime.installed = True
+    runtime.import_hook(7)(module)
     assert calls == [module]
 
 
-def test_record_of_a_decided_patch_holds_the_details_its_decision_handed_out(monkeypatch):
+def test_record_of_a_decided_patch_holds_the_details_its_decision_handed_out():
     from npu_shim.core import framework
     from npu_shim.runtime import activation, decisions
 
     details = {}
     decision = framework.Decision("applied", "ok", details=details)
     record = decisions.PatchRecord(types.SimpleNamespace(name="p"), decision)
-    monkeypatch.setattr(activation.RUNTIME, "records", {"p": record})
-    assert activation.RUNTIME.record("p") is record and activation.RUNTIME.record("q") is None
+    runtime = activation.Runtime()  # the test's own, as deciding left it
+    runtime.records = {"p": record}
+    assert runtime.record("p") is record and runtime.record("q") is None
     details["released_mib"] = 1.5  # what a wrapper writes through its closure
     assert record.details == {"released_mib": 1.5} and record.as_dict()["details"] == {"released_mib": 1.5}
-    monkeypatch.setattr(activation.RUNTIME, "records", None)
-    assert activation.RUNTIME.record("p") is None
+    runtime.records = None
+    assert runtime.record("p") is None
 
 
-def test_a_module_is_applied_for_every_applied_patch_after_one_that_is_not(monkeypatch):
+def test_a_module_is_applied_for_every_applied_patch_after_one_that_is_not():
     from npu_shim.core import framework
     from npu_shim.runtime import activation, decisions, targets
 
@@ -294,9 +294,9 @@ def test_a_module_is_applied_for_every_applied_patch_after_one_that_is_not(monke
                                   framework.Decision(framework.APPLIED, "ok", [
                                       targets.Wrap("sglang.fake_target", "f",
                                                     lambda w, i, a, k: w() + 1, [()])]))
-    monkeypatch.setattr(activation.RUNTIME, "records", {"p": skipped, "q": applied})
-    monkeypatch.setattr(activation.RUNTIME, "imported_before", set())
-    activation.RUNTIME.apply_module(module)
+    runtime = activation.Runtime()  # the test's own, as deciding left it
+    runtime.records = {"p": skipped, "q": applied}
+    runtime.apply_module(module)
     assert module.f() == 2 and applied.applied == {"sglang.fake_target:f"}
     decisions.revert_record(applied)
     assert module.f is f

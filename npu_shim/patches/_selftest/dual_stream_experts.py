@@ -34,7 +34,7 @@ def run(step):
     sizes = tokens or (SIMULATED_TOKENS if simulated else _synthetic_moe.SELFTEST_TOKENS)
     facts, parts, ok = [], [], True
     for count in sizes:
-        progress("dual_stream_experts: %d tokens: single-stream vs dual-stream, timed with events" % count)
+        progress("%d tokens: single-stream vs dual-stream, timed with events" % count)
         r = _synthetic_moe.measure(device, device_module=dm, **dict(shape, tokens=count))
         ok = ok and r["equal"]
         facts.append(dict({k: r[k] for k in ("serial_median", "overlapped", "shared", "routed", "ideal",

@@ -63,7 +63,7 @@ def run(step):
     once = lambda key, level, message: said.append(message)  # noqa: E731 - release's ``once``
     meter = _Meter(torch, step.dm, simulated, step.index)
     for config in MLA_CONFIGS:
-        progress("mla_weight_release: %s layer: allocate, release, touch" % config)
+        progress("%s layer: allocate, release, touch" % config)
         said.clear()
         base_alloc, base_res = meter.read()
         qkv, w_kc = mla_layer(torch, config, device)

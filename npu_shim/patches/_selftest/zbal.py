@@ -36,7 +36,7 @@ def run(step):
     torch, index, simulated, progress = step.torch, step.index, step.simulated, step.progress
     zbal_mib = step.options["zbal_mib"]
 
-    progress("zbal: importing zbal and sglang.srt.utils.common (the shim wraps its memory queries)")
+    progress("importing zbal and sglang.srt.utils.common (the shim wraps its memory queries)")
     zbal = zbal_impl.zbal_module()
     from sglang.srt.utils import common
 
@@ -49,11 +49,11 @@ def run(step):
     device = "cpu" if simulated else "npu:%d" % index
     facts = {"mode": "mix" if mix else "full"}
     os.environ[zbal_patch.LOCAL_MEM_SIZE.name] = str(zbal_mib)
-    progress("zbal: %s mode: setting zbal up as Scheduler.__init__ does" % facts["mode"])
+    progress("%s mode: setting zbal up as Scheduler.__init__ does" % facts["mode"])
     process.init_for_rank(1, 1, index, 0)  # tp_size, pp_size, gpu_id, tp_rank: one rank
     tensor = torch.ones(16 * MIB // 2, dtype=torch.bfloat16, device=device)  # 16 MiB
     if mix:
-        progress("zbal: mix mode: lazy GVA heap after an allocation, as before graph capture")
+        progress("mix mode: lazy GVA heap after an allocation, as before graph capture")
         torch.npu.empty_cache()
         free, total = torch.npu.mem_get_info()
         in_use = -(-(int(total) - int(free)) // MIB)
@@ -66,7 +66,7 @@ def run(step):
         facts.update(configured_mib=configured, in_use_mib=in_use)
     facts["heap_mib"] = process.gva_mib
     facts["backend"] = torch.npu.memory.get_allocator_backend()
-    progress("zbal: the shim's memory queries against zbal.mem_get_info()")
+    progress("the shim's memory queries against zbal.mem_get_info()")
     zfree, ztotal = zbal.mem_get_info()
     shim_free_gib = common.get_available_gpu_memory("npu", index, empty_cache=True)
     capacity = common.get_npu_memory_capacity()

@@ -40,6 +40,13 @@ else:
     _hypothesis_settings.load_profile("npu-shim")
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "another_python: runs the shim's code in a Python other than the test's own (a release's, a "
+        "bare venv's, one started with -S); mutation runs leave these out, as mutmut's mutants import mutmut "
+        "and that Python has none (pyproject.toml [tool.mutmut])")
+
+
 @pytest.fixture(scope="session")
 def release_venv():
     """Callable ``release_venv(version) -> Path`` of the release's python (built once per session)."""

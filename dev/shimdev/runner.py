@@ -3,7 +3,11 @@ tests talk with (the real ``openai`` client, ``prometheus_client``'s parser) -- 
 cache, in a directory named by ``RUNNER_PINS`` (a changed pin builds a new one and never replaces a
 venv another test run is using).  Used by the test command (scripts/run_tests.py) and by the
 benchmarks (scripts/bench.py re-runs itself there), so both run on the same interpreter and
-packages."""
+packages.
+
+The mutation venv (``mutation_python``) is the same pins plus mutmut: mutmut's mutants import
+mutmut in every process that imports the mutated code, the test programs the tests start included,
+so it has to be in the interpreter itself (scripts/mutation.py)."""
 
 import hashlib
 import json
@@ -17,22 +21,52 @@ RUNNER_PINS = (sglang_envs.TORCH_PIN, "wrapt==2.5.2", "pytest==9.2.0", "pytest-m
                "openai==2.6.1", "prometheus-client==0.26.0",
                "hypothesis==6.168.3",  # the property tests of the parsers of untrusted input
                lint.RUFF_PIN)  # the linter the test command runs
+MUTMUT_PIN = "mutmut==3.8.1"
 
 
-def _digest():
-    return hashlib.sha256(json.dumps([RUNNER_PINS, sys.version_info[:2]]).encode()).hexdigest()[:16]
+def _digest(pins):
+    return hashlib.sha256(json.dumps([pins, sys.version_info[:2]]).encode()).hexdigest()[:16]
 
 
 def runner_dir():
     """Where the runner venv of these pins lives (built or not)."""
-    return sglang_envs.cache_dir() / "venvs" / ("test-runner-" + _digest())
+    return _venv_dir("test-runner", RUNNER_PINS)
+
+
+def _venv_dir(name, pins):
+    return sglang_envs.cache_dir() / "venvs" / ("%s-%s" % (name, _digest(pins)))
 
 
 def runner_python(log=print):
     """The runner venv's python, built when missing or when RUNNER_PINS changed (raises
     sglang_envs.EnvError when it cannot be built)."""
-    digest = _digest()
-    venv = runner_dir()
+    return _venv_python("test-runner", RUNNER_PINS, log)
+
+
+# mutmut maps tests to the functions they reach by running them once with MUTANT_UNDER_TEST=stats;
+# a test program started from another directory inherits that value, and its first call of a
+# mutated function looks for mutmut's configuration in its own directory and raises.  The map is
+# made from the test process alone (a program's calls are not recorded anyway), so the venv's
+# interpreters start with the value cleared.  Mutant names pass through: a test program then
+# runs the mutant, as it must for its test to kill it.
+_STATS_ONLY_IN_THE_TEST_PROCESS = (
+    'import os; os.environ.get("MUTANT_UNDER_TEST") == "stats" and os.environ.pop("MUTANT_UNDER_TEST")\n')
+
+
+def mutation_python(log=print):
+    """The mutation venv's python: RUNNER_PINS and mutmut (built like the runner venv)."""
+    def stats_only_in_the_test_process(python):
+        site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+        with open(site + "/npu_shim_mutmut_stats.pth", "w") as f:
+            f.write(_STATS_ONLY_IN_THE_TEST_PROCESS)
+
+    return _venv_python("mutation", RUNNER_PINS + (MUTMUT_PIN,), log, finish=stats_only_in_the_test_process)
+
+
+def _venv_python(name, pins, log, finish=None):
+    digest = _digest(pins)
+    venv = _venv_dir(name, pins)
     python = venv / "bin" / "python"
     stamp = venv / "npu-shim-stamp.json"
 
@@ -44,14 +78,16 @@ def runner_python(log=print):
 
     if current():
         return python
-    with sglang_envs.file_lock("venv-test-runner"):
+    with sglang_envs.file_lock("venv-" + name):
         if current():
             return python
-        log("building the runner venv %s" % venv)
+        log("building the %s venv %s" % (name, venv))
         subprocess.run(["rm", "-rf", str(venv)], check=True)
-        sglang_envs.run([sys.executable, "-m", "venv", str(venv)], "creating the runner venv")
+        sglang_envs.run([sys.executable, "-m", "venv", str(venv)], "creating the %s venv" % name)
         cons = str(sglang_envs.constraints_file())
-        sglang_envs.run(sglang_envs.pip(python, "install", "-c", cons, *RUNNER_PINS),
-                        "installing the runner venv")
-        stamp.write_text(json.dumps({"pins_hash": digest, "pins": RUNNER_PINS}))
+        sglang_envs.run(sglang_envs.pip(python, "install", "-c", cons, *pins),
+                        "installing the %s venv" % name)
+        if finish is not None:
+            finish(python)
+        stamp.write_text(json.dumps({"pins_hash": digest, "pins": pins}))
     return python

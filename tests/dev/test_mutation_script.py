@@ -1,115 +1,83 @@
-"""scripts/mutation.py (dev/shimdev/mutation.py): the mutants it makes and the sample it draws.
-Nothing is mutated or run here; the run itself is by hand (docs/reliability.md)."""
+"""scripts/mutation.py (dev/shimdev/mutation.py): mutmut's results read back into scores, the
+environment its forked workers need, and the mutation venv it runs in."""
 from __future__ import annotations
 
-import ast
+import json
 import os
+import subprocess
+import sys
 
-import pytest
+from shimdev import mutation, runner
 
-from shimdev import mutation
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-TINY = '''"""A module docstring."""
-import os
-
-LIMIT = 3
+REPO = mutation.REPO
 
 
-def f(a, b):
-    """f's docstring."""
-    if a < b and not a:
-        return a + 1   # a comment
-    values = [a, "s", True]
-    total = 0
-    for v in values:
-        total += 1
-    if values:
-        raise ValueError("bad %s" % a)
-    return -total if b is None else b
+def _meta(directory, source, codes):
+    path = directory / (source + ".meta")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"exit_code_by_key": codes, "durations_by_key": {}}))
 
 
-def g(x: int = 0) -> str:
-    assert x
-    return str(x)
-'''
+def test_results_are_read_per_file_and_only_killed_counts(tmp_path):
+    _meta(tmp_path, "npu_shim/core/a.py", {"a.x_f__mutmut_1": 1, "a.x_f__mutmut_2": 0, "a.x_f__mutmut_3": -24,
+                                          "a.x_f__mutmut_4": 33, "a.x_f__mutmut_5": 3})
+    _meta(tmp_path, "npu_shim/runtime/__init__.py", {})  # nothing to mutate: no row
+    _meta(tmp_path, "npu_shim/runtime/b.py", {"b.x_g__mutmut_1": 1, "b.x_g__mutmut_2": None, "b.x_g__mutmut_3": 99})
+    results = mutation.read_results(tmp_path)
+    assert "npu_shim/runtime/__init__.py" not in mutation.score(results)
+    assert results.pop("npu_shim/runtime/__init__.py") == {}
+    assert results == {
+        "npu_shim/core/a.py": {"a.x_f__mutmut_1": "killed", "a.x_f__mutmut_2": "survived",
+                               "a.x_f__mutmut_3": "timeout", "a.x_f__mutmut_4": "no tests",
+                               "a.x_f__mutmut_5": "killed"},
+        "npu_shim/runtime/b.py": {"b.x_g__mutmut_1": "killed", "b.x_g__mutmut_2": "not checked",
+                                  "b.x_g__mutmut_3": "suspicious"}}
+    table = mutation.score(results)
+    assert table["npu_shim/core/a.py"] == (2, 5, {"killed": 2, "survived": 1, "timeout": 1, "no tests": 1})
+    assert table["all"] == (3, 8, {"killed": 3, "survived": 1, "timeout": 1, "no tests": 1, "not checked": 1,
+                                   "suspicious": 1})
+    lines = mutation.render(table).splitlines()
+    assert lines[0].split() == ["file", "killed", "mutants", "score", "not", "killed"]
+    assert lines[1].split() == ["npu_shim/core/a.py", "2", "5", "40.0%", "1", "no", "tests,", "1", "survived,",
+                                "1", "timeout"]
+    assert lines[-1].split()[:4] == ["all", "3", "8", "37.5%"]
 
 
-def test_mutants_are_valid_python_that_differs_from_the_original():
-    mutants = mutation.generate(TINY, "tiny.py")
-    original = ast.dump(ast.parse(TINY))
-    assert len(mutants) > 20
-    assert {m.kind for m in mutants} == {"binop", "compare", "boolop", "not", "constant", "return",
-                                         "remove"}
-    for m in mutants:
-        assert m.text != TINY, m.describe()
-        tree = ast.parse(m.text)  # valid Python
-        assert ast.dump(tree) != original, m.describe()
-        # one change in place: the docstrings, the comment, the line count and the import stay
-        assert ast.get_docstring(tree) == "A module docstring."
-        assert m.text.count("\n") == TINY.count("\n") and "# a comment" in m.text
-        assert "import os" in m.text
-        changed = [i + 1 for i, (a, b) in enumerate(zip(m.text.splitlines(), TINY.splitlines())) if a != b]
-        assert changed and changed[0] == m.line, m.describe()
-    assert [m.index for m in mutants] == list(range(len(mutants)))
-    assert len({m.text for m in mutants}) == len(mutants)
+def test_a_forked_worker_runs_torch_on_one_thread():
+    env = mutation.environment()
+    assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] == os.environ["PATH"]
 
 
-def test_the_mutations_are_the_intended_ones():
-    described = {(m.line, m.kind, m.before, m.after) for m in mutation.generate(TINY, "tiny.py")}
-    for expected in [(4, "constant", "3", "4"), (9, "compare", "a < b", "a <= b"),
-                     (9, "boolop", "a < b and not a", "a < b or not a"), (9, "not", "not a", "a"),
-                     (10, "binop", "a + 1", "a - 1"), (10, "return", "return a + 1", "return None"),
-                     (11, "constant", '"s"', "'XXsXX'"), (11, "constant", "True", "False"),
-                     (14, "binop", "total += 1", "total -= 1"), (15, "not", "values", "not values"),
-                     (17, "compare", "b is None", "b is not None"), (17, "not", "-total", "total"),
-                     (12, "remove", "total = 0", "pass"), (21, "not", "x", "not x"),
-                     (15, "remove", "if values:\n        raise ValueError(\"bad %s\" % a)", "pass")]:
-        line, kind, before, after = expected
-        assert (line, kind, mutation._short(before), mutation._short(after)) in described, expected
-    # neither annotations, the import, the docstrings nor %-formatting as an operator
-    assert not any(m.before in ("int", "str", "import os") or "docstring" in m.before for m in
-                   mutation.generate(TINY, "tiny.py"))
-    assert not any(m.kind == "binop" and "%" in m.before for m in mutation.generate(TINY, "tiny.py"))
+def _report(tmp_path, mutants):
+    return subprocess.run([sys.executable, os.path.join(REPO, "scripts", "mutation.py"), "--report",
+                           "--mutants", str(mutants)], cwd=str(tmp_path), capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
 
 
-def test_a_scope_limits_the_mutants_to_the_named_defs():
-    mutants = mutation.generate(TINY, "tiny.py", scope=["g"])
-    assert mutants and all(20 <= m.line <= 22 for m in mutants)
-    with pytest.raises(ValueError, match="no def named nothing"):
-        mutation.generate(TINY, "tiny.py", scope=["g", "nothing"])
+def test_the_report_reads_a_run_and_says_when_there_is_none(tmp_path):
+    mutants = tmp_path / "mutants"
+    proc = _report(tmp_path, mutants)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "no mutmut results under %s\n" % mutants, "")
+    _meta(mutants, "npu_shim/core/a.py", {"a.x_f__mutmut_1": 1, "a.x_f__mutmut_2": 0})
+    proc = _report(tmp_path, mutants)
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert [line.split()[:4] for line in proc.stdout.splitlines()[1:]] == [
+        ["npu_shim/core/a.py", "1", "2", "50.0%"], ["all", "1", "2", "50.0%"]]
 
 
-def test_the_seed_makes_the_sample_deterministic():
-    by_module = {"a.py": mutation.generate(TINY, "a.py"), "b.py": mutation.generate(TINY, "b.py", ["g"])}
-    first = [m.id for m in mutation.sample(by_module, 10, seed=1)]
-    assert first == [m.id for m in mutation.sample(by_module, 10, seed=1)]
-    assert first != [m.id for m in mutation.sample(by_module, 10, seed=2)]
-    assert len(first) == len(set(first)) == 10
-    assert sum(1 for i in first if i.startswith("b.py")) >= min(mutation.MIN_PER_MODULE, len(by_module["b.py"]))
+def test_the_mutation_venv_is_the_runner_pins_and_mutmut():
+    assert runner.MUTMUT_PIN.startswith("mutmut==")
+    assert runner._venv_dir("mutation", runner.RUNNER_PINS + (runner.MUTMUT_PIN,)) != runner.runner_dir()
+    assert runner.runner_dir().name.startswith("test-runner-")
+    # The runner venv's directory is named by its pins alone, as before the mutation venv existed.
+    assert runner.runner_dir() == runner._venv_dir("test-runner", runner.RUNNER_PINS)
 
 
-def test_the_sample_is_shared_by_size_with_a_minimum_per_module():
-    # 4 each (b: all 3 it has), the other 9 by what is left: a 96 -> 6.08, c 46 -> 2.92 (+1)
-    assert mutation.allocate({"a": 100, "b": 3, "c": 50}, 20) == {"a": 10, "b": 3, "c": 7}
-    assert sum(mutation.allocate({"a": 7, "b": 13, "c": 29}, 17).values()) == 17
-    assert mutation.allocate({"a": 5, "b": 2}, 100) == {"a": 5, "b": 2}
-    assert mutation.allocate({"a": 50, "b": 50, "c": 10}, 2) == {"a": 1, "b": 1, "c": 0}
-
-
-def test_every_module_in_the_list_has_its_scope_and_its_test_files():
-    for path, spec in mutation.MODULES.items():
-        with open(os.path.join(REPO, path), encoding="utf-8") as handle:
-            tree = ast.parse(handle.read())
-        if spec.get("scope"):
-            assert mutation._scope_lines(tree, spec["scope"]), path
-        for test in spec["tests"]:
-            assert os.path.isfile(os.path.join(REPO, test)), (path, test)
-
-
-def test_list_prints_the_sample_and_runs_nothing(capsys):
-    assert mutation.main(["--list", "--sample", "3", "--modules", "npu_shim/runtime/finder.py"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].endswith("mutants in 1 modules; sample of 3 (seed 1)")
-    assert len(out) == 4 and all(line.startswith("  npu_shim/runtime/finder.py:") for line in out[1:])
+def test_stats_are_cleared_in_a_started_program_and_mutant_names_pass(tmp_path):
+    """The line the mutation venv's .pth runs at start-up (dev/shimdev/runner.py)."""
+    for value, seen in (("stats", None), ("npu_shim.core.config.x_mib__mutmut_3", "npu_shim.core.config.x_mib__mutmut_3"),
+                        ("", "")):
+        code = runner._STATS_ONLY_IN_THE_TEST_PROCESS + 'print(repr(os.environ.get("MUTANT_UNDER_TEST")))'
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env=dict(os.environ, MUTANT_UNDER_TEST=value)).stdout
+        assert out.strip() == repr(seen), value

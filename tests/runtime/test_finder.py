@@ -280,6 +280,7 @@ def test_a_namespace_package_and_its_module_run_their_hooks(hooks):
     assert "NamespaceLoader" in type(hk_ns.__loader__).__name__
 
 
+@pytest.mark.another_python
 @pytest.mark.parametrize("version", ["3.9", "3.10"])
 def test_a_namespace_package_without_a_loader_in_its_spec_runs_its_hooks(version, tmp_path):
     """Before Python 3.11 a namespace package's spec has no loader (the import system makes one)."""
@@ -392,6 +393,7 @@ _PRIVATE_1_17 = ["npu_shim._wrapt", "npu_shim._wrapt._wrappers"]
 _PRIVATE_2X = ["npu_shim._wrapt", "npu_shim._wrapt._wrappers", "npu_shim._wrapt.exceptions"]
 
 
+@pytest.mark.another_python
 @pytest.mark.parametrize("app", ["shim-first", "app-wrapt-first", "app-hooks-first"])
 @pytest.mark.parametrize("version, private", [
     ("1.14.1", _PRIVATE_1_14), ("1.17.3", _PRIVATE_1_17), ("2.5.2", _PRIVATE_2X)])
@@ -420,6 +422,7 @@ def test_the_shims_hooks_with_the_images_wrapt(version, private, app, tree, bare
         "fired": (["sglang.srt.utils.common"] if app == "app-hooks-first" else []) + ["colorsys"]}
 
 
+@pytest.mark.another_python
 def test_the_shims_hooks_with_the_bundles_wrapt(tree, bare_venvs, built_bundle):
     from test_drop_in import run as run_in
 

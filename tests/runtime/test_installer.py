@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from test_bootstrap import REPO, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 
 
@@ -61,6 +63,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.another_python
 def test_install_uninstall_install_without_wrapt(tree):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_", "PYTHON"))}
     env.update(PYTHONPATH=os.pathsep.join([str(tree / "image"), str(tree / "pkgs"), REPO]),

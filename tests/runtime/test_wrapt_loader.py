@@ -103,6 +103,7 @@ def _load_wrapt_beside(python, version, before):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.another_python
 @pytest.mark.parametrize("version, loaded", [
     ("2.5.2", ["npu_shim._wrapt", "npu_shim._wrapt._wrappers", "npu_shim._wrapt.exceptions"]),
     ("1.14.1", ["npu_shim._wrapt", "npu_shim._wrapt._wrappers"]),
@@ -120,12 +121,14 @@ def test_only_the_wrappers_are_loaded_and_the_application_keeps_its_wrapt(versio
     assert out["origin"] == "image %s" % version
 
 
+@pytest.mark.another_python
 def test_a_wrapt_the_application_already_imported_is_used_as_it_is(bare_venvs):
     out = _load_wrapt_beside(bare_venvs("3.11"), "2.5.2", before="import wrapt")
     assert out["result"] == 2 and out["calls"] == [[1]] and out["same_as_app"] is True
     assert not [name for name in out["loaded"] if name.startswith("npu_shim._wrapt")]
 
 
+@pytest.mark.another_python
 def test_with_wrapt_extensions_switched_off_its_python_wrappers_are_loaded(bare_venvs, monkeypatch):
     """``WRAPT_DISABLE_EXTENSIONS`` is wrapt's own switch: honoured as wrapt honours it."""
     monkeypatch.setenv("WRAPT_DISABLE_EXTENSIONS", "1")

@@ -73,10 +73,10 @@ def test_the_mutation_venv_is_the_runner_pins_and_mutmut():
     assert runner.runner_dir() == runner._venv_dir("test-runner", runner.RUNNER_PINS)
 
 
-def test_stats_are_cleared_in_a_started_program_and_mutant_names_pass(tmp_path):
+def test_stats_are_cleared_in_a_started_program_and_mutant_names_pass():
     """The line the mutation venv's .pth runs at start-up (dev/shimdev/runner.py)."""
-    for value, seen in (("stats", None), ("npu_shim.core.config.x_mib__mutmut_3", "npu_shim.core.config.x_mib__mutmut_3"),
-                        ("", "")):
+    name = "npu_shim.core.config.x_mib__mutmut_3"
+    for value, seen in (("stats", None), (name, name), ("", "")):
         code = runner._STATS_ONLY_IN_THE_TEST_PROCESS + 'print(repr(os.environ.get("MUTANT_UNDER_TEST")))'
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env=dict(os.environ, MUTANT_UNDER_TEST=value)).stdout

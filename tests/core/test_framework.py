@@ -422,11 +422,43 @@ def test_a_switch_given_outright_is_kept_even_with_a_switch_doc():
 
 
 def test_a_patch_without_an_implementation_module_says_which_module_it_looked_for():
-    patch = declare(omit=("targets",))()
+    """In a package with an ``_impl`` package that lacks the patch's module, and outside any package."""
+    patch = declare(omit=("targets", "name", "switch"), __module__="npu_shim.patches.no_such_feature",
+                    switch_doc="its switch")()
     with pytest.raises(NotImplementedError) as info:
         patch.targets(View(), None)
-    assert str(info.value) == ("patch demo has no implementation module %s._impl.demo (nor targets of its own)"
-                               % __name__.rpartition(".")[0])
+    assert str(info.value) == ("patch no_such_feature has no implementation module "
+                               "npu_shim.patches._impl.no_such_feature (nor targets of its own)")
+    with pytest.raises(NotImplementedError) as info:
+        declare(omit=("targets",), __module__="demo")().implementation()
+    assert str(info.value) == "patch demo has no implementation module ._impl.demo (nor targets of its own)"
+
+
+def test_a_wrong_declaration_names_every_problem_in_one_message():
+    with pytest.raises(TypeError) as info:
+        declare(name="Bad", switch=None, reads=("SGLANG_X",), upstream_pr="", backport_range=("0.5.7",), modules=())
+    assert str(info.value) == (
+        "patch DemoPatch is declared wrongly: name 'Bad' is not a lower-case identifier; switch must be a "
+        "config.EnvVar (made from switch_doc, or given: config.switch(name, doc)); reads must hold config.EnvVar "
+        "only; title, upstream_pr and remove_when are required; backport_range must be (first, last) and "
+        "upstream_release a release number; modules must list the sglang modules its targets live in")
+    with pytest.raises(TypeError) as info:
+        declare(switch=config.boolean("NPU_SHIM_OTHER", True, "x"), backport_range=("0.5.7", "0.5.20"))
+    assert str(info.value) == ("patch DemoPatch is declared wrongly: switch is NPU_SHIM_OTHER, expected "
+                               "NPU_SHIM_DEMO; backport_range 0.5.7 - 0.5.20 must end before upstream_release 0.5.20")
+
+
+def test_a_backport_range_must_not_end_before_it_starts():
+    with pytest.raises(TypeError) as info:
+        declare(backport_range=("0.5.9", "0.5.8"))
+    assert str(info.value) == ("patch DemoPatch is declared wrongly: backport_range 0.5.9 - 0.5.8 must end before "
+                               "upstream_release 0.5.20")
+
+
+def test_a_decide_context_keeps_the_details_it_is_given():
+    details = {"mode": "full"}
+    ctx = framework.DecideContext({}, False, details)
+    assert ctx.details is details and framework.DecideContext({}, False).details == {}
 
 
 def test_a_patch_takes_its_targets_from_its_implementation_module():

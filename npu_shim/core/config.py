@@ -82,14 +82,15 @@ def _is_address(family, text):
     return True
 
 
+def _valid_port(port):
+    """1..65535 in at most 5 ASCII digits."""
+    return _DIGITS.fullmatch(port) and len(port) <= 5 and 0 < int(port) < 65536
+
+
 def _parse_url(raw):
     value = raw.strip()
-    if value == "":
-        return ""
     match = _URL.match(value)
-    port = match.group("port") if match else ""
-    if (not match or not _valid_host(match.group("host")) or not _DIGITS.fullmatch(port)
-            or len(port) > 5 or not 0 < int(port) < 65536):
+    if not match or not _valid_host(match.group("host")) or not _valid_port(match.group("port")):
         raise ValueError("expected tcp://HOST:PORT with a port in 1..65535, e.g. tcp://10.0.0.1:6789 "
                          "(HOST: a hostname, IPv4 or [IPv6] address; ASCII digits)")
     return value
@@ -264,4 +265,4 @@ def unknown_names(variables, environ=None):
         return []
     import difflib  # only when there is a typo to name
 
-    return [(n, (difflib.get_close_matches(n, sorted(known), 1) or [None])[0]) for n in unknown]
+    return [(n, (difflib.get_close_matches(n, sorted(known)) or [None])[0]) for n in unknown]

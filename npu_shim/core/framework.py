@@ -115,7 +115,7 @@ class Details:
 
     def text(self, key, limit=None):
         value = self._details.get(key)
-        return (value if limit is None else value[:limit]) if isinstance(value, str) else None
+        return value[:limit] if isinstance(value, str) else None  # limit None: all of it
 
     def count(self, key):
         """A non-negative int (never a bool)."""

@@ -41,7 +41,7 @@ class BrokenPatch:
 
 def load(module_name):
     """The module's PATCH, or a BrokenPatch saying why it cannot be had."""
-    name = module_name.rsplit(".", 1)[-1]
+    name = module_name.rpartition(".")[2]
     try:
         patch = importlib.import_module(module_name).PATCH
     except Exception as exc:  # noqa: BLE001 - one broken feature must not take the others down
@@ -77,8 +77,8 @@ def selftest_step(patch):
     package = type(patch).__module__.rpartition(".")[0]
     name = "%s._selftest.%s" % (package, patch.name)
     try:
-        found = importlib.util.find_spec(name) if package else None
-    except ImportError:
+        found = importlib.util.find_spec(name)
+    except ImportError:  # no parent package (none at all: a relative name)
         found = None
     return SelftestStep(importlib.import_module(name)) if found is not None else None
 

@@ -267,3 +267,207 @@ def test_the_details_readers_return_only_the_type_asked_for():
     assert framework.Details(None).text("mode") is None and framework.Details(["x"]).count("x") is None
     report = framework.Report()
     assert (report.check_facts(), report.summary(details), report.running(details)) == ({}, [], [])
+
+
+# -- what each decision says, word for word -----------------------------------------------------------
+
+class Target:
+    """A stand-in target: its module, what ``check_source`` says of the view, its own ``requires``."""
+
+    def __init__(self, module="sglang.srt.a", problem=None, requires=None):
+        self.module = module
+        self.problem = problem
+        self.requires = requires
+        self.views = []
+
+    def check_source(self, view):
+        self.views.append(view)
+        return self.problem
+
+
+def test_a_patch_whose_probe_finds_the_feature_stands_down_with_the_evidence():
+    patch = declare(probe=lambda self, view: "def forward_mlaprolog")()
+    assert framework.decide(patch, View(), environ={}).reason == "sglang 0.5.9 has it: def forward_mlaprolog"
+    view = View()
+    view.version = None
+    decision = framework.decide(patch, view, environ={})
+    assert (decision.state, decision.reason) == (framework.UPSTREAM, "sglang ? has it: def forward_mlaprolog")
+
+
+def test_no_sglang_is_unsupported_and_no_npu_inactive_for_a_patch_that_needs_one():
+    decision = framework.decide(declare()(), None, environ={})
+    assert (decision.state, decision.reason) == (framework.UNSUPPORTED, "sglang not found")
+    needs = declare(needs_npu=True)()
+    decision = framework.decide(needs, View(), environ={}, on_npu=False)
+    assert (decision.state, decision.reason) == (framework.INACTIVE,
+                                                 "not running on an NPU (torch.npu is unavailable)")
+    assert framework.decide(needs, View(), environ={}, on_npu=None).state == framework.APPLIED  # not known
+    assert framework.decide(needs, View(), environ={}, on_npu=True).state == framework.APPLIED
+    assert framework.decide(declare()(), View(), environ={}, on_npu=False).state == framework.APPLIED
+
+
+def test_the_trigger_reads_the_environ_given_and_is_skipped_when_assumed():
+    seen = []
+
+    def trigger(self, environ):
+        seen.append(environ)
+        raise framework.Inactive("SGLANG_X is not set")
+
+    patch = declare(trigger=trigger)()
+    environ = {"SGLANG_Y": "1"}
+    decision = framework.decide(patch, View(), environ=environ)
+    assert (decision.state, decision.reason) == (framework.INACTIVE, "SGLANG_X is not set") and seen == [environ]
+    assert framework.decide(patch, View(), environ=environ, assume_triggered=True).state == framework.APPLIED
+    assert seen == [environ]
+
+
+def test_the_targets_get_the_view_and_a_context_of_the_decision():
+    got = []
+    view = View()
+
+    def targets_(self, view_, ctx):
+        got.append((view_, ctx.environ, ctx.assume_triggered, ctx.details, ctx.process_state, ctx.notes))
+        return [Target()]
+
+    environ = {"SGLANG_Y": "1"}
+    decision = framework.decide(declare(targets=targets_)(), view, environ=environ)
+    assert got == [(view, environ, False, {}, None, [])]
+    assert decision.details == {} and decision.process_state is None and len(decision.targets) == 1
+    framework.decide(declare(targets=targets_)(), view, environ=environ, assume_triggered=True)
+    assert got[1][2] is True
+    ctx, found = framework.targets_for(declare(targets=targets_)(), view, environ)
+    assert ctx.environ is environ and ctx.assume_triggered is True and got[2][2] is True
+
+
+def test_every_target_is_checked_on_the_source_and_its_problems_make_it_unsupported():
+    first, second, fine = Target(problem="f() has changed"), Target(problem="g() is gone"), Target()
+    view = View()
+    patch = declare(targets=lambda self, view_, ctx: [first, fine, second])()
+    decision = framework.decide(patch, view, environ={})
+    assert (decision.state, decision.reason) == (framework.UNSUPPORTED, "f() has changed; g() is gone")
+    assert first.views == [view] and fine.views == [view] and second.views == [view]
+
+
+def test_a_source_that_does_not_parse_leaves_the_patch_unsupported_with_the_reason():
+    def targets_(self, view, ctx):
+        raise framework.SourceError("sglang/srt/a.py: line 3: invalid syntax")
+
+    decision = framework.decide(declare(targets=targets_)(), View(), environ={})
+    assert (decision.state, decision.reason) == (framework.UNSUPPORTED, "sglang/srt/a.py: line 3: invalid syntax")
+
+
+def test_targets_in_undeclared_modules_are_all_named_in_the_declaration_error():
+    patch = declare(targets=lambda self, view, ctx: [
+        Target("sglang.srt.c"), Target(), Target("sglang.srt.b"), Target("sglang.srt.c")])()
+    decision = framework.decide(patch, View(), environ={})
+    assert (decision.state, decision.reason) == (
+        framework.FAILED, "declaration error: targets in sglang.srt.b, sglang.srt.c, which DemoPatch.modules "
+                          "does not list (no hook would apply them)")
+
+
+def test_a_bad_value_of_a_variable_the_patch_reads_fails_it():
+    size = config.mib("NPU_SHIM_DEMO_MIB", "a size")
+    patch = declare(reads=(size,))()
+    decision = framework.decide(patch, View(), environ={"NPU_SHIM_DEMO_MIB": "12G"})
+    assert (decision.state, decision.reason) == (
+        framework.FAILED, "NPU_SHIM_DEMO_MIB='12G' is invalid: expected a whole number of MiB, e.g. 12288 for 12 GiB "
+                          "(no unit suffix; ASCII digits)")
+    assert framework.decide(patch, View(), environ={"NPU_SHIM_DEMO_MIB": "12"}).state == framework.APPLIED
+
+
+def test_the_patchs_requires_goes_on_every_target_without_its_own():
+    def requires(self):
+        return None
+
+    def own():
+        return None
+
+    bare, owning = Target(), Target(requires=own)
+    patch = declare(requires=requires, targets=lambda self, v, c: [bare, owning])()
+    _, found = framework.targets_for(patch, View())
+    assert found == [bare, owning] and bare.requires == patch.requires and owning.requires is own
+    assert bare.requires.__func__ is requires
+    plain = Target()
+    framework.targets_for(declare(targets=lambda self, v, c: [plain])(), View())
+    assert plain.requires is None
+
+
+def test_a_decision_and_a_verdict_say_what_they_are():
+    assert repr(framework.Decision(framework.INACTIVE, "no NPU")) == "Decision(inactive: no NPU)"
+    verdict = framework.Unsupported("f() has changed")
+    assert (str(verdict), verdict.reason, verdict.state) == ("f() has changed", "f() has changed", "unsupported")
+    decision = framework.Decision(framework.APPLIED, "why", (t for t in ["a", "b"]))
+    assert decision.targets == ["a", "b"] and decision.details == {} and decision.process_state is None
+
+
+def test_a_release_is_read_up_to_its_first_part_that_is_no_number():
+    assert framework.version_tuple("0.5.10.post1") == (0, 5, 10)
+    assert framework.version_tuple("12.0rc1.3") == (12,)
+    assert framework.version_tuple(None) == () and framework.version_tuple("") == ()
+    assert framework.version_tuple("x.1") == ()
+
+
+def test_a_patch_declared_in_a_package_is_named_after_the_last_part_of_its_module():
+    patch = type("Feature", (framework.Patch,), dict(
+        __module__="npu_shim.patches.some_feature", title="t", upstream_pr="sgl-project/sglang#1",
+        upstream_release="0.5.20", backport_range=("0.5.7", "0.5.19"), remove_when="never",
+        switch_doc="its switch", modules=("sglang.srt.a",)))
+    assert patch.name == "some_feature" and patch.switch.name == "NPU_SHIM_SOME_FEATURE"
+
+
+def test_a_switch_given_outright_is_kept_even_with_a_switch_doc():
+    given = config.switch("demo", "the given doc")
+    patch = declare(switch=given, switch_doc="another doc")
+    assert patch.switch is given
+
+
+def test_a_patch_without_an_implementation_module_says_which_module_it_looked_for():
+    """In a package with an ``_impl`` package that lacks the patch's module, and outside any package."""
+    patch = declare(omit=("targets", "name", "switch"), __module__="npu_shim.patches.no_such_feature",
+                    switch_doc="its switch")()
+    with pytest.raises(NotImplementedError) as info:
+        patch.targets(View(), None)
+    assert str(info.value) == ("patch no_such_feature has no implementation module "
+                               "npu_shim.patches._impl.no_such_feature (nor targets of its own)")
+    with pytest.raises(NotImplementedError) as info:
+        declare(omit=("targets",), __module__="demo")().implementation()
+    assert str(info.value) == "patch demo has no implementation module ._impl.demo (nor targets of its own)"
+
+
+def test_a_wrong_declaration_names_every_problem_in_one_message():
+    with pytest.raises(TypeError) as info:
+        declare(name="Bad", switch=None, reads=("SGLANG_X",), upstream_pr="", backport_range=("0.5.7",), modules=())
+    assert str(info.value) == (
+        "patch DemoPatch is declared wrongly: name 'Bad' is not a lower-case identifier; switch must be a "
+        "config.EnvVar (made from switch_doc, or given: config.switch(name, doc)); reads must hold config.EnvVar "
+        "only; title, upstream_pr and remove_when are required; backport_range must be (first, last) and "
+        "upstream_release a release number; modules must list the sglang modules its targets live in")
+    with pytest.raises(TypeError) as info:
+        declare(switch=config.boolean("NPU_SHIM_OTHER", True, "x"), backport_range=("0.5.7", "0.5.20"))
+    assert str(info.value) == ("patch DemoPatch is declared wrongly: switch is NPU_SHIM_OTHER, expected "
+                               "NPU_SHIM_DEMO; backport_range 0.5.7 - 0.5.20 must end before upstream_release 0.5.20")
+
+
+def test_a_backport_range_must_not_end_before_it_starts():
+    with pytest.raises(TypeError) as info:
+        declare(backport_range=("0.5.9", "0.5.8"))
+    assert str(info.value) == ("patch DemoPatch is declared wrongly: backport_range 0.5.9 - 0.5.8 must end before "
+                               "upstream_release 0.5.20")
+
+
+def test_a_decide_context_keeps_the_details_it_is_given():
+    details = {"mode": "full"}
+    ctx = framework.DecideContext({}, False, details)
+    assert ctx.details is details and framework.DecideContext({}, False).details == {}
+
+
+def test_a_patch_takes_its_targets_from_its_implementation_module():
+    """zbal's implementation module: its ``targets`` is the one a decision calls."""
+    from npu_shim.patches._impl import zbal as zbal_impl
+
+    assert zbal_patch.PATCH.implementation() is zbal_impl
+
+
+def test_a_count_may_be_zero():
+    details = framework.Details({"released": 0, "mode": "full"})
+    assert details.count("released") == 0 and details.text("mode") == "full" and details.text("mode", 2) == "fu"

@@ -3,8 +3,10 @@ hooks run after its code, every other import is ignored, no wrapt import hook is
 test_reliability.py)."""
 
 import importlib
+import importlib.machinery
 import json
 import sys
+import types
 
 import pytest
 
@@ -207,8 +209,8 @@ def test_a_hook_runs_once_after_the_module_code_and_at_once_for_a_module_importe
     assert type(hk_a.__loader__).__name__ == "SourceFileLoader" and hk_a.__spec__.loader is hk_a.__loader__
     importlib.import_module("hk_a")
     assert fired == [("hk_a", 1)]
-    hooks.register("hk_a", lambda module: fired.append("at once"))
-    assert fired == [("hk_a", 1), "at once"] and hooks.waiting() == []
+    hooks.register("hk_a", lambda module: fired.append(("at once", module)))
+    assert fired == [("hk_a", 1), ("at once", hk_a)] and hooks.waiting() == []
 
 
 def test_a_module_imported_inside_another_modules_hook_gets_its_hooks(hooks):
@@ -355,6 +357,370 @@ def test_threads_importing_and_registering_run_each_hook_exactly_once(hooks):
     assert seen == [1, 1, 1, 1]
     assert sorted(fired, key=str) == sorted(["first", 0, 1, 2, 3, 4], key=str)
     assert hooks.waiting() == [] and hooks._finding == set()
+
+
+class Watcher:
+    """A start-up watcher that saw sglang (as npu_shim._bootstrap's): in sys.meta_path, it hands
+    every import on to the finder it was given."""
+
+    def __init__(self):
+        self.asked, self.to = [], None
+
+    def hand_on(self, find_spec):
+        self.to = find_spec
+        return True
+
+    def stop_handing_on(self):
+        self.to = None
+
+    def find_spec(self, fullname, path=None, target=None):
+        self.asked.append(fullname)
+        return None if self.to is None else self.to(fullname, path, target)
+
+
+def test_through_the_watcher_the_finder_asks_the_other_finders_but_never_the_watcher(hooks, own_meta_path):
+    """Asking the watcher back would only come round to the shim's finder again.  (``hooks``: the
+    module's directory; its own finder, asked too, finds nothing here.)"""
+    _write(hooks, "hk_watched.py", "X = 'watched'\n")
+    watcher = Watcher()
+    own_meta_path.insert(0, watcher)
+    shim = finder.ShimFinder(lambda name: False, lambda module: None)
+    assert shim.watcher is None  # none handed in yet
+    shim.install(watcher)
+    assert shim.watcher is watcher and watcher.to == shim.find_spec and shim not in own_meta_path
+    fired = []
+    shim.register("hk_watched", lambda module: fired.append(module.X))
+    import hk_watched  # noqa: F401 - the import fires the hook
+    assert fired == ["watched"] and watcher.asked == ["hk_watched"]
+    shim.uninstall(watcher)
+    assert watcher.to is None
+
+
+def test_a_regular_package_runs_its_init_before_its_hooks(hooks):
+    _write(hooks, "hk_pkg/__init__.py", "X = 'init'\n")
+    fired = []
+    hooks.register("hk_pkg", lambda module: fired.append(module.X))
+    import hk_pkg
+    assert fired == ["init"] and type(hk_pkg.__loader__).__name__ == "SourceFileLoader"
+    assert hk_pkg.__file__ == str(hooks.dir / "hk_pkg" / "__init__.py")
+
+
+class Recording:
+    """A finder in front of the ones that find: what it was asked, with the reload's target."""
+
+    def __init__(self):
+        self.asked = []
+
+    def find_spec(self, fullname, path=None, target=None):
+        self.asked.append((fullname, target))
+        return None
+
+
+def test_a_reload_hands_its_target_to_the_other_finders(hooks, own_meta_path):
+    _write(hooks, "hk_target.py", "X = 1\n")
+    import hk_target
+    recording = Recording()
+    own_meta_path.insert(1, recording)
+    importlib.reload(hk_target)
+    assert recording.asked == [("hk_target", hk_target)] and hooks.reapplied == [hk_target]
+
+
+class Peeking:
+    """A finder that, asked for ``hk_peek_outer``, imports ``hk_peek_inner`` first (its own
+    configuration, say) -- a lookup inside the shim's lookup of another module."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "hk_peek_outer":
+            importlib.import_module("hk_peek_inner")
+        return None
+
+
+def test_a_hooked_module_imported_by_a_finder_during_another_lookup_gets_its_hooks(hooks, own_meta_path):
+    _write(hooks, "hk_peek_outer.py", "")
+    _write(hooks, "hk_peek_inner.py", "")
+    own_meta_path.insert(1, Peeking())
+    fired = []
+    hooks.register("hk_peek_outer", lambda module: fired.append(module.__name__))
+    hooks.register("hk_peek_inner", lambda module: fired.append(module.__name__))
+    import hk_peek_outer  # noqa: F401 - the import fires the hooks
+    assert fired == ["hk_peek_inner", "hk_peek_outer"] and hooks.waiting() == []
+
+
+def test_the_found_loader_answers_for_a_spec_looked_up_but_not_loaded(hooks):
+    """``importlib.util.find_spec`` (runpy, pkgutil) hands out the spec with the shim's loader:
+    what else is asked of the loader is the found one's answer."""
+    import importlib.util
+
+    _write(hooks, "hk_src.py", "X = 'source'\n")
+    hooks.register("hk_src", lambda module: None)
+    spec = importlib.util.find_spec("hk_src")
+    assert spec.loader.get_source("hk_src") == "X = 'source'\n" and spec.loader.is_package("hk_src") is False
+    assert spec.loader.get_filename("hk_src") == str(hooks.dir / "hk_src.py")
+
+
+def test_modules_made_from_two_lookups_of_one_name_run_the_hooks_once(hooks):
+    """The importlib.util recipe (find_spec, module_from_spec, exec_module), twice: the hooks
+    run for the first module; the second has none waiting and loads all the same."""
+    import importlib.util
+
+    _write(hooks, "hk_twice.py", "X = 2\n")
+    fired = []
+    hooks.register("hk_twice", lambda module: fired.append(module))
+    specs = [importlib.util.find_spec("hk_twice"), importlib.util.find_spec("hk_twice")]
+    modules = [importlib.util.module_from_spec(spec) for spec in specs]
+    for spec, module in zip(specs, modules):
+        spec.loader.exec_module(module)
+    assert fired == modules[:1] and [module.X for module in modules] == [2, 2] and hooks.waiting() == []
+
+
+class Caching:
+    """A finder that hands out one spec object per module, however often it is asked."""
+
+    def __init__(self, path):
+        self.path, self.specs = path, {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        import importlib.util
+
+        if fullname != "hk_cached":
+            return None
+        if fullname not in self.specs:
+            self.specs[fullname] = importlib.util.spec_from_file_location(fullname, self.path)
+        return self.specs[fullname]
+
+
+def test_a_spec_that_carries_the_shims_loader_already_is_not_wrapped_again(hooks, own_meta_path):
+    """A caching finder asked twice for the same reload before it loads: the patches are re-applied
+    once, and the spec ends with the found loader."""
+    _write(hooks, "hk_cached.py", "X = 1\n")
+    caching = Caching(str(hooks.dir / "hk_cached.py"))
+    own_meta_path.insert(1, caching)
+    import hk_cached
+    spec = hooks.find_spec("hk_cached", None, hk_cached)
+    assert hooks.find_spec("hk_cached", None, hk_cached) is spec is hk_cached.__spec__
+    spec.loader.exec_module(hk_cached)  # what the reload does with it
+    assert hooks.reapplied == [hk_cached] and type(spec.loader).__name__ == "SourceFileLoader"
+
+
+class MadeLoader:
+    """A loader that makes the module object itself (``create_module``) and runs code of its own."""
+
+    def __init__(self, make):
+        self.make, self.specs = make, []
+
+    def create_module(self, spec):
+        self.specs.append(spec)
+        return self.make(spec)
+
+    def exec_module(self, module):
+        module.X = "made"
+
+
+class ExecOnlyLoader:
+    """A loader with ``exec_module`` and no ``create_module``: the default module object."""
+
+    def exec_module(self, module):
+        module.X = "default"
+
+
+class LoaderFinder:
+    """Finds each ``hk_`` name of ``loaders`` with the loader given for it."""
+
+    def __init__(self, **loaders):
+        self.loaders = loaders
+
+    def find_spec(self, fullname, path=None, target=None):
+        import importlib.util
+
+        loader = self.loaders.get(fullname)
+        return None if loader is None else importlib.util.spec_from_loader(fullname, loader)
+
+
+class Sealed(types.ModuleType):
+    """A module object that takes no ``__loader__`` nor ``__spec__`` (the import system skips
+    what a module does not take)."""
+
+    @property
+    def __loader__(self):
+        raise AttributeError("__loader__")
+
+    @property
+    def __spec__(self):
+        raise AttributeError("__spec__")
+
+
+class Nameless(types.ModuleType):
+    """A module object without a ``__name__``."""
+
+    @property
+    def __name__(self):
+        raise AttributeError("__name__")
+
+
+class OwnSpec(types.ModuleType):
+    """A module object with a ``__spec__`` of its own, which the import system cannot replace
+    (read-only, as a module type of an extension's may have it)."""
+
+    def __init__(self, name, spec, loader=None):
+        super().__init__(name)
+        self.__dict__["own_spec"] = spec
+        self.__loader__ = loader
+
+    @property
+    def __spec__(self):
+        return self.own_spec
+
+
+def test_a_loaders_own_module_object_gets_the_hooks(hooks, own_meta_path):
+    made = MadeLoader(lambda spec: types.ModuleType(spec.name))
+    own_meta_path.append(LoaderFinder(hk_made=made, hk_exec_only=ExecOnlyLoader()))
+    fired = []
+    hooks.register("hk_made", fired.append)
+    hooks.register("hk_exec_only", fired.append)
+    import hk_exec_only
+    import hk_made
+    assert fired == [hk_exec_only, hk_made] and (hk_made.X, hk_exec_only.X) == ("made", "default")
+    assert made.specs == [hk_made.__spec__] and hk_made.__loader__ is made and hk_made.__spec__.loader is made
+
+
+def _with_loader(loader):
+    """``create_module``: a module object that says its ``__loader__`` already."""
+    def make(spec):
+        module = types.ModuleType(spec.name)
+        module.__loader__ = loader
+        return module
+    return make
+
+
+def test_a_module_that_says_its_own_loader_and_spec_keeps_them_and_no_trace_of_the_shims(hooks, own_meta_path):
+    """A loader's module may carry its own ``__loader__`` and ``__spec__`` (the import system
+    leaves them): kept, except where they name the shim's loader, which become the found one."""
+    theirs = object()
+    own = importlib.machinery.ModuleSpec("hk_own", theirs)
+    copied = MadeLoader(lambda spec: OwnSpec(spec.name, importlib.machinery.ModuleSpec(spec.name, spec.loader),
+                                             spec.loader))
+    kept = MadeLoader(lambda spec: OwnSpec(spec.name, own, theirs))
+    told = MadeLoader(_with_loader(theirs))
+    own_meta_path.append(LoaderFinder(hk_copied=copied, hk_own=kept, hk_told=told))
+    fired = []
+    for name in ("hk_copied", "hk_own", "hk_told"):
+        hooks.register(name, fired.append)
+    import hk_copied
+    import hk_own
+    import hk_told
+    assert fired == [hk_copied, hk_own, hk_told]
+    # made from the spec it was handed (the shim's loader then): the found loader in both
+    assert hk_copied.__loader__ is copied and hk_copied.__spec__.loader is copied
+    assert hk_copied.__spec__ is not copied.specs[0]
+    # another loader named: kept
+    assert hk_own.__loader__ is theirs and hk_own.__spec__ is own and own.loader is theirs
+    assert hk_told.__loader__ is theirs and hk_told.__spec__.loader is told
+
+
+def test_odd_module_objects_are_loaded_and_hooked_as_far_as_they_go(hooks, own_meta_path):
+    """One without ``__loader__`` and ``__spec__``, one whose ``__spec__`` has no loader: their
+    hooks run; one without a name: it loads, and its hooks (found by name) stay waiting."""
+    odd_spec = types.SimpleNamespace(name="hk_odd_spec")
+    own_meta_path.append(LoaderFinder(
+        hk_sealed=MadeLoader(lambda spec: Sealed(spec.name)),
+        hk_odd_spec=MadeLoader(lambda spec: OwnSpec(spec.name, odd_spec)),
+        hk_nameless=MadeLoader(lambda spec: Nameless("hk_nameless"))))
+    fired = []
+    for name in ("hk_sealed", "hk_odd_spec", "hk_nameless"):
+        hooks.register(name, lambda module: fired.append(module.X))
+    import hk_nameless
+    import hk_odd_spec
+    import hk_sealed
+    assert fired == ["made", "made"] and hooks.waiting() == ["hk_nameless"]
+    assert hk_odd_spec.__spec__ is odd_spec and hk_sealed.X == "made"
+    assert hk_nameless.X == "made"
+
+
+class OldNamespace:
+    """Finds ``hk_oldns`` as Python < 3.11 does a namespace package: a spec without a loader."""
+
+    def __init__(self, locations, origin=None):
+        self.locations, self.origin = locations, origin
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "hk_oldns":
+            return None
+        spec = importlib.machinery.ModuleSpec(fullname, None, origin=self.origin, is_package=True)
+        spec.submodule_search_locations = list(self.locations)
+        spec.has_location = self.origin is not None
+        return spec
+
+
+def test_a_namespace_spec_without_a_loader_gets_the_import_systems_loader_and_its_hooks(hooks, own_meta_path):
+    """In-process, what tests the real 3.9 and 3.10 in another Python: the namespace loader the
+    import system would make, ``__file__`` None as it would set it."""
+    locations = [str(hooks.dir / "hk_oldns")]
+    own_meta_path.append(OldNamespace(locations))
+    fired = []
+    hooks.register("hk_oldns", lambda module: fired.append(module.__loader__))
+    import hk_oldns
+    loader = hk_oldns.__loader__
+    assert fired == [loader] and type(loader).__name__ == "NamespaceLoader" and loader._path == locations
+    assert hk_oldns.__spec__.loader is loader and hk_oldns.__file__ is None and hk_oldns.__path__ == locations
+
+
+def test_a_namespace_spec_with_a_location_keeps_its_file(hooks, own_meta_path):
+    """As the import system leaves it: a spec that has a location gives ``__file__`` its origin."""
+    origin = str(hooks.dir / "hk_oldns" / "marker")
+    own_meta_path.append(OldNamespace([str(hooks.dir / "hk_oldns")], origin=origin))
+    fired = []
+    hooks.register("hk_oldns", lambda module: fired.append(module.__file__))
+    import hk_oldns
+    assert fired == [origin] and hk_oldns.__file__ == origin
+
+
+def test_the_namespace_loader_is_made_from_the_class_the_python_has(monkeypatch):
+    """``NamespaceLoader`` (3.11+) first, ``_NamespaceLoader`` (3.9, 3.10), else none: the spec
+    is left without a loader, for the import system."""
+    from importlib import _bootstrap_external
+
+    class OldLoader:
+        """3.9's and 3.10's ``_NamespaceLoader``."""
+
+    spec = importlib.machinery.ModuleSpec("hk_ns_kind", None, is_package=True)
+    spec.submodule_search_locations = ["/nowhere/hk_ns_kind"]
+    monkeypatch.setattr(_bootstrap_external, "_NamespaceLoader", OldLoader)
+    made = finder._namespace_loader(spec)
+    assert type(made) is _bootstrap_external.NamespaceLoader and made._path == ["/nowhere/hk_ns_kind"]
+    monkeypatch.delattr(_bootstrap_external, "NamespaceLoader")
+    made = finder._namespace_loader(spec)
+    assert type(made) is OldLoader and made._path == ["/nowhere/hk_ns_kind"]
+    monkeypatch.delattr(_bootstrap_external, "_NamespaceLoader")
+    assert finder._namespace_loader(spec) is None
+    finder._hook_loader(spec, lambda module: None)
+    assert spec.loader is None
+
+
+class ReusingLegacyLoader:
+    """A legacy loader that, as ``load_module`` must, reuses the module in sys.modules (a reload)
+    and leaves its ``__loader__`` alone."""
+
+    def load_module(self, fullname):
+        module = sys.modules.get(fullname)
+        if module is None:
+            module = sys.modules[fullname] = types.ModuleType(fullname)
+            module.__loader__ = self
+        module.X = getattr(module, "X", 0) + 1
+        return module
+
+
+def test_a_reloaded_legacy_module_keeps_no_trace_of_the_shims_loader(hooks, own_meta_path):
+    import importlib.util
+    import warnings
+
+    loader = ReusingLegacyLoader()
+    own_meta_path.append(LoaderFinder(hk_relegacy=loader))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ImportWarning)  # "exec_module() not found" (3.10+)
+        import hk_relegacy
+        importlib.reload(hk_relegacy)
+    assert hk_relegacy.X == 2 and hooks.reapplied == [hk_relegacy]
+    assert hk_relegacy.__loader__ is loader and hk_relegacy.__spec__.loader is loader
 
 
 # -- end to end, with each wrapt an image may have and with the bundle's -------------------------

@@ -70,17 +70,72 @@ def test_a_routers_dp_rank_comes_from_sglang_dp_rank(no_role, monkeypatch):
     assert (seen["dp_rank"], procinfo.role_label(seen)) == (5, "dp 5/8 tp 1/4")
 
 
+def test_a_given_dp_rank_is_noted_and_wins_over_sglang_dp_rank(no_role, monkeypatch):
+    """The scheduler's own ``dp_rank`` argument is the rank; SGLANG_DP_RANK counts only without it."""
+    monkeypatch.setenv("SGLANG_DP_RANK", "5")
+    module = scheduler_module(SIGNATURES["0.5.23"])
+    role.prepare(module, lambda: None).apply(False)
+    seen = module.run_scheduler_process(types.SimpleNamespace(tp_size=4, pp_size=1, dp_size=8), None, 0, 1, 0,
+                                        dp_rank=2, pipe_writer=None)
+    assert (seen["dp_rank"], procinfo.role_label(seen)) == (2, "dp 2/8 tp 1/4")
+
+
 def test_a_function_without_the_ranks_or_no_function_is_left_alone():
-    with pytest.raises(LookupError, match="has no parameter tp_rank, dp_rank"):
+    """The reasons are the DEBUG line an operator reads: exact."""
+    with pytest.raises(LookupError) as missing:
         role.prepare(scheduler_module("server_args, port_args, pp_rank"), lambda: None)
-    with pytest.raises(LookupError, match="run_scheduler_process not found"):
+    assert str(missing.value) == "sglang.srt.managers.scheduler:run_scheduler_process has no parameter tp_rank, dp_rank"
+    with pytest.raises(LookupError) as absent:
         role.prepare(types.ModuleType(role.MODULE), lambda: None)
+    assert str(absent.value) == "sglang.srt.managers.scheduler:run_scheduler_process not found"
 
 
-def test_the_wrapper_never_stops_the_scheduler(no_role):
+def test_reverting_puts_the_original_function_back(no_role):
+    module = scheduler_module(SIGNATURES["0.5.23"])
+    original = module.run_scheduler_process
+    change = role.prepare(module, lambda: None)
+    change.apply(False)
+    assert module.run_scheduler_process is not original
+    change.revert()
+    assert module.run_scheduler_process is original
+
+
+def test_the_state_record_is_written_with_the_role_before_the_body_runs(no_role, monkeypatch):
+    """``status --running`` shows the ranks from the scheduler's first moment: the record is
+    rewritten at once (not soon, from the writer's thread), after the role is noted."""
+    from npu_shim.reporting import state_record
+
+    written = []
+    monkeypatch.setattr(state_record, "write", lambda: written.append(procinfo.role_label()))
+    module = scheduler_module(SIGNATURES["0.5.23"])
+    role.prepare(module, lambda: None).apply(False)
+    seen = module.run_scheduler_process(types.SimpleNamespace(tp_size=4, pp_size=1, dp_size=1), None, 0, 3, 0,
+                                        None, None)
+    assert written == ["tp 3/4"] and seen["tp_rank"] == 3
+
+
+@pytest.fixture
+def errors(caplog, monkeypatch):
+    """The shim's ERROR lines of the test; nothing said once before in this process counts."""
+    import logging
+
+    from npu_shim.reporting import log
+
+    monkeypatch.setattr(log, "_reported", set())
+    log.configure()  # sets the logger's level once per process: before caplog lowers it
+    caplog.set_level(logging.ERROR, logger="npu_shim")
+    return lambda: [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_the_wrapper_never_stops_the_scheduler_and_says_why_once(no_role, errors):
+    from npu_shim.reporting import log
+
     module = scheduler_module(SIGNATURES["0.5.23"])
     role.prepare(module, lambda: 1 / 0).apply(False)
     assert module.run_scheduler_process(None, None, 0, 0, 0, 0, None)["role"] == "scheduler"
+    assert module.run_scheduler_process(None, None, 0, 0, 0, 0, None)["role"] == "scheduler"
+    assert errors() == ["noting the scheduler's role failed: ZeroDivisionError('division by zero')"]
+    assert log._reported == {"role:note"}  # once per process, under the role's own key
 
 
 def test_only_a_child_unpickling_its_target_is_waited_for(monkeypatch):
@@ -89,6 +144,93 @@ def test_only_a_child_unpickling_its_target_is_waited_for(monkeypatch):
     assert role.child_unpickling() is False
     monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
     assert role.child_unpickling() is True
+
+
+@pytest.fixture
+def child_start(monkeypatch):
+    """``BaseProcess.run`` as it was put back after the test; what ``atexit.register`` was handed,
+    collected instead of registered."""
+    import atexit
+    from multiprocessing import process
+
+    monkeypatch.setattr(process.BaseProcess, "run", process.BaseProcess.__dict__["run"])
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    return types.SimpleNamespace(registered=registered, original=process.BaseProcess.__dict__["run"],
+                                 current=lambda: process.BaseProcess.__dict__["run"])
+
+
+def test_a_child_says_who_it_is_once_as_its_target_starts_and_puts_run_back(child_start):
+    """``run()`` is what a spawned child's bootstrap calls: called here in-process."""
+    import multiprocessing
+
+    started, ran = [], []
+
+    def exits():
+        pass
+
+    def target(*args):
+        ran.append((args, list(started), child_start.current() is child_start.original))
+
+    assert role.when_child_starts(started.append, exits) is True
+    assert child_start.registered == [exits] and child_start.current() is not child_start.original
+    child = multiprocessing.Process(target=target, args=(1, 2))
+    child.run()
+    assert started == [target] and ran == [((1, 2), [target], True)]
+    assert child_start.current() is child_start.original
+    child.run()  # the original run from now on
+    assert started == [target] and len(ran) == 2
+
+
+def test_a_child_whose_run_was_replaced_again_keeps_the_replacement(child_start):
+    """Something wrapped ``BaseProcess.run`` after the shim did: the shim's run, called through
+    it, leaves that one in place."""
+    import multiprocessing
+    from multiprocessing import process
+
+    started, ran = [], []
+    role.when_child_starts(started.append, lambda: None)
+    ours = child_start.current()
+
+    def theirs(self):
+        return ours(self)
+
+    process.BaseProcess.run = theirs
+    multiprocessing.Process(target=ran.append, args=("ran",)).run()
+    assert ran == ["ran"] and len(started) == 1 and child_start.current() is theirs
+
+
+def test_a_process_object_without_a_target_starts_as_having_none(child_start):
+    import multiprocessing
+
+    started = []
+    role.when_child_starts(started.append, lambda: None)
+    child = multiprocessing.Process(target=print)
+    del child._target
+    with pytest.raises(AttributeError):
+        child.run()  # the original run needs it
+    assert started == [None]
+
+
+def test_a_failing_summary_line_is_said_once_and_the_target_still_runs(child_start, errors):
+    import multiprocessing
+
+    from npu_shim.reporting import log
+
+    ran = []
+    role.when_child_starts(lambda target: 1 / 0, lambda: None)
+    multiprocessing.Process(target=ran.append, args=("ran",)).run()
+    assert ran == ["ran"] and child_start.current() is child_start.original
+    assert errors() == ["saying the summary line failed: ZeroDivisionError('division by zero')"]
+    assert log._reported == {"role:start"}  # once per process, under the start's own key
+
+
+def test_a_multiprocessing_without_base_process_is_not_hooked(child_start, monkeypatch):
+    from multiprocessing import process
+
+    monkeypatch.delattr(process, "BaseProcess")
+    assert role.when_child_starts(lambda target: None, lambda: None) is False
+    assert child_start.registered == []
 
 
 def test_a_process_class_without_its_own_run_is_not_hooked(monkeypatch):

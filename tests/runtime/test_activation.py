@@ -1,6 +1,7 @@
 """npu_shim/runtime/activation.py: what the runtime answers before it has decided anything, and how it
-decides when there is no sglang source to read.  Hooks, applying, reverting and reloads are
-tested in fresh interpreters by tests/test_bootstrap.py and tests/runtime/test_reliability.py."""
+decides when there is no sglang source to read, and (on Runtimes and fake modules of the tests'
+own) activating, the hooks, applying, retiring, reloads, install() and uninstall().  The same in
+fresh interpreters: tests/test_bootstrap.py and tests/runtime/test_reliability.py."""
 from __future__ import annotations
 
 import os
@@ -10,11 +11,12 @@ import types
 
 import pytest
 
-from npu_shim.core import framework
-from npu_shim.reporting import procinfo, state_record, summary
-from npu_shim.runtime import activation, decisions, role
+from npu_shim.core import framework, loading
+from npu_shim.reporting import metrics, procinfo, state_record, summary
+from npu_shim.runtime import activation, decisions, metrics_hook, role, targets, wrapt_loader
 from npu_shim.source import inherited
 from test_bootstrap import DEMO_PATCH, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
+from test_decisions import logged  # noqa: F401 - a fixture
 from test_framework import declare
 
 
@@ -291,3 +293,596 @@ def test_a_retired_wrapper_leaves_the_module_and_its_copies_while_threads_call_i
     assert out["again"] is False  # retired already
     assert out["reinstated"] == [True, 1001, 1001, []]
     assert out["uninstalled"] == [True, True, "function", False, 1000]
+
+
+# -- a runtime of the test's own, activated in this process -------------------------------------------
+
+HOOKED = ["sglang.srt.a", role.MODULE] + list(metrics_hook.MODULES)
+UNWRAPT = " (use an npu-shim bundle: 'python -m npu_shim bundle DIR', or install wrapt>=1.14 in the image)"
+
+
+def add_one(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs) + 1
+
+
+class Watcher:
+    """The start-up watcher as the runtime calls it (npu_shim/_bootstrap.py), answering as told:
+    ``waiting`` (armed for the first ``import sglang``), ``off_only`` (armed only to say "off");
+    it saw sglang, so the finder answers through it (``hand_on``)."""
+
+    def __init__(self, waiting=False, off_only=False):
+        self.answers = (waiting, off_only)
+        self.calls = []
+
+    def waiting(self):
+        return self.answers[0]
+
+    def says_off_only(self):
+        return self.answers[1]
+
+    def take_over(self):
+        self.calls.append("take_over")
+
+    def arm(self):
+        self.calls.append("arm")
+
+    def disarm(self):
+        self.calls.append("disarm")
+
+    def hand_on(self, find_spec):
+        self.calls.append(("hand_on", find_spec))
+        return True
+
+    def stop_handing_on(self):
+        self.calls.append("stop_handing_on")
+
+
+def fake_module(name, source):
+    module = types.ModuleType(name)
+    exec(source, module.__dict__)
+    return module
+
+
+@pytest.fixture
+def sglang_tree(monkeypatch, tmp_path):
+    """An sglang package on disk whose ``srt/a.py`` has ``f()`` (the demo patch's target), imported:
+    ``sglang`` in sys.modules, and ``find_package_dir`` finds it."""
+    package = tmp_path / "sglang"
+    (package / "srt").mkdir(parents=True)
+    (package / "version.py").write_text('__version__ = "0.5.9"\n')
+    (package / "srt" / "a.py").write_text("def f():\n    return 1\n")
+    module = types.ModuleType("sglang")
+    module.__file__ = str(package / "__init__.py")
+    monkeypatch.setitem(sys.modules, "sglang", module)
+    monkeypatch.setattr(activation, "find_package_dir", {"sglang": str(package)}.get)
+    return package
+
+
+@pytest.fixture
+def activating(undecided, monkeypatch):
+    """``make()`` -> a Runtime whose activation loads one patch, the demo (``Wrap`` of
+    sglang.srt.a:f adding 1); none of the modules it hooks imported yet; the finders of these
+    runtimes out of sys.meta_path afterwards."""
+    patch = declare(targets=lambda self, view, ctx: [targets.Wrap("sglang.srt.a", "f", add_one, [()])])()
+    monkeypatch.setattr(loading, "load_all", lambda: [patch])
+    monkeypatch.setattr(summary, "report_all", lambda records: None)
+    monkeypatch.setattr(procinfo, "_noted", None)
+    for name in HOOKED + ["sglang"]:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    made = []
+
+    def make():
+        made.append(activation.Runtime())
+        return made[-1]
+
+    yield make
+    for runtime in made:
+        while runtime.finder in sys.meta_path:
+            sys.meta_path.remove(runtime.finder)
+
+
+def test_a_new_runtime_has_activated_hooked_and_decided_nothing():
+    runtime = activation.Runtime()
+    assert (runtime.installed, runtime.patches, runtime.records, runtime.decided_from) == (False, None, None, None)
+    assert (runtime.imported_before, runtime.hooked, runtime.watcher, runtime.own_changes) == (set(), set(), None, [])
+    assert runtime.summary_due is None and runtime.finder.waiting() == []
+    assert runtime.watches("sglang.srt.a") is False
+
+
+def test_activation_hooks_each_module_a_patch_or_the_shim_itself_touches_once(activating, monkeypatch):
+    """The shim's own modules (the scheduler's, the metrics collectors') are hooked whatever patch
+    is on, each once where a patch lists one too; nothing is decided before a hook fires."""
+    patch = declare(modules=("sglang.srt.a", role.MODULE))()
+    monkeypatch.setattr(loading, "load_all", lambda: [patch])
+    runtime, watcher = activating(), Watcher()
+    runtime.activate(watcher)
+    patches = runtime.patches
+    assert runtime.installed is True and patches == [patch] and runtime.records is None
+    assert runtime.watcher is watcher and watcher.calls == [("hand_on", runtime.finder.find_spec)]
+    assert runtime.finder not in sys.meta_path  # it answers through the watcher
+    assert runtime.hooked == set(HOOKED) and runtime.imported_before == set()
+    assert runtime.finder.waiting() == sorted(HOOKED)
+    assert runtime.watches("sglang.srt.a") is False  # nothing decided: a reload is not re-applied
+    runtime.activate(Watcher())  # active already: nothing changes
+    assert runtime.watcher is watcher and runtime.patches is patches and len(watcher.calls) == 1
+
+
+def test_activation_without_a_watcher_puts_the_finder_first_in_sys_meta_path(activating):
+    runtime = activating()
+    runtime.activate()
+    assert sys.meta_path[0] is runtime.finder and runtime.watcher is None
+
+
+def test_a_module_imported_before_activation_is_decided_and_patched_at_once_copies_included(
+        activating, sglang_tree, monkeypatch):
+    """install() after sglang: the hook of a module imported already fires at once; the copies
+    other modules took (``from sglang.srt.a import f``) get the wrapper too."""
+    module = fake_module("sglang.srt.a", "def f():\n    return 1\n")
+    copy = types.ModuleType("sglang.srt.b")
+    copy.f = module.f
+    monkeypatch.setitem(sys.modules, "sglang.srt.a", module)
+    monkeypatch.setitem(sys.modules, "sglang.srt.b", copy)
+    runtime = activating()
+    runtime.activate(Watcher())
+    assert runtime.imported_before == {"sglang.srt.a"}
+    record = runtime.record("demo")
+    assert record.state == framework.APPLIED and record.applied == {"sglang.srt.a:f"}
+    assert module.f() == 2 and copy.f() == 2
+    assert runtime.finder.waiting() == sorted(set(HOOKED) - {"sglang.srt.a"})
+    assert runtime.watches("sglang.srt.a") is True and runtime.watches("sglang.srt.b") is False
+    records = runtime.records
+    runtime.finder.run_hooks(types.ModuleType(metrics_hook.MODULES[0]))  # a later hook: decided already
+    assert runtime.records is records and module.f() == 2
+
+
+def test_uninstall_restores_every_original_and_hooks_of_earlier_activations_stay_silent(
+        activating, sglang_tree, monkeypatch):
+    """Each activation's hooks belong to it: the finder keeps the hooks of an uninstalled one
+    waiting, and when the module comes they change nothing (the demo's wrapper is put once)."""
+    runtime, watcher = activating(), Watcher()
+    for _ in range(2):
+        runtime.activate(watcher)
+        runtime.uninstall(watcher)
+    assert watcher.calls[1:3] == ["disarm", "stop_handing_on"]
+    assert runtime.installed is False and (runtime.records, runtime.patches) == (None, None)
+    runtime.activate(watcher)
+    module = fake_module("sglang.srt.a", "def f():\n    return 1\n")
+    original = module.f
+    monkeypatch.setitem(sys.modules, "sglang.srt.a", module)
+    runtime.finder.run_hooks(module)
+    assert module.f() == 2
+    runtime.uninstall(watcher)
+    assert module.f is original and runtime.own_changes == []
+    assert runtime.installed is False and (runtime.records, runtime.patches) == (None, None)
+    assert runtime.watches("sglang.srt.a") is False and runtime.states() == {}
+
+
+@pytest.mark.parametrize("error, reason", [
+    (wrapt_loader.WraptUnavailable("wrapt is not available: test"), "wrapt is not available: test"),
+    (RuntimeError("broken build"), "wrapt could not be loaded: RuntimeError('broken build')")])
+def test_activation_without_wrapt_fails_each_patch_that_would_apply_and_hooks_nothing(
+        activating, sglang_tree, monkeypatch, error, reason):
+    def load():
+        raise error
+
+    monkeypatch.setattr(wrapt_loader, "load", load)
+    runtime, watcher = activating(), Watcher()
+    runtime.activate(watcher)
+    record = runtime.record("demo")
+    assert (record.state, record.reason) == (framework.FAILED, reason + UNWRAPT)
+    assert runtime.hooked == set() and runtime.finder.waiting() == [] and watcher.calls == []
+
+
+def test_an_activation_that_fails_is_logged_once_and_a_shim_error_goes_through(logged, activating):
+    runtime, watcher = activating(), Watcher()
+    runtime.activate_guarded(watcher)
+    assert runtime.watcher is watcher and runtime.installed is True
+
+    def boom(watcher=None):
+        raise RuntimeError("boom")
+
+    failing = activation.Runtime()
+    failing.activate = boom
+    failing.activate_guarded()
+    failing.activate_guarded()
+    assert logged() == [("ERROR", "shim off: activation failed: RuntimeError('boom')")]
+
+    def refuse(watcher=None):
+        raise framework.ShimError("npu-shim: demo was requested")
+
+    failing.activate = refuse
+    with pytest.raises(framework.ShimError, match=r"^npu-shim: demo was requested$"):
+        failing.activate_guarded()
+
+
+# -- install() -----------------------------------------------------------------------------------------
+
+def test_install_before_sglang_arms_the_watcher(activating):
+    runtime, watcher = activating(), Watcher()
+    assert runtime.install(watcher) is True
+    assert watcher.calls == ["take_over", "arm"] and runtime.watcher is watcher and runtime.installed is False
+
+
+def test_install_after_sglang_activates_at_once_and_only_once(activating, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", types.ModuleType("sglang"))
+    runtime, watcher = activating(), Watcher()
+    assert runtime.install(watcher) is True
+    assert watcher.calls == ["take_over", ("hand_on", runtime.finder.find_spec)]
+    assert runtime.installed is True and runtime.watcher is watcher
+    again = Watcher()
+    assert runtime.install(again) is False and again.calls == []
+
+
+def test_install_leaves_a_watcher_armed_to_activate_alone_and_takes_over_one_armed_to_say_off(activating):
+    runtime = activating()
+    armed = Watcher(waiting=True)
+    assert runtime.install(armed) is False and armed.calls == []
+    says_off = Watcher(waiting=True, off_only=True)
+    assert runtime.install(says_off) is True and says_off.calls == ["take_over", "arm"]
+
+
+# -- deciding and saying it ------------------------------------------------------------------------------
+
+def test_deciding_asks_whether_this_process_runs_on_an_npu(undecided, sglang_tree, monkeypatch):
+    runtime = activation.Runtime(patches=[declare(needs_npu=True)()])
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace())  # imported, and no NPU
+    runtime.decide_all()
+    record = runtime.record("demo")
+    assert (record.state, record.reason) == (framework.INACTIVE, "not running on an NPU (torch.npu is unavailable)")
+
+
+def test_a_child_says_its_summary_line_when_its_target_starts(undecided, monkeypatch):
+    said, hooked = [], []
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    monkeypatch.setattr(summary, "report_all", said.append)
+    monkeypatch.setattr(role, "child_unpickling", lambda: True)
+    monkeypatch.setattr(role, "when_child_starts", lambda starts, exits: hooked.append((starts, exits)) or True)
+    undecided.decide_all()
+    assert said == [] and undecided.summary_due == os.getpid()
+    assert hooked == [(undecided.child_starts, undecided.say_summary)]
+    hooked[0][1]()  # the child exits before its target starts: said then
+    assert said == [undecided.records]
+
+
+def test_without_wrapt_a_child_says_its_summary_line_at_once(undecided, monkeypatch):
+    """Nothing can wrap the child's start without wrapt: the line is said while deciding."""
+    said, hooked = [], []
+    monkeypatch.setattr(activation, "find_package_dir", lambda name: None)
+    monkeypatch.setattr(summary, "report_all", said.append)
+    monkeypatch.setattr(role, "child_unpickling", lambda: True)
+    monkeypatch.setattr(role, "when_child_starts", lambda starts, exits: hooked.append(starts) or True)
+    undecided.fail_without_wrapt("wrapt is not available: test")
+    assert said == [undecided.records] and hooked == []
+
+
+def test_a_child_start_hook_that_raised_is_logged(logged, undecided, monkeypatch):
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    monkeypatch.setattr(summary, "report_all", lambda records: None)
+    monkeypatch.setattr(role, "child_unpickling", lambda: True)
+    monkeypatch.setattr(role, "when_child_starts", boom)
+    undecided.decide_all()
+    assert logged() == [("ERROR", "the child-start hook failed: RuntimeError('boom')")]
+
+
+def test_the_summary_line_is_followed_by_the_unknown_variables_of_the_patches_read(logged, undecided, monkeypatch):
+    """The demo's switch is a variable the shim reads (through the runtime's patches); a typo is not."""
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    monkeypatch.setattr(summary, "report_all", lambda records: None)
+    monkeypatch.setenv("NPU_SHIM_DEMO", "1")
+    monkeypatch.setenv("NPU_SHIM_DEMOO", "1")
+    undecided.decide_all()
+    assert logged() == [
+        ("WARNING", "NPU_SHIM_DEMOO is not a variable npu-shim reads (ignored); did you mean NPU_SHIM_DEMO?")]
+
+
+PUBLISHING_STEPS = {"inherited.export": "exporting the answers",
+                    "procinfo.note_sglang_version": "exporting the answers",
+                    "summary.report_all": "the summary line", "report_invalid_variables": "the summary line",
+                    "state_record.attach": "the state record", "state_record.write": "the state record"}
+
+
+@pytest.mark.parametrize("point", sorted(PUBLISHING_STEPS))
+def test_a_publishing_step_that_raised_is_named_in_its_line_and_in_strict_mode(logged, undecided, monkeypatch,
+                                                                                point):
+    runtime = activation.Runtime(patches=[declare(probe=lambda self, view: "it is there")()])
+    monkeypatch.setattr(summary, "report_all", lambda records: None)
+    monkeypatch.setattr(activation, "sglang_view", lambda: types.SimpleNamespace(
+        version="0.5.9", package_dir=None, function=lambda *a: None, module=lambda d: None))
+    FAILURE_POINTS[point](monkeypatch)
+    runtime.decide_all()
+    step = PUBLISHING_STEPS[point]
+    assert logged() == [("ERROR", "%s failed: RuntimeError('boom')" % step)]
+    monkeypatch.setenv("NPU_SHIM_STRICT", "1")
+    with pytest.raises(framework.ShimError, match=r"^npu-shim \(strict\): publishing the decisions failed: %s$" % step):
+        runtime.decide_all()
+
+
+def test_strict_mode_names_every_publishing_step_that_raised(undecided, monkeypatch):
+    runtime = activation.Runtime(patches=[declare(probe=lambda self, view: "it is there")()])
+    monkeypatch.setattr(summary, "report_all", lambda records: None)
+    monkeypatch.setattr(activation, "sglang_view", lambda: types.SimpleNamespace(
+        version="0.5.9", package_dir=None, function=lambda *a: None, module=lambda d: None))
+    FAILURE_POINTS["inherited.export"](monkeypatch)
+    FAILURE_POINTS["state_record.attach"](monkeypatch)
+    monkeypatch.setenv("NPU_SHIM_STRICT", "1")
+    with pytest.raises(framework.ShimError, match=r"^npu-shim \(strict\): publishing the decisions failed: "
+                                                 r"exporting the answers, the state record$"):
+        runtime.decide_all()
+
+
+@pytest.mark.parametrize("attributes, source", [
+    ({"reused": True}, "inherited answers"), ({"reused": True, "_modules": {}}, "inherited answers"),
+    ({"reused": True, "_modules": {"sglang.srt.a": object()}}, "sglang source"),
+    ({"reused": False}, "sglang source"), ({}, "sglang source")])
+def test_decided_from_inherited_answers_only_where_the_view_reused_them_and_parsed_nothing(
+        undecided, monkeypatch, attributes, source):
+    exported = []
+    monkeypatch.setattr(inherited, "export", exported.append)
+    view = types.SimpleNamespace(version="0.5.9", **attributes)
+    undecided.publish_view(view)
+    assert undecided.decided_from == source
+    assert exported == [view] and procinfo.sglang_version() == "0.5.9"
+
+
+# -- what a spawned child says when its target starts ---------------------------------------------------
+
+SCHEDULER = "def run_scheduler_process(server_args, tp_rank, pp_rank, dp_rank):\n    return 'ran'\n"
+
+
+def test_a_scheduler_child_says_its_summary_line_with_its_role_when_its_entry_runs(undecided, monkeypatch):
+    said, writes = [], []
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    monkeypatch.setattr(procinfo, "_noted", None)
+    monkeypatch.setattr(summary, "report_all", lambda records: said.append((procinfo.role_label(), records)))
+    monkeypatch.setattr(role, "child_unpickling", lambda: True)
+    monkeypatch.setattr(role, "when_child_starts", lambda starts, exits: True)
+    undecided.decide_all()
+    scheduler = fake_module(role.MODULE, SCHEDULER)
+    original = scheduler.run_scheduler_process
+    copy = types.ModuleType("sglang.srt.entry")
+    copy.run_scheduler_process = original
+    monkeypatch.setitem(sys.modules, "sglang.srt.entry", copy)
+    undecided.imported_before = {role.MODULE}
+    undecided.apply_module(scheduler)
+    assert copy.run_scheduler_process is scheduler.run_scheduler_process is not original
+    monkeypatch.setattr(state_record, "write", lambda force=False: writes.append(force))
+    undecided.child_starts(scheduler.run_scheduler_process)  # the wrapper says the line itself
+    assert said == [] and writes == [] and procinfo.role()["role"] == "unknown"
+    assert scheduler.run_scheduler_process(types.SimpleNamespace(tp_size=4, pp_size=1, dp_size=1), 3, 0, None) == "ran"
+    assert said == [("tp 3/4", undecided.records)]
+    undecided.uninstall(Watcher())
+    assert scheduler.run_scheduler_process is original and copy.run_scheduler_process is original
+
+
+def test_any_other_child_notes_its_target_says_its_line_and_writes_its_record_at_once(undecided, monkeypatch):
+    said, writes = [], []
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    monkeypatch.setattr(procinfo, "_noted", None)
+    monkeypatch.setattr(summary, "report_all", lambda records: said.append((procinfo.role_label(), records)))
+    monkeypatch.setattr(role, "child_unpickling", lambda: True)
+    monkeypatch.setattr(role, "when_child_starts", lambda starts, exits: True)
+    undecided.decide_all()
+    monkeypatch.setattr(state_record, "write", lambda force=False: writes.append(force))
+
+    def run_detokenizer_process():
+        pass
+
+    undecided.child_starts(run_detokenizer_process)
+    assert said == [("detokenizer", undecided.records)] and writes == [False]
+
+
+def test_the_shims_own_targets_that_cannot_be_set_are_said_at_debug_and_the_patches_apply(logged, monkeypatch):
+    record = applied_record([targets.Wrap(role.MODULE, "run_scheduler_process", add_one, [()])])
+    runtime = activation.Runtime()
+    runtime.records = {"demo": record}
+    scheduler = fake_module(role.MODULE, "def run_scheduler_process():\n    return 1\n")
+    runtime.apply_module(scheduler)
+    assert scheduler.run_scheduler_process() == 2 and runtime.own_changes == []
+    collector = fake_module(metrics_hook.MODULES[0], "")
+    monkeypatch.setattr(metrics_hook, "prepare", boom)
+    runtime.apply_module(collector)
+    assert logged() == [
+        ("DEBUG", "the scheduler's role comes from its process title: sglang.srt.managers.scheduler:"
+                  "run_scheduler_process has no parameter server_args, tp_rank, pp_rank, dp_rank"),
+        ("DEBUG", "the shim's metrics are not published: boom")]
+
+
+def test_a_metrics_collector_made_starts_the_shims_gauges_from_the_records(monkeypatch):
+    started = []
+    monkeypatch.setattr(metrics, "start", started.append)
+    runtime = activation.Runtime()
+    runtime.records = {"demo": applied_record([])}
+    collector = fake_module(metrics_hook.MODULES[1], "class SchedulerMetricsCollector:\n"
+                                                      "    def __init__(self):\n        self.made = True\n")
+    runtime.apply_module(collector)
+    assert collector.SchedulerMetricsCollector().made is True
+    assert len(started) == 1 and started[0]() == runtime.state_snapshot()
+    runtime.uninstall(Watcher())
+    collector.SchedulerMetricsCollector()
+    assert len(started) == 1
+
+
+# -- applying, failing, retiring ------------------------------------------------------------------------
+
+def applied_record(targets_, must_honour=False, details=None):
+    patch = types.SimpleNamespace(name="demo", must_honour=lambda environ: must_honour)
+    return decisions.PatchRecord(patch, framework.Decision(framework.APPLIED, "ok", targets_, details=details))
+
+
+def test_the_state_snapshot_says_each_patchs_state_details_and_targets_applied():
+    record = applied_record([targets.Wrap("m", "f", add_one, [()]), targets.Wrap("m", "g", add_one, [()])],
+                            details={"released_mib": 1.5})
+    record.applied = {"m:f"}
+    runtime = activation.Runtime()
+    assert runtime.state_snapshot() == {}
+    runtime.records = {"demo": record}
+    snapshot = runtime.state_snapshot()
+    assert snapshot == {"demo": {"state": "applied", "reason": "ok", "details": {"released_mib": 1.5},
+                                 "targets_applied": "1/2"}}
+    assert snapshot["demo"]["details"] is not record.details
+
+
+FAKE_A = "def f():\n    return 1\n\ndef g():\n    return 10\n\nLIMIT = 5\n"
+
+
+@pytest.fixture
+def fake_a(monkeypatch):
+    """sglang.fake_a (f, g, LIMIT) imported, and a module that took a copy of its f."""
+    module = fake_module("sglang.fake_a", FAKE_A)
+    copy = types.ModuleType("sglang.fake_copy")
+    copy.f = module.f
+    monkeypatch.setitem(sys.modules, "sglang.fake_a", module)
+    monkeypatch.setitem(sys.modules, "sglang.fake_copy", copy)
+    return module, copy
+
+
+def test_a_wrapper_retires_and_is_reinstated_in_the_module_and_its_copies(logged, fake_a):
+    module, copy = fake_a
+    leave_f, leave_g = targets.Retirement(), targets.Retirement()
+    record = applied_record([targets.Wrap("sglang.fake_a", "f", add_one, [()], retirement=leave_f),
+                             targets.Wrap("sglang.fake_a", "g", add_one, [()], retirement=leave_g),
+                             targets.Replace("sglang.fake_a", "LIMIT", lambda limit: limit + 1)])
+    runtime = activation.Runtime()
+    runtime.records, runtime.imported_before = {"demo": record}, {"sglang.fake_a"}
+    runtime.apply_module(module)
+    assert (module.f(), copy.f(), module.g(), module.LIMIT) == (2, 2, 11, 6)
+    assert leave_f.retire() is True
+    assert (module.f(), copy.f(), module.g(), module.LIMIT) == (1, 1, 11, 6)
+    assert [c.what for c in record.changes] == ["sglang.fake_a:g", "sglang.fake_a:LIMIT"]
+    assert sorted(record.retired) == ["sglang.fake_a:f"] and record.details == {"retired": ["sglang.fake_a:f"]}
+    assert logged() == [("DEBUG", "demo: sglang.fake_a:f retired (its job in this process is done): "
+                                  "the original is back")]
+    assert leave_f.retire() is False  # retired already
+    assert leave_g.retire() is True and module.g() == 10
+    assert record.details == {"retired": ["sglang.fake_a:f", "sglang.fake_a:g"]}
+    assert leave_f.reinstate() is True
+    assert (module.f(), copy.f(), module.g()) == (2, 2, 10) and record.details == {"retired": ["sglang.fake_a:g"]}
+    assert [c.what for c in record.changes] == ["sglang.fake_a:LIMIT", "sglang.fake_a:f"]
+    assert leave_f.reinstate() is False  # in place already
+    assert leave_g.reinstate() is True and module.g() == 11
+    assert record.details == {} and record.retired == {}
+    assert record.as_dict()["wrappers"] == ["sglang.fake_a:f", "sglang.fake_a:g"]
+
+
+def test_a_retirement_of_an_earlier_decision_or_installation_changes_nothing(fake_a):
+    module, _ = fake_a
+    leave = targets.Retirement()
+    record = applied_record([targets.Wrap("sglang.fake_a", "f", add_one, [()], retirement=leave)])
+    runtime = activation.Runtime()
+    runtime.records = {"demo": record}
+    runtime.apply_module(module)
+    runtime.records = {"demo": applied_record([])}  # decided anew, same installation
+    assert leave.retire() is False and module.f() == 2
+    runtime.records = {"demo": record}
+    runtime.uninstall(Watcher())
+    assert module.f() == 1
+    runtime.records = {"demo": record}  # as before, but the installation is another
+    assert leave.retire() is False and leave.reinstate() is False and record.retired == {}
+
+
+def test_a_target_that_does_not_match_reverts_its_whole_patch_and_says_so_at_once(logged, fake_a, monkeypatch):
+    """A patch applied in one module fails in the next: reverted everywhere, its retirement
+    changes nothing more, its failed line said (no summary line is still to come)."""
+    module, copy = fake_a
+    other = fake_module("sglang.fake_b", "def g(x):\n    return x\n")
+    writes = []
+    monkeypatch.setattr(state_record, "write", lambda force=False: writes.append(force))
+    leave = targets.Retirement()
+    record = applied_record([targets.Wrap("sglang.fake_a", "f", add_one, [()], retirement=leave),
+                             targets.Wrap("sglang.fake_b", "g", add_one, [()])])
+    runtime = activation.Runtime()
+    runtime.records = {"demo": record}
+    runtime.apply_module(module)
+    assert module.f() == 2 and record.applied == {"sglang.fake_a:f"}
+    runtime.apply_module(other)
+    reason = ("while patching sglang.fake_b: sglang.fake_b:g has signature (x), known: () "
+              "(loaded code differs from its source)")
+    assert (record.state, record.reason) == (framework.FAILED, reason)
+    assert module.f() == 1 and other.g(3) == 3 and record.applied == set() and record.changes == []
+    assert logged() == [("ERROR", "demo: failed (%s)" % reason)]
+    assert writes == [False, False, False]  # module a applied, the failure, module b done
+    assert leave.retire() is False and module.f() == 1
+
+
+def test_a_failure_while_the_summary_line_is_due_is_left_to_it_and_strict_mode_says_it_first(
+        logged, fake_a, monkeypatch):
+    module, _ = fake_a
+    said = []
+    monkeypatch.setattr(summary, "report_all", said.append)
+    record = applied_record([targets.Wrap("sglang.fake_a", "g", add_one, [("x",)])])
+    runtime = activation.Runtime()
+    runtime.records, runtime.summary_due = {"demo": record}, os.getpid()
+    runtime.apply_module(module)
+    assert record.state == framework.FAILED and logged() == [] and said == []
+    record.state = framework.APPLIED
+    monkeypatch.setenv("NPU_SHIM_STRICT", "1")
+    with pytest.raises(framework.ShimError, match=r"^npu-shim \(strict\): demo is failed: while patching "):
+        runtime.apply_module(module)
+    assert said == [runtime.records]
+
+
+# -- hooks and reloads that fail -------------------------------------------------------------------------
+
+def test_a_hook_that_raised_is_logged_once_per_module_and_raised_in_strict_mode(logged, monkeypatch):
+    runtime = activation.Runtime()
+    runtime.records, runtime.installed = {}, True
+    runtime.apply_module = boom
+    hook = runtime.import_hook(runtime.generation)
+    for name in ("sglang.fake_a", "sglang.fake_a", "sglang.fake_b"):
+        hook(types.ModuleType(name))
+    assert logged() == [("ERROR", "hook on sglang.fake_a failed: RuntimeError('boom')"),
+                        ("ERROR", "hook on sglang.fake_b failed: RuntimeError('boom')")]
+    monkeypatch.setenv("NPU_SHIM_STRICT", "1")
+    with pytest.raises(framework.ShimError, match=r"^npu-shim hook on sglang\.fake_a failed: RuntimeError\('boom'\)$"):
+        hook(types.ModuleType("sglang.fake_a"))
+
+
+def test_a_reload_of_a_module_is_patched_again_and_the_copies_keep_what_they_took(fake_a):
+    module, copy = fake_a
+    runtime = activation.Runtime()
+    runtime.imported_before = {"sglang.fake_a"}
+    runtime.reapply_after_reload(module)  # nothing decided: nothing to do
+    assert module.f() == 1
+    runtime.records = {"demo": applied_record([targets.Wrap("sglang.fake_a", "f", add_one, [()])])}
+    runtime.reapply_after_reload(module)
+    assert module.f() == 2 and copy.f() == 1
+
+
+def test_a_reload_whose_patching_raised_is_logged_once_per_module_and_a_requested_patch_stops(
+        logged, fake_a):
+    module, _ = fake_a
+    runtime = activation.Runtime()
+    runtime.records = {}
+    runtime.apply_module = boom
+    for name in ("sglang.fake_a", "sglang.fake_a", "sglang.fake_b"):
+        runtime.reapply_after_reload(types.ModuleType(name))
+    assert logged() == [("ERROR", "re-applying after reload of sglang.fake_a failed: RuntimeError('boom')"),
+                        ("ERROR", "re-applying after reload of sglang.fake_b failed: RuntimeError('boom')")]
+    requested = activation.Runtime()
+    requested.records = {"demo": applied_record([targets.Wrap("sglang.fake_a", "f", add_one, [("x",)])],
+                                                must_honour=True)}
+    with pytest.raises(framework.ShimError, match=r"^npu-shim: demo was requested but is failed: while patching "
+                                                 r"sglang\.fake_a: "):
+        requested.reapply_after_reload(module)
+
+
+def test_importlib_reload_through_the_finder_patches_the_new_code(monkeypatch, tmp_path):
+    import importlib
+
+    (tmp_path / "shim_reload_demo.py").write_text("def f():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "shim_reload_demo", raising=False)
+    module = importlib.import_module("shim_reload_demo")
+    monkeypatch.setitem(sys.modules, "shim_reload_demo", module)
+    runtime = activation.Runtime()
+    runtime.records = {"demo": applied_record([targets.Wrap("shim_reload_demo", "f", add_one, [()])])}
+    runtime.hooked = {"shim_reload_demo"}
+    runtime.apply_module(module)
+    (tmp_path / "shim_reload_demo.py").write_text("def f():\n    return 10\n")
+    importlib.invalidate_caches()
+    runtime.finder.install()
+    try:
+        importlib.reload(module)
+    finally:
+        runtime.finder.uninstall()
+    assert module.f() == 11

@@ -1,0 +1,222 @@
+"""npu_shim/runtime/decisions.py: what a record keeps of its decision, the lines a process says
+about invalid and unknown variables, enforcing, undoing a record, deciding every patch and the
+guarded publishing steps -- in this process, each with patches and records of the test's own."""
+from __future__ import annotations
+
+import logging
+import os
+import types
+
+import pytest
+
+from npu_shim.core import config, framework
+from npu_shim.reporting import log, state_record
+from npu_shim.runtime import decisions, targets
+from test_framework import declare
+
+
+@pytest.fixture
+def logged(caplog, monkeypatch):
+    """The shim's log lines of this test, [(level, message)]: nothing reported before counts as said
+    (a fresh ``error_once`` memory), every ``NPU_SHIM_*`` variable unset to begin with."""
+    for name in [n for n in os.environ if n.startswith("NPU_SHIM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(log, "_reported", set())
+    log.configure()  # sets the logger's level once per process: before caplog lowers it
+    caplog.set_level(logging.DEBUG, logger=log.LOGGER_NAME)
+    return lambda: [(r.levelname, r.getMessage()) for r in caplog.records if r.name == log.LOGGER_NAME]
+
+
+def record_of(state, reason="because", patch=None, **decision):
+    patch = patch or types.SimpleNamespace(name="p", must_honour=lambda environ: False)
+    return decisions.PatchRecord(patch, framework.Decision(state, reason, **decision))
+
+
+# -- a record ---------------------------------------------------------------------------------------------
+
+def test_a_record_keeps_what_its_decision_handed_out_and_has_applied_nothing_yet():
+    """The details and the process state are the very objects the patch's wrappers were handed
+    (ctx.details, ctx.process_state): what they write later is what the record says."""
+    details, shared = {"released_mib": 0}, object()
+    wrap = targets.Wrap("sglang.srt.a", "f", lambda *a: None, [()])
+    record = record_of(framework.APPLIED, "ok", targets=[wrap], details=details, process_state=shared)
+    assert (record.state, record.reason, record.targets) == (framework.APPLIED, "ok", [wrap])
+    assert record.details is details and record.process_state is shared
+    assert (record.changes, record.applied, record.retired) == ([], set(), {})
+
+
+# -- strict mode and the variables' lines ------------------------------------------------------------------
+
+STRICT_INVALID = ("NPU_SHIM_STRICT='maybe' is invalid: expected a boolean: one of 1/0, true/false, yes/no, "
+                  "on/off")
+
+
+def test_an_invalid_strict_mode_is_off_and_said_once(logged, monkeypatch):
+    monkeypatch.setenv("NPU_SHIM_STRICT", "maybe")
+    assert decisions.strict() is False
+    assert decisions.strict() is False
+    assert logged() == [("ERROR", STRICT_INVALID + " (strict mode off)")]
+    monkeypatch.setenv("NPU_SHIM_STRICT", "1")
+    assert decisions.strict() is True
+
+
+def test_an_invalid_strict_mode_is_said_once_at_activation_as_strict_mode_off(logged, monkeypatch):
+    """``report_invalid_variables`` reads strict mode like every shim variable: its line is the one
+    ``strict()`` says, never a second ``(ignored)`` one."""
+    monkeypatch.setenv("NPU_SHIM_STRICT", "maybe")
+    patch = declare()()
+    decisions.report_invalid_variables(decisions.decide_each([patch], None, None, None), [patch])
+    assert logged() == [("ERROR", STRICT_INVALID + " (strict mode off)")]
+
+
+EXTRA = config.boolean("NPU_SHIM_DEMO_EXTRA", False, "a variable the demo patch reads")
+
+
+def test_invalid_variables_no_failed_line_said_are_each_said_once_as_ignored(logged, monkeypatch):
+    """A switched-off patch never reads its other variables, so no line of it names one; the shim's
+    own (NPU_SHIM_ACTIVATE) is read by nothing at activation: both are said here, once each."""
+    monkeypatch.setenv("NPU_SHIM_DEMO", "0")
+    monkeypatch.setenv("NPU_SHIM_DEMO_EXTRA", "maybe")
+    monkeypatch.setenv("NPU_SHIM_ACTIVATE", "perhaps")
+    patch = declare(reads=(EXTRA,))()
+    records = decisions.decide_each([patch], None, None, None)
+    assert (records["demo"].state, records["demo"].reason) == (framework.DISABLED, "NPU_SHIM_DEMO=0")
+    decisions.report_invalid_variables(records, [patch])
+    decisions.report_invalid_variables(records, [patch])  # a second activation says nothing new
+    assert logged() == [
+        ("ERROR", "NPU_SHIM_ACTIVATE='perhaps' is invalid: expected a boolean: one of 1/0, true/false, yes/no, "
+                  "on/off (ignored)"),
+        ("ERROR", "NPU_SHIM_DEMO_EXTRA='maybe' is invalid: expected a boolean: one of 1/0, true/false, yes/no, "
+                  "on/off (ignored)")]
+
+
+def test_a_variable_the_failed_line_names_already_is_not_said_again(logged, monkeypatch):
+    monkeypatch.setenv("NPU_SHIM_DEMO_EXTRA", "maybe")
+    patch = declare(reads=(EXTRA,))()
+    records = decisions.decide_each([patch], None, None, None)
+    assert records["demo"].state == framework.FAILED
+    assert records["demo"].reason == ("NPU_SHIM_DEMO_EXTRA='maybe' is invalid: expected a boolean: one of 1/0, "
+                                      "true/false, yes/no, on/off")
+    decisions.report_invalid_variables(records, [patch])
+    assert logged() == []
+
+
+def test_unknown_npu_shim_names_are_each_warned_once_with_the_name_they_may_mean(logged, monkeypatch):
+    """The patches' own variables are known (NPU_SHIM_DEMO is the demo's switch), a typo of one
+    names it, a name like none of them is only said to be ignored."""
+    monkeypatch.setenv("NPU_SHIM_DEMO", "1")
+    monkeypatch.setenv("NPU_SHIM_DEMOO", "1")
+    monkeypatch.setenv("NPU_SHIM_QWXZKJVBQWXZKJVB", "1")
+    patch = declare()()
+    records = decisions.decide_each([patch], None, None, None)
+    decisions.report_invalid_variables(records, [patch])
+    decisions.report_invalid_variables(records, [patch])
+    assert logged() == [
+        ("WARNING", "NPU_SHIM_DEMOO is not a variable npu-shim reads (ignored); did you mean NPU_SHIM_DEMO?"),
+        ("WARNING", "NPU_SHIM_QWXZKJVBQWXZKJVB is not a variable npu-shim reads (ignored)")]
+
+
+# -- enforcing --------------------------------------------------------------------------------------------
+
+class DemoError(framework.ShimError):
+    """A patch's own error (``Patch.error``): what its process raises when it cannot honour it."""
+
+
+def test_a_requested_patch_raises_its_own_error_asked_with_the_process_environment(monkeypatch):
+    asked = []
+
+    def must_honour(self, environ):
+        asked.append(environ)
+        return environ.get("NPU_SHIM_DEMO") == "1"
+
+    patch = declare(must_honour=must_honour, error=DemoError)()
+    monkeypatch.delenv("NPU_SHIM_STRICT", raising=False)
+    monkeypatch.setenv("NPU_SHIM_DEMO", "1")
+    with pytest.raises(DemoError, match=r"^npu-shim: demo was requested but is failed: because$"):
+        decisions.enforce(record_of(framework.FAILED, patch=patch))
+    assert asked == [os.environ]
+    monkeypatch.delenv("NPU_SHIM_DEMO")
+    decisions.enforce(record_of(framework.UNSUPPORTED, patch=patch))  # not asked for: logged only
+
+
+# -- undoing a record --------------------------------------------------------------------------------------
+
+class Change:
+    def __init__(self, what, undone):
+        self.what, self.undone = what, undone
+
+    def revert(self):
+        self.undone.append(self.what)
+
+
+def test_reverting_a_record_undoes_its_changes_last_first_and_forgets_what_was_applied_or_retired():
+    undone = []
+    record = record_of(framework.APPLIED, details={"retired": ["m:g"], "released_mib": 2})
+    record.changes = [Change("m:f", undone), Change("m:h", undone)]
+    record.applied, record.retired = {"m:f", "m:h", "m:g"}, {"m:g": [Change("m:g", undone)]}
+    decisions.revert_record(record)
+    assert undone == ["m:h", "m:f"]  # a retired target's original is back already
+    assert (record.changes, record.applied, record.retired) == ([], set(), {})
+    assert record.details == {"released_mib": 2}
+    assert record.as_dict()["retired"] == [] and record.as_dict()["wrappers"] == []
+
+
+# -- deciding every patch -----------------------------------------------------------------------------------
+
+def test_a_patch_whose_deciding_raised_is_failed_and_the_others_are_decided(monkeypatch):
+    monkeypatch.delenv("NPU_SHIM_DEMO", raising=False)
+
+    def probe(self, view):
+        raise RuntimeError("probe bug")
+
+    broken = declare(name="broken", switch=config.switch("broken", "test switch"), probe=probe)()
+    fine = declare(probe=lambda self, view: "it is there")()
+    view = types.SimpleNamespace(version="0.5.9")
+    records = decisions.decide_each([broken, fine], view, None, None)
+    assert list(records) == ["broken", "demo"]
+    assert (records["broken"].state, records["broken"].reason) == (
+        framework.FAILED, "deciding raised RuntimeError('probe bug')")
+    assert records["broken"].patch is broken and records["broken"].targets == []
+    assert (records["demo"].state, records["demo"].reason) == (framework.UPSTREAM, "sglang 0.5.9 has it: it is there")
+    without = decisions.decide_each([broken, fine], view, None, "wrapt is not available: test")
+    assert without["broken"].reason == "deciding raised RuntimeError('probe bug')"
+    assert without["demo"].state == framework.UPSTREAM  # only a patch that would apply fails without wrapt
+
+
+# -- publishing ------------------------------------------------------------------------------------------------
+
+def test_a_publishing_step_says_whether_it_ran_and_a_failure_is_logged_once(logged):
+    ran = []
+    assert decisions.published("the summary line", lambda: ran.append(1)) is True
+    assert ran == [1] and logged() == []
+
+    def boom():
+        raise RuntimeError("boom")
+
+    assert decisions.published("the summary line", boom) is False
+    assert decisions.published("the summary line", boom) is False
+    assert decisions.published("the state record", boom) is False
+    assert logged() == [("ERROR", "the summary line failed: RuntimeError('boom')"),
+                        ("ERROR", "the state record failed: RuntimeError('boom')")]
+
+
+def test_the_state_record_is_handed_the_snapshot_and_the_sglang_directory(monkeypatch):
+    for name in ("source", "sglang_path", "shim_enabled"):
+        monkeypatch.setattr(state_record.ATTACHED, name, getattr(state_record.ATTACHED, name))
+    writes = []
+    monkeypatch.setattr(state_record, "write", lambda force=False: writes.append(force))
+
+    def snapshot():
+        return {}
+
+    decisions.publish_record(snapshot, types.SimpleNamespace(package_dir="/srv/sglang"))
+    assert (state_record.ATTACHED.source, state_record.ATTACHED.sglang_path) == (snapshot, "/srv/sglang")
+    assert state_record.ATTACHED.shim_enabled is True and writes == [False]
+    decisions.publish_record(snapshot, None)  # no sglang found
+    assert state_record.ATTACHED.sglang_path is None and writes == [False, False]
+
+
+def test_a_view_is_read_only_where_there_is_a_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("NPU_SHIM_SOURCE_ANSWERS", "")
+    assert decisions.view_of(None) is None and decisions.view_of("") is None
+    assert decisions.view_of(str(tmp_path)).package_dir == str(tmp_path)

@@ -11,6 +11,7 @@ import pytest
 
 from npu_shim.runtime import installer
 from test_bootstrap import REPO, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
+from test_wrapt_loader import c_locale  # noqa: F401 - a fixture
 
 
 def test_uninstall_before_the_shim_started_turns_it_off_and_install_arms_it_again(tree):
@@ -168,6 +169,12 @@ def test_the_bootstrap_is_known_by_the_mark_in_its_first_200_characters(tmp_path
     path.write_text("# \u00e9\n" + OURS, encoding="utf-8")
     assert installer._bootstrap_file_is_ours(str(path)) is True
     assert installer._bootstrap_file_is_ours(str(tmp_path / "missing.py")) is False
+
+
+def test_the_bootstrap_is_read_as_utf8_whatever_the_locale(tmp_path, c_locale):
+    path = tmp_path / "sitecustomize.py"
+    path.write_text("# npu-shim \u2014\n" + OURS, encoding="utf-8")
+    assert installer._bootstrap_file_is_ours(str(path)) is True
 
 
 def test_the_repository_root_is_reached_through_pythonpath(tmp_path):

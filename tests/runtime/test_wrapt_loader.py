@@ -414,6 +414,7 @@ def test_load_takes_the_image_wrapt_c_extension_alone(tmp_path, image, bundle, c
     assert wrapt_loader.loaded_origin() is None
     module = wrapt_loader.load()
     assert module is sys.modules[PRIVATE] and module.__path__ == [path]
+    assert module.__file__ == os.path.join(path, "__init__.py")
     extension = sys.modules[PRIVATE + "._wrappers"]
     assert (module.FunctionWrapper, module.BoundFunctionWrapper) == (
         extension.FunctionWrapper, extension.BoundFunctionWrapper)
@@ -569,3 +570,28 @@ def test_an_extension_is_a_file_named_wrappers_dot_something(tmp_path):
     (tmp_path / "wrappers.py").write_text("")
     assert wrapt_loader._has_extension(str(tmp_path)) is False
     assert wrapt_loader._has_extension(str(tmp_path / "missing")) is False
+
+
+def test_a_failing_exceptions_module_leaves_nothing_served(tmp_path, clean_modules):
+    """An error other than a missing module while wrapt 2.x's exceptions load: that error, and no
+    name served under ``wrapt``."""
+    path = fake_wrapt(tmp_path / "wrapt")
+    (tmp_path / "wrapt" / "exceptions.py").write_text("raise RuntimeError('broken exceptions')\n")
+    with pytest.raises(RuntimeError, match="^broken exceptions$"):
+        wrapt_loader._load_private(path)
+    assert _privately_loaded() == [] and "wrapt" not in sys.modules and "wrapt.exceptions" not in sys.modules
+
+
+def test_a_bundle_wrapt_is_always_the_private_copy(image, bundle, clean_modules):
+    """Only the image's wrapt is shared with the application: a bundle's build is the shim's own,
+    even where the application's ``wrapt`` came from the same files (its C extension then loaded
+    privately, as the note says)."""
+    image(None)
+    path, = bundle("cp311-x86_64-glibc2.5")
+    application = types.ModuleType("wrapt")
+    application.__file__ = os.path.join(path, "__init__.py")
+    sys.modules["wrapt"] = application
+    module = wrapt_loader.load()
+    assert module is sys.modules[PRIVATE] and module.FunctionWrapper.__module__ == PRIVATE + "._wrappers"
+    assert wrapt_loader.loaded_origin().describe() == "bundle 2.5.2 [cp311-x86_64-glibc2.5]"
+    assert sys.modules["wrapt"] is application

@@ -220,8 +220,7 @@ def _c_wrappers(package_dir):
         return None
     try:
         return importlib.import_module(PRIVATE_NAME + "._wrappers")
-    except ImportError:  # as wrapt does: its Python wrappers instead
-        sys.modules.pop(PRIVATE_NAME + "._wrappers", None)
+    except ImportError:  # as wrapt does: its Python wrappers instead (the import took it out of sys.modules)
         return None
 
 
@@ -232,9 +231,8 @@ def _load_private(package_dir):
     import importlib
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(
-        PRIVATE_NAME, os.path.join(package_dir, "__init__.py"),
-        submodule_search_locations=[package_dir])
+    # An __init__.py: a package spec, its submodules searched for in package_dir.
+    spec = importlib.util.spec_from_file_location(PRIVATE_NAME, os.path.join(package_dir, "__init__.py"))
     module = importlib.util.module_from_spec(spec)  # a package whose __init__ is never run
     sys.modules[PRIVATE_NAME] = module
     # wrapt 2.x's C extension imports "wrapt.exceptions" by its absolute name (and so "wrapt") while

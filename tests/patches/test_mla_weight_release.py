@@ -1313,11 +1313,13 @@ def test_a_guarded_weight_that_freed_nothing_is_noted_but_not_accounted(server, 
 
 def bind_entry(retire=True, reinstate=True):
     """Bind REL's Retirement as the runtime would; ``retire`` / ``reinstate``: what each returns,
-    or an exception it raises.  Returns the calls made."""
+    or an exception it raises (a list: one of those per call).  Returns the calls made."""
     calls = []
 
     def act(name, answer):
         calls.append(name)
+        if isinstance(answer, list):  # one answer per call
+            answer = answer.pop(0)
         if isinstance(answer, Exception):
             raise answer
         return answer
@@ -1326,10 +1328,94 @@ def bind_entry(retire=True, reinstate=True):
     return calls
 
 
-def test_entry_wrapper_takes_m_as_a_keyword(server):
+def by_keyword(m):
+    return WRAPPED(m=m, hidden_states=torch.ones(2, 32), positions=None, forward_batch=None, zero_allocator=None)
+
+
+def test_entry_wrapper_takes_m_as_a_keyword_on_every_path(server):
+    """sglang may call npu_mla_preprocess with keywords: each path hands them on."""
+    calls = bind_entry()
     m = layer(0)
-    out = WRAPPED(m=m, hidden_states=torch.ones(2, 32), positions=None, forward_batch=None, zero_allocator=None)
+    out = by_keyword(m)  # the first call
     assert out[0].shape == (2, 16) and RI.is_released(m.w_kc) and RI._FIRST in m.__dict__
+    assert by_keyword(m)[0].shape == (2, 16)  # the first layer again: the pass is done
+    assert calls == ["retire"] and RI._DONE in m.__dict__
+    assert by_keyword(m)[0].shape == (2, 16)  # a layer the wrapper has seen
+    late = layer(1)
+    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)
+    assert by_keyword(late)[0].shape == (2, 16) and RI.is_released(late.w_kc)  # the late call
+    assert calls == ["retire", "reinstate", "retire"]
+
+
+class ModulePreprocess(torch.nn.Module):
+    """FakePreprocess as the torch module NPUFusedMLAPreprocess is: a submodule of the layer,
+    which its __dict__ does not hold."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.fake = FakePreprocess(m)
+        self.qkv_a_proj = m.fused_qkv_a_proj_with_mqa
+        self.w_kc = self.fake.w_kc
+        self.quant_config = m.quant_config
+        self.layer_id = m.layer_id
+        self.prepared = True
+        self.q_a_proj_weight = torch.randn(32, 16)
+
+
+def test_late_layer_whose_preprocessor_is_a_submodule(server):
+    calls = bind_entry()
+    step([layer(0)])
+    REL.entry_retired = True
+    late = layer(1)
+    late.mla_preprocess = ModulePreprocess(late)
+    assert "mla_preprocess" not in late.__dict__
+    late.mla_preprocess.__dict__[RI._LATE] = True
+    REL.late = 1
+    assert step([late])[0][0].shape == (2, 16)
+    assert RI.is_released(late.w_kc) and RI._LATE not in late.mla_preprocess.__dict__
+    assert REL.late == 0 and calls[-1] == "retire"
+
+
+def test_errors_are_said_once_per_process_whichever_wrapper_raised(server, logs, monkeypatch):
+    def boom(*a):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(REL, "free_allowed", boom)
+    bind_entry()
+    step([layer(0)])  # the weight wrapper raises first, then the entry wrapper
+    REL.entry_retired = True
+    late = layer(1)
+    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)
+    late.mla_preprocess.__dict__[RI._LATE] = True
+    REL.late = 1
+    step([late])  # the late call raises too
+    assert [line for line in logs if "raised" in line] == [
+        "mla_weight_release: keeping qkv_a_proj.weight: deciding the release raised RuntimeError('boom')"]
+
+
+def test_a_late_layer_is_said_once_whether_or_not_the_wrapper_came_back(server, logs):
+    calls = bind_entry(reinstate=[True, RuntimeError("gone")])
+    step([layer(0)])
+    REL.entry_retired = True
+    npu_mla_preprocess(layer(1), torch.ones(2, 32), None, None, None)  # back
+    REL.entry_retired = True
+    npu_mla_preprocess(layer(2), torch.ones(2, 32), None, None, None)  # cannot come back
+    late_lines = [line for line in logs if "first ran after" in line]
+    assert late_lines == ["mla_weight_release: layer 1 first ran after the first pass over the layers: "
+                          "npu_mla_preprocess's wrapper is back until its w_kc is released"]
+    assert calls == ["reinstate", "reinstate"] and REL.late == 1
+
+
+def test_aliased_qkv_a_is_warned_about_once_and_a_released_one_not_at_all(server, logs):
+    pre = _prepared(layer(0), lambda t: t.clone())
+    alias = pre.qkv_a_proj.weight.t()  # another holder of its memory
+    for _ in range(2):
+        assert REL.free_qkv_a(pre) == 0
+    assert len([line for line in logs if "other holder" in line]) == 1
+    del alias
+    assert REL.free_qkv_a(pre) > 0
+    said = list(logs)
+    assert REL.free_qkv_a(pre) == 0 and logs == said  # already released: not looked at again
 
 
 def test_first_pass_marks_the_first_layer_then_retires_the_entry_wrapper(server, logs, monkeypatch):

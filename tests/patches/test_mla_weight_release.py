@@ -786,3 +786,801 @@ def test_memory_still_held_after_the_swap_is_not_freed(logs, monkeypatch):
 def test_storage_that_cannot_be_compared_counts_as_shared():
     assert tensor_release.shares_storage(object(), torch.ones(1)) is True
     assert tensor_release.shares_storage(torch.ones(1), torch.ones(1)) is False
+
+
+# --------------------------------------------------------------------------- the patch module's helpers
+
+class FakeView:
+    """A SourceView's answers for the definitions ``targets`` asks about: ``functions`` maps
+    (module, qualname) to its fingerprint; ``names`` are the further names ``has`` finds."""
+
+    def __init__(self, functions, names=()):
+        self.functions = dict(functions)
+        self.names = set(names)
+
+    def function(self, dotted, qualname):
+        if (dotted, qualname) not in self.functions:
+            return None
+        return types.SimpleNamespace(fingerprint=self.functions[(dotted, qualname)])
+
+    def has(self, dotted, name):
+        return (dotted, name) in self.names or (dotted, name) in self.functions
+
+
+FORWARD = (R.MLA_PRE, R.CLASS + ".forward")
+PROLOG = (R.MLA_PRE, R.CLASS + ".forward_mlaprolog")
+ENTRY = (R.MLA_NPU, "npu_mla_preprocess")
+WEIGHT = (R.MLA_PRE, R.CLASS + ".mlaprolog_preprocess_weight")
+
+
+def release_view(caller=R.SCHEDULER_UPDATER, forward="011dc459e9706bff", drop=(), names=()):
+    """The definitions of a 0.5.10 - 0.5.19 release as ``targets`` reads them, less ``drop``."""
+    functions = {FORWARD: forward, PROLOG: "96dc2446cff765c4", ENTRY: "38ffc9242c8f71f7",
+                 WEIGHT: "09fdb1454d8689bd"}
+    if caller is not None:
+        functions[(caller[0], caller[1] + ".update_weights_from_disk")] = "fp"
+    for key in drop:
+        del functions[key]
+    return FakeView(functions, names)
+
+
+def test_fingerprint_is_the_definitions_or_none():
+    view = FakeView({FORWARD: "abc"})
+    assert R.fingerprint(view, *FORWARD) == "abc"
+    assert R.fingerprint(view, *PROLOG) is None
+
+
+def test_pins_are_the_pinned_fingerprints_of_the_definitions_asked_for():
+    assert R.pins(FORWARD, WEIGHT) == {FORWARD: R.PINNED[FORWARD], WEIGHT: R.PINNED[WEIGHT]}
+    assert R.pins() == {}
+
+
+def test_probe_names_the_upstream_predicate_when_the_release_has_it():
+    assert R.PATCH.probe(FakeView({}, names=[(R.MLA_PRE, R.CLASS + ".uses_mlaprolog")])) == (
+        "NPUFusedMLAPreprocess.uses_mlaprolog exists (and the release with it)")
+    assert R.PATCH.probe(FakeView({}, names=[(R.MLA_NPU, R.CLASS + ".uses_mlaprolog")])) is None
+    assert R.PATCH.probe(release_view()) is None
+
+
+@pytest.mark.parametrize("details,summary,running", [
+    ({"released_mib": 1.5}, ["released 1.5 MiB"], ["-1.5 MiB"]),
+    ({"released_mib": 0}, ["released 0 MiB"], ["-0 MiB"]),  # released, if only a little
+    ({}, [], []),
+    ({"released_mib": "1.5"}, [], []),  # another process's record: only a number is shown
+])
+def test_report_shows_the_released_mib(details, summary, running):
+    assert R.PATCH.report.summary(framework.Details(details)) == summary
+    assert R.PATCH.report.running(framework.Details(details)) == running
+
+
+# --------------------------------------------------------------------------- the targets
+
+def test_targets_of_a_release_with_the_mlaprolog_path():
+    ctx = framework.DecideContext(environ={}, assume_triggered=False, details={"kept": 1})
+    targets = RI.targets(release_view(names=[(R.RUNTIME_CONTEXT, "get_disagg")]), ctx)
+    release = ctx.process_state
+    assert isinstance(release, RI.MlaWeightReleaseState) and release.details is ctx.details
+    assert (release.w8a8_attr, release.role_source) == ("quantization_config", "get_disagg")
+    assert ctx.notes == ["frees memory only where the disaggregation role is prefill (qkv_a) or decode "
+                         "(qkv_a, w_kc), and not with LoRA, weight updates or speculative decoding; once "
+                         "it has, update_weights_* requests are refused"]
+    entry, weight, predicate = targets[:3]
+    assert (entry.module, entry.qualname, entry.wrapper) == (R.MLA_NPU, "npu_mla_preprocess",
+                                                             release.wrap_npu_mla_preprocess)
+    assert entry.signatures == (R.PREPROCESS_SIG,) and entry.retirement is release.entry
+    assert entry.pins == {ENTRY: R.PINNED[ENTRY]}
+    assert (weight.module, weight.qualname, weight.wrapper) == (R.MLA_PRE, WEIGHT[1],
+                                                                release.wrap_preprocess_weight)
+    assert weight.signatures == ((),) and weight.retirement is None
+    assert weight.pins == {key: R.PINNED[key] for key in (WEIGHT, FORWARD, PROLOG)}
+    assert isinstance(predicate, framework_targets().Replace) and predicate.must_exist is False
+    assert (predicate.module, predicate.qualname) == (R.MLA_PRE, R.CLASS + ".uses_mlaprolog")
+    method = predicate.factory(None)
+    assert method.__name__ == "uses_mlaprolog"
+    assert method(fake_preprocess(w8a8_attr="quantization_config")) is False  # the release's W8A8 check
+    assert method(fake_preprocess(w8a8_attr="quant_config")) is True
+    updates = targets[3:]
+    assert [t.qualname for t in updates] == ["BaseTpWorker." + op for op in R.UPDATE_OPS]
+    for op, target in zip(R.UPDATE_OPS, updates):
+        assert target.module == R.TP_WORKER and target.wrapper == release.wrap_weight_update
+        assert target.signatures == (R.UPDATE_SIG,)
+        caller = (R.SCHEDULER_UPDATER[0], R.SCHEDULER_UPDATER[1] + "." + op)
+        assert target.pins == {(R.TP_WORKER, "BaseTpWorker." + op): R.PINNED[(R.TP_WORKER, "BaseTpWorker." + op)],
+                               caller: R.PINNED[caller]}
+
+
+def framework_targets():
+    from npu_shim.runtime import targets
+
+    return targets
+
+
+def test_targets_read_the_w8a8_attribute_and_role_source_from_the_code():
+    ctx = framework.DecideContext(environ={}, assume_triggered=False)
+    targets = RI.targets(release_view(caller=R.SCHEDULER_MIXIN, forward="d010fbeaf53c20ee"), ctx)
+    assert (ctx.process_state.w8a8_attr, ctx.process_state.role_source) == ("quant_config", "server_args")
+    mixin = {(R.SCHEDULER_MIXIN[0], R.SCHEDULER_MIXIN[1] + "." + op) for op in R.UPDATE_OPS}
+    assert all(set(t.pins) & mixin for t in targets[3:])
+    ctx = framework.DecideContext(environ={}, assume_triggered=False)
+    RI.targets(release_view(forward="0000000000000000"), ctx)
+    assert ctx.process_state.w8a8_attr is None  # an unknown forward(): its target's pin refuses it
+
+
+def test_targets_of_a_release_without_the_mlaprolog_path_are_inactive():
+    ctx = framework.DecideContext(environ={}, assume_triggered=False)
+    with pytest.raises(framework.Inactive) as info:
+        RI.targets(release_view(drop=(PROLOG, ENTRY)), ctx)
+    assert str(info.value) == ("this sglang has no mlaprolog path (it appears in 0.5.9), so there is "
+                               "nothing to release")
+    assert ctx.process_state is None
+
+
+@pytest.mark.parametrize("drop,missing", [
+    ((ENTRY,), "sglang.srt.hardware_backend.npu.modules.deepseek_v2_attention_mla_npu:npu_mla_preprocess"),
+    ((WEIGHT,), "sglang.srt.hardware_backend.npu.attention.mla_preprocess:"
+                "NPUFusedMLAPreprocess.mlaprolog_preprocess_weight"),
+    ((PROLOG, WEIGHT), "sglang.srt.hardware_backend.npu.attention.mla_preprocess:"
+                       "NPUFusedMLAPreprocess.mlaprolog_preprocess_weight"),
+])
+def test_targets_without_a_wrapped_definition_are_unsupported(drop, missing):
+    ctx = framework.DecideContext(environ={}, assume_triggered=False)
+    with pytest.raises(framework.Unsupported) as info:
+        RI.targets(release_view(drop=drop), ctx)
+    assert str(info.value) == ("%s not found, although this sglang has the mlaprolog path "
+                               "(NPUFusedMLAPreprocess.forward_mlaprolog): renamed or moved in this image, so "
+                               "the shim cannot tell what would still read the weights" % missing)
+
+
+def test_targets_without_the_schedulers_update_method_are_unsupported():
+    ctx = framework.DecideContext(environ={}, assume_triggered=False)
+    with pytest.raises(framework.Unsupported) as info:
+        RI.targets(release_view(caller=None), ctx)
+    assert str(info.value) == (
+        "the scheduler's update_weights_from_disk was not found "
+        "(sglang.srt.managers.scheduler_update_weights_mixin.SchedulerUpdateWeightsMixin or "
+        "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager): the shim "
+        "cannot tell how a refused weight update would be answered, so it releases nothing")
+    assert ctx.notes == []
+
+
+# --------------------------------------------------------------------------- the rules
+
+def sglang_modules(monkeypatch, **published):
+    """sglang's runtime_context / server_args modules as a server publishes them."""
+    for name in ("sglang", "sglang.srt"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    for name, functions in (("runtime_context", {"get_disagg": published.get("get_disagg")}),
+                            ("server_args", {"get_global_server_args": published.get("server_args")})):
+        module = types.ModuleType("sglang.srt." + name)
+        for attr, value in functions.items():
+            if value is not None:
+                setattr(module, attr, value)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+
+
+def test_disagg_role_from_where_the_release_publishes_it(monkeypatch):
+    sglang_modules(monkeypatch, get_disagg=lambda: types.SimpleNamespace(disaggregation_mode="decode"),
+                   server_args=lambda: types.SimpleNamespace(disaggregation_mode="prefill"))
+    assert RI.disagg_role("get_disagg") == ("decode", None)
+    assert RI.disagg_role("server_args") == ("prefill", None)
+    REL.role_source = "get_disagg"
+    assert REL.disagg_role() == ("decode", None)
+
+
+def test_disagg_role_that_is_no_role_says_where_it_was_read(monkeypatch):
+    sglang_modules(monkeypatch, get_disagg=lambda: types.SimpleNamespace(disaggregation_mode="Decode"),
+                   server_args=lambda: types.SimpleNamespace(disaggregation_mode=None))
+    assert RI.disagg_role("get_disagg") == (None, "runtime_context.get_disagg() is 'Decode'")
+    assert RI.disagg_role("server_args") == (None, "server_args.disaggregation_mode is None")
+
+
+def test_disagg_role_not_published_says_why(monkeypatch):
+    sglang_modules(monkeypatch, server_args=lambda: None)
+    assert RI.disagg_role("server_args") == (
+        None, "reading the disaggregation role failed: "
+              "AttributeError(\"'NoneType' object has no attribute 'disaggregation_mode'\")")
+    role, why = RI.disagg_role("get_disagg")
+    assert role is None and why.startswith("reading the disaggregation role failed: ImportError(")
+    assert "get_disagg" in why
+
+
+def test_server_args_are_the_published_ones(monkeypatch):
+    from npu_shim.patches._impl import _mla_weight_release_rules as rules
+
+    args = types.SimpleNamespace(enable_lora=False)
+    sglang_modules(monkeypatch, server_args=lambda: args)
+    assert rules.server_args() is args
+    sglang_modules(monkeypatch, server_args=lambda: None)
+    with pytest.raises(ValueError) as info:
+        rules.server_args()
+    assert str(info.value) == "server args are not published"
+
+
+def test_weight_update_reasons_name_every_flag_in_order():
+    from npu_shim.patches._impl import _mla_weight_release_rules as rules
+
+    every = types.SimpleNamespace(
+        enable_lora=True, lora_paths=None, enable_memory_saver=True, enable_weights_cpu_backup=True,
+        load_format="dummy", checkpoint_engine_wait_weights_before_ready=True,
+        custom_weight_loader=["pkg.loader"], remote_instance_weight_loader_start_seed_via_transfer_engine=True)
+    assert rules.weight_update_reasons(every) == [
+        "LoRA (enable_lora / lora_paths)",
+        "enable_memory_saver (release/resume of weights for RL refit)",
+        "enable_weights_cpu_backup (weights are restored in place)",
+        "load_format=dummy (weights arrive later through update_weights_*)",
+        "checkpoint engine pushes weights",
+        "custom_weight_loader (update_weights_from_tensor)",
+        "this instance seeds other instances' weights",
+    ]
+    assert rules.weight_update_reasons(types.SimpleNamespace(lora_paths=["a=/x"])) == [
+        "LoRA (enable_lora / lora_paths)"]
+    quiet = types.SimpleNamespace(
+        enable_lora=False, lora_paths=[], enable_memory_saver=False, enable_weights_cpu_backup=False,
+        load_format="auto", checkpoint_engine_wait_weights_before_ready=False, custom_weight_loader=[],
+        remote_instance_weight_loader_start_seed_via_transfer_engine=False)
+    assert rules.weight_update_reasons(quiet) == [] == rules.weight_update_reasons(types.SimpleNamespace())
+
+
+def test_other_reader_reasons_name_speculative_decoding():
+    from npu_shim.patches._impl import _mla_weight_release_rules as rules
+
+    assert rules.other_reader_reasons(types.SimpleNamespace(speculative_algorithm="NEXTN")) == [
+        "speculative decoding (NEXTN): target-verify / draft-extend batches take the unfused path of "
+        "forward_dsa_prepare_npu, which reads qkv_a_proj.weight and w_kc"]
+    assert rules.other_reader_reasons(types.SimpleNamespace(speculative_algorithm=None)) == []
+    assert rules.other_reader_reasons(types.SimpleNamespace()) == []
+
+
+def test_uses_mlaprolog_method_is_upstreams_name_for_the_predicate():
+    method = RI.make_uses_mlaprolog_method("quant_config")
+    assert (method.__name__, method.__qualname__) == ("uses_mlaprolog", "NPUFusedMLAPreprocess.uses_mlaprolog")
+    assert method.__doc__ == ("Whether this layer's forward() takes the mlaprolog path (npu-shim backport "
+                              "of 0.5.20).")
+    assert method(fake_preprocess()) is True
+    assert method(fake_preprocess(w8a8_attr="quant_config")) is False
+    assert method(fake_preprocess(w8a8_attr="quantization_config")) is True
+
+
+def test_w8a8_of_another_quantisation_method_keeps_the_mlaprolog_route():
+    pre = fake_preprocess()
+    pre.qkv_a_proj.quant_method.quantization_config = types.SimpleNamespace(get_name=lambda: "compressed")
+    assert RI.uses_mlaprolog(pre, "quantization_config") is True
+
+
+# --------------------------------------------------------------------------- the state's own parts
+
+def test_state_defaults_and_fresh_details():
+    a, b = RI.MlaWeightReleaseState(), RI.MlaWeightReleaseState()
+    assert (a.w8a8_attr, a.role_source) == ("quantization_config", "server_args")
+    assert a.details == {} and a.details is not b.details
+    details = {}
+    assert RI.MlaWeightReleaseState(details=details).details is details
+    assert isinstance(a.entry, framework_targets().Retirement) and a.entry is not b.entry
+    assert (a.entry_retired, a.late, a.summary_logged, a.first_marked) == (False, 0, False, False)
+
+
+def test_reset_starts_over_and_brings_the_entry_wrapper_back(server, logs):
+    calls = []
+    REL.entry.bind(lambda: calls.append("retire") or True, lambda: calls.append("reinstate") or True)
+    layers = [layer(0), layer(1)]
+    step(layers)
+    step(layers[:1])
+    assert calls == ["retire"] and REL.entry_retired and REL.summary_logged
+    REL.once("k", logging.INFO, "said")
+    REL.late = 2
+    REL.reset()
+    assert calls == ["retire", "reinstate"]
+    assert (REL.entry_retired, REL.late, REL.summary_logged, REL.first_marked) == (False, 0, False, False)
+    assert REL.released_bytes == {"qkv_a": 0, "w_kc": 0} and REL.layers == set()
+    assert REL.guarded == {"qkv_a": set(), "w_kc": set()} and REL.said == set()
+    REL.once("k", logging.INFO, "said")
+    assert logs.count("mla_weight_release: said") == 2
+
+
+def test_once_says_each_key_once_with_the_patchs_name(logs):
+    REL.once("a", logging.WARNING, "first")
+    REL.once("a", logging.WARNING, "first again")
+    REL.once("b", logging.INFO, "second")
+    assert logs == ["mla_weight_release: first", "mla_weight_release: second"]
+
+
+def test_free_weight_without_a_say_warns_every_time(logs):
+    weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+    view = weight.view(-1)
+    for _ in range(2):
+        assert RI.free_weight(weight, "w_kc of layer 9") == 0
+    warnings = [line for line in logs if "other holder" in line]
+    assert len(warnings) == 2 and all(line.startswith("mla_weight_release: keeping w_kc of layer 9: its memory "
+                                                      "has 1 other holder (") for line in warnings)
+    del view
+
+
+def test_layer_list_of_single_and_unordered_ids():
+    assert RI._layer_list({"?"}) == "layer ?"
+    assert RI._layer_list({5, 3, 4, 1}) == "layers 1, 3-5"
+    assert RI._layer_list({2, 0}) == "layers 0, 2"
+    assert RI._layer_list({"b", 7, "a"}) == "layers 7, a, b"
+
+
+# --------------------------------------------------------------------------- the gates, word for word
+
+def test_unknown_role_is_skipped_in_the_details_and_the_log(server, logs):
+    server["role_error"] = "server_args.disaggregation_mode is 'x'"
+    assert REL.free_allowed("w_kc") == (None, "server_args.disaggregation_mode is 'x'")
+    assert REL.details == {"role": None, "skipped": "role unknown: server_args.disaggregation_mode is 'x'"}
+    assert logs == ["mla_weight_release: releasing nothing: the disaggregation role is unknown when the layer "
+                    "decides (server_args.disaggregation_mode is 'x')"]
+
+
+def test_roles_that_keep_a_weight_say_so_without_a_warning(server, logs):
+    server["role"] = "null"
+    assert REL.free_allowed("qkv_a") == ("null", "role null")
+    assert REL.details == {"role": "null"}
+    server["role"] = "prefill"
+    assert REL.free_allowed("w_kc") == ("prefill", "role prefill")
+    assert REL.free_allowed("qkv_a") == ("prefill", None)
+    assert REL.details == {"role": "prefill"} and logs == []
+
+
+def test_unreadable_server_args_word_for_word(server, logs):
+    server["args"] = ValueError("server args are not published")
+    assert REL.free_allowed("qkv_a") == ("decode", "server args unknown")
+    assert REL.details == {"role": "decode", "skipped": "server args unknown"}
+    assert logs == ["mla_weight_release: releasing nothing: the server args cannot be read "
+                    "(ValueError('server args are not published')), so LoRA / weight updates cannot be ruled out"]
+
+
+def test_speculative_decoding_word_for_word(server, logs):
+    server["args"].speculative_algorithm = "EAGLE"
+    reason = ("speculative decoding (EAGLE): target-verify / draft-extend batches take the unfused path of "
+              "forward_dsa_prepare_npu, which reads qkv_a_proj.weight and w_kc")
+    assert REL.free_allowed("w_kc") == ("decode", "other readers")
+    assert REL.details == {"role": "decode", "skipped": reason}
+    assert logs == ["mla_weight_release: releasing nothing: " + reason]
+
+
+def test_weight_updates_word_for_word_and_forced(server, logs, monkeypatch):
+    server["args"].enable_lora = True
+    server["args"].load_format = "dummy"
+    updates = ("LoRA (enable_lora / lora_paths), load_format=dummy (weights arrive later through "
+               "update_weights_*)")
+    assert REL.free_allowed("qkv_a") == ("decode", "weight updates")
+    assert REL.details == {"role": "decode", "skipped": "weights can change: " + updates}
+    assert logs == ["mla_weight_release: releasing nothing: the server can reload or adapt weights (%s); set "
+                    "NPU_SHIM_MLA_RELEASE_FORCE=1 to release anyway" % updates]
+    monkeypatch.setenv("NPU_SHIM_MLA_RELEASE_FORCE", "1")
+    assert REL.free_allowed("qkv_a") == ("decode", None) == REL.free_allowed("w_kc")
+    assert logs[1:] == ["mla_weight_release: releasing although the server can reload or adapt weights (%s), "
+                        "because NPU_SHIM_MLA_RELEASE_FORCE=1: a later update of these weights raises "
+                        "ReleasedWeightError" % updates]
+
+
+def test_each_reason_to_release_nothing_is_warned_once_on_its_own(server, logs):
+    server["role_error"] = "unknown"
+    REL.free_allowed("qkv_a")
+    server["role_error"] = None
+    server["args"] = ValueError("no args")
+    REL.free_allowed("qkv_a")
+    server["args"] = types.SimpleNamespace(speculative_algorithm="EAGLE")
+    REL.free_allowed("qkv_a")
+    server["args"] = types.SimpleNamespace(enable_memory_saver=True)
+    REL.free_allowed("qkv_a")
+    for _ in range(2):
+        REL.free_allowed("qkv_a")
+    assert [line.split("releasing nothing: ")[1][:20] for line in logs] == [
+        "the disaggregation r", "the server args cann", "speculative decoding", "the server can reloa"]
+
+
+# --------------------------------------------------------------------------- releasing, word for word
+
+def test_release_is_accounted_in_the_details_the_log_and_the_record(server, logs, monkeypatch):
+    touched = []
+    monkeypatch.setattr(RI.state_record, "touch", lambda now=False: touched.append(now))
+    m = layer(4)
+    step([m])
+    qkv, wkc = 24 * 32 * 4, 4 * 8 * 12 * 4
+    assert REL.details == {"role": "decode", "released_mib": round((qkv + wkc) / R.MIB, 3), "layers": 1,
+                           "qkv_a_mib": round(qkv / R.MIB, 3), "w_kc_mib": round(wkc / R.MIB, 3),
+                           "released_bytes": qkv + wkc, "qkv_a_bytes": qkv, "w_kc_bytes": wkc}
+    assert logs == ["mla_weight_release: released qkv_a_proj.weight of layer 4 (0.00 MiB)",
+                    "mla_weight_release: released w_kc of layer 4 (0.00 MiB)"]
+    assert touched == [False, False]
+    assert REL.layers == {4} and REL.guarded == {"qkv_a": {4}, "w_kc": {4}}
+
+
+def test_release_of_a_mib_sized_weight_logs_its_size(server, logs):
+    m = layer(0)
+    m.w_kc = torch.zeros(64, 64, 64).transpose(1, 2)  # 1 MiB of float32, sglang's layout
+    m.mla_preprocess = FakePreprocess(m)
+    assert REL.free_w_kc(m) == R.MIB
+    assert logs == ["mla_weight_release: released w_kc of layer 0 (1.00 MiB)"]
+    assert REL.details["w_kc_mib"] == 1.0 and REL.details["released_mib"] == 1.0
+
+
+def test_summary_line_in_mib(server, logs, monkeypatch):
+    monkeypatch.setattr(RI.log, "pid_text", lambda: "pid 7")
+    REL.released_bytes = {"qkv_a": 3 * R.MIB, "w_kc": R.MIB // 2}
+    REL.layers = {0, 1, 2}
+    REL._log_summary()
+    assert REL.summary_logged
+    assert logs == ["mla_weight_release: released: 3.5 MiB in 3 layers (qkv_a 3.0 MiB, w_kc 0.5 MiB) in pid 7"]
+
+
+def test_refusal_message_word_for_word(server):
+    REL.guarded = {"qkv_a": {0, 1}, "w_kc": {1}}
+    REL.released_bytes = {"qkv_a": 2 * R.MIB, "w_kc": R.MIB // 2}
+    assert REL.update_refusal("update_weights_from_tensor") == (
+        "npu-shim refused update_weights_from_tensor: loading the tensors would write into MLA weights this "
+        "process released to free NPU memory (qkv_a_proj.weight of layers 0-1, w_kc of layer 1; 2.5 MiB freed), "
+        "so nothing was loaded and the server keeps serving its current weights. To update weights on this "
+        "server, start it with NPU_SHIM_MLA_WEIGHT_RELEASE=0 (keeps the MLA weights)")
+    assert REL.update_refusal("reload").startswith(
+        "npu-shim refused reload: the update would write into MLA weights this process released")
+
+
+def test_refusal_once_only_w_kc_is_guarded_and_its_log_line(server, logs, monkeypatch):
+    monkeypatch.setattr(RI.log, "pid_text", lambda: "pid 42")
+    REL.guarded["w_kc"].add(3)
+    loaded = []
+    update = wrapt.FunctionWrapper(lambda recv_req: loaded.append(recv_req), REL.wrap_weight_update)
+    success, message = update("req")
+    assert success is False and loaded == []
+    assert message.startswith("npu-shim refused <lambda>: the update would write into MLA weights")
+    assert "(w_kc of layer 3; 0.0 MiB freed)" in message
+    assert logs == ["mla_weight_release: refused <lambda>: MLA weights are released in pid 42 "
+                    "(NPU_SHIM_MLA_WEIGHT_RELEASE=0 keeps them)"]
+    # a callable without a name is refused all the same
+    assert REL.wrap_weight_update(object(), None, (), {})[1].startswith("npu-shim refused the weight update: ")
+    assert REL.details["updates_refused"] == 2
+
+
+def test_qkv_a_kept_where_its_copies_are_missing_or_it_is_not_exclusive_word_for_word(server, logs):
+    pre = _prepared(layer(0), lambda t: t.clone())
+    del pre.kv_a_proj_weight  # a copy mlaprolog_preprocess_weight did not make
+    assert REL.free_qkv_a(pre) == 0 and not RI.is_released(pre.qkv_a_proj.weight)
+    assert logs == ["mla_weight_release: keeping qkv_a_proj.weight of layer 0: its q_a/kv_a copies share its "
+                    "memory, or its storage holds more than this weight"]
+
+
+def test_qkv_a_of_a_preprocessor_without_a_layer_id(server, logs):
+    pre = _prepared(layer(0), lambda t: t.clone())
+    del pre.layer_id
+    assert REL.free_qkv_a(pre) > 0
+    assert logs == ["mla_weight_release: released qkv_a_proj.weight of layer ? (0.00 MiB)"]
+    assert REL.guarded["qkv_a"] == {"?"} and REL.layers == {"?"}
+
+
+def test_qkv_a_not_routed_to_mlaprolog_word_for_word(server, logs):
+    m = layer(2, mlaprolog=False)
+    pre = _prepared(m, lambda t: t.clone())
+    for _ in range(2):
+        assert REL.free_qkv_a(pre) == 0
+    assert logs == ["mla_weight_release: keeping qkv_a_proj.weight of layer 2: mlaprolog_preprocess_weight ran "
+                    "although forward() would not route to mlaprolog"]
+    assert REL.details == {}  # decided before the role was read
+
+
+def test_qkv_a_kept_by_the_role_is_not_looked_at_further(server, logs):
+    server["role"] = "null"
+    pre = _prepared(layer(0), lambda t: t)  # copies that share its memory: no warning about them
+    assert REL.free_qkv_a(pre) == 0 and logs == []
+
+
+def test_w_kc_registered_as_a_buffer_is_released(server, logs):
+    m = layer(0)
+    w_kc = m.__dict__.pop("w_kc")
+    m.register_buffer("w_kc", w_kc)  # not in the module's __dict__: found as an attribute
+    m.mla_preprocess = FakePreprocess(m)
+    assert REL.free_w_kc(m) == 4 * 8 * 12 * 4 and RI.is_released(m.w_kc)
+
+
+def test_w_kc_of_a_layer_without_a_layer_id_or_a_preprocessors_copy(server, logs):
+    m = layer(0)
+    m.mla_preprocess = FakePreprocess(m)
+    del m.layer_id
+    del m.mla_preprocess.w_kc  # the preprocessor made no copy of its own
+    assert REL.free_w_kc(m) == 0 and not RI.is_released(m.w_kc)
+    assert logs == ["mla_weight_release: keeping w_kc of layer ?: the preprocessor's w_kc shares its memory, "
+                    "or its storage holds more than this weight"]
+    m.mla_preprocess.w_kc = m.w_kc  # the very same tensor
+    REL.said.clear()
+    assert REL.free_w_kc(m) == 0 and not RI.is_released(m.w_kc) and len(logs) == 2
+
+
+def test_w_kc_kept_by_the_role_or_the_route_says_nothing(server, logs):
+    m = layer(0)
+    m.mla_preprocess = FakePreprocess(m)
+    m.mla_preprocess.w_kc = m.w_kc  # shared: would warn if it were looked at
+    server["role"] = "prefill"
+    assert REL.free_w_kc(m) == 0
+    server["role"] = "decode"
+    m.quant_config.ignore = []
+    assert REL.free_w_kc(m) == 0
+    assert logs == [] and not RI.is_released(m.w_kc)
+
+
+def test_a_guarded_weight_that_freed_nothing_is_noted_but_not_accounted(server, logs, monkeypatch):
+    m = layer(0)
+    base = torch.randn(4, 12, 8)
+    m.w_kc = base.transpose(1, 2)
+    m.mla_preprocess = FakePreprocess(m)
+    monkeypatch.setattr(tensor_release, "_base_held_elsewhere", lambda chain: False)
+    assert REL.free_w_kc(m) == 0
+    assert REL.guarded["w_kc"] == {0} and REL.layers == set() and "released_bytes" not in REL.details
+
+
+# --------------------------------------------------------------------------- the entry wrapper's life
+
+def bind_entry(retire=True, reinstate=True):
+    """Bind REL's Retirement as the runtime would; ``retire`` / ``reinstate``: what each returns,
+    or an exception it raises (a list: one of those per call).  Returns the calls made."""
+    calls = []
+
+    def act(name, answer):
+        calls.append(name)
+        if isinstance(answer, list):  # one answer per call
+            answer = answer.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    REL.entry.bind(lambda: act("retire", retire), lambda: act("reinstate", reinstate))
+    return calls
+
+
+def by_keyword(m):
+    return WRAPPED(m=m, hidden_states=torch.ones(2, 32), positions=None, forward_batch=None, zero_allocator=None)
+
+
+def test_entry_wrapper_takes_m_as_a_keyword_on_every_path(server):
+    """sglang may call npu_mla_preprocess with keywords: each path hands them on."""
+    calls = bind_entry()
+    m = layer(0)
+    out = by_keyword(m)  # the first call
+    assert out[0].shape == (2, 16) and RI.is_released(m.w_kc) and RI._FIRST in m.__dict__
+    assert by_keyword(m)[0].shape == (2, 16)  # the first layer again: the pass is done
+    assert calls == ["retire"] and RI._DONE in m.__dict__
+    assert by_keyword(m)[0].shape == (2, 16)  # a layer the wrapper has seen
+    late = layer(1)
+    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)
+    assert by_keyword(late)[0].shape == (2, 16) and RI.is_released(late.w_kc)  # the late call
+    assert calls == ["retire", "reinstate", "retire"]
+
+
+class ModulePreprocess(torch.nn.Module):
+    """FakePreprocess as the torch module NPUFusedMLAPreprocess is: a submodule of the layer,
+    which its __dict__ does not hold."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.fake = FakePreprocess(m)
+        self.qkv_a_proj = m.fused_qkv_a_proj_with_mqa
+        self.w_kc = self.fake.w_kc
+        self.quant_config = m.quant_config
+        self.layer_id = m.layer_id
+        self.prepared = True
+        self.q_a_proj_weight = torch.randn(32, 16)
+
+
+def test_late_layer_whose_preprocessor_is_a_submodule(server):
+    calls = bind_entry()
+    step([layer(0)])
+    REL.entry_retired = True
+    late = layer(1)
+    late.mla_preprocess = ModulePreprocess(late)
+    assert "mla_preprocess" not in late.__dict__
+    late.mla_preprocess.__dict__[RI._LATE] = True
+    REL.late = 1
+    assert step([late])[0][0].shape == (2, 16)
+    assert RI.is_released(late.w_kc) and RI._LATE not in late.mla_preprocess.__dict__
+    assert REL.late == 0 and calls[-1] == "retire"
+
+
+def test_errors_are_said_once_per_process_whichever_wrapper_raised(server, logs, monkeypatch):
+    def boom(*a):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(REL, "free_allowed", boom)
+    bind_entry()
+    step([layer(0)])  # the weight wrapper raises first, then the entry wrapper
+    REL.entry_retired = True
+    late = layer(1)
+    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)
+    late.mla_preprocess.__dict__[RI._LATE] = True
+    REL.late = 1
+    step([late])  # the late call raises too
+    assert [line for line in logs if "raised" in line] == [
+        "mla_weight_release: keeping qkv_a_proj.weight: deciding the release raised RuntimeError('boom')"]
+
+
+def test_a_late_layer_is_said_once_whether_or_not_the_wrapper_came_back(server, logs):
+    calls = bind_entry(reinstate=[True, RuntimeError("gone")])
+    step([layer(0)])
+    REL.entry_retired = True
+    npu_mla_preprocess(layer(1), torch.ones(2, 32), None, None, None)  # back
+    REL.entry_retired = True
+    npu_mla_preprocess(layer(2), torch.ones(2, 32), None, None, None)  # cannot come back
+    late_lines = [line for line in logs if "first ran after" in line]
+    assert late_lines == ["mla_weight_release: layer 1 first ran after the first pass over the layers: "
+                          "npu_mla_preprocess's wrapper is back until its w_kc is released"]
+    assert calls == ["reinstate", "reinstate"] and REL.late == 1
+
+
+def test_aliased_qkv_a_is_warned_about_once_and_a_released_one_not_at_all(server, logs):
+    pre = _prepared(layer(0), lambda t: t.clone())
+    alias = pre.qkv_a_proj.weight.t()  # another holder of its memory
+    for _ in range(2):
+        assert REL.free_qkv_a(pre) == 0
+    assert len([line for line in logs if "other holder" in line]) == 1
+    del alias
+    assert REL.free_qkv_a(pre) > 0
+    said = list(logs)
+    assert REL.free_qkv_a(pre) == 0 and logs == said  # already released: not looked at again
+
+
+def test_first_pass_marks_the_first_layer_then_retires_the_entry_wrapper(server, logs, monkeypatch):
+    monkeypatch.setattr(RI.log, "pid_text", lambda: "pid 1")
+    calls = bind_entry()
+    layers = [layer(0), layer(1), layer(2)]
+    step(layers)
+    assert RI._FIRST in layers[0].__dict__ and RI._DONE not in layers[0].__dict__
+    assert all(RI._DONE in m.__dict__ and RI._FIRST not in m.__dict__ for m in layers[1:])
+    assert calls == [] and not REL.entry_retired
+    step(layers[:1])
+    assert calls == ["retire"] and REL.entry_retired and RI._DONE in layers[0].__dict__
+    assert logs[-1].startswith("mla_weight_release: released: 0.0 MiB in 3 layers")
+    step(layers[:1])  # a call that looked the wrapper up before it left: only delegated
+    assert calls == ["retire"]
+
+
+def test_first_pass_without_a_release_logs_no_summary(server, logs):
+    server["role"] = "null"
+    calls = bind_entry()
+    layers = [layer(0), layer(1)]
+    step(layers)
+    step(layers)
+    assert calls == ["retire"] and REL.entry_retired and logs == []
+
+
+def test_entry_wrapper_that_cannot_retire_stays_and_says_so_once(server, logs):
+    calls = bind_entry(retire=RuntimeError("bound elsewhere"))
+    m = layer(0)
+    step([m])
+    step([m])  # the first layer again: the pass is done
+    assert calls == ["retire"] and REL.entry_retired is False
+    assert "mla_weight_release: npu_mla_preprocess's wrapper stays: retiring raised " \
+           "RuntimeError('bound elsewhere')" in logs
+
+
+def test_a_retire_that_changes_nothing_keeps_the_entry_retired(server):
+    bind_entry(retire=False)
+    REL.entry_retired = True
+    REL._retire_entry()
+    assert REL.entry_retired is True
+    REL.entry_retired = False
+    REL._retire_entry()
+    assert REL.entry_retired is False
+
+
+def test_layer_first_seen_after_the_first_pass_brings_the_entry_wrapper_back(server, logs):
+    calls = bind_entry()
+    layers = [layer(0), layer(1)]
+    step(layers)
+    step(layers[:1])
+    assert REL.entry_retired and calls == ["retire"]
+    late = layer(2)
+    # the wrapper is away: the layer's first call is sglang's own function, which builds its
+    # preprocessor (and runs mlaprolog_preprocess_weight, whose wrapper stays)
+    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)
+    assert calls == ["retire", "reinstate"] and REL.late == 1 and not REL.entry_retired
+    assert late.mla_preprocess.__dict__[RI._LATE] is True
+    assert RI.is_released(late.fused_qkv_a_proj_with_mqa.weight) and not RI.is_released(late.w_kc)
+    assert logs[-3] == "mla_weight_release: released qkv_a_proj.weight of layer 2 (0.00 MiB)"
+    assert logs[-1:] == ["mla_weight_release: layer 2 first ran after the first pass over the layers: "
+                         "npu_mla_preprocess's wrapper is back until its w_kc is released"]
+    out = step([late])[0]  # its next call: through the wrapper, which releases w_kc and leaves
+    assert out[0].shape == (2, 16) and RI.is_released(late.w_kc) and REL.guarded["w_kc"] == {0, 1, 2}
+    assert RI._DONE in late.__dict__ and RI._LATE not in late.mla_preprocess.__dict__
+    assert REL.late == 0 and calls == ["retire", "reinstate", "retire"] and REL.entry_retired
+    step([late])  # done: only delegated
+    assert calls == ["retire", "reinstate", "retire"]
+
+
+def test_layer_met_while_the_entry_wrapper_is_back_is_released_by_its_first_call(server, logs):
+    calls = bind_entry()
+    first = [layer(0)]
+    step(first)
+    step(first)
+    late, other = layer(1), layer(2)
+    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)  # the wrapper away: sglang's own
+    assert REL.late == 1 and calls == ["retire", "reinstate"]
+    step([other])  # the wrapper is back: the other layer's first call goes through it
+    assert RI.is_released(other.w_kc) and RI._DONE in other.__dict__ and RI._LATE not in other.mla_preprocess.__dict__
+    assert REL.late == 1 and calls == ["retire", "reinstate"]  # still waiting for the late layer
+    step([late])
+    assert REL.late == 0 and calls == ["retire", "reinstate", "retire"] and RI.is_released(late.w_kc)
+
+
+def test_late_call_whose_release_raises_still_forwards_and_leaves(server, logs, monkeypatch):
+    calls = bind_entry()
+    step([layer(0)])
+    REL.entry_retired = True
+    late = layer(1)
+    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)
+
+    def boom(m):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(REL, "free_w_kc", boom)
+    REL.late = 3  # never below zero, however often the late calls come
+    for count in (2, 1):
+        late.mla_preprocess.__dict__[RI._LATE] = True
+        late.__dict__.pop(RI._DONE, None)
+        assert step([late])[0][0].shape == (2, 16)
+        assert REL.late == count and RI._DONE in late.__dict__
+    assert "mla_weight_release: keeping w_kc: deciding the release raised RuntimeError('boom')" in logs
+    assert calls.count("retire") == 0
+    REL.late = 0
+    late.mla_preprocess.__dict__[RI._LATE] = True
+    del late.__dict__[RI._DONE]
+    step([late])
+    assert REL.late == 0 and calls.count("retire") == 1
+
+
+def test_late_layer_whose_entry_wrapper_cannot_come_back_keeps_its_w_kc(server, logs):
+    calls = bind_entry(reinstate=RuntimeError("gone"))
+    step([layer(0)])
+    REL.entry_retired = True
+    late = layer(1)
+    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)
+    assert calls == ["reinstate"] and REL.late == 0 and REL.entry_retired
+    assert RI._LATE not in late.mla_preprocess.__dict__
+    assert logs[-2:] == ["mla_weight_release: npu_mla_preprocess's wrapper cannot come back: RuntimeError('gone')",
+                         "mla_weight_release: layer 1 first ran after the first pass over the layers: its "
+                         "qkv_a_proj.weight is released, its w_kc kept"]
+
+
+def test_reinstate_that_changes_nothing_leaves_the_entry_retired(server, logs):
+    calls = bind_entry(reinstate=False)
+    REL.entry_retired = True
+    assert REL._reinstate_entry() is False and REL.entry_retired is True and calls == ["reinstate"]
+    bind_entry(reinstate=True)
+    assert REL._reinstate_entry() is True and REL.entry_retired is False and logs == []
+
+
+def test_late_layers_only_bring_the_wrapper_back_on_decode(server, logs):
+    calls = bind_entry()
+    server["role"] = "prefill"
+    REL.details["role"] = "prefill"
+    REL.entry_retired = True
+    pre = _prepared(layer(1), lambda t: t.clone())
+    pre.mlaprolog_preprocess_weight = types.MethodType(
+        wrapt.FunctionWrapper(lambda: None, REL.wrap_preprocess_weight), pre)
+    REL.wrap_preprocess_weight(lambda: "done", pre, (), {})
+    assert calls == [] and REL.late == 0 and RI._LATE not in pre.__dict__
+    assert RI.is_released(pre.qkv_a_proj.weight)
+    REL.entry_retired = False
+    server["role"] = "decode"
+    REL.details["role"] = "decode"
+    assert REL.wrap_preprocess_weight(lambda: "done", _prepared(layer(2), lambda t: t.clone()), (), {}) == "done"
+    assert calls == []
+
+
+def test_weight_wrapper_error_keeps_the_weight_and_says_which(server, logs, monkeypatch):
+    def boom(*a):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(REL, "free_allowed", boom)
+    pre = _prepared(layer(0), lambda t: t.clone())
+    assert REL.wrap_preprocess_weight(lambda *a, **k: (a, k), pre, (1,), {"x": 2}) == ((1,), {"x": 2})
+    assert logs == ["mla_weight_release: keeping qkv_a_proj.weight: deciding the release raised RuntimeError('boom')"]
+
+
+def test_entry_wrapper_error_keeps_w_kc_word_for_word(server, logs, monkeypatch):
+    def boom(*a):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(REL, "free_w_kc", boom)
+    m = layer(0)
+    assert step([m])[0][0].shape == (2, 16)
+    assert logs[-1] == "mla_weight_release: keeping w_kc: deciding the release raised RuntimeError('boom')"

@@ -2,8 +2,9 @@
 
 A target that the source lacks must make the *decision* ``unsupported``, with the target named:
 nothing may read ``applied`` and only learn at apply time (in a server process, when the hook
-fires) that there was nothing to wrap.  Applying, reverting and pickling the wrappers are covered
-in process by tests/runtime/test_reliability.py and in fresh interpreters by tests/test_bootstrap.py.
+fires) that there was nothing to wrap.  Then: what ``prepare`` checks in the loaded code, what
+applying and reverting a Change touch, and the wrappers pickling and copying like functions
+(end to end, in fresh interpreters: tests/runtime/test_reliability.py, tests/test_bootstrap.py).
 """
 from __future__ import annotations
 

@@ -60,8 +60,7 @@ def guarded_class(cls, guard):
             "__repr__": _guard_repr,
             "__str__": _guard_repr,
             "_npu_shim_guard": guard,
-            "__module__": __name__,
-        })
+        })  # type() gives it this module as __module__, the module of the code that calls it
         _GUARDED[(cls, guard)] = guarded
     return guarded
 

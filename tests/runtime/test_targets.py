@@ -416,6 +416,10 @@ def passthrough(wrapped, instance, args, kwargs):
 @pytest.fixture
 def pickled(monkeypatch):
     """An importable module whose function and methods are wrapped."""
+    return pickled_module(monkeypatch)
+
+
+def pickled_module(monkeypatch):
     module = types.ModuleType("npu_shim_test_pickled")
     exec(compile(PICKLED, "<npu_shim_test_pickled>", "exec"), module.__dict__)
     monkeypatch.setitem(sys.modules, module.__name__, module)
@@ -433,6 +437,25 @@ def test_wrappers_pickle_by_reference_to_their_importable_name(pickled):
     assert unbound(box) == 5
     nested = pickle.loads(pickle.dumps(pickled.Outer.Inner.get))
     assert nested(pickled.Outer.Inner()) == 3
+
+
+def test_wrappers_pickle_where_wrapts_proxy_refuses_both_reduce_protocols(monkeypatch):
+    """wrapt 1.x's proxies (the images' 1.14 - 1.17) refuse ``__reduce_ex__`` as well as
+    ``__reduce__``: the shim's wrappers answer both themselves."""
+    from npu_shim.runtime import wrapt_loader
+
+    wrapt = wrapt_loader.load()
+
+    def refuse(self, protocol):
+        raise NotImplementedError("object proxy must define __reduce_ex__()")
+
+    old = types.SimpleNamespace(**{name: type(name, (getattr(wrapt, name),), {"__reduce_ex__": refuse})
+                                   for name in ("FunctionWrapper", "BoundFunctionWrapper")})
+    monkeypatch.setattr(wrapt_loader, "load", lambda: old)
+    module = pickled_module(monkeypatch)
+    assert isinstance(module.f, old.FunctionWrapper)
+    assert pickle.loads(pickle.dumps(module.f)) is module.f
+    assert pickle.loads(pickle.dumps(module.Box(4).get))() == 4
 
 
 def test_both_reduce_protocols_name_the_function(pickled):

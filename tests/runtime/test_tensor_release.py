@@ -202,8 +202,14 @@ def test_a_guarded_tensor_without_a_name_is_called_the_guards_unnamed(guard):
     assert repr(released) == str(released) == "<released by npu-shim: an unnamed weight; set KEEP=1 to keep it>"
 
 
-def test_a_released_tensor_reads_as_released_in_repr_and_str(guard, said):
-    tensor = torch.randn(2)
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(2),
+    # a parameter class with a __str__ of its own: the guard's answers all the same
+    lambda: type("Described", (torch.nn.Parameter,), {"__str__": lambda self: "a described weight"})(
+        torch.randn(2), requires_grad=False),
+])
+def test_a_released_tensor_reads_as_released_in_repr_and_str(guard, said, make):
+    tensor = make()
     tensor_release.free_weight(tensor, "w of layer 4", guard, said[1])
     assert repr(tensor) == str(tensor) == "<released by npu-shim: w of layer 4; set KEEP=1 to keep it>"
 

@@ -256,7 +256,7 @@ def _make_wrapper_class():
 
     def reduce(self, protocol=None):
         function = self.__wrapped__
-        instance = getattr(self, "_self_instance", None)
+        instance = self._self_instance  # None unless bound to an instance
         if instance is not None:
             return getattr, (instance, function.__name__)  # a bound method, as Python pickles one
         owner = _owner_class(function)
@@ -265,7 +265,7 @@ def _make_wrapper_class():
         return function.__qualname__  # a module-level name: pickled as a global, like a function
 
     def deepcopy(self, memo):
-        instance = getattr(self, "_self_instance", None)
+        instance = self._self_instance  # None unless bound to an instance
         if instance is None:
             return self  # functions are atomic to copy.deepcopy
         import copy
@@ -273,7 +273,7 @@ def _make_wrapper_class():
         return getattr(copy.deepcopy(instance, memo), self.__wrapped__.__name__)
 
     methods = {"__reduce__": reduce, "__reduce_ex__": reduce, "__copy__": lambda self: self,
-               "__deepcopy__": deepcopy, "__module__": __name__}
+               "__deepcopy__": deepcopy}  # __module__: this module's, as type() gives it
     # wrapt's names, so that what reports a wrapper's type (logs, tests) reads the same
     bound = type("BoundFunctionWrapper", (wrapt.BoundFunctionWrapper,), dict(methods))
     return type("FunctionWrapper", (wrapt.FunctionWrapper,),

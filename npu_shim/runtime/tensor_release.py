@@ -30,7 +30,7 @@ _GUARDED = {}
 def _find_released(args, kwargs):
     for value in list(args) + list((kwargs or {}).values()):
         for item in (value if isinstance(value, (list, tuple)) else (value,)):
-            tag = getattr(type(item), "_npu_shim_guard", False) and item.__dict__.get(_TAG)
+            tag = is_released(item) and item.__dict__.get(_TAG)
             if tag:
                 return tag
     return None
@@ -60,14 +60,13 @@ def guarded_class(cls, guard):
             "__repr__": _guard_repr,
             "__str__": _guard_repr,
             "_npu_shim_guard": guard,
-            "__module__": __name__,
-        })
+        })  # type() gives it this module as __module__, the module of the code that calls it
         _GUARDED[(cls, guard)] = guarded
     return guarded
 
 
 def is_released(tensor):
-    return bool(getattr(type(tensor), "_npu_shim_guard", False))
+    return hasattr(type(tensor), "_npu_shim_guard")
 
 
 def storage_holders(storage):
@@ -135,8 +134,7 @@ def free_weight(tensor, what, guard, say):
         return 0
     cls = type(tensor)
     guarded = guarded_class(cls, guard)
-    emptied = torch.Tensor._make_subclass(cls, torch.empty(0, dtype=tensor.dtype, device=tensor.device),
-                                          False)
+    emptied = torch.Tensor._make_subclass(cls, torch.empty(0, dtype=tensor.dtype, device=tensor.device))
     try:
         # The weight object gets the empty tensor; ``emptied`` gets the old one with its _base.
         torch.utils.swap_tensors(tensor, emptied)

@@ -44,3 +44,68 @@ def test_a_failing_start_leaves_sglangs_collector_standing(monkeypatch):
     module.TokenizerMetricsCollector("x")
     assert made == ["x"]
     change.revert()
+
+
+def test_the_wrapper_hands_the_collectors_arguments_and_result_through(monkeypatch):
+    """The wrapper stands between sglang and its own ``__init__``: positional and keyword arguments
+    reach it, and what it returns is returned."""
+    module = types.ModuleType(metrics_hook.MODULES[1])
+    seen = []
+
+    class SchedulerMetricsCollector:
+        def __init__(self, labels, *, enable=False):
+            seen.append((labels, enable))
+            return "result"
+
+    module.SchedulerMetricsCollector = SchedulerMetricsCollector
+    monkeypatch.setattr(metrics, "start", lambda source: None)
+    (change,) = metrics_hook.prepare(module, dict)
+    assert (change.owner, change.attr) == (SchedulerMetricsCollector, "__init__")
+    assert change.original is SchedulerMetricsCollector.__dict__["__init__"] is not change.replacement
+    change.apply(False)
+    collector = SchedulerMetricsCollector.__new__(SchedulerMetricsCollector)
+    assert SchedulerMetricsCollector.__init__(collector, {"tp": 0}, enable=True) == "result"
+    assert seen == [({"tp": 0}, True)]
+    change.revert()
+    assert SchedulerMetricsCollector.__dict__["__init__"] is change.original
+
+
+def test_a_release_without_a_collector_is_said_at_debug_and_the_next_one_still_wrapped(monkeypatch):
+    module = types.ModuleType(metrics_hook.MODULES[0])
+
+    class SchedulerMetricsCollector:
+        def __init__(self):
+            pass
+
+    module.SchedulerMetricsCollector = SchedulerMetricsCollector
+    debug = []
+    monkeypatch.setattr(metrics_hook.log, "debug", debug.append)
+    (change,) = metrics_hook.prepare(module, dict)
+    assert change.owner is SchedulerMetricsCollector
+    assert debug == ["no sglang.srt.metrics.collector.TokenizerMetricsCollector.__init__: module "
+                     "'sglang.srt.metrics.collector' has no attribute 'TokenizerMetricsCollector'"]
+
+
+def test_a_collector_without_an_init_of_its_own_is_left_alone():
+    module = types.ModuleType(metrics_hook.MODULES[1])
+    module.TokenizerMetricsCollector = type("TokenizerMetricsCollector", (), {})
+    assert metrics_hook.prepare(module, dict) == []
+
+
+def test_a_failing_start_is_said_once_per_process_under_one_key(monkeypatch):
+    """``log.error_once`` keeps it to one line a process: each failure reaches it with the same key."""
+    module, made = _collector_module(metrics_hook.MODULES[1])
+    errors = []
+
+    def boom(source):
+        raise RuntimeError("port in use")
+
+    monkeypatch.setattr(metrics, "start", boom)
+    monkeypatch.setattr(metrics_hook.log, "error_once", lambda key, message: errors.append((key, message)))
+    (change,) = metrics_hook.prepare(module, dict)
+    change.apply(False)
+    module.TokenizerMetricsCollector("a")
+    module.TokenizerMetricsCollector("b")
+    change.revert()
+    assert made == ["a", "b"]
+    assert errors == [("metrics:start", "publishing the shim's metrics failed: RuntimeError('port in use')")] * 2

@@ -480,12 +480,14 @@ class Caching:
         self.path, self.specs = path, {}
 
     def find_spec(self, fullname, path=None, target=None):
+        import importlib.machinery
         import importlib.util
 
         if fullname != "hk_cached":
             return None
         if fullname not in self.specs:
-            self.specs[fullname] = importlib.util.spec_from_file_location(fullname, self.path)
+            loader = importlib.machinery.SourceFileLoader(fullname, str(self.path))
+            self.specs[fullname] = importlib.util.spec_from_loader(fullname, loader)
         return self.specs[fullname]
 
 

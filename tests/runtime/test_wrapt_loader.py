@@ -146,11 +146,11 @@ def test_with_wrapt_extensions_switched_off_its_python_wrappers_are_loaded(bare_
 # Their ``__init__.py`` raises: the loader must never run it.
 
 import locale  # noqa: E402 - this part's own imports
-import sys  # noqa: E402
-import types  # noqa: E402
+import sys  # noqa: E402 - the in-process tests below import after the subprocess helpers above
+import types  # noqa: E402 - the in-process tests below import after the subprocess helpers above
 
-from npu_shim import _paths  # noqa: E402
-from npu_shim.source import reading  # noqa: E402
+from npu_shim import _paths  # noqa: E402 - the in-process tests below import after the subprocess helpers above
+from npu_shim.source import reading  # noqa: E402 - the in-process tests below import after the subprocess helpers above
 
 PRIVATE = wrapt_loader.PRIVATE_NAME
 FACTS = ("cpython", (3, 11), "x86_64", (2, 36))

@@ -629,14 +629,23 @@ def test_decided_from_inherited_answers_only_where_the_view_reused_them_and_pars
 SCHEDULER = "def run_scheduler_process(server_args, tp_rank, pp_rank, dp_rank):\n    return 'ran'\n"
 
 
-def test_a_scheduler_child_says_its_summary_line_with_its_role_when_its_entry_runs(undecided, monkeypatch):
-    said, writes = [], []
+@pytest.fixture
+def spawned_child(undecided, monkeypatch):
+    """``undecided`` decided as in a spawned child whose start is hooked; the summary lines it says,
+    each with the role it has then."""
+    said = []
     monkeypatch.delitem(sys.modules, "sglang", raising=False)
     monkeypatch.setattr(procinfo, "_noted", None)
     monkeypatch.setattr(summary, "report_all", lambda records: said.append((procinfo.role_label(), records)))
     monkeypatch.setattr(role, "child_unpickling", lambda: True)
     monkeypatch.setattr(role, "when_child_starts", lambda starts, exits: True)
     undecided.decide_all()
+    return said
+
+
+def test_a_scheduler_child_says_its_summary_line_with_its_role_when_its_entry_runs(undecided, spawned_child,
+                                                                                   monkeypatch):
+    said, writes = spawned_child, []
     scheduler = fake_module(role.MODULE, SCHEDULER)
     original = scheduler.run_scheduler_process
     copy = types.ModuleType("sglang.srt.entry")
@@ -654,14 +663,9 @@ def test_a_scheduler_child_says_its_summary_line_with_its_role_when_its_entry_ru
     assert scheduler.run_scheduler_process is original and copy.run_scheduler_process is original
 
 
-def test_any_other_child_notes_its_target_says_its_line_and_writes_its_record_at_once(undecided, monkeypatch):
-    said, writes = [], []
-    monkeypatch.delitem(sys.modules, "sglang", raising=False)
-    monkeypatch.setattr(procinfo, "_noted", None)
-    monkeypatch.setattr(summary, "report_all", lambda records: said.append((procinfo.role_label(), records)))
-    monkeypatch.setattr(role, "child_unpickling", lambda: True)
-    monkeypatch.setattr(role, "when_child_starts", lambda starts, exits: True)
-    undecided.decide_all()
+def test_any_other_child_notes_its_target_says_its_line_and_writes_its_record_at_once(undecided, spawned_child,
+                                                                                      monkeypatch):
+    said, writes = spawned_child, []
     monkeypatch.setattr(state_record, "write", lambda force=False: writes.append(force))
 
     def run_detokenizer_process():

@@ -429,6 +429,23 @@ def test_unreadable_server_args_release_nothing(server, logs):
     assert any("server args cannot be read" in line for line in logs)
 
 
+def test_every_other_reader_is_named_in_the_warning_and_the_status(server, logs, monkeypatch):
+    monkeypatch.setattr(RI, "other_reader_reasons", lambda args: ["speculative decoding (EAGLE)", "a draft model"])
+    for _ in range(2):
+        assert REL.free_allowed("qkv_a") == ("decode", "other readers")
+    assert logs == ["mla_weight_release: releasing nothing: speculative decoding (EAGLE); a draft model"]
+    assert REL.details == {"role": "decode", "skipped": "speculative decoding (EAGLE); a draft model"}
+
+
+def test_a_role_frees_only_the_weights_upstream_frees_in_it(server):
+    """The kinds are the two weights; anything else is a programming error, not a 'no'."""
+    server["role"] = "prefill"
+    assert REL.free_allowed("qkv_a") == ("prefill", None)
+    assert REL.free_allowed("w_kc") == ("prefill", "role prefill")
+    with pytest.raises(KeyError):
+        REL.free_allowed("kv_b")
+
+
 # --------------------------------------------------------------------------- the wrappers
 
 class FakePreprocess:
@@ -591,6 +608,12 @@ class FakeWorker:
 
 for _op in ("update_weights_from_disk", "init_weights_update_group"):
     setattr(FakeWorker, _op, wrapt.FunctionWrapper(getattr(FakeWorker, _op), REL.wrap_weight_update))
+
+
+def test_a_weight_update_called_with_keywords_gets_them_while_nothing_is_released(server):
+    worker = FakeWorker()
+    assert worker.update_weights_from_disk(recv_req="req") == (True, "Succeeded to update model weights.")
+    assert worker.loaded == [("disk", "req")]
 
 
 def test_weight_updates_delegate_untouched_until_a_weight_is_released(server, logs):
@@ -1299,6 +1322,13 @@ def test_w_kc_kept_by_the_role_or_the_route_says_nothing(server, logs):
     assert logs == [] and not RI.is_released(m.w_kc)
 
 
+def test_a_layer_without_w_kc_has_nothing_to_release(server, logs):
+    m = layer(0)
+    m.mla_preprocess = FakePreprocess(m)
+    del m.w_kc
+    assert REL.free_w_kc(m) == 0 and logs == [] and REL.details == {}
+
+
 def test_a_guarded_weight_that_freed_nothing_is_noted_but_not_accounted(server, logs, monkeypatch):
     m = layer(0)
     base = torch.randn(4, 12, 8)
@@ -1374,6 +1404,41 @@ def test_late_layer_whose_preprocessor_is_a_submodule(server):
     assert step([late])[0][0].shape == (2, 16)
     assert RI.is_released(late.w_kc) and RI._LATE not in late.mla_preprocess.__dict__
     assert REL.late == 0 and calls[-1] == "retire"
+
+
+class SlottedPreprocess:
+    """A preprocessor with no ``__dict__`` (no marker can be set on it): the wrapper passes its
+    layer's calls on."""
+    __slots__ = ("prepared", "q_a_proj_weight", "w_kc")
+
+    def __init__(self):
+        self.prepared = True
+        self.q_a_proj_weight = torch.ones(32, 16)
+        self.w_kc = torch.ones(2)
+
+
+def test_a_layer_whose_preprocessor_has_no_dict_is_passed_on(server, logs):
+    m = layer(0)
+    m.mla_preprocess = SlottedPreprocess()
+    out = step([m])[0]
+    assert out[0].shape == (2, 16) and float(out[1]) == 2.0
+    assert not RI.is_released(m.w_kc) and RI._FIRST in m.__dict__ and logs == []
+
+
+def test_a_late_preprocessor_without_a_layer_id_is_named_as_such(server, logs):
+    calls = bind_entry()
+    first = [layer(0)]
+    step(first)
+    step(first)  # the first layer again: the wrapper leaves
+    late = layer(1)
+    late.mla_preprocess = FakePreprocess(late)
+    del late.mla_preprocess.layer_id
+    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)  # the wrapper away: sglang's own
+    assert calls == ["retire", "reinstate"] and REL.late == 1
+    assert [line for line in logs if "first ran" in line or "raised" in line] == [
+        "mla_weight_release: layer ? first ran after the first pass over the layers: npu_mla_preprocess's "
+        "wrapper is back until its w_kc is released"]
+    assert RI.is_released(late.fused_qkv_a_proj_with_mqa.weight) and REL.guarded["qkv_a"] == {0, "?"}
 
 
 def test_errors_are_said_once_per_process_whichever_wrapper_raised(server, logs, monkeypatch):

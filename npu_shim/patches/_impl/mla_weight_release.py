@@ -37,6 +37,11 @@ is_released = tensor_release.is_released
 
 _PREFIX = PATCH.name + ": "  # every line this patch logs starts with its name
 
+# The disaggregation roles in which each weight may go, as upstream's release (sglang#38807)
+# decides: the fused qkv_a weight on prefill and decode, w_kc on decode only; without PD (null),
+# nothing.
+_RELEASED_IN = {"qkv_a": ("prefill", "decode"), "w_kc": ("decode",)}
+
 
 def _log_line(level, message):
     log.log(level, _PREFIX + message)
@@ -125,7 +130,7 @@ class MlaWeightReleaseState:
             return self._skip("role", "the disaggregation role is unknown when the layer decides (%s)"
                               % why, "role unknown: %s" % why, (None, why))
         self.details.update(role=role)
-        if role == "null" or (kind == "w_kc" and role != "decode"):
+        if role not in _RELEASED_IN[kind]:
             return role, "role %s" % role
         try:
             args = server_args()
@@ -235,7 +240,7 @@ class MlaWeightReleaseState:
         """After ``npu_mla_preprocess`` first built ``m.mla_preprocess``: free ``m.w_kc`` (decode)."""
         layer = getattr(m, "layer_id", "?")
         what = "w_kc of layer %s" % layer
-        w_kc = m.__dict__.get("w_kc", getattr(m, "w_kc", None))
+        w_kc = getattr(m, "w_kc", None)
         if w_kc is None or is_released(w_kc):
             return 0
         preprocess = m.mla_preprocess
@@ -264,7 +269,7 @@ class MlaWeightReleaseState:
             # A layer seen before the wrapper retired (a call that had looked the wrapper up
             # before it left, or one made through a copy the runtime does not rebind).
             return wrapped(*args, **kwargs)
-        preprocess = m.__dict__.get("mla_preprocess", getattr(m, "mla_preprocess", None))
+        preprocess = getattr(m, "mla_preprocess", None)
         if preprocess is not None and getattr(preprocess, "__dict__", {}).pop(_LATE, False):
             return self._late_call(wrapped, m, args, kwargs)
         return self._first_calls(wrapped, m, args, kwargs)

@@ -4,8 +4,9 @@ interpreters), and the signals that end a command while they run.
 * Each child starts in a session of its own, so it leads its own process group: killing the group
   takes whatever the child started too (sglang's imports may spawn helpers; pip spawns its own),
   and a terminal's Ctrl-C reaches only the command, whose clean-up then kills the group.
-* The stop signals are held while ``Popen`` runs: one that arrived inside its constructor would
-  raise before the caller had the child to kill (an orphaned pip, before this).
+* A stop signal that comes while ``Popen`` runs waits until it is done: raised inside its
+  constructor, it would leave the caller without the child to kill (an orphaned pip, before this).
+  The child starts with no signal blocked.
 * A child's output is read as bytes and decoded here, what is not UTF-8 shown as ``\\xNN``: a
   module that writes one stray byte must not cost the report.
 * A ``check`` or ``selftest`` child reports on one line of its stdout, a mark and a JSON object
@@ -68,9 +69,9 @@ def on_stop_signals():
 
 def helper_thread(target):
     """A daemon thread running ``target`` with the stop signals and SIGINT blocked in it: the
-    kernel then delivers them to the main thread, whose mask ``hold_signals`` sets (a signal taken
-    by another thread would reach Python's handler only at some later point of the main thread,
-    past the moment ``start`` holds it for)."""
+    kernel then delivers them to the main thread, whose Python handlers run them at once (a
+    signal taken by another thread reaches them only at some later point of the main thread,
+    and ``hold_signals`` would not hold it back)."""
     import threading
 
     def run():
@@ -82,7 +83,8 @@ def helper_thread(target):
 
 def hold_signals():
     """Hold the stop signals and SIGINT until the returned function is called (they are then
-    delivered): what must not stop half-way (a Popen, a swap of directories) runs in between."""
+    delivered): what must not stop half-way (a swap of directories) runs in between.  Never
+    around starting a child, which would inherit the held mask (``start``)."""
     if not hasattr(signal, "pthread_sigmask"):
         return lambda: None
     held = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS) | {signal.SIGINT})
@@ -114,11 +116,22 @@ def python_command(code, *args):
 
 def start(argv, env=None, merge_stderr=False):
     """A ``Popen`` of ``argv`` in its own session, stdin empty, stdout (and stderr, or stderr into
-    stdout) as byte pipes.  A stop signal that came while it started is delivered before this
-    returns, with the child already killed."""
+    stdout) as byte pipes.  A stop signal or Ctrl-C that came while it started is delivered before
+    this returns, with the child already killed.
+
+    Such a signal is deferred by a handler that notes it, not by blocking it: a child inherits the
+    signal mask across ``fork`` and ``exec``, and one started with the stop signals blocked (pip,
+    sglang's helpers, whatever they start) could not be stopped by them."""
     import subprocess
 
-    release = hold_signals()
+    came = []
+    previous = {}
+    try:
+        for signum in STOP_SIGNALS + (signal.SIGINT,):
+            if signal.getsignal(signum) is not None:  # None: a handler Python cannot put back
+                previous[signum] = signal.signal(signum, lambda signum, _frame: came.append(signum))
+    except ValueError:  # not the main thread, where no Python handler runs anyway
+        pass
     proc = None
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -126,7 +139,10 @@ def start(argv, env=None, merge_stderr=False):
                                 env=env, start_new_session=True)
     finally:
         try:
-            release()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            for signum in came:  # to its own handler now: Stopped, KeyboardInterrupt, or ignored
+                signal.raise_signal(signum)
         except BaseException:
             if proc is not None:
                 stop(proc)

@@ -115,6 +115,43 @@ def test_a_stop_signal_inside_popen_is_delivered_once_the_child_can_be_killed():
     assert json.loads(out.stdout) == {"caught": ["SIGTERM", 143], "child": -signal.SIGKILL}, out.stderr
 
 
+def _blocked_signals(text):
+    mask = int(next(line for line in text.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+    return {signum for signum in range(1, 65) if mask >> (signum - 1) & 1}
+
+
+def test_a_child_starts_with_no_signal_blocked():
+    """Before the fix ``start`` blocked the stop signals around ``Popen`` and every child inherited
+    the mask: pip, a check or selftest child and all they started ignored SIGTERM, SIGHUP, SIGINT."""
+    code, out, _err = children.run([sys.executable, "-c", "print(open('/proc/self/status').read())"], 60)
+    assert code == 0 and _blocked_signals(out) == set()
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == set()  # nor is anything left blocked here
+
+
+IGNORED_SIGINT_IN_POPEN = """
+import json, os, signal, subprocess
+from npu_shim.cli import children
+real_init = subprocess.Popen.__init__
+def init(self, *args, **kwargs):
+    real_init(self, *args, **kwargs)
+    os.kill(os.getpid(), signal.SIGINT)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+subprocess.Popen.__init__ = init
+proc = children.start(["sleep", "60"])
+alive = proc.poll() is None
+children.stop(proc)
+print(json.dumps({"alive": alive, "sigint": signal.getsignal(signal.SIGINT) == signal.SIG_IGN}))
+"""
+
+
+def test_a_signal_this_command_ignores_stays_ignored_while_a_child_starts():
+    """Started in the background by a shell, a command ignores SIGINT: a Ctrl-C meant for the
+    foreground that lands inside ``Popen`` must not stop it."""
+    out = subprocess.run([sys.executable, "-c", IGNORED_SIGINT_IN_POPEN], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=REPO), timeout=60)
+    assert json.loads(out.stdout) == {"alive": True, "sigint": True}, out.stderr
+
+
 def test_helper_threads_leave_the_stop_signals_to_the_main_thread():
     seen = []
     thread = children.helper_thread(lambda: seen.append(signal.pthread_sigmask(signal.SIG_BLOCK, set())))

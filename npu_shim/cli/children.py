@@ -195,11 +195,12 @@ def decode(data):
 def run(argv, timeout, env=None, merge_stderr=False):
     """(exit status, stdout, stderr) of ``argv`` run to its end, its process group killed on every
     way out (the child done, ``timeout`` passed: ``subprocess.TimeoutExpired``, a signal)."""
+    readers = []
     proc = start(argv, env=env, merge_stderr=merge_stderr)
-    pipes = [pipe for pipe in (proc.stdout, proc.stderr) if pipe is not None]
-    read = {pipe: [] for pipe in pipes}
-    readers = [helper_thread(lambda pipe=pipe: read[pipe].append(pipe.read())) for pipe in pipes]
-    try:
+    try:  # at once: a signal that comes while the readers are made must find the child killed
+        pipes = [pipe for pipe in (proc.stdout, proc.stderr) if pipe is not None]
+        read = {pipe: [] for pipe in pipes}
+        readers = [helper_thread(lambda pipe=pipe: read[pipe].append(pipe.read())) for pipe in pipes]
         for reader in readers:
             reader.start()
         wait(proc, timeout)
@@ -208,8 +209,9 @@ def run(argv, timeout, env=None, merge_stderr=False):
         for reader in readers:
             if reader.ident is not None:
                 reader.join(5)
-        for pipe in pipes:
-            pipe.close()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
     return (proc.returncode, decode(b"".join(read[proc.stdout])),
             decode(b"".join(read[proc.stderr])) if proc.stderr is not None else "")
 

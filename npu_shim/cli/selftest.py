@@ -156,9 +156,7 @@ def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
     from npu_shim.cli import children
     from npu_shim.cli import selftest_child as child
 
-    proc = children.start(children.python_command(CHILD_CODE, stage, json.dumps(options)),
-                          env=child_env())
-    lines, errors, last = [], [], ["starting"]
+    lines, errors, last, readers = [], [], ["starting"], []
 
     def read_out():
         for raw in proc.stdout:
@@ -171,8 +169,10 @@ def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
     def read_err():
         errors.extend(children.decode(raw) for raw in proc.stderr)
 
-    readers = [children.helper_thread(read_out), children.helper_thread(read_err)]
-    try:
+    proc = children.start(children.python_command(CHILD_CODE, stage, json.dumps(options)),
+                          env=child_env())
+    try:  # at once: a signal that comes while the readers are made must find the child killed
+        readers = [children.helper_thread(read_out), children.helper_thread(read_err)]
         for reader in readers:
             reader.start()
         try:

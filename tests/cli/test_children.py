@@ -152,6 +152,46 @@ def test_a_signal_this_command_ignores_stays_ignored_while_a_child_starts():
     assert json.loads(out.stdout) == {"alive": True, "sigint": True}, out.stderr
 
 
+# A SIGTERM that lands while the readers of a just-started child are being made (``CALL`` runs
+# the child; ``children.python_command`` is made to start a sleeper).
+SIGNAL_WHILE_READERS_ARE_MADE = """
+import json, os, signal, subprocess, sys
+from npu_shim.cli import children
+real_init = subprocess.Popen.__init__
+made = []
+def init(self, *args, **kwargs):
+    real_init(self, *args, **kwargs)
+    made.append(self)
+real_helper_thread = children.helper_thread
+def helper_thread(target):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real_helper_thread(target)
+children.on_stop_signals()
+subprocess.Popen.__init__ = init
+children.helper_thread = helper_thread
+children.python_command = lambda *args: [sys.executable, "-c", "import time; time.sleep(60)"]
+try:
+    CALL
+    caught = None
+except children.Stopped as exc:
+    caught = exc.name
+print(json.dumps({"caught": caught, "child": made[0].returncode}))
+"""
+
+
+def signal_while_readers_are_made(call):
+    out = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_READERS_ARE_MADE.replace("CALL", call)],
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=60)
+    return json.loads(out.stdout) if out.stdout else out.stderr
+
+
+def test_a_stop_signal_while_the_readers_are_made_finds_the_child_killed():
+    """Before the fix ``run`` made its reader threads between ``start`` and its ``try``: a signal
+    there left the child running."""
+    assert signal_while_readers_are_made("children.run(children.python_command(), 60)") == {
+        "caught": "SIGTERM", "child": -signal.SIGKILL}
+
+
 def test_helper_threads_leave_the_stop_signals_to_the_main_thread():
     seen = []
     thread = children.helper_thread(lambda: seen.append(signal.pthread_sigmask(signal.SIG_BLOCK, set())))

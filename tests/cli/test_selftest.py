@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -823,3 +824,12 @@ def test_any_command_line_is_read_without_an_exception(argv, data, tmp_path_fact
     (proc / "7" / "fd").write_text("")
     found = selftest.sglang_processes(str(proc))
     assert found in ([], [(7, found[0][1] if found else None)])
+
+
+def test_a_stop_signal_while_the_stage_readers_are_made_finds_the_child_killed():
+    """Before the fix ``run_stage`` made its reader threads between starting the child and its
+    ``try``: a signal there left the selftest child running on the device."""
+    from test_children import signal_while_readers_are_made
+
+    call = "from npu_shim.cli import selftest; selftest.run_stage('main', {}, 1e12, print)"
+    assert signal_while_readers_are_made(call) == {"caught": "SIGTERM", "child": -signal.SIGKILL}

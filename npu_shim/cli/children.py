@@ -23,7 +23,14 @@ import os
 import signal
 import sys
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # a kill, a closed ssh session
+# The signals that end a process by default, besides Ctrl-C (SIGINT: Python's KeyboardInterrupt),
+# that a kill, a terminal (Ctrl-\: SIGQUIT), a closed ssh session, a batch system, a timer or a
+# resource limit send: each stops the command with its children.  Not SIGKILL (it cannot be
+# caught), nor the faults of the process itself (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT, SIGTRAP,
+# SIGSYS), nor SIGPIPE and SIGXFSZ (Python ignores them: the write fails instead).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in (
+    "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGXCPU",
+    "SIGIO", "SIGPWR", "SIGSTKFLT") if hasattr(signal, name))
 
 
 class Stopped(BaseException):
@@ -50,14 +57,17 @@ def signal_name(exc):
 
 def on_stop_signals():
     """Make the stop signals raise ``Stopped`` until the returned function is called (which puts
-    the previous handlers back).  Outside the main thread nothing can be set: a no-op."""
+    the previous handlers back).  A signal this process ignores stays ignored (``nohup`` ignores
+    SIGHUP so that a closed session leaves the command running).  Outside the main thread nothing
+    can be set: a no-op."""
     def handler(signum, _frame):
         raise Stopped(signum)
 
     previous = {}
     try:
         for signum in STOP_SIGNALS:
-            previous[signum] = signal.signal(signum, handler)
+            if signal.getsignal(signum) == signal.SIG_DFL:
+                previous[signum] = signal.signal(signum, handler)
     except ValueError:  # not the main thread
         pass
 
@@ -128,7 +138,7 @@ def start(argv, env=None, merge_stderr=False):
     previous = {}
     try:
         for signum in STOP_SIGNALS + (signal.SIGINT,):
-            if signal.getsignal(signum) is not None:  # None: a handler Python cannot put back
+            if callable(signal.getsignal(signum)):  # one that would raise (not ignored, not a default)
                 previous[signum] = signal.signal(signum, lambda signum, _frame: came.append(signum))
     except ValueError:  # not the main thread, where no Python handler runs anyway
         pass
@@ -141,7 +151,7 @@ def start(argv, env=None, merge_stderr=False):
         try:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-            for signum in came:  # to its own handler now: Stopped, KeyboardInterrupt, or ignored
+            for signum in came:  # to its own handler now: Stopped or KeyboardInterrupt
                 signal.raise_signal(signum)
         except BaseException:
             if proc is not None:
@@ -256,8 +266,8 @@ def find_report(out, mark, keys=()):
 
 
 def stoppable(command, body, gone):
-    """``body()``'s exit status, with SIGTERM and SIGHUP raising (npu_shim/cli/py) so
-    that the clean-up of every child runs, as for Ctrl-C; stopped: one line saying so (``gone``:
+    """``body()``'s exit status, with the stop signals raising (``on_stop_signals``) so that the
+    clean-up of every child runs, as for Ctrl-C; stopped: one line saying so (``gone``:
     what the clean-up removed) and 128 + the signal, as a shell reports it."""
     restore = on_stop_signals()
     try:

@@ -124,11 +124,9 @@ def test_a_stray_grandchild_of_the_check_child_is_gone_with_it(tree, tmp_path):
 from test_children import alive as _alive  # noqa: E402 - one /proc reader for the cli tests
 
 
-@pytest.mark.parametrize("signame", ["SIGHUP", "SIGTERM", "SIGINT"])
-def test_a_stop_signal_ends_check_with_its_child_gone(tree, tmp_path, signame):
-    """A closed ssh session (SIGHUP), a kill, Ctrl-C: before the fix SIGHUP and SIGTERM ended the
-    parent at once and left the check child (and what it started) running."""
-    import signal
+def _check_with_a_sleeping_child(tree, tmp_path, prefix=()):
+    """``check`` (after ``prefix``: ``nohup``) whose child sleeps in an sglang import: (the
+    command's Popen, the file the child's pid is written to once it sleeps)."""
     import time
 
     pid_file = tmp_path / "child.pid"
@@ -138,13 +136,24 @@ def test_a_stop_signal_ends_check_with_its_child_gone(tree, tmp_path, signame):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_", "PYTHON"))}
     full_env.update({"PYTHONPATH": os.pathsep.join([REPO, str(tree / "image"), str(tree / "pkgs")]),
                      "CHAIN_MARKER": str(tree / "marker"), "PYTHONDONTWRITEBYTECODE": "1"})
-    proc = subprocess.Popen([sys.executable, "-m", "npu_shim", "check"], cwd=str(tree), env=full_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(list(prefix) + [sys.executable, "-m", "npu_shim", "check"], cwd=str(tree),
+                            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.1)
+    return proc, pid_file
+
+
+@pytest.mark.parametrize("signame", ["SIGHUP", "SIGTERM", "SIGINT", "SIGQUIT", "SIGUSR1", "SIGALRM"])
+def test_a_stop_signal_ends_check_with_its_child_gone(tree, tmp_path, signame):
+    """A closed ssh session (SIGHUP), a kill, Ctrl-C, Ctrl-\\ (SIGQUIT), a batch system's or a
+    timer's signal: before the fixes SIGHUP and SIGTERM, then SIGQUIT, SIGUSR1 and SIGALRM ended
+    the parent at once and left the check child (and what it started) running."""
+    import signal
+
+    proc, pid_file = _check_with_a_sleeping_child(tree, tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while not pid_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.1)
         proc.send_signal(getattr(signal, signame))
         _out, err = proc.communicate(timeout=30)
         assert proc.returncode == 128 + getattr(signal, signame), err
@@ -154,6 +163,31 @@ def test_a_stop_signal_ends_check_with_its_child_gone(tree, tmp_path, signame):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if pid_file.exists() and _alive(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_signal_ignored_by_nohup_does_not_stop_check(tree, tmp_path):
+    """``nohup`` ignores SIGHUP so that a closed ssh session leaves the command running: before
+    the fix ``check``'s own handler took SIGHUP over and stopped all the same."""
+    import signal
+
+    proc, pid_file = _check_with_a_sleeping_child(tree, tmp_path, prefix=["nohup"])
+    try:
+        proc.send_signal(signal.SIGHUP)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.communicate(timeout=2)
+        assert proc.poll() is None and _alive(int(pid_file.read_text()))
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        assert not _alive(int(pid_file.read_text()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if pid_file.exists() and _alive(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 # -- property: whatever a child prints -------------------------------------------------------------

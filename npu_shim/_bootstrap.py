@@ -26,13 +26,14 @@ is_npu_shim_watcher = True  # what find_package_dir skips (asking it would activ
 _saw_sglang = False  # the first ``import sglang`` went past (the shim activated, or said off)
 _says_off_only = False  # NPU_SHIM_ENABLED=0: only say so when sglang is imported
 _hand_on_to = None  # the active shim's finder's find_spec, once activated through this watcher
+_looking = set()  # the threads asking the other finders whether sglang is there (findable)
 
 
 def find_spec(fullname, path=None, target=None):
     global _saw_sglang
     if _saw_sglang:
         return None if _hand_on_to is None else _hand_on_to(fullname, path, target)
-    if fullname != "sglang":
+    if fullname != "sglang" or not findable(fullname, path, target):
         return None
     # Stay in sys.meta_path: the import system is iterating that list right now, and removing an
     # entry would make it skip the finder after us (editable installs live there).
@@ -46,6 +47,29 @@ def find_spec(fullname, path=None, target=None):
 
     activation.RUNTIME.activate_guarded(WATCHER)
     return None  # let the normal finders import sglang
+
+
+def findable(fullname, path, target):
+    # Whether a finder after us finds ``fullname``: a process where ``import sglang`` fails (no
+    # sglang in this Python: ``try: import sglang``) activates nothing and says nothing, and a
+    # later import that finds it still activates.  A finder that raises, or one without find_spec,
+    # is left to the import system (activate, as it may find it).  A lookup this one causes in the
+    # same thread (a finder asking importlib about sglang) is answered "no" here, not recursed.
+    me = sys.modules["_thread"].get_ident()
+    if me in _looking:
+        return False
+    _looking.add(me)
+    try:
+        for finder in list(sys.meta_path):
+            if finder is WATCHER:
+                continue
+            if getattr(finder, "find_spec", None) is None or finder.find_spec(fullname, path, target) is not None:
+                return True
+        return False
+    except Exception:  # noqa: BLE001 - the import system asks that finder next and sees the same
+        return True
+    finally:
+        _looking.discard(me)
 
 
 def arm():

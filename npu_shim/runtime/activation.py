@@ -215,7 +215,8 @@ class Runtime:
 
     # -- applying
     def watches(self, name):
-        """A hooked module of a process that decided (the finder re-applies it after a reload)."""
+        """A hooked module of a process that decided (the finder re-applies it after a reload or
+        an import again)."""
         return name in self.hooked and self.records is not None
 
     def apply_module(self, module, imported_before=None):
@@ -304,8 +305,9 @@ class Runtime:
         return True
 
     def reapply_after_reload(self, module):
-        """Re-apply the patches to a hooked module's code after ``importlib.reload`` ran it (the
-        finder's loader calls this); a failure is logged, not raised, unless it is the shim's own."""
+        """Re-apply the patches to a hooked module's code after ``importlib.reload`` ran it, or
+        after it was imported again once it had left ``sys.modules`` (the finder's loader calls
+        this); a failure is logged, not raised, unless it is the shim's own."""
         try:
             with self.lock:
                 if self.records is not None:

@@ -14,7 +14,8 @@ import with a dict lookup or two:
   loader's ``load_module``); each hook runs once.  A module that fails to import runs none and
   keeps them waiting; a hook for a module imported already runs at once;
 * ``importlib.reload`` of a hooked module (reload passes the module as ``target``, an import
-  does not): the new code runs, then the runtime re-applies the patches to it.
+  does not), or an import again of one whose hooks ran, once it left ``sys.modules`` (a new
+  module object): the new code runs, then the runtime re-applies the patches to it.
 
 Hooks run outside the finder's lock, with the module's import lock held by the import system
 (so a hook may import other hooked modules).
@@ -31,6 +32,7 @@ class ShimFinder:
         self._hooks = {}         # {module name: [hook(module), ...]} waiting for its import
         self._lock = threading.Lock()
         self._finding = set()    # (thread, module name) being looked up through the other finders
+        self._ran = set()        # the modules whose hooks ran
         self.watcher = None      # the start-up watcher that hands imports on to this finder
 
     def register(self, name, hook):
@@ -40,6 +42,7 @@ class ShimFinder:
             if module is None:
                 self._hooks.setdefault(name, []).append(hook)
                 return
+            self._ran.add(name)
         hook(module)
 
     def waiting(self):
@@ -48,8 +51,10 @@ class ShimFinder:
             return sorted(self._hooks)
 
     def run_hooks(self, module):
+        name = getattr(module, "__name__", None)
         with self._lock:
-            hooks = self._hooks.pop(getattr(module, "__name__", None), ())
+            hooks = self._hooks.pop(name, ())
+            self._ran.add(name)
         for hook in hooks:
             hook(module)
 
@@ -72,7 +77,9 @@ class ShimFinder:
     def find_spec(self, fullname, path=None, target=None):
         if fullname in self._hooks:
             after = self.run_hooks
-        elif target is not None and self._watches(fullname):
+        elif (target is not None or fullname in self._ran) and self._watches(fullname):
+            # A reload, or an import again of a module whose hooks ran: it left sys.modules (a
+            # purge, ``mock.patch.dict(sys.modules)``), and its new module object gets the patches.
             after = self._reapply
         else:
             return None

@@ -240,6 +240,24 @@ def test_reload_reapplies_and_does_not_run_the_hooks_again(hooks):
     assert type(hk_reloaded.__spec__.loader).__name__ == "SourceFileLoader"
 
 
+@pytest.mark.parametrize("imported_first", [False, True])
+def test_a_hooked_module_imported_again_after_it_left_sys_modules_is_reapplied(hooks, imported_first):
+    """A module whose hooks ran (at its import, or at once for one imported before), taken out
+    of sys.modules (a purge, ``mock.patch.dict``) and imported again, is a new module object with
+    the original code: before the fix the finder looked only at reloads and the new module
+    stayed unpatched while the states said applied."""
+    _write(hooks, "hk_again.py", "X = 1\n")
+    fired = []
+    if imported_first:
+        importlib.import_module("hk_again")
+    hooks.register("hk_again", lambda module: fired.append(module))
+    first = importlib.import_module("hk_again")
+    del sys.modules["hk_again"]
+    again = importlib.import_module("hk_again")
+    assert again is not first and fired == [first] and hooks.reapplied == [again]
+    assert type(again.__spec__.loader).__name__ == "SourceFileLoader"
+
+
 class LegacyLoader:
     """A loader from before exec_module: ``load_module`` only."""
 

@@ -36,6 +36,29 @@ def test_reload_into_code_the_shim_does_not_know_reverts_and_says_so(tree):
     assert "] demo: failed (while patching sglang.srt.utils.common" in proc.stderr
 
 
+def test_a_module_imported_again_after_it_left_sys_modules_is_patched_and_uninstall_restores_it(tree):
+    """sglang's modules taken out of sys.modules after the first import (a purge) and imported
+    again are new module objects.  Before the fix they kept the original code (1000, no
+    ``patched``) while ``states()`` said applied."""
+    proc = run(tree, """
+        import json, sys
+        import npu_shim
+        from sglang.srt.utils import common as first
+        for name in [name for name in sys.modules if name.split(".")[0] == "sglang"]:
+            del sys.modules[name]
+        from sglang.srt.utils import common
+        out = {"new": common is not first, "value": common.get_npu_memory_capacity(),
+               "init": getattr(common.Scheduler(None, 0), "patched", False),
+               "state": npu_shim.states()["demo"]["state"]}
+        npu_shim.uninstall()
+        out["restored"] = [common.get_npu_memory_capacity(), first.get_npu_memory_capacity()]
+        print(json.dumps(out))
+    """)
+    assert last_json(proc) == {"new": True, "value": 1001, "init": True, "state": "applied",
+                               "restored": [1000, 1000]}
+    assert proc.stderr.count("demo=applied") == 1
+
+
 def test_uninstall_after_reload_restores_the_reloaded_code(tree):
     proc = run(tree, """
         import importlib, json, sys, npu_shim

@@ -126,8 +126,26 @@ class InheritedView(SourceView):
                 "files": self.files, "answers": self.answers}
 
 
+def _answer_fits(kind, answer):
+    """An answer of the shape this format gives to a question of ``kind``."""
+    if kind != "function":
+        return kind in ("module", "has", "contains") and isinstance(answer, bool)
+    return answer is None or (
+        type(answer) is list and len(answer) == 3 and type(answer[0]) is list
+        and all(isinstance(param, str) for param in answer[0])
+        and (answer[1] is None or isinstance(answer[1], str)) and type(answer[2]) is int)
+
+
+def _well_formed(record):
+    """The record's version, answers and files have the shapes this format writes."""
+    version, answers, files = record.get("version"), record.get("answers", {}), record.get("files", {})
+    if not (version is None or isinstance(version, str)) or type(answers) is not dict or type(files) is not dict:
+        return False
+    return all(_answer_fits(key.partition("|")[0], answer) for key, answer in answers.items())
+
+
 def _still_valid(record, package_dir):
-    if record.get("format") != FORMAT or record.get("dir") != package_dir:
+    if record.get("format") != FORMAT or record.get("dir") != package_dir or not _well_formed(record):
         return False
     for dotted, identities in record.get("files", {}).items():
         if _identities(package_dir, dotted) != identities:

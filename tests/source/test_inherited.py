@@ -91,6 +91,32 @@ def test_anything_odd_in_the_variable_means_reading_the_source(tree, raw):
     assert decide_all(view)["zbal"][0] == "applied"
 
 
+@pytest.mark.parametrize("odd", [
+    {"version": [1]}, {"version": 5}, {"answers": []}, {"files": []},
+    {"answers": {"function|sglang.srt.utils.common|get_npu_memory_capacity": 5}},
+    {"answers": {"function|sglang.srt.utils.common|f": [[1], None, 3]}},
+    {"answers": {"function|sglang.srt.utils.common|f": [["x"], 7, 3]}},
+    {"answers": {"function|sglang.srt.utils.common|f": [["x"], None, "3"]}},
+    {"answers": {"function|sglang.srt.utils.common|f": [["x"], None]}},
+    {"answers": {"has|sglang.srt.utils.common|f": {"a": 1}}},
+    {"answers": {"module|sglang.srt.utils": 1}},
+    {"answers": {"whatever|sglang.srt.utils": True}},
+])
+def test_a_record_of_this_tree_and_format_with_odd_contents_means_reading_the_source(tree, odd):
+    """A record that names this directory and format but holds what no shim writes (a hand-made
+    or damaged ``NPU_SHIM_SOURCE_ANSWERS``) is not used.  Before the fix it was: a version that is
+    no text printed a logging traceback at the summary line, and an answer of another shape made
+    deciding raise (the patch ``failed``; a patch asked for stopped the process)."""
+    record = dict({"format": inherited.FORMAT, "dir": tree, "version": "0.5.11", "files": {}, "answers": {}},
+                  **odd)
+    view = inherited.view(tree, environ={inherited.ENV: json.dumps(record)})
+    assert not view.reused and view.answers == {} and view.version == "0.5.11"
+    assert decide_all(view)["zbal"][0] == "applied"
+    assert inherited.view(tree, environ={inherited.ENV: json.dumps(dict(record, version="0.5.11", answers={
+        "function|sglang.srt.utils.common|f": [["x"], None, 3], "has|sglang.srt.utils.common|f": True,
+        "module|sglang.srt.utils": False, "contains|sglang.srt.utils|0123": True}, files={}))}).reused
+
+
 def test_another_sglang_directory_does_not_use_the_record(tree, tmp_path):
     _states, environ = parent(tree)
     assert not inherited.view(str(tmp_path), environ=environ).reused

@@ -236,7 +236,7 @@ time.sleep(300)
 """
 
 
-from test_children import alive as _alive  # noqa: E402 - one /proc reader for the cli tests
+from test_children import alive as _alive, as_from_a_terminal  # noqa: E402 - shared by the cli tests
 
 
 # -- check: the bundle is verified first ------------------------------------------------------------
@@ -462,8 +462,8 @@ def _stopped_during_pip(tmp_path, send, wrapper=WRAPPER):
     slow_pip.write_text(SLOW_PIP)
     pid_file, parent = tmp_path / "pip.pid", tmp_path / "target"
     parent.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", wrapper, str(slow_pip), "bundle",
-                             str(parent / "npu-shim")] + FAST, cwd=REPO,
+    proc = subprocess.Popen(as_from_a_terminal([sys.executable, "-c", wrapper, str(slow_pip), "bundle",
+                                                str(parent / "npu-shim")] + FAST), cwd=REPO,
                             env=dict(os.environ, PYTHONPATH=REPO, SLOW_PIP_PID=str(pid_file)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

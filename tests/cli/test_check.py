@@ -121,7 +121,7 @@ def test_a_stray_grandchild_of_the_check_child_is_gone_with_it(tree, tmp_path):
     assert not _alive(int(pid_file.read_text()))
 
 
-from test_children import alive as _alive  # noqa: E402 - one /proc reader for the cli tests
+from test_children import alive as _alive, as_from_a_terminal  # noqa: E402 - shared by the cli tests
 
 
 def _check_with_a_sleeping_child(tree, tmp_path, prefix=()):
@@ -136,8 +136,8 @@ def _check_with_a_sleeping_child(tree, tmp_path, prefix=()):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "SGLANG_", "PYTHON"))}
     full_env.update({"PYTHONPATH": os.pathsep.join([REPO, str(tree / "image"), str(tree / "pkgs")]),
                      "CHAIN_MARKER": str(tree / "marker"), "PYTHONDONTWRITEBYTECODE": "1"})
-    proc = subprocess.Popen(list(prefix) + [sys.executable, "-m", "npu_shim", "check"], cwd=str(tree),
-                            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(as_from_a_terminal(list(prefix) + [sys.executable, "-m", "npu_shim", "check"]),
+                            cwd=str(tree), env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not pid_file.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)

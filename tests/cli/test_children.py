@@ -85,6 +85,21 @@ def test_run_past_its_timeout_raises_with_the_group_gone(tmp_path):
     assert time.monotonic() - started < 10
 
 
+# A command as a terminal starts it, every stop signal at its default: the test run itself may
+# have been started with some ignored (``nohup``: SIGHUP; a shell's ``&``: SIGINT, SIGQUIT), which a
+# command inherits and keeps -- and which it must keep, so its stop tests start it this way.
+_DEFAULT_SIGNALS_THEN_EXEC = """
+import os, signal, sys
+for signum in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
+    signal.signal(signum, signal.SIG_DFL)
+os.execvp(sys.argv[1], sys.argv[1:])
+"""
+
+
+def as_from_a_terminal(argv):
+    return [sys.executable, "-I", "-S", "-c", _DEFAULT_SIGNALS_THEN_EXEC] + list(argv)
+
+
 # In a process of its own: there the main thread is the only one, as in the commands (a thread the
 # test runner keeps could take the signal instead; the commands' own threads block it).
 SIGNAL_IN_POPEN = """

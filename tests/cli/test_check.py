@@ -2,6 +2,7 @@
 ``print_report`` makes of it (the command itself, against bundles and bare venvs:
 tests/test_drop_in.py)."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -124,9 +125,11 @@ def test_a_stray_grandchild_of_the_check_child_is_gone_with_it(tree, tmp_path):
 from test_children import alive as _alive, as_from_a_terminal  # noqa: E402 - shared by the cli tests
 
 
+@contextlib.contextmanager
 def _check_with_a_sleeping_child(tree, tmp_path, prefix=()):
     """``check`` (after ``prefix``: ``nohup``) whose child sleeps in an sglang import: (the
-    command's Popen, the file the child's pid is written to once it sleeps)."""
+    command's Popen, the file the child's pid is written to once it sleeps); both killed after."""
+    import signal
     import time
 
     pid_file = tmp_path / "child.pid"
@@ -138,11 +141,18 @@ def _check_with_a_sleeping_child(tree, tmp_path, prefix=()):
                      "CHAIN_MARKER": str(tree / "marker"), "PYTHONDONTWRITEBYTECODE": "1"})
     proc = subprocess.Popen(as_from_a_terminal(list(prefix) + [sys.executable, "-m", "npu_shim", "check"]),
                             cwd=str(tree), env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not pid_file.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    time.sleep(0.1)
-    return proc, pid_file
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        time.sleep(0.1)
+        yield proc, pid_file
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if pid_file.exists() and _alive(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 @pytest.mark.parametrize("signame", ["SIGHUP", "SIGTERM", "SIGINT", "SIGQUIT", "SIGUSR1", "SIGALRM"])
@@ -152,19 +162,12 @@ def test_a_stop_signal_ends_check_with_its_child_gone(tree, tmp_path, signame):
     the parent at once and left the check child (and what it started) running."""
     import signal
 
-    proc, pid_file = _check_with_a_sleeping_child(tree, tmp_path)
-    try:
+    with _check_with_a_sleeping_child(tree, tmp_path) as (proc, pid_file):
         proc.send_signal(getattr(signal, signame))
         _out, err = proc.communicate(timeout=30)
         assert proc.returncode == 128 + getattr(signal, signame), err
         assert err == "npu-shim check: stopped by %s; its child process group is gone\n" % signame, err
         assert not _alive(int(pid_file.read_text()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if pid_file.exists() and _alive(int(pid_file.read_text())):
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def test_a_signal_ignored_by_nohup_does_not_stop_check(tree, tmp_path):
@@ -172,8 +175,7 @@ def test_a_signal_ignored_by_nohup_does_not_stop_check(tree, tmp_path):
     the fix ``check``'s own handler took SIGHUP over and stopped all the same."""
     import signal
 
-    proc, pid_file = _check_with_a_sleeping_child(tree, tmp_path, prefix=["nohup"])
-    try:
+    with _check_with_a_sleeping_child(tree, tmp_path, prefix=["nohup"]) as (proc, pid_file):
         proc.send_signal(signal.SIGHUP)
         with pytest.raises(subprocess.TimeoutExpired):
             proc.communicate(timeout=2)
@@ -182,12 +184,6 @@ def test_a_signal_ignored_by_nohup_does_not_stop_check(tree, tmp_path):
         _out, err = proc.communicate(timeout=30)
         assert proc.returncode == 128 + signal.SIGTERM, err
         assert not _alive(int(pid_file.read_text()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if pid_file.exists() and _alive(int(pid_file.read_text())):
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 # -- property: whatever a child prints -------------------------------------------------------------

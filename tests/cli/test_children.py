@@ -100,21 +100,32 @@ def as_from_a_terminal(argv):
     return [sys.executable, "-I", "-S", "-c", _DEFAULT_SIGNALS_THEN_EXEC] + list(argv)
 
 
-# In a process of its own: there the main thread is the only one, as in the commands (a thread the
-# test runner keeps could take the signal instead; the commands' own threads block it).
-SIGNAL_IN_POPEN = """
+# In a process of its own (there the main thread is the only one, as in the commands: a thread the
+# test runner keeps could take the signal instead; the commands' own threads block it): SIGTERM
+# sent to itself at one moment of starting a child -- inside ``Popen``'s constructor once the child
+# exists (at "popen"), or while the readers of a started child are made (at "readers") -- while
+# ``call`` starts a sleeper (``children.python_command`` is made to give one).  What was caught,
+# and how the child ended.
+SIGTERM_WHILE_A_CHILD_STARTS = """
 import json, os, signal, subprocess, sys
 from npu_shim.cli import children
-real_init = subprocess.Popen.__init__
+real_init, real_helper_thread = subprocess.Popen.__init__, children.helper_thread
 made = []
 def init(self, *args, **kwargs):
     real_init(self, *args, **kwargs)
     made.append(self)
-    os.kill(os.getpid(), signal.SIGTERM)
+    if %(at)r == "popen":
+        os.kill(os.getpid(), signal.SIGTERM)
+def helper_thread(target):
+    if %(at)r == "readers":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_helper_thread(target)
 children.on_stop_signals()
 subprocess.Popen.__init__ = init
+children.helper_thread = helper_thread
+children.python_command = lambda *args: [sys.executable, "-c", "import time; time.sleep(60)"]
 try:
-    children.start([sys.executable, "-c", "import time; time.sleep(60)"])
+    %(call)s
     caught = None
 except children.Stopped as exc:
     caught = [exc.name, children.exit_status(exc)]
@@ -122,12 +133,17 @@ print(json.dumps({"caught": caught, "child": made[0].returncode}))
 """
 
 
+def sigterm_while_a_child_starts(at, call):
+    out = subprocess.run([sys.executable, "-c", SIGTERM_WHILE_A_CHILD_STARTS % {"at": at, "call": call}],
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=60)
+    return json.loads(out.stdout) if out.stdout else out.stderr
+
+
 def test_a_stop_signal_inside_popen_is_delivered_once_the_child_can_be_killed():
-    """SIGTERM arriving while ``Popen``'s constructor runs: held until ``start`` has the child,
+    """SIGTERM arriving while ``Popen``'s constructor runs: noted until ``start`` has the child,
     then ``Stopped`` -- with the child already killed, never orphaned."""
-    out = subprocess.run([sys.executable, "-c", SIGNAL_IN_POPEN], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=REPO), timeout=60)
-    assert json.loads(out.stdout) == {"caught": ["SIGTERM", 143], "child": -signal.SIGKILL}, out.stderr
+    assert sigterm_while_a_child_starts("popen", "children.start(children.python_command())") == {
+        "caught": ["SIGTERM", 143], "child": -signal.SIGKILL}
 
 
 def _blocked_signals(text):
@@ -167,44 +183,11 @@ def test_a_signal_this_command_ignores_stays_ignored_while_a_child_starts():
     assert json.loads(out.stdout) == {"alive": True, "sigint": True}, out.stderr
 
 
-# A SIGTERM that lands while the readers of a just-started child are being made (``CALL`` runs
-# the child; ``children.python_command`` is made to start a sleeper).
-SIGNAL_WHILE_READERS_ARE_MADE = """
-import json, os, signal, subprocess, sys
-from npu_shim.cli import children
-real_init = subprocess.Popen.__init__
-made = []
-def init(self, *args, **kwargs):
-    real_init(self, *args, **kwargs)
-    made.append(self)
-real_helper_thread = children.helper_thread
-def helper_thread(target):
-    os.kill(os.getpid(), signal.SIGTERM)
-    return real_helper_thread(target)
-children.on_stop_signals()
-subprocess.Popen.__init__ = init
-children.helper_thread = helper_thread
-children.python_command = lambda *args: [sys.executable, "-c", "import time; time.sleep(60)"]
-try:
-    CALL
-    caught = None
-except children.Stopped as exc:
-    caught = exc.name
-print(json.dumps({"caught": caught, "child": made[0].returncode}))
-"""
-
-
-def signal_while_readers_are_made(call):
-    out = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_READERS_ARE_MADE.replace("CALL", call)],
-                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=60)
-    return json.loads(out.stdout) if out.stdout else out.stderr
-
-
 def test_a_stop_signal_while_the_readers_are_made_finds_the_child_killed():
     """Before the fix ``run`` made its reader threads between ``start`` and its ``try``: a signal
     there left the child running."""
-    assert signal_while_readers_are_made("children.run(children.python_command(), 60)") == {
-        "caught": "SIGTERM", "child": -signal.SIGKILL}
+    assert sigterm_while_a_child_starts("readers", "children.run(children.python_command(), 60)") == {
+        "caught": ["SIGTERM", 143], "child": -signal.SIGKILL}
 
 
 def test_helper_threads_leave_the_stop_signals_to_the_main_thread():

@@ -829,7 +829,7 @@ def test_any_command_line_is_read_without_an_exception(argv, data, tmp_path_fact
 def test_a_stop_signal_while_the_stage_readers_are_made_finds_the_child_killed():
     """Before the fix ``run_stage`` made its reader threads between starting the child and its
     ``try``: a signal there left the selftest child running on the device."""
-    from test_children import signal_while_readers_are_made
+    from test_children import sigterm_while_a_child_starts
 
     call = "from npu_shim.cli import selftest; selftest.run_stage('main', {}, 1e12, print)"
-    assert signal_while_readers_are_made(call) == {"caught": "SIGTERM", "child": -signal.SIGKILL}
+    assert sigterm_while_a_child_starts("readers", call) == {"caught": ["SIGTERM", 143], "child": -signal.SIGKILL}

@@ -55,18 +55,14 @@ def signal_name(exc):
     return exc.name if isinstance(exc, Stopped) else "SIGINT"
 
 
-def on_stop_signals():
-    """Make the stop signals raise ``Stopped`` until the returned function is called (which puts
-    the previous handlers back).  A signal this process ignores stays ignored (``nohup`` ignores
-    SIGHUP so that a closed session leaves the command running).  Outside the main thread nothing
-    can be set: a no-op."""
-    def handler(signum, _frame):
-        raise Stopped(signum)
-
+def _take_over(signums, handler, taken):
+    """``handler`` for each of ``signums`` whose handler now is one ``taken(handler)`` accepts;
+    returns the function that puts the previous ones back.  Outside the main thread nothing can
+    be set: a no-op."""
     previous = {}
     try:
-        for signum in STOP_SIGNALS:
-            if signal.getsignal(signum) == signal.SIG_DFL:
+        for signum in signums:
+            if taken(signal.getsignal(signum)):
                 previous[signum] = signal.signal(signum, handler)
     except ValueError:  # not the main thread
         pass
@@ -75,6 +71,16 @@ def on_stop_signals():
         for signum, old in previous.items():
             signal.signal(signum, old)
     return restore
+
+
+def on_stop_signals():
+    """Make the stop signals raise ``Stopped`` until the returned function is called (which puts
+    the previous handlers back).  A signal this process ignores stays ignored (``nohup`` ignores
+    SIGHUP so that a closed session leaves the command running)."""
+    def handler(signum, _frame):
+        raise Stopped(signum)
+
+    return _take_over(STOP_SIGNALS, handler, lambda old: old == signal.SIG_DFL)
 
 
 def helper_thread(target):
@@ -135,13 +141,8 @@ def start(argv, env=None, merge_stderr=False):
     import subprocess
 
     came = []
-    previous = {}
-    try:
-        for signum in STOP_SIGNALS + (signal.SIGINT,):
-            if callable(signal.getsignal(signum)):  # one that would raise (not ignored, not a default)
-                previous[signum] = signal.signal(signum, lambda signum, _frame: came.append(signum))
-    except ValueError:  # not the main thread, where no Python handler runs anyway
-        pass
+    # Only a signal whose handler is Python's would raise here (not one ignored or at its default).
+    restore = _take_over(STOP_SIGNALS + (signal.SIGINT,), lambda signum, _frame: came.append(signum), callable)
     proc = None
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -149,8 +150,7 @@ def start(argv, env=None, merge_stderr=False):
                                 env=env, start_new_session=True)
     finally:
         try:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            restore()
             for signum in came:  # to its own handler now: Stopped or KeyboardInterrupt
                 signal.raise_signal(signum)
         except BaseException:

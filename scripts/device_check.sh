@@ -19,7 +19,7 @@
 # Steps 4 and 5 use a bundle's wrapt (BUNDLE, default .device-bundle/npu-shim): a device machine
 # reaches no package index, so build it here and carry it --
 #   echo /.device-bundle/ >> .git/info/exclude; python3 -m npu_shim bundle .device-bundle/npu-shim
-#   run(command="bash scripts/device_check.sh", carry=[".device-bundle/npu-shim"], timeout_s=480)
+#   then copy the checkout, .device-bundle/ with it, to the device machine and run this script there.
 # Without it those two steps say "not measured: no bundle".
 #
 # --dry-run: on this machine's CPU, no device: every step's plumbing with tiny sizes (the

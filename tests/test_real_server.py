@@ -150,9 +150,15 @@ def servers(tmp_path_factory):
     bed.stop_all()
 
 
+def tags(server: Server) -> dict:
+    """pid -> the role in its summary line, the launcher's (the server's own process, which
+    decides before it knows it is the HTTP server: no role in its tag) named ``launcher``."""
+    return {pid: "launcher" if pid == server.proc.pid else said["role"] for pid, said in summaries(server).items()}
+
+
 def roles(server: Server) -> list[str]:
-    """The role in each summary line of the server's log (one per process that decided)."""
-    return sorted(said["role"] for said in summaries(server).values())
+    """The role of each process that logged a summary line (one per process that decided)."""
+    return sorted(tags(server).values())
 
 
 # -- zbal, full mode, TP 1 ---------------------------------------------------------------------------
@@ -182,12 +188,12 @@ def test_full_mode_serves_the_same_tokens_with_the_kv_cache_sized_from_the_heap(
 def test_every_process_says_its_role_and_sglangs_metrics_carry_its_states(servers, version):
     on = servers.get("full", version, zbal_mib=HEAP_MIB)
     said = summaries(on)
-    assert roles(on) == ["detokenizer", "http_server", "tp 0/1"], said
+    assert roles(on) == ["detokenizer", "launcher", "tp 0/1"], said
     assert {s["states"]["zbal"] for s in said.values()} == {"applied"}
     # the processes where sglang keeps metrics (not the detokenizer): each patch in each of them
     # at 1 in the state its summary line says, 0 in the five others
     states = current_states(shim_metrics(on))
-    assert sorted(said[pid]["role"] for pid, _ in states) == ["http_server"] * 3 + ["tp 0/1"] * 3, states
+    assert sorted(tags(on)[pid] for pid, _ in states) == ["launcher"] * 3 + ["tp 0/1"] * 3, states
     for (pid, patch), state in states.items():
         assert said[pid]["states"][patch] == state, (pid, patch, state)
 
@@ -201,10 +207,10 @@ def test_the_shims_details_are_in_sglangs_own_metrics(servers, version):
     status, text = on.get("/metrics")
     assert status == 200
     assert any(f.name.startswith("sglang:") for f in text_string_to_metric_families(text))
-    pids = {said["role"]: pid for pid, said in summaries(on).items()}
+    pids = {tag: pid for pid, tag in tags(on).items()}
     details = shim_metrics(on)["detail"]
     assert details[(pids["tp 0/1"], "zbal")] == {"gva_mib": HEAP_MIB}
-    assert (pids["http_server"], "zbal") not in details  # the heap is the scheduler's
+    assert (pids["launcher"], "zbal") not in details  # the heap is the scheduler's
     # a dense model: no MLA weight to release, so nothing released is said
     assert not [key for key in details if key[1] == "mla_weight_release"]
 
@@ -236,9 +242,9 @@ def test_mix_mode_tp2_one_world_heap_after_the_kv_cache(servers, version):
     # upstream's own line, which operators' log scrapers look for, once per rank
     assert sorted(re.findall(r"^\[ZBAL\] rank (\d) allocated (\d+) MB gva space\.$", log, re.M)) == sorted(
         (h[1], h[2]) for h in heaps)
-    assert roles(mix) == ["detokenizer", "http_server", "tp 0/2", "tp 1/2"]
+    assert roles(mix) == ["detokenizer", "launcher", "tp 0/2", "tp 1/2"]
     # each scheduler's metrics carry the heap it made, once made (mix mode: after the KV cache)
-    tag = {pid: said["role"] for pid, said in summaries(mix).items()}
+    tag = tags(mix)
     details = shim_metrics(mix)["detail"]
     assert sorted((tag[pid], values["gva_mib"]) for (pid, patch), values in details.items() if patch == "zbal") == (
         sorted(("tp %s/2" % h[0], float(h[2])) for h in heaps)), details

@@ -33,7 +33,7 @@ from npu_shim.runtime import metrics_hook, role, wrapt_loader
 from npu_shim.runtime.decisions import (
     decide_each, enforce, publish_record, published, report_invalid_variables,
     revert_record, running_on_npu, sglang_view, strict, view_of)
-from npu_shim.runtime.finder import ShimFinder
+from npu_shim.runtime.finder import ShimFinder, after_fork_in_child
 from npu_shim.source.reading import find_package_dir
 
 class Runtime:
@@ -55,6 +55,13 @@ class Runtime:
         self.own_changes = []         # the shim's own targets' changes (role.py), in order applied
         self.summary_due = None       # the pid whose summary line is still to be said
         self.finder = ShimFinder(self.watches, self.reapply_after_reload)
+        after_fork_in_child(self, Runtime.forked)
+
+    def forked(self):
+        """In a child made by ``os.fork()``: the lock anew.  A thread that held it in the parent
+        (inside an import hook) does not exist here, and the child would wait for it for ever; the
+        child goes on with whatever that thread had done when the process forked."""
+        self.lock = threading.RLock()
 
     # -- activation
     def activate_guarded(self, watcher=None):

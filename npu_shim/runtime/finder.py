@@ -21,8 +21,10 @@ Hooks run outside the finder's lock, with the module's import lock held by the i
 (so a hook may import other hooked modules).
 """
 
+import os
 import sys
 import threading
+import weakref
 
 
 class ShimFinder:
@@ -34,6 +36,14 @@ class ShimFinder:
         self._finding = set()    # (thread, module name) being looked up through the other finders
         self._ran = set()        # the modules whose hooks ran
         self.watcher = None      # the start-up watcher that hands imports on to this finder
+        after_fork_in_child(self, ShimFinder.forked)
+
+    def forked(self):
+        """In a child made by ``os.fork()``: the lock anew (a thread that held it in the parent is
+        not here to release it), and only this thread's lookups still under way."""
+        self._lock = threading.Lock()
+        me = threading.get_ident()
+        self._finding = {key for key in self._finding if key[0] == me}
 
     def register(self, name, hook):
         """Run ``hook(module)`` once, after module ``name`` is imported -- at once when it is."""
@@ -103,6 +113,21 @@ class ShimFinder:
             if spec is not None:
                 return spec
         return None
+
+
+def after_fork_in_child(owner, method):
+    """``method(owner)`` in every child ``os.fork()`` makes, while ``owner`` lives (the callback
+    does not keep it alive: tests make many runtimes and finders)."""
+    if not hasattr(os, "register_at_fork"):
+        return
+    ref = weakref.ref(owner)
+
+    def in_child():
+        live = ref()
+        if live is not None:
+            method(live)
+
+    os.register_at_fork(after_in_child=in_child)
 
 
 def _hook_loader(spec, after):

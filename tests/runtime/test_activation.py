@@ -890,3 +890,20 @@ def test_importlib_reload_through_the_finder_patches_the_new_code(monkeypatch, t
     finally:
         runtime.finder.uninstall()
     assert module.f() == 11
+
+
+def test_a_child_forked_while_another_thread_holds_the_runtimes_lock_reloads(fake_a):
+    """The runtime's lock is made anew in a forked child: the thread that held it in the parent
+    (inside an import hook) is not there to release it (a reload waited for ever)."""
+    from test_finder import in_a_child_forked_while_held
+
+    module, _ = fake_a
+    runtime = activation.Runtime()
+    runtime.records = {"demo": applied_record([targets.Wrap("sglang.fake_a", "f", add_one, [()])])}
+
+    def check():
+        runtime.reapply_after_reload(module)
+        return module.f() == 2
+
+    assert in_a_child_forked_while_held(runtime.lock, check) == 0
+    assert module.f() == 1  # the parent's module: the child's change is the child's

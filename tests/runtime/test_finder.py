@@ -377,6 +377,63 @@ def test_threads_importing_and_registering_run_each_hook_exactly_once(hooks):
     assert hooks.waiting() == [] and hooks._finding == set()
 
 
+def in_a_child_forked_while_held(lock, check):
+    """Fork while another thread holds ``lock``; in the child run ``check()`` (True: it holds).
+    The child's exit status: 0 when it held, 1 when not or it raised, None when it still waited
+    after 10 s (it is killed then)."""
+    import os
+    import threading
+    import time
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        try:
+            os._exit(0 if check() else 1)
+        finally:
+            os._exit(1)
+    release.set()
+    holder.join(30)
+    for _ in range(200):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return None
+
+
+def test_a_child_forked_while_another_thread_holds_the_lock_registers_and_finds(hooks):
+    """The finder's lock is made anew in a forked child (the thread that held it is not there);
+    the lookups other threads had under way are not the child's."""
+    import threading
+
+    _write(hooks, "hk_forked.py", "X = 1\n")
+    elsewhere = threading.Thread(target=lambda: None)
+    elsewhere.start()
+    elsewhere.join()
+    hooks._finding.add((elsewhere.ident, "hk_forked"))
+    fired = []
+
+    def check():
+        hooks.register("hk_forked", fired.append)
+        import hk_forked
+        return hooks.waiting() == [] and fired == [hk_forked] and hooks._finding == set()
+
+    assert in_a_child_forked_while_held(hooks._lock, check) == 0
+    assert hooks.waiting() == [] and fired == []  # the parent's finder: nothing registered
+
+
 class Watcher:
     """A start-up watcher that saw sglang (as npu_shim._bootstrap's): in sys.meta_path, it hands
     every import on to the finder it was given."""

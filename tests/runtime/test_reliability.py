@@ -354,3 +354,60 @@ def test_wrappers_pickle_and_copy_by_reference_in_process(monkeypatch):
         assert bound() == 5 and bound.__self__ is not box and type(bound.__self__) is module.Box
         assert type(bound).__module__ == "npu_shim.runtime.targets"
     assert copy.copy(box.get)() == 5
+
+
+# ------------------------------------------------------------------- threads, fork, install()
+
+# The demo patch with a second module, sglang.srt.other, whose target's ``requires`` waits for the
+# test's gate: a thread importing that module is then inside the shim's hook, the runtime's lock held.
+GATED = DEMO_PATCH.replace(
+    'modules = ("sglang.srt.utils.common",)',
+    'modules = ("sglang.srt.utils.common", "sglang.srt.other")').replace(
+    "        return [\n",
+    "        def gate():\n"
+    "            import gate\n"
+    "            gate.inside.set()\n"
+    "            gate.release.wait(30)\n"
+    "        return [\n"
+    "            targets.Wrap(\"sglang.srt.other\", \"late\", add_one, [(\"x\",)], requires=gate),\n")
+
+GATE = """
+        import sys, threading, types
+        gate = sys.modules["gate"] = types.ModuleType("gate")
+        gate.inside, gate.release = threading.Event(), threading.Event()
+"""  # indented as the scripts it goes in front of
+
+
+def test_a_child_forked_while_another_thread_is_inside_a_hook_reloads_without_deadlock(tree):
+    """The runtime's lock is made anew in a forked child: before the fix the child, forked while
+    a thread held it inside an import hook, blocked for ever on the next reload."""
+    assert GATED != DEMO_PATCH
+    (tree / "image" / "demo.py").write_text(GATED)
+    (tree / "pkgs" / "sglang" / "srt" / "other.py").write_text("def late(x):\n    return x\n")
+    proc = run(tree, GATE + """
+        import importlib, json, os, threading, time
+        from sglang.srt.utils import common
+        importer = threading.Thread(target=importlib.import_module, args=("sglang.srt.other",))
+        importer.start()
+        assert gate.inside.wait(30)
+        pid = os.fork()
+        if pid == 0:
+            importlib.reload(common)
+            print(json.dumps({"child": common.get_npu_memory_capacity()}), flush=True)
+            os._exit(0)
+        gate.release.set()
+        importer.join()
+        for _ in range(200):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            status = "killed: deadlocked"
+        from sglang.srt import other
+        print(json.dumps({"status": status, "parent": [common.get_npu_memory_capacity(), other.late(1)]}))
+    """)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines == ['{"child": 1001}', '{"status": 0, "parent": [1001, 2]}'], proc.stdout + proc.stderr

@@ -411,3 +411,33 @@ def test_a_child_forked_while_another_thread_is_inside_a_hook_reloads_without_de
     """)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines == ['{"child": 1001}', '{"status": 0, "parent": [1001, 2]}'], proc.stdout + proc.stderr
+
+
+def test_install_while_another_thread_imports_a_hooked_module_patches_it_once_imported(tree):
+    """install() while another thread is still running sglang.srt.utils.common's code: the
+    half-imported module (``__spec__._initializing``) is patched when its import finishes.  Before
+    the fix it was taken for an imported one: Scheduler.__init__ not found, demo failed (and in
+    strict mode install() raised)."""
+    common = tree / "pkgs" / "sglang" / "srt" / "utils" / "common.py"
+    text = common.read_text()
+    common.write_text(text.replace("class Scheduler:", "import gate\ngate.inside.set()\n"
+                                                       "assert gate.release.wait(30)\n\nclass Scheduler:"))
+    proc = run(tree, GATE + """
+        import importlib, json, threading
+        import sglang
+        import npu_shim
+        importer = threading.Thread(target=importlib.import_module, args=("sglang.srt.utils.common",))
+        importer.start()
+        assert gate.inside.wait(30)
+        installed = npu_shim.install()
+        during = npu_shim.states()
+        gate.release.set()
+        importer.join()
+        from sglang.srt.utils import common
+        print(json.dumps({"installed": installed, "during": during, "state": npu_shim.states()["demo"]["state"],
+                          "value": common.get_npu_memory_capacity(),
+                          "init": getattr(common.Scheduler(None, 0), "patched", False),
+                          "spec": type(common.__spec__).__name__}))
+    """, shim=False, env={"NPU_SHIM_STRICT": "1"})
+    assert last_json(proc) == {"installed": True, "during": {}, "state": "applied", "value": 1001,
+                               "init": True, "spec": "ModuleSpec"}

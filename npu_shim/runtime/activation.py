@@ -31,8 +31,8 @@ from npu_shim.core.framework import APPLIED, FAILED, ShimError
 from npu_shim.reporting import log, procinfo, state_record, summary
 from npu_shim.runtime import metrics_hook, role, wrapt_loader
 from npu_shim.runtime.decisions import (
-    decide_each, enforce, publish_record, published, report_invalid_variables,
-    revert_record, running_on_npu, sglang_view, strict, view_of)
+    decide_each, enforce, pruned, publish_record, published, report_invalid_variables,
+    revert_record, running_on_npu, sglang_view, strict, take_over, view_of)
 from npu_shim.runtime.finder import ShimFinder, after_fork_in_child
 from npu_shim.source.reading import find_package_dir
 
@@ -53,6 +53,7 @@ class Runtime:
         self.hooked = set()           # every module a patch may touch
         self.watcher = None           # the start-up watcher, once handed in
         self.own_changes = []         # the shim's own targets' changes (role.py), in order applied
+        self.own_replaced = []        # decisions.Replaced: those of code loaded again since
         self.summary_due = None       # the pid whose summary line is still to be said
         self.finder = ShimFinder(self.watches, self.reapply_after_reload)
         after_fork_in_child(self, Runtime.forked)
@@ -230,20 +231,7 @@ class Runtime:
         name = module.__name__
         if imported_before is None:
             imported_before = name in self.imported_before
-        if name == role.MODULE:
-            try:
-                change = role.prepare(module, self.say_summary)
-                change.apply(imported_before)
-                self.own_changes.append(change)
-            except Exception as exc:  # noqa: BLE001 - the patches apply regardless
-                log.debug("the scheduler's role comes from its process title: %s" % exc)
-        if name in metrics_hook.MODULES:
-            try:
-                for change in metrics_hook.prepare(module, self.state_snapshot):
-                    change.apply(imported_before)
-                    self.own_changes.append(change)
-            except Exception as exc:  # noqa: BLE001 - the patches apply regardless
-                log.debug("the shim's metrics are not published: %s" % exc)
+        self.apply_own(module, imported_before)
         for record in self.records.values():
             if record.state != APPLIED:
                 continue
@@ -252,6 +240,8 @@ class Runtime:
             try:
                 # All of this module's targets are checked against the loaded code before any is set.
                 changes = [t.prepare(module) for t in targets]
+                # Code loaded again (a reload): its changes take over from the old code's.
+                record.changes, record.replaced = take_over(record.changes, record.replaced, changes)
                 for target, change in zip(targets, changes):
                     change.apply(imported_before)
                     record.changes.append(change)
@@ -265,7 +255,31 @@ class Runtime:
                     summary.report(record)
                 state_record.write()
                 self.enforce(record)
+            record.replaced = pruned(record.replaced)
         state_record.write()
+
+    def apply_own(self, module, imported_before):
+        """The shim's own targets in ``module`` (the scheduler's role, the metrics collectors);
+        where one cannot be set the patches apply regardless."""
+        name, changes = module.__name__, []
+        if name == role.MODULE:
+            try:
+                change = role.prepare(module, self.say_summary)
+                change.apply(imported_before)
+                changes.append(change)
+            except Exception as exc:  # noqa: BLE001 - the patches apply regardless
+                log.debug("the scheduler's role comes from its process title: %s" % exc)
+        if name in metrics_hook.MODULES:
+            try:
+                for change in metrics_hook.prepare(module, self.state_snapshot):
+                    change.apply(imported_before)
+                    changes.append(change)
+            except Exception as exc:  # noqa: BLE001 - the patches apply regardless
+                log.debug("the shim's metrics are not published: %s" % exc)
+        if changes:
+            staying, self.own_replaced = take_over(self.own_changes, self.own_replaced, changes)
+            self.own_changes = staying + changes
+            self.own_replaced = pruned(self.own_replaced)
 
     # -- a wrapper that leaves (targets.Retirement)
     def bind_retirement(self, record, target):
@@ -353,7 +367,9 @@ class Runtime:
                     revert_record(record)
             for change in reversed(self.own_changes):
                 change.revert()
-            self.own_changes = []
+            for replaced in reversed(self.own_replaced):
+                replaced.revert()
+            self.own_changes, self.own_replaced = [], []
             self.installed = False
             self.generation += 1
             self.records = None

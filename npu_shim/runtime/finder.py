@@ -100,10 +100,15 @@ class ShimFinder:
             sys.meta_path.insert(0, self)
 
     def uninstall(self, watcher=None):
+        """Out of the imports, and the hooks still waiting dropped (they belong to the install
+        that ends: an ``uninstall()``/``install()`` cycle added one more of each otherwise)."""
         if watcher is not None:
             watcher.stop_handing_on()
         while self in sys.meta_path:
             sys.meta_path.remove(self)
+        with self._lock:
+            self._hooks.clear()
+            self._ran.clear()
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname in self._hooks:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import types
 
 import pytest
@@ -154,11 +155,80 @@ def test_reverting_a_record_undoes_its_changes_last_first_and_forgets_what_was_a
     record = record_of(framework.APPLIED, details={"retired": ["m:g"], "released_mib": 2})
     record.changes = [Change("m:f", undone), Change("m:h", undone)]
     record.applied, record.retired = {"m:f", "m:h", "m:g"}, {"m:g": [Change("m:g", undone)]}
+    record.replaced = [Change("m:f before a reload", undone), Change("m:h before a reload", undone)]
     decisions.revert_record(record)
-    assert undone == ["m:h", "m:f"]  # a retired target's original is back already
-    assert (record.changes, record.applied, record.retired) == ([], set(), {})
+    # a retired target's original is back already; the old code's changes after the new code's
+    assert undone == ["m:h", "m:f", "m:h before a reload", "m:f before a reload"]
+    assert (record.changes, record.applied, record.retired, record.replaced) == ([], set(), {}, [])
     assert record.details == {"released_mib": 2}
     assert record.as_dict()["retired"] == [] and record.as_dict()["wrappers"] == []
+
+
+# -- the changes of code loaded again ---------------------------------------------------------------------
+
+def _module(name, **names):
+    module = types.ModuleType(name)
+    module.__dict__.update(names)
+    return module
+
+
+def test_a_replaced_value_in_the_module_the_new_change_holds_has_nothing_left_to_put_back():
+    """``use_deepep = True`` in a reloaded module: the reload set the name, the new change holds it."""
+    module = _module("sglang.fake_v", FLAG=False)
+    old = targets.Change(module, "FLAG", False, True, rebind_copies=False, what="m:FLAG")
+    new = targets.Change(module, "FLAG", False, True, rebind_copies=False, what="m:FLAG")
+    staying, replaced = decisions.take_over([old], [], [new])
+    assert staying == [] and len(replaced) == 1 and decisions.pruned(replaced) == []
+
+
+def test_a_replaced_value_in_another_owner_is_put_back_while_that_owner_lives():
+    """A dict (no weak reference) set on the class of the old code: put back at uninstall() while
+    that class lives, held no longer than it."""
+    import gc
+
+    class Old:
+        TABLE = {"a": 1}
+
+    original, table = Old.TABLE, {"b": 2}
+    old = targets.Change(Old, "TABLE", original, table, what="m:Old.TABLE")
+    old.apply(False)
+    new = targets.Change(type("New", (), {}), "TABLE", original, table, what="m:Old.TABLE")
+    staying, replaced = decisions.take_over([old], [], [new])
+    del old
+    assert staying == [] and decisions.pruned(replaced) == replaced
+    replaced[0].revert()
+    assert Old.TABLE is original
+    del Old
+    gc.collect()
+    assert decisions.pruned(replaced) == []
+    replaced[0].revert()  # nothing left: nothing done
+
+
+def test_the_copies_of_a_replaced_wrapper_are_put_back_once_its_module_object_is_gone(monkeypatch):
+    """A purge left the old module object, whose wrapper a third module copied: the old module
+    gone, the copy still gets the original back."""
+    import gc
+
+    def f():
+        return 1
+
+    old_module = _module("sglang.fake_old", f=f)
+    wrapper = targets.function_wrapper(f, lambda wrapped, instance, args, kwargs: wrapped() + 1)
+    old = targets.Change(old_module, "f", f, wrapper, what="m:f")
+    old.apply(False)
+    holder = _module("sglang.fake_holder", f=wrapper)
+    monkeypatch.setitem(sys.modules, holder.__name__, holder)
+    new_module = _module("sglang.fake_old", f=lambda: 1)
+    new = targets.Change(new_module, "f", new_module.f, object(), what="m:f")
+    staying, replaced = decisions.take_over([old], [], [new])
+    del old, old_module, wrapper
+    gc.collect()
+    assert decisions.pruned(replaced) == replaced and holder.f() == 2
+    replaced[0].revert()
+    assert holder.f is f
+    del holder.f
+    gc.collect()
+    assert decisions.pruned(replaced) == []  # the wrapper gone with its last copy
 
 
 # -- deciding every patch -----------------------------------------------------------------------------------

@@ -441,3 +441,45 @@ def test_install_while_another_thread_imports_a_hooked_module_patches_it_once_im
     """, shim=False, env={"NPU_SHIM_STRICT": "1"})
     assert last_json(proc) == {"installed": True, "during": {}, "state": "applied", "value": 1001,
                                "init": True, "spec": "ModuleSpec"}
+
+
+def test_reloads_and_install_cycles_keep_what_they_replaced_no_longer(tree):
+    """36 reloads kept 2 more changes each (and the old functions with them), 25 uninstall()/
+    install() cycles one more waiting hook per hooked module each: what they replaced is let go."""
+    proc = run(tree, """
+        import gc, importlib, json, weakref
+        import npu_shim
+        from npu_shim.runtime import activation
+        from sglang.srt.utils import common
+        runtime = activation.RUNTIME
+
+        def waiting_hooks():
+            return sum(len(hooks) for hooks in runtime.finder._hooks.values())
+
+        hooks_before, old = waiting_hooks(), []
+        for _ in range(36):
+            old.append(weakref.ref(common.get_npu_memory_capacity.__wrapped__))
+            importlib.reload(common)
+        gc.collect()
+        record = runtime.record("demo")
+        from sglang.srt import utils  # its star import took the first wrapper and class: they stay
+        out = {"changes": len(record.changes), "replaced": sum(entry.alive() for entry in record.replaced),
+               "old_alive": [i for i, ref in enumerate(old) if ref() is not None],
+               "copy": [utils.get_npu_memory_capacity.__wrapped__ is old[0](), utils.Scheduler is not common.Scheduler,
+                        utils.Scheduler(None, 0).patched],
+               "value": common.get_npu_memory_capacity()}
+        for _ in range(25):
+            npu_shim.uninstall()
+            npu_shim.install()
+        out.update(hooks=[hooks_before, waiting_hooks()], state=npu_shim.states()["demo"]["state"],
+                   again=common.get_npu_memory_capacity())
+        npu_shim.uninstall()
+        out["restored"] = [common.get_npu_memory_capacity(), utils.get_npu_memory_capacity is old[0](),
+                           hasattr(utils.Scheduler(None, 0), "patched")]
+        print(json.dumps(out))
+    """)
+    out = last_json(proc)
+    assert out["hooks"][0] > 0
+    assert out == {"changes": 2, "replaced": 2, "old_alive": [0], "copy": [True, True, True], "value": 1001,
+                   "hooks": [out["hooks"][0]] * 2, "state": "applied", "again": 1001,
+                   "restored": [1000, True, False]}

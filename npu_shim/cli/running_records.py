@@ -361,7 +361,7 @@ def analyse(dir_):
         record["stale"] = status == "stale"
         processes.append(record)
     live = [p for p in processes if p["status"] == "live"]
-    from npu_shim.patches.registry import known_names
+    from npu_shim.core.registry import known_names
 
     seen_names = {n for p in processes for n in patch_states(p)}
     names = [n for n in known_names() if n in seen_names]  # registry order, then any other

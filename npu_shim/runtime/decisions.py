@@ -10,7 +10,7 @@ import weakref
 
 from npu_shim.core import config, framework, loading
 from npu_shim.core.framework import FAILED, PROBLEMS, ShimError
-from npu_shim.reporting import log, state_record
+from npu_shim.reporting import log
 from npu_shim.runtime.targets import Change, Wrap, rebind
 
 
@@ -140,12 +140,6 @@ def published(what, step):
     except Exception as exc:  # noqa: BLE001 - enforce runs whatever happened here
         log.error_once("publish:" + what, "%s failed: %r" % (what, exc))
         return False
-
-
-def publish_record(snapshot, view):
-    """Hand the records to the state record's writer, and write it where one is asked for."""
-    state_record.attach(snapshot, getattr(view, "package_dir", None))
-    state_record.write()
 
 
 # -- changes of code loaded again (a reload, an import again after a purge) ---------------------------

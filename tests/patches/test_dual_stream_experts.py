@@ -459,8 +459,29 @@ def test_bench_wrapper_cost_runs_the_wrapper_as_the_shim_installs_it_cpu_plumbin
                              expert_inter=8, experts=4, topk=2)
     assert set(out["ms"]) == {"plain", "extend", "decode"}
     assert all(len(values) == 3 and all(v > 0 for v in values) for values in out["ms"].values())
-    assert out["dual_stream_calls"] == 3 + 3 * 2  # warm-up, then 3 rounds x 2 calls: extend only
+    assert out["dual_stream_python_calls"] == 3 + 3 * 2  # warm-up, then 3 rounds x 2 calls: extend only
     row = bench.wrapper_cost_row("cpu", "cpu", wrapt, "wrapt %s" % wrapt.__version__, tokens=4, calls=2,
                                  rounds=3, hidden=16, shared_inter=16, expert_inter=8, experts=4, topk=2)
     assert row["what"] == bench.WRAPPER_WHAT and row["ok"] is None and "CPU dry run" in row["measured"]
     assert share_stream() is None
+
+
+def test_the_forward_starts_no_thread_and_writes_no_metric(monkeypatch):
+    """A global-mode NPU graph capture fails on another thread's NPU work, and a gauge written per
+    call is too dear for the wrapper's budget: the forward only counts (sglang's metrics get the
+    counts when its scheduler logs its stats).  Before the fix the first call published and later
+    ones started a ``threading.Timer`` that published a second later."""
+    import threading
+
+    import wrapt
+
+    from npu_shim.reporting import metrics
+
+    started, published = [], []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self), real_start(self))[1])
+    monkeypatch.setattr(metrics, "publish", lambda: published.append(True))
+    out = _bench().wrapper_cost("cpu", wrapt, tokens=4, calls=5, rounds=2, hidden=16, shared_inter=16,
+                                expert_inter=8, experts=4, topk=2)
+    assert out["dual_stream_python_calls"] == 3 + 2 * 5  # the calls counted, every one
+    assert started == [] and published == []

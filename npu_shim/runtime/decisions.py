@@ -1,8 +1,10 @@
-"""One process's decisions: each patch decided into a ``PatchRecord`` (``decide_each``), what a
-record must do when it did not apply (``enforce``: stop the process where the user asked for the
-patch, or in strict mode), undoing a record's changes, and the steps that publish the decisions
-(each guarded: enforcing comes after, whatever they did).  The ``Runtime`` (activation.py) calls
-these; nothing here keeps state."""
+"""One process's decisions: each patch decided into a ``PatchRecord`` (``decide_each``), where
+they came from and the answers children inherit (``decided_from``, ``export``), what a record must
+do when it did not apply (``enforce``: stop the process where the user asked for the patch, or in
+strict mode), undoing a record's changes (``revert_record``), and what a reload's changes leave of
+the old code's (``take_over``, ``Replaced``).  The ``Runtime`` (activation.py) calls these and each
+returns to it: none is handed anything of the runtime to call back, so the walk from activation
+to a wrapper goes one way (tests/runtime/test_decisions.py holds it).  No module-level state."""
 
 import os
 import sys
@@ -10,7 +12,7 @@ import weakref
 
 from npu_shim.core import config, framework, loading
 from npu_shim.core.framework import FAILED, PROBLEMS, ShimError
-from npu_shim.reporting import log
+from npu_shim.reporting import log, procinfo
 from npu_shim.runtime.targets import Change, Wrap, rebind
 
 
@@ -131,15 +133,22 @@ def decide_each(patches, view, on_npu, missing_wrapt):
     return records
 
 
-def published(what, step):
-    """Run one step of publishing the decisions; False when it raised.  A failure is logged once
-    and not raised: enforcing, which comes after, must still run."""
-    try:
-        step()
-        return True
-    except Exception as exc:  # noqa: BLE001 - enforce runs whatever happened here
-        log.error_once("publish:" + what, "%s failed: %r" % (what, exc))
-        return False
+def decided_from(view):
+    """Where the decisions came from: the answers a parent exported (the view reused them and
+    parsed nothing), or the sglang source."""
+    inherited = getattr(view, "reused", False) and not getattr(view, "_modules", None)
+    return "inherited answers" if inherited else "sglang source"
+
+
+def export(view):
+    """The answers children inherit, and sglang's version for this process's lines.  The parsed
+    source is dropped after this (the view is the caller's): every sglang process keeps only the
+    decisions."""
+    if view is not None:
+        from npu_shim.source import inherited
+
+        inherited.export(view)
+        procinfo.note_sglang_version(view.version)
 
 
 # -- changes of code loaded again (a reload, an import again after a purge) ---------------------------

@@ -634,10 +634,23 @@ def test_decided_from_inherited_answers_only_where_the_view_reused_them_and_pars
         undecided, monkeypatch, attributes, source):
     exported = []
     monkeypatch.setattr(inherited, "export", exported.append)
-    view = types.SimpleNamespace(version="0.5.9", **attributes)
-    undecided.publish_view(view)
-    assert undecided.decided_from == source
+    view = types.SimpleNamespace(version="0.5.9", package_dir=None, function=lambda *a: None,
+                                 module=lambda dotted: None, **attributes)
+    monkeypatch.setattr(activation, "sglang_view", lambda: view)
+    undecided.decide_all()
+    assert undecided.decided_from == decisions.decided_from(view) == source
     assert exported == [view] and procinfo.sglang_version() == "0.5.9"
+
+
+def test_a_step_of_saying_the_decisions_says_whether_it_ran_and_a_failure_is_logged_once(logged):
+    ran = []
+    assert activation.said("the summary line", lambda: ran.append(1)) is True
+    assert ran == [1] and logged() == []
+    assert activation.said("the summary line", boom) is False
+    assert activation.said("the summary line", boom) is False
+    assert activation.said("the metrics", boom) is False
+    assert logged() == [("ERROR", "the summary line failed: RuntimeError('boom')"),
+                        ("ERROR", "the metrics failed: RuntimeError('boom')")]
 
 
 # -- what a spawned child says when its target starts ---------------------------------------------------

@@ -253,21 +253,41 @@ def test_a_patch_whose_deciding_raised_is_failed_and_the_others_are_decided(monk
     assert without["demo"].state == framework.UPSTREAM  # only a patch that would apply fails without wrapt
 
 
-# -- publishing ------------------------------------------------------------------------------------------------
+# -- the walk goes one way ------------------------------------------------------------------------------
 
-def test_a_publishing_step_says_whether_it_ran_and_a_failure_is_logged_once(logged):
-    ran = []
-    assert decisions.published("the summary line", lambda: ran.append(1)) is True
-    assert ran == [1] and logged() == []
+def test_nothing_here_calls_back_what_the_runtime_handed_it():
+    """From activation to a wrapper the walk goes one way: decisions.py calls no function it was
+    handed (a step, a view maker: the runtime's own methods, so deciding went back and forth
+    between the two modules five times) and imports nothing of activation."""
+    import ast
 
-    def boom():
-        raise RuntimeError("boom")
+    with open(decisions.__file__, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    called_back = []
+    for function in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Lambda))]:
+        handed = {a.arg for a in function.args.args + function.args.kwonlyargs}
+        called_back += ["%s(%s)" % (getattr(function, "name", "lambda"), call.func.id)
+                        for call in ast.walk(function) if isinstance(call, ast.Call)
+                        and isinstance(call.func, ast.Name) and call.func.id in handed]
+    assert called_back == []
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                for alias in node.names} | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not any("activation" in (name or "") for name in imported)
+    assert not hasattr(decisions, "published")  # the guard of the runtime's own steps is the runtime's
 
-    assert decisions.published("the summary line", boom) is False
-    assert decisions.published("the summary line", boom) is False
-    assert decisions.published("the metrics", boom) is False
-    assert logged() == [("ERROR", "the summary line failed: RuntimeError('boom')"),
-                        ("ERROR", "the metrics failed: RuntimeError('boom')")]
+
+def test_the_answers_are_exported_and_the_version_noted_only_where_there_is_a_view(monkeypatch):
+    from npu_shim.reporting import procinfo
+    from npu_shim.source import inherited
+
+    exported = []
+    monkeypatch.setattr(inherited, "export", exported.append)
+    monkeypatch.setattr(procinfo, "_sglang_version", "before")
+    decisions.export(None)
+    assert exported == [] and procinfo.sglang_version() == "before"
+    view = types.SimpleNamespace(version="0.5.9")
+    decisions.export(view)
+    assert exported == [view] and procinfo.sglang_version() == "0.5.9"
 
 
 def test_a_view_is_read_only_where_there_is_a_directory(monkeypatch, tmp_path):

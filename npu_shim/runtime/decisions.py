@@ -214,19 +214,25 @@ def take_over(changes, replaced, new):
     ``changes`` of the same targets -- code loaded again (a reload, an import again): each of those
     leaves ``changes`` for ``replaced`` as a ``Replaced``, so that a reload replaces what it reloaded
     rather than adding to it.  An old change that a new one wraps (its replacement is the new one's
-    original: the same code changed twice) is no old code, and stays.  ``pruned`` then drops what
-    has nothing left to put back, once the caller holds the old changes no more."""
+    original: the same code changed twice) is no old code, and stays -- unless that replacement is
+    a literal (``True``, ``0``, ``None``): reloaded code that sets the same literal is no sign of it.
+    ``pruned`` then drops what has nothing left to put back, once the caller holds the old changes
+    no more."""
     by_key = {}
     for change in new:
         by_key.setdefault(_key(change), change)
     staying, replaced = [], list(replaced)
     for change in changes:
         successor = by_key.get(_key(change))
-        if successor is None or successor.original is change.replacement:
+        if successor is None or (successor.original is change.replacement
+                                 and not isinstance(change.replacement, _LITERALS)):
             staying.append(change)
         else:
             replaced.append(Replaced(change, same_owner=successor.owner is change.owner))
     return staying, replaced
+
+
+_LITERALS = (bool, int, float, str, bytes, type(None))
 
 
 def pruned(replaced):

@@ -1034,3 +1034,18 @@ def test_reloads_of_the_schedulers_module_keep_one_change_of_the_shims_own(undec
     reloaded = scheduler.run_scheduler_process.__wrapped__
     undecided.uninstall(Watcher())
     assert scheduler.run_scheduler_process is reloaded
+
+
+def test_reloaded_code_that_sets_the_replaced_literal_itself_keeps_one_change(monkeypatch):
+    """``use_deepep = True`` replaced by True, the module's new code setting True too: the same
+    object, but no sign of code changed twice (a literal): the reload's change takes over."""
+    source = "FLAG = True\n"
+    module = fake_module("sglang.fake_flag", source)
+    record = applied_record([targets.Replace("sglang.fake_flag", "FLAG", lambda original: True)])
+    runtime = activation.Runtime()
+    runtime.records = {"demo": record}
+    runtime.apply_module(module)
+    for _ in range(10):
+        reload_in_place(module, source)
+        runtime.reapply_after_reload(module)
+    assert len(record.changes) == 1 and record.replaced == [] and module.FLAG is True

@@ -18,7 +18,9 @@
 import os
 import sys
 
-# How every boolean variable is spelled: npu_shim/core/config.py's TRUE_WORDS / FALSE_WORDS.
+# How every boolean variable is spelled: npu_shim/core/config.py's TRUE_WORDS / FALSE_WORDS, written
+# again rather than imported (importing the package's config here would load it in every process at
+# start-up); tests/core/test_config.py holds the two equal.
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 

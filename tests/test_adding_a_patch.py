@@ -41,7 +41,7 @@ def tree(tmp_path_factory):
     shutil.copy(os.path.join(REPO, "npu_shim", "_bootstrap.py"), shim / "sitecustomize.py")
     for path, code in template().items():
         (shim / path).write_text(code)
-    registry = shim / "npu_shim" / "patches" / "registry.py"
+    registry = shim / "npu_shim" / "core" / "registry.py"
     text = registry.read_text()
     registry.write_text(text.replace('"npu_shim.patches.dual_stream_experts",\n',
                                      '"npu_shim.patches.dual_stream_experts",\n    "npu_shim.patches.%s",\n' % NAME))

@@ -40,11 +40,11 @@ EXIT_NO_SGLANG = 5  # docs/operations.md's exit codes: no sglang importable (sta
 # only one, as the image of tests/test_bootstrap.py does; the shim has to chain it.
 IMAGE_SITECUSTOMIZE = """\
 try:
-    import npu_shim.patches.registry
+    import npu_shim.core.registry
 except ImportError:
     pass
 else:
-    npu_shim.patches.registry.PATCH_MODULES[:] = ["demo"]
+    npu_shim.core.registry.PATCH_MODULES[:] = ["demo"]
 """
 
 FAKE_IMAGE = """\

@@ -5,8 +5,9 @@ Every module under ``npu_shim/`` (the vendored wrapt left out) is parsed with ``
 lowest first -- a module may import its own layer and the ones below, never one above, and no
 import may close a circle, inside a layer or across:
 
-0. leaves: ``_version``, ``_paths`` (where the package is) and the registry (``patches/registry.py``: a list of names);
-1. ``core``: the variables, the patch model and deciding, loading the registered patches;
+0. leaves: ``_version``, ``_paths`` (where the package is);
+1. ``core``: the variables, the patch model and deciding, the registry (the patches' module names: a
+   list), loading the registered patches;
 2. ``reporting``: logging, process identity, sglang's metrics, the summary line, text for a terminal;
 3. ``source``: reading sglang's code without importing it (view, fast scan, inherited answers);
 4. ``runtime``: one process's activation, finder, wrapt, targets and wrappers, install();
@@ -14,8 +15,10 @@ import may close a circle, inside a layer or across:
 6. ``cli``: ``python -m npu_shim``'s commands;
 7. the entry points: ``npu_shim`` (install/uninstall/states), ``__main__``, ``_bootstrap``.
 
-A parent package is imported implicitly with its modules: that is not counted, and every
-sub-package ``__init__`` must be empty (nothing loads with it; memory in every sglang process).
+A layer is made of whole rooms (sub-packages) and top-level modules, never of one module taken out
+of a room that sits elsewhere.  A parent package is imported implicitly with its modules: that is
+not counted, and every sub-package ``__init__`` must be empty (nothing loads with it; memory in
+every sglang process).
 
 Imports by string count too: ``importlib.import_module`` of a constant (or a module-level name
 bound to one) is an import like any other.  A name built at run time is allowed only where this
@@ -31,7 +34,7 @@ import pytest
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "npu_shim")
 LAYERS = [
-    ("npu_shim._version", "npu_shim._paths", "npu_shim.patches.registry"),
+    ("npu_shim._version", "npu_shim._paths"),
     ("npu_shim.core",),
     ("npu_shim.reporting",),
     ("npu_shim.source",),
@@ -211,4 +214,13 @@ def test_the_checks_see_a_circle_and_an_upward_import():
     assert cycle_in({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle_in({"a": {"b"}, "b": set()}) is None
     assert layer_of("npu_shim.core.config") < layer_of("npu_shim.reporting.log") < layer_of("npu_shim.cli.check")
-    assert layer_of("npu_shim.patches.registry") == 0 < layer_of("npu_shim.patches.zbal")
+    assert layer_of("npu_shim.core.registry") == layer_of("npu_shim.core.loading") < layer_of("npu_shim.patches.zbal")
+
+
+def test_a_layer_holds_whole_rooms_and_top_level_modules():
+    """No layer takes one module out of a room that sits elsewhere: the registry once sat in layer 0
+    as ``patches.registry`` while ``patches`` was layer 5, so the core's imports of it went up in
+    all but this list's say (it lives in ``core`` now)."""
+    assert [prefix for prefixes in LAYERS for prefix in prefixes if prefix.count(".") > 1] == []
+    rooms = ["npu_shim." + sub for sub in SUBPACKAGES]
+    assert sorted(prefix for prefixes in LAYERS for prefix in prefixes if prefix in rooms) == sorted(rooms)

@@ -266,7 +266,7 @@ def print_result(result, out):
 def main(args):
     from npu_shim.cli import exit_codes as cli
     from npu_shim.core.loading import load_all, selftest_step
-    from npu_shim.patches.registry import known_names
+    from npu_shim.core.registry import known_names
     from npu_shim.reporting.terminal import print_json, terminal_writer
 
     unknown = [n for n in args.patch or () if n not in known_names()]

@@ -9,8 +9,8 @@ reads it ends ``failed``; strict mode raises).
 The shim-wide variables live here; a patch declares its own switch (``switch(name, doc)``: always
 ``NPU_SHIM_<PATCH NAME>``) and the variables only it reads in its own module, with the parsers
 below, so ``npu_shim.core.loading.all_variables()`` is the full list.  Only ``os`` and ``re`` are
-imported (and the registry's list of patch names, for ``NPU_SHIM_PATCHES``): ``status`` and the
-runtime load this, and the bootstrap on its error path.
+imported (and the registry's list of patch names beside it, npu_shim/core/registry.py, for
+``NPU_SHIM_PATCHES``): ``status`` and the runtime load this, and the bootstrap on its error path.
 """
 
 import os
@@ -186,7 +186,7 @@ def switch(patch_name, doc, aliases=()):
 
 
 def _parse_names(raw):
-    from npu_shim.patches.registry import known_names  # a list of names: no feature module loads
+    from npu_shim.core.registry import known_names  # a list of names: no feature module loads
 
     known = known_names()
     names = tuple(n.strip() for n in raw.split(",") if n.strip())

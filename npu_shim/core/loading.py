@@ -1,4 +1,4 @@
-"""Loading the registered patches (npu_shim/patches/registry.py) and what the rest asks of them:
+"""Loading the registered patches (npu_shim/core/registry.py) and what the rest asks of them:
 the modules their targets live in, the variables they read, their selftest steps.  A feature
 module that cannot be loaded becomes a ``BrokenPatch``: that patch alone is ``failed``; the
 others work.
@@ -12,7 +12,7 @@ import importlib.util
 
 from npu_shim.core import config
 from npu_shim.core.framework import Report
-from npu_shim.patches import registry
+from npu_shim.core import registry
 
 
 class BrokenPatch:

@@ -17,7 +17,11 @@ Timeline in a process:
    function stacks on it -- a target whose loaded code does not match fails its whole patch,
    which is reverted everywhere.
 4. ``importlib.reload`` of a patched module (which post-import hooks never see) re-applies its
-   targets to the new code, checked like the first time (npu_shim/runtime/finder.py).
+   targets to the new code, checked like the first time (npu_shim/runtime/finder.py); the new
+   changes take over from the old code's, of which only what ``uninstall()`` must still put back
+   is kept, held weakly (``decisions.take_over``).
+A child made by ``os.fork()`` makes the runtime's and the finder's locks anew (a thread that held
+one in the parent, inside a hook, is not there to release it).
 No exception leaves a hook unless strict mode is on or a patch the user explicitly asked for
 (``Patch.must_honour``) cannot be applied.
 """
@@ -31,9 +35,9 @@ from npu_shim.core.framework import APPLIED, FAILED, ShimError
 from npu_shim.reporting import log, metrics, procinfo, summary
 from npu_shim.runtime import metrics_hook, role, wrapt_loader
 from npu_shim.runtime.decisions import (
-    decide_each, enforce, published, report_invalid_variables,
-    revert_record, running_on_npu, sglang_view, strict, view_of)
-from npu_shim.runtime.finder import ShimFinder
+    decide_each, decided_from, enforce, export, pruned, report_invalid_variables, revert_record,
+    running_on_npu, sglang_view, strict, take_over, view_of)
+from npu_shim.runtime.finder import ShimFinder, after_fork_in_child
 from npu_shim.source.reading import find_package_dir
 
 class Runtime:
@@ -53,8 +57,16 @@ class Runtime:
         self.hooked = set()           # every module a patch may touch
         self.watcher = None           # the start-up watcher, once handed in
         self.own_changes = []         # the shim's own targets' changes (role.py), in order applied
+        self.own_replaced = []        # decisions.Replaced: those of code loaded again since
         self.summary_due = None       # the pid whose summary line is still to be said
         self.finder = ShimFinder(self.watches, self.reapply_after_reload)
+        after_fork_in_child(self, Runtime.forked)
+
+    def forked(self):
+        """In a child made by ``os.fork()``: the lock anew.  A thread that held it in the parent
+        (inside an import hook) does not exist here, and the child would wait for it for ever; the
+        child goes on with whatever that thread had done when the process forked."""
+        self.lock = threading.RLock()
 
     # -- activation
     def activate_guarded(self, watcher=None):
@@ -120,7 +132,7 @@ class Runtime:
     def decide_all(self):
         """Decide every patch in a hook (sglang is imported and torch loaded, so the NPU is known),
         log one line each and enforce ``must_honour``/strict mode."""
-        self._decide(sglang_view, running_on_npu())
+        self.decide(sglang_view(), running_on_npu())
 
     def fail_without_wrapt(self, reason):
         """No wrapt: nothing can be wrapped, so say per patch what does not happen (and stop the
@@ -129,47 +141,26 @@ class Runtime:
         is ``failed`` with the reason."""
         # torch is usually not imported yet at ``import sglang``: the NPU is then unknown (None).
         on_npu = running_on_npu() if "torch" in sys.modules else None
-        self._decide(lambda: view_of(find_package_dir("sglang")), on_npu, missing_wrapt=reason)
+        self.decide(view_of(find_package_dir("sglang")), on_npu, missing_wrapt=reason)
 
-    def _decide(self, make_view, on_npu, missing_wrapt=None):
-        """Decide with the view ``make_view()`` gives."""
-        self._decide_with(make_view(), on_npu, missing_wrapt)
-
-    def _decide_with(self, view, on_npu, missing_wrapt):
-        """Decide, publish, then enforce whatever publishing did: a patch the user asked for that
-        failed stops the process even where saying so (the answers, the summary line, the
-        metrics) raised."""
+    def decide(self, view, on_npu, missing_wrapt=None):
+        """Decide every patch from ``view``, say so, then enforce.  Saying so is three steps -- the
+        answers children inherit (and where the decisions came from), the summary line (now, or
+        when a spawned child's target starts), the metrics -- each guarded: a patch the user asked
+        for that failed stops the process even where one raised, and in strict mode a step that
+        raised stops it too.  The walk goes one way: each call below returns to this one (the
+        functions of decisions.py are handed nothing of the runtime to call back)."""
         self.records = decide_each(self.patches, view, on_npu, missing_wrapt)
-        failures = self.publish(view, missing_wrapt)
-        self.enforce_all(failures)
-
-    def publish(self, view, missing_wrapt):
-        """Say the decisions: the answers children inherit, the summary line (now, or when a
-        spawned child's target starts), the metrics; the steps that raised (each logged once)."""
+        self.decided_from = decided_from(view)
         self.summary_due = os.getpid()
-        steps = (("exporting the answers", lambda: self.publish_view(view)),
+        steps = (("exporting the answers", lambda: export(view)),
                  ("the summary line", lambda: self.say_summary_when_due(missing_wrapt)),
                  ("the metrics", metrics.publish))
-        return [what for what, step in steps if not published(what, step)]
-
-    def enforce_all(self, failures):
-        """Stop the process where a patch that did not apply must not be skipped; in strict mode,
-        also where publishing the decisions failed (``failures``: the steps that raised)."""
+        failures = [what for what, step in steps if not said(what, step)]
         for record in self.records.values():
             self.enforce(record)
         if failures and strict():
             raise ShimError("npu-shim (strict): publishing the decisions failed: %s" % ", ".join(failures))
-
-    def publish_view(self, view):
-        """Where the decisions came from, and the answers children inherit.  The parsed source is
-        dropped after this (the view is local): every sglang process keeps only the decisions."""
-        inherited = getattr(view, "reused", False) and not getattr(view, "_modules", None)
-        self.decided_from = "inherited answers" if inherited else "sglang source"
-        if view is not None:
-            from npu_shim.source import inherited
-
-            inherited.export(view)
-            procinfo.note_sglang_version(view.version)
 
     def say_summary_when_due(self, missing_wrapt):
         """The summary line now, or in a spawned child when its target starts (role.py); at once
@@ -222,20 +213,7 @@ class Runtime:
         name = module.__name__
         if imported_before is None:
             imported_before = name in self.imported_before
-        if name == role.MODULE:
-            try:
-                change = role.prepare(module, self.say_summary)
-                change.apply(imported_before)
-                self.own_changes.append(change)
-            except Exception as exc:  # noqa: BLE001 - the patches apply regardless
-                log.debug("the scheduler's role comes from its process title: %s" % exc)
-        if name in metrics_hook.MODULES:
-            try:
-                for change in metrics_hook.prepare(module, self.state_snapshot):
-                    change.apply(imported_before)
-                    self.own_changes.append(change)
-            except Exception as exc:  # noqa: BLE001 - the patches apply regardless
-                log.debug("the shim's metrics are not published: %s" % exc)
+        self.apply_own(module, imported_before)
         for record in self.records.values():
             if record.state != APPLIED:
                 continue
@@ -244,6 +222,8 @@ class Runtime:
             try:
                 # All of this module's targets are checked against the loaded code before any is set.
                 changes = [t.prepare(module) for t in targets]
+                # Code loaded again (a reload): its changes take over from the old code's.
+                record.changes, record.replaced = take_over(record.changes, record.replaced, changes)
                 for target, change in zip(targets, changes):
                     change.apply(imported_before)
                     record.changes.append(change)
@@ -257,7 +237,31 @@ class Runtime:
                     summary.report(record)
                 metrics.publish()
                 self.enforce(record)
+            record.replaced = pruned(record.replaced)
         metrics.publish()
+
+    def apply_own(self, module, imported_before):
+        """The shim's own targets in ``module`` (the scheduler's role, the metrics collectors);
+        where one cannot be set the patches apply regardless."""
+        name, changes = module.__name__, []
+        if name == role.MODULE:
+            try:
+                change = role.prepare(module, self.say_summary)
+                change.apply(imported_before)
+                changes.append(change)
+            except Exception as exc:  # noqa: BLE001 - the patches apply regardless
+                log.debug("the scheduler's role comes from its process title: %s" % exc)
+        if name in metrics_hook.MODULES:
+            try:
+                for change in metrics_hook.prepare(module, self.state_snapshot):
+                    change.apply(imported_before)
+                    changes.append(change)
+            except Exception as exc:  # noqa: BLE001 - the patches apply regardless
+                log.debug("the shim's metrics are not published: %s" % exc)
+        if changes:
+            staying, self.own_replaced = take_over(self.own_changes, self.own_replaced, changes)
+            self.own_changes = staying + changes
+            self.own_replaced = pruned(self.own_replaced)
 
     # -- a wrapper that leaves (targets.Retirement)
     def bind_retirement(self, record, target):
@@ -345,7 +349,9 @@ class Runtime:
                     revert_record(record)
             for change in reversed(self.own_changes):
                 change.revert()
-            self.own_changes = []
+            for replaced in reversed(self.own_replaced):
+                replaced.revert()
+            self.own_changes, self.own_replaced = [], []
             self.installed = False
             self.generation += 1
             self.records = None
@@ -371,6 +377,17 @@ class Runtime:
         return {name: {"state": r.state, "reason": r.reason, "details": dict(r.details),
                        "targets_applied": "%d/%d" % (len(r.applied), len(r.targets))}
                 for name, r in (self.records or {}).items()}
+
+
+def said(what, step):
+    """Run one step of saying the decisions; False when it raised.  A failure is logged once and
+    not raised: enforcing, which comes after, must still run."""
+    try:
+        step()
+        return True
+    except Exception as exc:  # noqa: BLE001 - enforcing runs whatever happened here
+        log.error_once("publish:" + what, "%s failed: %r" % (what, exc))
+        return False
 
 
 RUNTIME = Runtime()

@@ -1,16 +1,19 @@
-"""One process's decisions: each patch decided into a ``PatchRecord`` (``decide_each``), what a
-record must do when it did not apply (``enforce``: stop the process where the user asked for the
-patch, or in strict mode), undoing a record's changes, and the steps that publish the decisions
-(each guarded: enforcing comes after, whatever they did).  The ``Runtime`` (activation.py) calls
-these; nothing here keeps state."""
+"""One process's decisions: each patch decided into a ``PatchRecord`` (``decide_each``), where
+they came from and the answers children inherit (``decided_from``, ``export``), what a record must
+do when it did not apply (``enforce``: stop the process where the user asked for the patch, or in
+strict mode), undoing a record's changes (``revert_record``), and what a reload's changes leave of
+the old code's (``take_over``, ``Replaced``).  The ``Runtime`` (activation.py) calls these and each
+returns to it: none is handed anything of the runtime to call back, so the walk from activation
+to a wrapper goes one way (tests/runtime/test_decisions.py holds it).  No module-level state."""
 
 import os
 import sys
+import weakref
 
 from npu_shim.core import config, framework, loading
 from npu_shim.core.framework import FAILED, PROBLEMS, ShimError
-from npu_shim.reporting import log
-from npu_shim.runtime.targets import Wrap
+from npu_shim.reporting import log, procinfo
+from npu_shim.runtime.targets import Change, Wrap, rebind
 
 
 class PatchRecord:
@@ -22,6 +25,7 @@ class PatchRecord:
         self.reason = decision.reason
         self.targets = decision.targets
         self.changes = []        # targets.Change, in the order applied
+        self.replaced = []       # Replaced: changes of code loaded again since (a reload), still to undo
         self.applied = set()     # describe() of targets applied so far
         self.retired = {}        # describe() of a retired target: its changes, reverted (Runtime.retire)
         self.details = decision.details  # what the patch's wrappers report (e.g. MiB released)
@@ -105,7 +109,10 @@ def enforce(record):
 def revert_record(record):
     for change in reversed(record.changes):
         change.revert()
+    for replaced in reversed(record.replaced):
+        replaced.revert()
     record.changes = []
+    record.replaced = []
     record.applied = set()
     record.retired = {}  # their originals are back already
     record.details.pop("retired", None)
@@ -126,13 +133,118 @@ def decide_each(patches, view, on_npu, missing_wrapt):
     return records
 
 
-def published(what, step):
-    """Run one step of publishing the decisions; False when it raised.  A failure is logged once
-    and not raised: enforcing, which comes after, must still run."""
-    try:
-        step()
-        return True
-    except Exception as exc:  # noqa: BLE001 - enforce runs whatever happened here
-        log.error_once("publish:" + what, "%s failed: %r" % (what, exc))
-        return False
+def decided_from(view):
+    """Where the decisions came from: the answers a parent exported (the view reused them and
+    parsed nothing), or the sglang source."""
+    inherited = getattr(view, "reused", False) and not getattr(view, "_modules", None)
+    return "inherited answers" if inherited else "sglang source"
 
+
+def export(view):
+    """The answers children inherit, and sglang's version for this process's lines.  The parsed
+    source is dropped after this (the view is the caller's): every sglang process keeps only the
+    decisions."""
+    if view is not None:
+        from npu_shim.source import inherited
+
+        inherited.export(view)
+        procinfo.note_sglang_version(view.version)
+
+
+# -- changes of code loaded again (a reload, an import again after a purge) ---------------------------
+
+_GONE = object()
+
+
+def _held(obj):
+    """A callable that gives ``obj`` back: through a weak reference where it takes one (then
+    ``_GONE`` once it is collected), else the object itself."""
+    try:
+        ref = weakref.ref(obj)
+    except TypeError:  # True, a dict, an int: cheap, and held by whoever holds the owner anyway
+        return lambda: obj
+    return lambda: _GONE if ref() is None else ref()
+
+
+class Replaced:
+    """A change whose target's module was loaded again, the new code changed in its turn: what it
+    may still have to put back at ``uninstall()`` -- its owner's attribute, where the owner is not
+    the one the new change holds (a class of the old code, the module object a purge left), and
+    the module-level copies of its replacement (``from m import f`` taken before the reload) --
+    held weakly, so that it keeps none of the old code alive.  It counts while something it would
+    put back is there (``alive``)."""
+
+    def __init__(self, change, same_owner):
+        self.what = change.what
+        self.attr = change.attr
+        self.rebind_copies = change.rebind_copies
+        self._owner = None if same_owner else _held(change.owner)
+        self._replacement = _held(change.replacement)
+        # A wrapper holds its original: held through it, the original lives exactly as long.  Any
+        # other original (a Replace's: a value, a class of another package) is held, as the
+        # change held it: nothing else may.
+        through = getattr(change.replacement, "__wrapped__", _GONE) is change.original
+        self._original = None if through else (lambda original=change.original: original)
+
+    def _parts(self):
+        """(owner or None, original, replacement), or None when there is nothing to put back."""
+        replacement = self._replacement()
+        owner = None if self._owner is None else self._owner()
+        if replacement is _GONE or (owner in (None, _GONE) and not self.rebind_copies):
+            return None
+        original = replacement.__wrapped__ if self._original is None else self._original()
+        return (None if owner is _GONE else owner), original, replacement
+
+    def alive(self):
+        return self._parts() is not None
+
+    def revert(self):
+        parts = self._parts()
+        if parts is None:
+            return
+        owner, original, replacement = parts
+        if owner is not None:
+            Change(owner, self.attr, original, replacement, self.rebind_copies).revert()
+        elif self.rebind_copies:
+            rebind(replacement, original)
+
+
+def take_over(changes, replaced, new):
+    """(changes, replaced) once the ``new`` changes (not applied yet) take over from those in
+    ``changes`` of the same targets -- code loaded again (a reload, an import again): each of those
+    leaves ``changes`` for ``replaced`` as a ``Replaced``, so that a reload replaces what it reloaded
+    rather than adding to it.  An old change that a new one wraps (its replacement is the new one's
+    original: the same code changed twice) is no old code, and stays -- unless that replacement is
+    a literal (``True``, ``0``, ``None``): reloaded code that sets the same literal is no sign of it.
+    ``pruned`` then drops what has nothing left to put back, once the caller holds the old changes
+    no more."""
+    by_key = {}
+    for change in new:
+        by_key.setdefault(_key(change), change)
+    staying, replaced = [], list(replaced)
+    for change in changes:
+        successor = by_key.get(_key(change))
+        if successor is None or (successor.original is change.replacement
+                                 and not isinstance(change.replacement, _LITERALS)):
+            staying.append(change)
+        else:
+            replaced.append(Replaced(change, same_owner=successor.owner is change.owner))
+    return staying, replaced
+
+
+_LITERALS = (bool, int, float, str, bytes, type(None))
+
+
+def pruned(replaced):
+    """The ``Replaced`` that still have something to put back."""
+    return [entry for entry in replaced if entry.alive()]
+
+
+def _key(change):
+    """What a change changes, whichever load of the module: its target, or for the shim's own
+    changes (which have none) the owner's module and qualified name, and the attribute."""
+    if change.what is not None:
+        return change.what
+    owner = change.owner
+    module = owner.__name__ if type(owner).__name__ == "module" else getattr(owner, "__module__", None)
+    return (module, getattr(owner, "__qualname__", None), change.attr)

@@ -12,17 +12,20 @@ import with a dict lookup or two:
 * a module with a hook waiting (``register``): the spec the other finders give, its loader
   wrapped so that the hooks run once the module's code ran (``exec_module``, or a legacy
   loader's ``load_module``); each hook runs once.  A module that fails to import runs none and
-  keeps them waiting; a hook for a module imported already runs at once;
+  keeps them waiting; a hook for a module imported already runs at once, and for one whose code
+  is still running (``install()`` while another thread imports it) when that import finishes;
 * ``importlib.reload`` of a hooked module (reload passes the module as ``target``, an import
   does not), or an import again of one whose hooks ran, once it left ``sys.modules`` (a new
   module object): the new code runs, then the runtime re-applies the patches to it.
 
 Hooks run outside the finder's lock, with the module's import lock held by the import system
-(so a hook may import other hooked modules).
+(so a hook may import other hooked modules).  A child made by ``os.fork()`` makes the lock anew.
 """
 
+import os
 import sys
 import threading
+import weakref
 
 
 class ShimFinder:
@@ -34,16 +37,44 @@ class ShimFinder:
         self._finding = set()    # (thread, module name) being looked up through the other finders
         self._ran = set()        # the modules whose hooks ran
         self.watcher = None      # the start-up watcher that hands imports on to this finder
+        after_fork_in_child(self, ShimFinder.forked)
+
+    def forked(self):
+        """In a child made by ``os.fork()``: the lock anew (a thread that held it in the parent is
+        not here to release it), and only this thread's lookups still under way."""
+        self._lock = threading.Lock()
+        me = threading.get_ident()
+        self._finding = {key for key in self._finding if key[0] == me}
 
     def register(self, name, hook):
-        """Run ``hook(module)`` once, after module ``name`` is imported -- at once when it is."""
+        """Run ``hook(module)`` once, after module ``name`` is imported -- at once when it is.  A
+        module whose code is still running (another thread's import, or one further up this
+        thread's: ``__spec__._initializing``, the import system's own mark) is not imported yet:
+        its hooks run when that import finishes."""
         with self._lock:
             module = sys.modules.get(name)
-            if module is None:
+            running = module is not None and _initializing(module)
+            if module is None or running:
                 self._hooks.setdefault(name, []).append(hook)
-                return
-            self._ran.add(name)
-        hook(module)
+                if module is None:
+                    return
+            else:
+                self._ran.add(name)
+        if running:
+            self._when_imported(name, module)
+        else:
+            hook(module)
+
+    def _when_imported(self, name, module):
+        """Run the hooks waiting for ``name`` once the import now running ``module``'s code
+        finishes, on the thread that imports it (when its spec's ``_initializing`` is set back);
+        at once if it finished meanwhile.  An import that fails leaves them waiting for the next."""
+        def finished():
+            if sys.modules.get(name) is module:
+                self.run_hooks(module)
+
+        if not _watch_initializing(module.__spec__, finished):
+            finished()
 
     def waiting(self):
         """The names of the modules with hooks waiting for their import."""
@@ -69,10 +100,15 @@ class ShimFinder:
             sys.meta_path.insert(0, self)
 
     def uninstall(self, watcher=None):
+        """Out of the imports, and the hooks still waiting dropped (they belong to the install
+        that ends: an ``uninstall()``/``install()`` cycle added one more of each otherwise)."""
         if watcher is not None:
             watcher.stop_handing_on()
         while self in sys.meta_path:
             sys.meta_path.remove(self)
+        with self._lock:
+            self._hooks.clear()
+            self._ran.clear()
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname in self._hooks:
@@ -103,6 +139,54 @@ class ShimFinder:
             if spec is not None:
                 return spec
         return None
+
+
+def _initializing(module):
+    """True while the module's code runs (its import is under way); False once it finished or
+    failed, and for a module whose spec has no such mark (made by hand: it counts as imported)."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def _watch_initializing(spec, finished):
+    """Call ``finished()`` when ``spec._initializing`` is set to False (importlib sets it when the
+    module's code has run, or failed), the spec's class then put back.  Returns True while the
+    watch is set (it is still to fire), False where it is not (it fired already)."""
+    base = type(spec)
+    if getattr(base, "_npu_shim_watch", False):
+        return True  # watched already: the hooks waiting then run, these with them
+
+    def __setattr__(self, attr, value):
+        base.__setattr__(self, attr, value)
+        if attr == "_initializing" and not value and type(self) is watched:
+            object.__setattr__(self, "__class__", base)
+            finished()
+
+    watched = type(base.__name__, (base,), {"__setattr__": __setattr__, "_npu_shim_watch": True,
+                                            "__module__": base.__module__, "__qualname__": base.__qualname__})
+    try:
+        spec.__class__ = watched
+    except TypeError:  # a spec of a class whose objects cannot change it: the hooks run now
+        return False
+    if spec._initializing:
+        return True
+    if type(spec) is watched:  # it finished while the watch was set: nothing will set it again
+        object.__setattr__(spec, "__class__", base)
+    return False
+
+
+def after_fork_in_child(owner, method):
+    """``method(owner)`` in every child ``os.fork()`` makes, while ``owner`` lives (the callback
+    does not keep it alive: tests make many runtimes and finders)."""
+    if not hasattr(os, "register_at_fork"):
+        return
+    ref = weakref.ref(owner)
+
+    def in_child():
+        live = ref()
+        if live is not None:
+            method(live)
+
+    os.register_at_fork(after_in_child=in_child)
 
 
 def _hook_loader(spec, after):

@@ -8,7 +8,7 @@ import pytest
 from npu_shim.core import config, framework
 from npu_shim.runtime import targets
 from npu_shim.core import loading
-from npu_shim.patches import registry as patch_registry
+from npu_shim.core import registry as patch_registry
 from npu_shim.patches import zbal as zbal_patch
 
 

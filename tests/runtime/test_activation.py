@@ -432,13 +432,14 @@ def test_a_module_imported_before_activation_is_decided_and_patched_at_once_copi
 
 def test_uninstall_restores_every_original_and_hooks_of_earlier_activations_stay_silent(
         activating, sglang_tree, monkeypatch):
-    """Each activation's hooks belong to it: the finder keeps the hooks of an uninstalled one
-    waiting, and when the module comes they change nothing (the demo's wrapper is put once)."""
+    """Each activation's hooks belong to it: uninstall() drops those still waiting, and one that
+    runs after all (an earlier activation's) changes nothing (the demo's wrapper is put once)."""
     runtime, watcher = activating(), Watcher()
     for _ in range(2):
         runtime.activate(watcher)
         runtime.uninstall(watcher)
     assert watcher.calls[1:3] == ["disarm", "stop_handing_on"]
+    assert runtime.finder.waiting() == []
     assert runtime.installed is False and (runtime.records, runtime.patches) == (None, None)
     runtime.activate(watcher)
     module = fake_module("sglang.srt.a", "def f():\n    return 1\n")
@@ -450,6 +451,26 @@ def test_uninstall_restores_every_original_and_hooks_of_earlier_activations_stay
     assert module.f is original and runtime.own_changes == []
     assert runtime.installed is False and (runtime.records, runtime.patches) == (None, None)
     assert runtime.watches("sglang.srt.a") is False and runtime.states() == {}
+
+
+def test_install_cycles_leave_one_hook_waiting_per_module(activating, sglang_tree):
+    """25 uninstall()/install() cycles grew the finder's waiting hooks from 4 to 104 here: each
+    install added one per module, and none was dropped."""
+    runtime, watcher = activating(), Watcher()
+
+    def waiting_hooks():
+        return sum(len(hooks) for hooks in runtime.finder._hooks.values())
+
+    runtime.activate(watcher)
+    assert waiting_hooks() == len(HOOKED)
+    for _ in range(25):
+        runtime.uninstall(watcher)
+        assert waiting_hooks() == 0
+        runtime.activate(watcher)
+    assert waiting_hooks() == len(HOOKED) and runtime.finder.waiting() == sorted(HOOKED)
+    module = fake_module("sglang.srt.a", "def f():\n    return 1\n")
+    runtime.finder.run_hooks(module)
+    assert module.f() == 2  # wrapped once
 
 
 @pytest.mark.parametrize("error, reason", [
@@ -613,10 +634,23 @@ def test_decided_from_inherited_answers_only_where_the_view_reused_them_and_pars
         undecided, monkeypatch, attributes, source):
     exported = []
     monkeypatch.setattr(inherited, "export", exported.append)
-    view = types.SimpleNamespace(version="0.5.9", **attributes)
-    undecided.publish_view(view)
-    assert undecided.decided_from == source
+    view = types.SimpleNamespace(version="0.5.9", package_dir=None, function=lambda *a: None,
+                                 module=lambda dotted: None, **attributes)
+    monkeypatch.setattr(activation, "sglang_view", lambda: view)
+    undecided.decide_all()
+    assert undecided.decided_from == decisions.decided_from(view) == source
     assert exported == [view] and procinfo.sglang_version() == "0.5.9"
+
+
+def test_a_step_of_saying_the_decisions_says_whether_it_ran_and_a_failure_is_logged_once(logged):
+    ran = []
+    assert activation.said("the summary line", lambda: ran.append(1)) is True
+    assert ran == [1] and logged() == []
+    assert activation.said("the summary line", boom) is False
+    assert activation.said("the summary line", boom) is False
+    assert activation.said("the metrics", boom) is False
+    assert logged() == [("ERROR", "the summary line failed: RuntimeError('boom')"),
+                        ("ERROR", "the metrics failed: RuntimeError('boom')")]
 
 
 # -- what a spawned child says when its target starts ---------------------------------------------------
@@ -883,3 +917,135 @@ def test_importlib_reload_through_the_finder_patches_the_new_code(monkeypatch, t
     finally:
         runtime.finder.uninstall()
     assert module.f() == 11
+
+
+def test_a_child_forked_while_another_thread_holds_the_runtimes_lock_reloads(fake_a):
+    """The runtime's lock is made anew in a forked child: the thread that held it in the parent
+    (inside an import hook) is not there to release it (a reload waited for ever)."""
+    from test_finder import in_a_child_forked_while_held
+
+    module, _ = fake_a
+    runtime = activation.Runtime()
+    runtime.records = {"demo": applied_record([targets.Wrap("sglang.fake_a", "f", add_one, [()])])}
+
+    def check():
+        runtime.reapply_after_reload(module)
+        return module.f() == 2
+
+    assert in_a_child_forked_while_held(runtime.lock, check) == 0
+    assert module.f() == 1  # the parent's module: the child's change is the child's
+
+
+def reload_in_place(module, source):
+    """What importlib.reload does to a module: its code run again in the same module object."""
+    exec(source, module.__dict__)
+
+
+def test_reloads_keep_one_change_per_target_and_none_of_the_old_code_alive(fake_a):
+    """36 reloads grew the kept changes from 3 to 111, each holding an old f and g alive.  A
+    reload's changes take over from the old code's: the old original lives only while a copy of
+    its wrapper does (sglang.fake_copy's, taken before the reload), which uninstall() restores."""
+    import gc
+    import weakref
+
+    module, copy = fake_a
+    record = applied_record([targets.Wrap("sglang.fake_a", "f", add_one, [()]),
+                             targets.Wrap("sglang.fake_a", "g", add_one, [()]),
+                             targets.Replace("sglang.fake_a", "LIMIT", lambda limit: limit + 1)])
+    runtime = activation.Runtime()
+    runtime.records, runtime.imported_before = {"demo": record}, {"sglang.fake_a"}
+    first = module.f
+    runtime.apply_module(module)
+    assert copy.f() == 2 and copy.f.__wrapped__ is first
+    olds = []
+    for _ in range(36):
+        reload_in_place(module, FAKE_A)
+        olds.append((weakref.ref(module.f), weakref.ref(module.g)))
+        runtime.reapply_after_reload(module)
+        assert (module.f(), module.g(), module.LIMIT) == (2, 11, 6)
+    gc.collect()
+    assert [c.what for c in record.changes] == ["sglang.fake_a:f", "sglang.fake_a:g", "sglang.fake_a:LIMIT"]
+    assert [entry.what for entry in record.replaced] == ["sglang.fake_a:f"]  # the copy's wrapper
+    assert [(f() is None, g() is None) for f, g in olds] == [(True, True)] * 35 + [(False, False)]
+    assert copy.f() == 2  # the copy keeps what it took, as after any reload
+    runtime.uninstall(Watcher())
+    assert module.f is olds[-1][0]() and module.g is olds[-1][1]() and module.LIMIT == 5
+    assert copy.f is first and record.replaced == []
+
+
+RELOADED_CLASS = "class Box:\n    def get(self):\n        return 1\n"
+
+
+def test_a_reloaded_class_is_restored_while_it_lives_and_kept_by_nothing(monkeypatch):
+    """A method's change of the old code holds its class weakly: an instance of it that lives
+    on gets the original back at uninstall(); once none does, nothing of it is kept."""
+    import gc
+    import weakref
+
+    module = fake_module("sglang.fake_box", RELOADED_CLASS)
+    monkeypatch.setitem(sys.modules, "sglang.fake_box", module)
+    record = applied_record([targets.Wrap("sglang.fake_box", "Box.get", add_one, [()])])
+    runtime = activation.Runtime()
+    runtime.records = {"demo": record}
+    runtime.apply_module(module)
+    kept = module.Box()
+    classes = [weakref.ref(module.Box)]
+    for _ in range(5):
+        reload_in_place(module, RELOADED_CLASS)
+        classes.append(weakref.ref(module.Box))
+        runtime.reapply_after_reload(module)
+    gc.collect()
+    assert [c() is None for c in classes] == [False] + [True] * 4 + [False]
+    assert [entry.alive() for entry in record.replaced] == [True] + [False] * 4
+    # a class outlives its module's reload until the collector runs: its entry goes at the next
+    reload_in_place(module, RELOADED_CLASS)
+    runtime.reapply_after_reload(module)
+    assert len(record.changes) == 1 and len(record.replaced) == 2
+    assert kept.get() == 2 and module.Box().get() == 2
+    runtime.uninstall(Watcher())
+    assert kept.get() == 1 and module.Box().get() == 1
+
+
+def test_code_changed_twice_without_a_reload_is_undone_twice():
+    """A change that wraps one of the same target's (no reload between: its original is the old
+    replacement) does not take over from it: both stay, and uninstall() undoes both."""
+    module = fake_module("sglang.fake_twice", "def f():\n    return 1\n")
+    original = module.f
+    record = applied_record([targets.Wrap("sglang.fake_twice", "f", add_one, [()])])
+    runtime = activation.Runtime()
+    runtime.records = {"demo": record}
+    runtime.apply_module(module)
+    runtime.apply_module(module)
+    assert module.f() == 3 and len(record.changes) == 2 and record.replaced == []
+    runtime.uninstall(Watcher())
+    assert module.f is original
+
+
+def test_reloads_of_the_schedulers_module_keep_one_change_of_the_shims_own(undecided, monkeypatch):
+    undecided.decide_all()
+    scheduler = fake_module(role.MODULE, SCHEDULER)
+    monkeypatch.setitem(sys.modules, role.MODULE, scheduler)
+    undecided.apply_module(scheduler)
+    for _ in range(10):
+        reload_in_place(scheduler, SCHEDULER)
+        undecided.reapply_after_reload(scheduler)
+    assert len(undecided.own_changes) == 1 and undecided.own_replaced == []
+    assert scheduler.run_scheduler_process.__wrapped__ is not None
+    reloaded = scheduler.run_scheduler_process.__wrapped__
+    undecided.uninstall(Watcher())
+    assert scheduler.run_scheduler_process is reloaded
+
+
+def test_reloaded_code_that_sets_the_replaced_literal_itself_keeps_one_change(monkeypatch):
+    """``use_deepep = True`` replaced by True, the module's new code setting True too: the same
+    object, but no sign of code changed twice (a literal): the reload's change takes over."""
+    source = "FLAG = True\n"
+    module = fake_module("sglang.fake_flag", source)
+    record = applied_record([targets.Replace("sglang.fake_flag", "FLAG", lambda original: True)])
+    runtime = activation.Runtime()
+    runtime.records = {"demo": record}
+    runtime.apply_module(module)
+    for _ in range(10):
+        reload_in_place(module, source)
+        runtime.reapply_after_reload(module)
+    assert len(record.changes) == 1 and record.replaced == [] and module.FLAG is True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import types
 
 import pytest
@@ -154,11 +155,80 @@ def test_reverting_a_record_undoes_its_changes_last_first_and_forgets_what_was_a
     record = record_of(framework.APPLIED, details={"retired": ["m:g"], "released_mib": 2})
     record.changes = [Change("m:f", undone), Change("m:h", undone)]
     record.applied, record.retired = {"m:f", "m:h", "m:g"}, {"m:g": [Change("m:g", undone)]}
+    record.replaced = [Change("m:f before a reload", undone), Change("m:h before a reload", undone)]
     decisions.revert_record(record)
-    assert undone == ["m:h", "m:f"]  # a retired target's original is back already
-    assert (record.changes, record.applied, record.retired) == ([], set(), {})
+    # a retired target's original is back already; the old code's changes after the new code's
+    assert undone == ["m:h", "m:f", "m:h before a reload", "m:f before a reload"]
+    assert (record.changes, record.applied, record.retired, record.replaced) == ([], set(), {}, [])
     assert record.details == {"released_mib": 2}
     assert record.as_dict()["retired"] == [] and record.as_dict()["wrappers"] == []
+
+
+# -- the changes of code loaded again ---------------------------------------------------------------------
+
+def _module(name, **names):
+    module = types.ModuleType(name)
+    module.__dict__.update(names)
+    return module
+
+
+def test_a_replaced_value_in_the_module_the_new_change_holds_has_nothing_left_to_put_back():
+    """``use_deepep = True`` in a reloaded module: the reload set the name, the new change holds it."""
+    module = _module("sglang.fake_v", FLAG=False)
+    old = targets.Change(module, "FLAG", False, True, rebind_copies=False, what="m:FLAG")
+    new = targets.Change(module, "FLAG", False, True, rebind_copies=False, what="m:FLAG")
+    staying, replaced = decisions.take_over([old], [], [new])
+    assert staying == [] and len(replaced) == 1 and decisions.pruned(replaced) == []
+
+
+def test_a_replaced_value_in_another_owner_is_put_back_while_that_owner_lives():
+    """A dict (no weak reference) set on the class of the old code: put back at uninstall() while
+    that class lives, held no longer than it."""
+    import gc
+
+    class Old:
+        TABLE = {"a": 1}
+
+    original, table = Old.TABLE, {"b": 2}
+    old = targets.Change(Old, "TABLE", original, table, what="m:Old.TABLE")
+    old.apply(False)
+    new = targets.Change(type("New", (), {}), "TABLE", original, table, what="m:Old.TABLE")
+    staying, replaced = decisions.take_over([old], [], [new])
+    del old
+    assert staying == [] and decisions.pruned(replaced) == replaced
+    replaced[0].revert()
+    assert Old.TABLE is original
+    del Old
+    gc.collect()
+    assert decisions.pruned(replaced) == []
+    replaced[0].revert()  # nothing left: nothing done
+
+
+def test_the_copies_of_a_replaced_wrapper_are_put_back_once_its_module_object_is_gone(monkeypatch):
+    """A purge left the old module object, whose wrapper a third module copied: the old module
+    gone, the copy still gets the original back."""
+    import gc
+
+    def f():
+        return 1
+
+    old_module = _module("sglang.fake_old", f=f)
+    wrapper = targets.function_wrapper(f, lambda wrapped, instance, args, kwargs: wrapped() + 1)
+    old = targets.Change(old_module, "f", f, wrapper, what="m:f")
+    old.apply(False)
+    holder = _module("sglang.fake_holder", f=wrapper)
+    monkeypatch.setitem(sys.modules, holder.__name__, holder)
+    new_module = _module("sglang.fake_old", f=lambda: 1)
+    new = targets.Change(new_module, "f", new_module.f, object(), what="m:f")
+    staying, replaced = decisions.take_over([old], [], [new])
+    del old, old_module, wrapper
+    gc.collect()
+    assert decisions.pruned(replaced) == replaced and holder.f() == 2
+    replaced[0].revert()
+    assert holder.f is f
+    del holder.f
+    gc.collect()
+    assert decisions.pruned(replaced) == []  # the wrapper gone with its last copy
 
 
 # -- deciding every patch -----------------------------------------------------------------------------------
@@ -183,21 +253,41 @@ def test_a_patch_whose_deciding_raised_is_failed_and_the_others_are_decided(monk
     assert without["demo"].state == framework.UPSTREAM  # only a patch that would apply fails without wrapt
 
 
-# -- publishing ------------------------------------------------------------------------------------------------
+# -- the walk goes one way ------------------------------------------------------------------------------
 
-def test_a_publishing_step_says_whether_it_ran_and_a_failure_is_logged_once(logged):
-    ran = []
-    assert decisions.published("the summary line", lambda: ran.append(1)) is True
-    assert ran == [1] and logged() == []
+def test_nothing_here_calls_back_what_the_runtime_handed_it():
+    """From activation to a wrapper the walk goes one way: decisions.py calls no function it was
+    handed (a step, a view maker: the runtime's own methods, so deciding went back and forth
+    between the two modules five times) and imports nothing of activation."""
+    import ast
 
-    def boom():
-        raise RuntimeError("boom")
+    with open(decisions.__file__, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    called_back = []
+    for function in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Lambda))]:
+        handed = {a.arg for a in function.args.args + function.args.kwonlyargs}
+        called_back += ["%s(%s)" % (getattr(function, "name", "lambda"), call.func.id)
+                        for call in ast.walk(function) if isinstance(call, ast.Call)
+                        and isinstance(call.func, ast.Name) and call.func.id in handed]
+    assert called_back == []
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                for alias in node.names} | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not any("activation" in (name or "") for name in imported)
+    assert not hasattr(decisions, "published")  # the guard of the runtime's own steps is the runtime's
 
-    assert decisions.published("the summary line", boom) is False
-    assert decisions.published("the summary line", boom) is False
-    assert decisions.published("the metrics", boom) is False
-    assert logged() == [("ERROR", "the summary line failed: RuntimeError('boom')"),
-                        ("ERROR", "the metrics failed: RuntimeError('boom')")]
+
+def test_the_answers_are_exported_and_the_version_noted_only_where_there_is_a_view(monkeypatch):
+    from npu_shim.reporting import procinfo
+    from npu_shim.source import inherited
+
+    exported = []
+    monkeypatch.setattr(inherited, "export", exported.append)
+    monkeypatch.setattr(procinfo, "_sglang_version", "before")
+    decisions.export(None)
+    assert exported == [] and procinfo.sglang_version() == "before"
+    view = types.SimpleNamespace(version="0.5.9")
+    decisions.export(view)
+    assert exported == [view] and procinfo.sglang_version() == "0.5.9"
 
 
 def test_a_view_is_read_only_where_there_is_a_directory(monkeypatch, tmp_path):

@@ -350,7 +350,7 @@ def test_threads_importing_and_registering_run_each_hook_exactly_once(hooks):
     def hook(tag):
         def run(module):
             with lock:
-                fired.append(tag)
+                fired.append((tag, getattr(module, "X", "half-imported")))
         return run
 
     hooks.register("hk_slow", hook("first"))
@@ -373,8 +373,158 @@ def test_threads_importing_and_registering_run_each_hook_exactly_once(hooks):
     for thread in threads:
         thread.join(30)
     assert seen == [1, 1, 1, 1]
-    assert sorted(fired, key=str) == sorted(["first", 0, 1, 2, 3, 4], key=str)
+    # registered while the module's code still ran: run once it finished, never on half a module
+    assert sorted(fired, key=str) == sorted([("first", 1)] + [(i, 1) for i in range(5)], key=str)
     assert hooks.waiting() == [] and hooks._finding == set()
+
+
+GATED_MODULE = "import gate\ngate.inside.set()\nassert gate.release.wait(30)\nX = 1\n"
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """A module ``gate`` with two events: a module's code sets ``inside`` and waits for ``release``."""
+    import threading
+
+    module = types.ModuleType("gate")
+    module.inside, module.release = threading.Event(), threading.Event()
+    monkeypatch.setitem(sys.modules, "gate", module)
+    return module
+
+
+@pytest.mark.parametrize("outcome", ["imported", "failed"])
+def test_a_hook_registered_while_another_thread_runs_the_modules_code_waits_for_its_end(hooks, gate, outcome):
+    """A module in sys.modules whose code still runs is half imported (``__spec__._initializing``):
+    its hooks run on the importing thread when its code finished, the spec's class put back; an
+    import that fails leaves them waiting for the next, which runs them."""
+    import threading
+
+    _write(hooks, "hk_gated.py", GATED_MODULE + ("raise ImportError('no')\n" if outcome == "failed" else ""))
+    fired, errors = [], []
+
+    def importer():
+        try:
+            importlib.import_module("hk_gated")
+        except ImportError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=importer)
+    thread.start()
+    assert gate.inside.wait(30)
+    half = sys.modules["hk_gated"]
+    hooks.register("hk_gated", lambda module: fired.append((module, module.X, threading.current_thread())))
+    assert fired == [] and hooks.waiting() == ["hk_gated"] and type(half.__spec__).__name__ == "ModuleSpec"
+    gate.release.set()
+    thread.join(30)
+    assert type(half.__spec__) is importlib.machinery.ModuleSpec
+    if outcome == "imported":
+        assert fired == [(half, 1, thread)] and hooks.waiting() == [] and errors == []
+        return
+    assert fired == [] and hooks.waiting() == ["hk_gated"] and errors == ["no"]
+    _write(hooks, "hk_gated.py", "X = 2\n")
+    again = importlib.import_module("hk_gated")
+    assert fired == [(again, 2, threading.current_thread())] and hooks.waiting() == []
+
+
+def test_a_hook_a_module_registers_for_itself_runs_when_its_code_finished(hooks):
+    """install() from code a hooked module's import runs: the same thread, further up."""
+    _write(hooks, "hk_self.py", "import sys\nsys.modules['hk_self_test'].register('hk_self', "
+                                "lambda module: module.SEEN.append(module.X))\nSEEN = []\nX = 1\n")
+    sys.modules["hk_self_test"] = hooks
+    try:
+        import hk_self
+    finally:
+        del sys.modules["hk_self_test"]
+    assert hk_self.SEEN == [1] and hooks.waiting() == []
+
+
+def test_the_watch_on_a_spec_fires_once_when_its_import_ends_and_not_after():
+    spec = importlib.machinery.ModuleSpec("hk_spec", None)
+    calls = []
+    spec._initializing = True
+    assert finder._watch_initializing(spec, lambda: calls.append(1)) is True
+    assert type(spec).__name__ == "ModuleSpec" and type(spec) is not importlib.machinery.ModuleSpec
+    assert finder._watch_initializing(spec, lambda: calls.append(2)) is True  # one watch, not two
+    spec.loader = "kept"
+    spec._initializing = True
+    assert calls == [] and spec.loader == "kept"
+    spec._initializing = False
+    assert calls == [1] and type(spec) is importlib.machinery.ModuleSpec
+    spec._initializing = False
+    assert calls == [1]
+    # an import that ended before the watch was set: no watch left, the caller runs the hooks
+    assert finder._watch_initializing(spec, lambda: calls.append(3)) is False
+    assert calls == [1] and type(spec) is importlib.machinery.ModuleSpec
+
+
+def test_a_spec_whose_class_cannot_change_runs_the_hooks_at_once(hooks, monkeypatch):
+    class Fixed:
+        __slots__ = ("_initializing",)
+
+    module = types.ModuleType("hk_fixed")
+    module.__spec__ = Fixed()
+    module.__spec__._initializing = True
+    monkeypatch.setitem(sys.modules, "hk_fixed", module)
+    fired = []
+    hooks.register("hk_fixed", fired.append)
+    assert fired == [module] and hooks.waiting() == []
+
+
+def in_a_child_forked_while_held(lock, check):
+    """Fork while another thread holds ``lock``; in the child run ``check()`` (True: it holds).
+    The child's exit status: 0 when it held, 1 when not or it raised, None when it still waited
+    after 10 s (it is killed then)."""
+    import os
+    import threading
+    import time
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        try:
+            os._exit(0 if check() else 1)
+        finally:
+            os._exit(1)
+    release.set()
+    holder.join(30)
+    for _ in range(200):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return None
+
+
+def test_a_child_forked_while_another_thread_holds_the_lock_registers_and_finds(hooks):
+    """The finder's lock is made anew in a forked child (the thread that held it is not there);
+    the lookups other threads had under way are not the child's."""
+    import threading
+
+    _write(hooks, "hk_forked.py", "X = 1\n")
+    elsewhere = threading.Thread(target=lambda: None)
+    elsewhere.start()
+    elsewhere.join()
+    hooks._finding.add((elsewhere.ident, "hk_forked"))
+    fired = []
+
+    def check():
+        hooks.register("hk_forked", fired.append)
+        import hk_forked
+        return hooks.waiting() == [] and fired == [hk_forked] and hooks._finding == set()
+
+    assert in_a_child_forked_while_held(hooks._lock, check) == 0
+    assert hooks.waiting() == [] and fired == []  # the parent's finder: nothing registered
 
 
 class Watcher:

@@ -38,8 +38,8 @@ def test_uninstall_before_the_shim_started_turns_it_off_and_install_arms_it_agai
 # still holds the fake sglang and the repository, and nothing runs at start-up.
 WITHOUT_WRAPT = """
 import importlib.util, json, sys
-import npu_shim, npu_shim.patches.registry
-npu_shim.patches.registry.PATCH_MODULES[:] = ["demo"]
+import npu_shim, npu_shim.core.registry
+npu_shim.core.registry.PATCH_MODULES[:] = ["demo"]
 from npu_shim.runtime import activation
 
 def shim_finders():

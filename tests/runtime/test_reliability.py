@@ -354,3 +354,132 @@ def test_wrappers_pickle_and_copy_by_reference_in_process(monkeypatch):
         assert bound() == 5 and bound.__self__ is not box and type(bound.__self__) is module.Box
         assert type(bound).__module__ == "npu_shim.runtime.targets"
     assert copy.copy(box.get)() == 5
+
+
+# ------------------------------------------------------------------- threads, fork, install()
+
+# The demo patch with a second module, sglang.srt.other, whose target's ``requires`` waits for the
+# test's gate: a thread importing that module is then inside the shim's hook, the runtime's lock held.
+GATED = DEMO_PATCH.replace(
+    'modules = ("sglang.srt.utils.common",)',
+    'modules = ("sglang.srt.utils.common", "sglang.srt.other")').replace(
+    "        return [\n",
+    "        def gate():\n"
+    "            import gate\n"
+    "            gate.inside.set()\n"
+    "            gate.release.wait(30)\n"
+    "        return [\n"
+    "            targets.Wrap(\"sglang.srt.other\", \"late\", add_one, [(\"x\",)], requires=gate),\n")
+
+GATE = """
+        import sys, threading, types
+        gate = sys.modules["gate"] = types.ModuleType("gate")
+        gate.inside, gate.release = threading.Event(), threading.Event()
+"""  # indented as the scripts it goes in front of
+
+
+def test_a_child_forked_while_another_thread_is_inside_a_hook_reloads_without_deadlock(tree):
+    """The runtime's lock is made anew in a forked child: before the fix the child, forked while
+    a thread held it inside an import hook, blocked for ever on the next reload."""
+    assert GATED != DEMO_PATCH
+    (tree / "image" / "demo.py").write_text(GATED)
+    (tree / "pkgs" / "sglang" / "srt" / "other.py").write_text("def late(x):\n    return x\n")
+    proc = run(tree, GATE + """
+        import importlib, json, os, threading, time
+        from sglang.srt.utils import common
+        importer = threading.Thread(target=importlib.import_module, args=("sglang.srt.other",))
+        importer.start()
+        assert gate.inside.wait(30)
+        pid = os.fork()
+        if pid == 0:
+            importlib.reload(common)
+            print(json.dumps({"child": common.get_npu_memory_capacity()}), flush=True)
+            os._exit(0)
+        gate.release.set()
+        importer.join()
+        for _ in range(200):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            status = "killed: deadlocked"
+        from sglang.srt import other
+        print(json.dumps({"status": status, "parent": [common.get_npu_memory_capacity(), other.late(1)]}))
+    """)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines == ['{"child": 1001}', '{"status": 0, "parent": [1001, 2]}'], proc.stdout + proc.stderr
+
+
+def test_install_while_another_thread_imports_a_hooked_module_patches_it_once_imported(tree):
+    """install() while another thread is still running sglang.srt.utils.common's code: the
+    half-imported module (``__spec__._initializing``) is patched when its import finishes.  Before
+    the fix it was taken for an imported one: Scheduler.__init__ not found, demo failed (and in
+    strict mode install() raised)."""
+    common = tree / "pkgs" / "sglang" / "srt" / "utils" / "common.py"
+    text = common.read_text()
+    common.write_text(text.replace("class Scheduler:", "import gate\ngate.inside.set()\n"
+                                                       "assert gate.release.wait(30)\n\nclass Scheduler:"))
+    proc = run(tree, GATE + """
+        import importlib, json, threading
+        import sglang
+        import npu_shim
+        importer = threading.Thread(target=importlib.import_module, args=("sglang.srt.utils.common",))
+        importer.start()
+        assert gate.inside.wait(30)
+        installed = npu_shim.install()
+        during = npu_shim.states()
+        gate.release.set()
+        importer.join()
+        from sglang.srt.utils import common
+        print(json.dumps({"installed": installed, "during": during, "state": npu_shim.states()["demo"]["state"],
+                          "value": common.get_npu_memory_capacity(),
+                          "init": getattr(common.Scheduler(None, 0), "patched", False),
+                          "spec": type(common.__spec__).__name__}))
+    """, shim=False, env={"NPU_SHIM_STRICT": "1"})
+    assert last_json(proc) == {"installed": True, "during": {}, "state": "applied", "value": 1001,
+                               "init": True, "spec": "ModuleSpec"}
+
+
+def test_reloads_and_install_cycles_keep_what_they_replaced_no_longer(tree):
+    """36 reloads kept 2 more changes each (and the old functions with them), 25 uninstall()/
+    install() cycles one more waiting hook per hooked module each: what they replaced is let go."""
+    proc = run(tree, """
+        import gc, importlib, json, weakref
+        import npu_shim
+        from npu_shim.runtime import activation
+        from sglang.srt.utils import common
+        runtime = activation.RUNTIME
+
+        def waiting_hooks():
+            return sum(len(hooks) for hooks in runtime.finder._hooks.values())
+
+        hooks_before, old = waiting_hooks(), []
+        for _ in range(36):
+            old.append(weakref.ref(common.get_npu_memory_capacity.__wrapped__))
+            importlib.reload(common)
+        gc.collect()
+        record = runtime.record("demo")
+        from sglang.srt import utils  # its star import took the first wrapper and class: they stay
+        out = {"changes": len(record.changes), "replaced": sum(entry.alive() for entry in record.replaced),
+               "old_alive": [i for i, ref in enumerate(old) if ref() is not None],
+               "copy": [utils.get_npu_memory_capacity.__wrapped__ is old[0](), utils.Scheduler is not common.Scheduler,
+                        utils.Scheduler(None, 0).patched],
+               "value": common.get_npu_memory_capacity()}
+        for _ in range(25):
+            npu_shim.uninstall()
+            npu_shim.install()
+        out.update(hooks=[hooks_before, waiting_hooks()], state=npu_shim.states()["demo"]["state"],
+                   again=common.get_npu_memory_capacity())
+        npu_shim.uninstall()
+        out["restored"] = [common.get_npu_memory_capacity(), utils.get_npu_memory_capacity is old[0](),
+                           hasattr(utils.Scheduler(None, 0), "patched")]
+        print(json.dumps(out))
+    """)
+    out = last_json(proc)
+    assert out["hooks"][0] > 0
+    assert out == {"changes": 2, "replaced": 2, "old_alive": [0], "copy": [True, True, True], "value": 1001,
+                   "hooks": [out["hooks"][0]] * 2, "state": "applied", "again": 1001,
+                   "restored": [1000, True, False]}

@@ -1,4 +1,4 @@
-"""The registry (npu_shim/patches/registry.py ``PATCH_MODULES``), each feature module's own
+"""The registry (npu_shim/core/registry.py ``PATCH_MODULES``), each feature module's own
 declaration and docstring, and README's patch table say the same thing."""
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import re
 import sys
 
 from npu_shim.core import loading
-from npu_shim.patches import registry as patch_registry
+from npu_shim.core import registry as patch_registry
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PATCHES = os.path.join(REPO, "npu_shim", "patches")
 
 
 def readme_patch_rows():
@@ -24,8 +25,7 @@ def test_every_registered_module_is_a_patch_of_its_own_name():
     names = [m.rsplit(".", 1)[-1] for m in patch_registry.PATCH_MODULES]
     assert names == patch_registry.known_names()
     assert [p.name for p in loading.load_all()] == names
-    here = sorted(f[:-3] for f in os.listdir(os.path.dirname(patch_registry.__file__))
-                  if f.endswith(".py") and f not in ("__init__.py", "registry.py"))
+    here = sorted(f[:-3] for f in os.listdir(PATCHES) if f.endswith(".py") and f != "__init__.py")
     assert here == sorted(names), "a feature module that is not registered (or the reverse)"
 
 
@@ -35,9 +35,8 @@ def test_every_module_of_impl_and_selftest_is_a_patch_s_or_a_helper_no_patch_can
     ``core.framework.declaration_problems``), so a patch registered later never gets a helper as
     its implementation or its selftest step."""
     names = set(patch_registry.known_names())
-    patches = os.path.dirname(patch_registry.__file__)
     for folder in ("_impl", "_selftest"):
-        found = sorted(f[:-3] for f in os.listdir(os.path.join(patches, folder))
+        found = sorted(f[:-3] for f in os.listdir(os.path.join(PATCHES, folder))
                        if f.endswith(".py") and f != "__init__.py")
         assert [f for f in found if f not in names and not f.startswith("_")] == [], folder
     assert loading.load_all()[0].implementation().__name__ == "npu_shim.patches._impl.zbal"
@@ -63,9 +62,8 @@ def test_each_module_says_why_how_upstream_and_when_to_remove_it():
 def test_registry_loads_no_feature_module_until_asked():
     import subprocess
 
-    code = ("import sys; from npu_shim.patches.registry import known_names; known_names(); "
-            "print(sorted(m for m in sys.modules if m.startswith('npu_shim.patches.') "
-            "and m != 'npu_shim.patches.registry'))")
+    code = ("import sys; from npu_shim.core.registry import known_names; known_names(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] == ['npu_shim', 'patches']))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                          env=dict(os.environ, PYTHONPATH=REPO))
     assert out.stdout.strip() == "[]", out.stderr

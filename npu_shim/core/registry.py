@@ -2,11 +2,13 @@
 
 Each module ``npu_shim/patches/<name>.py`` defines ``PATCH`` (a ``core.framework.Patch`` named
 ``<name>``) and says in its docstring why, how, the upstream PR and when it can be removed; the
-README has one row per patch.  tests/patches/test_registry.py ties the three together, so adding
+README has one row per patch.  tests/core/test_registry.py ties the three together, so adding
 a patch is its module, its tests, its line here and its README row (docs/adding-a-patch.md).
 
 A list of names and nothing else: it imports nothing, so the variables (``NPU_SHIM_PATCHES``)
-and the loader (npu_shim/core/loading.py) can read it without loading a patch.
+and the loader (npu_shim/core/loading.py) can read it without loading a patch.  It lives in the
+core, below everything that reads it (tests/test_layering.py), and is the one module outside
+``patches/`` that names the patches (tests/core/test_no_patch_named.py).
 """
 
 PATCH_MODULES = [

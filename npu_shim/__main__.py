@@ -16,9 +16,7 @@ import os
 import sys
 
 from npu_shim.cli.exit_codes import (  # noqa: F401 - the codes, importable from here too
-    EXIT_BAD_ENV, EXIT_BROKEN_PIPE, EXIT_BUNDLE_FAILED, EXIT_CHECK_FAILED, EXIT_NO_DEVICE, EXIT_NO_RECORDS,
-    EXIT_NO_SGLANG, EXIT_NPU_STACK, EXIT_RUNNING_PROBLEM, EXIT_SELFTEST_FAILED, EXIT_SELFTEST_REFUSED,
-    EXIT_STRICT, EXIT_USAGE, config_exit_code)
+    EXIT_BAD_ENV, EXIT_BROKEN_PIPE, EXIT_PROBLEM, EXIT_STRICT, EXIT_UNAVAILABLE, EXIT_USAGE, config_exit_code)
 
 # What verifying a bundle imports, loaded before any command: ``check`` verifies the bundle it runs
 # from with only modules this process has loaded already (a file beside sitecustomize.py named like
@@ -36,8 +34,8 @@ def main(argv=None):
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--running", nargs="?", const="", default=None, metavar="DIR",
                         help="instead: gather the state records of running processes from DIR "
-                             "(default: NPU_SHIM_STATE_DIR) into one table; exit 6 if one has a "
-                             "failed patch or they disagree, 7 if there is no live record")
+                             "(default: NPU_SHIM_STATE_DIR) into one table; exit 4 if one has a "
+                             "failed patch or they disagree, 5 if there is no live record")
     status.add_argument("dir", nargs="?", default=None, metavar="DIR",
                         help="with --running: the directory (the options may come in any order)")
     check = sub.add_parser("check", help="run the shim in a child process as a server would, "

@@ -21,7 +21,7 @@ root's, the directory owner's and this reader's count -- another user's cannot f
 in for them.  Those trusted users' ``uid-<N>/`` directories are read first, by name, so that no
 number of files added beside them pushes their records past the bound.
 
-Problems (exit code EXIT_RUNNING_PROBLEM):
+Problems (exit code EXIT_PROBLEM):
 * a live process has a ``failed`` patch;
 * processes *disagree*: among live processes of the same sglang version, one patch has different
   states.  Only processes that decided the patch are compared: a process that never imported any

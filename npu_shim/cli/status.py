@@ -7,8 +7,7 @@ import os
 import sys
 
 from npu_shim import _paths, _version
-from npu_shim.cli.exit_codes import (EXIT_BAD_ENV, EXIT_NO_RECORDS, EXIT_NO_SGLANG, EXIT_RUNNING_PROBLEM,
-                                     EXIT_USAGE, config_exit_code)
+from npu_shim.cli.exit_codes import EXIT_BAD_ENV, EXIT_PROBLEM, EXIT_UNAVAILABLE, EXIT_USAGE, config_exit_code
 from npu_shim.core import config, framework
 from npu_shim.runtime import wrapt_loader
 from npu_shim.source.codeview import SourceView
@@ -135,11 +134,11 @@ def print_status(info):
 def exit_code(info):
     """A bad variable first (it is why anything else looks wrong), then no sglang, then strict."""
     found = info["sglang"]["path"]
-    code = config_exit_code((p["state"] for p in info["patches"]) if found else (),
+    code = config_exit_code({p["name"]: p["state"] for p in info["patches"]} if found else {},
                             stops=bool(found) and any(p["stops_server"] for p in info["patches"]))
     if code == EXIT_BAD_ENV or info["sglang"]["path"]:
         return code
-    return EXIT_NO_SGLANG
+    return EXIT_UNAVAILABLE
 
 
 def run_running(args):
@@ -165,7 +164,7 @@ def run_running(args):
             "cannot read it: %s" % (exc.strerror or exc)
         info = {"dir": dir_, "patches": [], "processes": [], "unreadable": [], "live": 0, "other": 0,
                 "stale": 0, "suspect": 0, "problems": [], "error": error}
-    code = EXIT_RUNNING_PROBLEM if info["problems"] else 0 if info["live"] else EXIT_NO_RECORDS
+    code = EXIT_PROBLEM if info["problems"] else 0 if info["live"] else EXIT_UNAVAILABLE
     info["exit"] = code
     if args.json:
         # strict JSON (a record's numbers are finite by the time they are read)

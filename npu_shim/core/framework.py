@@ -287,7 +287,10 @@ def decide(patch, view, environ=None, on_npu=None, assume_triggered=False):
         if getattr(patch, "broken", None):
             return Decision(FAILED, patch.broken)
         for var in patch.reads:
-            var.read(environ)
+            try:
+                var.read(environ)
+            except config.ConfigError as exc:
+                return _invalid(patch, view, var, exc)
     except config.ConfigError as exc:
         return Decision(FAILED, str(exc))
     if view is None:
@@ -298,6 +301,21 @@ def decide(patch, view, environ=None, on_npu=None, assume_triggered=False):
         return Decision(UNSUPPORTED, str(exc))
     except Verdict as verdict:
         return Decision(verdict.state, verdict.reason)
+
+
+def _invalid(patch, view, var, exc):
+    """A variable the patch reads that the backport cannot accept: ``failed`` -- unless it is
+    upstream's (not ``NPU_SHIM_*``) and this sglang has the feature: upstream reads its own
+    variables its own way, and the shim, standing down, neither checks nor vetoes them."""
+    if view is not None and not var.name.startswith(config.SWITCH_PREFIX):
+        try:
+            evidence = patch.probe(view)
+        except SourceError:
+            evidence = None
+        if evidence:
+            return Decision(UPSTREAM, "sglang %s has it: %s; upstream reads %s itself (to the backport, %s)"
+                            % (view.version or "?", evidence, var.name, exc))
+    return Decision(FAILED, str(exc))
 
 
 def _decide_from_source(patch, view, environ, on_npu, assume_triggered):

@@ -34,7 +34,7 @@ def run(argv, shim=True):
 def test_check_names_the_missing_library_and_the_fix_in_one_line(release_venv, capsys):
     release_venv(RELEASE)
     proc = run(["-m", "npu_shim", "check", "--json"])
-    assert proc.returncode == cli.EXIT_NPU_STACK == 8, proc.stdout + proc.stderr
+    assert proc.returncode == cli.EXIT_PROBLEM == 4, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     assert report["imports"] == {}  # no module is tried: each would fail the same way
     problem = report["torch_problem"]

@@ -133,12 +133,12 @@ def test_a_malformed_record_is_one_line_never_a_traceback(tmp_path, case):
     for args in ((), ("--json",)):
         proc = status_running(str(tmp_path), *args)
         assert "Traceback" not in proc.stderr and proc.stderr == "", proc.stderr
-        assert proc.returncode in (0, 7), proc.stdout
+        assert proc.returncode in (0, 5), proc.stdout
     info = strict_json(proc.stdout)
     if expected == "live":
         assert info["live"] == 1 and info["unreadable"] == [], info
     else:
-        assert info["live"] == 0 and proc.returncode == 7
+        assert info["live"] == 0 and proc.returncode == 5
         (bad,) = info["unreadable"]
         assert bad["file"] == "bad.json" and bad["error"].startswith(expected), bad
 
@@ -148,7 +148,7 @@ def test_more_records_than_the_cap_are_not_all_read(tmp_path):
         (tmp_path / ("h-x-%d.json" % (number + 10))).write_text("{}")
     proc = status_running(str(tmp_path), "--json")
     info = strict_json(proc.stdout)
-    assert len(info["unreadable"]) == 4097 and proc.returncode == 7
+    assert len(info["unreadable"]) == 4097 and proc.returncode == 5
     assert info["unreadable"][-1] == {"file": "...", "error": "more than 4096 records: the rest were not read"}
 
 
@@ -162,7 +162,7 @@ def test_control_characters_in_records_and_file_names_are_escaped(tmp_path):
     put(tmp_path, record(), name="\x1b]0;title\x07.json")
     proc = status_running(str(tmp_path))
     shown = proc.stdout
-    assert proc.returncode == 6 and proc.stderr == ""
+    assert proc.returncode == 4 and proc.stderr == ""
     assert not re.search("[\x00-\x09\x0b-\x1f\x7f\u202e]", shown), repr(shown)
     assert not any(line.startswith("ok:") for line in shown.splitlines()), shown
     assert "h\\x1b[2J" in shown and "\\x1b]0;title\\x07.json" in shown and "\\u202egnp" in shown
@@ -192,7 +192,7 @@ def test_a_directory_the_operator_cannot_read_is_one_line(shared_tmp):
     shutil.copytree(os.path.join(REPO, "npu_shim"), os.path.join(copy, "npu_shim"),
                     ignore=shutil.ignore_patterns("__pycache__", "_vendor"))
     proc = status_running(private, user=NOBODY, python=SYSTEM_PYTHON, pythonpath=copy)
-    assert proc.returncode == 7 and proc.stderr == "", proc.stderr
+    assert proc.returncode == 5 and proc.stderr == "", proc.stderr
     assert proc.stdout == "npu-shim status --running: %s: cannot read it: Permission denied\n" % private
 
 
@@ -271,7 +271,7 @@ def test_records_of_other_hosts_go_stale_when_their_heartbeat_stops(tmp_path):
 
 def test_an_empty_directory_says_how_records_get_there(tmp_path):
     proc = status_running(str(tmp_path))
-    assert proc.returncode == 7
+    assert proc.returncode == 5
     assert "no state records (set NPU_SHIM_STATE_DIR to this directory in the server's environment)" in proc.stdout
 
 
@@ -327,7 +327,7 @@ def test_what_the_table_and_the_json_say_of_a_failed_patch_the_shim_off_and_each
 def test_a_fifo_given_as_the_directory_fails_at_once(tmp_path):
     os.mkfifo(tmp_path / "not-a-dir")
     proc = status_running(str(tmp_path / "not-a-dir"))
-    assert proc.returncode == 7 and proc.stderr == ""
+    assert proc.returncode == 5 and proc.stderr == ""
     assert proc.stdout.endswith(": cannot read it: Not a directory\n"), proc.stdout
 
 
@@ -366,7 +366,7 @@ def _nobody_owns(path):
 @pytest.mark.parametrize("where", ["beside", "in its own uid dir", "as uid dirs"])
 def test_no_number_of_files_another_user_adds_hides_root_s_records(shared_tmp, where):
     """Before the fix the first 4096 entries the listing gave were read, whoever made them: another
-    user's 4100 files could push root's record out (exit 7, its server unseen)."""
+    user's 4100 files could push root's record out (exit 5, its server unseen)."""
     shared = _shared_with_root_record(shared_tmp)
     theirs = shared
     if where == "in its own uid dir":

@@ -211,14 +211,14 @@ def test_status_running_disagreement_failed_and_stale(tmp_path):
     (tmp_path / ".x-1.abc.tmp").write_text("{half")  # a write in progress is not a record
     (tmp_path / "broken.json").write_text("{half")
     proc = status_running(str(tmp_path), "--json")
-    assert proc.returncode == 6, proc.stdout + proc.stderr
+    assert proc.returncode == 4, proc.stdout + proc.stderr
     info = json.loads(proc.stdout)
-    assert info["exit"] == 6 and info["live"] == 3 and info["stale"] == 1
+    assert info["exit"] == 4 and info["live"] == 3 and info["stale"] == 1
     assert info["problems"] == [{"kind": "disagree", "patch": "zbal", "sglang": "0.5.11",
                                  "states": {"applied": [os.getpid()], "inactive": [os.getppid()]}}]
     assert [u["file"] for u in info["unreadable"]] == ["broken.json"]
     text = status_running(str(tmp_path))
-    assert text.returncode == 6
+    assert text.returncode == 4
     assert "STALE (pid " in text.stdout and " is not running)" in text.stdout
     assert "PROBLEM: processes of sglang 0.5.11 disagree on zbal: applied in pid %d; inactive in pid %d" % (
         os.getpid(), os.getppid()) in text.stdout
@@ -227,7 +227,7 @@ def test_status_running_disagreement_failed_and_stale(tmp_path):
         os.unlink(os.path.join(tmp_path, name))
     _write(tmp_path, _record(os.getpid(), {"zbal": "failed"}))
     proc = status_running(env={"NPU_SHIM_STATE_DIR": str(tmp_path)})
-    assert proc.returncode == 6 and "PROBLEM: zbal failed in pid %d" % os.getpid() in proc.stdout
+    assert proc.returncode == 4 and "PROBLEM: zbal failed in pid %d" % os.getpid() in proc.stdout
 
 
 def test_status_running_shim_off_in_one_process_disagrees(tmp_path):
@@ -239,10 +239,10 @@ def test_status_running_shim_off_in_one_process_disagrees(tmp_path):
 
 
 def test_status_running_without_records_or_dir(tmp_path):
-    assert status_running(str(tmp_path)).returncode == 7
-    assert status_running(str(tmp_path / "missing")).returncode == 7
+    assert status_running(str(tmp_path)).returncode == 5
+    assert status_running(str(tmp_path / "missing")).returncode == 5
     _write(tmp_path, _record(_dead_pid(), {"zbal": "applied"}))  # only stale records: nothing live
-    assert status_running(str(tmp_path)).returncode == 7
+    assert status_running(str(tmp_path)).returncode == 5
     proc = status_running()
     assert proc.returncode == 64 and "NPU_SHIM_STATE_DIR" in proc.stderr
 

@@ -160,6 +160,11 @@ def test_switch_and_bad_force_value():
     bad = framework.decide(R.PATCH, view, environ={"NPU_SHIM_MLA_RELEASE_FORCE": "maybe"}, on_npu=True)
     assert bad.state == framework.FAILED and "NPU_SHIM_MLA_RELEASE_FORCE" in bad.reason
     assert framework.decide(R.PATCH, view, environ={}, on_npu=False).state == framework.INACTIVE
+    # The shim's own variable stays the shim's to judge where upstream has the release (only
+    # upstream's variables are upstream's to read)
+    upstream = framework.decide(R.PATCH, view_of("0.5.20"), environ={"NPU_SHIM_MLA_RELEASE_FORCE": "maybe"},
+                                on_npu=True)
+    assert upstream.state == framework.FAILED and upstream.reason.startswith("NPU_SHIM_MLA_RELEASE_FORCE='maybe'")
 
 
 @pytest.mark.parametrize("edit", [

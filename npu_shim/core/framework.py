@@ -143,7 +143,8 @@ class Patch:
     switch_doc = ""        # what its switch, NPU_SHIM_<NAME>, says in the variables' table
     switch_aliases = ()    # older names of the switch, still read
     switch = None          # the config.EnvVar made from those (or given: config.switch(name, doc))
-    reads = ()             # other config.EnvVar it depends on; a bad value fails the patch
+    reads = ()             # other config.EnvVar it depends on; a bad value fails the patch (one
+                           # of upstream's where sglang has the feature: upstream reads it)
     trigger_env = {}       # the variables that turn it on (tests, the demo and the release table)
     modules = ()           # every module its targets can live in (hooks are put on these)
     needs_npu = True

@@ -16,9 +16,7 @@ import os
 import sys
 
 from npu_shim.cli.exit_codes import (  # noqa: F401 - the codes, importable from here too
-    EXIT_BAD_ENV, EXIT_BROKEN_PIPE, EXIT_BUNDLE_FAILED, EXIT_CHECK_FAILED, EXIT_NO_DEVICE,
-    EXIT_NO_SGLANG, EXIT_NPU_STACK, EXIT_SELFTEST_FAILED, EXIT_SELFTEST_REFUSED,
-    EXIT_STRICT, EXIT_USAGE, config_exit_code)
+    EXIT_BAD_ENV, EXIT_BROKEN_PIPE, EXIT_PROBLEM, EXIT_STRICT, EXIT_UNAVAILABLE, EXIT_USAGE, config_exit_code)
 
 # What verifying a bundle imports, loaded before any command: ``check`` verifies the bundle it runs
 # from with only modules this process has loaded already (a file beside sitecustomize.py named like

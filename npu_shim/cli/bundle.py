@@ -227,7 +227,7 @@ def build(out_dir, python_paths=(), wrapt_version=WRAPT_VERSION, pythons=PYTHONS
 
 def run(args):
     """The ``bundle`` command with its parsed ``args``; its exit status."""
-    from npu_shim.cli.exit_codes import EXIT_BUNDLE_FAILED
+    from npu_shim.cli.exit_codes import EXIT_PROBLEM
     from npu_shim.reporting.terminal import printable
 
     try:
@@ -236,5 +236,5 @@ def run(args):
               log=lambda line: sys.stderr.write("npu-shim bundle: %s\n" % printable(line)))
     except BundleError as exc:
         sys.stderr.write("npu-shim bundle: error: %s\n" % printable(exc))
-        return EXIT_BUNDLE_FAILED
+        return EXIT_PROBLEM
     return 0

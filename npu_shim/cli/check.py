@@ -19,8 +19,7 @@ import re
 import sys
 
 from npu_shim import _paths
-from npu_shim.cli.exit_codes import (EXIT_BAD_ENV, EXIT_CHECK_FAILED, EXIT_NO_SGLANG, EXIT_NPU_STACK,
-                                     config_exit_code)
+from npu_shim.cli.exit_codes import EXIT_BAD_ENV, EXIT_PROBLEM, EXIT_UNAVAILABLE, config_exit_code
 
 CHILD_TIMEOUT_S = 300
 _MARK = "npu-shim-check:"
@@ -319,13 +318,13 @@ def run(args):
             print_json({"started": False, "bundle": facts})
         else:
             print_not_started(facts)
-        return EXIT_CHECK_FAILED
+        return EXIT_PROBLEM
     report, error = run_child()
     if report is None:
         from npu_shim.reporting.terminal import terminal_writer
 
         terminal_writer(sys.stderr)("npu-shim check: %s\n" % error)  # the child's own words
-        return EXIT_CHECK_FAILED
+        return EXIT_PROBLEM
     report["bundle"] = facts
     if args.json:
         print_json(report, default=str)
@@ -336,18 +335,17 @@ def run(args):
 
 def exit_code(report):
     """As ``status``'s exit code: a bad variable first, then no sglang, then strict; then
-    EXIT_CHECK_FAILED when the shim was not active or a target module failed to import."""
+    EXIT_PROBLEM when the shim was not active or a target module (or torch) failed to import."""
     # Not active: no patch was decided, so the strict rule finds nothing and this says 4.
-    code = config_exit_code(s["state"] for s in report["states"].values())
-    problem = report.get("torch_problem")
-    if problem and code != EXIT_BAD_ENV:  # nothing could be imported: the one finding that counts
-        return EXIT_NPU_STACK if problem["kind"] == "cann" else EXIT_CHECK_FAILED
+    code = config_exit_code({name: s["state"] for name, s in report["states"].items()})
+    if report.get("torch_problem") and code != EXIT_BAD_ENV:  # nothing could be imported: the one finding
+        return EXIT_PROBLEM
     failed_import = any(v not in ("ok", "absent") for v in report["imports"].values())
     if code == EXIT_BAD_ENV:
         return code
     # A target module whose import failed may be sglang itself: that is the failure to report.
     if not report["sglang"]["path"] and not failed_import:
-        return EXIT_NO_SGLANG
+        return EXIT_UNAVAILABLE
     if not code and (not report["shim_active"] or failed_import):
-        return EXIT_CHECK_FAILED
+        return EXIT_PROBLEM
     return code

@@ -13,8 +13,9 @@ another it says ``n/a on <kind>``.  ``--patch NAME`` runs a patch's step whateve
 a device-agnostic step on a CUDA machine without sglang).  The whole run is bounded
 (``TIMEOUT_S``, 60 s; ``--timeout``); a progress line per step goes to stderr.
 
-Exit codes: ``EXIT_SELFTEST_FAILED``, ``EXIT_SELFTEST_REFUSED`` and ``EXIT_NO_DEVICE`` of
-``npu_shim/cli/exit_codes.py``, with ``check``'s; what each means is listed once, in docs/operations.md.
+Exit codes: ``check``'s (``npu_shim/cli/exit_codes.py``): a step that failed is a problem found, a
+run refused or without a device has nothing to check; what each means is listed once, in
+docs/operations.md.
 """
 
 import json
@@ -174,30 +175,28 @@ def run(options, log=None):
         result.update(extra, exit=code, seconds=round(time.monotonic() - started, 2))
         return result
 
-    if cli.config_exit_code(()) == cli.EXIT_BAD_ENV:
+    if cli.config_exit_code({}) == cli.EXIT_BAD_ENV and cli.config_exit_code(cli.states_here()) == cli.EXIT_BAD_ENV:
         return done(cli.EXIT_BAD_ENV, error="an NPU_SHIM_* or SGLANG_* variable is invalid or unknown "
                                             "(`python -m npu_shim status` says which)")
     from npu_shim.cli import check
 
     bundle = check.bundle_facts()  # as ``check``: what changed in a bundle would run in the children
     if not bundle["ok"]:
-        return done(cli.EXIT_CHECK_FAILED, error="the selftest processes were not started: this bundle "
+        return done(cli.EXIT_PROBLEM, error="the selftest processes were not started: this bundle "
                                                  "does not match its MANIFEST (%s)" % bundle["text"])
     taken = holders()
     if taken:
-        return done(cli.EXIT_SELFTEST_REFUSED, refused=taken)
+        return done(cli.EXIT_UNAVAILABLE, refused=taken)
     log("starting the selftest process (sglang's target modules, then the device)")
     report, error = run_stage("main", options, deadline, log, bound)
     if report is None:
-        code = cli.EXIT_SELFTEST_FAILED if error.startswith("did not finish") else cli.EXIT_CHECK_FAILED
-        return done(code, error=error)
+        return done(cli.EXIT_PROBLEM, error=error)
     result["main"] = report
     if report.get("error"):  # the child's own words, in one line
-        return done(cli.EXIT_CHECK_FAILED, error=str(report["error"]))
+        return done(cli.EXIT_PROBLEM, error=str(report["error"]))
     problem = report.get("torch_problem")
     if problem:
-        return done(cli.EXIT_NPU_STACK if problem["kind"] == "cann" else cli.EXIT_CHECK_FAILED,
-                    error=problem["text"])
+        return done(cli.EXIT_PROBLEM, error=problem["text"])
     result["device"] = report["device"]
     states = report["states"]
     for name, why in report["plan"].items():
@@ -207,17 +206,17 @@ def run(options, log=None):
                                    "line": why}
     if not options["patches"]:
         if not report["sglang"]["path"]:
-            return done(cli.EXIT_NO_SGLANG, error="no sglang is importable with this interpreter and "
+            return done(cli.EXIT_UNAVAILABLE, error="no sglang is importable with this interpreter and "
                                                   "PYTHONPATH (--patch NAME runs a step without it)")
         if not report["shim_active"]:
-            return done(cli.EXIT_CHECK_FAILED, error="the shim was not active in the selftest process "
+            return done(cli.EXIT_PROBLEM, error="the shim was not active in the selftest process "
                                                      "(PYTHONPATH / NPU_SHIM_ENABLED): run `check`")
     if report["device"]["kind"] is None:
-        return done(cli.EXIT_NO_DEVICE, error=report["device"]["name"])
+        return done(cli.EXIT_UNAVAILABLE, error=report["device"]["name"])
     if report.get("bad_index"):
         return done(cli.EXIT_USAGE, error=report["bad_index"])
     if report.get("refused"):
-        return done(cli.EXIT_SELFTEST_REFUSED, refused=report["refused"])
+        return done(cli.EXIT_UNAVAILABLE, refused=report["refused"])
     outcomes = dict(report.get("results") or {})
     for name in report.get("alone_next") or ():
         log("starting a process for %s's step alone (before anything else touches the device)" % name)
@@ -227,7 +226,7 @@ def run(options, log=None):
     for name, outcome in outcomes.items():
         result["patches"][name].update(outcome)
     failed = any(p["result"] == "FAILED" for p in result["patches"].values())
-    return done(cli.EXIT_SELFTEST_FAILED if failed else 0)
+    return done(cli.EXIT_PROBLEM if failed else 0)
 
 
 # -- output --------------------------------------------------------------------------------------

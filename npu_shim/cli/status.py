@@ -6,7 +6,7 @@ import os
 import sys
 
 from npu_shim import _paths, _version
-from npu_shim.cli.exit_codes import EXIT_BAD_ENV, EXIT_NO_SGLANG, config_exit_code
+from npu_shim.cli.exit_codes import EXIT_BAD_ENV, EXIT_UNAVAILABLE, config_exit_code
 from npu_shim.core import config, framework
 from npu_shim.runtime import wrapt_loader
 from npu_shim.source.codeview import SourceView
@@ -133,11 +133,11 @@ def print_status(info):
 def exit_code(info):
     """A bad variable first (it is why anything else looks wrong), then no sglang, then strict."""
     found = info["sglang"]["path"]
-    code = config_exit_code((p["state"] for p in info["patches"]) if found else (),
+    code = config_exit_code({p["name"]: p["state"] for p in info["patches"]} if found else {},
                             stops=bool(found) and any(p["stops_server"] for p in info["patches"]))
     if code == EXIT_BAD_ENV or info["sglang"]["path"]:
         return code
-    return EXIT_NO_SGLANG
+    return EXIT_UNAVAILABLE
 
 
 def run(args):

@@ -50,9 +50,10 @@ def _parse_mib(raw, zero_means=None):
     if not _DIGITS.fullmatch(value):
         raise ValueError("expected a whole number of MiB, e.g. 12288 for 12 GiB (no unit suffix; "
                          "ASCII digits)")
-    if len(value) > 12 or int(value) > MAX_MIB:
+    digits = value.lstrip("0") or "0"  # the number, then its length: 0000000000000 is 0 (off)
+    if len(digits) > 12 or int(digits) > MAX_MIB:
         raise ValueError("expected at most %d MiB (1 TiB, more than any NPU holds)" % MAX_MIB)
-    return int(value)
+    return int(digits)
 
 
 def _valid_host(host):

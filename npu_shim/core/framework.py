@@ -138,7 +138,8 @@ class Patch:
     switch_doc = ""        # what its switch, NPU_SHIM_<NAME>, says in the variables' table
     switch_aliases = ()    # older names of the switch, still read
     switch = None          # the config.EnvVar made from those (or given: config.switch(name, doc))
-    reads = ()             # other config.EnvVar it depends on; a bad value fails the patch
+    reads = ()             # other config.EnvVar it depends on; a bad value fails the patch (one
+                           # of upstream's where sglang has the feature: upstream reads it)
     trigger_env = {}       # the variables that turn it on (tests, the demo and the release table)
     modules = ()           # every module its targets can live in (hooks are put on these)
     needs_npu = True
@@ -282,7 +283,10 @@ def decide(patch, view, environ=None, on_npu=None, assume_triggered=False):
         if getattr(patch, "broken", None):
             return Decision(FAILED, patch.broken)
         for var in patch.reads:
-            var.read(environ)
+            try:
+                var.read(environ)
+            except config.ConfigError as exc:
+                return _invalid(patch, view, var, exc)
     except config.ConfigError as exc:
         return Decision(FAILED, str(exc))
     if view is None:
@@ -293,6 +297,21 @@ def decide(patch, view, environ=None, on_npu=None, assume_triggered=False):
         return Decision(UNSUPPORTED, str(exc))
     except Verdict as verdict:
         return Decision(verdict.state, verdict.reason)
+
+
+def _invalid(patch, view, var, exc):
+    """A variable the patch reads that the backport cannot accept: ``failed`` -- unless it is
+    upstream's (not ``NPU_SHIM_*``) and this sglang has the feature: upstream reads its own
+    variables its own way, and the shim, standing down, neither checks nor vetoes them."""
+    if view is not None and not var.name.startswith(config.SWITCH_PREFIX):
+        try:
+            evidence = patch.probe(view)
+        except SourceError:
+            evidence = None
+        if evidence:
+            return Decision(UPSTREAM, "sglang %s has it: %s; upstream reads %s itself (to the backport, %s)"
+                            % (view.version or "?", evidence, var.name, exc))
+    return Decision(FAILED, str(exc))
 
 
 def _decide_from_source(patch, view, environ, on_npu, assume_triggered):

@@ -54,8 +54,11 @@ Deliberate differences from upstream 0.5.12 (each a weakness seen in its code):
       naming memfabric-zbal and the variable before sglang allocates anything (the launcher fails
       too), instead of an ``ImportError`` deep in the scheduler -- or, for DeepEP, a silent
       ``use_deepep = False``.  Each target checks again when its module is patched.
-    * A malformed ``SGLANG_ZBAL_BOOTSTRAP_URL`` or size fails at decision time (the framework reads
-      ``reads`` before probing, so this holds on upstream releases too); upstream passes any string.
+    * A malformed ``SGLANG_ZBAL_BOOTSTRAP_URL`` or size fails at decision time; upstream passes any
+      string.  The size is read as its number before its length is judged (``0000000000000`` is 0).
+      On a release with zbal upstream both are upstream's to read (it takes the size with
+      ``int()``: ``+4096``, ``4_096``): the patch is ``upstream`` whatever the backport would make
+      of them, its reason saying how the backport would have read them, and nothing is vetoed.
     * The lazy init runs once per process (upstream asserts); a second runner is skipped.
     * Mix mode in a process whose allocator is still torch_npu's own when the heap is due (no
       Scheduler switched zbal's in): ``ZbalError`` saying so; upstream's ``zbal_init`` tries the

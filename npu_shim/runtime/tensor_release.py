@@ -5,6 +5,9 @@ patch that frees weights uses (which weights, and when, is the patch's policy, i
 ``_base`` chain holds it (the storage's C++ use count decides), then gives the object a fresh
 0-element tensor and a guarded class whose every torch operation raises the patch's error
 (``Guard``): a later touch says what was released and how to keep it, never reads freed memory.
+A release is all or nothing: memory torch cannot free (owned outside it, ``torch.from_numpy``) is
+refused before anything changes, and a resize that fails all the same puts the weight back as it
+was.
 """
 
 import sys
@@ -132,7 +135,13 @@ def free_weight(tensor, what, guard, say):
               "taken elsewhere); freeing it would crash whoever reads them"
               % (what, count, "" if count == 1 else "s"))
         return 0
+    if not storage.resizable():
+        say("not-resizable", logging.WARNING,
+            "keeping %s: its memory is owned outside torch (torch.from_numpy, a DLPack or shared-"
+            "memory buffer), so it cannot be freed" % what)
+        return 0
     cls = type(tensor)
+    layout = (tensor.storage_offset(), tensor.size(), tensor.stride(), tensor.requires_grad)
     guarded = guarded_class(cls, guard)
     emptied = torch.Tensor._make_subclass(cls, torch.empty(0, dtype=tensor.dtype, device=tensor.device))
     try:
@@ -159,8 +168,30 @@ def free_weight(tensor, what, guard, say):
               "%s is guarded but its memory still has %d holder%s; it is freed when they let go"
               % (what, left, "" if left == 1 else "s"))
         return 0
-    storage.resize_(0)  # only our handle (and Python storage objects, which see 0 bytes) remain
+    try:
+        storage.resize_(0)  # only our handle (and Python storage objects, which see 0 bytes) remain
+    except Exception as exc:  # noqa: BLE001 - whatever the reason, the weight goes back whole
+        _put_back(tensor, cls, storage, layout)
+        say("resize", logging.WARNING, "keeping %s: its memory cannot be freed (%s)"
+            % (what, str(exc).split(".")[0]))
+        return 0
     return nbytes
+
+
+def _put_back(tensor, cls, storage, layout):
+    """Undo the swap after a failed resize (the memory is untouched): the weight object gets a
+    tensor on its own storage with its own offset, size and stride, its class and attributes."""
+    import torch
+
+    offset, size, stride, requires_grad = layout
+    attributes = dict(tensor.__dict__)
+    attributes.pop(_TAG, None)
+    tensor.__class__ = cls
+    with torch.no_grad():
+        restored = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage, offset, size, stride)
+    restored = torch.Tensor._make_subclass(cls, restored, requires_grad)
+    torch.utils.swap_tensors(tensor, restored)
+    tensor.__dict__ = attributes
 
 
 def shares_storage(a, b):

@@ -8,8 +8,10 @@ fingerprint, ``module`` exists, ``contains``) and the identity
 of every file behind them (path, size, mtime_ns, ctime_ns, inode) into ``NPU_SHIM_SOURCE_ANSWERS``,
 which children inherit.  A child answers from there only while every one of those files is still
 the file that was read -- ``ctime`` changes with any write and cannot be set back -- and reads the
-source for any question, or any file, not covered.  Answers are about code only: each process
-still decides with its own environment.
+source for any question, or any file, not covered: an answer is used only where the record lists
+the files of its module (the version only where it lists the files it is read from), whatever
+else the record holds.  Answers are about code only: each process still decides with its own
+environment.
 """
 
 import hashlib
@@ -22,6 +24,9 @@ from npu_shim.source.reading import file_identity, remember
 ENV = "NPU_SHIM_SOURCE_ANSWERS"
 # 2: a function is [params, fingerprint -- null until asked for --, first line in its file]
 FORMAT = 2
+# The files sglang's version is read from (``reading.read_version``), as modules: the record
+# lists their identities like any module's.
+VERSION_FILES = ("sglang._version", "sglang.version")
 
 
 def _identities(package_dir, dotted):
@@ -64,9 +69,15 @@ class InheritedView(SourceView):
 
     def __init__(self, package_dir, record=None):
         record = record or {}
-        super().__init__(package_dir, version=record.get("version"))
-        self.answers = dict(record.get("answers", {}))
-        self.files = dict(record.get("files", {}))
+        listed = dict(record.get("files", {}))  # view() found each of them unchanged
+        # Only answers about modules whose files the record lists; the rest is read from the source.
+        self.answers = {key: answer for key, answer in record.get("answers", {}).items()
+                        if _module_of(key) in listed}
+        self.files = dict(listed)
+        for name in VERSION_FILES:  # their identities before the version is read: a later write shows
+            self.files.setdefault(name, _identities(package_dir, name))
+        known = all(name in listed for name in VERSION_FILES)
+        super().__init__(package_dir, version=record.get("version") if known else None)
         self.reused = bool(self.answers)
 
     def _ask(self, key, compute):
@@ -124,6 +135,12 @@ class InheritedView(SourceView):
     def record(self):
         return {"format": FORMAT, "dir": self.package_dir, "version": self.version,
                 "files": self.files, "answers": self.answers}
+
+
+def _module_of(key):
+    """The module an answer's key asks about (``has|sglang.x|f`` -> ``sglang.x``), or None."""
+    parts = key.split("|")
+    return parts[1] if len(parts) > 1 else None
 
 
 def _answer_fits(kind, answer):

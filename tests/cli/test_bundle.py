@@ -35,8 +35,9 @@ def cli(*args, cwd=REPO, env=None, timeout=600):
 
 
 def assert_refused(proc, words):
-    """Exit 1 with one error line saying ``words``, before anything was downloaded or built."""
-    assert proc.returncode == 1, proc.stderr
+    """Exit 4 (a problem, said in one line) with one error line saying ``words``, before anything
+    was downloaded or built."""
+    assert proc.returncode == 4, proc.stderr
     assert proc.stderr.startswith("npu-shim bundle: error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert words in proc.stderr, proc.stderr
 
@@ -206,7 +207,7 @@ def _archive_exists(out):
     (_archive_exists, False, "npu-shim.tar.gz exists (use --force to replace it)"),
 ])
 def test_bundle_refuses_a_hostile_out_dir_before_building(make, force, words, tmp_path):
-    """One error line, exit 1, nothing created or changed -- and nothing downloaded first (before
+    """One error line, exit 4, nothing created or changed -- and nothing downloaded first (before
     the fix most of these tracebacked, some after a full build or with OUT_DIR already replaced;
     an existing OUT_DIR.tar.gz was overwritten)."""
     out = make(tmp_path / "npu-shim") or tmp_path / "npu-shim"

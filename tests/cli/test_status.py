@@ -122,3 +122,31 @@ def test_a_flag_that_stops_sitecustomize_is_named_not_pythonpath(source, flag, w
     proc = subprocess.run([sys.executable, flag, "-c", code], env=clean, capture_output=True, text=True,
                           timeout=120, cwd=REPO)
     assert "  active in this interpreter: %s\n" % words in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("raw", ["+4096", "4_096", "\uff14\uff10\uff19\uff16", "2097152"])
+def test_on_a_release_with_zbal_upstream_its_size_is_upstreams_to_read(raw):
+    """sglang 0.5.12 reads SGLANG_ZBAL_LOCAL_MEM_SIZE with int(): the shim stands down -- zbal is
+    ``upstream``, the gate passes (exit 0), the reason says how the backport would have read it;
+    on 0.5.11, which the shim backports to, the same value fails the gate."""
+    upstream = str(realsglang.sglang_envs.ensure_sources("0.5.12"))
+    proc = status(upstream, {"SGLANG_ZBAL_LOCAL_MEM_SIZE": raw}, "--json")
+    zbal = rows(proc)["zbal"]
+    assert (proc.returncode, zbal["state"], zbal["stops_server"]) == (0, "upstream", False), proc.stdout
+    assert "upstream reads SGLANG_ZBAL_LOCAL_MEM_SIZE itself (to the backport, " in zbal["reason"]
+    backport = status(str(realsglang.sglang_envs.ensure_sources("0.5.11")), {"SGLANG_ZBAL_LOCAL_MEM_SIZE": raw})
+    assert backport.returncode == 2, backport.stdout
+
+
+def test_a_variable_of_sglangs_is_judged_while_any_patch_that_reads_it_is_not_upstream():
+    from npu_shim.cli import exit_codes
+    from npu_shim.core import config
+
+    size = config.mib("SGLANG_X_SIZE", "a size")
+    own = config.boolean("NPU_SHIM_X_FORCE", False, "a knob")
+    patches = [type("P", (), {"name": name, "reads": reads})
+               for name, reads in (("a", (size, own)), ("b", (size,)), ("c", ()))]
+    assert exit_codes.stood_down_variables(patches, {"a": "upstream", "b": "upstream", "c": "applied"}) == {
+        "SGLANG_X_SIZE"}  # never the shim's own variables
+    assert exit_codes.stood_down_variables(patches, {"a": "upstream", "b": "applied"}) == set()
+    assert exit_codes.stood_down_variables(patches, {}) == set()

@@ -24,14 +24,16 @@ def error(var, raw):
     ("-x", "expected a whole number of MiB, e.g. 12288 for 12 GiB (no unit suffix; ASCII digits)"),
     ("12G", "expected a whole number of MiB, e.g. 12288 for 12 GiB (no unit suffix; ASCII digits)"),
     ("1048577", "expected at most 1048576 MiB (1 TiB, more than any NPU holds)"),
-    ("0000000000001", "expected at most 1048576 MiB (1 TiB, more than any NPU holds)"),  # 13 digits
+    ("1000000000000", "expected at most 1048576 MiB (1 TiB, more than any NPU holds)"),  # 13 digits
+    ("0" * 20 + "1048577", "expected at most 1048576 MiB (1 TiB, more than any NPU holds)"),
 ])
 def test_a_size_that_is_not_a_whole_number_of_mib_says_which_rule_it_broke(raw, message):
     assert error(SIZE, raw) == "NPU_SHIM_TEST_SIZE=%r is invalid: %s" % (raw, message)
 
 
 def test_sizes_up_to_the_limit_are_read_as_mib():
-    for raw, value in (("0", 0), (" 12288 ", 12288), ("1048576", 1 << 20), ("000000000001", 1)):
+    for raw, value in (("0", 0), (" 12288 ", 12288), ("1048576", 1 << 20), ("000000000001", 1),
+                       ("0000000000000", 0), ("0000000000001", 1), ("0" * 5000 + "12288", 12288)):
         assert SIZE.read({SIZE.name: raw}) == value
     assert SIZE.read({}) == 0 and SIZE.read({SIZE.name: "  "}) == 0
 

@@ -160,6 +160,11 @@ def test_switch_and_bad_force_value():
     bad = framework.decide(R.PATCH, view, environ={"NPU_SHIM_MLA_RELEASE_FORCE": "maybe"}, on_npu=True)
     assert bad.state == framework.FAILED and "NPU_SHIM_MLA_RELEASE_FORCE" in bad.reason
     assert framework.decide(R.PATCH, view, environ={}, on_npu=False).state == framework.INACTIVE
+    # The shim's own variable stays the shim's to judge where upstream has the release (only
+    # upstream's variables are upstream's to read)
+    upstream = framework.decide(R.PATCH, view_of("0.5.20"), environ={"NPU_SHIM_MLA_RELEASE_FORCE": "maybe"},
+                                on_npu=True)
+    assert upstream.state == framework.FAILED and upstream.reason.startswith("NPU_SHIM_MLA_RELEASE_FORCE='maybe'")
 
 
 @pytest.mark.parametrize("edit", [
@@ -666,6 +671,51 @@ def test_guarded_but_still_held_weight_refuses_updates_too(server, monkeypatch):
     assert REL.released_bytes["w_kc"] == 0 and REL.guarded["w_kc"] == {0}
     success, message = FakeWorker().update_weights_from_disk("req")
     assert success is False and "w_kc of layer 0" in message
+
+
+@pytest.mark.parametrize("fail", ["numpy", "resize"])
+def test_a_weight_whose_memory_cannot_be_freed_is_kept_whole_and_updates_run(server, logs, monkeypatch, fail):
+    """w_kc on memory torch cannot resize (``torch.from_numpy``), or a resize that fails all the
+    same: the layer keeps its w_kc untouched and readable, nothing is counted or guarded, one line
+    says so, and weight updates run: no weight is left raising on a touch while it keeps its
+    memory."""
+    numpy = pytest.importorskip("numpy")
+    m = layer(0)
+    if fail == "numpy":
+        m.w_kc = torch.from_numpy(numpy.random.rand(4, 12, 8).astype("float32")).transpose(1, 2)
+        m.fused_qkv_a_proj_with_mqa.weight = torch.nn.Parameter(
+            torch.from_numpy(numpy.random.rand(24, 32).astype("float32")), requires_grad=False)
+    else:
+        put_back = []
+        monkeypatch.setattr(tensor_release, "_put_back",
+                            lambda *args, real=tensor_release._put_back: put_back.append(real(*args)))
+        monkeypatch.setattr(torch.UntypedStorage, "resize_", _refuse_resize)
+    values = m.w_kc.clone()
+    out = step([m])
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", _REAL_RESIZE)
+    assert not RI.is_released(m.w_kc) and torch.equal(m.w_kc, values)
+    assert not RI.is_released(m.fused_qkv_a_proj_with_mqa.weight)
+    assert REL.guarded == {"qkv_a": set(), "w_kc": set()} and REL.released_bytes == {"qkv_a": 0, "w_kc": 0}
+    assert "released_bytes" not in REL.details
+    kept = [line for line in logs if "keeping" in line]
+    if fail == "numpy":
+        assert kept == ["mla_weight_release: keeping qkv_a_proj.weight of layer 0: its memory is owned "
+                        "outside torch (torch.from_numpy, a DLPack or shared-memory buffer), so it cannot "
+                        "be freed"]  # said once per process, not once per weight
+    else:
+        assert kept == ["mla_weight_release: keeping qkv_a_proj.weight of layer 0: its memory cannot be "
+                        "freed (no)"] and len(put_back) == 2  # both weights put back, said once
+    worker = FakeWorker()
+    assert worker.update_weights_from_disk("req") == (True, "Succeeded to update model weights.")
+    assert worker.loaded == [("disk", "req")] and "updates_refused" not in REL.details
+    assert torch.equal(step([m])[0][1], out[0][1])  # the layer still reads its w_kc
+
+
+_REAL_RESIZE = torch.UntypedStorage.resize_
+
+
+def _refuse_resize(self, size):
+    raise RuntimeError("no. really")
 
 
 def test_layer_list():

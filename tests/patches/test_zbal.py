@@ -14,7 +14,7 @@ import pytest
 import torch
 import wrapt
 
-from npu_shim.core import framework
+from npu_shim.core import config, framework
 from npu_shim.runtime import decisions, targets
 from npu_shim.core.loading import all_variables
 from npu_shim.source.codeview import SourceView
@@ -113,6 +113,66 @@ def test_upstream_releases_stand_down(version):
     d = framework.decide(zp.PATCH, view(version), environ=ON, on_npu=True)
     assert d.state == framework.UPSTREAM
     assert "init_zbal_on_npu" in d.reason and d.targets == []
+
+
+# What upstream's EnvInt reads with int() and the backport refuses (or finds too large).
+UPSTREAMS_OWN = ["+4096", "4_096", "\uff14\uff10\uff19\uff16", "2097152", " 4096 ", "12G", "-5"]
+
+
+@pytest.mark.parametrize("version", UPSTREAM)
+@pytest.mark.parametrize("raw", UPSTREAMS_OWN)
+def test_upstream_reads_its_own_size_and_the_shim_stands_down(version, raw):
+    """On a release with zbal upstream the size is upstream's to read: ``upstream``, whatever the
+    backport would make of it, the reason saying so -- nothing stops the process."""
+    environ = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": raw}
+    d = framework.decide(zp.PATCH, view(version), environ=environ, on_npu=True)
+    assert d.state == framework.UPSTREAM and d.targets == []
+    try:
+        zp.LOCAL_MEM_SIZE.read(environ)
+    except config.ConfigError as exc:
+        assert d.reason == ("sglang %s has it: Scheduler.init_zbal_on_npu; upstream reads "
+                            "SGLANG_ZBAL_LOCAL_MEM_SIZE itself (to the backport, %s)" % (view(version).version, exc))
+    else:  # " 4096 ": read alike, nothing to note
+        assert d.reason == "sglang %s has it: Scheduler.init_zbal_on_npu" % view(version).version
+    decisions.enforce(decisions.PatchRecord(zp.PATCH, d))  # raises nothing: the process runs
+
+
+def test_upstream_reads_its_own_bootstrap_url_too():
+    d = framework.decide(zp.PATCH, view("0.5.12"), environ=dict(ON, SGLANG_ZBAL_BOOTSTRAP_URL="10.0.0.1:6789"),
+                         on_npu=True)
+    assert d.state == framework.UPSTREAM
+    assert "upstream reads SGLANG_ZBAL_BOOTSTRAP_URL itself (to the backport, SGLANG_ZBAL_BOOTSTRAP_URL=" in d.reason
+
+
+@pytest.mark.parametrize("raw", ["+4096", "4_096", "2097152"])
+def test_the_backport_still_refuses_what_it_cannot_read(raw):
+    """Where the shim backports, it reads the size: a value it cannot read stops the process
+    (zbal was asked for) with the variable, the value and the accepted form."""
+    environ = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": raw}
+    d = framework.decide(zp.PATCH, view("0.5.11"), environ=environ, on_npu=True)
+    assert d.state == framework.FAILED and d.reason.startswith("SGLANG_ZBAL_LOCAL_MEM_SIZE=%r is invalid" % raw)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", raw)
+        with pytest.raises(zp.ZbalError):
+            decisions.enforce(decisions.PatchRecord(zp.PATCH, d))
+
+
+def test_a_switched_off_backport_or_an_invalid_switch_are_not_upstreams_to_judge():
+    d = framework.decide(zp.PATCH, view("0.5.12"), environ={"SGLANG_ZBAL_LOCAL_MEM_SIZE": "+4096",
+                                                             "NPU_SHIM_ZBAL": "maybe"}, on_npu=True)
+    assert d.state == framework.FAILED and d.reason.startswith("NPU_SHIM_ZBAL='maybe' is invalid")
+
+
+@pytest.mark.parametrize("raw, state, honour", [
+    ("0000000000000", framework.INACTIVE, False),    # zero, padded past the length bound: off
+    ("00000000000000000000", framework.INACTIVE, False),
+    ("0000000000061440", framework.APPLIED, True),
+])
+def test_a_padded_size_is_read_before_its_length_is_judged(raw, state, honour, zbal_pkg):
+    environ = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": raw}
+    d = framework.decide(zp.PATCH, view("0.5.11"), environ=environ, on_npu=True)
+    assert (d.state, zp.PATCH.must_honour(environ)) == (state, honour), d.reason
+    assert zp.LOCAL_MEM_SIZE.read(environ) == int(raw)
 
 
 @pytest.mark.parametrize("environ, state, words", [

@@ -148,6 +148,48 @@ def test_a_class_that_cannot_be_guarded_is_put_back_whole(guard, said, monkeypat
                         "guarded (__class__ assignment: 'Slotted' object layout differs from 'Parameter')")]
 
 
+def test_memory_torch_does_not_own_is_kept_untouched(guard, said):
+    """``torch.from_numpy``: the storage cannot be resized, so nothing is swapped or guarded -- not
+    a weight that raises on every touch while its memory stays."""
+    numpy = pytest.importorskip("numpy")
+    param = torch.nn.Parameter(torch.from_numpy(numpy.arange(64, dtype="float32").reshape(8, 8)),
+                               requires_grad=False)
+    param.weight_loader = "loader"
+    values = param.clone()
+    assert tensor_release.free_weight(param, "w_kc of layer 3", guard, said[1]) == 0
+    assert type(param) is torch.nn.Parameter and not tensor_release.is_released(param)
+    assert torch.equal(param + 0, values) and param.weight_loader == "loader"
+    assert said[0] == [("not-resizable", logging.WARNING,
+                        "keeping w_kc of layer 3: its memory is owned outside torch (torch.from_numpy, "
+                        "a DLPack or shared-memory buffer), so it cannot be freed")]
+
+
+@pytest.mark.parametrize("make", [lambda: torch.nn.Parameter(torch.randn(8, 8), requires_grad=False),
+                                  w_kc_layout])
+def test_a_resize_that_fails_puts_the_weight_back_whole(guard, said, monkeypatch, make):
+    """The resize fails after the swap: the weight object is back on its own memory, with its
+    class, shape, stride, offset and attributes, not guarded, nothing counted, one line."""
+    tensor = make()
+    tensor.weight_loader = "loader"
+    values, layout = tensor.clone(), (tensor.size(), tensor.stride(), tensor.storage_offset())
+    cls, storage = type(tensor), tensor.untyped_storage()
+
+    def refuse(self, size):
+        raise RuntimeError("Trying to resize storage that is not resizable. More text")
+
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", refuse)
+    assert tensor_release.free_weight(tensor, "w", guard, said[1]) == 0
+    monkeypatch.undo()
+    assert type(tensor) is cls and not tensor_release.is_released(tensor)
+    assert (tensor.size(), tensor.stride(), tensor.storage_offset()) == layout
+    assert torch.equal(tensor, values) and tensor.weight_loader == "loader"
+    assert tensor.untyped_storage().data_ptr() == storage.data_ptr() and storage.nbytes() == values.nbytes
+    assert tensor_release._TAG not in tensor.__dict__
+    assert said[0] == [("resize", logging.WARNING, "keeping w: its memory cannot be freed (Trying to "
+                                                    "resize storage that is not resizable)")]
+    assert tensor_release.free_weight(tensor, "w", guard, said[1]) == values.untyped_storage().nbytes()
+
+
 @pytest.mark.parametrize("held, count", [(1, "1 holder"), (2, "2 holders")])
 def test_memory_still_held_after_the_swap_is_guarded_but_not_freed(guard, said, monkeypatch, held, count):
     """Should the holder check miss bases held elsewhere (a chain of ``held`` of them), the weight

@@ -112,9 +112,10 @@ def test_a_record_of_this_tree_and_format_with_odd_contents_means_reading_the_so
     view = inherited.view(tree, environ={inherited.ENV: json.dumps(record)})
     assert not view.reused and view.answers == {} and view.version == "0.5.11"
     assert decide_all(view)["zbal"][0] == "applied"
+    files = {name: inherited._identities(tree, name) for name in ("sglang.srt.utils.common", "sglang.srt.utils")}
     assert inherited.view(tree, environ={inherited.ENV: json.dumps(dict(record, version="0.5.11", answers={
         "function|sglang.srt.utils.common|f": [["x"], None, 3], "has|sglang.srt.utils.common|f": True,
-        "module|sglang.srt.utils": False, "contains|sglang.srt.utils|0123": True}, files={}))}).reused
+        "module|sglang.srt.utils": False, "contains|sglang.srt.utils|0123": True}, files=files))}).reused
 
 
 def test_another_sglang_directory_does_not_use_the_record(tree, tmp_path):
@@ -132,8 +133,55 @@ def test_a_record_of_another_directory_or_format_is_never_used(tree, record):
                   **record)
     view = inherited.view(tree, environ={inherited.ENV: json.dumps(record)})
     assert not view.reused and view.answers == {} and view.version != "9.9.9"
-    good = dict(record, format=inherited.FORMAT, dir=tree)
+    good = dict(record, format=inherited.FORMAT, dir=tree,
+                files={"sglang.srt.nothing": inherited._identities(tree, "sglang.srt.nothing")})
     assert inherited.view(tree, environ={inherited.ENV: json.dumps(good)}).reused
+
+
+@pytest.fixture(scope="module")
+def tree_0512():
+    return os.path.join(str(realsglang.sglang_envs.ensure_sources("0.5.12")), "sglang")
+
+
+def test_answers_without_their_files_are_read_from_the_source(tree, tree_0512):
+    """0.5.11's answers in a record of 0.5.12's directory that lists no files: before the fix they
+    were used as is -- zbal ``applied`` on top of 0.5.12's own zbal, set up twice.  Now each
+    question is read from 0.5.12's source: ``upstream``."""
+    _states, environ = parent(tree)
+    record = dict(json.loads(environ[inherited.ENV]), dir=tree_0512, files={})
+    view = inherited.view(tree_0512, environ={inherited.ENV: json.dumps(record)})
+    assert not view.reused and view.answers == {}
+    assert view.version == "0.5.12"  # not the record's 0.5.11: its files are not listed either
+    assert decide_all(view)["zbal"][0] == "upstream"
+    assert decide_all(inherited.view(tree_0512, environ={}))["zbal"][0] == "upstream"
+
+
+def test_only_the_answers_of_listed_files_are_used(tree):
+    """A record that lists some modules' files: their answers are used, the others' dropped and
+    asked again of the source (a forged "no" about a module it does not list changes nothing)."""
+    _states, environ = parent(tree)
+    record = json.loads(environ[inherited.ENV])
+    scheduler = "sglang.srt.managers.scheduler"
+    assert record["answers"]["has|%s|Scheduler.init_zbal_on_npu" % scheduler] is False
+    del record["files"][scheduler]
+    record["answers"]["has|%s|Scheduler.__init__" % scheduler] = False  # forged
+    view = inherited.view(tree, environ={inherited.ENV: json.dumps(record)})
+    assert view.reused
+    assert not [key for key in view.answers if key.split("|")[1] == scheduler]
+    assert view.answers["module|sglang.srt.utils.common"] is True  # a listed module's answer stays
+    assert view.has(scheduler, "Scheduler.__init__") is True and scheduler in view._modules
+
+
+def test_the_version_is_used_only_with_the_files_it_is_read_from(tree):
+    _states, environ = parent(tree)
+    record = json.loads(environ[inherited.ENV])
+    assert set(inherited.VERSION_FILES) <= set(record["files"])
+    forged = dict(record, version="9.9.9")
+    assert inherited.view(tree, environ={inherited.ENV: json.dumps(forged)}).version == "9.9.9"  # its files: as read
+    for name in inherited.VERSION_FILES:
+        files = {k: v for k, v in record["files"].items() if k != name}
+        view = inherited.view(tree, environ={inherited.ENV: json.dumps(dict(forged, files=files))})
+        assert view.reused and view.version == "0.5.11"
 
 
 def test_a_fingerprint_deciding_read_is_known_when_applying_without_reading_the_file(tmp_path,

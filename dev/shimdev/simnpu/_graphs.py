@@ -299,6 +299,20 @@ def check_call(what: str, *, host_copy: bool = False) -> None:
                            % (what, threading.current_thread().name, _describe(live)))
 
 
+def captured_edge(event) -> bool:
+    """Whether a logged stream edge is one being captured (the capturing thread, a capture
+    stream): it happens at replay, not now."""
+    live = _Live.live
+    if live is None or threading.get_ident() != live.thread:
+        return False
+    kind = event[0]
+    if kind == "event_record":
+        return event[2] in live.members
+    if kind in ("wait_event", "wait_stream"):
+        return event[1] in live.members or (kind == "wait_stream" and event[2] in live.members)
+    return False
+
+
 def check_seed(seed) -> None:
     live = _Live.live
     if live is not None and int(seed) != getattr(_device.STATE, "seed", int(seed)):
@@ -1027,7 +1041,14 @@ class _GraphDispatchMode:
         event = ExternalEvent()
         event.wait(stream)
         event.reset(stream)
+        import torch
+        from torch.utils import _pytree as pytree
+
+        given = {id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         actual_func, args, kwargs = handler.prepare_capture(func, args, dict(kwargs))
+        for t in pytree.tree_leaves((args, kwargs)):  # the workspace and outputs it made: the pool's
+            if isinstance(t, torch.Tensor) and id(t) not in given:
+                _hold(t.untyped_storage())
         self.update_schema(str(actual_func.__name__), str(actual_func._schema))
         graph_task_group_begin(stream)
         result = record(actual_func, args, kwargs)

@@ -297,7 +297,8 @@ def test_a_global_capture_refuses_other_threads_a_thread_local_one_does_not():
             t = threading.Thread(target=other); t.start(); t.join()
             seen["capturing_here"] = torch.npu.is_current_stream_capturing()
         got[mode] = seen
-    got["bad_mode"] = refused(lambda: torch.npu.graph(torch.npu.NPUGraph(), stream=s, capture_error_mode="x").__enter__())
+    bad = torch.npu.graph(torch.npu.NPUGraph(), stream=s, capture_error_mode="x")
+    got["bad_mode"] = refused(bad.__enter__)
     got["capturing_after"] = torch.npu.is_current_stream_capturing()
     print(json.dumps(got))
     """)
@@ -486,10 +487,10 @@ def test_the_graph_only_ops_compute_and_refuse_a_short_workspace():
     assert torch.equal(out[1], torch.zeros_like(out[1]))  # a padded entry (no tokens)
     ws = _ops._npu_fused_infer_attention_score_get_max_workspace(q, k_cache, v_cache, **kw)
     assert ws.dtype == torch.uint8 and ws.numel() == max(512, 4 * q.numel())
-    o, l = _ops._npu_fused_infer_attention_score_infer_output(q, v_cache, input_layout="BSH", block_table=table,
-                                                                num_heads=heads, num_key_value_heads=kv_heads)
-    assert o.shape == out.shape and l.shape == (1,)
-    res = _ops._npu_fused_infer_attention_score_out(q, k_cache, v_cache, workspace=ws, out=[o, l], **kw)
+    o, lse2 = _ops._npu_fused_infer_attention_score_infer_output(q, v_cache, input_layout="BSH", block_table=table,
+                                                                   num_heads=heads, num_key_value_heads=kv_heads)
+    assert o.shape == out.shape and lse2.shape == (1,)
+    res = _ops._npu_fused_infer_attention_score_out(q, k_cache, v_cache, workspace=ws, out=[o, lse2], **kw)
     assert res[0] is o and torch.equal(o, out)
     import pytest
 

@@ -419,7 +419,6 @@ _EMPTY = {"empty.memory_format", "empty_strided.default", "empty.default", "empt
 
 
 def _poison(tensor):
-    import torch
 
     if tensor.is_floating_point() or tensor.is_complex():
         tensor.fill_(float("nan"))
@@ -836,7 +835,7 @@ class NPUGraph:
         return "<simnpu NPUGraph %d>" % self._sim_id
 
 
-class graph:  # noqa: N801 - torch_npu's name
+class graph:
     """torch_npu.npu.graph: ``__enter__`` synchronises, empties the caches, enters the capture
     stream and (``auto_dispatch_capture``) the graph's dispatch mode, then ``capture_begin``
     (graphs.py ``graph.__enter__``)."""

@@ -193,10 +193,6 @@ def test_torch_npu_s_refusals_with_its_messages():
         with torch.npu.stream(t):
             got["end_on_other_stream"] = refused(h.capture_end)
         h.capture_end()
-    torch.npu.set_task_queue_enable(2)
-    with torch.npu.stream(s):
-        got["task_queue_2"] = refused(torch.npu.NPUGraph().capture_begin)
-    torch.npu.set_task_queue_enable(1)
     k = torch.npu.NPUGraph()
     with torch.npu.stream(s):
         k.capture_begin()
@@ -210,18 +206,42 @@ def test_torch_npu_s_refusals_with_its_messages():
     assert out["replay_before_capture"] == _msg("MSG_REPLAY")
     assert out["pool_before_capture"] == _msg("MSG_POOL")
     assert out["end_on_other_stream"] == _msg("MSG_END_STREAM")
-    assert out["task_queue_2"] == _msg("MSG_TASK_QUEUE")
     assert out["other_seed"] == _msg("MSG_SEED")
 
 
 def test_task_queue_enable_is_read_as_torch_npu_reads_it():
+    """capture_begin keeps the level it read at the process's first capture (a function-local
+    static in NPUGraph.cpp): TASK_QUEUE_ENABLE=2 refuses every capture, set_task_queue_enable
+    changes only what get_task_queue_enable answers."""
     out = run("""
+    import os
     s = torch.npu.Stream()
     got = {"level": torch.npu.get_task_queue_enable(),
            "capture": refused(lambda: torch.npu.graph(torch.npu.NPUGraph(), stream=s).__enter__())}
+    torch.npu.set_task_queue_enable(1)
+    os.environ["TASK_QUEUE_ENABLE"] = "1"
+    with torch.npu.stream(s):
+        got["again"] = refused(torch.npu.NPUGraph().capture_begin)
+    got["set"] = torch.npu.get_task_queue_enable()
+    got["bad_set"] = refused(lambda: torch.npu.set_task_queue_enable(3))
     print(json.dumps(got))
     """, env={"TASK_QUEUE_ENABLE": "2"})
-    assert out == {"level": 2, "capture": _msg("MSG_TASK_QUEUE")}
+    assert out == {"level": 2, "capture": _msg("MSG_TASK_QUEUE"), "again": _msg("MSG_TASK_QUEUE"), "set": 1,
+                   "bad_set": _msg("MSG_SET_TASK_QUEUE").format(3)}
+    out = run("""
+    s = torch.npu.Stream()
+    g = torch.npu.NPUGraph()
+    with torch.npu.stream(s):
+        g.capture_begin()
+        g.capture_end()
+    print(json.dumps(torch.npu.get_task_queue_enable()))
+    """, env={"TASK_QUEUE_ENABLE": "1"})
+    assert out == 1
+    out = run("""
+    s = torch.npu.Stream()
+    print(json.dumps(refused(lambda: torch.npu.graph(torch.npu.NPUGraph(), stream=s).__enter__())))
+    """, env={"TASK_QUEUE_ENABLE": "7"})
+    assert out == _msg("MSG_TASK_QUEUE_VALUE") + "7"
     out = run("""print(json.dumps(torch.npu.get_task_queue_enable()))""",
               env={"TASK_QUEUE_ENABLE": "2", "ASCEND_LAUNCH_BLOCKING": "1"})
     assert out == 0

@@ -114,23 +114,34 @@ class _Live:
 
 # ------------------------------------------------------------------------------ TASK_QUEUE_ENABLE
 
-def task_queue_enable() -> int:
-    """The task queue level torch_npu runs with: ``set_task_queue_enable``'s, else
-    ``TASK_QUEUE_ENABLE`` (default 1; ``ASCEND_LAUNCH_BLOCKING=1`` makes it 0)."""
-    state = _device.STATE
-    level = getattr(state, "task_queue", None)
-    if level is None:
-        raw = os.environ.get("TASK_QUEUE_ENABLE", "1").strip() or "1"
-        if raw not in ("0", "1", "2"):
-            raise RuntimeError(MSG_TASK_QUEUE_VALUE + raw)
-        level = int(raw)
-    if os.environ.get("ASCEND_LAUNCH_BLOCKING") == "1":
-        return 0
-    return level
+def _env_task_queue() -> int:
+    """``TASK_QUEUE_ENABLE`` as torch_npu's OptionsManager reads it (default 1; anything but 0, 1
+    or 2 is refused); ``ASCEND_LAUNCH_BLOCKING=1`` makes the effective level 0 (utils.py's
+    ``set_task_queue_enable`` docstring)."""
+    raw = os.environ.get("TASK_QUEUE_ENABLE", "1").strip() or "1"
+    if raw not in ("0", "1", "2"):
+        raise RuntimeError(MSG_TASK_QUEUE_VALUE + raw)
+    return 0 if os.environ.get("ASCEND_LAUNCH_BLOCKING") == "1" else int(raw)
+
+
+class _CaptureTaskQueue:
+    #: NPUGraph::capture_begin reads the level into a function-local ``static const`` at the
+    #: process's first capture (NPUGraph.cpp): later changes of the variable, and
+    #: ``set_task_queue_enable``, do not reach the check.
+    level = None
+
+
+def _capture_task_queue() -> int:
+    if _CaptureTaskQueue.level is None:
+        _CaptureTaskQueue.level = _env_task_queue()
+    return _CaptureTaskQueue.level
 
 
 def get_task_queue_enable():
-    return task_queue_enable()
+    level = _device.STATE.task_queue
+    if os.environ.get("ASCEND_LAUNCH_BLOCKING") == "1":
+        return 0
+    return _env_task_queue() if level is None else level
 
 
 def set_task_queue_enable(mode):
@@ -696,7 +707,7 @@ class NPUGraph:
     def capture_begin(self, pool=None, capture_error_mode="global"):
         if capture_error_mode not in CAPTURE_MODES:
             raise RuntimeError(MSG_CAPTURE_MODE + str(capture_error_mode))
-        if task_queue_enable() == 2:
+        if _capture_task_queue() == 2:
             raise RuntimeError(MSG_TASK_QUEUE)
         if self._sim_timeline is not None or self._sim_capturing:
             raise RuntimeError(MSG_ALREADY_CAPTURED)
@@ -1087,6 +1098,7 @@ class _GraphDispatchMode:
 def reset_state() -> None:
     """simnpu.reset(): no capture, no pools (what a capture held is dropped)."""
     _Live.live = None
+    _CaptureTaskQueue.level = None
     POOLS.clear()
     GRAPH_STORAGES.clear()
     graph.default_capture_stream = None

@@ -44,7 +44,10 @@ another thread during a capture (the recorder sees the capturing thread's ops on
 ``(0, n)``, a capture without a pool makes ``(n, 0)``; a pool is created or increfed by the first
 ``capture_begin`` into it and shared by every graph captured into it.  Under the native allocator
 what a capture allocates is held in the pool until the last graph using it is reset (or
-collected), and ``mem_get_info`` counts it as used.  Under a pluggable allocator the allocation
+collected), and ``mem_get_info`` counts it as used.  The simulation keeps every block a capture
+allocated (the replay writes into it): a device's caching allocator may hand a block an earlier
+capture freed into the same pool to a later capture, so a shared pool's figure here is an upper
+bound of the device's.  Under a pluggable allocator the allocation
 is the pluggable allocator's (zbal's heap once bootstrapped, as ``_server._track`` counts it),
 held by the graph until reset; its ``begin_allocate_to_pool`` / ``end_allocate_to_pool`` /
 ``release_pool`` hooks are called when set, nothing otherwise (``NPUPluggableAllocator.cpp``).  The
@@ -837,7 +840,8 @@ class NPUGraph:
 
     def __del__(self):
         try:
-            if getattr(self, "_sim_pool", None) is not None and not self._sim_capturing:
+            # a graph of before simnpu.reset() holds nothing any more: no event for it
+            if getattr(self, "_sim_pool", None) in POOLS and not self._sim_capturing:
                 self.reset()
         except Exception:  # noqa: BLE001 - a destructor at interpreter exit
             pass

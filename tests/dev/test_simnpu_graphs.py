@@ -6,9 +6,12 @@ Each test runs in a process of its own: server mode (npu tensors on the CPU) cha
 process's life.  Messages quoted from the wheel are held to it by test_simnpu_conformance.py."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from shimdev import DEV
 
@@ -368,6 +371,9 @@ def test_pool_ids_sharing_and_memory_held_until_the_last_reset():
             m(x[:2])
         after_b = free()
         got["pools"] = [a.pool(), b.pool()]
+        got["accounting"] = simnpu.graph_pools()[tuple(pool)]
+        from shimdev.simnpu import _server
+        got["snapshot"] = _server.memory_snapshot()["graph_pools"]
         got["use_count"] = _graphs.pool_of(pool).use_count
         a.reset()
         after_reset_a = free()
@@ -389,6 +395,8 @@ def test_pool_ids_sharing_and_memory_held_until_the_last_reset():
     """)
     assert out["handles"] == [[0, 1], [0, 2]]
     assert out["pools"] == [[0, 3], [0, 3]] and out["use_count"] == 2
+    assert out["accounting"] == {"use_count": 2, "graph_pool_bytes": 4 * 3 * 8 * 4 + 4 * 2 * 8 * 4}
+    assert out["snapshot"] == {"0,3": out["accounting"]}
     held = out["held"]
     # four [3, 8] fp32 captures (linear, relu, zeros, *2), then four [2, 8] ones into the same pool
     assert held[0] == 4 * 3 * 8 * 4 and held[1] == held[0] + 4 * 2 * 8 * 4
@@ -445,13 +453,16 @@ def test_a_pluggable_allocator_without_hooks_gets_no_call_and_holds_the_capture_
     with torch.npu.graph(g, stream=s):
         x * 2
     during = _graphs._device.STATE.live_npu_bytes
+    accounting = simnpu.graph_pools()[g.pool()]
     g.reset()
     print(json.dumps({"hooks": hooks, "pool_hook_events": simnpu.events("pool_hook"),
                       "held": [during - before, _graphs._device.STATE.live_npu_bytes - before],
-                      "graph_pool_bytes": _graphs._device.STATE.graph_pool_bytes}))
+                      "graph_pool_bytes": _graphs._device.STATE.graph_pool_bytes, "accounting": accounting}))
     """)
     assert out["hooks"] == [] and out["pool_hook_events"] == []
     assert out["held"] == [16, 0] and out["graph_pool_bytes"] == 0
+    # before zbal's heap is bootstrapped the pluggable allocator's memory is plain device memory
+    assert out["accounting"] == {"use_count": 1, "live_npu_bytes": 16}
 
 
 def test_the_sanitizer_follows_the_event_edges_inside_a_graph_at_each_replay():
@@ -512,7 +523,6 @@ def test_the_graph_only_ops_compute_and_refuse_a_short_workspace():
     assert o.shape == out.shape and lse2.shape == (1,)
     res = _ops._npu_fused_infer_attention_score_out(q, k_cache, v_cache, workspace=ws, out=[o, lse2], **kw)
     assert res[0] is o and torch.equal(o, out)
-    import pytest
 
     big = torch.randn(64, 1, heads * dim)
     with pytest.raises(RuntimeError, match="workspace of 512 bytes"):
@@ -520,3 +530,42 @@ def test_the_graph_only_ops_compute_and_refuse_a_short_workspace():
                                                   out=[torch.empty(64, 1, 32), torch.empty(1)],
                                                   **dict(kw, block_table=table.repeat(32, 1),
                                                          actual_seq_lengths_kv=[1] * 64))
+
+
+# -- a real sglang server's NPUGraphRunner on the simulated NPU ------------------------------------------
+
+def _serve(version, graphs, tmp_path):
+    """What a real sglang server (the shim absent) answers greedily, graphs on (batch sizes 1 and 2,
+    sglang's own warm-ups and captures) or off, and its log."""
+    from shimdev.server import models
+    from shimdev.server.process import Server
+
+    model = models.ensure_model("qwen2", version)
+    args = ["--mem-fraction-static", "0.5", "--tp-size", "1"] + (["--cuda-graph-bs", "1", "2"] if graphs else [])
+    server = Server(version, model, args=args, env={"SIMNPU_TOTAL_MIB": 512}, shim="absent",
+                    log_path=tmp_path / ("%s-graphs-%s.log" % (version, "on" if graphs else "off")))
+    if graphs:  # the harness serves with --disable-cuda-graph; this server captures
+        assert "--disable-cuda-graph" in server.argv
+        server.argv = [a for a in server.argv if a != "--disable-cuda-graph"]
+    try:
+        server.start()
+        # 45 new tokens: sglang logs a decode batch (with whether it replayed a graph) every 40 steps
+        tokens = [server.generate(p, n) for p, n in (([5, 6, 7, 8], 8), ([100, 200, 300, 400, 500], 8),
+                                                     ([9, 10, 11], 45))]
+        return tokens, server.log_text()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("version", [pytest.param(v, marks=pytest.mark.xdist_group("server-" + v))
+                                     for v in ("0.5.9", "0.5.11")])
+def test_a_real_sglang_server_captures_replays_and_answers_as_without_graphs(version, tmp_path):
+    """sglang's NPUGraphRunner (two warm-ups, torch.npu.graph with the global pool and
+    auto_dispatch_capture, update from a thread while replay runs) comes up and decodes by replay,
+    with the same greedy tokens as the same server with graphs off."""
+    on, log = _serve(version, True, tmp_path)
+    assert "Capture npu graph end" in log and "Capture cuda graph bs [1, 2]" in log
+    assert re.search(r"Decode batch.*(npu|cuda) graph: True", log), "no decode step replayed a graph"
+    off, log_off = _serve(version, False, tmp_path)
+    assert not re.search(r"Decode batch.*graph: True", log_off)
+    assert on == off

@@ -214,6 +214,19 @@ def _release(pool_id):
 GRAPH_STORAGES: dict = {}
 
 
+def pools() -> dict:
+    """{pool id: {"use_count": n, <counter>: bytes, ...}}: what each live pool holds, by the counter
+    it is in -- ``graph_pool_bytes`` (the native allocator's graph pool), ``pluggable_bytes`` (the
+    pluggable allocator's heap) or ``live_npu_bytes`` (the pluggable allocator before its heap)."""
+    out = {}
+    for pool_id, pool in POOLS.items():
+        row = {"use_count": pool.use_count}
+        for _, nbytes, field in pool.held.values():
+            row[field] = row.get(field, 0) + nbytes
+        out[pool_id] = row
+    return out
+
+
 def _allocation_field():
     """Which counter a capture-time allocation lands in: the native allocator's graph pool, or the
     pluggable allocator's own memory (zbal's heap once it is bootstrapped)."""

@@ -569,3 +569,26 @@ def test_a_real_sglang_server_captures_replays_and_answers_as_without_graphs(ver
     off, log_off = _serve(version, False, tmp_path)
     assert not re.search(r"Decode batch.*graph: True", log_off)
     assert on == off
+
+
+def test_the_sanitizer_takes_no_edge_from_a_capture_as_it_is_captured():
+    """A join captured into a graph happens at replay: it must not order, now, an eager write on
+    the side stream before an eager read on the capture stream."""
+    out = run("""
+    s, side = torch.npu.Stream(), torch.npu.Stream()
+    x = torch.ones(64, device="npu")
+    g = torch.npu.NPUGraph()
+    with simnpu.sanitize() as san:
+        with torch.npu.stream(side):
+            x.fill_(2)                   # eager, on the side stream
+        with torch.npu.stream(s):
+            g.capture_begin()            # (no synchronize: graph.__enter__ would order everything)
+            side.wait_stream(s)
+            with torch.npu.stream(side):
+                y = x + 1
+            s.wait_stream(side)          # captured: happens at each replay
+            g.capture_end()
+            x * 3                        # eager read on s: unordered with the side stream's write
+    print(json.dumps([(r.kind, list(r.streams)) for r in san.reports]))
+    """)
+    assert ["read-after-write", ["side-2", "side-1"]] in out

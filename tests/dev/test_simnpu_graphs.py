@@ -592,3 +592,27 @@ def test_the_sanitizer_takes_no_edge_from_a_capture_as_it_is_captured():
     print(json.dumps([(r.kind, list(r.streams)) for r in san.reports]))
     """)
     assert ["read-after-write", ["side-2", "side-1"]] in out
+
+
+def test_a_free_of_a_block_with_stream_uses_waits_for_the_capture_s_end():
+    out = run("""
+    import gc
+    s, side = torch.npu.Stream(), torch.npu.Stream()
+    used = torch.ones(1024, device="npu")
+    used.record_stream(side)             # sglang's MLA path records q on its alt stream
+    plain = torch.ones(1024, device="npu")
+    live = lambda: _graphs._device.STATE.live_npu_bytes
+    g = torch.npu.NPUGraph()
+    with torch.npu.stream(s):
+        g.capture_begin()
+        start = live()
+        del plain; gc.collect()
+        after_plain = live()
+        del used; gc.collect()
+        after_used = live()
+        g.capture_end()
+    print(json.dumps({"freed": [start - after_plain, start - after_used, start - live()],
+                      "events": simnpu.events("deferred_free")}))
+    """)
+    assert out["freed"] == [4096, 4096, 8192]  # the plain block at once, the used one at the end
+    assert out["events"] == [["deferred_free", 1, 1, 4096]]

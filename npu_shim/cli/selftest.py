@@ -23,6 +23,9 @@ import subprocess
 import sys
 import time
 
+# How a server's command line is read and known: check's (it lists the servers' graph flags too).
+from npu_shim.cli.check import command_line as _argv, is_sglang_server
+
 TIMEOUT_S = 60
 MAX_TIMEOUT_S = 86400  # a day: past it time.monotonic() + bound is no bound an operator means
 MAX_NUMBER = 1 << 40   # the other numbers' bound: JSON and the child's arithmetic stay exact
@@ -32,35 +35,6 @@ PREFIX = "npu-shim selftest: "
 
 
 # -- refusal: sglang's own processes hold the device ------------------------------------------------
-
-def _argv(proc, pid):
-    """The process's command line as its arguments (a title sglang set is one), [] if unreadable."""
-    try:
-        with open(os.path.join(proc, pid, "cmdline"), "rb") as handle:
-            data = handle.read(4096)
-    except OSError:
-        return []
-    return [arg.decode("utf-8", "replace") for arg in data.rstrip(b"\0").split(b"\0")]
-
-
-def is_sglang_server(argv):
-    """Whether a command line is an sglang server process's: the title sglang gives its processes
-    (``sglang::scheduler_TP0`` ...), ``-m sglang.launch_server``, sglang's ``launch_server.py``
-    run as a script, or ``sglang serve``.  Its arguments are read as arguments: the name in a file
-    name (``tail -f sglang.launch_server.log``) is none of them."""
-    from npu_shim.reporting import procinfo
-
-    if not argv:
-        return False
-    if procinfo.role_from_title(argv[0].split(" ", 1)[0]):
-        return True
-    for i, arg in enumerate(argv[:-1]):
-        if (arg == "-m" and argv[i + 1] == "sglang.launch_server") or (
-                os.path.basename(arg) == "sglang" and argv[i + 1] == "serve"):
-            return True
-    return any(arg == "-msglang.launch_server" or arg.replace(os.sep, "/").endswith("sglang/launch_server.py")
-               for arg in argv)
-
 
 # Device files a process that uses the device has open: Ascend's, NVIDIA's.
 DEVICE_FILES = ("/dev/davinci", "/dev/nvidia")

@@ -205,6 +205,7 @@ def run(options, log=None):
         return done(cli.EXIT_NPU_STACK if problem["kind"] == "cann" else cli.EXIT_CHECK_FAILED,
                     error=problem["text"])
     result["device"] = report["device"]
+    result["graphs"] = report.get("graphs")
     states = report["states"]
     for name, why in report["plan"].items():
         state = states.get(name) or {}
@@ -249,6 +250,14 @@ def device_line(device):
     return text
 
 
+def graphs_line(graphs):
+    """Whether the server would capture graphs (``check``'s facts) and whether the steps drove
+    their paths through a capture and a replay."""
+    return "graphs: %s\n  capture and replay: %s" % (graphs["text"], (
+        "each step below drives its path through an NPU graph capture and a replay"
+        if graphs.get("skipped") is None else "not exercised (%s)" % graphs["skipped"]))
+
+
 def print_result(result, out):
     if result["refused"]:
         out(PREFIX + "refused: %s\n" % result["refused"])
@@ -257,6 +266,8 @@ def print_result(result, out):
         out(PREFIX + "%s\n" % result["error"])  # nothing ran: the reason is the whole answer
         return
     out("npu-shim selftest on %s\n" % device_line(result.get("device")))
+    if result.get("graphs"):
+        out("  %s\n" % graphs_line(result["graphs"]))
     if result["error"]:
         out("  %s\n" % result["error"])
     out("\n  %-20s %-8s %-12s %s\n" % ("patch", "selftest", "state", "what was checked"))

@@ -132,16 +132,31 @@ def find_device(torch=None):
     return None, "no NPU or CUDA device visible to torch", False
 
 
+def graphs_skipped(kind, dm):
+    """None where the steps drive their paths through an NPU graph capture and a replay (an NPU
+    whose torch_npu has the graph API sglang's runner calls), else why not."""
+    from npu_shim.cli import check
+
+    if kind != "npu":
+        return "graph capture is an NPU's here; the device is %s" % (kind or "none")
+    api = check.graph_api(dm)
+    if not api["usable"]:
+        return "torch_npu's graph API is missing here (%s present of %s)" % (
+            ", ".join(api["present"]) or "none", ", ".join(check.GRAPH_API))
+    return None
+
+
 def step_context(name, torch, kind, index, simulated, options):
     """What patch ``name``'s ``run(step)`` is handed: torch, the device module and device, this
-    run's options, ``progress(text)`` (the line names the patch), and ``record()``, the patch's
-    PatchRecord in this process once its target modules are imported."""
+    run's options, ``progress(text)`` (the line names the patch), ``record()``, the patch's
+    PatchRecord in this process once its target modules are imported, and ``graphs``: None where
+    the step also drives its path through a graph capture and a replay, else why not."""
     from npu_shim.runtime import activation
 
     dm = torch.get_device_module(kind) if kind else None
     device = "cpu" if simulated else "%s:%d" % (kind, index)
     return types.SimpleNamespace(torch=torch, kind=kind, dm=dm, device=device, index=index,
-                                 simulated=simulated, options=options,
+                                 simulated=simulated, options=options, graphs=graphs_skipped(kind, dm),
                                  progress=lambda text: progress("%s: %s" % (name, text)),
                                  record=lambda: activation.RUNTIME.record(name))
 
@@ -180,6 +195,9 @@ def stage_main(options, watcher):
     kind, name, simulated = find_device(torch)
     index = options["device_index"]
     report["device"] = {"kind": kind, "name": name, "simulated": simulated, "index": index}
+    npu = getattr(torch, "npu", None)
+    report["graphs"] = check.graph_facts(npu, report["states"])
+    report["graphs"]["skipped"] = graphs_skipped(kind, torch.get_device_module(kind)) if kind else "no device"
     decided = plan(report["states"], kind, options["patches"])
     report["plan"] = decided
     steps = [n for n, why in decided.items() if why is None]

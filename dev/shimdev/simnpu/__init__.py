@@ -19,7 +19,17 @@ Call ``simnpu.install(release=...)`` before the first sglang import.  Afterwards
   ``("event_record", ev, stream)``, ``("event_sync", ev)``, ``("stream_sync", name)``,
   ``("change_allocator", so_path, malloc_name, free_name)``, ``("allocator_fn", set_name)`` (a
   ``set_*_fn`` call on the pluggable allocator), ``("alloc", shape, device)``,
-  ``("zbal", native_fn_name, fields)`` (the simulated native zbal, shimdev.simzbal).
+  ``("zbal", native_fn_name, fields)`` (the simulated native zbal, shimdev.simzbal);
+  NPU graphs (``_graphs.py``): ``("capture_begin", graph_id, stream, pool)``,
+  ``("capture_end", graph_id, stream, pool)``, ``("replay", graph_id, stream, pool)``,
+  ``("graph_update", graph_id, records)``, ``("graph_reset", graph_id, pool)``,
+  ``("pool_hook", set_name, device, pool)``, ``("pool_release", pool, native_bytes)``,
+  ``("host_empty_cache",)``.
+
+NPU graphs (``torch.npu.NPUGraph``, ``torch.npu.graph``, ``graph_pool_handle``,
+``is_current_stream_capturing``, ``MemPool``, ``ExternalEvent``, ``_GraphDispatchMode``) record the
+capturing thread's device ops and replay them on the same storages; a capture refuses what torch_npu
+and CANN refuse (``_graphs.py``).
 
 Streams are named "main" (default stream of device 0), then "side-1", "side-2", ... (``stream_name(s)``);
 events "ev-1", ...  Nothing here runs asynchronously; nothing is timed.  ``with simnpu.sanitize() as
@@ -35,7 +45,7 @@ import contextlib
 import os
 import sys
 
-from . import _device, _stubs
+from . import _device, _graphs, _stubs
 from ._device import STATE, mem_get_info, set_memory, stream_name
 from ._log import EVENTS, clear_events, log
 from ._stubs import STUB_IMPORTS, StubValue
@@ -76,6 +86,7 @@ def install(release: str | None = None, *, total_mib: int | None = None,
     import torch
 
     STATE.reset()
+    _graphs.reset_state()
     if total_mib is None:
         total_mib = int(os.environ.get("SIMNPU_TOTAL_MIB", 65536))
     if free_mib is None and os.environ.get("SIMNPU_FREE_MIB") is not None:
@@ -99,6 +110,8 @@ def install(release: str | None = None, *, total_mib: int | None = None,
     sys.modules["torch.npu.memory"] = npu.memory
     sys.modules["torch_npu.npu"] = npu
     sys.modules["torch_npu.npu.memory"] = npu.memory
+    sys.modules["torch.npu.graphs"] = npu.graphs
+    sys.modules["torch_npu.npu.graphs"] = npu.graphs
     f.overrides.setdefault("torch_npu", {})["npu"] = npu
     tn = sys.modules.get("torch_npu")
     if tn is not None:
@@ -157,6 +170,7 @@ def reset() -> None:
     """Clear EVENTS and restore memory / allocator / stream state to what install() set
     (stubs added/removed with add_stub/remove_stub stay as they are)."""
     STATE.reset()
+    _graphs.reset_state()
     if _INSTALLED is not None:
         set_memory(total_mib=_INSTALLED["total_mib"], free_mib=_INSTALLED["free_mib"])
     clear_events()

@@ -50,6 +50,36 @@ WHAT_DECODE = ("the same graph-mode servers under `python -m sglang.bench_servin
 WHAT_LATENCY = "the same load: median TTFT and median ITL, shim on vs off"
 
 
+#: What ``sglang.bench_serving`` imports that the test bed's sglang environment lacks: HF ``datasets``
+#: (imported at module level for its MMMU and LongBench sets; random-ids never calls it) and what it
+#: needs beyond that environment.  Installed once, ``--no-deps``, into a layer of the test bed's
+#: cache that only the client's PYTHONPATH names: the servers never see it.
+CLIENT_PINS = ("datasets==5.2.0", "pandas==3.1.1", "pyarrow==26.0.1", "multiprocess==0.70.19", "xxhash==4.1.0",
+               "python-dateutil==4.0.0", "pytz==2026.6", "tzdata==2026.6", "six==1.17.0")
+
+
+def client_layer():
+    """The directory of CLIENT_PINS (built once, under the cache's lock)."""
+    from shimdev import buildcache, sglang_envs
+
+    d = buildcache.layered_dir() / ("bench-client-" + buildcache.digest({"pins": CLIENT_PINS}))
+
+    def build(tmp):
+        buildcache.run(buildcache.pip(sglang_envs.ensure_base(), "install", "--no-deps", "--only-binary=:all:",
+                                      "--target", str(tmp), *CLIENT_PINS), "installing bench_serving's imports")
+        return {"pins": list(CLIENT_PINS)}
+
+    return buildcache.build_once(d, "layered-" + d.name, build)
+
+
+def client_env(server_env):
+    """The load client's environment: a graph-off server's (the simulated NPU, sglang 0.5.11, no
+    shim), with the client layer last on PYTHONPATH."""
+    env = dict(server_env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(client_layer())) if p)
+    return env
+
+
 def graph_mode(argv):
     """A launch command in graph mode: the test servers' ``--disable-cuda-graph`` left out, the
     captured batch sizes named (where the command does not name them already)."""
@@ -131,12 +161,12 @@ def measure(rounds=2, num_prompts=8, output_len=32, log_dir="/tmp", log=print):
                 else:
                     server.stop()
         tokenizer = live["off"].model
-        client_env = dict(live["off"].env)  # no shim in the client: it measures, it is not measured
+        client = client_env(live["off"].env)  # no shim in the client: it measures, it is not measured
         loads = {"off": [], "on": []}
         for r in range(rounds * 2):
             for arm in (("off", "on") if r % 2 == 0 else ("on", "off")):
                 output_file = os.path.join(log_dir, "bench-serving-%s-%d.jsonl" % (arm, r))
-                loads[arm].append(run_load(live[arm], client_env, tokenizer, output_file, num_prompts, output_len))
+                loads[arm].append(run_load(live[arm], client, tokenizer, output_file, num_prompts, output_len))
                 log("[bench_graph_server] %s load %d: %.1f tok/s" % (arm, r, loads[arm][-1]["tok_s"]))
     finally:
         for server in live.values():

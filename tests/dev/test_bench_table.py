@@ -210,3 +210,18 @@ def test_the_graph_server_rows_are_medians_and_ratios_against_their_targets():
     _, decode, latency = bench.rows_from({"off": [40.0], "on": [50.0]}, slow, 1, 8, 32)
     assert decode["ok"] is False and latency["ok"] is False
     assert bench.rows_from({"off": [40.0], "on": [50.0]}, slow, 1, 8, 32)[0]["ok"] is False
+
+
+def test_the_load_client_gets_bench_serving_s_imports_last_on_its_path(monkeypatch):
+    """sglang 0.5.11's bench_serving imports HF datasets at module level (for datasets the load does
+    not use); the client layer that holds it comes last on the client's PYTHONPATH only."""
+    from shimdev import wheels
+
+    bench = _graph_bench()
+    mmmu = (wheels.ensure_sources(bench.RELEASE) / "sglang" / "benchmark" / "datasets" / "mmmu.py").read_text()
+    assert "\nfrom datasets import load_dataset\n" in mmmu
+    assert any(pin.startswith("datasets==") for pin in bench.CLIENT_PINS)
+    monkeypatch.setattr(bench, "client_layer", lambda: "/layer")
+    server_env = {"PYTHONPATH": "/a:/b", "SIMNPU_SERVER_RELEASE": "0.5.11"}
+    assert bench.client_env(server_env) == {"PYTHONPATH": "/a:/b:/layer", "SIMNPU_SERVER_RELEASE": "0.5.11"}
+    assert server_env["PYTHONPATH"] == "/a:/b"  # the server's own environment is left as it was

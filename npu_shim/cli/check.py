@@ -4,8 +4,9 @@
 environment -- so the shim activates in it exactly as in a server process (``sitecustomize`` on
 ``PYTHONPATH``, or the ``.pth`` of a pip install) -- imports every sglang module a patch targets,
 and reports what happened there: each patch's state and reason, the targets really wrapped,
-where wrapt came from, torch_npu and the NPU, and what each patch says about the image
-(``Report.check_facts``: the packages it needs, read from their files).  Nothing initialises the
+where wrapt came from, torch_npu and the NPU, whether graphs will be captured (``graph_facts``),
+and what each patch says about the image (``Report.check_facts``: the packages it needs, read from
+their files).  Nothing initialises the
 device or a patch's package: the child imports modules and reads files; no tensor is allocated.
 
 A bundle is verified against its MANIFEST in the parent first (``bundle_facts``), with only

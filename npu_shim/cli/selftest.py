@@ -4,7 +4,9 @@ Run it like ``check``: with the server's ``PYTHONPATH`` and variables, on the no
 uses the device.  For each patch ``applied`` in that environment it exercises, at small scale and on
 the device, what the patch relies on -- each patch's own step (its module npu_shim/patches/_selftest/<name>.py,
 ``core.loading.selftest_step``; npu_shim/cli/selftest_child.py runs them) -- and prints one line per
-patch.  docs/rolling-out.md says what each patch's step checks.
+patch.  On an NPU whose torch_npu has the graph API each step also drives its path through a graph
+capture and a replay, as sglang's graph runner does (npu_shim/patches/_selftest/_graphs.py).
+docs/rolling-out.md says what each patch's step checks.
 
 The work is done in child processes (a patch whose step must run alone, its module's ``ALONE``,
 gets a second one: its allocator goes in before anything touches the device), so nothing stays on
@@ -228,7 +230,8 @@ def run(options, log=None):
     outcomes = dict(report.get("results") or {})
     for name in report.get("alone_next") or ():
         log("starting a process for %s's step alone (before anything else touches the device)" % name)
-        alone, error = run_stage(name, dict(options, kind=report["device"]["kind"]), deadline, log, bound)
+        alone, error = run_stage(name, dict(options, kind=report["device"]["kind"],
+                                            graphs=(report.get("graphs") or {}).get("skipped")), deadline, log, bound)
         outcomes.update((alone or {}).get("results") or
                         {name: {"result": "FAILED", "line": error, "facts": {}}})
     for name, outcome in outcomes.items():

@@ -41,7 +41,8 @@ from shimdev import simnpu
 if os.environ.get("SIM_NO_NPU") == "1":
     simnpu.install_without_npu(release=os.environ.get("SIM_RELEASE"))
 else:
-    simnpu.install(release=os.environ.get("SIM_RELEASE"))
+    # server mode: npu tensors (on the CPU), which the simulated NPU's graphs record
+    simnpu.install(release=os.environ.get("SIM_RELEASE"), server=os.environ.get("SIM_HOST_ONLY") != "1")
 if os.environ.get("SIM_ZBAL_MIX") == "1":
     from shimdev import simzbal
     simzbal.STATE.mix = True
@@ -120,10 +121,25 @@ def test_full_mode_json_every_applied_patch_passes_within_the_bound(release_venv
     # a progress line per step, on stderr (stdout is the JSON)
     steps = progress_lines(proc.stderr)
     assert steps[0].startswith("starting the selftest process") and len(steps) >= 10
-    assert sum(s.startswith("mla_weight_release: ") for s in steps) == len(mla_selftest.MLA_CONFIGS)
-    assert sum(s.startswith("dual_stream_experts: ") for s in steps) == len(dual_stream_selftest.SIMULATED_TOKENS)
+    # one line per config or size, and one for the graph part
+    assert sum(s.startswith("mla_weight_release: ") for s in steps) == len(mla_selftest.MLA_CONFIGS) + 1
+    assert sum(s.startswith("dual_stream_experts: ") for s in steps) == len(dual_stream_selftest.SIMULATED_TOKENS) + 1
+    assert "mla_weight_release: DeepSeek-V3 layer: a released weight inside an NPU graph capture, then capture " \
+           "and replay" in steps
     assert any(s.startswith("zbal: full mode") for s in steps)
     assert os.listdir(state_dir) == []  # the selftest's processes are no servers: no state record
+    # graphs: captured by default, and each step drove its path through a capture and a replay
+    graphs = out["graphs"]
+    assert graphs["skipped"] is None and graphs["api"]["usable"] and graphs["api"]["auto_dispatch_capture"]
+    assert graphs["verdict"].startswith("sglang captures decode graphs") and "zbal_graph_pool" in graphs
+    pooled = z["graph"].pop("graph_pool")
+    assert z["graph"] == {"captured": True, "replayed": True, "equal": True}
+    assert ("captured tensors in zbal's graph pool (ZBAL_ENABLE_GRAPH=1)" if pooled else
+            "captured tensors UNPOOLED (ZBAL_ENABLE_GRAPH is not 1") in patches["zbal"]["line"]
+    assert m["graph"] == {"refused_at_capture": True, "error": "ReleasedWeightError", "captured": True,
+                          "replayed": True, "equal": True}
+    assert d["facts"][-1]["graph"]["equal"] is True
+    assert "output equal to single-stream eager" in d["line"]
 
 
 def test_mix_mode_text_switch_allocation_then_lazy_heap(release_venv, tmp_path):
@@ -145,6 +161,9 @@ def test_mix_mode_text_switch_allocation_then_lazy_heap(release_venv, tmp_path):
     steps = progress_lines(proc.stderr)
     order = [i for i, s in enumerate(steps) if s.startswith(("zbal: mix mode: setting", "zbal: mix mode: lazy"))]
     assert len(order) == 2 and order[0] < order[1]
+    assert lines[1].startswith("  graphs: sglang captures decode graphs") and "zbal: captured tensors " in lines[1]
+    assert lines[2] == "  capture and replay: each step below drives its path through an NPU graph capture and a replay"
+    assert all("graph: " in row for row in rows.values()), rows
 
 
 def test_a_patch_not_applied_here_is_not_exercised(release_venv, tmp_path):
@@ -920,7 +939,8 @@ class _NpuLike(_CudaLike):
 
 def _graph_step(torch, dm, graphs=None):
     return types.SimpleNamespace(torch=torch, kind="npu", dm=dm, device="cpu", index=0, simulated=True,
-                                 options={}, progress=lambda text: None, record=lambda: None, graphs=graphs)
+                                 options={}, progress=lambda text: None, record=lambda: None, graphs=graphs,
+                                 graph_device="cpu")
 
 
 def test_the_npu_stand_in_replays_what_it_captured_and_nothing_else():

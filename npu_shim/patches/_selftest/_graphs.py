@@ -11,6 +11,12 @@ through ``step``.
 """
 
 
+def device(step):
+    """Where a graph check's tensors live: ``step.graph_device``, the NPU itself (on the simulated
+    NPU too, whose graphs record only what is on the npu: host tensors run eagerly)."""
+    return step.graph_device
+
+
 def skipped(step):
     """The words a step's line ends with where graphs are not exercised, else None."""
     return None if step.graphs is None else "graphs: not exercised (%s)" % step.graphs

@@ -229,9 +229,9 @@ def graph_check(step, **overrides):
     from npu_shim.patches._impl import dual_stream_experts as ds
     from npu_shim.patches._selftest import _graphs
 
-    torch, dm, device = step.torch, step.dm, step.device
+    torch, dm, device = step.torch, step.dm, _graphs.device(step)
     p = dict(DEFAULTS, **dict(overrides, routed="masked"))
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = torch.float32 if step.simulated else torch.bfloat16
     block = build_block(device, dtype, p)
     hidden = torch.randn(p["tokens"], p["hidden"], device=device, dtype=dtype)
     fresh = torch.randn(p["tokens"], p["hidden"], device=device, dtype=dtype)

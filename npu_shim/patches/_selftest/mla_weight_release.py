@@ -64,7 +64,7 @@ def _graph_part(step, mla, once):
     why = _graphs.skipped(step)
     if why:
         return True, why, {"skipped": step.graphs}
-    torch, device = step.torch, step.device
+    torch, device = step.torch, _graphs.device(step)
     config = "DeepSeek-V3"
     step.progress("%s layer: a released weight inside an NPU graph capture, then capture and replay" % config)
     qkv, w_kc = mla_layer(torch, config, device)

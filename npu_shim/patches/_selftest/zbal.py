@@ -26,7 +26,7 @@ def _one_rank_world():
     return types.SimpleNamespace(world_size=1, cpu_group=None, rank_in_group=0)
 
 
-def _graph_part(step, device):
+def _graph_part(step):
     """(ok, text, facts) where the step's device does graphs: an allocating computation captured
     through zbal's allocator and replayed on new inputs, equal to eager; and whether the captured
     tensors come from a graph pool: zbal installs its pool hooks only when ``ZBAL_ENABLE_GRAPH=1``
@@ -38,7 +38,7 @@ def _graph_part(step, device):
     why = _graphs.skipped(step)
     if why:
         return True, why, {"skipped": step.graphs}
-    torch = step.torch
+    torch, device = step.torch, _graphs.device(step)
     step.progress("an allocating computation captured into an NPU graph through zbal, replayed")
     x = torch.ones(1024, dtype=torch.bfloat16, device=device)
     fresh = torch.full((1024,), 3.0, dtype=torch.bfloat16, device=device)
@@ -114,7 +114,7 @@ def run(step):
             shim_free_gib, facts.get("device_free_gib", zfree / (1 << 30))))
     if capacity != int(os.environ[zbal_patch.LOCAL_MEM_SIZE.name]):
         problems.append("get_npu_memory_capacity says %s MiB, not the configured size" % capacity)
-    graph_ok, graph_text, facts["graph"] = _graph_part(step, device)
+    graph_ok, graph_text, facts["graph"] = _graph_part(step)
     if not graph_ok:
         problems.append(graph_text)
     facts["problems"] = problems

@@ -6,9 +6,12 @@ Each test runs in a process of its own: server mode (npu tensors on the CPU) cha
 process's life.  Messages quoted from the wheel are held to it by test_simnpu_conformance.py."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from shimdev import DEV
 
@@ -193,10 +196,6 @@ def test_torch_npu_s_refusals_with_its_messages():
         with torch.npu.stream(t):
             got["end_on_other_stream"] = refused(h.capture_end)
         h.capture_end()
-    torch.npu.set_task_queue_enable(2)
-    with torch.npu.stream(s):
-        got["task_queue_2"] = refused(torch.npu.NPUGraph().capture_begin)
-    torch.npu.set_task_queue_enable(1)
     k = torch.npu.NPUGraph()
     with torch.npu.stream(s):
         k.capture_begin()
@@ -210,18 +209,42 @@ def test_torch_npu_s_refusals_with_its_messages():
     assert out["replay_before_capture"] == _msg("MSG_REPLAY")
     assert out["pool_before_capture"] == _msg("MSG_POOL")
     assert out["end_on_other_stream"] == _msg("MSG_END_STREAM")
-    assert out["task_queue_2"] == _msg("MSG_TASK_QUEUE")
     assert out["other_seed"] == _msg("MSG_SEED")
 
 
 def test_task_queue_enable_is_read_as_torch_npu_reads_it():
+    """capture_begin keeps the level it read at the process's first capture (a function-local
+    static in NPUGraph.cpp): TASK_QUEUE_ENABLE=2 refuses every capture, set_task_queue_enable
+    changes only what get_task_queue_enable answers."""
     out = run("""
+    import os
     s = torch.npu.Stream()
     got = {"level": torch.npu.get_task_queue_enable(),
            "capture": refused(lambda: torch.npu.graph(torch.npu.NPUGraph(), stream=s).__enter__())}
+    torch.npu.set_task_queue_enable(1)
+    os.environ["TASK_QUEUE_ENABLE"] = "1"
+    with torch.npu.stream(s):
+        got["again"] = refused(torch.npu.NPUGraph().capture_begin)
+    got["set"] = torch.npu.get_task_queue_enable()
+    got["bad_set"] = refused(lambda: torch.npu.set_task_queue_enable(3))
     print(json.dumps(got))
     """, env={"TASK_QUEUE_ENABLE": "2"})
-    assert out == {"level": 2, "capture": _msg("MSG_TASK_QUEUE")}
+    assert out == {"level": 2, "capture": _msg("MSG_TASK_QUEUE"), "again": _msg("MSG_TASK_QUEUE"), "set": 1,
+                   "bad_set": _msg("MSG_SET_TASK_QUEUE").format(3)}
+    out = run("""
+    s = torch.npu.Stream()
+    g = torch.npu.NPUGraph()
+    with torch.npu.stream(s):
+        g.capture_begin()
+        g.capture_end()
+    print(json.dumps(torch.npu.get_task_queue_enable()))
+    """, env={"TASK_QUEUE_ENABLE": "1"})
+    assert out == 1
+    out = run("""
+    s = torch.npu.Stream()
+    print(json.dumps(refused(lambda: torch.npu.graph(torch.npu.NPUGraph(), stream=s).__enter__())))
+    """, env={"TASK_QUEUE_ENABLE": "7"})
+    assert out == _msg("MSG_TASK_QUEUE_VALUE") + "7"
     out = run("""print(json.dumps(torch.npu.get_task_queue_enable()))""",
               env={"TASK_QUEUE_ENABLE": "2", "ASCEND_LAUNCH_BLOCKING": "1"})
     assert out == 0
@@ -348,6 +371,9 @@ def test_pool_ids_sharing_and_memory_held_until_the_last_reset():
             m(x[:2])
         after_b = free()
         got["pools"] = [a.pool(), b.pool()]
+        got["accounting"] = simnpu.graph_pools()[tuple(pool)]
+        from shimdev.simnpu import _server
+        got["snapshot"] = _server.memory_snapshot()["graph_pools"]
         got["use_count"] = _graphs.pool_of(pool).use_count
         a.reset()
         after_reset_a = free()
@@ -369,6 +395,8 @@ def test_pool_ids_sharing_and_memory_held_until_the_last_reset():
     """)
     assert out["handles"] == [[0, 1], [0, 2]]
     assert out["pools"] == [[0, 3], [0, 3]] and out["use_count"] == 2
+    assert out["accounting"] == {"use_count": 2, "graph_pool_bytes": 4 * 3 * 8 * 4 + 4 * 2 * 8 * 4}
+    assert out["snapshot"] == {"0,3": out["accounting"]}
     held = out["held"]
     # four [3, 8] fp32 captures (linear, relu, zeros, *2), then four [2, 8] ones into the same pool
     assert held[0] == 4 * 3 * 8 * 4 and held[1] == held[0] + 4 * 2 * 8 * 4
@@ -425,13 +453,16 @@ def test_a_pluggable_allocator_without_hooks_gets_no_call_and_holds_the_capture_
     with torch.npu.graph(g, stream=s):
         x * 2
     during = _graphs._device.STATE.live_npu_bytes
+    accounting = simnpu.graph_pools()[g.pool()]
     g.reset()
     print(json.dumps({"hooks": hooks, "pool_hook_events": simnpu.events("pool_hook"),
                       "held": [during - before, _graphs._device.STATE.live_npu_bytes - before],
-                      "graph_pool_bytes": _graphs._device.STATE.graph_pool_bytes}))
+                      "graph_pool_bytes": _graphs._device.STATE.graph_pool_bytes, "accounting": accounting}))
     """)
     assert out["hooks"] == [] and out["pool_hook_events"] == []
     assert out["held"] == [16, 0] and out["graph_pool_bytes"] == 0
+    # before zbal's heap is bootstrapped the pluggable allocator's memory is plain device memory
+    assert out["accounting"] == {"use_count": 1, "live_npu_bytes": 16}
 
 
 def test_the_sanitizer_follows_the_event_edges_inside_a_graph_at_each_replay():
@@ -492,7 +523,6 @@ def test_the_graph_only_ops_compute_and_refuse_a_short_workspace():
     assert o.shape == out.shape and lse2.shape == (1,)
     res = _ops._npu_fused_infer_attention_score_out(q, k_cache, v_cache, workspace=ws, out=[o, lse2], **kw)
     assert res[0] is o and torch.equal(o, out)
-    import pytest
 
     big = torch.randn(64, 1, heads * dim)
     with pytest.raises(RuntimeError, match="workspace of 512 bytes"):
@@ -500,3 +530,89 @@ def test_the_graph_only_ops_compute_and_refuse_a_short_workspace():
                                                   out=[torch.empty(64, 1, 32), torch.empty(1)],
                                                   **dict(kw, block_table=table.repeat(32, 1),
                                                          actual_seq_lengths_kv=[1] * 64))
+
+
+# -- a real sglang server's NPUGraphRunner on the simulated NPU ------------------------------------------
+
+def _serve(version, graphs, tmp_path):
+    """What a real sglang server (the shim absent) answers greedily, graphs on (batch sizes 1 and 2,
+    sglang's own warm-ups and captures) or off, and its log."""
+    from shimdev.server import models
+    from shimdev.server.process import Server
+
+    model = models.ensure_model("qwen2", version)
+    args = ["--mem-fraction-static", "0.5", "--tp-size", "1"] + (["--cuda-graph-bs", "1", "2"] if graphs else [])
+    server = Server(version, model, args=args, env={"SIMNPU_TOTAL_MIB": 512}, shim="absent",
+                    log_path=tmp_path / ("%s-graphs-%s.log" % (version, "on" if graphs else "off")))
+    if graphs:  # the harness serves with --disable-cuda-graph; this server captures
+        assert "--disable-cuda-graph" in server.argv
+        server.argv = [a for a in server.argv if a != "--disable-cuda-graph"]
+    try:
+        server.start()
+        # 45 new tokens: sglang logs a decode batch (with whether it replayed a graph) every 40 steps
+        tokens = [server.generate(p, n) for p, n in (([5, 6, 7, 8], 8), ([100, 200, 300, 400, 500], 8),
+                                                     ([9, 10, 11], 45))]
+        return tokens, server.log_text()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("version", [pytest.param(v, marks=pytest.mark.xdist_group("server-" + v))
+                                     for v in ("0.5.9", "0.5.11")])
+def test_a_real_sglang_server_captures_replays_and_answers_as_without_graphs(version, tmp_path):
+    """sglang's NPUGraphRunner (two warm-ups, torch.npu.graph with the global pool and
+    auto_dispatch_capture, update from a thread while replay runs) comes up and decodes by replay,
+    with the same greedy tokens as the same server with graphs off."""
+    on, log = _serve(version, True, tmp_path)
+    assert "Capture npu graph end" in log and "Capture cuda graph bs [1, 2]" in log
+    assert re.search(r"Decode batch.*(npu|cuda) graph: True", log), "no decode step replayed a graph"
+    off, log_off = _serve(version, False, tmp_path)
+    assert not re.search(r"Decode batch.*graph: True", log_off)
+    assert on == off
+
+
+def test_the_sanitizer_takes_no_edge_from_a_capture_as_it_is_captured():
+    """A join captured into a graph happens at replay: it must not order, now, an eager write on
+    the side stream before an eager read on the capture stream."""
+    out = run("""
+    s, side = torch.npu.Stream(), torch.npu.Stream()
+    x = torch.ones(64, device="npu")
+    g = torch.npu.NPUGraph()
+    with simnpu.sanitize() as san:
+        with torch.npu.stream(side):
+            x.fill_(2)                   # eager, on the side stream
+        with torch.npu.stream(s):
+            g.capture_begin()            # (no synchronize: graph.__enter__ would order everything)
+            side.wait_stream(s)
+            with torch.npu.stream(side):
+                y = x + 1
+            s.wait_stream(side)          # captured: happens at each replay
+            g.capture_end()
+            x * 3                        # eager read on s: unordered with the side stream's write
+    print(json.dumps([(r.kind, list(r.streams)) for r in san.reports]))
+    """)
+    assert ["read-after-write", ["side-2", "side-1"]] in out
+
+
+def test_a_free_of_a_block_with_stream_uses_waits_for_the_capture_s_end():
+    out = run("""
+    import gc
+    s, side = torch.npu.Stream(), torch.npu.Stream()
+    used = torch.ones(1024, device="npu")
+    used.record_stream(side)             # sglang's MLA path records q on its alt stream
+    plain = torch.ones(1024, device="npu")
+    live = lambda: _graphs._device.STATE.live_npu_bytes
+    g = torch.npu.NPUGraph()
+    with torch.npu.stream(s):
+        g.capture_begin()
+        start = live()
+        del plain; gc.collect()
+        after_plain = live()
+        del used; gc.collect()
+        after_used = live()
+        g.capture_end()
+    print(json.dumps({"freed": [start - after_plain, start - after_used, start - live()],
+                      "events": simnpu.events("deferred_free")}))
+    """)
+    assert out["freed"] == [4096, 4096, 8192]  # the plain block at once, the used one at the end
+    assert out["events"] == [["deferred_free", 1, 1, 4096]]

@@ -55,7 +55,7 @@ __all__ = [
     "install", "installed", "reset", "set_memory", "mem_get_info", "EVENTS", "clear_events",
     "events", "current_stream_name", "record_allocations", "add_stub", "remove_stub",
     "stubbed_roots", "STUB_IMPORTS", "StubValue", "allocator_backend", "stream_name", "sanitize",
-    "declare_kernel", "active_sanitizer",
+    "declare_kernel", "active_sanitizer", "graph_pools",
 ]
 
 _INSTALLED: dict | None = None
@@ -179,6 +179,11 @@ def reset() -> None:
 def events(kind: str | None = None) -> list[tuple]:
     """A copy of EVENTS, optionally only those whose first item is ``kind``."""
     return [e for e in EVENTS if kind is None or e[0] == kind]
+
+
+def graph_pools() -> dict:
+    """What each live NPU graph pool holds (``_graphs.pools``)."""
+    return _graphs.pools()
 
 
 def current_stream_name() -> str:

@@ -44,10 +44,15 @@ another thread during a capture (the recorder sees the capturing thread's ops on
 ``(0, n)``, a capture without a pool makes ``(n, 0)``; a pool is created or increfed by the first
 ``capture_begin`` into it and shared by every graph captured into it.  Under the native allocator
 what a capture allocates is held in the pool until the last graph using it is reset (or
-collected), and ``mem_get_info`` counts it as used.  Under a pluggable allocator the allocation
-is the pluggable allocator's (zbal's heap once bootstrapped, as ``_server._track`` counts it),
-held by the graph until reset; its ``begin_allocate_to_pool`` / ``end_allocate_to_pool`` /
-``release_pool`` hooks are called when set, nothing otherwise (``NPUPluggableAllocator.cpp``).  The
+collected), and ``mem_get_info`` counts it as used.  The simulation keeps every block a capture
+allocated (the replay writes into it): a device's caching allocator may hand a block an earlier
+capture freed into the same pool to a later capture, so a shared pool's figure here is an upper
+bound of the device's.  A block with stream uses (``record_stream``) freed while a capture is
+underway is given back only when the capture ends (the native allocator defers it); any other
+free is at once.  Under a pluggable allocator the allocation is the pluggable allocator's (zbal's
+heap once bootstrapped, as ``_server._track`` counts it), held by the graph until reset; its
+``begin_allocate_to_pool`` / ``end_allocate_to_pool`` / ``release_pool`` hooks are called when set,
+nothing otherwise (``NPUPluggableAllocator.cpp``).  The
 call a hook gets (a C function of the library the allocator was made from)::
 
     void begin_allocate_to_pool(int device, MempoolId_t pool, bool (*filter)(void *stream));
@@ -63,6 +68,7 @@ Every graph action is logged to ``simnpu.EVENTS``: ``("capture_begin", graph_id,
 ``("capture_end", graph_id, stream, pool)``, ``("replay", graph_id, stream, pool)``,
 ``("graph_update", graph_id, records)``, ``("graph_reset", graph_id, pool)``,
 ``("pool_hook", name, device, pool)`` (a pluggable allocator's hook called),
+``("deferred_free", graph_id, blocks, nbytes)`` (frees deferred by the capture, done at its end),
 ``("pool_release", pool, nbytes)`` (a native pool's memory given back).
 """
 from __future__ import annotations
@@ -114,23 +120,34 @@ class _Live:
 
 # ------------------------------------------------------------------------------ TASK_QUEUE_ENABLE
 
-def task_queue_enable() -> int:
-    """The task queue level torch_npu runs with: ``set_task_queue_enable``'s, else
-    ``TASK_QUEUE_ENABLE`` (default 1; ``ASCEND_LAUNCH_BLOCKING=1`` makes it 0)."""
-    state = _device.STATE
-    level = getattr(state, "task_queue", None)
-    if level is None:
-        raw = os.environ.get("TASK_QUEUE_ENABLE", "1").strip() or "1"
-        if raw not in ("0", "1", "2"):
-            raise RuntimeError(MSG_TASK_QUEUE_VALUE + raw)
-        level = int(raw)
-    if os.environ.get("ASCEND_LAUNCH_BLOCKING") == "1":
-        return 0
-    return level
+def _env_task_queue() -> int:
+    """``TASK_QUEUE_ENABLE`` as torch_npu's OptionsManager reads it (default 1; anything but 0, 1
+    or 2 is refused); ``ASCEND_LAUNCH_BLOCKING=1`` makes the effective level 0 (utils.py's
+    ``set_task_queue_enable`` docstring)."""
+    raw = os.environ.get("TASK_QUEUE_ENABLE", "1").strip() or "1"
+    if raw not in ("0", "1", "2"):
+        raise RuntimeError(MSG_TASK_QUEUE_VALUE + raw)
+    return 0 if os.environ.get("ASCEND_LAUNCH_BLOCKING") == "1" else int(raw)
+
+
+class _CaptureTaskQueue:
+    #: NPUGraph::capture_begin reads the level into a function-local ``static const`` at the
+    #: process's first capture (NPUGraph.cpp): later changes of the variable, and
+    #: ``set_task_queue_enable``, do not reach the check.
+    level = None
+
+
+def _capture_task_queue() -> int:
+    if _CaptureTaskQueue.level is None:
+        _CaptureTaskQueue.level = _env_task_queue()
+    return _CaptureTaskQueue.level
 
 
 def get_task_queue_enable():
-    return task_queue_enable()
+    level = _device.STATE.task_queue
+    if os.environ.get("ASCEND_LAUNCH_BLOCKING") == "1":
+        return 0
+    return _env_task_queue() if level is None else level
 
 
 def set_task_queue_enable(mode):
@@ -200,6 +217,19 @@ def _release(pool_id):
 GRAPH_STORAGES: dict = {}
 
 
+def pools() -> dict:
+    """{pool id: {"use_count": n, <counter>: bytes, ...}}: what each live pool holds, by the counter
+    it is in -- ``graph_pool_bytes`` (the native allocator's graph pool), ``pluggable_bytes`` (the
+    pluggable allocator's heap) or ``live_npu_bytes`` (the pluggable allocator before its heap)."""
+    out = {}
+    for pool_id, pool in POOLS.items():
+        row = {"use_count": pool.use_count}
+        for _, nbytes, field in pool.held.values():
+            row[field] = row.get(field, 0) + nbytes
+        out[pool_id] = row
+    return out
+
+
 def _allocation_field():
     """Which counter a capture-time allocation lands in: the native allocator's graph pool, or the
     pluggable allocator's own memory (zbal's heap once it is bootstrapped)."""
@@ -266,6 +296,29 @@ def _call_hook(name, pool_id, *extra):
     argtypes = [ctypes.c_int, _PoolId] + ([_FILTER] if extra else [])
     fn = ctypes.CFUNCTYPE(None, *argtypes)(address)
     fn(device, _PoolId(*pool_id), *extra)
+
+
+_DEFERRED: list = []  # (nbytes, give back) of frees waiting for the capture's end
+
+
+def defer_free(key, nbytes, give_back) -> bool:
+    """The native allocator's free of a block with stream uses while a capture is underway: the
+    block is not given back until the capture ends ("It's forbidden to npuEventQuery an event
+    recorded during NPU graph capture", NPUCachingAllocator.cpp).  A block no other stream used
+    is freed at once (a plain free has no capture check)."""
+    uses = _device.STATE.stream_uses.pop(key, None)
+    if not uses or _Live.live is None or _device.STATE.allocator is not None:
+        return False
+    _DEFERRED.append((nbytes, give_back))
+    return True
+
+
+def _free_deferred(graph_id) -> None:
+    done, _DEFERRED[:] = list(_DEFERRED), []
+    for _, give_back in done:
+        give_back()
+    if done:
+        log("deferred_free", graph_id, len(done), sum(n for n, _ in done))
 
 
 # ------------------------------------------------------------------------------ refusals
@@ -696,7 +749,7 @@ class NPUGraph:
     def capture_begin(self, pool=None, capture_error_mode="global"):
         if capture_error_mode not in CAPTURE_MODES:
             raise RuntimeError(MSG_CAPTURE_MODE + str(capture_error_mode))
-        if task_queue_enable() == 2:
+        if _capture_task_queue() == 2:
             raise RuntimeError(MSG_TASK_QUEUE)
         if self._sim_timeline is not None or self._sim_capturing:
             raise RuntimeError(MSG_ALREADY_CAPTURED)
@@ -742,6 +795,7 @@ class NPUGraph:
                 _Live.live = None
                 self._sim_capturing = False
             _call_hook("set_end_allocate_to_pool_fn", live.pool)
+            _free_deferred(self._sim_id)
         self._sim_timeline = live.timeline
         self._sim_capture_stream = live.stream_name
         log("capture_end", self._sim_id, live.stream_name, live.pool)
@@ -826,7 +880,8 @@ class NPUGraph:
 
     def __del__(self):
         try:
-            if getattr(self, "_sim_pool", None) is not None and not self._sim_capturing:
+            # a graph of before simnpu.reset() holds nothing any more: no event for it
+            if getattr(self, "_sim_pool", None) in POOLS and not self._sim_capturing:
                 self.reset()
         except Exception:  # noqa: BLE001 - a destructor at interpreter exit
             pass
@@ -1087,6 +1142,8 @@ class _GraphDispatchMode:
 def reset_state() -> None:
     """simnpu.reset(): no capture, no pools (what a capture held is dropped)."""
     _Live.live = None
+    _CaptureTaskQueue.level = None
+    _DEFERRED.clear()
     POOLS.clear()
     GRAPH_STORAGES.clear()
     graph.default_capture_stream = None

@@ -96,9 +96,14 @@ def sources(quick):
         import bench_moe_server
         return bench_moe_server.rows(*((1, 2, 32) if quick else (2, 4, 64)))
 
+    def graph_server():
+        import bench_graph_server
+        return bench_graph_server.rows(*((1, 4, 16) if quick else (2, 8, 32)))
+
     return [("bench_shim_cost", shim_cost), ("bench_drop_in", drop_in), ("bench_hot_path", hot_path),
             ("bench_mla_release", mla), ("bench_zbal", zbal), ("bench_dual_stream", dual_stream),
-            ("bench_server", server), ("bench_mla_server", mla_server), ("bench_moe_server", moe_server)]
+            ("bench_server", server), ("bench_mla_server", mla_server), ("bench_moe_server", moe_server),
+            ("bench_graph_server", graph_server)]
 
 
 def collect(quick, only=None, log=print):

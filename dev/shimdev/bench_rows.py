@@ -63,6 +63,11 @@ ROWS = (
                          "shim on sglang 0.5.8 vs sglang 0.5.10's own"),
     ("bench_moe_server", "the same shim server vs sglang 0.5.8 without the shim (neither path), decode tokens "
                          "per second"),
+    ("bench_graph_server", "real sglang 0.5.11 server in graph mode (simulated NPU, decode captured at batch "
+                           "sizes 1 and 2), start-up to ready with the capture, shim on (zbal) vs off"),
+    ("bench_graph_server", "the same graph-mode servers under `python -m sglang.bench_serving` (random-ids, fixed "
+                           "seed, every request completed), output tokens per second, shim on vs off"),
+    ("bench_graph_server", "the same load: median TTFT and median ITL, shim on vs off"),
 )
 
 RESULT = {True: "ok", False: "MISSED", None: "-"}

@@ -4,8 +4,9 @@
 environment -- so the shim activates in it exactly as in a server process (``sitecustomize`` on
 ``PYTHONPATH``, or the ``.pth`` of a pip install) -- imports every sglang module a patch targets,
 and reports what happened there: each patch's state and reason, the targets really wrapped,
-where wrapt came from, torch_npu and the NPU, and what each patch says about the image
-(``Report.check_facts``: the packages it needs, read from their files).  Nothing initialises the
+where wrapt came from, torch_npu and the NPU, whether graphs will be captured (``graph_facts``),
+and what each patch says about the image (``Report.check_facts``: the packages it needs, read from
+their files).  Nothing initialises the
 device or a patch's package: the child imports modules and reads files; no tensor is allocated.
 
 A bundle is verified against its MANIFEST in the parent first (``bundle_facts``), with only
@@ -122,6 +123,131 @@ def npu_facts():
     return facts
 
 
+def command_line(proc, pid):
+    """The process's command line as its arguments (a title sglang set is one), [] if unreadable."""
+    try:
+        with open(os.path.join(proc, pid, "cmdline"), "rb") as handle:
+            data = handle.read(4096)
+    except OSError:
+        return []
+    return [arg.decode("utf-8", "replace") for arg in data.rstrip(b"\0").split(b"\0")]
+
+
+def is_sglang_server(argv):
+    """Whether a command line is an sglang server process's: the title sglang gives its processes
+    (``sglang::scheduler_TP0`` ...), ``-m sglang.launch_server``, sglang's ``launch_server.py``
+    run as a script, or ``sglang serve``.  Its arguments are read as arguments: the name in a file
+    name (``tail -f sglang.launch_server.log``) is none of them."""
+    from npu_shim.reporting import procinfo
+
+    if not argv:
+        return False
+    if procinfo.role_from_title(argv[0].split(" ", 1)[0]):
+        return True
+    for i, arg in enumerate(argv[:-1]):
+        if (arg == "-m" and argv[i + 1] == "sglang.launch_server") or (
+                os.path.basename(arg) == "sglang" and argv[i + 1] == "serve"):
+            return True
+    return any(arg == "-msglang.launch_server" or arg.replace(os.sep, "/").endswith("sglang/launch_server.py")
+               for arg in argv)
+
+
+# What sglang calls of torch_npu's graph API (its NPUGraphRunner; docs/torch-npu-versions.md).
+GRAPH_API = ("graph", "NPUGraph", "graph_pool_handle", "is_current_stream_capturing")
+GRAPH_FLAG = "--disable-cuda-graph"
+GRAPH_DEFAULT = ("sglang captures decode graphs (target-verify too under speculative decoding) "
+                 "unless the server is started with " + GRAPH_FLAG)
+
+
+def graph_api(npu):
+    """{"present": the names of GRAPH_API that torch.npu has, "usable": whether ``graph`` is a
+    context-manager class and ``NPUGraph`` a class with ``replay`` (a stub is neither),
+    "auto_dispatch_capture": whether ``graph`` takes the argument sglang passes}.  Reads
+    attributes and a signature only: nothing touches the device."""
+    import inspect
+
+    present = [name for name in GRAPH_API if npu is not None and callable(getattr(npu, name, None))]
+    graph, npu_graph = getattr(npu, "graph", None), getattr(npu, "NPUGraph", None)
+    usable = (len(present) == len(GRAPH_API) and isinstance(graph, type) and hasattr(graph, "__enter__")
+              and isinstance(npu_graph, type) and hasattr(npu_graph, "replay"))
+    try:
+        auto = usable and "auto_dispatch_capture" in inspect.signature(graph).parameters
+    except (TypeError, ValueError):
+        auto = False
+    return {"present": present, "usable": usable, "auto_dispatch_capture": auto}
+
+
+def sglang_graph_default():
+    """``ServerArgs.disable_cuda_graph``'s default in this sglang, when its server_args module is
+    imported here (the target modules import it); None otherwise."""
+    import dataclasses
+
+    server_args = getattr(sys.modules.get("sglang.srt.server_args"), "ServerArgs", None)
+    if server_args is None or not dataclasses.is_dataclass(server_args):
+        return None
+    for field in dataclasses.fields(server_args):
+        if field.name == "disable_cuda_graph" and field.default is not dataclasses.MISSING:
+            return bool(field.default)
+    return None
+
+
+def graph_servers(proc="/proc"):
+    """[(pid, captures)] of the sglang server commands on this host whose arguments are readable
+    (``-m sglang.launch_server ...``, ``sglang serve ...``): captures is whether GRAPH_FLAG is
+    absent from them.  sglang's scheduler processes carry a title, not arguments: not listed."""
+    found = []
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        argv = command_line(proc, name)
+        if len(argv) > 1 and is_sglang_server(argv):
+            found.append((int(name), GRAPH_FLAG not in argv))
+    return sorted(found)
+
+
+def graph_facts(npu, patch_states=None, environ=None, proc="/proc"):
+    """Whether graphs will be captured, from what decides it here: torch_npu's graph API (``npu``:
+    torch.npu, or None), sglang's default, the server commands running on this host, and for zbal
+    whether its graph-pool hooks are on (``ZBAL_ENABLE_GRAPH=1`` when zbal is imported).  The
+    server's own arguments are not visible to ``check``: the verdict states the default."""
+    environ = os.environ if environ is None else environ
+    api = graph_api(npu)
+    default_off = sglang_graph_default()
+    servers = graph_servers(proc)
+    facts = {"api": api, "sglang_disable_cuda_graph_default": default_off,
+             "servers": [{"pid": pid, "captures": captures} for pid, captures in servers]}
+    if npu is None:
+        facts["verdict"] = "no NPU torch here: no NPU graph is captured"
+    elif not api["usable"]:
+        facts["verdict"] = ("NOT possible: torch_npu's graph API is missing here (%s present of %s); "
+                            "sglang's capture would fail at start-up: start it with %s"
+                            % (", ".join(api["present"]) or "none", ", ".join(GRAPH_API), GRAPH_FLAG))
+    elif default_off:
+        facts["verdict"] = "off by default in this sglang (ServerArgs.disable_cuda_graph is True)"
+    else:
+        facts["verdict"] = GRAPH_DEFAULT
+    state = ((patch_states or {}).get("zbal") or {}).get("state")
+    if state == "applied":
+        facts["zbal_graph_pool"] = environ.get("ZBAL_ENABLE_GRAPH") == "1"
+    parts = [facts["verdict"]]
+    if npu is not None and api["usable"]:
+        parts.append("torch_npu's graph API present (%s; auto_dispatch_capture %s)" % (
+            ", ".join(GRAPH_API), "accepted" if api["auto_dispatch_capture"] else "NOT accepted"))
+    if servers:
+        parts.append("servers on this host: %s" % ", ".join(
+            "pid %d %s" % (pid, "captures" if captures else "has " + GRAPH_FLAG) for pid, captures in servers[:8]))
+    if "zbal_graph_pool" in facts:
+        parts.append("zbal: captured tensors %s" % (
+            "come from its graph pool (ZBAL_ENABLE_GRAPH=1)" if facts["zbal_graph_pool"] else
+            "get no graph pool (ZBAL_ENABLE_GRAPH is not 1 when zbal is imported)"))
+    facts["text"] = "; ".join(parts)
+    return facts
+
+
 def wrapped_targets(records):
     """{target: True/False}: whether the live attribute really is the shim's wrapper."""
     from npu_shim.runtime import targets, wrapt_loader
@@ -225,6 +351,7 @@ def child_main(watcher):
         "wrapt": origin.as_dict(),
         "sglang": sglang_facts(),
         "npu": npu_facts(),
+        "graphs": graph_facts(getattr(sys.modules.get("torch"), "npu", None), activation.RUNTIME.states()),
         "torch_problem": broken,
         "seconds": round(time.monotonic() - started, 2),
         "patch_facts": list(facts),  # the patches' own facts, each under its key, in this order
@@ -288,6 +415,8 @@ def print_report(report):
         (npu.get("torch_npu_version") or "?") if npu["torch_npu"] else "not installed",
         "%d visible" % npu["npu_count"] if npu["npu_available"] else
         "none visible" + (" (%s)" % npu["npu_error"] if npu.get("npu_error") else "")))
+    if report.get("graphs"):
+        out("  graphs: %s\n" % report["graphs"]["text"])
     for key in report.get("patch_facts", ()):
         out("  %s: %s\n" % (report[key].get("label", key), report[key]["text"]))
     for name, error in sorted(bad.items()):

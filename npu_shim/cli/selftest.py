@@ -4,7 +4,9 @@ Run it like ``check``: with the server's ``PYTHONPATH`` and variables, on the no
 uses the device.  For each patch ``applied`` in that environment it exercises, at small scale and on
 the device, what the patch relies on -- each patch's own step (its module npu_shim/patches/_selftest/<name>.py,
 ``core.loading.selftest_step``; npu_shim/cli/selftest_child.py runs them) -- and prints one line per
-patch.  docs/rolling-out.md says what each patch's step checks.
+patch.  On an NPU whose torch_npu has the graph API each step also drives its path through a graph
+capture and a replay, as sglang's graph runner does (npu_shim/patches/_selftest/_graphs.py).
+docs/rolling-out.md says what each patch's step checks.
 
 The work is done in child processes (a patch whose step must run alone, its module's ``ALONE``,
 gets a second one: its allocator goes in before anything touches the device), so nothing stays on
@@ -24,6 +26,9 @@ import subprocess
 import sys
 import time
 
+# How a server's command line is read and known: check's (it lists the servers' graph flags too).
+from npu_shim.cli.check import command_line as _argv, is_sglang_server
+
 TIMEOUT_S = 60
 MAX_TIMEOUT_S = 86400  # a day: past it time.monotonic() + bound is no bound an operator means
 MAX_NUMBER = 1 << 40   # the other numbers' bound: JSON and the child's arithmetic stay exact
@@ -33,35 +38,6 @@ PREFIX = "npu-shim selftest: "
 
 
 # -- refusal: sglang's own processes hold the device ------------------------------------------------
-
-def _argv(proc, pid):
-    """The process's command line as its arguments (a title sglang set is one), [] if unreadable."""
-    try:
-        with open(os.path.join(proc, pid, "cmdline"), "rb") as handle:
-            data = handle.read(4096)
-    except OSError:
-        return []
-    return [arg.decode("utf-8", "replace") for arg in data.rstrip(b"\0").split(b"\0")]
-
-
-def is_sglang_server(argv):
-    """Whether a command line is an sglang server process's: the title sglang gives its processes
-    (``sglang::scheduler_TP0`` ...), ``-m sglang.launch_server``, sglang's ``launch_server.py``
-    run as a script, or ``sglang serve``.  Its arguments are read as arguments: the name in a file
-    name (``tail -f sglang.launch_server.log``) is none of them."""
-    from npu_shim.reporting import procinfo
-
-    if not argv:
-        return False
-    if procinfo.role_from_title(argv[0].split(" ", 1)[0]):
-        return True
-    for i, arg in enumerate(argv[:-1]):
-        if (arg == "-m" and argv[i + 1] == "sglang.launch_server") or (
-                os.path.basename(arg) == "sglang" and argv[i + 1] == "serve"):
-            return True
-    return any(arg == "-msglang.launch_server" or arg.replace(os.sep, "/").endswith("sglang/launch_server.py")
-               for arg in argv)
-
 
 # Device files a process that uses the device has open: Ascend's, NVIDIA's.
 DEVICE_FILES = ("/dev/davinci", "/dev/nvidia")
@@ -198,6 +174,7 @@ def run(options, log=None):
     if problem:
         return done(cli.EXIT_PROBLEM, error=problem["text"])
     result["device"] = report["device"]
+    result["graphs"] = report.get("graphs")
     states = report["states"]
     for name, why in report["plan"].items():
         state = states.get(name) or {}
@@ -220,7 +197,8 @@ def run(options, log=None):
     outcomes = dict(report.get("results") or {})
     for name in report.get("alone_next") or ():
         log("starting a process for %s's step alone (before anything else touches the device)" % name)
-        alone, error = run_stage(name, dict(options, kind=report["device"]["kind"]), deadline, log, bound)
+        alone, error = run_stage(name, dict(options, kind=report["device"]["kind"],
+                                            graphs=(report.get("graphs") or {}).get("skipped")), deadline, log, bound)
         outcomes.update((alone or {}).get("results") or
                         {name: {"result": "FAILED", "line": error, "facts": {}}})
     for name, outcome in outcomes.items():
@@ -242,6 +220,14 @@ def device_line(device):
     return text
 
 
+def graphs_line(graphs):
+    """Whether the server would capture graphs (``check``'s facts) and whether the steps drove
+    their paths through a capture and a replay."""
+    return "graphs: %s\n  capture and replay: %s" % (graphs["text"], (
+        "each step below drives its path through an NPU graph capture and a replay"
+        if graphs.get("skipped") is None else "not exercised (%s)" % graphs["skipped"]))
+
+
 def print_result(result, out):
     if result["refused"]:
         out(PREFIX + "refused: %s\n" % result["refused"])
@@ -250,6 +236,8 @@ def print_result(result, out):
         out(PREFIX + "%s\n" % result["error"])  # nothing ran: the reason is the whole answer
         return
     out("npu-shim selftest on %s\n" % device_line(result.get("device")))
+    if result.get("graphs"):
+        out("  %s\n" % graphs_line(result["graphs"]))
     if result["error"]:
         out("  %s\n" % result["error"])
     out("\n  %-20s %-8s %-12s %s\n" % ("patch", "selftest", "state", "what was checked"))

@@ -132,16 +132,41 @@ def find_device(torch=None):
     return None, "no NPU or CUDA device visible to torch", False
 
 
-def step_context(name, torch, kind, index, simulated, options):
+def graphs_skipped(kind, dm, simulated=False, torch=None):
+    """None where the steps drive their paths through an NPU graph capture and a replay (an NPU
+    whose torch_npu has the graph API sglang's runner calls), else why not.  On the simulated NPU
+    a graph records only tensors on the npu: where it makes none, nothing would be captured.  (A
+    real NPU is not touched here: zbal's step needs its allocator in first.)"""
+    from npu_shim.cli import check
+
+    if kind != "npu":
+        return "graph capture is an NPU's here; the device is %s" % (kind or "none")
+    api = check.graph_api(dm)
+    if not api["usable"]:
+        return "torch_npu's graph API is missing here (%s present of %s)" % (
+            ", ".join(api["present"]) or "none", ", ".join(check.GRAPH_API))
+    if simulated:
+        try:
+            torch.empty(1, device="npu")
+        except Exception as exc:  # noqa: BLE001 - the simulation's own refusal, in one line
+            return "the simulated NPU here makes no tensors on the npu (%s)" % _one_line(exc)[:120]
+    return None
+
+
+def step_context(name, torch, kind, index, simulated, options, graphs):
     """What patch ``name``'s ``run(step)`` is handed: torch, the device module and device, this
-    run's options, ``progress(text)`` (the line names the patch), and ``record()``, the patch's
-    PatchRecord in this process once its target modules are imported."""
+    run's options, ``progress(text)`` (the line names the patch), ``record()``, the patch's
+    PatchRecord in this process once its target modules are imported, and ``graphs``: None where
+    the step also drives its path through a graph capture and a replay, else why not (decided once,
+    in the main stage: a process whose step runs alone touches nothing before the step does), and
+    ``graph_device``, where that capture's tensors live (the device itself, simulated or not)."""
     from npu_shim.runtime import activation
 
     dm = torch.get_device_module(kind) if kind else None
     device = "cpu" if simulated else "%s:%d" % (kind, index)
     return types.SimpleNamespace(torch=torch, kind=kind, dm=dm, device=device, index=index,
-                                 simulated=simulated, options=options,
+                                 simulated=simulated, options=options, graphs=graphs,
+                                 graph_device="%s:%d" % (kind, index) if kind else None,
                                  progress=lambda text: progress("%s: %s" % (name, text)),
                                  record=lambda: activation.RUNTIME.record(name))
 
@@ -180,6 +205,10 @@ def stage_main(options, watcher):
     kind, name, simulated = find_device(torch)
     index = options["device_index"]
     report["device"] = {"kind": kind, "name": name, "simulated": simulated, "index": index}
+    npu = getattr(torch, "npu", None)
+    report["graphs"] = check.graph_facts(npu, report["states"])
+    skipped = report["graphs"]["skipped"] = (
+        graphs_skipped(kind, torch.get_device_module(kind), simulated, torch) if kind else "no device")
     decided = plan(report["states"], kind, options["patches"])
     report["plan"] = decided
     steps = [n for n, why in decided.items() if why is None]
@@ -203,7 +232,7 @@ def stage_main(options, watcher):
     results = {}
     for name in steps:
         if not found[name].alone:
-            run_patch_step(results, name, step_context(name, torch, kind, index, simulated, options))
+            run_patch_step(results, name, step_context(name, torch, kind, index, simulated, options, skipped))
     report["results"] = results
     report["alone_next"] = [name for name in steps if found[name].alone]
     report["seconds"] = round(time.monotonic() - started, 2)
@@ -219,7 +248,7 @@ def stage_alone(name, options):
     simulated = bool(getattr(npu, "__simnpu__", False))
     results = {}
     run_patch_step(results, name, step_context(name, torch, options["kind"], options["device_index"],
-                                               simulated, options))
+                                               simulated, options, options["graphs"]))
     report["results"] = results
     return report
 

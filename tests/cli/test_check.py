@@ -43,6 +43,7 @@ def test_check_in_a_process_where_the_shim_never_started(tree):
     text = out["text"]
     assert "shim active at start-up: NO: npu-shim's sitecustomize did not arm it" in text
     assert "(no patch was decided: sglang's target modules were not imported with the shim on)" in text
+    assert report["graphs"]["text"] in text and "  graphs: " in text
 
 
 # -- the command under hostile output and the interpreter's flags ----------------------------------
@@ -208,3 +209,117 @@ def test_any_child_output_is_a_report_or_one_reason(lines, raw):
     if report is not None:
         assert set(check.REPORT_KEYS) <= set(report)
     assert "\n" not in children.last_words(out, "")
+
+
+# -- whether graphs will be captured ---------------------------------------------------------------
+
+class _Graph:
+    """torch_npu's ``graph``: a context-manager class taking sglang's arguments."""
+
+    def __init__(self, npu_graph, pool=None, stream=None, auto_dispatch_capture=False, capture_error_mode="global"):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _OldGraph(_Graph):
+    def __init__(self, npu_graph, pool=None, stream=None):
+        pass
+
+
+class _NPUGraph:
+    def replay(self):
+        pass
+
+
+def _npu(graph=_Graph, npu_graph=_NPUGraph):
+    import types
+
+    return types.SimpleNamespace(graph=graph, NPUGraph=npu_graph, graph_pool_handle=lambda: (0, 1),
+                                 is_current_stream_capturing=lambda: False)
+
+
+def _proc(tmp_path, commands):
+    """A stand-in /proc: one directory per pid with its NUL-separated command line."""
+    for pid, argv in commands.items():
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    return str(tmp_path)
+
+
+def test_graphs_are_captured_by_default_where_torch_npu_has_the_graph_api(tmp_path):
+    from npu_shim.cli import check
+
+    facts = check.graph_facts(_npu(), {}, environ={}, proc=_proc(tmp_path, {}))
+    assert facts["verdict"] == check.GRAPH_DEFAULT
+    assert facts["api"] == {"present": list(check.GRAPH_API), "usable": True, "auto_dispatch_capture": True}
+    assert facts["servers"] == [] and "zbal_graph_pool" not in facts
+    assert facts["text"].startswith("sglang captures decode graphs (target-verify too under speculative "
+                                    "decoding) unless the server is started with --disable-cuda-graph; ")
+    assert "auto_dispatch_capture accepted" in facts["text"]
+
+
+def test_a_stub_or_missing_graph_api_says_capture_would_fail(tmp_path):
+    import types
+
+    from npu_shim.cli import check
+
+    proc = _proc(tmp_path, {})
+    stub = check.graph_facts(_npu(graph=lambda *a, **k: None), {}, environ={}, proc=proc)
+    assert stub["api"]["usable"] is False and stub["api"]["present"] == list(check.GRAPH_API)
+    assert stub["verdict"].startswith("NOT possible: torch_npu's graph API is missing here")
+    assert "start it with --disable-cuda-graph" in stub["verdict"]
+    bare = check.graph_facts(types.SimpleNamespace(), {}, environ={}, proc=proc)
+    assert "(none present of graph, NPUGraph, graph_pool_handle, is_current_stream_capturing)" in bare["verdict"]
+    old = check.graph_facts(_npu(graph=_OldGraph), {}, environ={}, proc=proc)
+    assert old["api"]["auto_dispatch_capture"] is False and "auto_dispatch_capture NOT accepted" in old["text"]
+    none = check.graph_facts(None, {}, environ={}, proc=proc)
+    assert none["verdict"] == "no NPU torch here: no NPU graph is captured" and none["text"] == none["verdict"]
+
+
+def test_server_commands_on_this_host_say_whether_they_capture(tmp_path):
+    from npu_shim.cli import check
+
+    proc = _proc(tmp_path, {
+        101: ["python3", "-m", "sglang.launch_server", "--model-path", "m", "--disable-cuda-graph"],
+        102: ["python3", "-m", "sglang.launch_server", "--model-path", "m", "--cuda-graph-bs", "1", "2"],
+        103: ["sglang::scheduler_TP0"],  # a title, no arguments: not read
+        104: ["tail", "-f", "sglang.launch_server.log"]})
+    facts = check.graph_facts(_npu(), {}, environ={}, proc=proc)
+    assert facts["servers"] == [{"pid": 101, "captures": False}, {"pid": 102, "captures": True}]
+    assert "servers on this host: pid 101 has --disable-cuda-graph, pid 102 captures" in facts["text"]
+
+
+def test_zbal_applied_says_whether_captured_tensors_get_its_graph_pool(tmp_path):
+    from npu_shim.cli import check
+
+    proc, applied = _proc(tmp_path, {}), {"zbal": {"state": "applied"}}
+    off = check.graph_facts(_npu(), applied, environ={}, proc=proc)
+    assert off["zbal_graph_pool"] is False
+    assert "zbal: captured tensors get no graph pool (ZBAL_ENABLE_GRAPH is not 1 when zbal is imported)" in off["text"]
+    on = check.graph_facts(_npu(), applied, environ={"ZBAL_ENABLE_GRAPH": "1"}, proc=proc)
+    assert on["zbal_graph_pool"] is True and "come from its graph pool" in on["text"]
+    upstream = check.graph_facts(_npu(), {"zbal": {"state": "upstream"}}, environ={}, proc=proc)
+    assert "zbal_graph_pool" not in upstream
+
+
+def test_a_sglang_whose_default_is_no_graphs_says_so(tmp_path, monkeypatch):
+    import dataclasses
+    import types
+
+    from npu_shim.cli import check
+
+    @dataclasses.dataclass
+    class ServerArgs:
+        disable_cuda_graph: bool = True
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.server_args", types.SimpleNamespace(ServerArgs=ServerArgs))
+    facts = check.graph_facts(_npu(), {}, environ={}, proc=_proc(tmp_path, {}))
+    assert facts["sglang_disable_cuda_graph_default"] is True
+    assert facts["verdict"] == "off by default in this sglang (ServerArgs.disable_cuda_graph is True)"
+    ServerArgs.__dataclass_fields__["disable_cuda_graph"].default = False
+    assert check.graph_facts(_npu(), {}, environ={}, proc=str(tmp_path))["verdict"] == check.GRAPH_DEFAULT

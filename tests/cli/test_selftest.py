@@ -41,7 +41,8 @@ from shimdev import simnpu
 if os.environ.get("SIM_NO_NPU") == "1":
     simnpu.install_without_npu(release=os.environ.get("SIM_RELEASE"))
 else:
-    simnpu.install(release=os.environ.get("SIM_RELEASE"))
+    # server mode: npu tensors (on the CPU), which the simulated NPU's graphs record
+    simnpu.install(release=os.environ.get("SIM_RELEASE"), server=os.environ.get("SIM_HOST_ONLY") != "1")
 if os.environ.get("SIM_ZBAL_MIX") == "1":
     from shimdev import simzbal
     simzbal.STATE.mix = True
@@ -120,10 +121,25 @@ def test_full_mode_json_every_applied_patch_passes_within_the_bound(release_venv
     # a progress line per step, on stderr (stdout is the JSON)
     steps = progress_lines(proc.stderr)
     assert steps[0].startswith("starting the selftest process") and len(steps) >= 10
-    assert sum(s.startswith("mla_weight_release: ") for s in steps) == len(mla_selftest.MLA_CONFIGS)
-    assert sum(s.startswith("dual_stream_experts: ") for s in steps) == len(dual_stream_selftest.SIMULATED_TOKENS)
+    # one line per config or size, and one for the graph part
+    assert sum(s.startswith("mla_weight_release: ") for s in steps) == len(mla_selftest.MLA_CONFIGS) + 1
+    assert sum(s.startswith("dual_stream_experts: ") for s in steps) == len(dual_stream_selftest.SIMULATED_TOKENS) + 1
+    assert "mla_weight_release: DeepSeek-V3 layer: a released weight inside an NPU graph capture, then capture " \
+           "and replay" in steps
     assert any(s.startswith("zbal: full mode") for s in steps)
     assert os.listdir(metrics_dir) == []  # the selftest's processes are no servers: no metrics
+    # graphs: captured by default, and each step drove its path through a capture and a replay
+    graphs = out["graphs"]
+    assert graphs["skipped"] is None and graphs["api"]["usable"] and graphs["api"]["auto_dispatch_capture"]
+    assert graphs["verdict"].startswith("sglang captures decode graphs") and "zbal_graph_pool" in graphs
+    pooled = z["graph"].pop("graph_pool")
+    assert z["graph"] == {"captured": True, "replayed": True, "equal": True}
+    assert ("captured tensors in zbal's graph pool (ZBAL_ENABLE_GRAPH=1)" if pooled else
+            "captured tensors UNPOOLED (ZBAL_ENABLE_GRAPH is not 1") in patches["zbal"]["line"]
+    assert m["graph"] == {"refused_at_capture": True, "error": "ReleasedWeightError", "captured": True,
+                          "replayed": True, "equal": True}
+    assert d["facts"][-1]["graph"]["equal"] is True
+    assert "output equal to single-stream eager" in d["line"]
 
 
 def test_mix_mode_text_switch_allocation_then_lazy_heap(release_venv, tmp_path):
@@ -145,6 +161,9 @@ def test_mix_mode_text_switch_allocation_then_lazy_heap(release_venv, tmp_path):
     steps = progress_lines(proc.stderr)
     order = [i for i, s in enumerate(steps) if s.startswith(("zbal: mix mode: setting", "zbal: mix mode: lazy"))]
     assert len(order) == 2 and order[0] < order[1]
+    assert lines[1].startswith("  graphs: sglang captures decode graphs") and "zbal: captured tensors " in lines[1]
+    assert lines[2] == "  capture and replay: each step below drives its path through an NPU graph capture and a replay"
+    assert all("graph: " in row for row in rows.values()), rows
 
 
 def test_a_patch_not_applied_here_is_not_exercised(release_venv, tmp_path):
@@ -425,7 +444,7 @@ def _step(torch, dm, device, **options):
     """What selftest_child hands a patch's ``run(step)`` on a (stand-in) device, index 0."""
     return types.SimpleNamespace(torch=torch, kind=device.split(":")[0], dm=dm, device=device, index=0,
                                  simulated=False, options=options, progress=lambda text: None,
-                                 record=lambda: None)
+                                 record=lambda: None, graphs="graph capture is an NPU's here")
 
 
 def test_dual_stream_step_on_a_device_reports_times_and_the_target(monkeypatch):
@@ -469,8 +488,9 @@ def test_mla_step_fails_when_memory_does_not_drop():
     dm = _StuckAllocator()
     ok, line, facts = mla_selftest.run(_step(torch, dm, "cpu"))
     assert not ok and "MISMATCH" in line and dm.calls  # empty_cache before each reserved figure
-    assert all(f["released"] == f["bytes"] and f["allocated_drop"] == 0 for f in facts.values())
-    assert all(f["touch_raises"] and f["view_kept"] for f in facts.values())
+    configs = [facts[name] for name in mla_selftest.MLA_CONFIGS]
+    assert all(f["released"] == f["bytes"] and f["allocated_drop"] == 0 for f in configs)
+    assert all(f["touch_raises"] and f["view_kept"] for f in configs)
 
 
 def test_the_bench_row_and_the_selftest_share_one_measurement():
@@ -779,3 +799,232 @@ def test_a_stop_signal_while_the_stage_readers_are_made_finds_the_child_killed()
 
     call = "from npu_shim.cli import selftest; selftest.run_stage('main', {}, 1e12, print)"
     assert sigterm_while_a_child_starts("readers", call) == {"caught": ["SIGTERM", 143], "child": -signal.SIGKILL}
+
+
+# -- the steps through an NPU graph capture and a replay ---------------------------------------------
+
+class _NpuLike(_CudaLike):
+    """``_CudaLike`` with torch_npu's graph API: a capture records the aten ops run while it is
+    live (a dispatch mode) on the capture stream, ``replay`` runs them again on the same tensors
+    and runs no Python of the caller's -- what a replay does.  A host read (``item``,
+    ``nonzero``) while capturing is refused, as CANN refuses it."""
+
+    HOST_READS = ("aten._local_scalar_dense", "aten.nonzero")
+
+    def __init__(self):
+        super().__init__()
+        self.capturing = False
+        self.graphs = []
+
+    def graph_pool_handle(self):
+        self.calls.append(("graph_pool_handle",))
+        return (0, 1)
+
+    def is_current_stream_capturing(self):
+        return self.capturing
+
+    def NPUGraph(self):  # noqa: N802 - torch.npu.NPUGraph
+        module = self
+
+        class NPUGraph:
+            def __init__(self):
+                self.ops, self.reset_calls = None, 0
+                module.graphs.append(self)
+
+            def replay(self):
+                import torch
+
+                assert self.ops is not None, "Called NPUGraph::replay without a preceding successful capture."
+                module.calls.append(("replay",))
+                for func, args, kwargs, out in self.ops:
+                    result = func(*args, **kwargs)
+                    outs = out if isinstance(out, (tuple, list)) else (out,)
+                    results = result if isinstance(result, (tuple, list)) else (result,)
+                    for old, new in zip(outs, results):
+                        if isinstance(old, torch.Tensor) and new is not old:
+                            old.copy_(new)
+
+            def reset(self):
+                self.reset_calls += 1
+
+        return NPUGraph()
+
+    def graph(self, npu_graph, pool=None, stream=None, auto_dispatch_capture=False, capture_error_mode="global"):
+        import contextlib
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        module = self
+
+        class Recorder(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if str(func).startswith(module.HOST_READS):
+                    raise RuntimeError("host read during capture: %s" % func)
+                out = func(*args, **kwargs)
+                npu_graph.ops.append((func, args, kwargs, out))
+                return out
+
+        @contextlib.contextmanager
+        def capture():
+            assert stream is not None and stream is not module.main, "captured on the default stream"
+            module.calls.append(("capture_begin", pool, auto_dispatch_capture))
+            npu_graph.ops = []
+            module.capturing = True
+            module.stack.append(stream)
+            try:
+                with Recorder():
+                    yield
+            finally:
+                module.stack.pop()
+                module.capturing = False
+                module.calls.append(("capture_end",))
+
+        return capture()
+
+
+def _graph_step(torch, dm, graphs=None):
+    return types.SimpleNamespace(torch=torch, kind="npu", dm=dm, device="cpu", index=0, simulated=True,
+                                 options={}, progress=lambda text: None, record=lambda: None, graphs=graphs,
+                                 graph_device="cpu")
+
+
+def test_the_npu_stand_in_replays_what_it_captured_and_nothing_else():
+    """The stand-in the graph tests below stand on: a replay recomputes the captured ops on the
+    refreshed inputs, and Python run during the capture is not run again."""
+    import torch
+
+    from npu_shim.patches._selftest import _graphs
+
+    dm, ran = _NpuLike(), []
+
+    def fn(x):
+        ran.append(1)
+        return x * 2 + 1
+
+    equal, facts = _graphs.capture_and_replay(_graph_step(torch, dm), fn, [torch.ones(4)], [torch.full((4,), 3.0)])
+    assert equal and facts == {"captured": True, "replayed": True, "equal": True}
+    assert len(ran) == 4  # two warm-ups, the capture, the eager reference: the replay ran none
+    assert [c[0] for c in dm.calls if c[0] in ("graph_pool_handle", "capture_begin", "capture_end", "replay")] == [
+        "graph_pool_handle", "capture_begin", "capture_end", "replay"]
+    assert ("capture_begin", (0, 1), True) in dm.calls and dm.graphs[0].reset_calls == 1
+    # what Python decided while capturing is what the replay does: here a count of the calls
+    calls = []
+
+    def counted(x):
+        calls.append(1)
+        return x + len(calls)
+
+    equal, _ = _graphs.capture_and_replay(_graph_step(torch, dm), counted, [torch.ones(4)], [torch.ones(4)])
+    assert not equal and len(calls) == 4
+
+
+def test_a_refusal_inside_a_capture_ends_it_and_resets_the_graph():
+    import torch
+
+    from npu_shim.patches._selftest import _graphs
+
+    dm = _NpuLike()
+    refused, facts = _graphs.refused_at_capture(_graph_step(torch, dm), lambda x: x.sum().item(), [torch.ones(4)],
+                                                RuntimeError)
+    assert refused and facts == {"refused_at_capture": True, "error": "RuntimeError"}
+    assert dm.calls[-2:] == [("capture_end",), ("synchronize",)] and dm.graphs[0].reset_calls == 1
+    refused, facts = _graphs.refused_at_capture(_graph_step(torch, dm), lambda x: x * 2, [torch.ones(4)], RuntimeError)
+    assert not refused and facts["error"] is None
+
+
+def test_dual_stream_step_captures_its_side_stream_and_replays_equal_to_single_stream():
+    import torch
+
+    dm = _NpuLike()
+    ok, line, facts = dual_stream_selftest.run(_graph_step(torch, dm))
+    assert ok, line
+    assert facts[-1]["graph"] == {"captured": True, "replayed": True, "equal": True,
+                                  "tokens": dual_stream_selftest.SIMULATED_TOKENS[-1]}
+    assert "graph: %d tokens captured and replayed, output equal to single-stream eager" % (
+        dual_stream_selftest.SIMULATED_TOKENS[-1]) in line
+    # the side stream was made inside the capture (the capture stream is a new main) and joined both ways
+    begin = dm.calls.index(("capture_begin", (0, 1), True))
+    end = dm.calls.index(("capture_end",))
+    inside = dm.calls[begin:end]
+    (made,) = [c[1] for c in inside if c[0] == "stream"][-1:]
+    assert any(c[0] == "wait_stream" and c[1] == made for c in inside)   # the side stream waits for main
+    assert any(c[0] == "wait_stream" and c[2] == made for c in inside)   # main waits for the side stream
+
+
+def test_dual_stream_graph_part_fails_the_step_when_the_replay_differs(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(_synthetic_moe, "graph_check", lambda step, **p: (False, {"equal": False}))
+    ok, line, facts = dual_stream_selftest.run(_graph_step(torch, _NpuLike()))
+    assert not ok and "output DIFFERS from single-stream eager" in line
+
+
+def test_steps_say_why_graphs_were_not_exercised():
+    import torch
+
+    step = _graph_step(torch, _NpuLike(), graphs="torch_npu's graph API is missing here (none present of x)")
+    ok, line, facts = dual_stream_selftest.run(step)
+    assert ok and line.count("graphs: not exercised (torch_npu's graph API is missing here") == 1
+    assert facts[-1]["graph"] == {"skipped": step.graphs}
+    ok, line, facts = mla_selftest.run(step)
+    assert ok and "graphs: not exercised" in line and facts["graph"] == {"skipped": step.graphs}
+
+
+def test_mla_step_refuses_a_released_weight_inside_a_capture_and_replays_a_kept_one():
+    import torch
+
+    dm = _NpuLike()
+    ok, line, facts = mla_selftest.run(_graph_step(torch, dm))
+    assert ok, line
+    assert facts["graph"] == {"refused_at_capture": True, "error": "ReleasedWeightError", "captured": True,
+                              "replayed": True, "equal": True}
+    assert "graph: a released weight refused inside a capture; the kept qkv_a weight's projection captured " \
+           "and replayed, output equal to eager" in line
+    assert [c[0] for c in dm.calls if c[0] in ("capture_begin", "capture_end", "replay")] == [
+        "capture_begin", "capture_end", "capture_begin", "capture_end", "replay"]
+
+
+def test_mla_graph_part_fails_when_a_released_weight_is_not_refused(monkeypatch):
+    import torch
+
+    from npu_shim.patches._selftest import _graphs
+
+    monkeypatch.setattr(_graphs, "refused_at_capture", lambda *a: (False, {"refused_at_capture": False}))
+    ok, line, _ = mla_selftest.run(_graph_step(torch, _NpuLike()))
+    assert not ok and "a released weight NOT refused inside a capture" in line
+
+
+@pytest.mark.parametrize("kind, dm, words", [
+    ("cuda", object(), "graph capture is an NPU's here; the device is cuda"),
+    ("npu", types.SimpleNamespace(graph=lambda *a: None),
+     "torch_npu's graph API is missing here (graph present of graph, NPUGraph, graph_pool_handle, "
+     "is_current_stream_capturing)"),
+    ("npu", _NpuLike(), None)])
+def test_graphs_are_driven_where_the_device_is_an_npu_with_the_graph_api(kind, dm, words):
+    import inspect
+
+    assert "auto_dispatch_capture" in inspect.signature(_NpuLike.graph).parameters
+    if isinstance(dm, _NpuLike):  # an instance's bound methods are no classes: as torch_npu, graph is one
+        dm = types.SimpleNamespace(graph=type("graph", (), {"__init__": lambda self, g, pool=None, stream=None,
+                                                                       auto_dispatch_capture=False: None,
+                                                             "__enter__": lambda self: self,
+                                                             "__exit__": lambda self, *e: False}),
+                                   NPUGraph=type("NPUGraph", (), {"replay": lambda self: None}),
+                                   graph_pool_handle=dm.graph_pool_handle,
+                                   is_current_stream_capturing=dm.is_current_stream_capturing)
+    assert selftest_child.graphs_skipped(kind, dm) == words
+
+
+def test_the_selftest_output_says_whether_graphs_are_captured_and_exercised():
+    lines = []
+    result = {"refused": None, "error": None, "seconds": 1.0, "device": {"kind": "npu", "index": 0, "name": "x"},
+              "patches": {}, "graphs": {"text": "sglang captures decode graphs ...", "skipped": None}}
+    selftest.print_result(result, lines.append)
+    text = "".join(lines)
+    assert "  graphs: sglang captures decode graphs ...\n  capture and replay: each step below drives its path " \
+           "through an NPU graph capture and a replay\n" in text
+    result["graphs"]["skipped"] = "no device"
+    lines.clear()
+    selftest.print_result(result, lines.append)
+    assert "  capture and replay: not exercised (no device)\n" in "".join(lines)

@@ -119,3 +119,109 @@ def test_write_docs_with_only_replaces_that_scripts_rows_and_says_when_they_were
     assert "not measured: declared after the table's last run" in lines[missing]
     for what in others[1:]:
         assert lines[what] == next(line for line in block.splitlines() if line.startswith("| %s | " % what))
+
+
+# -- bench_graph_server's rows ---------------------------------------------------------------------
+
+def _graph_bench():
+    import importlib
+    import sys
+
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        return importlib.import_module("bench_graph_server")
+    finally:
+        sys.path.remove(os.path.join(REPO, "scripts"))
+
+
+def test_the_graph_server_rows_are_declared_in_order():
+    bench = _graph_bench()
+    assert [w for s, w in bench_rows.ROWS if s == "bench_graph_server"] == [
+        bench.WHAT_STARTUP, bench.WHAT_DECODE, bench.WHAT_LATENCY]
+
+
+def test_the_graph_server_runs_in_graph_mode():
+    bench = _graph_bench()
+    from shimdev.server import process
+
+    argv = ["python", "-m", "sglang.launch_server", *process.BASE_ARGS, "--port", "1"]
+    graph = bench.graph_mode(argv)
+    assert "--disable-cuda-graph" not in graph and graph[-3:] == ["--cuda-graph-bs", "1", "2"]
+    assert [a for a in argv if a != "--disable-cuda-graph"] == graph[:-3]
+    named = argv + ["--cuda-graph-bs", "4"]  # sizes a command names already are kept
+    again = bench.graph_mode(named)
+    assert again[-2:] == ["--cuda-graph-bs", "4"] and again.count("--cuda-graph-bs") == 1
+
+
+def test_the_load_is_sglang_s_own_bench_serving_with_flags_it_takes():
+    """Every flag the load passes is one 0.5.11's ``sglang/bench_serving.py`` defines, and the
+    dataset is one that needs no download (0.5.11's ``random`` samples ShareGPT)."""
+    import re
+
+    from shimdev import wheels
+
+    bench = _graph_bench()
+    command = bench.load_command("py", 30000, "/m", "/o.jsonl", 8, 32)
+    assert command[:5] == ["py", "-m", "sglang.bench_serving", "--backend", "sglang"]
+    source = (wheels.ensure_sources(bench.RELEASE) / "sglang" / "bench_serving.py").read_text()
+    for flag in (a for a in command if a.startswith("--")):
+        assert re.search(r'"%s"' % re.escape(flag), source), flag
+    assert '"random-ids",' in source and "random_sample=(args.dataset_name == \"random\")" in (
+        wheels.ensure_sources(bench.RELEASE) / "sglang" / "benchmark" / "datasets" / "random.py").read_text()
+    values = dict(zip(command[3::2], command[4::2]))
+    assert values["--dataset-name"] == "random-ids" and values["--seed"] == str(bench.SEED)
+    assert values["--num-prompts"] == "8" and values["--random-output-len"] == "32"
+    assert values["--max-concurrency"] == bench.BATCH_SIZES[-1]  # decode batches are captured sizes
+
+
+def test_a_load_with_a_request_not_completed_is_refused(tmp_path):
+    import json
+
+    import pytest
+
+    bench = _graph_bench()
+    out = tmp_path / "o.jsonl"
+    run = {"completed": 8, "output_throughput": 120.5, "median_ttft_ms": 40.0, "median_itl_ms": 15.0}
+    out.write_text(json.dumps(dict(run, completed=3)) + "\n" + json.dumps(run) + "\n")
+    assert bench.read_result(out, 8) == {"tok_s": 120.5, "ttft_ms": 40.0, "itl_ms": 15.0, "completed": 8}
+    out.write_text(json.dumps(run) + "\n" + json.dumps(dict(run, completed=7)) + "\n")
+    with pytest.raises(ValueError, match="bench_serving completed 7 of 8 requests"):
+        bench.read_result(out, 8)
+    out.write_text("")
+    with pytest.raises(ValueError, match="wrote no result"):
+        bench.read_result(out, 8)
+
+
+def test_the_graph_server_rows_are_medians_and_ratios_against_their_targets():
+    bench = _graph_bench()
+    startup = {"off": [40.0, 44.0], "on": [42.0, 46.0]}
+    loads = {"off": [{"tok_s": 100.0, "ttft_ms": 50.0, "itl_ms": 10.0}] * 3 + [{"tok_s": 80.0, "ttft_ms": 90.0,
+                                                                                  "itl_ms": 30.0}],
+             "on": [{"tok_s": 99.5, "ttft_ms": 51.0, "itl_ms": 10.05}] * 4}
+    startup_row, decode, latency = bench.rows_from(startup, loads, 2, 8, 32)
+    assert [startup_row["what"], decode["what"], latency["what"]] == [bench.WHAT_STARTUP, bench.WHAT_DECODE,
+                                                                        bench.WHAT_LATENCY]
+    assert startup_row["measured"] == "44.0 s on vs 42.0 s off (1.048x)" and startup_row["ok"] is True
+    assert decode["measured"] == "99.5 vs 100.0 tok/s = 0.995x" and decode["ok"] is True
+    assert latency["measured"] == "TTFT 51.0 vs 50.0 ms (1.020x); ITL 10.1 vs 10.0 ms (1.005x)" and latency["ok"]
+    assert decode["how"] == ("4 x 2 alternating bench_serving runs of 8 prompts (32 in, 32 out tokens, "
+                             "at most 2 in flight)")
+    slow = dict(loads, on=[{"tok_s": 90.0, "ttft_ms": 50.0, "itl_ms": 12.0}] * 4)
+    _, decode, latency = bench.rows_from({"off": [40.0], "on": [50.0]}, slow, 1, 8, 32)
+    assert decode["ok"] is False and latency["ok"] is False
+    assert bench.rows_from({"off": [40.0], "on": [50.0]}, slow, 1, 8, 32)[0]["ok"] is False
+
+
+def test_the_load_client_gets_bench_serving_s_imports_last_on_its_path(monkeypatch):
+    """sglang 0.5.11's bench_serving imports HF datasets at module level (for datasets the load does
+    not use); the client layer that holds it comes last on the client's PYTHONPATH only."""
+    from shimdev import wheels
+
+    bench = _graph_bench()
+    mmmu = (wheels.ensure_sources(bench.RELEASE) / "sglang" / "benchmark" / "datasets" / "mmmu.py").read_text()
+    assert "\nfrom datasets import load_dataset\n" in mmmu
+    assert any(pin.startswith("datasets==") for pin in bench.CLIENT_PINS)
+    monkeypatch.setattr(bench, "client_layer", lambda: "/layer")
+    server_env = {"PYTHONPATH": "/a:/b", "SIMNPU_SERVER_RELEASE": "0.5.11"}
+    assert bench.client_env(server_env) == {"PYTHONPATH": "/a:/b:/layer", "SIMNPU_SERVER_RELEASE": "0.5.11"}
+    assert server_env["PYTHONPATH"] == "/a:/b"  # the server's own environment is left as it was

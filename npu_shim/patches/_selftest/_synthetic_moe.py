@@ -218,6 +218,38 @@ def measure(device, device_module=None, dtype=None, **overrides):
     return summarise(result)
 
 
+def graph_check(step, **overrides):
+    """(equal, facts): the shim's dual-stream body captured into an NPU graph and replayed
+    (``_graphs.capture_and_replay``) on new hidden states, against the serial forward run eagerly.
+    The routed experts run "masked": "per-expert" waits on the host (``nonzero``), which a capture
+    refuses.  The side stream is made and joined inside the capture, as in a captured
+    ``TARGET_VERIFY`` forward."""
+    import types
+
+    from npu_shim.patches._impl import dual_stream_experts as ds
+    from npu_shim.patches._selftest import _graphs
+
+    torch, dm, device = step.torch, step.dm, _graphs.device(step)
+    p = dict(DEFAULTS, **dict(overrides, routed="masked"))
+    dtype = torch.float32 if step.simulated else torch.bfloat16
+    block = build_block(device, dtype, p)
+    hidden = torch.randn(p["tokens"], p["hidden"], device=device, dtype=dtype)
+    fresh = torch.randn(p["tokens"], p["hidden"], device=device, dtype=dtype)
+    batch = types.SimpleNamespace(num_token_non_padded=None)
+    real_get = torch.get_device_module
+    torch.get_device_module = lambda d=None: dm if d is None else real_get(d)
+    try:
+        with torch.no_grad():
+            process = ds.DualStreamExpertsState()
+            equal, facts = _graphs.capture_and_replay(
+                step, lambda h: process._forward_deepep_dual_stream(serial_forward, block, h, batch),
+                [hidden], [fresh], reference=lambda h: serial_forward(block, h, batch))
+    finally:
+        torch.get_device_module = real_get
+    facts["tokens"] = p["tokens"]
+    return equal, facts
+
+
 def summarise(result):
     """Adds ``serial_median`` (of the two serial runs), ``possible`` (serial - ideal) and
     ``fraction`` (the achieved share of it; None where there is nothing to save: zero times)."""

@@ -1,7 +1,9 @@
 """``python -m npu_shim selftest``'s step of mla_weight_release: one layer's fused qkv_a weight and
 ``w_kc`` of DeepSeek-V3 and of GLM-5 on the device, freed through the patch's own path:
 ``memory_allocated`` (and ``memory_reserved`` after ``empty_cache``) drop by what the weights
-added, a touch raises ``ReleasedWeightError``, a weight with a live view is kept.
+added, a touch raises ``ReleasedWeightError``, a weight with a live view is kept.  On an NPU with
+the graph API, a released weight is refused inside a live capture and a kept weight's projection
+is captured and replayed (npu_shim/patches/_selftest/_graphs.py).
 
 On the tests' simulated NPU the bytes held by the weights' storages stand in for the allocator's
 statistics (it keeps none), and the line says so.
@@ -50,6 +52,32 @@ def mib(options):
     """Free device memory (MiB) the step needs: two layers' weights, one at a time, with room to
     spare."""
     return 2048
+
+
+def _graph_part(step, mla, once):
+    """(ok, text, facts) where the step's device does graphs: a released weight is refused inside a
+    live capture (the guard works at capture: a replay runs no Python), the capture ends cleanly,
+    and then a decode-shaped projection with a kept weight is captured and replayed on new inputs,
+    equal to eager."""
+    from npu_shim.patches._selftest import _graphs
+
+    why = _graphs.skipped(step)
+    if why:
+        return True, why, {"skipped": step.graphs}
+    torch, device = step.torch, _graphs.device(step)
+    config = "DeepSeek-V3"
+    step.progress("%s layer: a released weight inside an NPU graph capture, then capture and replay" % config)
+    qkv, w_kc = mla_layer(torch, config, device)
+    hidden = MLA_CONFIGS[config]["hidden"]
+    x = torch.randn(4, hidden, dtype=torch.bfloat16, device=device)
+    fresh = torch.randn(4, hidden, dtype=torch.bfloat16, device=device)
+    mla.free_weight(w_kc, "w_kc of the graph check", once)
+    refused, facts = _graphs.refused_at_capture(step, lambda h: h.sum() + w_kc.sum(), [x], mla.ReleasedWeightError)
+    equal, replay = _graphs.capture_and_replay(step, lambda h: h @ qkv.t(), [x], [fresh])
+    facts.update(replay)
+    return refused and equal, "graph: a released weight %s inside a capture; the kept qkv_a weight's " \
+        "projection captured and replayed, output %s eager" % (
+            "refused" if refused else "NOT refused", "equal to" if equal else "DIFFERS from"), facts
 
 
 def run(step):
@@ -102,6 +130,9 @@ def run(step):
                          "" if kept_ok else ", a weight with a live view was not kept",
                          "".join("; " + t for t in touches))))
         del qkv, w_kc, weights
+    graph_ok, graph_text, facts["graph"] = _graph_part(step, mla, once)
+    ok = ok and graph_ok
+    parts.append(graph_text)
     how = ("storage bytes (the simulated NPU keeps no allocator statistics)" if simulated else
            "memory_allocated and memory_reserved after empty_cache dropped by what the weights added")
     line = ("%s; checked: %s, a touch raises ReleasedWeightError, a weight with a live view is kept"

@@ -3,7 +3,9 @@ before anything else touches the device): zbal set up through the process's own 
 the ``Scheduler.__init__`` wrapper sets it up (full mode: a heap of ``--zbal-mib``; mix mode: the
 allocator switch, an allocation, then the lazy GVA heap), a tensor allocated through it, the
 allocator backend, and the shim's memory queries (``get_available_gpu_memory``,
-``get_npu_memory_capacity``) against zbal's ``mem_get_info``.
+``get_npu_memory_capacity``) against zbal's ``mem_get_info``; on an NPU with the graph API, an
+allocating computation captured through zbal's allocator and replayed, and whether the captured
+tensors come from a graph pool.
 """
 
 MIB = 1 << 20
@@ -22,6 +24,30 @@ def _one_rank_world():
     import types
 
     return types.SimpleNamespace(world_size=1, cpu_group=None, rank_in_group=0)
+
+
+def _graph_part(step):
+    """(ok, text, facts) where the step's device does graphs: an allocating computation captured
+    through zbal's allocator and replayed on new inputs, equal to eager; and whether the captured
+    tensors come from a graph pool: zbal installs its pool hooks only when ``ZBAL_ENABLE_GRAPH=1``
+    as it is imported (memfabric-zbal's zbal_module.py), which nothing sets by default."""
+    import os
+
+    from npu_shim.patches._selftest import _graphs
+
+    why = _graphs.skipped(step)
+    if why:
+        return True, why, {"skipped": step.graphs}
+    torch, device = step.torch, _graphs.device(step)
+    step.progress("an allocating computation captured into an NPU graph through zbal, replayed")
+    x = torch.ones(1024, dtype=torch.bfloat16, device=device)
+    fresh = torch.full((1024,), 3.0, dtype=torch.bfloat16, device=device)
+    equal, facts = _graphs.capture_and_replay(step, lambda t: t * 2 + 1, [x], [fresh])
+    facts["graph_pool"] = os.environ.get("ZBAL_ENABLE_GRAPH") == "1"
+    return equal, "graph: captured through zbal's allocator and replayed, output %s eager; captured " \
+        "tensors %s" % ("equal to" if equal else "DIFFERS from", "in zbal's graph pool (ZBAL_ENABLE_GRAPH=1)"
+                        if facts["graph_pool"] else "UNPOOLED (ZBAL_ENABLE_GRAPH is not 1 when zbal is "
+                        "imported: no graph-pool hooks)"), facts
 
 
 def run(step):
@@ -88,6 +114,9 @@ def run(step):
             shim_free_gib, facts.get("device_free_gib", zfree / (1 << 30))))
     if capacity != int(os.environ[zbal_patch.LOCAL_MEM_SIZE.name]):
         problems.append("get_npu_memory_capacity says %s MiB, not the configured size" % capacity)
+    graph_ok, graph_text, facts["graph"] = _graph_part(step)
+    if not graph_ok:
+        problems.append(graph_text)
     facts["problems"] = problems
     line = ("%s mode: %d MiB heap, allocator backend %s, 16 MiB tensor allocated %s; shim: %s, "
             "capacity %s MiB; zbal heap %d of %d MiB free%s%s" % (
@@ -96,5 +125,7 @@ def run(step):
                 capacity, zfree // MIB, ztotal // MIB,
                 " (simulated zbal: its heap figures are fixed)" if simulated else "",
                 "".join("; PROBLEM: " + p for p in problems)))
+    if graph_ok:
+        line += "; " + graph_text
     del tensor
     return not problems, line, facts

@@ -129,6 +129,23 @@ def current_states(metrics: dict) -> dict:
     return out
 
 
+def schedulers(server: "Server") -> dict:
+    """TP rank -> pid of each scheduler process of the server (sglang's process title:
+    ``sglang::scheduler_TP1``, or ``sglang::scheduler`` alone where a release names no rank of one)."""
+    out = {}
+    for pid in session_pids(os.getsid(server.proc.pid)):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmdline = fh.read().decode(errors="replace")
+        except OSError:
+            continue
+        found = re.match(r"sglang::scheduler(\S*)", cmdline)
+        if found:
+            rank = re.search(r"TP(\d+)", found.group(1))
+            out[int(rank.group(1)) if rank else 0] = pid
+    return out
+
+
 _SUMMARY = re.compile(r"\[npu-shim \S+ sglang \S+ pid (\d+) ?([^\]]*)\] (zbal=\w+.*)$")
 
 

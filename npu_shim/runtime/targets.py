@@ -12,10 +12,6 @@ Both say in one vocabulary what the code must still be for the change to be righ
 
 Each is checked on the source before anything changes (``check_source``) and on the loaded
 module when its hook fires (``prepare``), which builds the ``Change`` the runtime applies.
-
-A wrapper that has done its job in a process can leave: ``Wrap(..., retirement=Retirement())``
-gives the patch a handle whose ``retire()`` has the runtime put the original back wherever the
-wrapper was put (npu_shim/runtime/activation.py, ``Runtime.retire``), so calls stop paying for it.
 """
 
 from npu_shim.source.reading import SourceError, live_fingerprint, live_params
@@ -26,8 +22,7 @@ _MISSING = object()
 class Change:
     """One attribute replaced by a target; knows how to put everything back."""
 
-    def __init__(self, owner, attr, original, replacement, rebind_copies=True, what=None):
-        self.what = what                  # the target's describe(): which change a retirement undoes
+    def __init__(self, owner, attr, original, replacement, rebind_copies=True):
         self.owner = owner
         self.attr = attr
         self.original = original          # _MISSING when the attribute did not exist
@@ -133,39 +128,14 @@ class Target:
                               "%s, known: %s)" % (self.describe(), fingerprint, _known(pinned)))
 
 
-class Retirement:
-    """A wrapper's way to leave once it has nothing left to do (``Wrap(..., retirement=...)``).
-
-    The runtime binds it when it applies the target.  ``retire()`` then puts the original back in
-    the module and in every module-level copy (``from`` imports) -- one store per name, so a thread
-    already inside the wrapper finishes its call and the next call anywhere reaches the original --
-    and the patch's record lists the target as retired.  ``reinstate()`` puts the wrapper back (a
-    patch's state that starts over).  Both return True when they changed something; before the
-    target is applied, after ``uninstall()`` or a new decision, they change nothing."""
-
-    def __init__(self):
-        self._retire = self._reinstate = None
-
-    def bind(self, retire, reinstate):
-        self._retire, self._reinstate = retire, reinstate
-
-    def retire(self):
-        return bool(self._retire is not None and self._retire())
-
-    def reinstate(self):
-        return bool(self._reinstate is not None and self._reinstate())
-
-
 class Wrap(Target):
     """Wrap a function or method with a wrapt wrapper ``wrapper(wrapped, instance, args, kwargs)``;
-    ``signatures``: the parameter tuples (``self`` left out) it was written for; ``retirement``:
-    a ``Retirement`` through which the wrapper may leave."""
+    ``signatures``: the parameter tuples (``self`` left out) it was written for."""
 
-    def __init__(self, module, qualname, wrapper, signatures, retirement=None, **checks):
+    def __init__(self, module, qualname, wrapper, signatures, **checks):
         super().__init__(module, qualname, **checks)
         self.wrapper = wrapper
         self.signatures = tuple(tuple(s) for s in signatures)
-        self.retirement = retirement
 
     @property
     def is_method(self):
@@ -193,7 +163,7 @@ class Wrap(Target):
         if problem:
             raise LookupError(problem + " (loaded code differs from its source)")
         self.check_loaded(original)
-        return Change(owner, attr, original, function_wrapper(original, self.wrapper), what=self.describe())
+        return Change(owner, attr, original, function_wrapper(original, self.wrapper))
 
 
 class Replace(Target):
@@ -220,7 +190,7 @@ class Replace(Target):
             raise LookupError("%s not found in the loaded module" % self.describe())
         self.check_loaded(original)
         current = None if original is _MISSING else original
-        return Change(owner, attr, original, self.factory(current), self.rebind_copies, self.describe())
+        return Change(owner, attr, original, self.factory(current), self.rebind_copies)
 
 
 # -- wrappers that pickle and copy like the functions they wrap ------------------------------------

@@ -175,16 +175,19 @@ def raise_self(f):
 def default_self(f):
     getattr(f, "__self__", None)
 
+from npu_shim.runtime import targets
+Wrapper = targets.make_wrapper_class(wrapt)  # the class the shim wraps with, over this build
 ARMS = {
     "unwrapped": (npu_mla_preprocess, ARGS),
-    "shim": (wrapt.FunctionWrapper(npu_mla_preprocess, shim), ARGS),
-    "through": (wrapt.FunctionWrapper(npu_mla_preprocess, through), ARGS),
+    "shim": (Wrapper(npu_mla_preprocess, shim), ARGS),
+    "through": (Wrapper(npu_mla_preprocess, through), ARGS),
+    "wrapt_call": (wrapt.FunctionWrapper(npu_mla_preprocess, shim), ARGS),
     "shim_with_self": (wrapt.FunctionWrapper(with_self, shim), ARGS),
     "self_raised": (raise_self, (npu_mla_preprocess,)),
     "self_default": (default_self, (npu_mla_preprocess,)),
 }
 SETUP_INFO = {"c_extension": "npu_shim._wrapt._wrappers" in sys.modules,
-               "wrapper_type": "%s.%s" % (type(ARMS["shim"][0]).__module__, type(ARMS["shim"][0]).__name__),
+               "wrapper_type": "%s.%s" % (Wrapper.__mro__[1].__module__, Wrapper.__mro__[1].__name__),
                "python": sys.version.split()[0]}
 
 def serve(request):

@@ -95,14 +95,20 @@ def instructions_side_by_side(arms):
             fixed + ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"] + argv,
             env=dict(env, **_REPEATABLE), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     counts = {}
-    for name, proc in procs.items():
-        # Generous: a count does not depend on the machine's load, only the time it takes does (an
-        # sglang import under valgrind took over 30 minutes on two cores shared by several jobs).
-        err = proc.communicate(timeout=4 * 3600)[1]
-        refs = [line.split()[-1] for line in err.splitlines() if "I   refs:" in line or "I refs:" in line]
-        if proc.returncode != 0 or not refs:
-            raise RuntimeError("%s under valgrind failed (%d): %s" % (name, proc.returncode, err.strip()[-300:]))
-        counts[name] = int(refs[-1].replace(",", ""))
+    try:
+        for name, proc in procs.items():
+            # Generous: a count does not depend on the machine's load, only the time it takes does
+            # (an sglang import under valgrind took over 30 minutes on two cores shared by several jobs).
+            err = proc.communicate(timeout=4 * 3600)[1]
+            refs = [line.split()[-1] for line in err.splitlines() if "I   refs:" in line or "I refs:" in line]
+            if proc.returncode != 0 or not refs:
+                raise RuntimeError("%s under valgrind failed (%d): %s" % (name, proc.returncode, err.strip()[-300:]))
+            counts[name] = int(refs[-1].replace(",", ""))
+    finally:
+        for proc in procs.values():  # a timeout or a failed arm leaves no valgrind running on
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     return counts
 
 

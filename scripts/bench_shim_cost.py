@@ -33,7 +33,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
 from shimdev import DEV, sglang_envs  # noqa: E402 - after dev/ is put on sys.path
-from shimdev.bench_rows import IMPORT_INSTRUCTIONS, RETAINED_MIB, STARTUP_INSTRUCTIONS, clean_env  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.bench_rows import (  # noqa: E402 - after dev/ is put on sys.path
+    IMPORT_INSTRUCTIONS, RETAINED_MIB, STARTUP_INSTRUCTIONS, clean_env, instructions_side_by_side)
 from shimdev.demo_features import DEMO_ENV  # noqa: E402 - after dev/ is put on sys.path
 
 IMPORT_RELEASE = "0.5.11"
@@ -74,42 +75,6 @@ def quartiles(values):
     """(lower quartile, upper quartile) of ``values``: where the middle half of them lies."""
     ordered = sorted(values)
     return ordered[(len(ordered) - 1) // 4], ordered[-1 - (len(ordered) - 1) // 4]
-
-
-# What makes a count repeat: one hash seed, one BLAS/OpenMP thread (idle worker threads spin for
-# as long as the scheduler lets them), and no address randomisation (setarch -R).
-_REPEATABLE = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-               "MKL_NUM_THREADS": "1"}
-
-
-def instructions_side_by_side(arms):
-    """{arm: instructions executed} under valgrind (cachegrind, no cache simulation: it only
-    counts), the arms run at the same time (a count does not depend on the machine's load);
-    None without valgrind."""
-    if not shutil.which("valgrind"):
-        return None
-    fixed = ["setarch", "-R"] if shutil.which("setarch") else []
-    procs = {}
-    for name, (argv, env) in arms.items():
-        procs[name] = subprocess.Popen(
-            fixed + ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"] + argv,
-            env=dict(env, **_REPEATABLE), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    counts = {}
-    try:
-        for name, proc in procs.items():
-            # Generous: a count does not depend on the machine's load, only the time it takes does
-            # (an sglang import under valgrind took over 30 minutes on two cores shared by several jobs).
-            err = proc.communicate(timeout=4 * 3600)[1]
-            refs = [line.split()[-1] for line in err.splitlines() if "I   refs:" in line or "I refs:" in line]
-            if proc.returncode != 0 or not refs:
-                raise RuntimeError("%s under valgrind failed (%d): %s" % (name, proc.returncode, err.strip()[-300:]))
-            counts[name] = int(refs[-1].replace(",", ""))
-    finally:
-        for proc in procs.values():  # a timeout or a failed arm leaves no valgrind running on
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return counts
 
 
 def shim_copy(workdir, name, compiled):

@@ -1,15 +1,12 @@
-"""scripts/bench_shim_cost.py's instruction counts: what a count reads from valgrind, and that an arm
+"""The benches' instruction counts (shimdev.bench_rows.instructions_side_by_side, which
+scripts/bench_shim_cost.py and bench_drop_in.py use): what a count reads from valgrind, and that an arm
 that fails leaves no other arm's valgrind running (a stand-in ``valgrind`` on PATH; nothing timed)."""
 import os
 import stat
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "scripts"))
-
-import bench_shim_cost
+from shimdev import bench_rows
 
 FAKE = """#!/bin/sh
 # a stand-in valgrind: "$4" is the command's first word (after the three options)
@@ -37,14 +34,14 @@ def fake_valgrind(tmp_path, monkeypatch):
 
 def test_a_count_is_read_from_valgrinds_summary(fake_valgrind):
     _, env = fake_valgrind
-    assert bench_shim_cost.instructions_side_by_side({"a": (["ok"], env), "b": (["ok"], env)}) == {
+    assert bench_rows.instructions_side_by_side({"a": (["ok"], env), "b": (["ok"], env)}) == {
         "a": 1234567, "b": 1234567}
 
 
 def test_an_arm_that_fails_leaves_no_other_arm_running(fake_valgrind):
     pids, env = fake_valgrind
     with pytest.raises(RuntimeError, match="bad under valgrind failed \\(3\\): bad arm"):
-        bench_shim_cost.instructions_side_by_side({"bad": (["bad"], env), "slow": (["slow"], env)})
+        bench_rows.instructions_side_by_side({"bad": (["bad"], env), "slow": (["slow"], env)})
     pid = int((pids / "slow").read_text())  # written before the bad arm failed
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)

@@ -163,26 +163,6 @@ def start():
             pass
 
 
-def surely_absent(entry):
-    # True when the FileFinder the import system made for this entry during this start-up shows
-    # no sitecustomize in its listing in any form (module, package, extension): the search would
-    # find nothing there.  Asking each finder, which stats its directory again, costs every
-    # process more than the rest of this file; anything else (no finder yet, another kind, no
-    # listing yet or one invalidated since: _path_mtime -1) is searched.
-    finder = sys.path_importer_cache.get(entry, False)
-    if finder is None:
-        return True  # no finder can take this entry: the import system skips it too
-    if type(finder) is not FILE_FINDER or getattr(finder, "_path_mtime", -1) == -1:
-        return False
-    names = getattr(finder, "_path_cache", None)
-    if type(names) is not set:
-        return False
-    for name in SITECUSTOMIZE_NAMES:
-        if name in names:
-            return False
-    return True
-
-
 def chain_next_sitecustomize(our_file):
     # Run the sitecustomize that would have run without us (the next one on sys.path), once.
     # Python imports only the first sitecustomize it finds; images (Debian/Ubuntu Pythons among
@@ -200,8 +180,7 @@ def chain_next_sitecustomize(our_file):
         return None
     start = keys.index(ours) + 1
     after = [entry for entry, key in zip(sys.path[start:], keys[start:]) if key != ours]
-    searched = [entry for entry in after if not surely_absent(entry)]
-    spec = path_finder.find_spec("sitecustomize", searched) if searched else None
+    spec = path_finder.find_spec("sitecustomize", after) if after else None
     if spec is not None and spec.origin and os.path.realpath(spec.origin) == os.path.realpath(our_file):
         # Our own file again through another spelling of its directory (a symlink): never chain
         # to it; the next sitecustomize, if any, lies past that entry.  (One search over all the
@@ -236,9 +215,6 @@ def chain_next_sitecustomize(our_file):
     return module
 
 
-FILE_FINDER = sys.modules["_frozen_importlib_external"].FileFinder
-SITECUSTOMIZE_NAMES = ["sitecustomize", "sitecustomize.py", "sitecustomize.pyc"] + [
-    "sitecustomize" + suffix for suffix in sys.modules["_imp"].extension_suffixes()]
 WATCHER = sys.modules[__name__]  # the watcher: this module (see the comment at the top)
 
 # This file executing as sitecustomize: arm, then chain the image's own; never raise.

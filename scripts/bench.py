@@ -8,10 +8,17 @@ itself in the test runner's venv, built by the same code the test command uses
 (dev/shimdev/runner.py); the release environments it needs are built like the tests' (shimdev).
 A missed target says MISSED; a row that cannot be measured here says "not measured: why"; a
 benchmark that fails gives each of its rows a one-line "not measured: ... failed: ..." cell, and
-the exit status is then 1.  ``--write-docs`` (formerly ``--write-readme``) writes the table of
-this run into docs/performance.md (between the bench-table markers, ``bench_rows.DOC``); with
-``--only SCRIPT`` it replaces only that script's rows there and adds a line saying when they were
-measured (``bench_rows.merge_doc``), the other rows staying those of the page's last run.
+the exit status is then 1.
+
+The budgets (``bench_rows.BUDGETS``; after the table, one line each says whether the row that
+holds it held): start-up of a process that never imports sglang (bundle) <= 1.03x in instructions;
+an sglang import <= 1.05x in instructions; memory retained in an sglang process <= 2 MiB; a wrapper
+in eager mode <= 1000 ns per call, 0 at graph replay.
+
+``--write-docs`` (formerly ``--write-readme``) writes the table of this run into
+docs/performance.md (between the bench-table markers, ``bench_rows.DOC``); with ``--only SCRIPT``
+it replaces only that script's rows there and adds a line saying when they were measured
+(``bench_rows.merge_doc``), the other rows staying those of the page's last run.
 """
 
 import argparse
@@ -130,7 +137,10 @@ def in_runner_venv():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="budgets (a line each after the table):\n" + "\n".join(
+            "  %s: %s" % budget for budget in bench_rows.BUDGETS))
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--write-docs", "--write-readme", dest="write_docs", action="store_true",
                         help="write this run's table into %s (with --only: those scripts' rows)" % bench_rows.DOC)
@@ -155,6 +165,9 @@ def main():
     print(header)
     print()
     print(table)
+    print()
+    for line in bench_rows.budget_lines(rows):
+        print(line)
     for problem in problems:
         print("[bench] error: " + problem)
     if args.write_docs:

@@ -5,7 +5,7 @@
   ``.pyc`` are measured by scripts/bench_shim_cost.py);
 * the same start-up in instructions executed (valgrind, counted as
   ``bench_shim_cost.instructions_side_by_side`` counts): deterministic where wall time on a shared
-  machine is not.
+  machine is not.  The budget: <= 1.03x (shimdev/bench_rows.py); the wall-time row is a reference.
 
 The ``npu_mla_preprocess`` wrapper's cost per call with the bundle's two wrapt builds:
 scripts/bench_hot_path.py.
@@ -24,6 +24,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
 from bench_shim_cost import alternate, clean_env, instructions_side_by_side  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.bench_rows import STARTUP_INSTRUCTIONS  # noqa: E402 - after dev/ is put on sys.path
+
+TARGET = "<= %.2fx (budget: start-up of a process that never imports sglang)" % STARTUP_INSTRUCTIONS
 
 
 def build_bundle(workdir):
@@ -48,7 +51,7 @@ def startup_rows(bundle_dir, runs):
         {"what": "start-up of `python -c pass`, read-only bundle (its .pyc) on PYTHONPATH vs no shim",
          "how": "PYTHONDONTWRITEBYTECODE=1 in both arms, median of %d alternating runs" % runs,
          "measured": "%.1f ms vs %.1f ms = %.3fx" % (wall["bundle"] * 1e3, wall["without"] * 1e3, ratio),
-         "target": "<= 1.02x", "ok": ratio <= 1.02},
+         "target": "none: a reference (the budget is counted in instructions, next row)", "ok": None},
     ]
 
 
@@ -67,14 +70,14 @@ def instruction_rows(bundle_dir):
         })
     if counts is None:
         return [{"what": what, "how": "", "measured": "not measured: valgrind is not installed",
-                 "target": "<= 1.02x", "ok": None}]
+                 "target": TARGET, "ok": None}]
     base, shim, entry = counts["base"], counts["shim"], counts["entry"]
     return [{"what": what, "how": "valgrind --tool=cachegrind --cache-sim=no, one run each side by side "
                                   "(deterministic: one hash seed, setarch -R); for reference, an empty "
                                   "directory on PYTHONPATH instead of the bundle",
              "measured": "%.2f M vs %.2f M = %.3fx (an empty PYTHONPATH entry alone: %.3fx)" % (
                  shim / 1e6, base / 1e6, shim / base, entry / base),
-             "target": "<= 1.02x", "ok": shim / base <= 1.02}]
+             "target": TARGET, "ok": shim / base <= STARTUP_INSTRUCTIONS}]
 
 
 def rows(runs=30, bundle_dir=None):

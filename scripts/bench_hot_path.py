@@ -1,11 +1,11 @@
 """The hot path's per-call costs, side by side in one run (dev/shimdev/hot_path_bench.py says how).
 
-* ``npu_mla_preprocess`` after the first pass, in a real sglang 0.5.11 process: what the caller
-  looks up is sglang's own function (identity, the row's result), and the timing of calls through
-  it beside sglang's function and the wrapper it replaced.  Target 0 ns.
-* the same wrapper before the first pass is done, with a bundle's wrapt C build and its pure-Python
-  build, each loaded by the shim's loader in a process of its own, the two asked in alternating
-  rounds.  Target <= 1000 ns.
+* the ``npu_mla_preprocess`` wrapper in eager mode, in a real sglang 0.5.11 process: calls of a
+  layer it has seen through the name the caller looks up (the wrapper, checked by identity) beside
+  sglang's own function.  Budget <= 1000 ns per eager call; 0 at graph replay, where a captured
+  graph's kernels run without Python.
+* the same wrapper with a bundle's wrapt C build and its pure-Python build, each loaded by the
+  shim's loader in a process of its own, the two asked in alternating rounds.  Same budget.
 * why the C build reads slower: the same two processes, the wrapper over a function that has a
   ``__self__`` and the AttributeError alone.
 * the dual-stream experts per MoE layer call: the shim's wrapper on real sglang 0.5.9 beside sglang

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -164,84 +165,59 @@ def test_image_sitecustomize_is_chained_exactly_once(tree):
     assert (tree / "marker").read_text() == "ran\n"
 
 
-@pytest.mark.parametrize("form", ["none", "module", "package", "namespace dir", "sourceless",
-                                  "extension", "zip file", "no such folder"])
-def test_a_listed_folder_is_skipped_only_where_the_import_system_would_find_no_sitecustomize(form, tmp_path):
-    """The chain's shortcut (the listing this process's FileFinder already holds) must agree with
-    asking the import system, for every form a sitecustomize can take."""
-    import importlib.machinery
+@pytest.mark.parametrize("form", ["module", "package", "sourceless", "zip file"])
+def test_the_next_sitecustomize_is_chained_in_any_form_the_import_system_finds(form, tmp_path, monkeypatch):
+    """The chain asks the import system's own PathFinder over the entries after ours: whatever form
+    the image's sitecustomize takes there, it runs, past entries that hold none."""
+    import marshal
     import zipfile
 
     from npu_shim import _bootstrap
 
-    entry = tmp_path / "entry"
-    entry.mkdir()
-    (entry / "other.py").write_text("")
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    ours, empty, entry = tmp_path / "ours", tmp_path / "empty", tmp_path / "entry"
+    for folder in (ours, empty, entry):
+        folder.mkdir()
+    (ours / "sitecustomize.py").write_text("")
+    code = "RAN = %r\n" % form
     if form == "module":
-        (entry / "sitecustomize.py").write_text("")
+        (entry / "sitecustomize.py").write_text(code)
     elif form == "package":
         (entry / "sitecustomize").mkdir()
-        (entry / "sitecustomize" / "__init__.py").write_text("")
-    elif form == "namespace dir":
-        (entry / "sitecustomize").mkdir()
+        (entry / "sitecustomize" / "__init__.py").write_text(code)
     elif form == "sourceless":
-        (entry / "sitecustomize.pyc").write_bytes(b"")
-    elif form == "extension":
-        (entry / ("sitecustomize" + suffix)).write_bytes(b"")
-    elif form == "zip file":
+        import importlib.util
+
+        header = importlib.util.MAGIC_NUMBER + b"\0" * 12
+        (entry / "sitecustomize.pyc").write_bytes(header + marshal.dumps(compile(code, "sitecustomize", "exec")))
+    else:
         entry = tmp_path / "entry.zip"
         with zipfile.ZipFile(str(entry), "w") as archive:
-            archive.writestr("sitecustomize.py", "")
-    elif form == "no such folder":
-        entry = tmp_path / "missing"
-    path_finder = importlib.machinery.PathFinder
+            archive.writestr("sitecustomize.py", code)
+    monkeypatch.setattr(sys, "path", [str(ours), str(empty), str(entry)])
+    monkeypatch.setitem(sys.modules, "sitecustomize", types.ModuleType("sitecustomize"))
+    monkeypatch.setitem(sys.modules, "npu_shim.chained_sitecustomize", None)
     try:
-        assert path_finder.find_spec("other_no_such_module", [str(entry)]) is None  # lists the folder
-        expected_absent = path_finder.find_spec("sitecustomize", [str(entry)]) is None
-        assert _bootstrap.surely_absent(str(entry)) is (expected_absent and form != "zip file")
-        assert expected_absent is (form in ("none", "no such folder"))
+        module = _bootstrap.chain_next_sitecustomize(str(ours / "sitecustomize.py"))
+        assert module is not None and module.RAN == form
+        assert sys.modules["npu_shim.chained_sitecustomize"] is module
     finally:
-        sys.path_importer_cache.pop(str(entry), None)
+        for folder in (ours, empty, entry):
+            sys.path_importer_cache.pop(str(folder), None)
 
 
-@pytest.mark.parametrize("how", ["made, never asked", "invalidated", "another kind of finder"])
-def test_a_folder_whose_listing_is_missing_or_stale_is_searched(how, tmp_path):
-    """A finder in the cache with no current listing (pkgutil.get_importer makes one without
-    asking it; invalidate_caches() marks its listing stale) or of another kind proves nothing."""
-    import importlib.machinery
-    import pkgutil
-
+def test_no_sitecustomize_after_ours_chains_nothing(tmp_path, monkeypatch):
     from npu_shim import _bootstrap
 
-    entry = tmp_path / "entry"
-    entry.mkdir()
+    ours, empty = tmp_path / "ours", tmp_path / "empty"
+    for folder in (ours, empty):
+        folder.mkdir()
+    (ours / "sitecustomize.py").write_text("")
+    monkeypatch.setattr(sys, "path", [str(ours), str(empty), str(tmp_path / "missing")])
     try:
-        if how == "another kind of finder":
-            class Listing(importlib.machinery.FileFinder):
-                pass
-
-            finder = Listing(str(entry), (importlib.machinery.SourceFileLoader, [".py"]))
-            finder.find_spec("other_no_such_module")  # listed: still not the import system's kind
-            sys.path_importer_cache[str(entry)] = finder
-        else:
-            finder = pkgutil.get_importer(str(entry))  # made and cached, nothing listed
-            assert sys.path_importer_cache[str(entry)] is finder
-            if how == "invalidated":
-                finder.find_spec("other_no_such_module")  # listed (empty) ...
-                assert _bootstrap.surely_absent(str(entry)) is True
-                finder.invalidate_caches()                 # ... then marked stale
-        (entry / "sitecustomize.py").write_text("")
-        assert _bootstrap.surely_absent(str(entry)) is False
-        assert importlib.machinery.PathFinder.find_spec("sitecustomize", [str(entry)]) is not None
+        assert _bootstrap.chain_next_sitecustomize(str(ours / "sitecustomize.py")) is None
     finally:
-        sys.path_importer_cache.pop(str(entry), None)
-
-
-def test_an_unlisted_folder_is_searched():
-    from npu_shim import _bootstrap
-
-    assert _bootstrap.surely_absent("/no/finder/made/for/this") is False
+        for folder in (ours, empty, tmp_path / "missing"):
+            sys.path_importer_cache.pop(str(folder), None)
 
 
 def test_failing_image_sitecustomize_is_reported_like_site_py_and_does_not_stop_start_up(tree):

@@ -6,18 +6,18 @@ time per call (``time.thread_time_ns``: what other jobs on a shared machine add 
 hold the core, which that clock leaves out; one torch thread), with the wall time beside it
 (``arm@wall``):
 
-* ``mla_after_first_pass`` -- one process of the real sglang 0.5.11 with the shim (every trigger of
-  the demo set, the release environment's wrapt 2.5.2): two decode passes over three synthetic
-  GLM-5 MLA layers through the real ``npu_mla_preprocess`` retire its wrapper; then, on a stand-in
-  layer whose ``mla_preprocess.forward`` returns at once (so sglang's own function body runs and
-  little else), calls through the name sglang's caller ``forward_dsa_prepare_npu`` looks up, calls
-  of sglang's own function, and calls of the wrapper the module held before the first pass (the
-  delegating path of a layer already seen), alternated within each round.  The figure after the
-  first pass is held by identity (the name *is* sglang's function), the timing shows it.
+* ``mla_eager`` -- one process of the real sglang 0.5.11 with the shim (every trigger of the demo
+  set, the release environment's wrapt 2.5.2): two decode passes over three synthetic GLM-5 MLA
+  layers through the real ``npu_mla_preprocess`` (the wrapper releases their weights, and stays);
+  then, on a stand-in layer the wrapper has seen whose ``mla_preprocess.forward`` returns at once
+  (so sglang's own function body runs and little else), calls through the name sglang's caller
+  ``forward_dsa_prepare_npu`` looks up (the wrapper: checked by identity) and calls of sglang's own
+  function, alternated within each round: the wrapper's cost per eager call.  A captured NPU graph
+  replays its kernels without running Python, so nothing of the wrapper runs there.
 * ``wrapt_builds`` -- two processes of this Python, one per wrapt build of a bundle (the C build,
   the pure-Python build), each loaded by the shim's own loader (``wrapt_loader._load_private``):
-  a plain function as ``npu_mla_preprocess``, the same wrapped as the shim wraps it (its wrapper's
-  delegating path), wrapped with a wrapper that only calls through (wrapt's own share), the shim's
+  a plain function as ``npu_mla_preprocess``, the same wrapped as the shim wraps it (a layer the
+  wrapper has seen), wrapped with a wrapper that only calls through (wrapt's own share), the shim's
   wrapper over a copy of the function that has a ``__self__`` attribute (None), and the lookup of
   ``__self__`` on a plain function alone, raised and caught vs ``getattr`` with a default -- the
   figures that say why the C build reads slower (its ``__call__`` asks for ``__self__`` with
@@ -88,15 +88,13 @@ def called():
 
 K.publish_server_args("decode")
 K.install()
-# Before the first pass: the shim's wrapper.  Held in a dict: the retirement rebinds the
-# module-level copies of it (this script's globals too) to sglang's function.
-HELD = {"wrapper": N.npu_mla_preprocess}
-sglangs = getattr(HELD["wrapper"], "__wrapped__", HELD["wrapper"])
+WRAPPER = N.npu_mla_preprocess
+sglangs = WRAPPER.__wrapped__
 layers = [K.build_attention("glm-5", 16, layer_id=i) for i in range(3)]
 through = []
 for _ in range(2):
     for m in layers:
-        through.append(called() is HELD["wrapper"])
+        through.append(called() is WRAPPER)
         hidden, positions, batch, context = K.make_batch("glm-5")
         with context:
             called()(m, hidden, positions, batch, None)
@@ -116,21 +114,21 @@ stand_in.quant_config = types.SimpleNamespace(ignore=["model.layers.0.self_attn.
 stand_in.__dict__[RI._DONE] = True  # a layer the wrapper has seen
 ARGS = (stand_in, object(), object(), object(), object())
 SETUP_INFO = {
-    "state": state["state"], "retired": state["retired"], "layers": len(layers),
-    "through_wrapper": through, "after_is_sglangs": called() is sglangs,
-    "module_is_sglangs": N.npu_mla_preprocess is sglangs,
-    "wrapper_type": type(HELD["wrapper"]).__name__, "wrapt": origin.describe() if origin else None,
+    "state": state["state"], "layers": len(layers), "through_wrapper": through,
+    "released_layers": state["details"].get("layers"),
+    "caller_is_wrapper": called() is WRAPPER and WRAPPER is not sglangs,
+    "wrapper_type": type(WRAPPER).__name__, "wrapt": origin.describe() if origin else None,
     "c_extension": "npu_shim._wrapt._wrappers" in sys.modules
-                   or type(HELD["wrapper"]).__module__ in ("wrapt._wrappers", "_wrappers"),
+                   or type(WRAPPER).__module__ in ("wrapt._wrappers", "_wrappers"),
 }
 
 def serve(request):
-    arms = {"caller": called(), "sglang": sglangs, "wrapper": HELD["wrapper"]}
+    arms = {"caller": called(), "sglang": sglangs}
     return timed(arms, ARGS, request["calls"], request["round"])
 '''
 
 
-def mla_after_first_pass(rounds=9, calls=100000):
+def mla_eager(rounds=9, calls=100000):
     """{"info": set-up facts, "ns": {arm: [per round]}} in one real 0.5.11 process."""
     from shimdev import realsglang
     from shimdev.demo_features import DEMO_ENV
@@ -177,16 +175,19 @@ def raise_self(f):
 def default_self(f):
     getattr(f, "__self__", None)
 
+from npu_shim.runtime import targets
+Wrapper = targets.make_wrapper_class(wrapt)  # the class the shim wraps with, over this build
 ARMS = {
     "unwrapped": (npu_mla_preprocess, ARGS),
-    "shim": (wrapt.FunctionWrapper(npu_mla_preprocess, shim), ARGS),
-    "through": (wrapt.FunctionWrapper(npu_mla_preprocess, through), ARGS),
+    "shim": (Wrapper(npu_mla_preprocess, shim), ARGS),
+    "through": (Wrapper(npu_mla_preprocess, through), ARGS),
+    "wrapt_call": (wrapt.FunctionWrapper(npu_mla_preprocess, shim), ARGS),
     "shim_with_self": (wrapt.FunctionWrapper(with_self, shim), ARGS),
     "self_raised": (raise_self, (npu_mla_preprocess,)),
     "self_default": (default_self, (npu_mla_preprocess,)),
 }
 SETUP_INFO = {"c_extension": "npu_shim._wrapt._wrappers" in sys.modules,
-               "wrapper_type": "%s.%s" % (type(ARMS["shim"][0]).__module__, type(ARMS["shim"][0]).__name__),
+               "wrapper_type": "%s.%s" % (Wrapper.__mro__[1].__module__, Wrapper.__mro__[1].__name__),
                "python": sys.version.split()[0]}
 
 def serve(request):

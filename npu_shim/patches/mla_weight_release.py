@@ -33,12 +33,11 @@ How
        ``qkv_a_proj.weight`` is released when role != ``null``.
     4. ``npu_mla_preprocess`` is wrapped: on the call that first constructed the layer's
        ``mla_preprocess``, ``m.w_kc`` is released when role == ``decode``, ``uses_mlaprolog()`` and
-       ``w_kc is not None``.  When the first layer seen comes round again (one pass over the
-       layers is done) the wrapper retires (``runtime.targets.Retirement``): sglang's own
-       function is back where the wrapper was, so later calls cost nothing; the guards, the
-       weight wrapper of step 3 and the refusal of step 5 stay.  A layer first seen after that
-       (a layer list that changes) brings the wrapper back from the weight wrapper: its ``w_kc``
-       is released at its next call, and the wrapper leaves again (one line says so).
+       ``w_kc is not None``.  A layer first seen later (a layer list that changes) is released the
+       same way at its first call.  The wrapper stays for the life of the process: every later call
+       of a layer it has seen is one dict lookup before sglang's own function (eager mode; a
+       captured NPU graph replays without Python, so nothing there).  Once the first layer seen comes
+       round again (one pass over the layers), one line says what was released.
 
     5. Weight updates.  ``/update_weights_from_disk`` and the tensor / distributed /
        IPC variants exist on every 0.5.9 - 0.5.19 server whatever its flags.  Loading into a

@@ -217,8 +217,7 @@ class Runtime:
         for record in self.records.values():
             if record.state != APPLIED:
                 continue
-            # A retired target has done its job in this process: a reload does not bring it back.
-            targets = [t for t in record.targets if t.module == name and t.describe() not in record.retired]
+            targets = [t for t in record.targets if t.module == name]
             try:
                 # All of this module's targets are checked against the loaded code before any is set.
                 changes = [t.prepare(module) for t in targets]
@@ -228,8 +227,6 @@ class Runtime:
                     change.apply(imported_before)
                     record.changes.append(change)
                     record.applied.add(target.describe())
-                    if getattr(target, "retirement", None) is not None:
-                        self.bind_retirement(record, target)
             except Exception as exc:  # noqa: BLE001 - any failure while patching reverts the whole patch
                 revert_record(record)
                 record.state, record.reason = FAILED, "while patching %s: %s" % (name, exc)
@@ -262,50 +259,6 @@ class Runtime:
             staying, self.own_replaced = take_over(self.own_changes, self.own_replaced, changes)
             self.own_changes = staying + changes
             self.own_replaced = pruned(self.own_replaced)
-
-    # -- a wrapper that leaves (targets.Retirement)
-    def bind_retirement(self, record, target):
-        what, generation = target.describe(), self.generation
-        target.retirement.bind(lambda: self.retire(record, what, generation),
-                               lambda: self.reinstate(record, what, generation))
-
-    def current(self, record, generation):
-        """``record`` is still this process's decision (no uninstall() or new decision since)."""
-        return generation == self.generation and self.record(record.patch.name) is record
-
-    def retire(self, record, what, generation):
-        """The original of target ``what`` back wherever its wrapper was put (the module and the
-        copies rebound); the record says it is retired.  Called from the wrapper, on whatever
-        thread runs it: one store per name, under the runtime's lock like every other change."""
-        with self.lock:
-            if not self.current(record, generation) or what in record.retired or record.state != APPLIED:
-                return False
-            changes = [change for change in record.changes if change.what == what]
-            for change in reversed(changes):
-                change.revert()
-            record.changes = [change for change in record.changes if change.what != what]
-            record.retired[what] = changes
-            record.details["retired"] = sorted(record.retired)
-        log.debug("%s: %s retired (its job in this process is done): the original is back"
-                  % (record.patch.name, what))
-        metrics.publish()
-        return True
-
-    def reinstate(self, record, what, generation):
-        """Undo ``retire``: the wrapper back in the module and the copies."""
-        with self.lock:
-            if not self.current(record, generation) or what not in record.retired:
-                return False
-            changes = record.retired.pop(what)
-            for change in changes:
-                change.apply(True)
-            record.changes.extend(changes)
-            if record.retired:
-                record.details["retired"] = sorted(record.retired)
-            else:
-                record.details.pop("retired", None)
-        metrics.publish()
-        return True
 
     def reapply_after_reload(self, module):
         """Re-apply the patches to a hooked module's code after ``importlib.reload`` ran it, or

@@ -27,7 +27,6 @@ class PatchRecord:
         self.changes = []        # targets.Change, in the order applied
         self.replaced = []       # Replaced: changes of code loaded again since (a reload), still to undo
         self.applied = set()     # describe() of targets applied so far
-        self.retired = {}        # describe() of a retired target: its changes, reverted (Runtime.retire)
         self.details = decision.details  # what the patch's wrappers report (e.g. MiB released)
         self.process_state = decision.process_state  # what its wrappers share in this process (ctx.process_state)
 
@@ -38,9 +37,7 @@ class PatchRecord:
             "reason": self.reason,
             "targets": {t.describe(): t.describe() in self.applied for t in self.targets},
             "wrappers": sorted(t.describe() for t in self.targets
-                               if isinstance(t, Wrap) and t.describe() in self.applied
-                               and t.describe() not in self.retired),
-            "retired": sorted(self.retired),
+                               if isinstance(t, Wrap) and t.describe() in self.applied),
             "details": dict(self.details),
         }
 
@@ -114,8 +111,6 @@ def revert_record(record):
     record.changes = []
     record.replaced = []
     record.applied = set()
-    record.retired = {}  # their originals are back already
-    record.details.pop("retired", None)
 
 
 def decide_each(patches, view, on_npu, missing_wrapt):

@@ -5,7 +5,7 @@ function's parameters from its ``__code__``; ``live_fingerprint`` gives its fing
 from deciding (``remember``) while the file is still the one read.  Reading and parsing a source
 file, the fingerprint of a def, and where a package and its version are here too.
 
-Deciding itself (``codeview``'s SourceView, ``fastscan``, ``inherited``) is needed once per
+Deciding itself (``codeview``'s SourceView, ``inherited``) is needed once per
 process, applying never: nothing here imports them at module level.
 """
 
@@ -108,9 +108,8 @@ def remember(path, qualname, first_line, fingerprint, identity):
 def live_fingerprint(func):
     """``fingerprint_node`` of an imported function, from the source file it was loaded from:
     known already when this process read that def of that file (``remember``) and the file is
-    still the one read; else the def read from its own lines (``fastscan.read_def``) when it starts on the
-    line the loaded code says; else through ``inspect``.  The file's lines ``inspect`` reads are
-    not left in ``linecache`` (every sglang process would keep them)."""
+    still the one read; else through ``inspect``.  The file's lines ``inspect`` reads are not left
+    in ``linecache`` (every sglang process would keep them)."""
     import inspect
     import linecache
 
@@ -121,15 +120,6 @@ def live_fingerprint(func):
         known = _KNOWN.get((code.co_filename, qualname))
         if known is not None and known[0] == code.co_firstlineno and known[2] == file_identity(code.co_filename):
             return known[1]
-    if code is not None and "<" not in qualname:  # not a lambda, nor a def inside a function
-        try:
-            from npu_shim.source import fastscan  # only where this process did not read the def
-
-            found = fastscan.read_def(read_source(code.co_filename), qualname)
-        except (OSError, SourceError):
-            found = None
-        if found is not None and found[1] == code.co_firstlineno:
-            return fingerprint_node(found[0])
     filename = getattr(code, "co_filename", None)
     kept = filename in linecache.cache
     try:

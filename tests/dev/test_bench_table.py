@@ -225,3 +225,23 @@ def test_the_load_client_gets_bench_serving_s_imports_last_on_its_path(monkeypat
     server_env = {"PYTHONPATH": "/a:/b", "SIMNPU_SERVER_RELEASE": "0.5.11"}
     assert bench.client_env(server_env) == {"PYTHONPATH": "/a:/b:/layer", "SIMNPU_SERVER_RELEASE": "0.5.11"}
     assert server_env["PYTHONPATH"] == "/a:/b"  # the server's own environment is left as it was
+
+def test_each_budget_is_held_by_a_declared_row_whose_target_names_it():
+    """The four budgets (bench_rows.BUDGETS) each have the row that holds them, declared."""
+    whats = [what for _, what in bench_rows.ROWS]
+    assert len(bench_rows.BUDGETS) == len(bench_rows.BUDGET_ROWS) == 4
+    assert all(row in whats for row in bench_rows.BUDGET_ROWS)
+    assert [limit for _, limit in bench_rows.BUDGETS] == [
+        "<= 1.03x in instructions", "<= 1.05x in instructions", "<= 2 MiB", "<= 1000 ns per call; 0 at graph replay"]
+
+
+def test_the_budget_lines_give_each_budget_its_rows_verdict():
+    rows = [{"what": bench_rows.BUDGET_ROWS[0], "measured": "1.01x", "ok": True},
+            {"what": bench_rows.BUDGET_ROWS[1], "measured": "1.06x", "ok": False},
+            {"what": bench_rows.BUDGET_ROWS[2], "measured": "not measured: valgrind is not installed", "ok": None}]
+    lines = bench_rows.budget_lines(rows)
+    assert lines == [
+        "budget: start-up of a Python process that never imports sglang (bundle) <= 1.03x in instructions: ok (1.01x)",
+        "budget: an sglang import <= 1.05x in instructions: MISSED (1.06x)",
+        "budget: memory retained in an sglang process <= 2 MiB: not measured: valgrind is not installed",
+        "budget: a wrapper in eager mode <= 1000 ns per call; 0 at graph replay: not measured in this run"]

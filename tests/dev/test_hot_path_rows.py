@@ -1,7 +1,7 @@
 """scripts/bench_hot_path.py's rows (shimdev/hot_path_rows.py) from given measurements (its
-plumbing, nothing timed): what a row's result rests on -- identity for the first, the outputs and
-the states for the MoE rows -- and that a measurement that fails is one line and a problem for
-bench.py."""
+plumbing, nothing timed): what a row's result rests on -- the wrapper the caller reaches and the
+budget for the first, the outputs and the states for the MoE rows -- and that a measurement that
+fails is one line and a problem for bench.py."""
 import pytest
 
 from shimdev import bench_rows
@@ -14,23 +14,25 @@ def bench():
     return hot_path_rows
 
 
-def mla(**info):
-    facts = dict(state="applied", retired=["...:npu_mla_preprocess"], layers=3,
-                 through_wrapper=[True, True, True, True, False, False], after_is_sglangs=True,
-                 module_is_sglangs=True, wrapper_type="FunctionWrapper", wrapt="image 2.5.2", c_extension=True)
+def mla(caller=(1100, 1090, 1095), **info):
+    facts = dict(state="applied", layers=3, through_wrapper=[True] * 6, released_layers=3, caller_is_wrapper=True,
+                 wrapper_type="FunctionWrapper", wrapt="image 2.5.2", c_extension=True)
     facts.update(info)
-    return {"info": facts, "ns": {"caller": [100, 90, 95], "sglang": [98, 92, 96], "wrapper": [900, 950, 1000]}}
+    return {"info": facts, "ns": {"caller": list(caller), "sglang": [98, 92, 96]}}
 
 
-def test_after_the_first_pass_the_result_is_identity_not_the_timing(bench, monkeypatch):
-    monkeypatch.setattr(H, "mla_after_first_pass", lambda rounds, calls: mla())
-    row = bench.mla_after_row(3, 1000)
-    assert row["ok"] is True and row["measured"].startswith("0 ns: that name is sglang's own function (identity)")
-    assert "timed 95 ns through it vs 96 ns sglang's function (-1 ns" in row["measured"]
-    assert "the wrapper before it left: 950 ns (+854 ns, image 2.5.2)" in row["measured"]
-    for broken in ({"after_is_sglangs": False}, {"retired": []}, {"through_wrapper": [True] * 6}):
-        monkeypatch.setattr(H, "mla_after_first_pass", lambda rounds, calls, b=broken: mla(**b))
-        row = bench.mla_after_row(3, 1000)
+def test_the_eager_row_holds_the_budget_through_the_wrapper_the_caller_reaches(bench, monkeypatch):
+    monkeypatch.setattr(H, "mla_eager", lambda rounds, calls: mla())
+    row = bench.mla_eager_row(3, 1000)
+    assert row["ok"] is True and row["measured"] == ("+999 ns (1095 ns through the wrapper vs 96 ns sglang's "
+                                                     "function, image 2.5.2)")
+    assert row["target"] == "<= 1000 ns per eager call (0 at graph replay: no Python runs there)"
+    monkeypatch.setattr(H, "mla_eager", lambda rounds, calls: mla(caller=(1100, 1100, 1100)))
+    assert bench.mla_eager_row(3, 1000)["ok"] is False  # +1004 ns: over the budget
+    for broken in ({"caller_is_wrapper": False}, {"through_wrapper": [True] * 3 + [False] * 3},
+                   {"released_layers": None}, {"state": "failed"}):
+        monkeypatch.setattr(H, "mla_eager", lambda rounds, calls, b=broken: mla(**b))
+        row = bench.mla_eager_row(3, 1000)
         assert row["ok"] is False and "NOT held" in row["measured"], broken
 
 
@@ -65,7 +67,7 @@ def test_a_measurement_that_fails_is_one_line_each_row_and_a_problem(bench, monk
     def boom(*args):
         raise H.interleave.WorkerError("sglang 0.5.11: exited 1 without answering\nTraceback ...")
 
-    monkeypatch.setattr(H, "mla_after_first_pass", boom)
+    monkeypatch.setattr(H, "mla_eager", boom)
     monkeypatch.setattr(H, "dual_stream", boom)
     monkeypatch.setattr(bench, "wrapt_rows", boom)
     produced = bench.rows(3, 10, 10, bundle_dir="/nonexistent")
@@ -92,7 +94,7 @@ def test_the_wrapt_rows_find_a_bundle_given_by_a_relative_path(built_bundle, mon
     relative = os.path.join(os.path.basename(os.path.dirname(str(built_bundle))), "npu-shim")
     assert not os.path.isabs(relative) and os.path.isdir(relative)
     rows = hot_path_rows.wrapt_rows(relative, 1, 200)
-    assert [r["what"] for r in rows[:2]] == [hot_path_rows.WHAT_BEFORE % label
+    assert [r["what"] for r in rows[:2]] == [hot_path_rows.WHAT_BUILD % label
                                              for label in ("C build", "pure-Python build")]
     # wrapt_rows itself refuses a build loaded with the wrong extension; here each row names its build
     assert len(rows) == 3 and "cp3" in rows[0]["how"] and "py3-none-any" in rows[1]["how"], rows

@@ -939,11 +939,11 @@ def test_targets_of_a_release_with_the_mlaprolog_path():
     entry, weight, predicate = targets[:3]
     assert (entry.module, entry.qualname, entry.wrapper) == (R.MLA_NPU, "npu_mla_preprocess",
                                                              release.wrap_npu_mla_preprocess)
-    assert entry.signatures == (R.PREPROCESS_SIG,) and entry.retirement is release.entry
+    assert entry.signatures == (R.PREPROCESS_SIG,)
     assert entry.pins == {ENTRY: R.PINNED[ENTRY]}
     assert (weight.module, weight.qualname, weight.wrapper) == (R.MLA_PRE, WEIGHT[1],
                                                                 release.wrap_preprocess_weight)
-    assert weight.signatures == ((),) and weight.retirement is None
+    assert weight.signatures == ((),)
     assert weight.pins == {key: R.PINNED[key] for key in (WEIGHT, FORWARD, PROLOG)}
     assert isinstance(predicate, framework_targets().Replace) and predicate.must_exist is False
     assert (predicate.module, predicate.qualname) == (R.MLA_PRE, R.CLASS + ".uses_mlaprolog")
@@ -1127,22 +1127,17 @@ def test_state_defaults_and_fresh_details():
     assert a.details == {} and a.details is not b.details
     details = {}
     assert RI.MlaWeightReleaseState(details=details).details is details
-    assert isinstance(a.entry, framework_targets().Retirement) and a.entry is not b.entry
-    assert (a.entry_retired, a.late, a.summary_logged, a.first_marked) == (False, 0, False, False)
+    assert (a.summary_logged, a.first_marked) == (False, False)
 
 
-def test_reset_starts_over_and_brings_the_entry_wrapper_back(server, logs):
-    calls = []
-    REL.entry.bind(lambda: calls.append("retire") or True, lambda: calls.append("reinstate") or True)
+def test_reset_starts_over(server, logs):
     layers = [layer(0), layer(1)]
     step(layers)
     step(layers[:1])
-    assert calls == ["retire"] and REL.entry_retired and REL.summary_logged
+    assert REL.summary_logged and REL.first_marked
     REL.once("k", logging.INFO, "said")
-    REL.late = 2
     REL.reset()
-    assert calls == ["retire", "reinstate"]
-    assert (REL.entry_retired, REL.late, REL.summary_logged, REL.first_marked) == (False, 0, False, False)
+    assert (REL.summary_logged, REL.first_marked) == (False, False)
     assert REL.released_bytes == {"qkv_a": 0, "w_kc": 0} and REL.layers == set()
     assert REL.guarded == {"qkv_a": set(), "w_kc": set()} and REL.said == set()
     REL.once("k", logging.INFO, "said")
@@ -1388,24 +1383,7 @@ def test_a_guarded_weight_that_freed_nothing_is_noted_but_not_accounted(server, 
     assert REL.guarded["w_kc"] == {0} and REL.layers == set() and "released_bytes" not in REL.details
 
 
-# --------------------------------------------------------------------------- the entry wrapper's life
-
-def bind_entry(retire=True, reinstate=True):
-    """Bind REL's Retirement as the runtime would; ``retire`` / ``reinstate``: what each returns,
-    or an exception it raises (a list: one of those per call).  Returns the calls made."""
-    calls = []
-
-    def act(name, answer):
-        calls.append(name)
-        if isinstance(answer, list):  # one answer per call
-            answer = answer.pop(0)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-    REL.entry.bind(lambda: act("retire", retire), lambda: act("reinstate", reinstate))
-    return calls
-
+# --------------------------------------------------------------------------- the entry wrapper
 
 def by_keyword(m):
     return WRAPPED(m=m, hidden_states=torch.ones(2, 32), positions=None, forward_batch=None, zero_allocator=None)
@@ -1413,46 +1391,14 @@ def by_keyword(m):
 
 def test_entry_wrapper_takes_m_as_a_keyword_on_every_path(server):
     """sglang may call npu_mla_preprocess with keywords: each path hands them on."""
-    calls = bind_entry()
     m = layer(0)
     out = by_keyword(m)  # the first call
     assert out[0].shape == (2, 16) and RI.is_released(m.w_kc) and RI._FIRST in m.__dict__
     assert by_keyword(m)[0].shape == (2, 16)  # the first layer again: the pass is done
-    assert calls == ["retire"] and RI._DONE in m.__dict__
+    assert RI._DONE in m.__dict__
     assert by_keyword(m)[0].shape == (2, 16)  # a layer the wrapper has seen
-    late = layer(1)
-    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)
-    assert by_keyword(late)[0].shape == (2, 16) and RI.is_released(late.w_kc)  # the late call
-    assert calls == ["retire", "reinstate", "retire"]
-
-
-class ModulePreprocess(torch.nn.Module):
-    """FakePreprocess as the torch module NPUFusedMLAPreprocess is: a submodule of the layer,
-    which its __dict__ does not hold."""
-
-    def __init__(self, m):
-        super().__init__()
-        self.fake = FakePreprocess(m)
-        self.qkv_a_proj = m.fused_qkv_a_proj_with_mqa
-        self.w_kc = self.fake.w_kc
-        self.quant_config = m.quant_config
-        self.layer_id = m.layer_id
-        self.prepared = True
-        self.q_a_proj_weight = torch.randn(32, 16)
-
-
-def test_late_layer_whose_preprocessor_is_a_submodule(server):
-    calls = bind_entry()
-    step([layer(0)])
-    REL.entry_retired = True
-    late = layer(1)
-    late.mla_preprocess = ModulePreprocess(late)
-    assert "mla_preprocess" not in late.__dict__
-    late.mla_preprocess.__dict__[RI._LATE] = True
-    REL.late = 1
-    assert step([late])[0][0].shape == (2, 16)
-    assert RI.is_released(late.w_kc) and RI._LATE not in late.mla_preprocess.__dict__
-    assert REL.late == 0 and calls[-1] == "retire"
+    later = layer(1)
+    assert by_keyword(later)[0].shape == (2, 16) and RI.is_released(later.w_kc)  # a layer seen after the pass
 
 
 class SlottedPreprocess:
@@ -1474,50 +1420,15 @@ def test_a_layer_whose_preprocessor_has_no_dict_is_passed_on(server, logs):
     assert not RI.is_released(m.w_kc) and RI._FIRST in m.__dict__ and logs == []
 
 
-def test_a_late_preprocessor_without_a_layer_id_is_named_as_such(server, logs):
-    calls = bind_entry()
-    first = [layer(0)]
-    step(first)
-    step(first)  # the first layer again: the wrapper leaves
-    late = layer(1)
-    late.mla_preprocess = FakePreprocess(late)
-    del late.mla_preprocess.layer_id
-    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)  # the wrapper away: sglang's own
-    assert calls == ["retire", "reinstate"] and REL.late == 1
-    assert [line for line in logs if "first ran" in line or "raised" in line] == [
-        "mla_weight_release: layer ? first ran after the first pass over the layers: npu_mla_preprocess's "
-        "wrapper is back until its w_kc is released"]
-    assert RI.is_released(late.fused_qkv_a_proj_with_mqa.weight) and REL.guarded["qkv_a"] == {0, "?"}
-
-
 def test_errors_are_said_once_per_process_whichever_wrapper_raised(server, logs, monkeypatch):
     def boom(*a):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(REL, "free_allowed", boom)
-    bind_entry()
     step([layer(0)])  # the weight wrapper raises first, then the entry wrapper
-    REL.entry_retired = True
-    late = layer(1)
-    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)
-    late.mla_preprocess.__dict__[RI._LATE] = True
-    REL.late = 1
-    step([late])  # the late call raises too
+    step([layer(1)])  # and again for the next layer
     assert [line for line in logs if "raised" in line] == [
         "mla_weight_release: keeping qkv_a_proj.weight: deciding the release raised RuntimeError('boom')"]
-
-
-def test_a_late_layer_is_said_once_whether_or_not_the_wrapper_came_back(server, logs):
-    calls = bind_entry(reinstate=[True, RuntimeError("gone")])
-    step([layer(0)])
-    REL.entry_retired = True
-    npu_mla_preprocess(layer(1), torch.ones(2, 32), None, None, None)  # back
-    REL.entry_retired = True
-    npu_mla_preprocess(layer(2), torch.ones(2, 32), None, None, None)  # cannot come back
-    late_lines = [line for line in logs if "first ran after" in line]
-    assert late_lines == ["mla_weight_release: layer 1 first ran after the first pass over the layers: "
-                          "npu_mla_preprocess's wrapper is back until its w_kc is released"]
-    assert calls == ["reinstate", "reinstate"] and REL.late == 1
 
 
 def test_aliased_qkv_a_is_warned_about_once_and_a_released_one_not_at_all(server, logs):
@@ -1532,152 +1443,56 @@ def test_aliased_qkv_a_is_warned_about_once_and_a_released_one_not_at_all(server
     assert REL.free_qkv_a(pre) == 0 and logs == said  # already released: not looked at again
 
 
-def test_first_pass_marks_the_first_layer_then_retires_the_entry_wrapper(server, logs, monkeypatch):
+def test_first_pass_marks_the_first_layer_then_says_what_was_released(server, logs, monkeypatch):
     monkeypatch.setattr(RI.log, "pid_text", lambda: "pid 1")
-    calls = bind_entry()
     layers = [layer(0), layer(1), layer(2)]
     step(layers)
     assert RI._FIRST in layers[0].__dict__ and RI._DONE not in layers[0].__dict__
     assert all(RI._DONE in m.__dict__ and RI._FIRST not in m.__dict__ for m in layers[1:])
-    assert calls == [] and not REL.entry_retired
+    assert not REL.summary_logged
     step(layers[:1])
-    assert calls == ["retire"] and REL.entry_retired and RI._DONE in layers[0].__dict__
+    assert RI._DONE in layers[0].__dict__ and REL.summary_logged
     assert logs[-1].startswith("mla_weight_release: released: 0.0 MiB in 3 layers")
-    step(layers[:1])  # a call that looked the wrapper up before it left: only delegated
-    assert calls == ["retire"]
+    said = list(logs)
+    step(layers)  # every layer seen: only delegated, nothing more said
+    assert logs == said
 
 
 def test_first_pass_without_a_release_logs_no_summary(server, logs):
     server["role"] = "null"
-    calls = bind_entry()
     layers = [layer(0), layer(1)]
     step(layers)
     step(layers)
-    assert calls == ["retire"] and REL.entry_retired and logs == []
+    assert not REL.summary_logged and logs == []
 
 
-def test_entry_wrapper_that_cannot_retire_stays_and_says_so_once(server, logs):
-    calls = bind_entry(retire=RuntimeError("bound elsewhere"))
-    m = layer(0)
-    step([m])
-    step([m])  # the first layer again: the pass is done
-    assert calls == ["retire"] and REL.entry_retired is False
-    assert "mla_weight_release: npu_mla_preprocess's wrapper stays: retiring raised " \
-           "RuntimeError('bound elsewhere')" in logs
-
-
-def test_a_retire_that_changes_nothing_keeps_the_entry_retired(server):
-    bind_entry(retire=False)
-    REL.entry_retired = True
-    REL._retire_entry()
-    assert REL.entry_retired is True
-    REL.entry_retired = False
-    REL._retire_entry()
-    assert REL.entry_retired is False
-
-
-def test_layer_first_seen_after_the_first_pass_brings_the_entry_wrapper_back(server, logs):
-    calls = bind_entry()
+def test_layer_first_seen_after_the_first_pass_is_released_by_its_first_call(server, logs):
+    """The wrapper stays for the life of the process: a layer met later (a layer list that
+    changes) has both weights released at its first call, as the first pass's layers had, and
+    the summary line says so again."""
     layers = [layer(0), layer(1)]
     step(layers)
     step(layers[:1])
-    assert REL.entry_retired and calls == ["retire"]
-    late = layer(2)
-    # the wrapper is away: the layer's first call is sglang's own function, which builds its
-    # preprocessor (and runs mlaprolog_preprocess_weight, whose wrapper stays)
-    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)
-    assert calls == ["retire", "reinstate"] and REL.late == 1 and not REL.entry_retired
-    assert late.mla_preprocess.__dict__[RI._LATE] is True
-    assert RI.is_released(late.fused_qkv_a_proj_with_mqa.weight) and not RI.is_released(late.w_kc)
-    assert logs[-3] == "mla_weight_release: released qkv_a_proj.weight of layer 2 (0.00 MiB)"
-    assert logs[-1:] == ["mla_weight_release: layer 2 first ran after the first pass over the layers: "
-                         "npu_mla_preprocess's wrapper is back until its w_kc is released"]
-    out = step([late])[0]  # its next call: through the wrapper, which releases w_kc and leaves
-    assert out[0].shape == (2, 16) and RI.is_released(late.w_kc) and REL.guarded["w_kc"] == {0, 1, 2}
-    assert RI._DONE in late.__dict__ and RI._LATE not in late.mla_preprocess.__dict__
-    assert REL.late == 0 and calls == ["retire", "reinstate", "retire"] and REL.entry_retired
-    step([late])  # done: only delegated
-    assert calls == ["retire", "reinstate", "retire"]
+    later = layer(2)
+    out = step([later])[0]
+    assert out[0].shape == (2, 16)
+    assert RI.is_released(later.fused_qkv_a_proj_with_mqa.weight) and RI.is_released(later.w_kc)
+    assert REL.guarded["w_kc"] == {0, 1, 2} and RI._DONE in later.__dict__
+    assert logs[-1].startswith("mla_weight_release: more layers released: 0.0 MiB in 3 layers")
+    step([later])  # done: only delegated
+    assert REL.guarded["w_kc"] == {0, 1, 2}
 
 
-def test_layer_met_while_the_entry_wrapper_is_back_is_released_by_its_first_call(server, logs):
-    calls = bind_entry()
-    first = [layer(0)]
-    step(first)
-    step(first)
-    late, other = layer(1), layer(2)
-    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)  # the wrapper away: sglang's own
-    assert REL.late == 1 and calls == ["retire", "reinstate"]
-    step([other])  # the wrapper is back: the other layer's first call goes through it
-    assert RI.is_released(other.w_kc) and RI._DONE in other.__dict__ and RI._LATE not in other.mla_preprocess.__dict__
-    assert REL.late == 1 and calls == ["retire", "reinstate"]  # still waiting for the late layer
-    step([late])
-    assert REL.late == 0 and calls == ["retire", "reinstate", "retire"] and RI.is_released(late.w_kc)
-
-
-def test_late_call_whose_release_raises_still_forwards_and_leaves(server, logs, monkeypatch):
-    calls = bind_entry()
-    step([layer(0)])
-    REL.entry_retired = True
-    late = layer(1)
-    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)
-
+def test_a_first_call_whose_release_raises_still_forwards_and_marks_the_layer(server, logs, monkeypatch):
     def boom(m):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(REL, "free_w_kc", boom)
-    REL.late = 3  # never below zero, however often the late calls come
-    for count in (2, 1):
-        late.mla_preprocess.__dict__[RI._LATE] = True
-        late.__dict__.pop(RI._DONE, None)
-        assert step([late])[0][0].shape == (2, 16)
-        assert REL.late == count and RI._DONE in late.__dict__
-    assert "mla_weight_release: keeping w_kc: deciding the release raised RuntimeError('boom')" in logs
-    assert calls.count("retire") == 0
-    REL.late = 0
-    late.mla_preprocess.__dict__[RI._LATE] = True
-    del late.__dict__[RI._DONE]
-    step([late])
-    assert REL.late == 0 and calls.count("retire") == 1
-
-
-def test_late_layer_whose_entry_wrapper_cannot_come_back_keeps_its_w_kc(server, logs):
-    calls = bind_entry(reinstate=RuntimeError("gone"))
-    step([layer(0)])
-    REL.entry_retired = True
-    late = layer(1)
-    npu_mla_preprocess(late, torch.ones(2, 32), None, None, None)
-    assert calls == ["reinstate"] and REL.late == 0 and REL.entry_retired
-    assert RI._LATE not in late.mla_preprocess.__dict__
-    assert logs[-2:] == ["mla_weight_release: npu_mla_preprocess's wrapper cannot come back: RuntimeError('gone')",
-                         "mla_weight_release: layer 1 first ran after the first pass over the layers: its "
-                         "qkv_a_proj.weight is released, its w_kc kept"]
-
-
-def test_reinstate_that_changes_nothing_leaves_the_entry_retired(server, logs):
-    calls = bind_entry(reinstate=False)
-    REL.entry_retired = True
-    assert REL._reinstate_entry() is False and REL.entry_retired is True and calls == ["reinstate"]
-    bind_entry(reinstate=True)
-    assert REL._reinstate_entry() is True and REL.entry_retired is False and logs == []
-
-
-def test_late_layers_only_bring_the_wrapper_back_on_decode(server, logs):
-    calls = bind_entry()
-    server["role"] = "prefill"
-    REL.details["role"] = "prefill"
-    REL.entry_retired = True
-    pre = _prepared(layer(1), lambda t: t.clone())
-    pre.mlaprolog_preprocess_weight = types.MethodType(
-        wrapt.FunctionWrapper(lambda: None, REL.wrap_preprocess_weight), pre)
-    REL.wrap_preprocess_weight(lambda: "done", pre, (), {})
-    assert calls == [] and REL.late == 0 and RI._LATE not in pre.__dict__
-    assert RI.is_released(pre.qkv_a_proj.weight)
-    REL.entry_retired = False
-    server["role"] = "decode"
-    REL.details["role"] = "decode"
-    assert REL.wrap_preprocess_weight(lambda: "done", _prepared(layer(2), lambda t: t.clone()), (), {}) == "done"
-    assert calls == []
+    first, second = layer(0), layer(1)
+    assert step([first, second])[1][0].shape == (2, 16)
+    assert RI._FIRST in first.__dict__ and RI._DONE in second.__dict__
+    assert not RI.is_released(second.w_kc)
+    assert logs.count("mla_weight_release: keeping w_kc: deciding the release raised RuntimeError('boom')") == 1
 
 
 def test_weight_wrapper_error_keeps_the_weight_and_says_which(server, logs, monkeypatch):

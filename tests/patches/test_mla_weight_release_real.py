@@ -58,29 +58,27 @@ def test_decode_frees_exactly_qkv_a_and_w_kc_and_forward_keeps_working(scenarios
 WRAPPER = "sglang.srt.hardware_backend.npu.modules.deepseek_v2_attention_mla_npu:npu_mla_preprocess"
 
 
-def test_npu_mla_preprocess_wrapper_retires_after_one_pass_and_the_release_stays(scenarios):
-    """Pass 1 goes through the wrapper; the first layer coming round retires it (that call still
-    through it); from then on the layers call sglang's own function, and every weight stays
-    released and guarded."""
+def test_npu_mla_preprocess_wrapper_stays_and_the_release_stays(scenarios):
+    """Every call goes through the wrapper (it stays for the life of the process: a layer it has
+    seen costs one dict lookup, measured by scripts/bench_hot_path.py); every weight stays released
+    and guarded; a layer first seen after the first pass has both weights released at its first
+    call."""
     version, out = scenarios
-    assert out["decode_retired"] is True, version
+    assert out["decode_through_wrapper"] is True, version
     passes = out["passes"]
-    assert passes["sglangs"] == [False, False, False, False, True, True] and passes["after"] is True
+    assert passes["sglangs"] == [False] * 6 and passes["after"] is False
     assert passes["types"] == [["ReleasedParameter", "ReleasedTensor"]], version  # JSON: lists
     assert "w_kc of layer 2" in passes["touch"] and "NPU_SHIM_MLA_WEIGHT_RELEASE=0" in passes["touch"]
-    assert passes["retired"] == [WRAPPER] and WRAPPER not in passes["wrappers"]
-    assert passes["details"]["retired"] == [WRAPPER] and passes["details"]["layers"] == 3
-    assert len(passes["wrappers"]) == 1 + len(R_UPDATE_OPS)  # the weight and update wrappers stay
+    assert WRAPPER in passes["wrappers"] and passes["details"]["layers"] == 3
+    assert len(passes["wrappers"]) == 2 + len(R_UPDATE_OPS)  # the entry, weight and update wrappers
     unseen = out["unseen"]
     assert unseen["types"] == ["ReleasedParameter", "ReleasedTensor"], version  # issue 32: w_kc too
-    assert any("layer 9 first ran after the first pass" in line and "wrapper is back until its w_kc is released"
-               in line for line in unseen["log"]), unseen["log"]
-    assert unseen["retired"] == [WRAPPER] and unseen["sglangs"] is True, unseen  # and it left again
-    after = out["after_reset"]  # reset() starts over: the wrapper is back, and frees as before
+    assert unseen["sglangs"] is False, unseen
+    after = out["after_reset"]  # reset() starts over, and frees as before
     assert after["freed"] == after["expected"] and after["details"]["layers"] == 1, version
 
 
-def test_uninstall_after_a_retirement_puts_every_original_back(scenarios):
+def test_uninstall_puts_every_original_back(scenarios):
     version, out = scenarios
     assert out["uninstalled"] == {"called": True, "module": True, "weight": "function",
                                   "updates": ["function"], "uses_mlaprolog": False}, version

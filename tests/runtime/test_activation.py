@@ -225,71 +225,6 @@ def test_without_wrapt_before_torch_is_imported_the_npu_is_unknown(undecided, mo
                                              "not running on an NPU (torch.npu is unavailable)")
 
 
-# -- a wrapper that retires ------------------------------------------------------------------------------
-
-RETIRING = DEMO_PATCH.replace(
-    "def add_one(wrapped, instance, args, kwargs):\n    return wrapped(*args, **kwargs) + 1\n",
-    "RETIREMENT = targets.Retirement()\n"
-    "CALLS = []\n\n"
-    "def add_one(wrapped, instance, args, kwargs):\n"
-    "    CALLS.append(1)\n"
-    "    if len(CALLS) == 50:\n"
-    "        RETIREMENT.retire()  # done: the original goes back while the other threads call\n"
-    "    return wrapped(*args, **kwargs) + 1\n").replace(
-    'targets.Wrap("sglang.srt.utils.common", "get_npu_memory_capacity", add_one, [()])',
-    'targets.Wrap("sglang.srt.utils.common", "get_npu_memory_capacity", add_one, [()], retirement=RETIREMENT)')
-
-
-def test_a_retired_wrapper_leaves_the_module_and_its_copies_while_threads_call_it(tree):
-    assert RETIRING.count("RETIREMENT") == 3
-    (tree / "image" / "demo.py").write_text(RETIRING)
-    proc = run(tree, """
-        import json, sys, threading
-        import npu_shim
-        from sglang.srt.utils import common
-        import sglang.srt.utils as star  # its star import took a copy of the wrapper
-        demo = sys.modules["demo"]
-        original = common.get_npu_memory_capacity.__wrapped__
-        copy_was_wrapper = star.get_npu_memory_capacity is common.get_npu_memory_capacity
-        values, errors = [], []
-        def call():
-            try:
-                for _ in range(2000):
-                    values.append(star.get_npu_memory_capacity())
-            except Exception as exc:
-                errors.append(repr(exc))
-        threads = [threading.Thread(target=call) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        out = {"copy_was_wrapper": copy_was_wrapper, "errors": errors, "values": sorted(set(values)),
-               "calls": len(demo.CALLS), "module": common.get_npu_memory_capacity is original,
-               "copy": star.get_npu_memory_capacity is original, "state": npu_shim.states()["demo"],
-               "again": demo.RETIREMENT.retire()}
-        out["reinstated"] = [demo.RETIREMENT.reinstate(), star.get_npu_memory_capacity(),
-                             common.get_npu_memory_capacity(), npu_shim.states()["demo"]["retired"]]
-        demo.RETIREMENT.retire()
-        npu_shim.uninstall()
-        out["uninstalled"] = [common.get_npu_memory_capacity is original,
-                              star.get_npu_memory_capacity is original,
-                              type(common.Scheduler.__init__).__name__,
-                              demo.RETIREMENT.reinstate(), common.get_npu_memory_capacity()]
-        print(json.dumps(out))
-    """)
-    out = last_json(proc)
-    assert out["copy_was_wrapper"] is True and out["errors"] == []
-    assert out["values"] == [1000, 1001] and 50 <= out["calls"] < 8000  # wrapped, then the original
-    assert out["module"] is True and out["copy"] is True
-    state, what = out["state"], "sglang.srt.utils.common:get_npu_memory_capacity"
-    assert state["state"] == "applied" and state["retired"] == [what]
-    assert state["wrappers"] == ["sglang.srt.utils.common:Scheduler.__init__"]
-    assert state["details"]["retired"] == [what] and state["targets"][what] is True
-    assert out["again"] is False  # retired already
-    assert out["reinstated"] == [True, 1001, 1001, []]
-    assert out["uninstalled"] == [True, True, "function", False, 1000]
-
-
 # -- a runtime of the test's own, activated in this process -------------------------------------------
 
 HOOKED = ["sglang.srt.a", role.MODULE] + list(metrics_hook.MODULES)
@@ -767,59 +702,14 @@ def fake_a(monkeypatch):
     return module, copy
 
 
-def test_a_wrapper_retires_and_is_reinstated_in_the_module_and_its_copies(logged, fake_a):
-    module, copy = fake_a
-    leave_f, leave_g = targets.Retirement(), targets.Retirement()
-    record = applied_record([targets.Wrap("sglang.fake_a", "f", add_one, [()], retirement=leave_f),
-                             targets.Wrap("sglang.fake_a", "g", add_one, [()], retirement=leave_g),
-                             targets.Replace("sglang.fake_a", "LIMIT", lambda limit: limit + 1)])
-    runtime = activation.Runtime()
-    runtime.records, runtime.imported_before = {"demo": record}, {"sglang.fake_a"}
-    runtime.apply_module(module)
-    assert (module.f(), copy.f(), module.g(), module.LIMIT) == (2, 2, 11, 6)
-    assert leave_f.retire() is True
-    assert (module.f(), copy.f(), module.g(), module.LIMIT) == (1, 1, 11, 6)
-    assert [c.what for c in record.changes] == ["sglang.fake_a:g", "sglang.fake_a:LIMIT"]
-    assert sorted(record.retired) == ["sglang.fake_a:f"] and record.details == {"retired": ["sglang.fake_a:f"]}
-    assert logged() == [("DEBUG", "demo: sglang.fake_a:f retired (its job in this process is done): "
-                                  "the original is back")]
-    assert leave_f.retire() is False  # retired already
-    assert leave_g.retire() is True and module.g() == 10
-    assert record.details == {"retired": ["sglang.fake_a:f", "sglang.fake_a:g"]}
-    assert leave_f.reinstate() is True
-    assert (module.f(), copy.f(), module.g()) == (2, 2, 10) and record.details == {"retired": ["sglang.fake_a:g"]}
-    assert [c.what for c in record.changes] == ["sglang.fake_a:LIMIT", "sglang.fake_a:f"]
-    assert leave_f.reinstate() is False  # in place already
-    assert leave_g.reinstate() is True and module.g() == 11
-    assert record.details == {} and record.retired == {}
-    assert record.as_dict()["wrappers"] == ["sglang.fake_a:f", "sglang.fake_a:g"]
-
-
-def test_a_retirement_of_an_earlier_decision_or_installation_changes_nothing(fake_a):
-    module, _ = fake_a
-    leave = targets.Retirement()
-    record = applied_record([targets.Wrap("sglang.fake_a", "f", add_one, [()], retirement=leave)])
-    runtime = activation.Runtime()
-    runtime.records = {"demo": record}
-    runtime.apply_module(module)
-    runtime.records = {"demo": applied_record([])}  # decided anew, same installation
-    assert leave.retire() is False and module.f() == 2
-    runtime.records = {"demo": record}
-    runtime.uninstall(Watcher())
-    assert module.f() == 1
-    runtime.records = {"demo": record}  # as before, but the installation is another
-    assert leave.retire() is False and leave.reinstate() is False and record.retired == {}
-
-
 def test_a_target_that_does_not_match_reverts_its_whole_patch_and_says_so_at_once(logged, fake_a, monkeypatch):
-    """A patch applied in one module fails in the next: reverted everywhere, its retirement
-    changes nothing more, its failed line said (no summary line is still to come)."""
+    """A patch applied in one module fails in the next: reverted everywhere, its failed line said
+    (no summary line is still to come)."""
     module, copy = fake_a
     other = fake_module("sglang.fake_b", "def g(x):\n    return x\n")
     writes = []
     monkeypatch.setattr(metrics, "publish", lambda: writes.append(record.state))
-    leave = targets.Retirement()
-    record = applied_record([targets.Wrap("sglang.fake_a", "f", add_one, [()], retirement=leave),
+    record = applied_record([targets.Wrap("sglang.fake_a", "f", add_one, [()]),
                              targets.Wrap("sglang.fake_b", "g", add_one, [()])])
     runtime = activation.Runtime()
     runtime.records = {"demo": record}
@@ -832,7 +722,6 @@ def test_a_target_that_does_not_match_reverts_its_whole_patch_and_says_so_at_onc
     assert module.f() == 1 and other.g(3) == 3 and record.applied == set() and record.changes == []
     assert logged() == [("ERROR", "demo: failed (%s)" % reason)]
     assert writes == ["applied", "failed", "failed"]  # module a applied, the failure, module b done
-    assert leave.retire() is False and module.f() == 1
 
 
 def test_a_failure_while_the_summary_line_is_due_is_left_to_it_and_strict_mode_says_it_first(

@@ -43,7 +43,7 @@ def test_a_record_keeps_what_its_decision_handed_out_and_has_applied_nothing_yet
     record = record_of(framework.APPLIED, "ok", targets=[wrap], details=details, process_state=shared)
     assert (record.state, record.reason, record.targets) == (framework.APPLIED, "ok", [wrap])
     assert record.details is details and record.process_state is shared
-    assert (record.changes, record.applied, record.retired) == ([], set(), {})
+    assert (record.changes, record.applied) == ([], set())
 
 
 # -- strict mode and the variables' lines ------------------------------------------------------------------
@@ -150,18 +150,18 @@ class Change:
         self.undone.append(self.what)
 
 
-def test_reverting_a_record_undoes_its_changes_last_first_and_forgets_what_was_applied_or_retired():
+def test_reverting_a_record_undoes_its_changes_last_first_and_forgets_what_was_applied():
     undone = []
-    record = record_of(framework.APPLIED, details={"retired": ["m:g"], "released_mib": 2})
+    record = record_of(framework.APPLIED, details={"released_mib": 2})
     record.changes = [Change("m:f", undone), Change("m:h", undone)]
-    record.applied, record.retired = {"m:f", "m:h", "m:g"}, {"m:g": [Change("m:g", undone)]}
+    record.applied = {"m:f", "m:h"}
     record.replaced = [Change("m:f before a reload", undone), Change("m:h before a reload", undone)]
     decisions.revert_record(record)
-    # a retired target's original is back already; the old code's changes after the new code's
+    # the old code's changes after the new code's
     assert undone == ["m:h", "m:f", "m:h before a reload", "m:f before a reload"]
-    assert (record.changes, record.applied, record.retired, record.replaced) == ([], set(), {}, [])
+    assert (record.changes, record.applied, record.replaced) == ([], set(), [])
     assert record.details == {"released_mib": 2}
-    assert record.as_dict()["retired"] == [] and record.as_dict()["wrappers"] == []
+    assert record.as_dict()["wrappers"] == []
 
 
 # -- the changes of code loaded again ---------------------------------------------------------------------

@@ -1,21 +1,15 @@
-"""codeview: a function read from its own lines is the function the whole-module parse gives.
-
-The fast path (npu_shim/source/fastscan.py: ``locate_def``/``parse_def``, ``may_define``,
-``assigned_at_top``, ``assigned_in_top_block``) answers without parsing the module; these tests hold it to the whole
-parse: on hand-made hostile sources, on every function of every module the patches read in every
-release, and on the decisions themselves.
+"""codeview: what a module's source answers (parsed once, whole, with ``ast``): functions and
+methods with their parameters and first lines, module-level names looked up through if/try blocks,
+and nothing that only a docstring, a string or a function body mentions.
 """
 
-import os
 import textwrap
 
 import pytest
 
-from npu_shim.core import framework
-from npu_shim.source import inherited, codeview, fastscan
+from npu_shim.core.framework import SourceError
+from npu_shim.source import codeview
 from npu_shim.source.codeview import ModuleSource
-from npu_shim.core.loading import load_all
-from shimdev import sglang_envs
 
 HOSTILE = textwrap.dedent('''\
     """Module docstring with an example at column 0:
@@ -162,112 +156,96 @@ HOSTILE = textwrap.dedent('''\
     ''')
 
 
-def whole(text):
-    module = ModuleSource("hostile.py", text)
-    module.functions  # noqa: B018 - parses the whole module: the reference answers
-    return module
+def module():
+    return ModuleSource("hostile.py", HOSTILE)
 
 
-def def_node(text, qualname):
-    """The node ``fastscan.read_def`` reads from the def's own lines, or None."""
-    found = fastscan.read_def(text, qualname)
-    return found[0] if found is not None else None
+def test_functions_and_methods_with_their_parameters():
+    source = module()
+    want = {
+        "simple": ("a", "b", "*args", "c", "**kwargs"),
+        "plain": ("a", "b", "*args", "c", "**kwargs"),
+        "decorated": ("a",),
+        "multi_line_decorator": ("a",),
+        "black_signature": ("a", "b"),
+        "conditional": (),
+        "twice": (),
+        "coroutine": ("x",),
+        "one_liner": ("a", "b"),
+        "windows_only": (),
+        "Scheduler.__init__": ("a", "b"),   # self left out
+        "Scheduler.helper": ("x",),         # a staticmethod keeps its first parameter
+        "Scheduler.size": ("value",),       # the later def (the setter) wins
+        "Scheduler.only_in_if": None,       # a def inside an if in a class body is not looked for
+        "Scheduler.last": (),
+        "Guarded.method": (),
+        "in_docstring": None, "in_function": None, "absent": None, "Scheduler.absent": None,
+        "Absent.__init__": None, "keyword_at_column_0": None,
+    }
+    got = {name: (lambda info: None if info is None else info.params)(source.function(name)) for name in want}
+    assert got == want
 
 
-def test_every_function_read_from_its_lines_is_the_one_the_whole_parse_gives():
-    reference = whole(HOSTILE)
-    fast = 0
-    for qualname, info in reference.functions.items():
-        node = def_node(HOSTILE, qualname)
-        if node is None:
-            continue
-        fast += 1
-        got = ModuleSource("hostile.py", HOSTILE).function(qualname)
-        assert (got.params, got.fingerprint) == (info.params, info.fingerprint), qualname
-    assert fast >= 6
+def test_a_def_shadowed_by_a_later_one_is_the_later_one():
+    """``conditional`` and ``twice`` are defined twice: the module answers with the last def, as
+    the loaded module would hold it (its first line, its body's fingerprint)."""
+    source = module()
+    lines = HOSTILE.splitlines()
+    info = source.function("twice")
+    assert lines[info.first_line - 1] == "def twice():" and lines[info.first_line] == "    return 2"
+    assert info.fingerprint != ModuleSource("one.py", "def twice():\n    return 1\n").function("twice").fingerprint
+    assert info.fingerprint == ModuleSource("two.py", "def twice():\n    return 2\n").function("twice").fingerprint
 
 
-QUESTIONS = [
-    ("function", q) for q in (
-        "simple", "plain", "decorated", "multi_line_decorator", "black_signature", "conditional", "twice",
-        "coroutine", "one_liner", "Scheduler.__init__", "Scheduler.helper", "Scheduler.size",
-        "Scheduler.only_in_if", "Scheduler.last", "Guarded.method", "in_docstring", "absent",
-        "Scheduler.absent", "Absent.__init__", "keyword_at_column_0")
-] + [
-    ("has", q) for q in (
-        "plain", "LIMIT", "value", "keyword_at_column_0", "operating_system", "typing", "Any",
-        "Scheduler", "Guarded", "conditional", "in_docstring", "absent", "Scheduler.size",
-        "Scheduler.absent", "Scheduler.only_in_if", "Guarded.method", "docstring", "use_fast", "thing",
-        "checked", "platform_only", "windows_only", "in_function", "in_string_only", "after_a_bracket", "split_handler")
-]
+def test_a_decorated_def_starts_at_its_first_decorator():
+    source = module()
+    lines = HOSTILE.splitlines()
+    assert lines[source.function("decorated").first_line - 1] == "@decorator"
+    assert lines[source.function("multi_line_decorator").first_line - 1] == "@decorator("
 
 
-@pytest.mark.parametrize("kind, qualname", QUESTIONS)
-def test_each_answer_is_the_whole_parse_answer(kind, qualname):
-    reference, fresh = whole(HOSTILE), ModuleSource("hostile.py", HOSTILE)
-    if kind == "has":
-        assert fresh.has(qualname) == reference.has(qualname)
-    else:
-        want, got = reference.function(qualname), fresh.function(qualname)
-        assert (got is None) == (want is None)
-        if want is not None:
-            assert (got.params, got.fingerprint) == (want.params, want.fingerprint)
+def test_the_fingerprint_ignores_comments_and_layout_not_the_code():
+    base = ModuleSource("a.py", "def f(a):\n    return a + 1\n").function("f").fingerprint
+    laid_out = ModuleSource("b.py", "# c\ndef f(\n    a,\n):\n    return (a\n            + 1)  # c\n")
+    changed = ModuleSource("c.py", "def f(a):\n    return a + 2\n")
+    assert laid_out.function("f").fingerprint == base
+    assert changed.function("f").fingerprint != base
 
 
-def test_a_broken_def_is_read_by_the_whole_parse_which_says_why():
+@pytest.mark.parametrize("name, present", [
+    ("plain", True), ("LIMIT", True), ("value", True), ("operating_system", True), ("typing", False),
+    ("Any", True), ("Scheduler", True), ("Guarded", True), ("conditional", True), ("use_fast", True),
+    ("thing", True), ("checked", True), ("platform_only", True), ("windows_only", True),
+    ("split_handler", True), ("after_a_bracket", True), ("Scheduler.size", True), ("Guarded.method", True),
+    ("keyword_at_column_0", False), ("in_docstring", False), ("absent", False), ("Scheduler.absent", False),
+    ("Scheduler.only_in_if", False), ("docstring", False), ("in_function", False), ("in_string_only", False),
+])
+def test_has_finds_module_level_names_through_if_and_try_blocks(name, present):
+    assert module().has(name) is present
+
+
+def test_the_module_is_parsed_once():
+    source = module()
+    source.function("plain")
+    parsed = source._whole
+    assert source.has("LIMIT") and source.function("Scheduler.last") is not None
+    assert source._whole is parsed
+
+
+def test_a_broken_def_says_why():
     text = "def target(:\n    pass\n"
-    with pytest.raises(codeview.SourceError, match="cannot parse"):
+    with pytest.raises(SourceError, match="cannot parse broken.py line 1"):
         ModuleSource("broken.py", text).function("target")
 
 
-# -- the real releases -------------------------------------------------------------------------------
-
-def _decide_every_patch(view):
-    for patch in load_all():
-        framework.decide(patch, view, environ={}, on_npu=None, assume_triggered=True)
-
-
-def _forced_whole(monkeypatch):
-    monkeypatch.setattr(fastscan, "locate_def", lambda source, qualname: None)
-    monkeypatch.setattr(fastscan, "assigned_at_top", lambda text, name: False)
-    monkeypatch.setattr(fastscan, "assigned_in_top_block", lambda text, name: False)
-    monkeypatch.setattr(ModuleSource, "_may_define", lambda self, name, function: True)
-
-
-@pytest.mark.parametrize("version", sglang_envs.ALL_RELEASES)
-def test_a_release_gives_the_same_answers_read_fast_or_whole(version, monkeypatch):
-    """Every answer the patches' decisions ask of the release's source, fast path vs the whole
-    parse; and every function of every module read, one by one."""
-    package = os.path.join(str(sglang_envs.ensure_sources(version)), "sglang")
-    fast = inherited.InheritedView(package)
-    _decide_every_patch(fast)
-    with monkeypatch.context() as patched:
-        _forced_whole(patched)
-        reference = inherited.InheritedView(package)
-        _decide_every_patch(reference)
-    assert fast.answers == reference.answers
-    for dotted in fast.files:
-        module = SourceViewOf(package).module(dotted)
-        if module is None:
-            continue
-        for qualname, info in whole(module.text).functions.items():
-            node = def_node(module.text, qualname)
-            if node is not None:
-                got = ModuleSource(module.path, module.text).function(qualname)
-                assert (got.params, got.fingerprint) == (info.params, info.fingerprint), (dotted, qualname)
-
-
-def SourceViewOf(package):  # noqa: N802 - reads like the class it builds
-    return codeview.SourceView(package, version="")
-
-
-def test_deciding_on_0_5_11_parses_no_module_whole():
-    """What makes deciding cheap: on 0.5.11 (the benchmark's release) every answer comes from the
-    fast path -- scheduler.py, model_runner.py, utils/common.py, parallel_state.py, and
-    deepep.py, whose ``use_deepep`` is assigned inside a module-level try."""
-    package = os.path.join(str(sglang_envs.ensure_sources("0.5.11")), "sglang")
-    view = codeview.SourceView(package)
-    _decide_every_patch(view)
-    parsed_whole = sorted(dotted for dotted, module in view._modules.items()
-                          if module is not None and module._whole is not None)
-    assert parsed_whole == []
+def test_a_view_answers_none_for_a_module_the_release_does_not_have(tmp_path):
+    package = tmp_path / "sglang"
+    (package / "srt").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "srt" / "x.py").write_text("def f(a):\n    pass\n")
+    view = codeview.SourceView(str(package), version="0")
+    assert view.function("sglang.srt.x", "f").params == ("a",)
+    assert view.module("sglang.srt.y") is None and view.function("sglang.srt.y", "f") is None
+    assert view.has("sglang.srt.x", "f") and not view.has("sglang.srt.y", "f")
+    with pytest.raises(ValueError, match="not an sglang module"):
+        view.module("other.x")

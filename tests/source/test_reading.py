@@ -6,9 +6,7 @@
 import os
 import sys
 
-import pytest
-
-from npu_shim.source import codeview, fastscan, reading
+from npu_shim.source import codeview, reading
 from npu_shim.source.codeview import ModuleSource
 
 
@@ -30,17 +28,13 @@ def _loaded_functions(module):
             yield owner, info  # not a def shadowed by a later one of the same name
 
 
-@pytest.mark.parametrize("read_from_its_lines", [True, False], ids=["own lines", "inspect"])
-def test_the_loaded_code_has_the_fingerprint_its_source_has(read_from_its_lines, monkeypatch):
-    """live_fingerprint (apply time) must agree with the source (decide time) on real modules,
-    methods with multi-line docstrings included: through the def's own lines, and through
-    ``inspect`` where those cannot be told apart."""
+def test_the_loaded_code_has_the_fingerprint_its_source_has():
+    """live_fingerprint (apply time, through ``inspect``) must agree with the source (decide time)
+    on real modules, methods with multi-line docstrings included."""
     import argparse
     import dataclasses
     import logging
 
-    if not read_from_its_lines:
-        monkeypatch.setattr(fastscan, "read_def", lambda text, qualname, body=True: None)
     checked = 0
     for module in (argparse, dataclasses, logging, codeview, reading):
         for function, info in _loaded_functions(module):
@@ -103,7 +97,7 @@ def test_find_package_dir_never_asks_the_shims_own_watcher(monkeypatch, tmp_path
 
 
 def test_applying_needs_none_of_the_deciding_modules():
-    """Applying never needs codeview, fastscan or inherited (deciding's modules): this module,
+    """Applying never needs codeview or inherited (deciding's modules): this module,
     which applying uses, must not import them at module level."""
     import ast
 
@@ -111,5 +105,4 @@ def test_applying_needs_none_of_the_deciding_modules():
     top = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
     names = {alias.name for node in top for alias in node.names} | {
         node.module for node in top if isinstance(node, ast.ImportFrom)}
-    assert not names & {"codeview", "fastscan", "answers", "npu_shim.source.codeview",
-                        "npu_shim.source.fastscan", "npu_shim.source.inherited"}
+    assert not names & {"codeview", "inherited", "npu_shim.source.codeview", "npu_shim.source.inherited"}

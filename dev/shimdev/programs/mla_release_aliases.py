@@ -16,8 +16,7 @@ KINDS = {
 out = {}
 for kind, hold in KINDS.items():
     print("holding", kind, flush=True)  # a signal would show which kind
-    # Each kind a fresh layer 0: start over, or it would be a layer first seen after the first
-    # pass (the wrapper retired), whose w_kc is kept.
+    # Each kind a fresh layer 0: start over, as a fresh decision would.
     activation.RUNTIME.record("mla_weight_release").process_state.reset()
     r = K.run_layer("glm-5", 16, hold=hold)
     weight = "qkv_a" if kind.startswith("qkv") else "w_kc"

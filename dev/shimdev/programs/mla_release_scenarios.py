@@ -42,8 +42,7 @@ def touch(fn):
         return str(exc)
     return "no error"
 
-# sglang's own function, under the wrapper; in a list, as a module-level copy of it would be
-# rebound to the wrapper when reset() puts the wrapper back, as the first apply rebinds copies.
+# sglang's own function, under the wrapper.
 SGLANGS = [N.npu_mla_preprocess.__wrapped__]
 
 def is_sglangs(fn):
@@ -72,7 +71,7 @@ def passes(layers=3, count=2):
     return {"sglangs": sglangs, "after": is_sglangs(called()),
             "types": sorted({(type(m.fused_qkv_a_proj_with_mqa.weight).__name__, type(m.w_kc).__name__)
                              for m in ms}),
-            "touch": touch(lambda: ms[-1].w_kc.sum()), "retired": state["retired"],
+            "touch": touch(lambda: ms[-1].w_kc.sum()),
             "wrappers": state["wrappers"], "details": state["details"]}
 
 from sglang.srt.managers import tp_worker as TW  # noqa: E402 - imported where the update ops are checked
@@ -83,7 +82,7 @@ out = {"state": activation.RUNTIME.states()["mla_weight_release"]["state"],
        "method_is_predicate": P.NPUFusedMLAPreprocess.uses_mlaprolog.__code__
                               is RI.make_uses_mlaprolog_method("x").__code__}
 out["decode"], m = case("decode")
-out["decode_retired"] = is_sglangs(called())
+out["decode_through_wrapper"] = called() is N.npu_mla_preprocess and not is_sglangs(called())
 c = K.CONFIGS["glm-5"]
 out["touch_qkv"] = touch(lambda: m.fused_qkv_a_proj_with_mqa(torch.zeros(1, c["hidden"], dtype=K.DTYPE)))
 out["touch_w_kc"] = touch(lambda: m.w_kc.sum())
@@ -144,8 +143,8 @@ out["predicate_w8a8"] = predicate(attr)
 other = {"quant_config": "quantization_config", "quantization_config": "quant_config"}
 out["predicate_other_attr"] = predicate(other[attr])
 out["passes"] = passes()
-# A layer first seen after the retirement: the weight wrapper still frees its qkv_a and brings
-# npu_mla_preprocess's wrapper back, which frees its w_kc at its next call and leaves again.
+# A layer first seen after the first pass: the wrappers, still in place, free its qkv_a and its
+# w_kc at its first call.
 del LOG[:]
 unseen = K.build_attention("glm-5", 16, layer_id=9)
 for _ in range(2):
@@ -153,10 +152,9 @@ for _ in range(2):
     with context:
         called()(unseen, hidden, positions, batch, None)
 out["unseen"] = {"types": [type(unseen.fused_qkv_a_proj_with_mqa.weight).__name__, type(unseen.w_kc).__name__],
-                 "log": list(LOG), "sglangs": is_sglangs(called()),
-                 "retired": activation.RUNTIME.states()["mla_weight_release"]["retired"]}
-out["after_reset"] = case("decode", layer_id=7)[0]  # reset() starts over: the wrapper is back
-# Retired, then uninstalled: every original back, nothing of the shim left on the classes.
+                 "log": list(LOG), "sglangs": is_sglangs(called())}
+out["after_reset"] = case("decode", layer_id=7)[0]  # reset() starts over: frees as before
+# After a pass, uninstalled: every original back, nothing of the shim left on the classes.
 passes(layers=2)
 npu_shim.uninstall()
 out["uninstalled"] = {

@@ -18,14 +18,11 @@ from npu_shim.patches.mla_weight_release import (
     ReleasedWeightError, fingerprint, pins)
 from npu_shim.reporting import log, metrics
 from npu_shim.runtime import tensor_release
-from npu_shim.runtime.targets import Replace, Retirement, Wrap
+from npu_shim.runtime.targets import Replace, Wrap
 
 # Per-layer markers in the attention module's __dict__ (the hot-path check is one dict lookup).
 _DONE = "_npu_shim_mla_release_done"
 _FIRST = "_npu_shim_mla_release_first"
-# On a layer's NPUFusedMLAPreprocess built while npu_mla_preprocess's wrapper was away: its w_kc
-# is still to be released, by the wrapper, which is back until then.
-_LATE = "_npu_shim_mla_release_late"
 
 # --------------------------------------------------------------------------- the guard
 
@@ -85,23 +82,17 @@ class MlaWeightReleaseState:
         self.w8a8_attr = w8a8_attr
         self.role_source = role_source
         self.details = {} if details is None else details
-        # npu_mla_preprocess's wrapper leaves once one pass over the layers is done (the runtime
-        # binds this when it applies the target).
-        self.entry = Retirement()
         self.reset()
 
     def reset(self):
         """Start over, as a fresh decision would (tests, the demo and the bench run several
-        layers' cases in one process): the entry wrapper is back if it had retired."""
-        self.entry.reinstate()
-        self.entry_retired = False
+        layers' cases in one process)."""
         self.released_bytes = {"qkv_a": 0, "w_kc": 0}
         self.layers = set()
         self.guarded = {"qkv_a": set(), "w_kc": set()}  # layer ids whose weight is guarded
         self.said = set()
         self.summary_logged = False
         self.first_marked = False
-        self.late = 0  # layers first seen after the wrapper retired, their w_kc still to release
 
     def once(self, key, level, message):
         if key not in self.said:
@@ -266,38 +257,18 @@ class MlaWeightReleaseState:
     def wrap_npu_mla_preprocess(self, wrapped, instance, args, kwargs):
         m = args[0] if args else kwargs["m"]
         if _DONE in m.__dict__:
-            # A layer seen before the wrapper retired (a call that had looked the wrapper up
-            # before it left, or one made through a copy the runtime does not rebind).
+            # A layer seen already (every call after a layer's first, in eager mode; a captured
+            # graph replays without calling Python): one dict lookup, then sglang's function.
             return wrapped(*args, **kwargs)
-        preprocess = getattr(m, "mla_preprocess", None)
-        if preprocess is not None and getattr(preprocess, "__dict__", {}).pop(_LATE, False):
-            return self._late_call(wrapped, m, args, kwargs)
         return self._first_calls(wrapped, m, args, kwargs)
-
-    def _late_call(self, wrapped, m, args, kwargs):
-        """The second call of a layer first seen after the wrapper retired (its first built its
-        preprocessor through sglang's own function): its w_kc is released now, and the wrapper
-        leaves again once no such layer is left."""
-        result = wrapped(*args, **kwargs)
-        try:
-            self.free_w_kc(m)
-        except Exception as exc:  # noqa: BLE001 - never break the forward pass over an optimisation
-            self.once("error", logging.ERROR, "keeping w_kc: deciding the release raised %r" % (exc,))
-        m.__dict__[_DONE] = True
-        self.late = max(0, self.late - 1)
-        if not self.late:
-            self._retire_entry()
-        return result
 
     def _first_calls(self, wrapped, m, args, kwargs):
         if _FIRST in m.__dict__:
-            # The first layer seen comes round again: one pass over all layers is done, and
-            # this wrapper has nothing left to do: it leaves (the weight wrapper, the guards and
-            # the refusal of weight updates stay).
+            # The first layer seen comes round again: one pass over all layers is done, and the
+            # summary line says what it released.
             m.__dict__[_DONE] = True
             if not self.summary_logged and self.layers:
                 self._log_summary()
-            self._retire_entry()
             return wrapped(*args, **kwargs)
         had = hasattr(m, "mla_preprocess")
         result = wrapped(*args, **kwargs)
@@ -313,42 +284,10 @@ class MlaWeightReleaseState:
             m.__dict__[_FIRST] = True
         return result
 
-    def _reinstate_entry(self):
-        """npu_mla_preprocess's wrapper back (a layer it has not seen); False where it cannot be."""
-        try:
-            back = self.entry.reinstate()
-        except Exception as exc:  # noqa: BLE001 - the layer then keeps its w_kc, and the log says so
-            self.once("reinstate", logging.ERROR, "npu_mla_preprocess's wrapper cannot come back: %r"
-                      % (exc,))
-            return False
-        if back:
-            self.entry_retired = False
-        return back
-
-    def _retire_entry(self):
-        try:
-            self.entry_retired = self.entry.retire() or self.entry_retired
-        except Exception as exc:  # noqa: BLE001 - the wrapper then stays, which is only slower
-            self.once("retire", logging.ERROR, "npu_mla_preprocess's wrapper stays: retiring raised %r"
-                      % (exc,))
-
     def wrap_preprocess_weight(self, wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
         try:
             self.free_qkv_a(instance)
-            if self.entry_retired and self.details.get("role") == "decode":
-                # Only npu_mla_preprocess's wrapper frees w_kc, and it left after the first pass:
-                # it comes back for this layer's next call (and leaves again after it).
-                layer = getattr(instance, "layer_id", "?")
-                if self._reinstate_entry():
-                    instance.__dict__[_LATE] = True
-                    self.late += 1
-                    self.once("late", logging.INFO, "layer %s first ran after the first pass over the "
-                              "layers: npu_mla_preprocess's wrapper is back until its w_kc is released"
-                              % layer)
-                else:
-                    self.once("late", logging.WARNING, "layer %s first ran after the first pass over "
-                              "the layers: its qkv_a_proj.weight is released, its w_kc kept" % layer)
         except Exception as exc:  # noqa: BLE001 - never break weight loading over an optimisation
             self.once("error", logging.ERROR,
                       "keeping qkv_a_proj.weight: deciding the release raised %r" % (exc,))
@@ -385,8 +324,7 @@ def targets(view, ctx):
              "it has, update_weights_* requests are refused")
     forward = (MLA_PRE, CLASS + ".forward")
     return [
-        Wrap(MLA_NPU, "npu_mla_preprocess", release.wrap_npu_mla_preprocess, [PREPROCESS_SIG],
-             retirement=release.entry, pins=pins(entry)),
+        Wrap(MLA_NPU, "npu_mla_preprocess", release.wrap_npu_mla_preprocess, [PREPROCESS_SIG], pins=pins(entry)),
         Wrap(MLA_PRE, weight[1], release.wrap_preprocess_weight, [()],
              pins=pins(weight, forward, (MLA_PRE, CLASS + ".forward_mlaprolog"))),
         Replace(MLA_PRE, CLASS + ".uses_mlaprolog",

@@ -22,7 +22,8 @@ _MISSING = object()
 class Change:
     """One attribute replaced by a target; knows how to put everything back."""
 
-    def __init__(self, owner, attr, original, replacement, rebind_copies=True):
+    def __init__(self, owner, attr, original, replacement, rebind_copies=True, what=None):
+        self.what = what                  # the target's describe(): what a reload's change takes over
         self.owner = owner
         self.attr = attr
         self.original = original          # _MISSING when the attribute did not exist
@@ -163,7 +164,7 @@ class Wrap(Target):
         if problem:
             raise LookupError(problem + " (loaded code differs from its source)")
         self.check_loaded(original)
-        return Change(owner, attr, original, function_wrapper(original, self.wrapper))
+        return Change(owner, attr, original, function_wrapper(original, self.wrapper), what=self.describe())
 
 
 class Replace(Target):
@@ -190,7 +191,7 @@ class Replace(Target):
             raise LookupError("%s not found in the loaded module" % self.describe())
         self.check_loaded(original)
         current = None if original is _MISSING else original
-        return Change(owner, attr, original, self.factory(current), self.rebind_copies)
+        return Change(owner, attr, original, self.factory(current), self.rebind_copies, self.describe())
 
 
 # -- wrappers that pickle and copy like the functions they wrap ------------------------------------

@@ -35,7 +35,7 @@ import contextlib
 import os
 import sys
 
-from . import _device, _stubs
+from . import _device, _graphs, _stubs
 from ._device import STATE, mem_get_info, set_memory, stream_name
 from ._log import EVENTS, clear_events, log
 from ._stubs import STUB_IMPORTS, StubValue
@@ -76,6 +76,7 @@ def install(release: str | None = None, *, total_mib: int | None = None,
     import torch
 
     STATE.reset()
+    _graphs.reset_state()
     if total_mib is None:
         total_mib = int(os.environ.get("SIMNPU_TOTAL_MIB", 65536))
     if free_mib is None and os.environ.get("SIMNPU_FREE_MIB") is not None:
@@ -99,6 +100,8 @@ def install(release: str | None = None, *, total_mib: int | None = None,
     sys.modules["torch.npu.memory"] = npu.memory
     sys.modules["torch_npu.npu"] = npu
     sys.modules["torch_npu.npu.memory"] = npu.memory
+    sys.modules["torch.npu.graphs"] = npu.graphs
+    sys.modules["torch_npu.npu.graphs"] = npu.graphs
     f.overrides.setdefault("torch_npu", {})["npu"] = npu
     tn = sys.modules.get("torch_npu")
     if tn is not None:
@@ -157,6 +160,7 @@ def reset() -> None:
     """Clear EVENTS and restore memory / allocator / stream state to what install() set
     (stubs added/removed with add_stub/remove_stub stay as they are)."""
     STATE.reset()
+    _graphs.reset_state()
     if _INSTALLED is not None:
         set_memory(total_mib=_INSTALLED["total_mib"], free_mib=_INSTALLED["free_mib"])
     clear_events()

@@ -50,7 +50,12 @@ class _State:
         self.stream_ids = itertools.count(1)
         self.event_ids = itertools.count(1)
         self.main_streams: dict[int, Stream] = {}
+        self.streams: dict = {}  # name -> Stream, and its npu_stream -> name (for graph pool filters)
+        self.stream_ptrs: dict = {}
         self.tls = threading.local()
+        self.graph_pool_bytes = 0  # what the native allocator's graph pools hold (_graphs.py)
+        self.task_queue = None  # set_task_queue_enable's level; None: TASK_QUEUE_ENABLE's
+        self.seed = 67280421310721  # the default generator's seed (c10's default_rng_seed_val)
 
 
 STATE = _State()
@@ -160,6 +165,7 @@ def get_device_capability(device=None):
 
 def synchronize(device=None):
     _lazy_init()
+    _graphs().check_call("torch.npu.synchronize()")
     with _device_ctx(device):
         log("synchronize", STATE.device)
 
@@ -176,7 +182,8 @@ def mem_get_info(device=None):
         device = current_device()
     _check_index(_get_device_index(device, optional=True))
     _lazy_init()
-    free = max(0, STATE.free_mib * MIB - STATE.live_npu_bytes)
+    _graphs().check_call("torch.npu.mem_get_info()")
+    free = max(0, STATE.free_mib * MIB - STATE.live_npu_bytes - STATE.graph_pool_bytes)
     return free, STATE.total_mib * MIB
 
 
@@ -213,11 +220,20 @@ def reset_peak_memory_stats(device=None):
 
 
 def manual_seed(seed):
-    int(seed)  # queued by torch_npu until the device is initialised: nothing to do here
+    # queued by torch_npu until the device is initialised; refused in a capture unless unchanged
+    _graphs().check_seed(seed)
+    STATE.seed = int(seed)
 
 
 def manual_seed_all(seed):
-    int(seed)
+    _graphs().check_seed(seed)
+    STATE.seed = int(seed)
+
+
+def _graphs():
+    from . import _graphs
+
+    return _graphs
 
 
 class _device_ctx:
@@ -266,6 +282,8 @@ class Stream:
     def _sim_init(self, device_index, name):
         self._sim_device_index = device_index
         self._sim_name = name
+        STATE.streams[name] = self
+        STATE.stream_ptrs[id(self)] = name
 
     @property
     def device(self):
@@ -302,6 +320,7 @@ class Stream:
         # torch_npu: self.wait_event(stream.record_event()); recorded as one step
         stream.record_event  # noqa: B018 - what the real call needs of its argument
         log("wait_stream", self._sim_name, stream._sim_name)
+        _graphs().on_stream_edge("wait_stream", self._sim_name, stream._sim_name)
 
     def record_event(self, event=None):
         if event is None:
@@ -310,9 +329,11 @@ class Stream:
         return event
 
     def query(self):
+        _graphs().check_call("Stream.query() (%s)" % self._sim_name)
         return True
 
     def synchronize(self):
+        _graphs().check_call("Stream.synchronize() (%s)" % self._sim_name)
         log("stream_sync", self._sim_name)
 
     def set_data_preprocess_stream(self, is_data_preprocess_stream=False):
@@ -418,19 +439,23 @@ class Event:
             stream = current_stream()
         self._sim_recorded_on = stream._sim_name
         log("event_record", self._sim_name, stream._sim_name)
+        _graphs().on_stream_edge("event_record", self._sim_name, stream._sim_name)
 
     def wait(self, stream=None):
         if stream is None:
             stream = current_stream()
         log("wait_event", stream._sim_name, self._sim_name)
+        _graphs().on_stream_edge("wait_event", stream._sim_name, self._sim_name)
 
     def query(self):
+        _graphs().check_call("Event.query() (%s)" % self._sim_name)
         return True
 
     def elapsed_time(self, end_event):
         return 0.0
 
     def synchronize(self):
+        _graphs().check_call("Event.synchronize() (%s)" % self._sim_name)
         log("event_sync", self._sim_name)
 
     @property
@@ -565,20 +590,37 @@ NPU_NAMES = ("_lazy_init", "_is_in_bad_fork",
     "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "manual_seed",
     "manual_seed_all", "device", "Stream", "Event", "current_stream", "default_stream", "set_stream",
     "stream", "StreamContext", "get_allocator_backend", "NPUPluggableAllocator", "change_current_allocator",
+    # NPU graphs (_graphs.py)
+    "NPUGraph", "graph", "graph_pool_handle", "is_current_stream_capturing", "MemPool", "ExternalEvent",
+    "graph_task_group_begin", "graph_task_group_end", "graph_task_update_begin", "graph_task_update_end",
+    "get_task_queue_enable", "set_task_queue_enable", "host_empty_cache",
 )
+#: What the simulated ``torch.npu.graphs`` implements (_graphs.py).
+GRAPHS_NAMES = ("NPUGraph", "graph", "graph_pool_handle", "is_current_stream_capturing",
+                "graph_task_group_begin", "graph_task_group_end", "graph_task_update_begin",
+                "graph_task_update_end", "_GraphDispatchMode")
 #: What the simulated ``torch.npu.memory`` implements.
 MEMORY_NAMES = (
     "get_allocator_backend", "NPUPluggableAllocator", "change_current_allocator", "empty_cache",
     "memory_stats", "memory_stats_as_nested_dict", "memory_allocated", "max_memory_allocated",
     "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "is_initialized",
+    "MemPool", "host_empty_cache",
 )
 
 
 def build_npu_module() -> types.ModuleType:
     """A fresh ``torch.npu`` namespace (the same object is installed as ``torch_npu.npu``)."""
+    from . import _graphs
+
     me = sys.modules[__name__]
-    npu = _make_module("torch_npu.npu", {n: getattr(me, n) for n in NPU_NAMES}, _api.NPU)
-    npu.memory = _make_module("torch_npu.npu.memory", {n: getattr(me, n) for n in MEMORY_NAMES},
+
+    def find(n):
+        return getattr(me, n) if hasattr(me, n) else getattr(_graphs, n)
+
+    npu = _make_module("torch_npu.npu", {n: find(n) for n in NPU_NAMES}, _api.NPU)
+    npu.memory = _make_module("torch_npu.npu.memory", {n: find(n) for n in MEMORY_NAMES},
                               _api.MEMORY)
+    npu.graphs = _make_module("torch_npu.npu.graphs", {n: getattr(_graphs, n) for n in GRAPHS_NAMES},
+                              _api.GRAPHS)
     npu.config = _Config()
     return npu

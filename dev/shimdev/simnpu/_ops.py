@@ -570,6 +570,9 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
                  key_rope_antiquant_scale=key_rope_antiquant_scale is not None,
                  softmax_lse_flag=softmax_lse_flag, antiquant_mode=antiquant_mode,
                  key_antiquant_mode=key_antiquant_mode, value_antiquant_mode=value_antiquant_mode)
+    if input_layout == "BSH" and block_table is not None and sparse_mode == 0 and atten_mask is None:
+        return _bsh_paged_decode(query, key, value, block_table, actual_seq_lengths_kv, num_heads,
+                                 num_key_value_heads, scale, block_size)  # the graph-only block below
     if input_layout != "TND" or block_table is None or sparse_mode != 3:
         raise NotImplementedError("simnpu: %s with input_layout=%r, sparse_mode=%r and %s block table "
                                   "is not simulated (sglang's forward_mtp passes TND, 3, a table)"
@@ -948,6 +951,8 @@ def kernel(name):
     DECLARED, custom:: or sgl-kernel-npu's (with the real op's schema and its source)."""
     from ._sanitizer import declare_kernel
 
+    if name in GRAPH_SCHEMAS:
+        return _graph_kernel(name)
     for namespace, op, schema, source in _schemas():
         if op == name:
             fn = globals()[name]
@@ -971,6 +976,9 @@ def define() -> None:
             _LIBRARIES.append(libraries[namespace])
         libraries[namespace].define(name + schema)
         libraries[namespace].impl(name, kernel(name), "CompositeExplicitAutograd")
+    for name, schema in GRAPH_SCHEMAS.items():  # the graph-only block below
+        libraries["npu"].define(name + schema)
+        libraries["npu"].impl(name, kernel(name), "CompositeExplicitAutograd")
 
 
 def torch_npu_names() -> dict:
@@ -978,6 +986,7 @@ def torch_npu_names() -> dict:
     import torch
 
     names = {name: getattr(torch.ops.npu, name) for name in NPU_SCHEMAS}
+    names.update({name: getattr(torch.ops.npu, name) for name in GRAPH_SCHEMAS if "." not in name})
     names.update({name: getattr(torch.ops.atb, name) for name in ATB_SCHEMAS})
     return names
 
@@ -1222,3 +1231,142 @@ def kernel_stand_ins() -> dict:
             "sgl_kernel_npu.activation.swiglu_quant": {"swiglu_quant": swiglu_quant},
             "sgl_kernel_npu.sample.verify_tree_greedy": {"verify_tree_greedy": verify_tree_greedy},
             "triton": {"jit": jit}}
+
+
+# == graph-only attention ops =======================================================================
+#
+# What sglang's NPU-graph decode (``ascend_backend.forward_decode_graph``, 0.5.9 - 0.5.11) and
+# torch_npu's own ``_IFAv1DefaultHandler`` (``torch_npu/npu/_npugraph_handlers/ifa_handler.py``)
+# call: the max-workspace query, the output-shape inference, and the ``.out`` overload that writes
+# into preallocated outputs.  Schemas verbatim from libtorch_npu.so (the conformance test finds
+# each one there).  ``.out`` registers ``Tensor[] out`` without a write annotation, though the
+# kernel fills it: the graph recorder (``_graphs.py``) and the stream sanitizer are told so by
+# ``WRITES_UNANNOTATED``.
+
+_FIA_ARGS = NPU_SCHEMAS["npu_fused_infer_attention_score"][:-len(" -> (Tensor, Tensor)")]
+GRAPH_SCHEMAS = {
+    "npu_fused_infer_attention_score.out": (
+        _FIA_ARGS[:-1] + ", Tensor? workspace=None, Tensor[] out) -> (Tensor, Tensor)"),
+    "_npu_fused_infer_attention_score_get_max_workspace": _FIA_ARGS + " -> Tensor",
+    "_npu_fused_infer_attention_score_infer_output": (
+        '(Tensor query, Tensor value, *, str input_layout="BSH", Tensor? quant_scale2=None, '
+        'Tensor? block_table=None, int num_heads=1, int num_key_value_heads=0, '
+        'bool softmax_lse_flag=False, Tensor? query_rope=None) -> (Tensor, Tensor)'),
+}
+#: op -> arguments its kernel writes that its registered schema does not mark ``(a!)``.
+WRITES_UNANNOTATED = {"npu_fused_infer_attention_score.out": ("out",)}
+#: Bytes per query element the simulated workspace holds.  CANN sizes the real one inside
+#: aclnnFusedInferAttentionScoreGetWorkspaceSize (not public); the simulation's is a real
+#: uint8 tensor of ``WORKSPACE_BYTES_PER_QUERY_ELEMENT * query.numel()`` bytes (at least one
+#: 512-byte line), so a capture holds memory for it as on a device.
+WORKSPACE_BYTES_PER_QUERY_ELEMENT = 4
+
+
+def _bsh_paged_decode(query, key, value, block_table, actual_seq_lengths_kv, num_heads,
+                      num_key_value_heads, scale, block_size):
+    """forward_decode_graph's MHA call: ``input_layout="BSH"`` queries ``[B, 1, N * D]``, a paged
+    cache ``[blocks, block_size, H_kv * D]`` read through ``block_table`` for
+    ``actual_seq_lengths_kv[b]`` tokens (a padded batch entry has 0: its row is zeros), no mask
+    (each query token sees every cached token of its request)."""
+    import torch
+
+    op = "npu_fused_infer_attention_score"
+    kv_heads = num_key_value_heads or num_heads
+    if query.dim() != 3 or query.shape[1] != 1:
+        raise NotImplementedError("simnpu: %s BSH with query %r (sglang's graph decode passes [B, 1, N*D])"
+                                  % (op, tuple(query.shape)))
+    if actual_seq_lengths_kv is None or len(actual_seq_lengths_kv) != query.shape[0]:
+        raise RuntimeError("%s: actual_seq_lengths_kv %r for a batch of %d"
+                           % (op, actual_seq_lengths_kv, query.shape[0]))
+    if block_size and key.shape[1] != block_size:
+        raise RuntimeError("%s: key cache blocks of %d tokens, block_size %d" % (op, key.shape[1], block_size))
+    if query.shape[-1] % num_heads or num_heads % kv_heads:
+        raise RuntimeError("%s: query %r for %d heads over %d key/value heads"
+                           % (op, tuple(query.shape), num_heads, kv_heads))
+    head_dim = query.shape[-1] // num_heads
+    k_cache = key.reshape(key.shape[0], key.shape[1], kv_heads, -1)
+    v_cache = value.reshape(value.shape[0], value.shape[1], kv_heads, -1)
+    if k_cache.shape[-1] != head_dim:
+        raise RuntimeError("%s: key head dim %d, query head dim %d" % (op, k_cache.shape[-1], head_dim))
+    out = torch.zeros(query.shape[0], 1, num_heads * v_cache.shape[-1], dtype=query.dtype)
+    for b, total in enumerate(int(n) for n in actual_seq_lengths_kv):
+        if total > block_table.shape[1] * key.shape[1]:
+            raise RuntimeError("%s: request %d has %d tokens, its block table row holds %d"
+                               % (op, b, total, block_table.shape[1] * key.shape[1]))
+        if total <= 0:
+            continue
+        k = _gather(k_cache, block_table[b], total)
+        v = _gather(v_cache, block_table[b], total)
+        q = query[b].reshape(1, num_heads, head_dim)
+        out[b] = _attend(q, k, v, scale, None).reshape(1, -1).to(query.dtype)
+    return out, torch.zeros(1, dtype=query.dtype)
+
+
+def _npu_fused_infer_attention_score_get_max_workspace(query, key, value, **kwargs):
+    """A workspace for the ``.out`` call with the same arguments: a uint8 tensor (see
+    WORKSPACE_BYTES_PER_QUERY_ELEMENT)."""
+    import torch
+
+    nbytes = max(512, -(-WORKSPACE_BYTES_PER_QUERY_ELEMENT * query.numel() // 512) * 512)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _npu_fused_infer_attention_score_infer_output(query, value, *, input_layout="BSH", quant_scale2=None,
+                                                  block_table=None, num_heads=1, num_key_value_heads=0,
+                                                  softmax_lse_flag=False, query_rope=None):
+    """The outputs the ``.out`` call fills, uninitialised: attention_out of the query's shape with
+    the value's head dim (BSH: ``[B, S, N * Dv]``; TND / BSND: ``[..., N, Dv]``), and softmax_lse
+    (one element unless ``softmax_lse_flag``, which sglang never sets)."""
+    import torch
+
+    op = "_npu_fused_infer_attention_score_infer_output"
+    _unsupported(op, quant_scale2=quant_scale2 is not None, softmax_lse_flag=softmax_lse_flag)
+    kv_heads = num_key_value_heads or num_heads
+    if input_layout == "BSH":
+        value_dim = value.shape[-1] // kv_heads
+        shape = (*query.shape[:-1], num_heads * value_dim)
+    elif input_layout in ("TND", "BSND"):
+        value_dim = value.shape[-1] // kv_heads if value.dim() == 3 else value.shape[-1]
+        shape = (*query.shape[:-1], value_dim)
+    else:
+        raise NotImplementedError("simnpu: %s with input_layout=%r" % (op, input_layout))
+    return torch.empty(shape, dtype=query.dtype), torch.empty(1, dtype=query.dtype)
+
+
+def _npu_fused_infer_attention_score_out(query, key, value, *, workspace=None, out, **kwargs):
+    """``.out``: the functional op's results written into ``out`` ([attention_out, softmax_lse]),
+    which it returns; a workspace smaller than the max-workspace query's is refused."""
+    op = "npu_fused_infer_attention_score.out"
+    if len(out) != 2:
+        raise RuntimeError("%s: out holds %d tensors, the op writes 2" % (op, len(out)))
+    if workspace is not None:
+        needed = _npu_fused_infer_attention_score_get_max_workspace(query, key, value).numel()
+        if workspace.numel() * workspace.element_size() < needed:
+            raise RuntimeError("%s: a workspace of %d bytes, the op needs %d"
+                               % (op, workspace.numel() * workspace.element_size(), needed))
+    attention, lse = npu_fused_infer_attention_score(query, key, value, **kwargs)
+    if tuple(out[0].shape) != tuple(attention.shape):
+        raise RuntimeError("%s: out[0] has shape %r, the attention output is %r"
+                           % (op, tuple(out[0].shape), tuple(attention.shape)))
+    out[0].copy_(attention)
+    out[1].reshape(-1)[:lse.numel()].copy_(lse.reshape(-1)[:out[1].numel()])
+    return out[0], out[1]
+
+
+_GRAPH_KERNELS = {
+    "npu_fused_infer_attention_score.out": _npu_fused_infer_attention_score_out,
+    "_npu_fused_infer_attention_score_get_max_workspace": _npu_fused_infer_attention_score_get_max_workspace,
+    "_npu_fused_infer_attention_score_infer_output": _npu_fused_infer_attention_score_infer_output,
+}
+
+
+def _graph_kernel(name):
+    """The graph-only ops' stand-ins; ``.out`` is declared to the stream sanitizer with its ``out``
+    marked written (what the kernel does; the registered string does not say so)."""
+    from ._sanitizer import declare_kernel
+
+    fn = _GRAPH_KERNELS[name]
+    if name not in WRITES_UNANNOTATED:
+        return fn
+    schema = GRAPH_SCHEMAS[name].replace("Tensor[] out)", "Tensor(a!)[] out)")
+    return declare_kernel(name.split(".")[0] + schema, SOURCES["npu"])(fn)

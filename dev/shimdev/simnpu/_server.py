@@ -185,6 +185,10 @@ def _track(storage) -> None:
     key = storage.data_ptr()
     if key in _tracked:
         return
+    from . import _graphs
+
+    if _graphs.takes_placement(storage):  # allocated inside a live capture: the graph's pool's
+        return
     # from where the allocator current now takes it: zbal's heap once zbal's pluggable allocator
     # is current and its heap is bootstrapped, else device memory (mix mode before its lazy heap)
     in_heap = _device.STATE.allocator is not None and _device.STATE.heap_active

@@ -4,12 +4,27 @@ detokenizer), on the simulated NPU, answering the real ``openai`` client and sgl
 (dev/shimdev/server/).
 
 One server per configuration serves every check that does not disturb another; the servers of a
-release run on one xdist worker (``xdist_group``), the two releases side by side.  What is checked:
+release run on one xdist worker (``xdist_group``), the two releases side by side.  The servers run
+as production ones do, with NPU graphs (sglang's default on Ascend: decode of batch sizes 1 and 2
+warmed up, captured into one pool, replayed), except where a check needs eager mode (the same
+server with graphs off, the two nodes; a server that never comes up captures nothing).  What is
+checked:
 
 * zbal in full mode (TP 1) and mix mode (TP 2, two schedulers bootstrapping one zbal world):
-  the same tokens as the same server without the shim for a fixed set of greedy requests; the KV
-  cache's token count the one that follows from the heap (computed here from the sizes); in mix
-  mode the heap initialised after weights and KV cache, of the size the shim computed;
+  the same tokens as the same server without the shim for a fixed set of greedy requests, and as
+  the same server with graphs off (full mode; the two nodes, eager, for TP 2); the KV cache's
+  token count the one that follows from the heap (computed here from the sizes); in mix mode the
+  heap initialised after weights and KV cache, before the first capture, once per scheduler, of
+  the size the shim computed (the order of events, from each process's journal:
+  ``shimdev.server.journal``);
+* where graph memory comes from: with zbal, zbal's graph-pool hooks installed by the shim and
+  called by every capture, the pool in the GVA heap (full mode, and mix mode whose heap precedes
+  the captures); without the shim, the native allocator's graph pool; no zbal call of the shim's
+  while a capture is live (the simulated NPU refuses the NPU work, synchronising calls and memory
+  queries a capture forbids, so a server that serves proves the rest);
+* the backport against upstream's own: a 0.5.12 server (zbal upstream, the shim standing down)
+  with the same settings serves the same tokens from the same heap and KV cache, but captures
+  unpooled (upstream never sets ``ZBAL_ENABLE_GRAPH``);
 * every process named with its role in the state records and ``status --running`` (the launcher,
   each scheduler with ``tp r/n``, the detokenizer);
 * the same TP 2 job as two nodes (``--nnodes 2 --node-rank 0|1``), answers equal to one node's;
@@ -26,7 +41,7 @@ import time
 
 import pytest
 
-from shimdev.server import models
+from shimdev.server import journal, models
 from shimdev.server.pool import ServerPool
 from shimdev.server.process import Server, free_port, session_pids, status_running
 
@@ -114,9 +129,11 @@ class Servers:
         return self.pool.get((name, version), lambda: self._start(name, version, **options))
 
     def _start(self, name, version, *, shim="on", tp=1, env=None, zbal_mib=None, mix=False,
-               args=(), state_dir=True, metrics=False):
+               args=(), state_dir=True, metrics=False, graphs=True):
         model = models.ensure_model("qwen2", version)
-        env = {"SIMNPU_TOTAL_MIB": DEVICE_MIB, **(env or {})}
+        journal_dir = self.tmp / f"journal-{name}-{version}"
+        journal_dir.mkdir()
+        env = {"SIMNPU_TOTAL_MIB": DEVICE_MIB, "SIMNPU_JOURNAL_DIR": str(journal_dir), **(env or {})}
         if zbal_mib:
             env["SGLANG_ZBAL_LOCAL_MEM_SIZE"] = zbal_mib
             env["SGLANG_ZBAL_BOOTSTRAP_URL"] = "tcp://127.0.0.1:%d" % free_port()
@@ -128,9 +145,11 @@ class Servers:
         if metrics:
             all_args.append("--enable-metrics")
         server = Server(version, model, args=all_args, env=env, zbal=bool(zbal_mib), shim=shim,
-                        log_path=self.tmp / f"{name}-{version}.log")
+                        log_path=self.tmp / f"{name}-{version}.log", graphs=graphs)
+        started = time.monotonic()
         server.start()
-        server.name, server.model_dir = name, model
+        server.name, server.model_dir, server.journal_dir = name, model, journal_dir
+        server.ready_s = time.monotonic() - started
         return server
 
     def answers_of(self, name, version, **kwargs):
@@ -150,6 +169,45 @@ def servers(tmp_path_factory):
     bed = Servers(tmp_path_factory.mktemp("servers"))
     yield bed
     bed.stop_all()
+
+
+def schedulers(server) -> list[list[dict]]:
+    """The journal of each process that captured graphs or bootstrapped zbal (the schedulers)."""
+    found = [entries for entries in journal.read(server.journal_dir).values()
+             if any(kind(e) in ("capture_begin", "zbal:zbal_bootstrap") for e in entries)]
+    return found
+
+
+def kind(entry) -> str:
+    event = entry["event"]
+    return "zbal:" + event[1] if event[0] == "zbal" else event[0]
+
+
+def kinds_of(entries) -> list[str]:
+    return [kind(e) for e in entries]
+
+
+POOL_HOOKS = ["set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"]
+
+
+def assert_captured_into_zbal_s_heap(entries, sizes=2):
+    """One scheduler's graphs: zbal's pool hooks installed with its allocator, before any capture;
+    each batch size captured once, every capture into the one shared pool, placed by zbal in its
+    GVA heap, nothing on plain device memory; no call of the shim's into zbal while capturing."""
+    order = kinds_of(entries)
+    hooks = [e["event"][1] for e in entries if kind(e) == "allocator_fn"]
+    assert hooks[-3:] == POOL_HOOKS, hooks
+    assert order.index("allocator_fn") < order.index("capture_begin")
+    begins = [e for e in entries if kind(e) == "capture_begin"]
+    assert len(begins) == sizes and len({tuple(e["event"][3]) for e in begins}) == 1, begins
+    pools = [e["event"][2] for e in entries if kind(e) == "zbal:pool_begin"]
+    assert [p["source"] for p in pools] == ["gva_heap"] * sizes and all(p["filter"] for p in pools)
+    ends = [e["event"][2] for e in entries if kind(e) == "zbal:pool_end"]
+    assert len(ends) == sizes and ends[-1]["bytes"] > 0
+    assert all(end["grown"]["device"] == 0 for end in ends), ends
+    during = [kind(e) for e in entries if e["capturing"] and kind(e).startswith("zbal:")]
+    assert set(during) <= {"zbal:pool_begin", "zbal:pool_end"}, during
+    return ends[-1]["bytes"]
 
 
 def live_roles(info) -> list[str]:
@@ -186,6 +244,34 @@ def test_full_mode_serves_the_same_tokens_with_the_kv_cache_sized_from_the_heap(
     assert any(re.search(r"tp 0/1\] zbal: rank 0 initialised a %d MiB heap in full mode "
                          r"\(device 0, world 1\)" % HEAP_MIB, ln) for ln in lines), lines
     assert not shim_lines(off)
+    # both captured decode and served it from the graphs (a replay per decode step)
+    for server in (on, off):
+        (entries,) = schedulers(server)
+        assert kinds_of(entries).count("replay") >= NEW_TOKENS - 1, server.name
+
+
+@pytest.mark.parametrize("version", PER_RELEASE)
+def test_graph_memory_comes_from_zbal_s_heap_and_the_shim_stays_out_of_captures(servers, version):
+    on = servers.get("full", version, zbal_mib=HEAP_MIB, metrics=True)
+    (entries,) = schedulers(on)
+    assert_captured_into_zbal_s_heap(entries)
+    # without the shim: torch_npu's native allocator, its own graph pool, no hook to call
+    off = servers.get("off", version, shim="absent", state_dir=False)
+    (entries,) = schedulers(off)
+    assert "pool_hook" not in kinds_of(entries) and "change_allocator" not in kinds_of(entries)
+    ends = [e for e in entries if kind(e) == "capture_end"]
+    assert len(ends) == 2 and ends[-1]["graph_pool_bytes"] > 0
+
+
+@pytest.mark.xdist_group("server-0.5.11")
+def test_graphs_on_serve_the_same_tokens_as_graphs_off(servers):
+    version = "0.5.11"
+    eager = servers.get("full-eager", version, zbal_mib=HEAP_MIB, graphs=False)
+    assert servers.answers_of("full-eager", version) == servers.answers_of("full", version, zbal_mib=HEAP_MIB,
+                                                                              metrics=True)
+    (entries,) = schedulers(eager)
+    assert "capture_begin" not in kinds_of(entries)
+    assert kv_tokens(eager) == expected_kv_tokens(HEAP_MIB, 1, eager.model_dir)
 
 
 @pytest.mark.parametrize("version", PER_RELEASE)
@@ -259,6 +345,18 @@ def test_mix_mode_tp2_one_world_heap_after_the_kv_cache(servers, version):
         (h[1], h[2]) for h in heaps)
     info = status_running(version, mix.env["NPU_SHIM_STATE_DIR"])
     assert live_roles(info) == ["detokenizer", "http_server", "scheduler tp 0/2", "scheduler tp 1/2"]
+    # graphs: in each scheduler, one heap, made after the KV cache (on device memory then) and
+    # before the first capture, whose pool zbal then places in that heap
+    ranks = schedulers(mix)
+    assert len(ranks) == 2
+    kv_bytes = kv_tokens(mix) * kv_bytes_per_token(mix.model_dir, 2)
+    for entries in ranks:
+        order = kinds_of(entries)
+        assert order.count("zbal:zbal_bootstrap") == 1
+        assert order.index("zbal:zbal_bootstrap") < order.index("capture_begin")
+        (boot,) = [e for e in entries if kind(e) == "zbal:zbal_bootstrap"]
+        assert boot["live_npu_bytes"] >= kv_bytes and not boot["capturing"]
+        assert_captured_into_zbal_s_heap(entries)
 
 
 # -- two nodes -----------------------------------------------------------------------------------------
@@ -274,6 +372,7 @@ def test_two_nodes_answer_as_one(servers, tmp_path):
                   "NPU_SHIM_STATE_DIR": str(tmp_path / "state")}
     args = ["--mem-fraction-static", str(MEM_FRACTION), "--tp-size", "2", "--nnodes", "2",
             "--dist-init-addr", "127.0.0.1:%d" % dist_port]
+    # eager: with one_node (graphs on), the same TP 2 job with graphs off answers the same
     node1 = Server(version, model, args=args + ["--node-rank", "1"], env=common_env, zbal=True,
                    log_path=tmp_path / "node1.log", wait_ready=False)
     node0 = Server(version, model, args=args + ["--node-rank", "0"], env=common_env, zbal=True,
@@ -291,6 +390,29 @@ def test_two_nodes_answer_as_one(servers, tmp_path):
     finally:
         node0.stop()
         node1.stop()
+
+
+# -- the backport against upstream's own ----------------------------------------------------------------
+
+@pytest.mark.xdist_group("server-0.5.9")
+def test_upstream_0_5_12_sizes_heap_and_kv_cache_as_the_backport(servers):
+    """sglang 0.5.12 has zbal upstream (the shim stands down): the same settings give the heap and
+    KV cache the backport gives on 0.5.9 / 0.5.11 (full mode; in mix mode the GVA size differs by
+    design: upstream takes in-use memory as 61.2 GB minus free, the shim from the device total)
+    and the same tokens -- but upstream leaves ZBAL_ENABLE_GRAPH unset, so its captures reach
+    zbal unpooled, where the backport's have zbal's pool hooks."""
+    upstream = servers.get("upstream-full", "0.5.12", zbal_mib=HEAP_MIB)
+    assert servers.answers_of("upstream-full", "0.5.12") == servers.answers_of(
+        "full", "0.5.9", zbal_mib=HEAP_MIB, metrics=True)
+    assert kv_tokens(upstream) == expected_kv_tokens(HEAP_MIB, 1, upstream.model_dir) == kv_tokens(
+        servers.get("full", "0.5.9", zbal_mib=HEAP_MIB, metrics=True))
+    assert any(re.search(r"tp 0/1\] zbal=upstream ", ln) for ln in shim_lines(upstream))
+    (entries,) = schedulers(upstream)
+    (boot,) = [e["event"][2] for e in entries if kind(e) == "zbal:zbal_bootstrap"]
+    assert boot["deviceMemorySize"] == HEAP_MIB << 20
+    hooks = [e["event"][1] for e in entries if kind(e) == "allocator_fn"]
+    assert not set(POOL_HOOKS) & set(hooks) and "zbal:pool_begin" not in kinds_of(entries)
+    assert kinds_of(entries).count("capture_begin") == 2
 
 
 # -- bad input and faults ----------------------------------------------------------------------------
@@ -342,7 +464,7 @@ def test_a_killed_scheduler_takes_the_server_down_and_leaves_no_live_record(tmp_
     state = tmp_path / "state"
     server = Server(version, model, args=["--mem-fraction-static", str(MEM_FRACTION)],
                     env={"SIMNPU_TOTAL_MIB": DEVICE_MIB, "NPU_SHIM_STATE_DIR": str(state)},
-                    log_path=tmp_path / "killed.log")
+                    log_path=tmp_path / "killed.log", graphs=True)
     server.start()
     try:
         info = status_running(version, state)

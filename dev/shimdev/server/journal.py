@@ -2,7 +2,8 @@
 that tell its story -- zbal's native calls (bootstrap, the graph-pool hooks), the allocator swap
 and its ``set_*`` hooks, and every graph event (capture, replay, update, pool) -- to
 ``<dir>/journal-<pid>.jsonl``, one JSON line each, in the order they happened, with the device
-counters at that moment (``live_npu_bytes``: device memory; ``pluggable_bytes``: zbal's heap) and
+counters at that moment (``live_npu_bytes``: device memory; ``pluggable_bytes``: zbal's heap;
+``graph_pool_bytes``: the native allocator's graph pools) and
 whether a capture was live on the thread that logged it.  A test reads the order of events across
 a server's processes from outside (``read``)."""
 from __future__ import annotations
@@ -44,7 +45,9 @@ def start(directory: str) -> None:
             return
         line = json.dumps({"pid": os.getpid(), "thread": threading.current_thread().name,
                            "event": list(event), "live_npu_bytes": DEVICE.live_npu_bytes,
-                           "pluggable_bytes": DEVICE.pluggable_bytes, "capturing": _capturing()},
+                           "pluggable_bytes": DEVICE.pluggable_bytes,
+                           "graph_pool_bytes": getattr(DEVICE, "graph_pool_bytes", 0),
+                           "capturing": _capturing()},
                           default=repr)
         with lock, open(path, "a") as fh:
             fh.write(line + "\n")

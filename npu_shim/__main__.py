@@ -16,8 +16,8 @@ import os
 import sys
 
 from npu_shim.cli.exit_codes import (  # noqa: F401 - the codes, importable from here too
-    EXIT_BAD_ENV, EXIT_BROKEN_PIPE, EXIT_BUNDLE_FAILED, EXIT_CHECK_FAILED, EXIT_NO_DEVICE, EXIT_NO_RECORDS,
-    EXIT_NO_SGLANG, EXIT_NPU_STACK, EXIT_RUNNING_PROBLEM, EXIT_SELFTEST_FAILED, EXIT_SELFTEST_REFUSED,
+    EXIT_BAD_ENV, EXIT_BROKEN_PIPE, EXIT_BUNDLE_FAILED, EXIT_CHECK_FAILED, EXIT_NO_DEVICE,
+    EXIT_NO_SGLANG, EXIT_NPU_STACK, EXIT_SELFTEST_FAILED, EXIT_SELFTEST_REFUSED,
     EXIT_STRICT, EXIT_USAGE, config_exit_code)
 
 # What verifying a bundle imports, loaded before any command: ``check`` verifies the bundle it runs
@@ -34,12 +34,6 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="what the shim would do here, per patch and variable")
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--running", nargs="?", const="", default=None, metavar="DIR",
-                        help="instead: gather the state records of running processes from DIR "
-                             "(default: NPU_SHIM_STATE_DIR) into one table; exit 6 if one has a "
-                             "failed patch or they disagree, 7 if there is no live record")
-    status.add_argument("dir", nargs="?", default=None, metavar="DIR",
-                        help="with --running: the directory (the options may come in any order)")
     check = sub.add_parser("check", help="run the shim in a child process as a server would, "
                                          "import sglang's target modules and report what happened")
     check.add_argument("--json", action="store_true", help="machine-readable output")
@@ -102,7 +96,7 @@ def main(argv=None):
 
 
 def run(argv=None):
-    """``main`` for a terminal: a reader that went away (``status --running | head``) ends the
+    """``main`` for a terminal: a reader that went away (``status | head``) ends the
     output quietly with EXIT_BROKEN_PIPE, never with a traceback.  Started with stdout or stderr
     closed (Python then has None for it), the output goes nowhere and the exit status still says
     what the command found."""

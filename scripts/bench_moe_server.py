@@ -21,7 +21,6 @@ Usage: python scripts/bench_moe_server.py [--rounds N] [--requests N] [--tokens 
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -41,11 +40,9 @@ def _server(arm, log_dir):
     from shimdev.server.process import Server
 
     release, shim = ARMS[arm]
-    env = dict(moe_job.NPU_ENV)
-    if shim == "on":
-        env["NPU_SHIM_STATE_DIR"] = os.path.join(log_dir, "state")
-    return Server(release, models.ensure_model("glm4_moe", release), shim=shim, env=env,
-                  args=list(moe_job.NPU_ARGS), ready_timeout=420,
+    # sglang's metrics on every arm alike: the shim's counts are read from them
+    return Server(release, models.ensure_model("glm4_moe", release), shim=shim, env=dict(moe_job.NPU_ENV),
+                  args=list(moe_job.NPU_ARGS) + ["--enable-metrics"], ready_timeout=420,
                   log_path=os.path.join(log_dir, "bench-moe-%s.log" % arm))
 
 
@@ -83,19 +80,14 @@ def measure(rounds=2, requests=4, tokens=64, log_dir="/tmp"):
 
 
 def _fused_calls(server):
-    """The shim's count of fused decode calls, from its scheduler's state record."""
-    state = server.env.get("NPU_SHIM_STATE_DIR")
-    if not state:
-        return None
-    for name in os.listdir(state):
-        try:
-            with open(os.path.join(state, name)) as fh:
-                record = json.load(fh)
-        except (OSError, ValueError):
-            continue
-        if (record.get("role") or {}).get("role") == "scheduler":
-            return record["patches"]["dual_stream_experts"]["details"]["counts"]["fused_calls"]
-    return None
+    """The shim's count of fused decode calls in its scheduler, from sglang's ``/metrics``: one
+    more request first, whose prefill logs sglang's stats -- which publishes every call before it."""
+    from shimdev.server.process import shim_metrics, summaries
+
+    server.generate([1, 2, 3], 1)
+    details = shim_metrics(server)["detail"]
+    schedulers = [pid for pid, said in summaries(server).items() if said["role"].startswith("tp ")]
+    return sum(details.get((pid, "dual_stream_experts"), {}).get("fused_python_calls", 0) for pid in schedulers)
 
 
 def rows(rounds=2, requests=4, tokens=64):

@@ -19,7 +19,7 @@ Two servers, one per configuration, on one xdist worker: the shim on, and withou
 (not on PYTHONPATH).  Checked on them:
 
 * the same tokens for the same requests;
-* the bytes released, from the patch's details on each TP rank (``status --running``), equal
+* the bytes released, from the patch's details on each TP rank (sglang's ``/metrics``), equal
   to what the model's shapes say; the simulated device of each rank holds exactly that much less
   than the same rank of the server without the shim, after the same requests
   (``SIMNPU_TRACK_DERIVED``: what sglang derives from npu weights counts as npu memory);
@@ -105,7 +105,6 @@ def test_the_bytes_released_on_each_rank_are_what_the_shapes_say(bed):
     for rank, patch in details.items():
         assert patch["state"] == "applied"
         d = patch["details"]
-        assert d["role"] == "decode", d
         assert (d["qkv_a_bytes"], d["w_kc_bytes"]) == (expected["qkv_a"], expected["w_kc"]), (rank, d)
         assert d["released_bytes"] == sum(expected.values())
 
@@ -131,7 +130,8 @@ def test_update_weights_from_disk_is_refused_by_every_rank_and_the_server_keeps_
     refusals = [ln for ln in on.log_text().splitlines()
                 if "refused update_weights_from_disk: MLA weights are released in pid" in ln]
     assert sorted(int(re.search(r"in pid (\d+)", ln).group(1)) for ln in refusals) == sorted(pids.values()), refusals
-    # each rank's record says so (its writer rewrites it soon after: polled, bounded)
+    # each rank's metrics say so, written as it refused (a rank may answer after the response:
+    # polled, bounded)
     deadline = time.monotonic() + 30
     while True:
         refused = {rank: patch["details"].get("updates_refused")

@@ -24,12 +24,14 @@ One server per configuration, on one xdist worker, at most two alive:
 Checked: the same tokens on all three (against the CPU: or one request parting at a near-tie of the
 CPU's two best tokens, ``NEAR_TIE``); on ``on`` the dual-stream forward_deepep ran once per
 prefill of the MoE layer and the fused split_qkv_rmsnorm_rope once per decode step of each
-layer, read from the patch's details in the scheduler's state record; the sanitizer followed the
+layer, read from the patch's counts in sglang's ``/metrics`` (the shim arms run with
+``--enable-metrics --decode-log-interval 1``: the counts are published after every decode batch);
+the sanitizer followed the
 scheduler's kernels on the main and side streams and reported nothing.  With the draft: the same
 tokens shim on and off, and the target's (speculative greedy decoding is the target's greedy
 decoding); each target-verify batch once through the dual-stream forward_deepep and twice through
-the fused kernel, counted per request in the record; the sanitizer silent; one main stream for the
-target and the draft.
+the fused kernel, counted per request in ``/metrics``; the sanitizer silent; one main stream (and
+so one side stream) for the target and the draft.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ import pytest
 
 from shimdev.server import models, moe_job
 from shimdev.server.pool import ServerPool
-from shimdev.server.process import Server, free_port, status_running
+from shimdev.server.process import Server, current_states, free_port, shim_metrics, summaries
 
 VERSION = "0.5.8"
 HEAP_MIB = 256
@@ -51,6 +53,9 @@ NEW_TOKENS = 8
 NPU_ARGS, NPU_ENV = list(moe_job.NPU_ARGS), moe_job.NPU_ENV   # the job: dev/shimdev/server/moe_job.py
 CPU_ARGS, CPU_ENV = list(moe_job.CPU_ARGS), moe_job.CPU_ENV
 SPEC_ARGS = list(moe_job.SPEC_ARGS)
+#: Where the shim is on: sglang's metrics, logged (and so the shim's counts published) after every
+#: decode batch instead of every 40th.
+METRICS_ARGS = ["--enable-metrics", "--decode-log-interval", "1"]
 MAX_LIVE = 2
 
 #: The tests share their servers: one xdist worker runs them all.
@@ -113,13 +118,14 @@ class Servers:
             env, args, shim, zbal = dict(CPU_ENV), CPU_ARGS, "absent", False
         else:
             env, args, zbal = dict(NPU_ENV), NPU_ARGS + (SPEC_ARGS if spec else []), arm == "on"
+            if arm == "on":
+                args = args + METRICS_ARGS
             shim = "on" if arm == "on" else "absent"
         if arm == "on":
             (self.tmp / name).mkdir()
             env.update({"SGLANG_ZBAL_LOCAL_MEM_SIZE": HEAP_MIB,
                         "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://127.0.0.1:%d" % free_port(),
-                        # a directory each: one server's record and sanitizer files only
-                        "NPU_SHIM_STATE_DIR": str(self.tmp / name / "state"),
+                        # a directory each: one server's sanitizer files only
                         "SIMNPU_SANITIZE_DIR": str(self.tmp / name / "sanitizer")})
         server = Server(VERSION, model, args=args, env=env, zbal=zbal, shim=shim,
                         log_path=self.tmp / f"moe-{name}.log", ready_timeout=420)
@@ -144,12 +150,13 @@ def servers(tmp_path_factory):
     bed.stop_all()
 
 
-def scheduler_record(server) -> dict:
-    info = status_running(VERSION, server.env["NPU_SHIM_STATE_DIR"])
-    live = [p for p in info["processes"]
-            if p["status"] == "live" and (p.get("role") or {}).get("role") == "scheduler"]
-    assert len(live) == 1, [(p.get("pid"), p["status"], p.get("role")) for p in info["processes"]]
-    return live[0]
+def scheduler_counts(server) -> tuple[str, dict]:
+    """The dual-stream patch's state and counts in the scheduler, from the server's ``/metrics``
+    (the scheduler's pid from its summary line in the log, as an operator finds it)."""
+    (pid,) = [pid for pid, said in summaries(server).items() if said["role"] == "tp 0/1"]
+    metrics = shim_metrics(server)
+    counts = metrics["detail"].get((pid, "dual_stream_experts"), {})
+    return current_states(metrics)[(pid, "dual_stream_experts")], {k: int(v) for k, v in counts.items()}
 
 
 def sanitizer_files(server) -> dict:
@@ -164,24 +171,23 @@ def sanitizer_files(server) -> dict:
 
 
 @ON_ONE_WORKER
-def test_the_dual_stream_and_fused_paths_ran_and_the_record_says_how_often(servers):
+def test_the_dual_stream_and_fused_paths_ran_and_sglangs_metrics_say_how_often(servers):
     done = servers.answers_of("on")
-    # the record follows the counts within a second or so (the scheduler is live: this file's
+    # published after each decode batch: polled, bounded (the scheduler is live: this file's
     # tests run in order, the server with the most checks first)
     deadline = time.monotonic() + 15
     while True:
-        patch = scheduler_record(servers.get("on"))["patches"]["dual_stream_experts"]
-        counts = patch["details"]["counts"]
-        if counts["fused_calls"] >= 2 * done["decode_steps"] or time.monotonic() > deadline:
+        state, counts = scheduler_counts(servers.get("on"))
+        if counts.get("fused_python_calls", 0) >= 2 * done["decode_steps"] or time.monotonic() > deadline:
             break
         time.sleep(1)
-    assert patch["state"] == "applied", patch
+    assert state == "applied", state
     # one MoE layer (first_k_dense_replace=1): the dual-stream forward_deepep once per prefill
     # (the readiness probe's /health_generate included); two attention layers: the fused kernel
     # twice per decode step
-    assert counts["dual_stream_calls"] >= done["prefills"], counts
-    assert counts["fused_calls"] == 2 * done["decode_steps"] > 0, (counts, done)
-    assert "fused_fallback" not in patch["details"], patch["details"]
+    # (no NPU graphs here: every forward runs Python, so every one is counted)
+    assert counts["dual_stream_python_calls"] >= done["prefills"], counts
+    assert counts["fused_python_calls"] == 2 * done["decode_steps"] > 0, (counts, done)
 
 
 @ON_ONE_WORKER
@@ -191,12 +197,12 @@ def test_the_stream_sanitizer_followed_the_scheduler_and_stayed_silent(servers):
 
 
 def assert_sanitizer_followed_the_scheduler_and_stayed_silent(server):
-    """The scheduler's sanitizer saw its main stream and a side stream over a whole run (more than
-    a thousand launches), and no process's sanitizer reported anything."""
+    """The scheduler's sanitizer saw its main stream and one side stream over a whole run (more
+    than a thousand launches), and no process's sanitizer reported anything."""
     files = sanitizer_files(server)
     (scheduler,) = [d for title, d in files.items() if title.startswith("sglang::scheduler")]
     side = [s for s in scheduler["streams"] if s.startswith("side-")]
-    assert "main" in scheduler["streams"] and side, scheduler["streams"]
+    assert "main" in scheduler["streams"] and len(side) == 1, scheduler["streams"]
     assert scheduler["launches"] > 1000, scheduler["launches"]
     for title, data in files.items():
         assert data["reports"] == [], (title, [r["message"] for r in data["reports"]])
@@ -230,14 +236,13 @@ def generate_one(server, prompt):
 
 
 def settled_counts(server, done=lambda counts: True):
-    """The dual-stream patch's counts in the scheduler's record once ``done(counts)`` holds (the
-    record follows within a second or so), or as they stand after 15 s."""
+    """The dual-stream patch's state and counts in ``/metrics`` once ``done(counts)`` holds
+    (published after each decode batch), or as they stand after 15 s."""
     deadline = time.monotonic() + 15
     while True:
-        patch = scheduler_record(server)["patches"]["dual_stream_experts"]
-        counts = dict(patch["details"]["counts"])
+        state, counts = scheduler_counts(server)
         if done(counts) or time.monotonic() > deadline:
-            return patch, counts
+            return state, counts
         time.sleep(1)
 
 
@@ -246,34 +251,33 @@ def test_with_a_draft_model_each_verify_batch_takes_the_dual_stream_and_fused_pa
     done = servers.answers_of("spec-on")
     server = servers.get("spec-on")
     assert "spec-on" in servers.pool.live
-    # the requests above are answered: the counts stand still once the record caught up
-    _, before = settled_counts(server, lambda c: c["fused_calls"] > 0)
+    # the requests above are answered: the counts stand still once published
+    _, before = settled_counts(server, lambda c: c.get("fused_python_calls", 0) > 0)
     time.sleep(2)
     _, before = settled_counts(server)
     out = generate_one(server, [11, 12, 13, 14, 15])
     verifies = out["meta_info"]["spec_verify_ct"]
     assert verifies >= 1, out["meta_info"]
-    patch, after = settled_counts(server, lambda c: c["fused_calls"] >= before["fused_calls"] + 2 * verifies)
+    state, after = settled_counts(
+        server, lambda c: c["fused_python_calls"] >= before["fused_python_calls"] + 2 * verifies)
     delta = {k: after[k] - before[k] for k in after}
-    assert patch["state"] == "applied", patch
+    assert state == "applied", state
     # one target-verify batch per verify step (one request at a time), each through the MoE layer
     # once on two streams; the other dual-stream calls are the target's prefill and the draft's
     # extends (its NextN layer is an MoE layer too): one after the prefill and one after each
     # verify but the last -- eagle_worker.forward_batch_generation skips the draft extend once the
     # verify finished the request (``verified_id`` empty)
-    assert delta["dual_stream_verify_calls"] == verifies, (delta, out["meta_info"])
-    assert delta["dual_stream_calls"] == 1 + 1 + verifies + (verifies - 1), (delta, out["meta_info"])
+    assert delta["dual_stream_verify_python_calls"] == verifies, (delta, out["meta_info"])
+    assert delta["dual_stream_python_calls"] == 1 + 1 + verifies + (verifies - 1), (delta, out["meta_info"])
     # the fused kernel: in the target's two layers of each verify batch (draft extends are extend)
-    assert delta["fused_calls"] == 2 * verifies, (delta, out["meta_info"])
-    assert after["dual_stream_verify_calls"] >= done["prefills"] > 0, after
-    assert "fused_fallback" not in patch["details"], patch["details"]
-    # the target and the draft run on one main stream (the scheduler's), so one side stream serves
-    # both: 0.5.8's EAGLE worker makes no stream of its own
-    assert len(patch["details"]["side_streams"]) == 1, patch["details"]["side_streams"]
+    assert delta["fused_python_calls"] == 2 * verifies, (delta, out["meta_info"])
+    assert after["dual_stream_verify_python_calls"] >= done["prefills"] > 0, after
 
 
 @ON_ONE_WORKER
 def test_with_a_draft_model_the_stream_sanitizer_stayed_silent(servers):
+    # the target and the draft run on one main stream (the scheduler's), so one side stream serves
+    # both: 0.5.8's EAGLE worker makes no stream of its own
     servers.answers_of("spec-on")
     assert_sanitizer_followed_the_scheduler_and_stayed_silent(servers.get("spec-on"))
 

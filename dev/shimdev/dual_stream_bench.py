@@ -100,7 +100,7 @@ WRAPPER_WHAT = "dual-stream experts wrapper, host time per MoE layer call on the
 
 
 def wrapper_cost(device, wrapt, tokens=16, calls=200, rounds=9, device_module=None, dtype=None, **overrides):
-    """{"ms": {arm: [ms per call, one per round]}, "dual_stream_calls": how many calls the wrapper
+    """{"ms": {arm: [ms per call, one per round]}, "dual_stream_python_calls": how many calls the wrapper
     sent down the dual-stream path} of the synthetic block's ``forward_deepep``, wall time
     per call over ``calls`` calls then a synchronize, arms in turn (the order reversed every other
     round): ``plain`` the unwrapped single-stream body (0.5.9's order), ``extend`` the same method
@@ -163,7 +163,7 @@ def wrapper_cost(device, wrapt, tokens=16, calls=200, rounds=9, device_module=No
                     out[name].append((time.perf_counter() - start) * 1000.0 / calls)
     finally:
         torch.get_device_module = real_get
-    return {"ms": out, "dual_stream_calls": process.counts["dual_stream_calls"]}
+    return {"ms": out, "dual_stream_python_calls": process.counts["dual_stream_python_calls"]}
 
 
 def wrapper_cost_row(device, name, wrapt, wrapt_note, **kw):

@@ -5,11 +5,10 @@ what the demo's drivers (dev/shimdev/demo_features.py) and the real-release test
   ``event_order`` (simnpu.EVENTS as names), ``make_scheduler`` (the real, wrapped
   ``Scheduler.__init__`` with a stub body that allocates), ``stub_model_runner`` (the release's real
   ``ModelRunner.initialize`` over stubbed heavy steps that take simulated device memory) --
-  tests/patches/test_zbal_real.py, tests/reporting/test_state_records_real.py;
-* a scheduler process's start: ``enter_scheduler_process`` calls the real (wrapped)
-  ``run_scheduler_process`` with ``StopAtBody`` server arguments, which end the call where the
-  body first reads them (a spawned child gets them as its arguments;
-  ``scheduler_process_args``) -- tests/runtime/test_role_real.py, tests/reporting/test_state_records_real.py;
+  tests/patches/test_zbal_real.py;
+* a scheduler process's start: ``scheduler_process_args``, the real (wrapped)
+  ``run_scheduler_process``'s arguments for a spawned child, with ``StopAtBody`` server arguments
+  that end the call where the body first reads them -- tests/runtime/test_role_real.py;
 * dual_stream_experts: ``glm4_moe_bed`` (a synthetic GLM-4 MoE block and two attention layers over
   the release's real ``glm4_moe`` classes) -- tests/patches/test_dual_stream_experts_real.py,
   dev/shimdev/stream_races.py.
@@ -89,16 +88,6 @@ class StopAtBody:
         if name.startswith("__"):
             raise AttributeError(name)  # pickle's and copy's look-ups
         raise SystemExit(0)
-
-
-def enter_scheduler_process(tp=16, tp_rank=3, pp_rank=0, dp_rank=None):
-    """Call the real (wrapped) run_scheduler_process in this process, up to its body's start."""
-    import sglang.srt.managers.scheduler as sch
-
-    try:
-        sch.run_scheduler_process(*scheduler_process_args(tp, tp_rank, pp_rank, dp_rank))
-    except SystemExit:
-        pass
 
 
 def scheduler_process_args(tp=16, tp_rank=3, pp_rank=0, dp_rank=None):

@@ -10,8 +10,7 @@ EXIT_BAD_ENV = 2
 EXIT_STRICT = 3
 EXIT_CHECK_FAILED = 4
 EXIT_NO_SGLANG = 5
-EXIT_RUNNING_PROBLEM = 6
-EXIT_NO_RECORDS = 7
+# 6 and 7 were ``status --running``'s (retired with the state records): not reused.
 EXIT_NPU_STACK = 8
 EXIT_SELFTEST_FAILED = 9
 EXIT_SELFTEST_REFUSED = 10

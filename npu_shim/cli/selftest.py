@@ -106,28 +106,8 @@ def sglang_processes(proc="/proc"):
     return sorted(found)
 
 
-def holders(environ=None, proc="/proc"):
-    """Why the device is taken, or None: live state records in NPU_SHIM_STATE_DIR first, then
-    sglang processes seen on this host."""
-    from npu_shim.cli import running_records as running
-    from npu_shim.core import config
-
-    environ = os.environ if environ is None else environ
-    try:
-        dir_ = config.STATE_DIR.read(environ)
-    except config.ConfigError:
-        dir_ = None
-    if dir_:
-        try:
-            info = running.analyse(dir_)
-        except OSError:
-            info = None
-        # Another user's live server holds the device as much as ours does: counted here.
-        pids = sorted(p["pid"] for p in (info or {}).get("processes", ()) if p["status"] in ("live", "other"))
-        if pids:
-            return ("%d live sglang process%s with state records in %s (pid %s): a server is running "
-                    "on this node" % (len(pids), "" if len(pids) == 1 else "es", dir_,
-                                      ", ".join(str(p) for p in pids[:8])))
+def holders(proc="/proc"):
+    """Why the device is taken, or None: the sglang server processes seen on this host."""
     seen = sglang_processes(proc)
     if seen:
         return ("%d sglang process%s on this host hold%s the device (pid %s: %s)"
@@ -137,17 +117,6 @@ def holders(environ=None, proc="/proc"):
 
 
 # -- the children --------------------------------------------------------------------------------
-
-def child_env():
-    """This environment for a child, less NPU_SHIM_STATE_DIR: a selftest process is no server and
-    writes no state record."""
-    from npu_shim.core import config
-
-    env = dict(os.environ)
-    for name in (config.STATE_DIR.name,) + tuple(config.STATE_DIR.aliases):
-        env.pop(name, None)
-    return env
-
 
 def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
     """(report or None, error or None) of one child; progress lines go to ``log`` as they come.
@@ -169,8 +138,7 @@ def run_stage(stage, options, deadline, log, bound=TIMEOUT_S):
     def read_err():
         errors.extend(children.decode(raw) for raw in proc.stderr)
 
-    proc = children.start(children.python_command(CHILD_CODE, stage, json.dumps(options)),
-                          env=child_env())
+    proc = children.start(children.python_command(CHILD_CODE, stage, json.dumps(options)))
     try:  # at once: a signal that comes while the readers are made must find the child killed
         readers = [children.helper_thread(read_out), children.helper_thread(read_err)]
         for reader in readers:

@@ -1,14 +1,12 @@
 """``python -m npu_shim status``: what the shim would do in this interpreter, read from sglang's
-source on disk (nothing of sglang, torch or wrapt is imported), per patch and variable; with
-``--running``, the state records of the running processes (npu_shim/cli/running_records.py).
-Its exit codes: npu_shim/cli/exit_codes.py."""
+source on disk (nothing of sglang, torch or wrapt is imported), per patch and variable.  A running
+server's own truth is in sglang's ``/metrics`` (docs/operations.md).  Its exit codes: npu_shim/cli/exit_codes.py."""
 
 import os
 import sys
 
 from npu_shim import _paths, _version
-from npu_shim.cli.exit_codes import (EXIT_BAD_ENV, EXIT_NO_RECORDS, EXIT_NO_SGLANG, EXIT_RUNNING_PROBLEM,
-                                     EXIT_USAGE, config_exit_code)
+from npu_shim.cli.exit_codes import EXIT_BAD_ENV, EXIT_NO_SGLANG, config_exit_code
 from npu_shim.core import config, framework
 from npu_shim.runtime import wrapt_loader
 from npu_shim.source.codeview import SourceView
@@ -142,50 +140,10 @@ def exit_code(info):
     return EXIT_NO_SGLANG
 
 
-def run_running(args):
-    """``status --running [DIR]``: the state records of the running processes (running_records.py)."""
-    from npu_shim.cli import running_records, running_table
-    from npu_shim.reporting.terminal import print_json, printable
-
-    dir_ = args.running or args.dir
-    if not dir_:
-        try:
-            dir_ = config.STATE_DIR.read()
-        except config.ConfigError as exc:
-            sys.stderr.write("npu-shim status --running: %s\n" % printable(exc))
-            return EXIT_BAD_ENV
-        if not dir_:
-            sys.stderr.write("npu-shim status --running: give DIR or set %s (the directory the "
-                             "server's processes write their records to)\n" % config.STATE_DIR.name)
-            return EXIT_USAGE
-    try:
-        info = running_records.analyse(dir_)
-    except OSError as exc:
-        error = "no such directory" if isinstance(exc, FileNotFoundError) else \
-            "cannot read it: %s" % (exc.strerror or exc)
-        info = {"dir": dir_, "patches": [], "processes": [], "unreadable": [], "live": 0, "other": 0,
-                "stale": 0, "suspect": 0, "problems": [], "error": error}
-    code = EXIT_RUNNING_PROBLEM if info["problems"] else 0 if info["live"] else EXIT_NO_RECORDS
-    info["exit"] = code
-    if args.json:
-        # strict JSON (a record's numbers are finite by the time they are read)
-        print_json(info, default=str, sort_keys=True, allow_nan=False)
-    elif "error" in info:
-        sys.stdout.write(printable("npu-shim status --running: %s: %s" % (dir_, info["error"])) + "\n")
-    else:
-        running_table.print_table(info)
-    return code
-
-
 def run(args):
     """The ``status`` command with its parsed ``args``; its exit status."""
     from npu_shim.reporting.terminal import print_json
 
-    if args.running is not None:
-        return run_running(args)
-    if args.dir is not None:
-        sys.stderr.write("npu-shim status: DIR is read only with --running\n")
-        return EXIT_USAGE
     info = collect()
     if args.json:
         print_json(info, default=str)

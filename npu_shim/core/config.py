@@ -106,23 +106,6 @@ def _parse_level(raw):
     return _one_of(raw.strip().upper(), _LEVELS)
 
 
-# What open(2) takes: a longer path the writer could still reach one folder at a time, but no
-# reader could open (``status --running`` opens the directory by its path).
-MAX_PATH_BYTES = 4095
-MAX_NAME_BYTES = 255
-
-
-def _parse_dir(raw):
-    value = raw.strip()
-    if not os.path.isabs(value):
-        raise ValueError("expected an absolute directory path, e.g. /dev/shm/npu-shim")
-    encoded = os.fsencode(value)
-    if len(encoded) > MAX_PATH_BYTES or any(len(part) > MAX_NAME_BYTES for part in encoded.split(b"/")):
-        raise ValueError("expected a path of at most %d bytes, each name at most %d"
-                         % (MAX_PATH_BYTES, MAX_NAME_BYTES))
-    return value
-
-
 def _parse_log_format(raw):
     return _one_of(raw.strip().lower(), LOG_FORMATS)
 
@@ -233,12 +216,8 @@ LOG_FORMAT = EnvVar(
     "NPU_SHIM_LOG_FORMAT", "format", "text",
     "Shim log lines as text ('[npu-shim 0.2.2 sglang 0.5.11 pid 812 tp 3/16] ...') or json "
     "(one object per line, for log pipelines).", _parse_log_format)
-STATE_DIR = EnvVar(
-    "NPU_SHIM_STATE_DIR", "dir", "",
-    "Directory (absolute, e.g. /dev/shm/npu-shim) where each sglang process keeps a JSON record of "
-    "its role and patch states; 'status --running' reads them. Unset: nothing is written.", _parse_dir)
 
-SHIM_VARIABLES = (ENABLED, ACTIVATE, STRICT, LOG_LEVEL, LOG_FORMAT, STATE_DIR, PATCHES)
+SHIM_VARIABLES = (ENABLED, ACTIVATE, STRICT, LOG_LEVEL, LOG_FORMAT, PATCHES)
 # Set by npu-shim itself (source/inherited.py) or its dev tooling (the test cache), not by users.
 INTERNAL_NAMES = ("NPU_SHIM_SOURCE_ANSWERS", "NPU_SHIM_CACHE")
 

@@ -6,7 +6,7 @@ A patch is three modules found from its name (docs/adding-a-patch.md):
   thin contract, all that deciding needs: the upstream PR it backports and the release that has
   it, the releases it backports to, its switch and the variables it reads, a ``probe`` that
   recognises upstream's own implementation in the running code; optionally a ``Report`` (what it
-  says about itself in ``check``, the summary line and ``status --running``);
+  says about itself in ``check`` and the summary line);
 * ``npu_shim/patches/_impl/<name>.py`` defines ``targets(view, ctx)`` (npu_shim/runtime/targets.py)
   and what its wrappers share in a process; it is loaded only where the patch is decided past its
   probe and trigger (``Patch.implementation``);
@@ -100,15 +100,10 @@ class Report:
         MiB)``); ``details``: a ``Details`` reader of this process's record."""
         return []
 
-    def running(self, details):
-        """The same for ``status --running``; ``details``: a ``Details`` reader of a record another
-        process wrote (untrusted: its readers return only values of the type asked for)."""
-        return []
-
 
 class Details:
-    """Typed readers of a patch record's details, which may come from another process's state
-    record: each returns the value only when it has the type asked for, else None."""
+    """Typed readers of a patch record's details (what its wrappers keep): each returns the value
+    only when it has the type asked for, else None."""
 
     def __init__(self, details):
         self._details = details if isinstance(details, dict) else {}

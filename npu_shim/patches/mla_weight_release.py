@@ -207,10 +207,6 @@ class MlaWeightReleaseReport(Report):
         released = details.number("released_mib")
         return [] if released is None else ["released %s MiB" % released]
 
-    def running(self, details):
-        released = details.number("released_mib")
-        return [] if released is None else ["-%s MiB" % released]
-
 
 class MlaWeightRelease(Patch):
     title = "Free MLA weights the mlaprolog path no longer reads (PD disaggregation)"

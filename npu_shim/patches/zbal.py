@@ -230,13 +230,6 @@ class ZbalReport(Report):
             parts.append("%d MiB" % size)
         return parts
 
-    def running(self, details):
-        parts = [details.text("mode", 16)] if details.text("mode") else []
-        size = details.count("gva_mib")
-        if size is not None:
-            parts.append("%d MiB" % size)
-        return parts
-
 
 class ZbalPatch(Patch):
     title = "memfabric zbal allocator: init, lazy GVA heap, memory queries, DeepEP, dist backend"

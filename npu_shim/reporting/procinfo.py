@@ -113,72 +113,19 @@ def role_label(info=None):
 def host():
     try:
         return socket.gethostname()
-    except Exception:  # noqa: BLE001 - a record and a log line still need a host
+    except Exception:  # noqa: BLE001 - a log line still needs a host
         return "localhost"
 
 
-def pid_namespace():
-    """This process's PID namespace as the kernel names it (the inode of ``/proc/self/ns/pid``),
-    or None off Linux: two containers with host networking share the hostname, not this."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
-def boot_id():
-    """The kernel's boot id (Linux): two hosts of one name, or one host after a reboot, differ."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as handle:
-            text = handle.read(64).decode("ascii", "replace").strip()
-    except OSError:
-        return None
-    return text if re.fullmatch(r"[0-9a-f-]{36}", text) else None
-
-
-def process_uid(pid):
-    """The user a process of this PID namespace runs as (the owner of ``/proc/PID``), or None."""
-    try:
-        return os.stat("/proc/%d" % pid).st_uid
-    except (OSError, OverflowError, ValueError):
-        return None
-
-
-def main_module():
-    """``sglang.launch_server`` for ``python -m sglang.launch_server``, a script's base name, or
-    None: what a record says of the command line (its arguments may hold secrets: never kept)."""
-    main = sys.modules.get("__main__")
-    name = getattr(getattr(main, "__spec__", None), "name", None)
-    if name:
-        return name
-    path = getattr(main, "__file__", None) or (sys.argv[0] if sys.argv else None)
-    return os.path.basename(path) if path else None
-
-
-def _stat(pid=None):
-    """The fields of ``/proc/PID/stat`` after the command name (Linux), or None."""
+def start_ticks(pid=None):
+    """The process's start time in clock ticks since boot (Linux ``/proc/PID/stat``), or None: with
+    the pid it names one process, even after the pid is reused."""
     try:
         with open("/proc/%s/stat" % (int(pid) if pid else "self"), "rb") as handle:
             data = handle.read(4096)
-        return data[data.rindex(b")") + 2:].split()
-    except (OSError, ValueError, OverflowError, TypeError):
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, OverflowError, TypeError, IndexError):
         return None
-
-
-def start_ticks(pid=None):
-    """The process's start time in clock ticks since boot (Linux ``/proc``), or None: with the pid
-    it names one process, even after the pid is reused."""
-    fields = _stat(pid)
-    try:
-        return int(fields[19]) if fields else None
-    except (ValueError, IndexError):
-        return None
-
-
-def is_zombie(pid):
-    """The process has exited and waits for its parent to reap it (Linux), else False."""
-    fields = _stat(pid)
-    return bool(fields) and fields[0] in (b"Z", b"X")
 
 
 def note_sglang_version(version):

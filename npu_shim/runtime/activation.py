@@ -10,8 +10,8 @@ Timeline in a process:
    at DEBUG, ``unsupported`` at WARNING, ``failed`` at ERROR): everything is validated before
    anything changes.  A spawned child that decides while unpickling its target logs that line
    when the target starts (a scheduler's then carries its role: npu_shim/runtime/role.py).
-   With ``NPU_SHIM_STATE_DIR`` set the process's state record is written then, and again
-   whenever it changes (npu_shim/reporting/record_writer.py).
+   Where sglang keeps metrics (``--enable-metrics``) the shim's gauges follow every decision
+   and application (npu_shim/reporting/metrics.py).
 3. Each hook then applies the targets that live in its module -- the shim's own first (the
    scheduler's role, npu_shim/runtime/role.py), undone last, so a patch's wrapper of the same
    function stacks on it -- a target whose loaded code does not match fails its whole patch,
@@ -28,10 +28,10 @@ import threading
 
 from npu_shim.core import loading
 from npu_shim.core.framework import APPLIED, FAILED, ShimError
-from npu_shim.reporting import log, procinfo, state_record, summary
+from npu_shim.reporting import log, metrics, procinfo, summary
 from npu_shim.runtime import metrics_hook, role, wrapt_loader
 from npu_shim.runtime.decisions import (
-    decide_each, enforce, publish_record, published, report_invalid_variables,
+    decide_each, enforce, published, report_invalid_variables,
     revert_record, running_on_npu, sglang_view, strict, view_of)
 from npu_shim.runtime.finder import ShimFinder
 from npu_shim.source.reading import find_package_dir
@@ -137,19 +137,19 @@ class Runtime:
 
     def _decide_with(self, view, on_npu, missing_wrapt):
         """Decide, publish, then enforce whatever publishing did: a patch the user asked for that
-        failed stops the process even where saying so (the answers, the summary line, the state
-        record) raised."""
+        failed stops the process even where saying so (the answers, the summary line, the
+        metrics) raised."""
         self.records = decide_each(self.patches, view, on_npu, missing_wrapt)
         failures = self.publish(view, missing_wrapt)
         self.enforce_all(failures)
 
     def publish(self, view, missing_wrapt):
         """Say the decisions: the answers children inherit, the summary line (now, or when a
-        spawned child's target starts), the state record; the steps that raised (each logged once)."""
+        spawned child's target starts), the metrics; the steps that raised (each logged once)."""
         self.summary_due = os.getpid()
         steps = (("exporting the answers", lambda: self.publish_view(view)),
                  ("the summary line", lambda: self.say_summary_when_due(missing_wrapt)),
-                 ("the state record", lambda: publish_record(self.state_snapshot, view)))
+                 ("the metrics", metrics.publish))
         return [what for what, step in steps if not published(what, step)]
 
     def enforce_all(self, failures):
@@ -211,7 +211,6 @@ class Runtime:
         if not any(target is change.replacement for change in self.own_changes):
             procinfo.note_child_target(target)
             self.say_summary()
-            state_record.touch(now=True)  # the role it now has: at once, as the scheduler's
 
     # -- applying
     def watches(self, name):
@@ -256,9 +255,9 @@ class Runtime:
                 record.state, record.reason = FAILED, "while patching %s: %s" % (name, exc)
                 if self.summary_due is None:  # else the summary line, still to come, says it
                     summary.report(record)
-                state_record.write()
+                metrics.publish()
                 self.enforce(record)
-        state_record.write()
+        metrics.publish()
 
     # -- a wrapper that leaves (targets.Retirement)
     def bind_retirement(self, record, target):
@@ -285,7 +284,7 @@ class Runtime:
             record.details["retired"] = sorted(record.retired)
         log.debug("%s: %s retired (its job in this process is done): the original is back"
                   % (record.patch.name, what))
-        state_record.touch()
+        metrics.publish()
         return True
 
     def reinstate(self, record, what, generation):
@@ -301,7 +300,7 @@ class Runtime:
                 record.details["retired"] = sorted(record.retired)
             else:
                 record.details.pop("retired", None)
-        state_record.touch()
+        metrics.publish()
         return True
 
     def reapply_after_reload(self, module):
@@ -351,7 +350,7 @@ class Runtime:
             self.generation += 1
             self.records = None
             self.patches = None
-        state_record.write()
+        metrics.publish()  # every state 0: nothing of the shim is left in this process
 
     # -- what the process says
     def decided_records(self):
@@ -368,7 +367,7 @@ class Runtime:
         return {name: r.as_dict() for name, r in (self.records or {}).items()}
 
     def state_snapshot(self):
-        """{patch: {"state", "reason", "details", "targets_applied"}} for the state record."""
+        """{patch: {"state", "reason", "details", "targets_applied"}} for the metrics."""
         return {name: {"state": r.state, "reason": r.reason, "details": dict(r.details),
                        "targets_applied": "%d/%d" % (len(r.applied), len(r.targets))}
                 for name, r in (self.records or {}).items()}

@@ -9,7 +9,7 @@ import sys
 
 from npu_shim.core import config, framework, loading
 from npu_shim.core.framework import FAILED, PROBLEMS, ShimError
-from npu_shim.reporting import log, state_record
+from npu_shim.reporting import log
 from npu_shim.runtime.targets import Wrap
 
 
@@ -136,8 +136,3 @@ def published(what, step):
         log.error_once("publish:" + what, "%s failed: %r" % (what, exc))
         return False
 
-
-def publish_record(snapshot, view):
-    """Hand the records to the state record's writer, and write it where one is asked for."""
-    state_record.attach(snapshot, getattr(view, "package_dir", None))
-    state_record.write()

@@ -5,8 +5,7 @@ Every scheduler process runs ``sglang.srt.managers.scheduler.run_scheduler_proce
 the launcher or the data-parallel controller).  Whenever the shim is enabled and that module is
 imported, whatever patch is on (all off included), the runtime wraps it -- before any patch's
 target in that module, and undoes it after them -- and the wrapper tells ``procinfo`` the ranks
-(``tp 3/16``) before the body runs: log lines, the state record and ``status --running`` then
-carry them.  Its parameters are read by name (``server_args``, ``tp_rank``, ``pp_rank``,
+(``tp 3/16``) before the body runs: log lines then carry them.  Its parameters are read by name (``server_args``, ``tp_rank``, ``pp_rank``,
 ``dp_rank``), so every release's signature fits; one without them is left alone (DEBUG line) and
 the role comes from the process title as before.
 
@@ -20,7 +19,7 @@ gets that far (a child killed before it starts its target says none).
 import os
 import sys
 
-from npu_shim.reporting import log, procinfo, state_record
+from npu_shim.reporting import log, procinfo
 from npu_shim.runtime.targets import Change, bind_arguments, function_wrapper, resolve
 from npu_shim.source.reading import live_params
 
@@ -44,7 +43,6 @@ def prepare(module, started):
         try:
             note(bind_arguments(params, args, kwargs))
             started()
-            state_record.touch(now=True)
         except Exception as exc:  # noqa: BLE001 - the scheduler starts whatever happens here
             log.error_once("role:note", "noting the scheduler's role failed: %r" % (exc,))
         return wrapped(*args, **kwargs)

@@ -33,7 +33,7 @@ DEFAULT_ZBAL_MIB = zbal_selftest.OPTIONS[0][2]  # --zbal-mib's default
 
 RELEASE = "0.5.9"
 ENV = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": "61440", "SGLANG_NPU_USE_MULTI_STREAM": "1",
-       "NPU_SHIM_STRICT": None, "NPU_SHIM_ZBAL": None, "NPU_SHIM_STATE_DIR": None}
+       "NPU_SHIM_STRICT": None, "NPU_SHIM_ZBAL": None}
 # The image's own sitecustomize: the simulated NPU in every process; knobs for the tests.
 IMAGE_SITECUSTOMIZE = """\
 import atexit, json, os
@@ -89,10 +89,10 @@ def progress_lines(stderr):
 def test_full_mode_json_every_applied_patch_passes_within_the_bound(release_venv, tmp_path):
     release_venv(RELEASE)
     log = tmp_path / "zbal.json"
-    state_dir = tmp_path / "state"
-    state_dir.mkdir()
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir(mode=0o700)
     proc = selftest_run(tmp_path, "--json", "--zbal-mib", "512",
-                        env={"SIM_ZBAL_LOG": str(log), "NPU_SHIM_STATE_DIR": str(state_dir)})
+                        env={"SIM_ZBAL_LOG": str(log), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["exit"] == 0 and out["refused"] is None and out["error"] is None
@@ -123,7 +123,7 @@ def test_full_mode_json_every_applied_patch_passes_within_the_bound(release_venv
     assert sum(s.startswith("mla_weight_release: ") for s in steps) == len(mla_selftest.MLA_CONFIGS)
     assert sum(s.startswith("dual_stream_experts: ") for s in steps) == len(dual_stream_selftest.SIMULATED_TOKENS)
     assert any(s.startswith("zbal: full mode") for s in steps)
-    assert os.listdir(state_dir) == []  # the selftest's processes are no servers: no state record
+    assert os.listdir(metrics_dir) == []  # the selftest's processes are no servers: no metrics
 
 
 def test_mix_mode_text_switch_allocation_then_lazy_heap(release_venv, tmp_path):
@@ -189,59 +189,6 @@ def test_patch_option_runs_a_step_without_sglang_and_no_sglang_exits_5(release_v
     assert proc.stdout.startswith("npu-shim selftest: no sglang is importable")
 
 
-HOLDER = """
-import sys, time
-import sglang.srt.utils.common  # the shim decides: this process writes its state record
-print("ready", flush=True)
-time.sleep(120)
-"""
-
-
-def test_refused_without_a_child_while_a_server_process_has_a_live_record(release_venv, tmp_path):
-    """A live sglang process with a state record in NPU_SHIM_STATE_DIR: refused with one line before
-    any child starts; the parent imports no torch."""
-    release_venv(RELEASE)
-    state_dir = tmp_path / "state"
-    state_dir.mkdir()
-    argv, env = _command(tmp_path, {"NPU_SHIM_STATE_DIR": str(state_dir)})
-    holder = subprocess.Popen(argv + ["-c", HOLDER], env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 30
-        while not os.listdir(state_dir) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        code = ("import sys; from npu_shim import __main__ as cli; rc = cli.main(['selftest']); "
-                "print('torch imported:', 'torch' in sys.modules); sys.exit(rc)")
-        plain = dict(os.environ, PYTHONPATH=str(realsglang.REPO), NPU_SHIM_STATE_DIR=str(state_dir))
-        proc = subprocess.run([sys.executable, "-c", code], env=plain, capture_output=True, text=True, timeout=60)
-    finally:
-        holder.kill()
-        holder.wait()
-    assert proc.returncode == cli.EXIT_SELFTEST_REFUSED, proc.stdout + proc.stderr
-    first, second = proc.stdout.splitlines()
-    assert first == ("npu-shim selftest: refused: 1 live sglang process with state records in %s "
-                     "(pid %d): a server is running on this node" % (state_dir, holder.pid))
-    assert second == "torch imported: False"
-    assert proc.stderr == ""  # no progress line: no child was started
-
-
-def test_refused_when_live_state_records_say_a_server_runs(monkeypatch, tmp_path):
-    from npu_shim.cli import running_records as running
-
-    live = {"live": 2, "processes": [{"pid": 41, "status": "live"}, {"pid": 40, "status": "live"},
-                                      {"pid": 9, "status": "stale"}]}
-    monkeypatch.setattr(running, "analyse", lambda dir_: live if dir_ == str(tmp_path) else {})
-    why = selftest.holders({"NPU_SHIM_STATE_DIR": str(tmp_path)}, proc=str(tmp_path / "no-proc"))
-    assert why == ("2 live sglang processes with state records in %s (pid 40, 41): a server is "
-                   "running on this node" % tmp_path)
-    # another user's live server (not counted by status --running) holds the device all the same
-    live["processes"] = [{"pid": 41, "status": "other"}, {"pid": 9, "status": "stale"}, {"pid": 8, "status": "suspect"}]
-    assert selftest.holders({"NPU_SHIM_STATE_DIR": str(tmp_path)}, proc=str(tmp_path / "no-proc")) == (
-        "1 live sglang process with state records in %s (pid 41): a server is running on this node" % tmp_path)
-    live["processes"] = [{"pid": 9, "status": "stale"}, {"pid": 8, "status": "suspect"}]
-    assert selftest.holders({"NPU_SHIM_STATE_DIR": str(tmp_path)}, proc=str(tmp_path / "no-proc")) is None
-
-
 def test_sglang_processes_with_a_device_file_open(tmp_path):
     procs = {11: (b"sglang::scheduler_DP0_TP3\0", ["/dev/davinci3", "/dev/null"]),
              12: (b"python3\0-m\0sglang.launch_server\0--model\0m\0", ["/dev/nvidia0"]),
@@ -257,7 +204,7 @@ def test_sglang_processes_with_a_device_file_open(tmp_path):
     (tmp_path / "self").mkdir()
     assert selftest.sglang_processes(str(tmp_path)) == [
         (11, "sglang::scheduler_DP0_TP3"), (12, "python3 -m sglang.launch_server --model m")]
-    assert selftest.holders({}, proc=str(tmp_path)) == (
+    assert selftest.holders(proc=str(tmp_path)) == (
         "2 sglang processes on this host hold the device (pid 11, 12: sglang::scheduler_DP0_TP3)")
 
 

@@ -69,23 +69,6 @@ def test_the_bootstrap_spells_booleans_as_the_config_does():
     assert (_bootstrap.TRUE_WORDS, _bootstrap.FALSE_WORDS) == (config.TRUE_WORDS, config.FALSE_WORDS)
 
 
-@pytest.mark.parametrize("raw, ok", [
-    ("/dev/shm/npu-shim", True),
-    ("/" + "a" * 255, True),
-    ("/" + "a" * 256, False),                      # a name longer than NAME_MAX
-    ("/" + "/".join(["d" * 200] * 20), True),      # 4020 bytes
-    ("/" + "/".join(["d" * 200] * 21), False),     # 4221 bytes: past what open(2) takes
-    ("/x/\udcff" * 1400, False),                  # undecodable bytes count as the bytes they are
-])
-def test_a_state_dir_every_reader_can_open(raw, ok):
-    """The writer walks the directory one folder at a time, so before the fix it made a path of
-    any length -- one ``status --running`` could not open (ENAMETOOLONG)."""
-    if ok:
-        assert config.STATE_DIR.read({config.STATE_DIR.name: raw}) == raw
-    else:
-        assert error(config.STATE_DIR, raw).endswith("expected a path of at most 4095 bytes, each name at most 255")
-
-
 URL_RULE = ("expected tcp://HOST:PORT with a port in 1..65535, e.g. tcp://10.0.0.1:6789 (HOST: a hostname, "
             "IPv4 or [IPv6] address; ASCII digits)")
 
@@ -161,16 +144,6 @@ def test_the_log_level_and_format_take_their_words_in_any_case_and_name_them_oth
     assert error(config.LOG_LEVEL, "verbose") == (
         "NPU_SHIM_LOG_LEVEL='verbose' is invalid: expected one of DEBUG, INFO, WARNING, ERROR")
     assert error(config.LOG_FORMAT, "xml") == "NPU_SHIM_LOG_FORMAT='xml' is invalid: expected one of text, json"
-
-
-def test_a_state_dir_must_be_absolute_and_may_take_4095_bytes():
-    assert error(config.STATE_DIR, "npu-shim") == (
-        "NPU_SHIM_STATE_DIR='npu-shim' is invalid: expected an absolute directory path, e.g. /dev/shm/npu-shim")
-    longest = "/" + "/".join(["d" * 200] * 20) + "/" + "e" * 74
-    assert len(longest) == 4095 and config.STATE_DIR.read({config.STATE_DIR.name: longest}) == longest
-    assert error(config.STATE_DIR, longest + "e") == (
-        "NPU_SHIM_STATE_DIR=%r... is invalid: expected a path of at most 4095 bytes, each name at most 255"
-        % longest[:60])
 
 
 def test_the_allow_list_is_patch_names_separated_by_commas():

@@ -257,8 +257,7 @@ def test_without_wrapt_only_a_patch_that_would_apply_fails():
 
 
 def test_the_details_readers_return_only_the_type_asked_for():
-    """What crosses processes (another process's state record) is read through typed readers: a
-    report never formats a value of the wrong type."""
+    """Details are read through typed readers: a report never formats a value of the wrong type."""
     details = framework.Details({"mode": "full" * 10, "gva_mib": 49152, "flag": True, "neg": -1,
                                  "mib": 12.5, "text_number": "12"})
     assert details.text("mode", 16) == "fullfullfullfull" and details.text("gva_mib") is None
@@ -266,7 +265,7 @@ def test_the_details_readers_return_only_the_type_asked_for():
     assert details.number("mib") == 12.5 and details.number("flag") is None and details.number("text_number") is None
     assert framework.Details(None).text("mode") is None and framework.Details(["x"]).count("x") is None
     report = framework.Report()
-    assert (report.check_facts(), report.summary(details), report.running(details)) == ({}, [], [])
+    assert (report.check_facts(), report.summary(details)) == ({}, [])
 
 
 # -- what each decision says, word for word -----------------------------------------------------------

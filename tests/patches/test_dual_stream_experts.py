@@ -459,7 +459,7 @@ def test_bench_wrapper_cost_runs_the_wrapper_as_the_shim_installs_it_cpu_plumbin
                              expert_inter=8, experts=4, topk=2)
     assert set(out["ms"]) == {"plain", "extend", "decode"}
     assert all(len(values) == 3 and all(v > 0 for v in values) for values in out["ms"].values())
-    assert out["dual_stream_calls"] == 3 + 3 * 2  # warm-up, then 3 rounds x 2 calls: extend only
+    assert out["dual_stream_python_calls"] == 3 + 3 * 2  # warm-up, then 3 rounds x 2 calls: extend only
     row = bench.wrapper_cost_row("cpu", "cpu", wrapt, "wrapt %s" % wrapt.__version__, tokens=4, calls=2,
                                  rounds=3, hidden=16, shared_inter=16, expert_inter=8, experts=4, topk=2)
     assert row["what"] == bench.WRAPPER_WHAT and row["ok"] is None and "CPU dry run" in row["measured"]

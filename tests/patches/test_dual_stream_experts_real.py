@@ -72,9 +72,9 @@ def test_real_0_5_9_dual_stream_order_numerics_and_fused_decode(streams_and_fuse
         ("compute", "empty_topk", "main"), ("compute", "experts", "main"), ("op", "mul_", "main")]
     # Every path gives the single-stream result bit for bit.
     assert all(run["equal"] for run in moe.values()), {k: v["equal"] for k, v in moe.items()}
-    assert st["details"]["counts"]["dual_stream_calls"] == 3
+    assert st["details"]["counts"]["dual_stream_python_calls"] == 3
     # of which one target-verify batch, counted apart (a speculative server's record shows it)
-    assert st["details"]["counts"]["dual_stream_verify_calls"] == 1
+    assert st["details"]["counts"]["dual_stream_verify_python_calls"] == 1
     assert st["details"]["side_streams"] == {"<simnpu Stream main>": "<simnpu Stream side-1>"}
     # The stream sanitizer was on in every call above and found nothing.
     assert res["sanitizer"] == [], res["sanitizer"]
@@ -85,7 +85,7 @@ def test_real_0_5_9_dual_stream_order_numerics_and_fused_decode(streams_and_fuse
     for step in steps:
         assert max(step["diffs"]) < 1e-5, steps
     assert [s["cos_sin_calls"] for s in steps] == [1, 2], steps
-    assert st["details"]["counts"]["fused_calls"] == 4
+    assert st["details"]["counts"]["fused_python_calls"] == 4
     assert "fused_fallback" not in st["details"], st["details"]
     # Extend keeps the original path (bitwise the original's output, no fused call).
     assert res["extend_equal"] is True and res["extend_fused_calls"] == 0
@@ -117,7 +117,7 @@ def test_real_0_5_9_streams_off_keeps_original_experts_fused_still_on():
     assert not [e for e in res["events"] if e[0] in ("wait_stream", "stream_enter", "stream_create")]
     assert res["equal"] is True
     assert res["fused_diff"] < 1e-5
-    assert st["details"]["counts"]["fused_calls"] == 1
+    assert st["details"]["counts"]["fused_python_calls"] == 1
 
 
 def test_real_0_5_9_kernel_missing_and_streams_off_is_inactive_with_reason():
@@ -141,7 +141,7 @@ def test_real_0_5_9_old_kernel_is_refused_per_layer_and_streams_still_apply():
     assert res["equal"] is True and res["fused_equal"] is True
     assert res["waits"] == [["wait_stream", SIDE, "main"], ["wait_stream", "main", SIDE]]
     assert "rope rotates 8 of 16 head dims" in st["details"]["fused_fallback"], st["details"]
-    assert st["details"]["counts"]["fused_calls"] == 0
+    assert st["details"]["counts"]["fused_python_calls"] == 0
 
 
 def test_real_0_5_9_switch_off_leaves_glm4_moe_untouched():

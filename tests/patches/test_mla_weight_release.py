@@ -631,7 +631,7 @@ def test_weight_updates_are_refused_once_weights_are_released(server, logs, monk
     layers = [layer(i) for i in range(3)]
     step(layers)
     touched = []
-    monkeypatch.setattr(RI.state_record, "touch", lambda now=False: touched.append(now))
+    monkeypatch.setattr(RI.metrics, "publish", lambda: touched.append(True))
     for op, call in (("update_weights_from_disk", worker.update_weights_from_disk),
                      ("init_weights_update_group", worker.init_weights_update_group)):
         success, message = call("req")
@@ -641,7 +641,7 @@ def test_weight_updates_are_refused_once_weights_are_released(server, logs, monk
         assert "%.1f MiB freed" % (sum(REL.released_bytes.values()) / R.MIB) in message
     assert worker.loaded == []  # the runner was never asked: nothing read, nothing loaded
     assert REL.details["updates_refused"] == 2
-    assert len(touched) == 2  # each refusal reaches the running record (found by a real server)
+    assert len(touched) == 2  # each refusal reaches sglang's metrics at once
     refused = [line for line in logs if "refused" in line]
     assert len(refused) == 2 and all("NPU_SHIM_MLA_WEIGHT_RELEASE=0" in line for line in refused)
     assert all(torch.isfinite(out[0]).all() for out in step(layers))  # the layers keep serving
@@ -865,15 +865,14 @@ def test_probe_names_the_upstream_predicate_when_the_release_has_it():
     assert R.PATCH.probe(release_view()) is None
 
 
-@pytest.mark.parametrize("details,summary,running", [
-    ({"released_mib": 1.5}, ["released 1.5 MiB"], ["-1.5 MiB"]),
-    ({"released_mib": 0}, ["released 0 MiB"], ["-0 MiB"]),  # released, if only a little
-    ({}, [], []),
-    ({"released_mib": "1.5"}, [], []),  # another process's record: only a number is shown
+@pytest.mark.parametrize("details,summary", [
+    ({"released_mib": 1.5}, ["released 1.5 MiB"]),
+    ({"released_mib": 0}, ["released 0 MiB"]),  # released, if only a little
+    ({}, []),
+    ({"released_mib": "1.5"}, []),  # only a number is shown
 ])
-def test_report_shows_the_released_mib(details, summary, running):
+def test_report_shows_the_released_mib(details, summary):
     assert R.PATCH.report.summary(framework.Details(details)) == summary
-    assert R.PATCH.report.running(framework.Details(details)) == running
 
 
 # --------------------------------------------------------------------------- the targets
@@ -1196,9 +1195,9 @@ def test_each_reason_to_release_nothing_is_warned_once_on_its_own(server, logs):
 
 # --------------------------------------------------------------------------- releasing, word for word
 
-def test_release_is_accounted_in_the_details_the_log_and_the_record(server, logs, monkeypatch):
+def test_release_is_accounted_in_the_details_the_log_and_the_metrics(server, logs, monkeypatch):
     touched = []
-    monkeypatch.setattr(RI.state_record, "touch", lambda now=False: touched.append(now))
+    monkeypatch.setattr(RI.metrics, "publish", lambda: touched.append(dict(REL.details)))
     m = layer(4)
     step([m])
     qkv, wkc = 24 * 32 * 4, 4 * 8 * 12 * 4
@@ -1207,7 +1206,7 @@ def test_release_is_accounted_in_the_details_the_log_and_the_record(server, logs
                            "released_bytes": qkv + wkc, "qkv_a_bytes": qkv, "w_kc_bytes": wkc}
     assert logs == ["mla_weight_release: released qkv_a_proj.weight of layer 4 (0.00 MiB)",
                     "mla_weight_release: released w_kc of layer 4 (0.00 MiB)"]
-    assert touched == [False, False]
+    assert [t["released_bytes"] for t in touched] == [qkv, qkv + wkc]  # each weight, as it goes
     assert REL.layers == {4} and REL.guarded == {"qkv_a": {4}, "w_kc": {4}}
 
 

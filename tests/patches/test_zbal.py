@@ -736,32 +736,20 @@ def test_in_use_is_rounded_up_to_the_mib_at_the_boundary(zb, simnpu_clean, monke
         assert _sized(monkeypatch, 40128, 40000 * MIB + extra_bytes) == (outcome, in_use_mib, 65536)
 
 
-# -- the state record once the heap is set up ----------------------------------------------------------
+# -- sglang's metrics once the heap is set up ---------------------------------------------------------
 
 @pytest.fixture
-def state_dir(tmp_path, monkeypatch):
-    """NPU_SHIM_STATE_DIR set for this process, its record written from PROC.details as the
-    runtime's snapshot would; no writer thread (the writes under test are the synchronous ones)."""
-    from npu_shim.reporting import record_writer, state_record
+def state_dir(monkeypatch):
+    """The details as the last ``metrics.publish`` of the patch saw them (the runtime's snapshot
+    hands PROC.details to the gauges)."""
+    from npu_shim.reporting import metrics
 
-    for name in ("source", "sglang_path", "shim_enabled"):
-        monkeypatch.setattr(state_record.ATTACHED, name, getattr(state_record.ATTACHED, name))
-    for name in ("last", "last_pid", "thread_pid"):
-        monkeypatch.setattr(record_writer._W, name, getattr(record_writer._W, name))
-    monkeypatch.setattr(record_writer, "_ensure_thread", lambda: None)
-    monkeypatch.setenv("NPU_SHIM_STATE_DIR", str(tmp_path / "state"))
-    state_record.attach(lambda: {"zbal": {"state": "applied", "details": dict(PROC.details)}})
-
-    def details():
-        import json
-
-        (path,) = (tmp_path / "state").glob("*.json")
-        return json.loads(path.read_text())["patches"]["zbal"]["details"]
-
-    return details
+    published = []
+    monkeypatch.setattr(metrics, "publish", lambda: published.append(dict(PROC.details)))
+    return lambda: published[-1]
 
 
-def test_the_record_carries_the_lazy_heap_once_it_is_set_up(zb, simnpu_clean, state_dir):
+def test_the_metrics_carry_the_lazy_heap_once_it_is_set_up(zb, simnpu_clean, state_dir):
     simzbal.STATE.mix = True
     make_scheduler(simnpu_clean)  # mix mode: the allocator only; written at once
     assert state_dir() == {"mode": "mix", "allocator": "zbal (GVA heap after the KV cache)"}
@@ -772,6 +760,6 @@ def test_the_record_carries_the_lazy_heap_once_it_is_set_up(zb, simnpu_clean, st
                            "gva_init": "before device-graph capture"}
 
 
-def test_the_record_carries_the_full_mode_heap_at_scheduler_start(zb, simnpu_clean, state_dir):
+def test_the_metrics_carry_the_full_mode_heap_at_scheduler_start(zb, simnpu_clean, state_dir):
     make_scheduler(simnpu_clean)
     assert state_dir() == {"mode": "full", "gva_mib": 61440}

@@ -24,15 +24,15 @@ def test_a_version_literal_with_a_newline_cannot_forge_a_second_line(tree):
 
 
 def test_escape_and_unknown_names_from_the_environment_are_escaped(tree):
-    proc = run(tree, "import sglang.srt.utils", env={"NPU_SHIM_STATE_DIR": "rel\x1b[2J", "NPU_SHIM_X\x1b]0;t\x07": "1"})
+    proc = run(tree, "import sglang.srt.utils", env={"NPU_SHIM_STRICT": "rel\x1b[2J", "NPU_SHIM_X\x1b]0;t\x07": "1"})
     assert not RAW_CONTROL.search(proc.stderr), repr(proc.stderr)
-    assert "NPU_SHIM_STATE_DIR='rel\\x1b[2J' is invalid" in proc.stderr
+    assert "NPU_SHIM_STRICT='rel\\x1b[2J' is invalid" in proc.stderr
     assert "NPU_SHIM_X\\x1b]0;t\\x07" in proc.stderr
 
 
 def test_json_lines_stay_one_object_each(tree):
     proc = run(tree, "import sglang.srt.utils", env={"NPU_SHIM_LOG_FORMAT": "json",
-                                                     "NPU_SHIM_STATE_DIR": "rel\nx\x1b"})
+                                                     "NPU_SHIM_STRICT": "rel\nx\x1b"})
     for line in proc.stderr.strip().splitlines():
         assert isinstance(json.loads(line), dict)
 

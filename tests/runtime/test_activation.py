@@ -12,7 +12,7 @@ import types
 import pytest
 
 from npu_shim.core import framework, loading
-from npu_shim.reporting import metrics, procinfo, state_record, summary
+from npu_shim.reporting import metrics, procinfo, summary
 from npu_shim.runtime import activation, decisions, metrics_hook, role, targets, wrapt_loader
 from npu_shim.source import inherited
 from test_bootstrap import DEMO_PATCH, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
@@ -53,10 +53,8 @@ def test_states_and_record_in_process_while_nothing_is_decided(undecided, monkey
 def undecided(monkeypatch):
     """A runtime of the test's own with one test patch (the demo of test_framework: needs no NPU,
     wraps sglang.srt.a:f), nothing decided; the global state deciding touches is restored after."""
-    for name in ("source", "sglang_path", "shim_enabled"):
-        monkeypatch.setattr(state_record.ATTACHED, name, getattr(state_record.ATTACHED, name))
     monkeypatch.setattr(procinfo, "_sglang_version", "before")
-    for name in (inherited.ENV, "NPU_SHIM_STATE_DIR", "NPU_SHIM_STRICT", "NPU_SHIM_DEMO"):
+    for name in (inherited.ENV, "NPU_SHIM_STRICT", "NPU_SHIM_DEMO"):
         monkeypatch.setenv(name, "")  # so that the undo also removes what deciding exports
         monkeypatch.delenv(name)
     return activation.Runtime(patches=[declare()()])
@@ -90,7 +88,6 @@ def test_deciding_without_sglang_says_sglang_not_found_and_exports_nothing(undec
     assert undecided.decided_from == "sglang source"
     assert inherited.ENV not in os.environ  # no answers to hand to children
     assert procinfo.sglang_version() == "before"  # no version read
-    assert state_record.ATTACHED.sglang_path is None and state_record.ATTACHED.source is not None
 
 
 def test_without_wrapt_and_without_sglang_on_disk_nothing_reads_applied(undecided, monkeypatch):
@@ -113,7 +110,6 @@ def test_without_wrapt_a_patch_that_would_apply_is_failed(undecided, monkeypatch
     assert record.state == framework.FAILED
     assert record.reason.startswith("wrapt is not available: test (use an npu-shim bundle")
     assert procinfo.sglang_version() == "0.5.9"
-    assert state_record.ATTACHED.sglang_path == str(package)
 
 
 def test_an_sglang_directory_gone_from_disk_is_unsupported_naming_the_target(undecided, monkeypatch,
@@ -153,8 +149,7 @@ FAILURE_POINTS = {
     "report_invalid_variables": lambda mp: mp.setattr(activation, "report_invalid_variables", boom),
     "role.when_child_starts": lambda mp: (mp.setattr(role, "child_unpickling", lambda: True),
                                           mp.setattr(role, "when_child_starts", boom)),
-    "state_record.attach": lambda mp: mp.setattr(state_record, "attach", boom),
-    "state_record.write": lambda mp: mp.setattr(state_record, "write", boom),
+    "metrics.publish": lambda mp: mp.setattr(metrics, "publish", boom),
 }
 
 
@@ -578,7 +573,7 @@ def test_the_summary_line_is_followed_by_the_unknown_variables_of_the_patches_re
 PUBLISHING_STEPS = {"inherited.export": "exporting the answers",
                     "procinfo.note_sglang_version": "exporting the answers",
                     "summary.report_all": "the summary line", "report_invalid_variables": "the summary line",
-                    "state_record.attach": "the state record", "state_record.write": "the state record"}
+                    "metrics.publish": "the metrics"}
 
 
 @pytest.mark.parametrize("point", sorted(PUBLISHING_STEPS))
@@ -603,10 +598,10 @@ def test_strict_mode_names_every_publishing_step_that_raised(undecided, monkeypa
     monkeypatch.setattr(activation, "sglang_view", lambda: types.SimpleNamespace(
         version="0.5.9", package_dir=None, function=lambda *a: None, module=lambda d: None))
     FAILURE_POINTS["inherited.export"](monkeypatch)
-    FAILURE_POINTS["state_record.attach"](monkeypatch)
+    FAILURE_POINTS["metrics.publish"](monkeypatch)
     monkeypatch.setenv("NPU_SHIM_STRICT", "1")
     with pytest.raises(framework.ShimError, match=r"^npu-shim \(strict\): publishing the decisions failed: "
-                                                 r"exporting the answers, the state record$"):
+                                                 r"exporting the answers, the metrics$"):
         runtime.decide_all()
 
 
@@ -654,7 +649,7 @@ def test_a_scheduler_child_says_its_summary_line_with_its_role_when_its_entry_ru
     undecided.imported_before = {role.MODULE}
     undecided.apply_module(scheduler)
     assert copy.run_scheduler_process is scheduler.run_scheduler_process is not original
-    monkeypatch.setattr(state_record, "write", lambda force=False: writes.append(force))
+    monkeypatch.setattr(metrics, "publish", lambda: writes.append(True))
     undecided.child_starts(scheduler.run_scheduler_process)  # the wrapper says the line itself
     assert said == [] and writes == [] and procinfo.role()["role"] == "unknown"
     assert scheduler.run_scheduler_process(types.SimpleNamespace(tp_size=4, pp_size=1, dp_size=1), 3, 0, None) == "ran"
@@ -663,16 +658,14 @@ def test_a_scheduler_child_says_its_summary_line_with_its_role_when_its_entry_ru
     assert scheduler.run_scheduler_process is original and copy.run_scheduler_process is original
 
 
-def test_any_other_child_notes_its_target_says_its_line_and_writes_its_record_at_once(undecided, spawned_child,
-                                                                                      monkeypatch):
-    said, writes = spawned_child, []
-    monkeypatch.setattr(state_record, "write", lambda force=False: writes.append(force))
+def test_any_other_child_notes_its_target_and_says_its_line_at_once(undecided, spawned_child):
+    said = spawned_child
 
     def run_detokenizer_process():
         pass
 
     undecided.child_starts(run_detokenizer_process)
-    assert said == [("detokenizer", undecided.records)] and writes == [False]
+    assert said == [("detokenizer", undecided.records)]
 
 
 def test_the_shims_own_targets_that_cannot_be_set_are_said_at_debug_and_the_patches_apply(logged, monkeypatch):
@@ -790,7 +783,7 @@ def test_a_target_that_does_not_match_reverts_its_whole_patch_and_says_so_at_onc
     module, copy = fake_a
     other = fake_module("sglang.fake_b", "def g(x):\n    return x\n")
     writes = []
-    monkeypatch.setattr(state_record, "write", lambda force=False: writes.append(force))
+    monkeypatch.setattr(metrics, "publish", lambda: writes.append(record.state))
     leave = targets.Retirement()
     record = applied_record([targets.Wrap("sglang.fake_a", "f", add_one, [()], retirement=leave),
                              targets.Wrap("sglang.fake_b", "g", add_one, [()])])
@@ -804,7 +797,7 @@ def test_a_target_that_does_not_match_reverts_its_whole_patch_and_says_so_at_onc
     assert (record.state, record.reason) == (framework.FAILED, reason)
     assert module.f() == 1 and other.g(3) == 3 and record.applied == set() and record.changes == []
     assert logged() == [("ERROR", "demo: failed (%s)" % reason)]
-    assert writes == [False, False, False]  # module a applied, the failure, module b done
+    assert writes == ["applied", "failed", "failed"]  # module a applied, the failure, module b done
     assert leave.retire() is False and module.f() == 1
 
 

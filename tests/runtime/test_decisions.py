@@ -10,7 +10,7 @@ import types
 import pytest
 
 from npu_shim.core import config, framework
-from npu_shim.reporting import log, state_record
+from npu_shim.reporting import log
 from npu_shim.runtime import decisions, targets
 from test_framework import declare
 
@@ -198,22 +198,6 @@ def test_a_publishing_step_says_whether_it_ran_and_a_failure_is_logged_once(logg
     assert decisions.published("the state record", boom) is False
     assert logged() == [("ERROR", "the summary line failed: RuntimeError('boom')"),
                         ("ERROR", "the state record failed: RuntimeError('boom')")]
-
-
-def test_the_state_record_is_handed_the_snapshot_and_the_sglang_directory(monkeypatch):
-    for name in ("source", "sglang_path", "shim_enabled"):
-        monkeypatch.setattr(state_record.ATTACHED, name, getattr(state_record.ATTACHED, name))
-    writes = []
-    monkeypatch.setattr(state_record, "write", lambda force=False: writes.append(force))
-
-    def snapshot():
-        return {}
-
-    decisions.publish_record(snapshot, types.SimpleNamespace(package_dir="/srv/sglang"))
-    assert (state_record.ATTACHED.source, state_record.ATTACHED.sglang_path) == (snapshot, "/srv/sglang")
-    assert state_record.ATTACHED.shim_enabled is True and writes == [False]
-    decisions.publish_record(snapshot, None)  # no sglang found
-    assert state_record.ATTACHED.sglang_path is None and writes == [False, False]
 
 
 def test_a_view_is_read_only_where_there_is_a_directory(monkeypatch, tmp_path):

@@ -109,3 +109,32 @@ def test_a_failing_start_is_said_once_per_process_under_one_key(monkeypatch):
     change.revert()
     assert made == ["a", "b"]
     assert errors == [("metrics:start", "publishing the shim's metrics failed: RuntimeError('port in use')")] * 2
+
+
+def test_the_schedulers_stats_log_publishes_the_counts_after_sglangs_own_values(monkeypatch):
+    """The count details (a wrapper's calls) are written when sglang's scheduler logs its stats,
+    from its loop between batches -- never from a forward: after sglang's own ``log_stats``."""
+    module = types.ModuleType(metrics_hook.MODULES[1])
+    order = []
+
+    class SchedulerMetricsCollector:
+        def __init__(self):
+            pass
+
+        def log_stats(self, stats):
+            order.append(("sglang", stats))
+            return "logged"
+
+    module.SchedulerMetricsCollector = SchedulerMetricsCollector
+    monkeypatch.setattr(metrics, "publish", lambda: order.append("shim"))
+    monkeypatch.setattr(metrics, "start", lambda source: order.append("start"))
+    changes = metrics_hook.prepare(module, dict)
+    assert [(c.owner, c.attr) for c in changes] == [(SchedulerMetricsCollector, "__init__"),
+                                                    (SchedulerMetricsCollector, "log_stats")]
+    for change in changes:
+        change.apply(False)
+    assert SchedulerMetricsCollector().log_stats({"tok/s": 1}) == "logged"
+    assert order == ["start", ("sglang", {"tok/s": 1}), "shim"]
+    for change in changes:
+        change.revert()
+    assert SchedulerMetricsCollector.__dict__["log_stats"] is changes[1].original

@@ -6,19 +6,16 @@ import logging
 
 import pytest
 
-from npu_shim.reporting import log, procinfo, state_record
+from npu_shim.reporting import log, procinfo
 from npu_shim.runtime import off
 
 
 @pytest.fixture
 def quiet_state(monkeypatch):
-    """The process-wide state say_off writes (the sglang version the log tag carries, what the
-    state record is attached to, the error keys already reported), restored afterwards."""
+    """The process-wide state say_off writes (the sglang version the log tag carries, the error
+    keys already reported), restored afterwards."""
     monkeypatch.setattr(procinfo, "_sglang_version", None)
     monkeypatch.setattr(log, "_reported", set())
-    for name in ("source", "sglang_path", "shim_enabled"):
-        monkeypatch.setattr(state_record.ATTACHED, name, getattr(state_record.ATTACHED, name))
-    monkeypatch.delenv("NPU_SHIM_STATE_DIR", raising=False)
     log.configure()  # sets the logger's level once per process: before caplog lowers it
 
 
@@ -37,21 +34,19 @@ def _lines(caplog):
     return [(r.levelname, r.getMessage(), getattr(r, "npu_shim", None)) for r in caplog.records]
 
 
-def test_off_says_one_line_notes_the_version_and_records_the_shim_off(tmp_path, monkeypatch, caplog, quiet_state):
-    package = _sglang(tmp_path, monkeypatch)
+def test_off_says_one_line_and_notes_the_version(tmp_path, monkeypatch, caplog, quiet_state):
+    _sglang(tmp_path, monkeypatch)
     monkeypatch.setenv("NPU_SHIM_ENABLED", " 0 ")
     with caplog.at_level(logging.DEBUG, logger="npu_shim"):
         assert off.say_off() is None
     assert _lines(caplog) == [("INFO", "off (NPU_SHIM_ENABLED=0): sglang is not patched in this process",
                                {"event": "off"})]
     assert procinfo.sglang_version() == "0.5.11"  # every later line's tag names it
-    attached = state_record.ATTACHED
-    assert (attached.source, attached.sglang_path, attached.shim_enabled) == (None, package, False)
 
 
 def test_off_without_sglang_to_be_found_still_says_so(monkeypatch, caplog, quiet_state):
     """Called by the watcher, so an sglang is being imported; if no finder can place it (or the
-    variable is gone by then) the line and the record still say off."""
+    variable is gone by then) the line still says off."""
     monkeypatch.setattr(off, "find_package_dir", lambda name: None)
     monkeypatch.delenv("NPU_SHIM_ENABLED", raising=False)
     with caplog.at_level(logging.DEBUG, logger="npu_shim"):
@@ -59,16 +54,14 @@ def test_off_without_sglang_to_be_found_still_says_so(monkeypatch, caplog, quiet
     assert _lines(caplog) == [("INFO", "off (NPU_SHIM_ENABLED=): sglang is not patched in this process",
                                {"event": "off"})]
     assert procinfo.sglang_version() is None
-    attached = state_record.ATTACHED
-    assert (attached.source, attached.sglang_path, attached.shim_enabled) == (None, None, False)
 
 
 def test_off_notes_no_version_an_sglang_does_not_state(tmp_path, monkeypatch, caplog, quiet_state):
-    package = _sglang(tmp_path, monkeypatch, version="")
+    _sglang(tmp_path, monkeypatch, version="")
     monkeypatch.setenv("NPU_SHIM_ENABLED", "0")
     with caplog.at_level(logging.DEBUG, logger="npu_shim"):
         off.say_off()
-    assert procinfo.sglang_version() is None and state_record.ATTACHED.sglang_path == package
+    assert procinfo.sglang_version() is None
     assert [line[1] for line in _lines(caplog)] == ["off (NPU_SHIM_ENABLED=0): sglang is not patched in this process"]
 
 

@@ -100,20 +100,6 @@ def test_reverting_puts_the_original_function_back(no_role):
     assert module.run_scheduler_process is original
 
 
-def test_the_state_record_is_written_with_the_role_before_the_body_runs(no_role, monkeypatch):
-    """``status --running`` shows the ranks from the scheduler's first moment: the record is
-    rewritten at once (not soon, from the writer's thread), after the role is noted."""
-    from npu_shim.reporting import state_record
-
-    written = []
-    monkeypatch.setattr(state_record, "write", lambda: written.append(procinfo.role_label()))
-    module = scheduler_module(SIGNATURES["0.5.23"])
-    role.prepare(module, lambda: None).apply(False)
-    seen = module.run_scheduler_process(types.SimpleNamespace(tp_size=4, pp_size=1, dp_size=1), None, 0, 3, 0,
-                                        None, None)
-    assert written == ["tp 3/4"] and seen["tp_rank"] == 3
-
-
 @pytest.fixture
 def errors(caplog, monkeypatch):
     """The shim's ERROR lines of the test; nothing said once before in this process counts."""

@@ -29,10 +29,10 @@ def streams_and_fused(bed):
         diffs = [bed.max_diff(*prepare(layer, positions, hidden, ForwardMode.DECODE)) for layer in bed.layers]
         steps.append({"diffs": diffs, "cos_sin_calls": len(bed.cos_sin_calls)})
     result["decode_steps"] = steps
-    fused_before = bed.state()["details"]["counts"]["fused_calls"]
+    fused_before = bed.state()["details"]["counts"]["fused_python_calls"]
     got, ref = prepare(bed.layers[0], torch.tensor([1, 2, 3, 4]), torch.randn(4, H), ForwardMode.EXTEND)
     result["extend_equal"] = all(bool(torch.equal(g, r)) for g, r in zip(got, ref))
-    result["extend_fused_calls"] = bed.state()["details"]["counts"]["fused_calls"] - fused_before
+    result["extend_fused_calls"] = bed.state()["details"]["counts"]["fused_python_calls"] - fused_before
     result["state"] = copy.deepcopy(bed.state())  # its counts are live: the races below call forward_deepep
     result["sanitizer"] = bed.sanitizer_reports
     result["races"] = stream_races.run(bed)

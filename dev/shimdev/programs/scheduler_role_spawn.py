@@ -1,5 +1,5 @@
 """A scheduler spawned as sglang spawns it, zbal off (tests/runtime/test_role_real.py, 0.5.11):
-its summary line and state record carry its role.  The spawned child runs this module too (as
+its summary line carries its role.  The spawned child runs this module too (as
 ``__mp_main__``), so the simulated NPU is installed first at module level."""
 from shimdev import simnpu
 
@@ -9,11 +9,9 @@ if __name__ == "__main__":
     import json
     import multiprocessing as mp
     import os
-    import socket
     import sys
 
     import sglang.srt.managers.scheduler as sch
-    from npu_shim.reporting import procinfo, record_writer
     from shimdev.release_beds import scheduler_process_args
     log_path = os.path.join(os.getcwd(), "child.log")
     saved = os.dup(2)
@@ -25,8 +23,5 @@ if __name__ == "__main__":
         child.join(300)
     finally:
         os.dup2(saved, 2)
-    path = os.path.join(os.environ["NPU_SHIM_STATE_DIR"],
-                        record_writer.record_name(socket.gethostname(), procinfo.pid_namespace(), child.pid))
     sys.stdout.write("\n" + json.dumps({
-        "exitcode": child.exitcode, "pid": child.pid, "lines": open(log_path).read().splitlines(),
-        "record": json.load(open(path))}) + "\n")
+        "exitcode": child.exitcode, "pid": child.pid, "lines": open(log_path).read().splitlines()}) + "\n")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from shimdev.server import models
-from shimdev.server.process import Server, ServerError, session_pids, status_running
+from shimdev.server.process import Server, ServerError, current_states, session_pids, shim_metrics
 
 #: sglang's stand-in bootstrap host of the fake transfer backend (sglang.srt.disaggregation.utils
 #: FAKE_BOOTSTRAP_HOST; 0.5.11's decode server cannot take a request without a bootstrap host).
@@ -32,16 +32,14 @@ def decode_args(tp: int) -> list[str]:
 
 def decode_server(version: str, tp: int, shim: str, workdir: Path, name: str,
                   device_mib: int = 1024) -> Server:
-    """A decode server (not started): ``shim`` "on" (with a state directory) or "absent"; every
+    """A decode server (not started, ``--enable-metrics``): ``shim`` "on" or "absent"; every
     process of it writes its device counters to ``workdir/memory-<name>`` on SIGUSR2."""
     memory = Path(workdir) / f"memory-{name}"
     memory.mkdir(parents=True, exist_ok=True)
     env = {"SIMNPU_TOTAL_MIB": device_mib, "SGLANG_NPU_USE_MLAPO": "1",
            "SIMNPU_TRACK_DERIVED": "1", "SIMNPU_MEMORY_DIR": str(memory)}
-    if shim == "on":
-        env["NPU_SHIM_STATE_DIR"] = str(Path(workdir) / f"state-{name}")
     model = models.ensure_model("dsa", version)
-    server = Server(version, model, args=decode_args(tp), env=env, shim=shim,
+    server = Server(version, model, args=decode_args(tp) + ["--enable-metrics"], env=env, shim=shim,
                     log_path=Path(workdir) / f"mla-{name}.log")
     server.model_dir = model
     return server
@@ -110,11 +108,11 @@ def devices(server: Server) -> dict:
 
 
 def release_details(server: Server) -> dict:
-    """TP rank -> mla_weight_release's state (``state``, ``details``) in that scheduler's record."""
-    info = status_running(server.version, server.env["NPU_SHIM_STATE_DIR"])
-    out = {}
-    for p in info["processes"]:
-        role = p.get("role") or {}
-        if p["status"] == "live" and role.get("role") == "scheduler":
-            out[role["tp_rank"]] = p["patches"]["mla_weight_release"]
-    return out
+    """TP rank -> mla_weight_release's ``state`` and numeric ``details`` in that scheduler, from
+    the server's ``/metrics`` (each scheduler's pid from its process title)."""
+    metrics = shim_metrics(server)
+    states = current_states(metrics)
+    return {rank: {"state": states[(pid, "mla_weight_release")],
+                   "details": {k: int(v) if float(v).is_integer() else v
+                               for k, v in metrics["detail"].get((pid, "mla_weight_release"), {}).items()}}
+            for rank, pid in schedulers(server).items()}

@@ -19,6 +19,7 @@ import atexit
 import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -107,15 +108,46 @@ def session_pids(sid: int) -> list[int]:
 
 
 
-def status_running(version: str, state_dir) -> dict:
-    """What ``python -m npu_shim status --running --json STATE_DIR`` says, run in the release's
-    environment as an operator would (no wrapt: the command needs none)."""
-    argv, env = realsglang.release_command(version, wrapt=None)
-    p = subprocess.run(argv + ["-m", "npu_shim", "status", "--running", "--json", str(state_dir)],
-                       env=env, capture_output=True, text=True, timeout=120)
-    if not p.stdout:
-        raise ServerError("status --running printed nothing: %s" % p.stderr[-2000:])
-    return json.loads(p.stdout)
+def shim_metrics(server: "Server") -> dict:
+    """The shim's samples in the server's ``/metrics``, as an operator's scrape reads them:
+    ``{"state": {(pid, patch): {state: value}}, "detail": {(pid, patch): {detail: value}}}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = server.get("/metrics")
+    if status != 200:
+        raise ServerError(f"/metrics answered {status} (is --enable-metrics on?)\n{server.log_tail()}")
+    out = {"state": {}, "detail": {}}
+    for family in text_string_to_metric_families(text):
+        kind = {"npu_shim_patch_state": "state", "npu_shim_patch_detail": "detail"}.get(family.name)
+        for sample in family.samples if kind else ():
+            key = (int(sample.labels["pid"]), sample.labels["patch"])
+            out[kind].setdefault(key, {})[sample.labels[kind]] = sample.value
+    return out
+
+
+def current_states(metrics: dict) -> dict:
+    """(pid, patch) -> the one state at 1 of the six written (an AssertionError otherwise)."""
+    out = {}
+    for key, states in metrics["state"].items():
+        assert len(states) == 6 and sorted(states.values()) == [0] * 5 + [1], (key, states)
+        (out[key],) = [state for state, value in states.items() if value == 1]
+    return out
+
+
+_SUMMARY = re.compile(r"\[npu-shim \S+ sglang \S+ pid (\d+) ?([^\]]*)\] (zbal=\w+.*)$")
+
+
+def summaries(server: "Server") -> dict:
+    """pid -> {"role": the role in its tag ('tp 0/2', 'detokenizer', ''), "states": {patch: state}}
+    of every summary line in the server's log (one per process that decided its patches)."""
+    out = {}
+    for line in server.log_text().splitlines():
+        found = _SUMMARY.match(line)
+        if found:
+            pid = int(found.group(1))
+            assert pid not in out, f"two summary lines of pid {pid}"
+            out[pid] = {"role": found.group(2), "states": dict(re.findall(r"(\w+)=(\w+)", found.group(3)))}
+    return out
 
 
 class Server:

@@ -5,12 +5,10 @@ _dual_stream_experts_kernel.py beside it.  Loaded only where the patch is decide
 patch and its documentation."""
 
 import threading
-import time
 
 from npu_shim.core.framework import Inactive, Unsupported
 from npu_shim.patches._impl._dual_stream_experts_kernel import KERNEL_NAME, kernel_problem, load_kernel
 from npu_shim.patches.dual_stream_experts import GLM4_MOE, MULTI_STREAM
-from npu_shim.reporting import state_record
 from npu_shim.runtime.targets import Wrap, bind_arguments
 from npu_shim.source.reading import unwrap
 
@@ -54,7 +52,7 @@ def _layer_key(attn):
 
 class DualStreamExpertsState:
     """Both sub-features in one process: the side streams, the kernel and each layer's plan, and
-    how often each path ran (``details["counts"]``, live in status).  A decision builds a fresh
+    how often each path ran Python (``details["counts"]``).  A decision builds a fresh
     one (so uninstall/install starts over); ``details`` is the patch record's."""
 
     def __init__(self, details=None):
@@ -67,33 +65,15 @@ class DualStreamExpertsState:
         self.layer_plans = {}       # layer-config key -> None (fused) or reason (original path)
         self.dual_stream_modes = None  # _dual_stream_modes, at the first call
         self.verify_mode = None     # the release's ForwardMode.TARGET_VERIFY, at the first call
-        # dual_stream_calls: every dual-stream forward_deepep; dual_stream_verify_calls: those of
-        # them for target-verify batches (speculative decoding), so that a record tells the
-        # verify path ran apart from prefills
-        self.counts = {"dual_stream_calls": 0, "dual_stream_verify_calls": 0, "fused_calls": 0}
-        self.details["counts"] = self.counts  # live: status shows how often each path ran
-        self._published = None      # monotonic time the counts last went to the state record
-        self._flush_pending = False  # a timer will publish the counts the last touch missed
-
-    def _count(self, key):
-        """One more call of a path.  The state record (and sglang's metrics) follow: at once for
-        the first call, then at most once a second, the last count included (a timer catches up
-        after the last call), so a running server's record says which paths its requests took."""
-        self.counts[key] += 1
-        now = time.monotonic()
-        if self._published is None or now - self._published >= 1.0:
-            self._published = now
-            state_record.touch()
-        elif not self._flush_pending:
-            self._flush_pending = True
-            timer = threading.Timer(1.0 - (now - self._published), self._flush)
-            timer.daemon = True
-            timer.start()
-
-    def _flush(self):
-        self._flush_pending = False
-        self._published = time.monotonic()
-        state_record.touch()
+        # How often each path ran Python: eager forwards, graph warm-ups and captures (a replayed
+        # graph runs no Python, so decode steps under NPU graphs are not counted).
+        # dual_stream_python_calls: every dual-stream forward_deepep; dual_stream_verify_python_calls:
+        # those of them for target-verify batches (speculative decoding), apart from prefills.
+        # One increment a call: sglang's metrics get them when its scheduler logs its stats
+        # (npu_shim/runtime/metrics_hook.py), never from a forward.
+        self.counts = {"dual_stream_python_calls": 0, "dual_stream_verify_python_calls": 0,
+                       "fused_python_calls": 0}
+        self.details["counts"] = self.counts  # live: npu_shim.states() shows how often each path ran
 
     def _note(self, key, value):
         self.details[key] = value
@@ -150,7 +130,7 @@ class DualStreamExpertsState:
         if mode not in modes or hidden_states.shape[0] == 0:
             return wrapped(*args, **kwargs)
         if mode is self.verify_mode:
-            self.counts["dual_stream_verify_calls"] += 1  # published with dual_stream_calls below
+            self.counts["dual_stream_verify_python_calls"] += 1
         return self._forward_deepep_dual_stream(wrapped, instance, hidden_states, forward_batch)
 
     def _forward_deepep_dual_stream(self, wrapped, block, hidden_states, forward_batch):
@@ -176,7 +156,7 @@ class DualStreamExpertsState:
         )
         final_hidden_states = block.experts(hidden_states=hidden_states, topk_output=topk_output)
         self.wait_share_stream()
-        self._count("dual_stream_calls")
+        self.counts["dual_stream_python_calls"] += 1
 
         if shared_output is not None:
             x = shared_output
@@ -228,7 +208,7 @@ class DualStreamExpertsState:
             q_bias=getattr(attn.q_norm, "bias", None),
             k_bias=getattr(attn.k_norm, "bias", None),
         )
-        self._count("fused_calls")
+        self.counts["fused_python_calls"] += 1
         inner_state = q, k, v, forward_batch
         return None, forward_batch, inner_state
 

@@ -16,7 +16,7 @@ from npu_shim.patches.mla_weight_release import (
     CLASS, FORWARD_FINGERPRINTS, MIB, MLA_NPU, MLA_PRE, PATCH, PREPROCESS_SIG, RELEASE_FORCE, RUNTIME_CONTEXT,
     SCHEDULER_MIXIN, SCHEDULER_UPDATER, SWITCH, SWITCH_HINT, TP_WORKER, UPDATE_OPS, UPDATE_SIG,
     ReleasedWeightError, fingerprint, pins)
-from npu_shim.reporting import log, state_record
+from npu_shim.reporting import log, metrics
 from npu_shim.runtime import tensor_release
 from npu_shim.runtime.targets import Replace, Retirement, Wrap
 
@@ -164,7 +164,7 @@ class MlaWeightReleaseState:
                             released_bytes=total, qkv_a_bytes=self.released_bytes["qkv_a"],
                             w_kc_bytes=self.released_bytes["w_kc"])
         _log_line(logging.DEBUG, "released %s (%.2f MiB)" % (what, nbytes / MIB))
-        state_record.touch()
+        metrics.publish()  # once per layer and weight, at the first forward: no count
         if self.summary_logged:
             self._log_summary("more layers released")
 
@@ -208,7 +208,7 @@ class MlaWeightReleaseState:
         op = getattr(wrapped, "__name__", "the weight update")
         message = self.update_refusal(op)
         self.details["updates_refused"] = self.details.get("updates_refused", 0) + 1
-        state_record.touch()  # the running record (status --running, the metrics) says so too
+        metrics.publish()  # sglang's metrics say so too
         _log_line(logging.WARNING, "refused %s: MLA weights are released in %s (%s=0 keeps them)"
                   % (op, log.pid_text(), SWITCH.name))
         return False, message

@@ -6,7 +6,7 @@ npu_shim/patches/zbal.py is the patch and its documentation."""
 import sys
 
 from npu_shim.core.framework import Failed
-from npu_shim.reporting import log, state_record
+from npu_shim.reporting import log, metrics
 from npu_shim.patches.zbal import (
     BOOTSTRAP_URL, COMMON, DEEPEP, LOCAL_MEM_SIZE, MIB, ALIGN_MIB, MODEL_RUNNER, PARALLEL_STATE,
     SCHEDULER, ZbalError, ZbalInitError, missing_message, zbal_findable)
@@ -170,7 +170,7 @@ class ZbalState:
             server_args = bound["server_args"]
             self.graph_pool_hooks(server_args)
             self.init_for_rank(server_args.tp_size, server_args.pp_size, bound["gpu_id"], bound["tp_rank"])
-            state_record.touch(now=True)
+            metrics.publish()
             return wrapped(*args, **kwargs)
 
         return scheduler_init
@@ -234,7 +234,7 @@ class ZbalState:
                         "mix mode, lazy GVA heap %s" % when)
         self.gva_mib = size
         self.details.update(gva_mib=size, in_use_mib=in_use, device_total_mib=total, gva_init=when)
-        state_record.touch(now=True)
+        metrics.publish()
         log.info("zbal: rank %d initialised a %d MiB GVA heap (%d MiB configured, %d of %d MiB in use)"
                  % (group.rank_in_group, size, configured_mib(), in_use, total))
 

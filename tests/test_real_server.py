@@ -288,7 +288,8 @@ def test_the_shims_details_are_in_sglangs_own_metrics(servers, version):
     assert any(f.name.startswith("sglang:") for f in text_string_to_metric_families(text))
     pids = {said["role"]: pid for pid, said in summaries(on).items()}
     details = shim_metrics(on)["detail"]
-    assert details[(pids["tp 0/1"], "zbal")] == {"gva_mib": HEAP_MIB}
+    # the heap, and zbal's graph-pool hooks the shim had installed (graphs are captured)
+    assert details[(pids["tp 0/1"], "zbal")] == {"gva_mib": HEAP_MIB, "graph_pool_hooks": 1}
     assert (pids["http_server"], "zbal") not in details  # the heap is the scheduler's
     # a dense model: no MLA weight to release, so nothing released is said
     assert not [key for key in details if key[1] == "mla_weight_release"]

@@ -82,7 +82,8 @@ NPU graphs (sglang's default on Ascend) and ``ZBAL_ENABLE_GRAPH``
     unset -> it sets ``ZBAL_ENABLE_GRAPH=1`` (and ``zbal_module``'s global of that name, should the
     DeepEP module have imported zbal already: ``switch_to_allocator`` reads the global when
     called); set to 1 -> nothing to do; set to anything else -> the operator's value stands and a
-    warning says the capture is unpooled and why.  The record's ``graph_pool`` detail says which.
+    warning says the capture is unpooled and why.  The details say which: ``graph_pool``
+    (words) and ``graph_pool_hooks`` (1 or 0, in sglang's ``/metrics``).
     A server that does not capture is left alone (the hooks would never be called).
 
 Upstream: sgl-project/sglang#24575, released in 0.5.12 (``hardware_backend/npu/utils.py: init_zbal,

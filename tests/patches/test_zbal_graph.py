@@ -65,6 +65,7 @@ def test_graphs_captured_the_shim_has_the_pool_hooks_installed(zb, simnpu_clean,
     assert start(simnpu_clean, mix=mix) == BASE_HOOKS + POOL_HOOKS
     assert os.environ[SWITCH] == "1" and zb.zbal_module.ZBAL_ENABLE_GRAPH is True
     assert PROC.details["graph_pool"] == "zbal pool hooks (ZBAL_ENABLE_GRAPH=1 set by the shim)"
+    assert PROC.details["graph_pool_hooks"] == 1
     # the hooks are in place before the scheduler's body allocates anything
     order = [e[0] if e[0] != "allocator_fn" else e[1] for e in simnpu_clean.EVENTS]
     assert order.index("set_release_pool") < order.index("body_start") < order.index("alloc")
@@ -73,7 +74,7 @@ def test_graphs_captured_the_shim_has_the_pool_hooks_installed(zb, simnpu_clean,
 def test_no_capture_leaves_zbal_as_it_is(zb, simnpu_clean):
     assert start(simnpu_clean, graphs=False) == BASE_HOOKS
     assert SWITCH not in os.environ and zb.zbal_module.ZBAL_ENABLE_GRAPH is False
-    assert "graph_pool" not in PROC.details
+    assert "graph_pool" not in PROC.details and "graph_pool_hooks" not in PROC.details
 
 
 def test_the_operator_s_1_stands(zb, simnpu_clean, monkeypatch):
@@ -82,6 +83,7 @@ def test_the_operator_s_1_stands(zb, simnpu_clean, monkeypatch):
     assert start(simnpu_clean) == BASE_HOOKS + POOL_HOOKS
     assert os.environ[SWITCH] == "01"
     assert PROC.details["graph_pool"] == "zbal pool hooks (ZBAL_ENABLE_GRAPH=01 set in the environment)"
+    assert PROC.details["graph_pool_hooks"] == 1
 
 
 @pytest.mark.parametrize("value, extra", [("0", ""), ("yes", " (not an integer: zbal fails to import)")])
@@ -95,6 +97,7 @@ def test_the_operator_s_other_value_stands_and_the_capture_is_said_unpooled(zb, 
         assert start(simnpu_clean) == BASE_HOOKS
     assert os.environ[SWITCH] == value and zb.zbal_module.ZBAL_ENABLE_GRAPH is False
     assert PROC.details["graph_pool"] == "unpooled (ZBAL_ENABLE_GRAPH=%s set in the environment)" % value
+    assert PROC.details["graph_pool_hooks"] == 0
     assert [r.getMessage() for r in caplog.records if r.name.startswith("npu_shim")] == [
         "zbal: graphs will be captured but ZBAL_ENABLE_GRAPH=%s%s keeps zbal's pool hooks off: a "
         "captured graph's memory is not pooled and may be reused while replays write it; unset "

@@ -192,16 +192,19 @@ class ZbalState:
             module = sys.modules.get("zbal.zbal_module")
             if module is not None and hasattr(module, GRAPH_SWITCH):
                 setattr(module, GRAPH_SWITCH, True)
-            self.details["graph_pool"] = "zbal pool hooks (%s=1 set by the shim)" % GRAPH_SWITCH
+            self.details.update(graph_pool="zbal pool hooks (%s=1 set by the shim)" % GRAPH_SWITCH,
+                                graph_pool_hooks=1)
             return
         try:
             on = int(raw) == 1
         except ValueError:
             on = None
         if on:
-            self.details["graph_pool"] = "zbal pool hooks (%s=%s set in the environment)" % (GRAPH_SWITCH, raw)
+            self.details.update(graph_pool="zbal pool hooks (%s=%s set in the environment)" % (GRAPH_SWITCH, raw),
+                                graph_pool_hooks=1)
             return
-        self.details["graph_pool"] = "unpooled (%s=%s set in the environment)" % (GRAPH_SWITCH, raw)
+        self.details.update(graph_pool="unpooled (%s=%s set in the environment)" % (GRAPH_SWITCH, raw),
+                            graph_pool_hooks=0)
         log.warning(
             "zbal: graphs will be captured but %s=%s%s keeps zbal's pool hooks off: a captured "
             "graph's memory is not pooled and may be reused while replays write it; unset %s (the "

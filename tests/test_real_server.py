@@ -215,15 +215,22 @@ def roles(server: Server) -> list[str]:
 
 # -- zbal, full mode, TP 1 ---------------------------------------------------------------------------
 
-def on_release_worker(version):
-    """The tests of one release share its servers: one xdist worker runs them all."""
-    return pytest.param(version, marks=pytest.mark.xdist_group("server-" + version))
+def per_release(test):
+    """The test once per release, ``<name>_<release>``: the tests of one release share its
+    servers, so one xdist worker (``xdist_group``) runs them all.  The mark is the function's own:
+    pytest-xdist 3.8 splits a group given as a ``pytest.param`` mark from the function marks of
+    the same name over both workers (each then starts the release's servers again)."""
+    for version in RELEASES:
+        def one(servers, _version=version):
+            test(servers, _version)
+
+        one.__name__ = "%s_%s" % (test.__name__, version.replace(".", "_"))
+        one.__doc__ = test.__doc__
+        test.__globals__[one.__name__] = pytest.mark.xdist_group("server-" + version)(one)
+    return None  # the unparametrised test itself is not collected
 
 
-PER_RELEASE = [on_release_worker(v) for v in RELEASES]
-
-
-@pytest.mark.parametrize("version", PER_RELEASE)
+@per_release
 def test_full_mode_serves_the_same_tokens_with_the_kv_cache_sized_from_the_heap(servers, version):
     off = servers.get("off", version, shim="absent")
     on = servers.get("full", version, zbal_mib=HEAP_MIB)
@@ -240,7 +247,7 @@ def test_full_mode_serves_the_same_tokens_with_the_kv_cache_sized_from_the_heap(
         assert kinds_of(entries).count("replay") >= NEW_TOKENS - 1, server.name
 
 
-@pytest.mark.parametrize("version", PER_RELEASE)
+@per_release
 def test_graph_memory_comes_from_zbal_s_heap_and_the_shim_stays_out_of_captures(servers, version):
     on = servers.get("full", version, zbal_mib=HEAP_MIB)
     (entries,) = schedulers(on)
@@ -263,7 +270,7 @@ def test_graphs_on_serve_the_same_tokens_as_graphs_off(servers):
     assert kv_tokens(eager) == expected_kv_tokens(HEAP_MIB, 1, eager.model_dir)
 
 
-@pytest.mark.parametrize("version", PER_RELEASE)
+@per_release
 def test_every_process_says_its_role_and_sglangs_metrics_carry_its_states(servers, version):
     on = servers.get("full", version, zbal_mib=HEAP_MIB)
     said = summaries(on)
@@ -277,7 +284,7 @@ def test_every_process_says_its_role_and_sglangs_metrics_carry_its_states(server
         assert said[pid]["states"][patch] == state, (pid, patch, state)
 
 
-@pytest.mark.parametrize("version", PER_RELEASE)
+@per_release
 def test_the_shims_details_are_in_sglangs_own_metrics(servers, version):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -297,7 +304,7 @@ def test_the_shims_details_are_in_sglangs_own_metrics(servers, version):
 
 # -- zbal, mix mode, TP 2 ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("version", PER_RELEASE)
+@per_release
 def test_mix_mode_tp2_one_world_heap_after_the_kv_cache(servers, version):
     servers.get("off-tp2", version, shim="absent", tp=2)  # the answers to compare
     mix = servers.get("mix-tp2", version, tp=2, zbal_mib=MIX_HEAP_MIB, mix=True)

@@ -386,3 +386,137 @@ def test_every_op_quotes_where_its_schema_is_from():
 
     for namespace, name, schema, source in _ops._schemas():
         assert source and ("2.13.0" in source or "sgl-kernel-npu" in source or "cann-recipes" in source), name
+
+
+# -- NPU graphs (simnpu/_graphs.py) --------------------------------------------------------------------
+
+#: Each message the simulated graphs raise as torch_npu does: (constant, where it is in the wheel).
+GRAPH_MESSAGES = [
+    ("MSG_DEFAULT_STREAM", "lib"), ("MSG_ALREADY_CAPTURED", "lib"), ("MSG_TASK_QUEUE", "lib"),
+    ("MSG_END_STREAM", "lib"), ("MSG_REPLAY", "lib"), ("MSG_POOL", "lib"), ("MSG_UNJOINED", "lib"),
+    ("MSG_SEED", "lib"), ("MSG_CAPTURE_MODE", "lib"), ("MSG_TASK_QUEUE_VALUE", "lib"),
+    ("MSG_UPDATE", "graphs"), ("MSG_SET_TASK_QUEUE", "utils"),
+]
+
+
+def _python_strings(path):
+    """Every string constant of a Python file (adjacent literals joined, as Python joins them)."""
+    return {n.value for n in ast.walk(ast.parse(path.read_bytes())) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str)}
+
+
+@pytest.mark.parametrize("name, where", GRAPH_MESSAGES, ids=[m[0] for m in GRAPH_MESSAGES])
+def test_graph_messages_are_the_wheel_s(wheel, library, name, where):
+    from shimdev.simnpu import _graphs
+
+    text = getattr(_graphs, name)
+    if where == "lib":
+        assert text.encode() in library, f"{name}: {text!r} is not in libtorch_npu.so"
+    else:
+        assert text in _python_strings(wheel / NPU_DIR / f"{where}.py"), f"{name} is not in {where}.py"
+
+
+def test_mempool_s_refusal_is_the_allocator_base_s_message_with_the_pluggable_name(library):
+    """NPUAllocator::createOrIncrefPool: TORCH_CHECK(false, name(), " does not yet support ...")
+    (NPUCachingAllocator.h); NPUPluggableAllocator's name() returns "pluggable"
+    (NPUPluggableAllocator.cpp, tag v26.2.0-beta.1-pytorch2.13.0).  The text after the name is a
+    string of libtorch_npu.so; "pluggable" is not found in the file as a string, so the name is held
+    to the cited source only."""
+    from shimdev.simnpu import _graphs
+
+    name, _, rest = _graphs.MSG_MEMPOOL.partition(" ")
+    assert name == "pluggable"
+    assert (" " + rest).encode() in library
+
+
+def test_the_graphs_module_answers_the_wheel_s_names(sim, real):
+    exported = set(real.exported("graphs"))
+    assert exported == set(_api.GRAPHS)
+    assert set(_device.GRAPHS_NAMES) - {"_GraphDispatchMode"} <= exported
+    assert "_GraphDispatchMode" in real.defined("graphs")
+    assert torch.npu.graphs.NPUGraph is torch.npu.NPUGraph
+
+
+def _methods(node):
+    return {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
+
+
+def test_npugraph_s_methods_take_the_real_parameters(sim, real):
+    from shimdev.simnpu import _graphs
+
+    _defining, node = real_node(real, "__init__", "NPUGraph")
+    real_methods = _methods(node)
+    for name in ("capture_begin", "capture_end", "replay", "reset", "pool", "update"):
+        ours = inspect.signature(getattr(_graphs.NPUGraph, name)).parameters.values()
+        assert _params(ours) == _real_params(real_methods[name]), name
+    for cls, names in (("ExternalEvent", ("record", "wait", "reset")),):
+        _defining, node = real_node(real, "__init__", cls)
+        for name in names:
+            ours = inspect.signature(getattr(_graphs.ExternalEvent, name)).parameters.values()
+            assert _params(ours) == _real_params(_methods(node)[name]), (cls, name)
+
+
+def test_graph_enter_follows_the_wheel(sim, real):
+    """graph.__enter__ synchronises, empties both caches, enters the stream and the dispatch mode,
+    then capture_begin -- the simulation logs the same order."""
+    from shimdev import simnpu
+
+    enter = _methods(real_node(real, "__init__", "graph")[1])["__enter__"]
+    body = ast.get_source_segment((real.root / "graphs.py").read_text(), enter)
+    order = ["torch.npu.synchronize()", "torch.npu.empty_cache()", "torch_npu.npu.host_empty_cache()",
+             "self.stream_ctx.__enter__()", "self.npu_graph.graph_dispatch_mode.__enter__()",
+             "self.npu_graph.capture_begin("]
+    positions = [body.index(quote) for quote in order]
+    assert positions == sorted(positions)
+    simnpu.reset()
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g, stream=torch.npu.Stream(), auto_dispatch_capture=True):
+        assert g.graph_dispatch_mode._sim_entered
+    kinds = [e[0] for e in simnpu.EVENTS if e[0] in ("synchronize", "empty_cache", "host_empty_cache",
+                                                      "stream_enter", "capture_begin")]
+    assert kinds == ["synchronize", "empty_cache", "host_empty_cache", "stream_enter", "capture_begin"]
+    g.reset()
+    simnpu.reset()
+
+
+def _update_specs(wheel, filename, cls):
+    tree = ast.parse((wheel / NPU_DIR / "_npugraph_handlers" / filename).read_bytes())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    for item in node.body:
+        if isinstance(item, ast.Assign) and item.targets[0].id == "UPDATE_SPECS":
+            return {k: [tuple(x) for x in v] for k, v in ast.literal_eval(item.value).items()}
+    raise AssertionError(cls)
+
+
+def test_the_update_handlers_are_the_wheel_s_for_the_simulated_ops(wheel):
+    """The handlers' update specs are torch_npu's (for the ops the simulation defines: not
+    ``npu_multi_head_latent_attention.out``, the v2 and FA3 ops); the ops each registers are."""
+    from shimdev.simnpu import _graphs
+
+    simple = _update_specs(wheel, "simple_handler.py", "_SimpleGraphHandler")
+    ifa = _update_specs(wheel, "ifa_handler.py", "_IFAv1DefaultHandler")
+    assert _graphs._SimpleGraphHandler.UPDATE_SPECS == {k: v for k, v in simple.items() if k.startswith("_npu_paged")}
+    assert _graphs._IFAv1DefaultHandler.UPDATE_SPECS == ifa
+    registered = {n for n, h in _graphs._NPU_GRAPH_OP_HANDLERS.items()}
+    assert registered == {"_npu_paged_attention.default"} | set(ifa)
+    source = (wheel / NPU_DIR / "_npugraph_handlers" / "ifa_handler.py").read_text()
+    for quote in ("torch_npu._npu_fused_infer_attention_score_get_max_workspace(", "out_args = [args[0], args[2]]",
+                  'kwargs["out"] = [output, softmax_lse]', "func_out = torch_npu.npu_fused_infer_attention_score.out"):
+        assert quote in source, quote
+
+
+def test_the_graph_only_op_schemas_are_the_wheel_s(library):
+    from shimdev.simnpu import _ops
+
+    for name, schema in _ops.GRAPH_SCHEMAS.items():
+        assert (name + schema).encode() in library, name
+    # .out's list of outputs carries no write annotation in the registered string
+    assert "Tensor[] out)" in _ops.GRAPH_SCHEMAS["npu_fused_infer_attention_score.out"]
+
+
+def test_pool_ids_and_hooks_follow_the_cpp(library):
+    """MemPool::graph_pool_handle(true) gives (0, n), a capture without a pool (n, 0)
+    (NPUGraph.cpp capture_begin); the hooks are the setters torch_npu binds."""
+    for text in ("NPUGRAPH Capture begin done: model_ri=%p, capture_dev=%d, mempool_id=(%lu,%lu)",
+                 "set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"):
+        assert text.encode() in library

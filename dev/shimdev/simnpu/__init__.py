@@ -19,7 +19,17 @@ Call ``simnpu.install(release=...)`` before the first sglang import.  Afterwards
   ``("event_record", ev, stream)``, ``("event_sync", ev)``, ``("stream_sync", name)``,
   ``("change_allocator", so_path, malloc_name, free_name)``, ``("allocator_fn", set_name)`` (a
   ``set_*_fn`` call on the pluggable allocator), ``("alloc", shape, device)``,
-  ``("zbal", native_fn_name, fields)`` (the simulated native zbal, shimdev.simzbal).
+  ``("zbal", native_fn_name, fields)`` (the simulated native zbal, shimdev.simzbal);
+  NPU graphs (``_graphs.py``): ``("capture_begin", graph_id, stream, pool)``,
+  ``("capture_end", graph_id, stream, pool)``, ``("replay", graph_id, stream, pool)``,
+  ``("graph_update", graph_id, records)``, ``("graph_reset", graph_id, pool)``,
+  ``("pool_hook", set_name, device, pool)``, ``("pool_release", pool, native_bytes)``,
+  ``("host_empty_cache",)``.
+
+NPU graphs (``torch.npu.NPUGraph``, ``torch.npu.graph``, ``graph_pool_handle``,
+``is_current_stream_capturing``, ``MemPool``, ``ExternalEvent``, ``_GraphDispatchMode``) record the
+capturing thread's device ops and replay them on the same storages; a capture refuses what torch_npu
+and CANN refuse (``_graphs.py``).
 
 Streams are named "main" (default stream of device 0), then "side-1", "side-2", ... (``stream_name(s)``);
 events "ev-1", ...  Nothing here runs asynchronously; nothing is timed.  ``with simnpu.sanitize() as
@@ -45,7 +55,7 @@ __all__ = [
     "install", "installed", "reset", "set_memory", "mem_get_info", "EVENTS", "clear_events",
     "events", "current_stream_name", "record_allocations", "add_stub", "remove_stub",
     "stubbed_roots", "STUB_IMPORTS", "StubValue", "allocator_backend", "stream_name", "sanitize",
-    "declare_kernel", "active_sanitizer",
+    "declare_kernel", "active_sanitizer", "graph_pools",
 ]
 
 _INSTALLED: dict | None = None
@@ -169,6 +179,11 @@ def reset() -> None:
 def events(kind: str | None = None) -> list[tuple]:
     """A copy of EVENTS, optionally only those whose first item is ``kind``."""
     return [e for e in EVENTS if kind is None or e[0] == kind]
+
+
+def graph_pools() -> dict:
+    """What each live NPU graph pool holds (``_graphs.pools``)."""
+    return _graphs.pools()
 
 
 def current_stream_name() -> str:

@@ -444,8 +444,8 @@ class Event:
     def wait(self, stream=None):
         if stream is None:
             stream = current_stream()
+        _graphs().on_stream_edge("wait_event", stream._sim_name, self._sim_name)  # joins first
         log("wait_event", stream._sim_name, self._sim_name)
-        _graphs().on_stream_edge("wait_event", stream._sim_name, self._sim_name)
 
     def query(self):
         _graphs().check_call("Event.query() (%s)" % self._sim_name)

@@ -44,7 +44,10 @@ another thread during a capture (the recorder sees the capturing thread's ops on
 ``(0, n)``, a capture without a pool makes ``(n, 0)``; a pool is created or increfed by the first
 ``capture_begin`` into it and shared by every graph captured into it.  Under the native allocator
 what a capture allocates is held in the pool until the last graph using it is reset (or
-collected), and ``mem_get_info`` counts it as used.  Under a pluggable allocator the allocation
+collected), and ``mem_get_info`` counts it as used.  The simulation keeps every block a capture
+allocated (the replay writes into it): a device's caching allocator may hand a block an earlier
+capture freed into the same pool to a later capture, so a shared pool's figure here is an upper
+bound of the device's.  Under a pluggable allocator the allocation
 is the pluggable allocator's (zbal's heap once bootstrapped, as ``_server._track`` counts it),
 held by the graph until reset; its ``begin_allocate_to_pool`` / ``end_allocate_to_pool`` /
 ``release_pool`` hooks are called when set, nothing otherwise (``NPUPluggableAllocator.cpp``).  The
@@ -114,23 +117,34 @@ class _Live:
 
 # ------------------------------------------------------------------------------ TASK_QUEUE_ENABLE
 
-def task_queue_enable() -> int:
-    """The task queue level torch_npu runs with: ``set_task_queue_enable``'s, else
-    ``TASK_QUEUE_ENABLE`` (default 1; ``ASCEND_LAUNCH_BLOCKING=1`` makes it 0)."""
-    state = _device.STATE
-    level = getattr(state, "task_queue", None)
-    if level is None:
-        raw = os.environ.get("TASK_QUEUE_ENABLE", "1").strip() or "1"
-        if raw not in ("0", "1", "2"):
-            raise RuntimeError(MSG_TASK_QUEUE_VALUE + raw)
-        level = int(raw)
-    if os.environ.get("ASCEND_LAUNCH_BLOCKING") == "1":
-        return 0
-    return level
+def _env_task_queue() -> int:
+    """``TASK_QUEUE_ENABLE`` as torch_npu's OptionsManager reads it (default 1; anything but 0, 1
+    or 2 is refused); ``ASCEND_LAUNCH_BLOCKING=1`` makes the effective level 0 (utils.py's
+    ``set_task_queue_enable`` docstring)."""
+    raw = os.environ.get("TASK_QUEUE_ENABLE", "1").strip() or "1"
+    if raw not in ("0", "1", "2"):
+        raise RuntimeError(MSG_TASK_QUEUE_VALUE + raw)
+    return 0 if os.environ.get("ASCEND_LAUNCH_BLOCKING") == "1" else int(raw)
+
+
+class _CaptureTaskQueue:
+    #: NPUGraph::capture_begin reads the level into a function-local ``static const`` at the
+    #: process's first capture (NPUGraph.cpp): later changes of the variable, and
+    #: ``set_task_queue_enable``, do not reach the check.
+    level = None
+
+
+def _capture_task_queue() -> int:
+    if _CaptureTaskQueue.level is None:
+        _CaptureTaskQueue.level = _env_task_queue()
+    return _CaptureTaskQueue.level
 
 
 def get_task_queue_enable():
-    return task_queue_enable()
+    level = _device.STATE.task_queue
+    if os.environ.get("ASCEND_LAUNCH_BLOCKING") == "1":
+        return 0
+    return _env_task_queue() if level is None else level
 
 
 def set_task_queue_enable(mode):
@@ -198,6 +212,19 @@ def _release(pool_id):
 
 #: data_ptr -> nbytes of every storage a capture allocated (device memory, held by a pool).
 GRAPH_STORAGES: dict = {}
+
+
+def pools() -> dict:
+    """{pool id: {"use_count": n, <counter>: bytes, ...}}: what each live pool holds, by the counter
+    it is in -- ``graph_pool_bytes`` (the native allocator's graph pool), ``pluggable_bytes`` (the
+    pluggable allocator's heap) or ``live_npu_bytes`` (the pluggable allocator before its heap)."""
+    out = {}
+    for pool_id, pool in POOLS.items():
+        row = {"use_count": pool.use_count}
+        for _, nbytes, field in pool.held.values():
+            row[field] = row.get(field, 0) + nbytes
+        out[pool_id] = row
+    return out
 
 
 def _allocation_field():
@@ -297,6 +324,20 @@ def check_call(what: str, *, host_copy: bool = False) -> None:
         raise RuntimeError("simnpu: %s from thread %r during %s: a \"global\" capture refuses unsafe "
                            "calls from every thread (aclmdlRICaptureMode global)"
                            % (what, threading.current_thread().name, _describe(live)))
+
+
+def captured_edge(event) -> bool:
+    """Whether a logged stream edge is one being captured (the capturing thread, a capture
+    stream): it happens at replay, not now."""
+    live = _Live.live
+    if live is None or threading.get_ident() != live.thread:
+        return False
+    kind = event[0]
+    if kind == "event_record":
+        return event[2] in live.members
+    if kind in ("wait_event", "wait_stream"):
+        return event[1] in live.members or (kind == "wait_stream" and event[2] in live.members)
+    return False
 
 
 def check_seed(seed) -> None:
@@ -405,7 +446,6 @@ _EMPTY = {"empty.memory_format", "empty_strided.default", "empty.default", "empt
 
 
 def _poison(tensor):
-    import torch
 
     if tensor.is_floating_point() or tensor.is_complex():
         tensor.fill_(float("nan"))
@@ -683,7 +723,7 @@ class NPUGraph:
     def capture_begin(self, pool=None, capture_error_mode="global"):
         if capture_error_mode not in CAPTURE_MODES:
             raise RuntimeError(MSG_CAPTURE_MODE + str(capture_error_mode))
-        if task_queue_enable() == 2:
+        if _capture_task_queue() == 2:
             raise RuntimeError(MSG_TASK_QUEUE)
         if self._sim_timeline is not None or self._sim_capturing:
             raise RuntimeError(MSG_ALREADY_CAPTURED)
@@ -813,7 +853,8 @@ class NPUGraph:
 
     def __del__(self):
         try:
-            if getattr(self, "_sim_pool", None) is not None and not self._sim_capturing:
+            # a graph of before simnpu.reset() holds nothing any more: no event for it
+            if getattr(self, "_sim_pool", None) in POOLS and not self._sim_capturing:
                 self.reset()
         except Exception:  # noqa: BLE001 - a destructor at interpreter exit
             pass
@@ -822,7 +863,7 @@ class NPUGraph:
         return "<simnpu NPUGraph %d>" % self._sim_id
 
 
-class graph:  # noqa: N801 - torch_npu's name
+class graph:
     """torch_npu.npu.graph: ``__enter__`` synchronises, empties the caches, enters the capture
     stream and (``auto_dispatch_capture``) the graph's dispatch mode, then ``capture_begin``
     (graphs.py ``graph.__enter__``)."""
@@ -1027,7 +1068,14 @@ class _GraphDispatchMode:
         event = ExternalEvent()
         event.wait(stream)
         event.reset(stream)
+        import torch
+        from torch.utils import _pytree as pytree
+
+        given = {id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         actual_func, args, kwargs = handler.prepare_capture(func, args, dict(kwargs))
+        for t in pytree.tree_leaves((args, kwargs)):  # the workspace and outputs it made: the pool's
+            if isinstance(t, torch.Tensor) and id(t) not in given:
+                _hold(t.untyped_storage())
         self.update_schema(str(actual_func.__name__), str(actual_func._schema))
         graph_task_group_begin(stream)
         result = record(actual_func, args, kwargs)
@@ -1067,6 +1115,7 @@ class _GraphDispatchMode:
 def reset_state() -> None:
     """simnpu.reset(): no capture, no pools (what a capture held is dropped)."""
     _Live.live = None
+    _CaptureTaskQueue.level = None
     POOLS.clear()
     GRAPH_STORAGES.clear()
     graph.default_capture_stream = None

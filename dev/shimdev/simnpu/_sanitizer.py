@@ -36,8 +36,10 @@ do at the same time on a device::
 Tensors that existed before the sanitizer started count as allocated on the device's default
 stream (where sglang loads weights).  Storages are whole blocks: two streams writing disjoint
 slices of one storage are reported (the allocator hands out whole blocks, so a block is the unit
-whose reuse matters).  Not modelled: graph capture, host-to-device copies' own streams, and the
-comm streams inside collective libraries.
+whose reuse matters).  NPU graphs (``_graphs.py``): nothing a capture records runs, so the sanitizer
+sees none of it then (nor the capture's event edges); each replay launches the recorded ops on their
+streams and logs the graph's event edges again, which the sanitizer follows.  Not modelled:
+host-to-device copies' own streams, and the comm streams inside collective libraries.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ import sys
 import threading
 import weakref
 
-from . import _device, _log
+from . import _device, _graphs, _log
 
 READ, WRITE = "read", "write"
 #: The caching allocator serves requests up to this size from its small pool, larger from the large.
@@ -510,6 +512,8 @@ class Sanitizer:
     # -- streams, from the simulated NPU's event log
     def on_event(self, event):
         handler = _EVENT_HANDLERS.get(event[0])
+        if handler is not None and _graphs.captured_edge(event):
+            return  # an edge inside a capture happens at each replay, which logs it again
         if handler is not None:
             with self.lock:
                 handler(self, *event[1:])

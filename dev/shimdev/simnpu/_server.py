@@ -29,7 +29,7 @@ import datetime
 import os
 import threading
 
-from . import _device, _stubs
+from . import _device, _graphs, _stubs
 
 _lock = threading.Lock()
 _installed = False
@@ -156,6 +156,8 @@ def memory_snapshot() -> dict:
     gc.collect()
     return {"pid": os.getpid(), "live_npu_bytes": _device.STATE.live_npu_bytes,
             "pluggable_bytes": _device.STATE.pluggable_bytes, "storages": len(_tracked),
+            "graph_pool_bytes": _device.STATE.graph_pool_bytes,
+            "graph_pools": {"%d,%d" % k: v for k, v in _graphs.pools().items()},
             "track_derived": _TRACK_DERIVED}
 
 

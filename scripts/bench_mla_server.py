@@ -5,7 +5,7 @@ transfer backend, ``SGLANG_NPU_USE_MLAPO=1``; dev/shimdev/server/mla.py), one wi
 ``PYTHONPATH``, one without, both up at once and sent the same requests; then, per server (every TP
 rank added up):
 
-* what the patch says it released (its details in each scheduler's state record, in bytes);
+* what the patch says it released (its details in each scheduler, from sglang's /metrics, in bytes);
 * what the simulated device holds less: device memory in use, shim off minus shim on, read from
   each scheduler (``SIMNPU_TRACK_DERIVED``: storages sglang derives from npu weights count);
 * what the model's shapes say: the fused qkv_a weight and ``w_kc``, bf16, every layer.

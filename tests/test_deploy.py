@@ -244,8 +244,6 @@ def test_kubernetes_manifest_plays_as_written(podman, busybox_image, fake_image,
                 return podman.run("exec", container, *command, check=False)
 
             assert_status_and_check(run, "/shim/npu-shim", report["wrapt"]["build"])
-            running = run("python", "-m", "npu_shim", "status", "--running")
-            assert running.returncode == 0, running.stdout + running.stderr
         finally:
             podman.run("kube", "down", manifest, check=False, timeout=120)
             podman.run("rmi", images["npu-shim"], images["sglang"], check=False)

@@ -7,7 +7,7 @@ import may close a circle, inside a layer or across:
 
 0. leaves: ``_version``, ``_paths`` (where the package is) and the registry (``patches/registry.py``: a list of names);
 1. ``core``: the variables, the patch model and deciding, loading the registered patches;
-2. ``reporting``: logging, process identity, state records, the summary line, text for a terminal;
+2. ``reporting``: logging, process identity, sglang's metrics, the summary line, text for a terminal;
 3. ``source``: reading sglang's code without importing it (view, fast scan, inherited answers);
 4. ``runtime``: one process's activation, finder, wrapt, targets and wrappers, install();
 5. ``patches``: the feature modules;

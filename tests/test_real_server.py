@@ -169,7 +169,7 @@ def servers(tmp_path_factory):
     bed.stop_all()
 
 
-def schedulers(server) -> list[list[dict]]:
+def scheduler_journals(server) -> list[list[dict]]:
     """The journal of each process that captured graphs or bootstrapped zbal (the schedulers)."""
     found = [entries for entries in journal.read(server.journal_dir).values()
              if any(kind(e) in ("capture_begin", "zbal:zbal_bootstrap") for e in entries)]
@@ -208,9 +208,15 @@ def assert_captured_into_zbal_s_heap(entries, sizes=2):
     return ends[-1]["bytes"]
 
 
+def tags(server: Server) -> dict:
+    """pid -> the role in its summary line, the launcher's (the server's own process, which
+    decides before it knows it is the HTTP server: no role in its tag) named ``launcher``."""
+    return {pid: "launcher" if pid == server.proc.pid else said["role"] for pid, said in summaries(server).items()}
+
+
 def roles(server: Server) -> list[str]:
-    """The role in each summary line of the server's log (one per process that decided)."""
-    return sorted(said["role"] for said in summaries(server).values())
+    """The role of each process that logged a summary line (one per process that decided)."""
+    return sorted(tags(server).values())
 
 
 # -- zbal, full mode, TP 1 ---------------------------------------------------------------------------
@@ -243,18 +249,18 @@ def test_full_mode_serves_the_same_tokens_with_the_kv_cache_sized_from_the_heap(
     assert not shim_lines(off)
     # both captured decode and served it from the graphs (a replay per decode step)
     for server in (on, off):
-        (entries,) = schedulers(server)
+        (entries,) = scheduler_journals(server)
         assert kinds_of(entries).count("replay") >= NEW_TOKENS - 1, server.name
 
 
 @per_release
 def test_graph_memory_comes_from_zbal_s_heap_and_the_shim_stays_out_of_captures(servers, version):
     on = servers.get("full", version, zbal_mib=HEAP_MIB)
-    (entries,) = schedulers(on)
+    (entries,) = scheduler_journals(on)
     assert_captured_into_zbal_s_heap(entries)
     # without the shim: torch_npu's native allocator, its own graph pool, no hook to call
     off = servers.get("off", version, shim="absent")
-    (entries,) = schedulers(off)
+    (entries,) = scheduler_journals(off)
     assert "pool_hook" not in kinds_of(entries) and "change_allocator" not in kinds_of(entries)
     ends = [e for e in entries if kind(e) == "capture_end"]
     assert len(ends) == 2 and ends[-1]["graph_pool_bytes"] > 0
@@ -265,7 +271,7 @@ def test_graphs_on_serve_the_same_tokens_as_graphs_off(servers):
     version = "0.5.11"
     eager = servers.get("full-eager", version, zbal_mib=HEAP_MIB, graphs=False)
     assert servers.answers_of("full-eager", version) == servers.answers_of("full", version, zbal_mib=HEAP_MIB)
-    (entries,) = schedulers(eager)
+    (entries,) = scheduler_journals(eager)
     assert "capture_begin" not in kinds_of(entries)
     assert kv_tokens(eager) == expected_kv_tokens(HEAP_MIB, 1, eager.model_dir)
 
@@ -274,12 +280,12 @@ def test_graphs_on_serve_the_same_tokens_as_graphs_off(servers):
 def test_every_process_says_its_role_and_sglangs_metrics_carry_its_states(servers, version):
     on = servers.get("full", version, zbal_mib=HEAP_MIB)
     said = summaries(on)
-    assert roles(on) == ["detokenizer", "http_server", "tp 0/1"], said
+    assert roles(on) == ["detokenizer", "launcher", "tp 0/1"], said
     assert {s["states"]["zbal"] for s in said.values()} == {"applied"}
     # the processes where sglang keeps metrics (not the detokenizer): each patch in each of them
     # at 1 in the state its summary line says, 0 in the five others
     states = current_states(shim_metrics(on))
-    assert sorted(said[pid]["role"] for pid, _ in states) == ["http_server"] * 3 + ["tp 0/1"] * 3, states
+    assert sorted(tags(on)[pid] for pid, _ in states) == ["launcher"] * 3 + ["tp 0/1"] * 3, states
     for (pid, patch), state in states.items():
         assert said[pid]["states"][patch] == state, (pid, patch, state)
 
@@ -293,11 +299,11 @@ def test_the_shims_details_are_in_sglangs_own_metrics(servers, version):
     status, text = on.get("/metrics")
     assert status == 200
     assert any(f.name.startswith("sglang:") for f in text_string_to_metric_families(text))
-    pids = {said["role"]: pid for pid, said in summaries(on).items()}
+    pids = {tag: pid for pid, tag in tags(on).items()}
     details = shim_metrics(on)["detail"]
     # the heap, and zbal's graph-pool hooks the shim had installed (graphs are captured)
     assert details[(pids["tp 0/1"], "zbal")] == {"gva_mib": HEAP_MIB, "graph_pool_hooks": 1}
-    assert (pids["http_server"], "zbal") not in details  # the heap is the scheduler's
+    assert (pids["launcher"], "zbal") not in details  # the heap is the scheduler's
     # a dense model: no MLA weight to release, so nothing released is said
     assert not [key for key in details if key[1] == "mla_weight_release"]
 
@@ -329,15 +335,15 @@ def test_mix_mode_tp2_one_world_heap_after_the_kv_cache(servers, version):
     # upstream's own line, which operators' log scrapers look for, once per rank
     assert sorted(re.findall(r"^\[ZBAL\] rank (\d) allocated (\d+) MB gva space\.$", log, re.M)) == sorted(
         (h[1], h[2]) for h in heaps)
-    assert roles(mix) == ["detokenizer", "http_server", "tp 0/2", "tp 1/2"]
+    assert roles(mix) == ["detokenizer", "launcher", "tp 0/2", "tp 1/2"]
     # each scheduler's metrics carry the heap it made, once made (mix mode: after the KV cache)
-    tag = {pid: said["role"] for pid, said in summaries(mix).items()}
+    tag = tags(mix)
     details = shim_metrics(mix)["detail"]
     assert sorted((tag[pid], values["gva_mib"]) for (pid, patch), values in details.items() if patch == "zbal") == (
         sorted(("tp %s/2" % h[0], float(h[2])) for h in heaps)), details
     # graphs: in each scheduler, one heap, made after the KV cache (on device memory then) and
     # before the first capture, whose pool zbal then places in that heap
-    ranks = schedulers(mix)
+    ranks = scheduler_journals(mix)
     assert len(ranks) == 2
     kv_bytes = kv_tokens(mix) * kv_bytes_per_token(mix.model_dir, 2)
     for entries in ranks:
@@ -395,7 +401,7 @@ def test_upstream_0_5_12_sizes_heap_and_kv_cache_as_the_backport(servers):
     assert kv_tokens(upstream) == expected_kv_tokens(HEAP_MIB, 1, upstream.model_dir) == kv_tokens(
         servers.get("full", "0.5.9", zbal_mib=HEAP_MIB))
     assert any(re.search(r"tp 0/1\] zbal=upstream ", ln) for ln in shim_lines(upstream))
-    (entries,) = schedulers(upstream)
+    (entries,) = scheduler_journals(upstream)
     (boot,) = [e["event"][2] for e in entries if kind(e) == "zbal:zbal_bootstrap"]
     assert boot["deviceMemorySize"] == HEAP_MIB << 20
     hooks = [e["event"][1] for e in entries if kind(e) == "allocator_fn"]

@@ -31,7 +31,7 @@ scheduler's kernels on the main and side streams and reported nothing.  With the
 tokens shim on and off, and the target's (speculative greedy decoding is the target's greedy
 decoding); each target-verify batch once through the dual-stream forward_deepep and twice through
 the fused kernel, counted per request in ``/metrics``; the sanitizer silent; one main stream (and
-so one side stream) for the target and the draft.
+so one side stream, ``side_stream_count``) for the target and the draft.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ import pytest
 
 from shimdev.server import models, moe_job
 from shimdev.server.pool import ServerPool
-from shimdev.server.process import Server, current_states, free_port, shim_metrics, summaries
+from shimdev.server.process import Server, current_states, free_port, schedulers, shim_metrics
 
 VERSION = "0.5.8"
 HEAP_MIB = 256
@@ -151,9 +151,9 @@ def servers(tmp_path_factory):
 
 
 def scheduler_counts(server) -> tuple[str, dict]:
-    """The dual-stream patch's state and counts in the scheduler, from the server's ``/metrics``
-    (the scheduler's pid from its summary line in the log, as an operator finds it)."""
-    (pid,) = [pid for pid, said in summaries(server).items() if said["role"] == "tp 0/1"]
+    """The dual-stream patch's state and numbers in the scheduler (its counts, ``side_stream_count``),
+    from the server's ``/metrics`` (the scheduler's pid from its process title, ``sglang::scheduler``)."""
+    (pid,) = schedulers(server).values()
     metrics = shim_metrics(server)
     counts = metrics["detail"].get((pid, "dual_stream_experts"), {})
     return current_states(metrics)[(pid, "dual_stream_experts")], {k: int(v) for k, v in counts.items()}
@@ -197,12 +197,12 @@ def test_the_stream_sanitizer_followed_the_scheduler_and_stayed_silent(servers):
 
 
 def assert_sanitizer_followed_the_scheduler_and_stayed_silent(server):
-    """The scheduler's sanitizer saw its main stream and one side stream over a whole run (more
-    than a thousand launches), and no process's sanitizer reported anything."""
+    """The scheduler's sanitizer saw its main stream and side streams over a whole run (more than
+    a thousand launches), and no process's sanitizer reported anything."""
     files = sanitizer_files(server)
     (scheduler,) = [d for title, d in files.items() if title.startswith("sglang::scheduler")]
     side = [s for s in scheduler["streams"] if s.startswith("side-")]
-    assert "main" in scheduler["streams"] and len(side) == 1, scheduler["streams"]
+    assert "main" in scheduler["streams"] and side, scheduler["streams"]
     assert scheduler["launches"] > 1000, scheduler["launches"]
     for title, data in files.items():
         assert data["reports"] == [], (title, [r["message"] for r in data["reports"]])
@@ -272,12 +272,13 @@ def test_with_a_draft_model_each_verify_batch_takes_the_dual_stream_and_fused_pa
     # the fused kernel: in the target's two layers of each verify batch (draft extends are extend)
     assert delta["fused_python_calls"] == 2 * verifies, (delta, out["meta_info"])
     assert after["dual_stream_verify_python_calls"] >= done["prefills"] > 0, after
+    # the target and the draft run on one main stream (the scheduler's), so one side stream serves
+    # both: 0.5.8's EAGLE worker makes no stream of its own
+    assert after["side_stream_count"] == 1, after
 
 
 @ON_ONE_WORKER
 def test_with_a_draft_model_the_stream_sanitizer_stayed_silent(servers):
-    # the target and the draft run on one main stream (the scheduler's), so one side stream serves
-    # both: 0.5.8's EAGLE worker makes no stream of its own
     servers.answers_of("spec-on")
     assert_sanitizer_followed_the_scheduler_and_stayed_silent(servers.get("spec-on"))
 

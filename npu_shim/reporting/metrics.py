@@ -72,6 +72,8 @@ def directory_problem(path):
             walked += "/" + name
             try:
                 child = os.open(name, DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                return "does not exist (no %s)" % walked
             except OSError as exc:
                 return "is a symlink or no directory at %s (%s)" % (walked, os.strerror(exc.errno))
             os.close(fd)

@@ -1,4 +1,4 @@
-"""Text for an operator's terminal: what a record, a variable, sglang's files or a child process
+"""Text for an operator's terminal: what a variable, sglang's files or a child process
 wrote is shown escaped, never raw.  Imports nothing at load time (``check`` uses it before it has
 verified the bundle it runs from)."""
 

@@ -5,9 +5,9 @@ Every scheduler process runs ``sglang.srt.managers.scheduler.run_scheduler_proce
 the launcher or the data-parallel controller).  Whenever the shim is enabled and that module is
 imported, whatever patch is on (all off included), the runtime wraps it -- before any patch's
 target in that module, and undoes it after them -- and the wrapper tells ``procinfo`` the ranks
-(``tp 3/16``) before the body runs: log lines then carry them.  Its parameters are read by name (``server_args``, ``tp_rank``, ``pp_rank``,
-``dp_rank``), so every release's signature fits; one without them is left alone (DEBUG line) and
-the role comes from the process title as before.
+(``tp 3/16``) before the body runs: log lines then carry them.  Its parameters are read by name
+(``server_args``, ``tp_rank``, ``pp_rank``, ``dp_rank``), so every release's signature fits; one
+without them is left alone (DEBUG line) and the role comes from the process title as before.
 
 A spawned child decides its patches before its target runs (while it re-imports the parent's main
 module or unpickles the target), before any call says who it is; its summary line waits

@@ -364,6 +364,7 @@ def test_two_main_streams_feeding_side_streams_do_not_race(simnpu_clean):
     # each main stream has a side stream of its own; the target's is reused by its next layer
     assert sorted(DS.details["side_streams"].items()) == [
         ("<simnpu Stream main>", "<simnpu Stream side-2>"), ("<simnpu Stream side-1>", "<simnpu Stream side-3>")]
+    assert DS.details["side_stream_count"] == 2  # the number sglang's metrics show
 
 
 # -- which layers take the fused path -------------------------------------------------------------
@@ -464,3 +465,25 @@ def test_bench_wrapper_cost_runs_the_wrapper_as_the_shim_installs_it_cpu_plumbin
                                  rounds=3, hidden=16, shared_inter=16, expert_inter=8, experts=4, topk=2)
     assert row["what"] == bench.WRAPPER_WHAT and row["ok"] is None and "CPU dry run" in row["measured"]
     assert share_stream() is None
+
+
+def test_the_forward_starts_no_thread_and_writes_no_metric_per_call(monkeypatch):
+    """A global-mode NPU graph capture fails on another thread's NPU work, and a gauge written per
+    call is too dear for the wrapper's budget: the forward only counts (sglang's metrics get the
+    counts when its scheduler logs its stats); its one write is the side stream made for the main
+    stream, once.  Before the fix a call published once a second, and the calls in between started
+    a ``threading.Timer`` that published a second later."""
+    import threading
+
+    import wrapt
+
+    from npu_shim.reporting import metrics
+
+    started, published = [], []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self), real_start(self))[1])
+    monkeypatch.setattr(metrics, "publish", lambda: published.append(True))
+    out = _bench().wrapper_cost("cpu", wrapt, tokens=4, calls=5, rounds=2, hidden=16, shared_inter=16,
+                                expert_inter=8, experts=4, topk=2)
+    assert out["dual_stream_python_calls"] == 3 + 2 * 5  # the calls counted, every one
+    assert started == [] and published == [True]  # the side stream, made at the first call

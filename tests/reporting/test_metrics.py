@@ -213,6 +213,7 @@ def test_a_directory_others_may_write_or_a_symlink_to_one_is_refused(tmp_path):
     os.chmod(str(shared), 0o1777)  # sticky, as /tmp: only its owner renames it
     assert metrics.directory_problem(str(below)) is None
     assert metrics.directory_problem("relative/dir") == "is not an absolute path"
+    assert metrics.directory_problem(str(mine / "gone" / "deeper")) == "does not exist (no %s/gone)" % mine
 
 
 def test_nothing_is_published_before_sglang_made_its_collector(monkeypatch):

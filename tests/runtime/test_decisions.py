@@ -195,9 +195,9 @@ def test_a_publishing_step_says_whether_it_ran_and_a_failure_is_logged_once(logg
 
     assert decisions.published("the summary line", boom) is False
     assert decisions.published("the summary line", boom) is False
-    assert decisions.published("the state record", boom) is False
+    assert decisions.published("the metrics", boom) is False
     assert logged() == [("ERROR", "the summary line failed: RuntimeError('boom')"),
-                        ("ERROR", "the state record failed: RuntimeError('boom')")]
+                        ("ERROR", "the metrics failed: RuntimeError('boom')")]
 
 
 def test_a_view_is_read_only_where_there_is_a_directory(monkeypatch, tmp_path):

@@ -10,13 +10,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import signal
 import time
 from pathlib import Path
 
 from shimdev.server import models
-from shimdev.server.process import Server, ServerError, current_states, session_pids, shim_metrics
+from shimdev.server.process import Server, ServerError, current_states, schedulers, shim_metrics
 
 #: sglang's stand-in bootstrap host of the fake transfer backend (sglang.srt.disaggregation.utils
 #: FAKE_BOOTSTRAP_HOST; 0.5.11's decode server cannot take a request without a bootstrap host).
@@ -70,21 +69,6 @@ def expected_release(model_dir, tp: int) -> dict:
     qkv_a = c["hidden_size"] * (c["q_lora_rank"] + c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2
     w_kc = c["num_attention_heads"] // tp * c["qk_nope_head_dim"] * c["kv_lora_rank"] * 2
     return {"qkv_a": layers * qkv_a, "w_kc": layers * w_kc}
-
-
-def schedulers(server: Server) -> dict:
-    """TP rank -> pid of each scheduler process of the server (sglang's process title)."""
-    out = {}
-    for pid in session_pids(os.getsid(server.proc.pid)):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                cmdline = fh.read().decode(errors="replace")
-        except OSError:
-            continue
-        found = re.search(r"sglang::scheduler\S*?TP(\d+)", cmdline)
-        if found:
-            out[int(found.group(1))] = pid
-    return out
 
 
 def device_memory(server: Server, pid: int, timeout: float = 30) -> dict:

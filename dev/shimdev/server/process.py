@@ -134,6 +134,21 @@ def current_states(metrics: dict) -> dict:
     return out
 
 
+def schedulers(server: "Server") -> dict:
+    """TP rank -> pid of each scheduler process of the server (sglang's process title)."""
+    out = {}
+    for pid in session_pids(os.getsid(server.proc.pid)):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmdline = fh.read().decode(errors="replace")
+        except OSError:
+            continue
+        found = re.search(r"sglang::scheduler\S*?TP(\d+)", cmdline)
+        if found:
+            out[int(found.group(1))] = pid
+    return out
+
+
 _SUMMARY = re.compile(r"\[npu-shim \S+ sglang \S+ pid (\d+) ?([^\]]*)\] (zbal=\w+.*)$")
 
 

@@ -9,6 +9,7 @@ import threading
 from npu_shim.core.framework import Inactive, Unsupported
 from npu_shim.patches._impl._dual_stream_experts_kernel import KERNEL_NAME, kernel_problem, load_kernel
 from npu_shim.patches.dual_stream_experts import GLM4_MOE, MULTI_STREAM
+from npu_shim.reporting import metrics
 from npu_shim.runtime.targets import Wrap, bind_arguments
 from npu_shim.source.reading import unwrap
 
@@ -96,6 +97,10 @@ class DualStreamExpertsState:
                 if side is None:
                     side = self.side_streams[main] = _device_module().Stream()
                     self._note("side_streams", {repr(m): repr(s) for m, s in self.side_streams.items()})
+                    # a number in sglang's metrics: more than 1 is two main streams sharing the
+                    # layers (sglang#30965's case), each with its own side stream
+                    self.details["side_stream_count"] = len(self.side_streams)
+                    metrics.publish()  # once per main stream, not per call
         return side
 
     def process_shared_expert(self, hidden_states, forward_func):

@@ -39,7 +39,9 @@ import json
 import os
 import re
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -133,8 +135,7 @@ class Servers:
     def _start(self, name, version, *, shim="on", tp=1, env=None, zbal_mib=None, mix=False,
                args=(), graphs=True):
         model = models.ensure_model("qwen2", version)
-        journal_dir = self.tmp / f"journal-{name}-{version}"
-        journal_dir.mkdir()
+        journal_dir = Path(tempfile.mkdtemp(prefix=f"journal-{name}-{version}-", dir=self.tmp))
         env = {"SIMNPU_TOTAL_MIB": DEVICE_MIB, "SIMNPU_JOURNAL_DIR": str(journal_dir), **(env or {})}
         if zbal_mib:
             env["SGLANG_ZBAL_LOCAL_MEM_SIZE"] = zbal_mib
@@ -150,10 +151,16 @@ class Servers:
         server.ready_s = time.monotonic() - started
         return server
 
+    def live(self, name, version, **options):
+        """The server, running: started again if the pool stopped it (a test that talks to it,
+        run after the worker needed room for other servers)."""
+        self.pool.stopped.pop((name, version), None)
+        return self.get(name, version, **options)
+
     def answers_of(self, name, version, **kwargs):
         key = (name, version)
         if key not in self.answers:
-            server = self.get(name, version, **kwargs)
+            server = self.live(name, version, **kwargs)
             assert key in self.pool.live, "%s was stopped before it answered" % (key,)
             self.answers[key] = answers(server)
         return self.answers[key]
@@ -278,7 +285,7 @@ def test_graphs_on_serve_the_same_tokens_as_graphs_off(servers):
 
 @per_release
 def test_every_process_says_its_role_and_sglangs_metrics_carry_its_states(servers, version):
-    on = servers.get("full", version, zbal_mib=HEAP_MIB)
+    on = servers.live("full", version, zbal_mib=HEAP_MIB)
     said = summaries(on)
     assert roles(on) == ["detokenizer", "launcher", "tp 0/1"], said
     assert {s["states"]["zbal"] for s in said.values()} == {"applied"}
@@ -294,7 +301,7 @@ def test_every_process_says_its_role_and_sglangs_metrics_carry_its_states(server
 def test_the_shims_details_are_in_sglangs_own_metrics(servers, version):
     from prometheus_client.parser import text_string_to_metric_families
 
-    on = servers.get("full", version, zbal_mib=HEAP_MIB)
+    on = servers.live("full", version, zbal_mib=HEAP_MIB)
     servers.answers_of("full", version)  # some traffic first: sglang's own metrics then exist
     status, text = on.get("/metrics")
     assert status == 200

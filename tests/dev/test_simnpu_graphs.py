@@ -569,3 +569,50 @@ def test_a_real_sglang_server_captures_replays_and_answers_as_without_graphs(ver
     off, log_off = _serve(version, False, tmp_path)
     assert not re.search(r"Decode batch.*graph: True", log_off)
     assert on == off
+
+
+def test_the_sanitizer_takes_no_edge_from_a_capture_as_it_is_captured():
+    """A join captured into a graph happens at replay: it must not order, now, an eager write on
+    the side stream before an eager read on the capture stream."""
+    out = run("""
+    s, side = torch.npu.Stream(), torch.npu.Stream()
+    x = torch.ones(64, device="npu")
+    g = torch.npu.NPUGraph()
+    with simnpu.sanitize() as san:
+        with torch.npu.stream(side):
+            x.fill_(2)                   # eager, on the side stream
+        with torch.npu.stream(s):
+            g.capture_begin()            # (no synchronize: graph.__enter__ would order everything)
+            side.wait_stream(s)
+            with torch.npu.stream(side):
+                y = x + 1
+            s.wait_stream(side)          # captured: happens at each replay
+            g.capture_end()
+            x * 3                        # eager read on s: unordered with the side stream's write
+    print(json.dumps([(r.kind, list(r.streams)) for r in san.reports]))
+    """)
+    assert ["read-after-write", ["side-2", "side-1"]] in out
+
+
+def test_a_free_of_a_block_with_stream_uses_waits_for_the_capture_s_end():
+    out = run("""
+    import gc
+    s, side = torch.npu.Stream(), torch.npu.Stream()
+    used = torch.ones(1024, device="npu")
+    used.record_stream(side)             # sglang's MLA path records q on its alt stream
+    plain = torch.ones(1024, device="npu")
+    live = lambda: _graphs._device.STATE.live_npu_bytes
+    g = torch.npu.NPUGraph()
+    with torch.npu.stream(s):
+        g.capture_begin()
+        start = live()
+        del plain; gc.collect()
+        after_plain = live()
+        del used; gc.collect()
+        after_used = live()
+        g.capture_end()
+    print(json.dumps({"freed": [start - after_plain, start - after_used, start - live()],
+                      "events": simnpu.events("deferred_free")}))
+    """)
+    assert out["freed"] == [4096, 4096, 8192]  # the plain block at once, the used one at the end
+    assert out["events"] == [["deferred_free", 1, 1, 4096]]

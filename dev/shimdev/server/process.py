@@ -135,7 +135,8 @@ def current_states(metrics: dict) -> dict:
 
 
 def schedulers(server: "Server") -> dict:
-    """TP rank -> pid of each scheduler process of the server (sglang's process title)."""
+    """TP rank -> pid of each scheduler process of the server (sglang's process title:
+    ``sglang::scheduler_TP1``, or ``sglang::scheduler`` alone where a release names no rank of one)."""
     out = {}
     for pid in session_pids(os.getsid(server.proc.pid)):
         try:
@@ -143,9 +144,10 @@ def schedulers(server: "Server") -> dict:
                 cmdline = fh.read().decode(errors="replace")
         except OSError:
             continue
-        found = re.search(r"sglang::scheduler\S*?TP(\d+)", cmdline)
+        found = re.match(r"sglang::scheduler(\S*)", cmdline)
         if found:
-            out[int(found.group(1))] = pid
+            rank = re.search(r"TP(\d+)", found.group(1))
+            out[int(rank.group(1)) if rank else 0] = pid
     return out
 
 

@@ -56,6 +56,7 @@ class _State:
         self.graph_pool_bytes = 0  # what the native allocator's graph pools hold (_graphs.py)
         self.task_queue = None  # set_task_queue_enable's level; None: TASK_QUEUE_ENABLE's
         self.seed = 67280421310721  # the default generator's seed (c10's default_rng_seed_val)
+        self.stream_uses: dict = {}  # storage data_ptr -> streams record_stream named
 
 
 STATE = _State()
@@ -347,6 +348,16 @@ class Stream:
 
     def __hash__(self) -> int:
         return hash(self._sim_name)
+
+
+def note_stream_use(tensor, stream) -> None:
+    """``tensor.record_stream(stream)``: the block now has a use on ``stream`` (its free waits for
+    that stream's work; in a capture the native allocator defers it, ``_graphs.defer_free``)."""
+    try:
+        key = tensor.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - a tensor without a plain storage
+        return
+    STATE.stream_uses.setdefault(key, set()).add(stream._sim_name)
 
 
 def stream_name(stream) -> str:

@@ -47,10 +47,12 @@ what a capture allocates is held in the pool until the last graph using it is re
 collected), and ``mem_get_info`` counts it as used.  The simulation keeps every block a capture
 allocated (the replay writes into it): a device's caching allocator may hand a block an earlier
 capture freed into the same pool to a later capture, so a shared pool's figure here is an upper
-bound of the device's.  Under a pluggable allocator the allocation
-is the pluggable allocator's (zbal's heap once bootstrapped, as ``_server._track`` counts it),
-held by the graph until reset; its ``begin_allocate_to_pool`` / ``end_allocate_to_pool`` /
-``release_pool`` hooks are called when set, nothing otherwise (``NPUPluggableAllocator.cpp``).  The
+bound of the device's.  A block with stream uses (``record_stream``) freed while a capture is
+underway is given back only when the capture ends (the native allocator defers it); any other
+free is at once.  Under a pluggable allocator the allocation is the pluggable allocator's (zbal's
+heap once bootstrapped, as ``_server._track`` counts it), held by the graph until reset; its
+``begin_allocate_to_pool`` / ``end_allocate_to_pool`` / ``release_pool`` hooks are called when set,
+nothing otherwise (``NPUPluggableAllocator.cpp``).  The
 call a hook gets (a C function of the library the allocator was made from)::
 
     void begin_allocate_to_pool(int device, MempoolId_t pool, bool (*filter)(void *stream));
@@ -66,6 +68,7 @@ Every graph action is logged to ``simnpu.EVENTS``: ``("capture_begin", graph_id,
 ``("capture_end", graph_id, stream, pool)``, ``("replay", graph_id, stream, pool)``,
 ``("graph_update", graph_id, records)``, ``("graph_reset", graph_id, pool)``,
 ``("pool_hook", name, device, pool)`` (a pluggable allocator's hook called),
+``("deferred_free", graph_id, blocks, nbytes)`` (frees deferred by the capture, done at its end),
 ``("pool_release", pool, nbytes)`` (a native pool's memory given back).
 """
 from __future__ import annotations
@@ -293,6 +296,29 @@ def _call_hook(name, pool_id, *extra):
     argtypes = [ctypes.c_int, _PoolId] + ([_FILTER] if extra else [])
     fn = ctypes.CFUNCTYPE(None, *argtypes)(address)
     fn(device, _PoolId(*pool_id), *extra)
+
+
+_DEFERRED: list = []  # (nbytes, give back) of frees waiting for the capture's end
+
+
+def defer_free(key, nbytes, give_back) -> bool:
+    """The native allocator's free of a block with stream uses while a capture is underway: the
+    block is not given back until the capture ends ("It's forbidden to npuEventQuery an event
+    recorded during NPU graph capture", NPUCachingAllocator.cpp).  A block no other stream used
+    is freed at once (a plain free has no capture check)."""
+    uses = _device.STATE.stream_uses.pop(key, None)
+    if not uses or _Live.live is None or _device.STATE.allocator is not None:
+        return False
+    _DEFERRED.append((nbytes, give_back))
+    return True
+
+
+def _free_deferred(graph_id) -> None:
+    done, _DEFERRED[:] = list(_DEFERRED), []
+    for _, give_back in done:
+        give_back()
+    if done:
+        log("deferred_free", graph_id, len(done), sum(n for n, _ in done))
 
 
 # ------------------------------------------------------------------------------ refusals
@@ -780,6 +806,7 @@ class NPUGraph:
                 _Live.live = None
                 self._sim_capturing = False
             _call_hook("set_end_allocate_to_pool_fn", live.pool)
+            _free_deferred(self._sim_id)
         self._sim_timeline = live.timeline
         self._sim_capture_stream = live.stream_name
         log("capture_end", self._sim_id, live.stream_name, live.pool)
@@ -1129,6 +1156,7 @@ def reset_state() -> None:
     """simnpu.reset(): no capture, no pools (what a capture held is dropped)."""
     _Live.live = None
     _CaptureTaskQueue.level = None
+    _DEFERRED.clear()
     POOLS.clear()
     GRAPH_STORAGES.clear()
     graph.default_capture_stream = None

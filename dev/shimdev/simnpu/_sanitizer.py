@@ -559,6 +559,7 @@ class Sanitizer:
 
         def record_stream(tensor, stream):
             if isinstance(stream, _device.Stream):
+                _device.note_stream_use(tensor, stream)
                 self.record_stream(tensor, _device.stream_name(stream))
                 return None
             return real_record(tensor, stream)

@@ -199,14 +199,35 @@ def _track(storage) -> None:
     _tracked[key] = nbytes
     setattr(_device.STATE, field, getattr(_device.STATE, field) + nbytes)
 
-    def freed(key=key, nbytes=nbytes, field=field):
+    def give_back(key=key, nbytes=nbytes, field=field):
         if _tracked.pop(key, None) is not None:
             setattr(_device.STATE, field, getattr(_device.STATE, field) - nbytes)
+
+    def freed(key=key, nbytes=nbytes):
+        # a block other streams used, freed while a capture is underway: the native allocator
+        # defers the free until the capture ends (_graphs.defer_free)
+        if not _graphs.defer_free(key, nbytes, give_back):
+            give_back()
 
     try:
         weakref.finalize(storage, freed)
     except TypeError:  # a storage that takes no weak reference: counted for the process's life
         pass
+
+
+def _record_stream_takes_simulated_streams(torch) -> None:
+    """``tensor.record_stream(s)`` of a simulated stream (sglang's MLA path records its q on the
+    alternate stream when capturing): the stream use is noted (``_device.note_stream_use``)."""
+    real = torch.Tensor.record_stream
+
+    def record_stream(tensor, stream):
+        if isinstance(stream, _device.Stream):
+            _device.note_stream_use(tensor, stream)
+            return None
+        return real(tensor, stream)
+
+    record_stream.__wrapped__ = real
+    torch.Tensor.record_stream = record_stream
 
 
 def _register_hccl():
@@ -267,6 +288,7 @@ def install() -> None:
         torch.Tensor.npu = lambda self, *args, **kwargs: self
         torch.nn.Module.npu = lambda self, *args, **kwargs: self
         torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+        _record_stream_takes_simulated_streams(torch)
         _answer_accelerator(torch)
         _npu_backends_take_cpu_tensors()
         _register_hccl()

@@ -4,12 +4,27 @@ detokenizer), on the simulated NPU, answering the real ``openai`` client and sgl
 (dev/shimdev/server/).
 
 One server per configuration serves every check that does not disturb another; the servers of a
-release run on one xdist worker (``xdist_group``), the two releases side by side.  What is checked:
+release run on one xdist worker (``xdist_group``), the two releases side by side.  The servers run
+as production ones do, with NPU graphs (sglang's default on Ascend: decode of batch sizes 1 and 2
+warmed up, captured into one pool, replayed), except where a check needs eager mode (the same
+server with graphs off, the two nodes; a server that never comes up captures nothing).  What is
+checked:
 
 * zbal in full mode (TP 1) and mix mode (TP 2, two schedulers bootstrapping one zbal world):
-  the same tokens as the same server without the shim for a fixed set of greedy requests; the KV
-  cache's token count the one that follows from the heap (computed here from the sizes); in mix
-  mode the heap initialised after weights and KV cache, of the size the shim computed;
+  the same tokens as the same server without the shim for a fixed set of greedy requests, and as
+  the same server with graphs off (full mode; the two nodes, eager, for TP 2); the KV cache's
+  token count the one that follows from the heap (computed here from the sizes); in mix mode the
+  heap initialised after weights and KV cache, before the first capture, once per scheduler, of
+  the size the shim computed (the order of events, from each process's journal:
+  ``shimdev.server.journal``);
+* where graph memory comes from: with zbal, zbal's graph-pool hooks installed by the shim and
+  called by every capture, the pool in the GVA heap (full mode, and mix mode whose heap precedes
+  the captures); without the shim, the native allocator's graph pool; no zbal call of the shim's
+  while a capture is live (the simulated NPU refuses the NPU work, synchronising calls and memory
+  queries a capture forbids, so a server that serves proves the rest);
+* the backport against upstream's own: a 0.5.12 server (zbal upstream, the shim standing down)
+  with the same settings serves the same tokens from the same heap and KV cache, but captures
+  unpooled (upstream never sets ``ZBAL_ENABLE_GRAPH``);
 * every process named with its role in its summary line (the launcher, each scheduler with
   ``tp r/n``, the detokenizer), and the states it logs in sglang's own ``/metrics`` (every server
   runs with ``--enable-metrics``), read as an operator reads them;
@@ -24,11 +39,13 @@ import json
 import os
 import re
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
-from shimdev.server import models
+from shimdev.server import journal, models
 from shimdev.server.pool import ServerPool
 from shimdev.server.process import Server, current_states, free_port, session_pids, shim_metrics, summaries
 
@@ -116,9 +133,10 @@ class Servers:
         return self.pool.get((name, version), lambda: self._start(name, version, **options))
 
     def _start(self, name, version, *, shim="on", tp=1, env=None, zbal_mib=None, mix=False,
-               args=()):
+               args=(), graphs=True):
         model = models.ensure_model("qwen2", version)
-        env = {"SIMNPU_TOTAL_MIB": DEVICE_MIB, **(env or {})}
+        journal_dir = Path(tempfile.mkdtemp(prefix=f"journal-{name}-{version}-", dir=self.tmp))
+        env = {"SIMNPU_TOTAL_MIB": DEVICE_MIB, "SIMNPU_JOURNAL_DIR": str(journal_dir), **(env or {})}
         if zbal_mib:
             env["SGLANG_ZBAL_LOCAL_MEM_SIZE"] = zbal_mib
             env["SGLANG_ZBAL_BOOTSTRAP_URL"] = "tcp://127.0.0.1:%d" % free_port()
@@ -126,15 +144,23 @@ class Servers:
             env["SIMZBAL_MIX"] = "1"
         all_args = ["--mem-fraction-static", str(MEM_FRACTION), "--tp-size", str(tp), "--enable-metrics", *args]
         server = Server(version, model, args=all_args, env=env, zbal=bool(zbal_mib), shim=shim,
-                        log_path=self.tmp / f"{name}-{version}.log")
+                        log_path=self.tmp / f"{name}-{version}.log", graphs=graphs)
+        started = time.monotonic()
         server.start()
-        server.name, server.model_dir = name, model
+        server.name, server.model_dir, server.journal_dir = name, model, journal_dir
+        server.ready_s = time.monotonic() - started
         return server
+
+    def live(self, name, version, **options):
+        """The server, running: started again if the pool stopped it (a test that talks to it,
+        run after the worker needed room for other servers)."""
+        self.pool.stopped.pop((name, version), None)
+        return self.get(name, version, **options)
 
     def answers_of(self, name, version, **kwargs):
         key = (name, version)
         if key not in self.answers:
-            server = self.get(name, version, **kwargs)
+            server = self.live(name, version, **kwargs)
             assert key in self.pool.live, "%s was stopped before it answered" % (key,)
             self.answers[key] = answers(server)
         return self.answers[key]
@@ -150,6 +176,45 @@ def servers(tmp_path_factory):
     bed.stop_all()
 
 
+def scheduler_journals(server) -> list[list[dict]]:
+    """The journal of each process that captured graphs or bootstrapped zbal (the schedulers)."""
+    found = [entries for entries in journal.read(server.journal_dir).values()
+             if any(kind(e) in ("capture_begin", "zbal:zbal_bootstrap") for e in entries)]
+    return found
+
+
+def kind(entry) -> str:
+    event = entry["event"]
+    return "zbal:" + event[1] if event[0] == "zbal" else event[0]
+
+
+def kinds_of(entries) -> list[str]:
+    return [kind(e) for e in entries]
+
+
+POOL_HOOKS = ["set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"]
+
+
+def assert_captured_into_zbal_s_heap(entries, sizes=2):
+    """One scheduler's graphs: zbal's pool hooks installed with its allocator, before any capture;
+    each batch size captured once, every capture into the one shared pool, placed by zbal in its
+    GVA heap, nothing on plain device memory; no call of the shim's into zbal while capturing."""
+    order = kinds_of(entries)
+    hooks = [e["event"][1] for e in entries if kind(e) == "allocator_fn"]
+    assert hooks[-3:] == POOL_HOOKS, hooks
+    assert order.index("allocator_fn") < order.index("capture_begin")
+    begins = [e for e in entries if kind(e) == "capture_begin"]
+    assert len(begins) == sizes and len({tuple(e["event"][3]) for e in begins}) == 1, begins
+    pools = [e["event"][2] for e in entries if kind(e) == "zbal:pool_begin"]
+    assert [p["source"] for p in pools] == ["gva_heap"] * sizes and all(p["filter"] for p in pools)
+    ends = [e["event"][2] for e in entries if kind(e) == "zbal:pool_end"]
+    assert len(ends) == sizes and ends[-1]["bytes"] > 0
+    assert all(end["grown"]["device"] == 0 for end in ends), ends
+    during = [kind(e) for e in entries if e["capturing"] and kind(e).startswith("zbal:")]
+    assert set(during) <= {"zbal:pool_begin", "zbal:pool_end"}, during
+    return ends[-1]["bytes"]
+
+
 def tags(server: Server) -> dict:
     """pid -> the role in its summary line, the launcher's (the server's own process, which
     decides before it knows it is the HTTP server: no role in its tag) named ``launcher``."""
@@ -163,15 +228,22 @@ def roles(server: Server) -> list[str]:
 
 # -- zbal, full mode, TP 1 ---------------------------------------------------------------------------
 
-def on_release_worker(version):
-    """The tests of one release share its servers: one xdist worker runs them all."""
-    return pytest.param(version, marks=pytest.mark.xdist_group("server-" + version))
+def per_release(test):
+    """The test once per release, ``<name>_<release>``: the tests of one release share its
+    servers, so one xdist worker (``xdist_group``) runs them all.  The mark is the function's own:
+    pytest-xdist 3.8 splits a group given as a ``pytest.param`` mark from the function marks of
+    the same name over both workers (each then starts the release's servers again)."""
+    for version in RELEASES:
+        def one(servers, _version=version):
+            test(servers, _version)
+
+        one.__name__ = "%s_%s" % (test.__name__, version.replace(".", "_"))
+        one.__doc__ = test.__doc__
+        test.__globals__[one.__name__] = pytest.mark.xdist_group("server-" + version)(one)
+    return None  # the unparametrised test itself is not collected
 
 
-PER_RELEASE = [on_release_worker(v) for v in RELEASES]
-
-
-@pytest.mark.parametrize("version", PER_RELEASE)
+@per_release
 def test_full_mode_serves_the_same_tokens_with_the_kv_cache_sized_from_the_heap(servers, version):
     off = servers.get("off", version, shim="absent")
     on = servers.get("full", version, zbal_mib=HEAP_MIB)
@@ -182,11 +254,38 @@ def test_full_mode_serves_the_same_tokens_with_the_kv_cache_sized_from_the_heap(
     assert any(re.search(r"tp 0/1\] zbal: rank 0 initialised a %d MiB heap in full mode "
                          r"\(device 0, world 1\)" % HEAP_MIB, ln) for ln in lines), lines
     assert not shim_lines(off)
+    # both captured decode and served it from the graphs (a replay per decode step)
+    for server in (on, off):
+        (entries,) = scheduler_journals(server)
+        assert kinds_of(entries).count("replay") >= NEW_TOKENS - 1, server.name
 
 
-@pytest.mark.parametrize("version", PER_RELEASE)
-def test_every_process_says_its_role_and_sglangs_metrics_carry_its_states(servers, version):
+@per_release
+def test_graph_memory_comes_from_zbal_s_heap_and_the_shim_stays_out_of_captures(servers, version):
     on = servers.get("full", version, zbal_mib=HEAP_MIB)
+    (entries,) = scheduler_journals(on)
+    assert_captured_into_zbal_s_heap(entries)
+    # without the shim: torch_npu's native allocator, its own graph pool, no hook to call
+    off = servers.get("off", version, shim="absent")
+    (entries,) = scheduler_journals(off)
+    assert "pool_hook" not in kinds_of(entries) and "change_allocator" not in kinds_of(entries)
+    ends = [e for e in entries if kind(e) == "capture_end"]
+    assert len(ends) == 2 and ends[-1]["graph_pool_bytes"] > 0
+
+
+@pytest.mark.xdist_group("server-0.5.11")
+def test_graphs_on_serve_the_same_tokens_as_graphs_off(servers):
+    version = "0.5.11"
+    eager = servers.get("full-eager", version, zbal_mib=HEAP_MIB, graphs=False)
+    assert servers.answers_of("full-eager", version) == servers.answers_of("full", version, zbal_mib=HEAP_MIB)
+    (entries,) = scheduler_journals(eager)
+    assert "capture_begin" not in kinds_of(entries)
+    assert kv_tokens(eager) == expected_kv_tokens(HEAP_MIB, 1, eager.model_dir)
+
+
+@per_release
+def test_every_process_says_its_role_and_sglangs_metrics_carry_its_states(servers, version):
+    on = servers.live("full", version, zbal_mib=HEAP_MIB)
     said = summaries(on)
     assert roles(on) == ["detokenizer", "launcher", "tp 0/1"], said
     assert {s["states"]["zbal"] for s in said.values()} == {"applied"}
@@ -198,18 +297,19 @@ def test_every_process_says_its_role_and_sglangs_metrics_carry_its_states(server
         assert said[pid]["states"][patch] == state, (pid, patch, state)
 
 
-@pytest.mark.parametrize("version", PER_RELEASE)
+@per_release
 def test_the_shims_details_are_in_sglangs_own_metrics(servers, version):
     from prometheus_client.parser import text_string_to_metric_families
 
-    on = servers.get("full", version, zbal_mib=HEAP_MIB)
+    on = servers.live("full", version, zbal_mib=HEAP_MIB)
     servers.answers_of("full", version)  # some traffic first: sglang's own metrics then exist
     status, text = on.get("/metrics")
     assert status == 200
     assert any(f.name.startswith("sglang:") for f in text_string_to_metric_families(text))
     pids = {tag: pid for pid, tag in tags(on).items()}
     details = shim_metrics(on)["detail"]
-    assert details[(pids["tp 0/1"], "zbal")] == {"gva_mib": HEAP_MIB}
+    # the heap, and zbal's graph-pool hooks the shim had installed (graphs are captured)
+    assert details[(pids["tp 0/1"], "zbal")] == {"gva_mib": HEAP_MIB, "graph_pool_hooks": 1}
     assert (pids["launcher"], "zbal") not in details  # the heap is the scheduler's
     # a dense model: no MLA weight to release, so nothing released is said
     assert not [key for key in details if key[1] == "mla_weight_release"]
@@ -217,7 +317,7 @@ def test_the_shims_details_are_in_sglangs_own_metrics(servers, version):
 
 # -- zbal, mix mode, TP 2 ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("version", PER_RELEASE)
+@per_release
 def test_mix_mode_tp2_one_world_heap_after_the_kv_cache(servers, version):
     servers.get("off-tp2", version, shim="absent", tp=2)  # the answers to compare
     mix = servers.get("mix-tp2", version, tp=2, zbal_mib=MIX_HEAP_MIB, mix=True)
@@ -248,6 +348,18 @@ def test_mix_mode_tp2_one_world_heap_after_the_kv_cache(servers, version):
     details = shim_metrics(mix)["detail"]
     assert sorted((tag[pid], values["gva_mib"]) for (pid, patch), values in details.items() if patch == "zbal") == (
         sorted(("tp %s/2" % h[0], float(h[2])) for h in heaps)), details
+    # graphs: in each scheduler, one heap, made after the KV cache (on device memory then) and
+    # before the first capture, whose pool zbal then places in that heap
+    ranks = scheduler_journals(mix)
+    assert len(ranks) == 2
+    kv_bytes = kv_tokens(mix) * kv_bytes_per_token(mix.model_dir, 2)
+    for entries in ranks:
+        order = kinds_of(entries)
+        assert order.count("zbal:zbal_bootstrap") == 1
+        assert order.index("zbal:zbal_bootstrap") < order.index("capture_begin")
+        (boot,) = [e for e in entries if kind(e) == "zbal:zbal_bootstrap"]
+        assert boot["live_npu_bytes"] >= kv_bytes and not boot["capturing"]
+        assert_captured_into_zbal_s_heap(entries)
 
 
 # -- two nodes -----------------------------------------------------------------------------------------
@@ -262,6 +374,7 @@ def test_two_nodes_answer_as_one(servers, tmp_path):
                   "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://127.0.0.1:%d" % zbal_port}
     args = ["--mem-fraction-static", str(MEM_FRACTION), "--tp-size", "2", "--nnodes", "2",
             "--dist-init-addr", "127.0.0.1:%d" % dist_port]
+    # eager: with one_node (graphs on), the same TP 2 job with graphs off answers the same
     node1 = Server(version, model, args=args + ["--node-rank", "1"], env=common_env, zbal=True,
                    log_path=tmp_path / "node1.log", wait_ready=False)
     node0 = Server(version, model, args=args + ["--node-rank", "0"], env=common_env, zbal=True,
@@ -278,6 +391,29 @@ def test_two_nodes_answer_as_one(servers, tmp_path):
     finally:
         node0.stop()
         node1.stop()
+
+
+# -- the backport against upstream's own ----------------------------------------------------------------
+
+@pytest.mark.xdist_group("server-0.5.9")
+def test_upstream_0_5_12_sizes_heap_and_kv_cache_as_the_backport(servers):
+    """sglang 0.5.12 has zbal upstream (the shim stands down): the same settings give the heap and
+    KV cache the backport gives on 0.5.9 / 0.5.11 (full mode; in mix mode the GVA size differs by
+    design: upstream takes in-use memory as 61.2 GB minus free, the shim from the device total)
+    and the same tokens -- but upstream leaves ZBAL_ENABLE_GRAPH unset, so its captures reach
+    zbal unpooled, where the backport's have zbal's pool hooks."""
+    upstream = servers.get("upstream-full", "0.5.12", zbal_mib=HEAP_MIB)
+    assert servers.answers_of("upstream-full", "0.5.12") == servers.answers_of(
+        "full", "0.5.9", zbal_mib=HEAP_MIB)
+    assert kv_tokens(upstream) == expected_kv_tokens(HEAP_MIB, 1, upstream.model_dir) == kv_tokens(
+        servers.get("full", "0.5.9", zbal_mib=HEAP_MIB))
+    assert any(re.search(r"tp 0/1\] zbal=upstream ", ln) for ln in shim_lines(upstream))
+    (entries,) = scheduler_journals(upstream)
+    (boot,) = [e["event"][2] for e in entries if kind(e) == "zbal:zbal_bootstrap"]
+    assert boot["deviceMemorySize"] == HEAP_MIB << 20
+    hooks = [e["event"][1] for e in entries if kind(e) == "allocator_fn"]
+    assert not set(POOL_HOOKS) & set(hooks) and "zbal:pool_begin" not in kinds_of(entries)
+    assert kinds_of(entries).count("capture_begin") == 2
 
 
 # -- bad input and faults ----------------------------------------------------------------------------
@@ -333,7 +469,7 @@ def test_a_killed_scheduler_takes_the_server_down_and_a_restart_serves_none_of_i
     def server(name):
         return Server(version, model, args=["--mem-fraction-static", str(MEM_FRACTION), "--enable-metrics"],
                       env={"SIMNPU_TOTAL_MIB": DEVICE_MIB, "PROMETHEUS_MULTIPROC_DIR": str(kept)},
-                      log_path=tmp_path / f"{name}.log")
+                      log_path=tmp_path / f"{name}.log", graphs=True)
 
     first = server("killed")
     first.start()

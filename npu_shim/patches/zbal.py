@@ -64,6 +64,31 @@ Deliberate differences from upstream 0.5.12 (each a weakness seen in its code):
       Scheduler switched zbal's in): ``ZbalError`` saying so; upstream's ``zbal_init`` tries the
       swap and torch_npu refuses it ("Can't swap an already initialized allocator").
 
+NPU graphs (sglang's default on Ascend) and ``ZBAL_ENABLE_GRAPH``
+    What memfabric-zbal 1.2.0 does with the variable: only its Python layer reads it, once, when
+    ``zbal_module`` is imported (``ZBAL_ENABLE_GRAPH = int(os.environ.get(...)) == 1``); the native
+    library holds no such string.  With it ``switch_to_allocator`` also hands torch_npu the
+    library's ``zbal_pluggable_begin_allocate_to_pool`` / ``_end_allocate_to_pool`` /
+    ``_release_pool``; without it torch_npu's ``NPUPluggableAllocator`` calls nothing when a capture
+    begins, ends or its graph is reset.  The native side (exported symbols, disassembly) takes
+    torch_npu's call ``(device, MempoolId_t, std::function<bool(aclrtStream)> filter)`` and routes it
+    as it routes ``zbal_pluggable_malloc``: in mix mode (``use_vmm_for_static_memory``) to the GVA
+    heap's allocator (``sma_begin_allocate_to_pool``) once the heap exists, else to its device
+    caching allocator (``dma_begin_allocate_to_pool``); in full mode to the heap's.  Both keep a
+    private pool per mempool id and, while a capture is underway, defer the event queries a free
+    would make (``GraphDeferPools``, ``captures_underway``, "beginAllocateToPool: already recording
+    to mempool_id").  Without the hooks zbal never learns that a capture is underway: what a
+    captured graph allocates is an ordinary block, back in zbal's cache when the capture ends and
+    handed out again while replays still write it.  Upstream (0.5.12 - 0.5.23) never sets it.
+    What the shim does, at ``Scheduler.__init__`` before zbal's allocator is switched in (where it
+    first knows whether this server captures graphs: ``--disable-cuda-graph`` unset): the variable
+    unset -> it sets ``ZBAL_ENABLE_GRAPH=1`` (and ``zbal_module``'s global of that name, should the
+    DeepEP module have imported zbal already: ``switch_to_allocator`` reads the global when
+    called); set to 1 -> nothing to do; set to anything else -> the operator's value stands and a
+    warning says the capture is unpooled and why.  The details say which: ``graph_pool``
+    (words) and ``graph_pool_hooks`` (1 or 0, in sglang's ``/metrics``).
+    A server that does not capture is left alone (the hooks would never be called).
+
 Upstream: sgl-project/sglang#24575, released in 0.5.12 (``hardware_backend/npu/utils.py: init_zbal,
 lazy_init_zbal_gva_mem``).
 Remove when every supported image runs sglang >= 0.5.12.

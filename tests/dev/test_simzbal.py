@@ -15,7 +15,10 @@ from ``simzbal/zbal_native.c`` under the same name.  Checked here:
   opens the same file;
 * the real ``zbal_init`` / ``switch_to_allocator`` run: the allocator swap through
   ``NPUPluggableAllocator`` on that library, the ``set_*_fn`` hooks (the pool hooks too with
-  ``ZBAL_ENABLE_GRAPH=1``), ``set_device``, the bootstrap with the address zbal derives.
+  ``ZBAL_ENABLE_GRAPH=1``), ``set_device``, the bootstrap with the address zbal derives;
+* the pool hooks take torch_npu's three-argument call and place each graph pool where the real
+  library does (full mode: the GVA heap; mix mode: the device before the lazy heap, the heap after);
+  the facts about the real library the shim's ZBAL_ENABLE_GRAPH decision rests on still hold.
 """
 from __future__ import annotations
 
@@ -195,6 +198,88 @@ def test_graph_mode_also_sets_the_pool_hooks():
     assert out.stdout.split() == [
         "set_init_fn", "set_reset_fn", "set_record_stream_fn", "set_erase_stream_fn", "set_get_device_stats_fn",
         "set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"]
+
+
+GRAPH_POOL_SCRIPT = """
+import json
+from shimdev import simnpu, simzbal
+from shimdev.simnpu._device import STATE as DEVICE
+simnpu.install()
+import zbal
+zbal.switch_to_allocator()
+hooks = {k: DEVICE.allocator.functions[k] for k in
+         ("set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool")}
+types = simzbal.HOOK_TYPES
+begin = types["begin"](hooks["set_begin_allocate_to_pool"])
+end = types["end"](hooks["set_end_allocate_to_pool_fn"])
+release = types["release"](hooks["set_release_pool"])
+filt = types["begin"](hooks["set_begin_allocate_to_pool"])  # any non-null address as the filter
+def capture(pool, heap=0, device=0):
+    begin(0, types["MempoolId"](*pool), filt)
+    DEVICE.pluggable_bytes += heap
+    DEVICE.live_npu_bytes += device
+    end(0, types["MempoolId"](*pool))
+out = {}
+simzbal.STATE.initialized = DEVICE.heap_active = True          # full mode: the heap exists
+capture((0, 1), heap=4096)
+capture((0, 1), heap=1024)                                     # a second size, the same pool
+release(0, types["MempoolId"](0, 1))
+out["full"] = simzbal.STATE.pools[(0, 1)]
+simzbal.STATE.mix = True
+simzbal.STATE.initialized = DEVICE.heap_active = False         # mix mode before the lazy heap
+capture((0, 2), device=512, heap=7)
+out["mix_before_heap"] = simzbal.STATE.pools[(0, 2)]
+simzbal.STATE.initialized = DEVICE.heap_active = True          # ... and after it
+capture((0, 3), heap=2048)
+out["mix_after_heap"] = simzbal.STATE.pools[(0, 3)]
+begin(0, types["MempoolId"](0, 4), None)
+begin(0, types["MempoolId"](0, 5), None)                       # refused: already recording
+end(0, types["MempoolId"](0, 6))                               # refused: not recording to it
+release(0, types["MempoolId"](9, 9))                           # refused: no such pool
+out["errors"] = simzbal.STATE.pool_errors
+out["begins"] = [f for n, f in simzbal.calls() if n == "pool_begin"]
+print(json.dumps(out))
+"""
+
+
+def test_the_pool_hooks_take_torch_npus_call_and_account_where_graph_memory_comes_from():
+    """With ZBAL_ENABLE_GRAPH=1 the three addresses switch_to_allocator hands torch_npu, called as
+    torch_npu calls them (device, MempoolId_t, filter): each pool is placed as the real library
+    routes it (full mode: the GVA heap; mix mode: zbal's device allocator before the lazy heap,
+    the heap after it) and holds what its captures placed."""
+    import json
+
+    layer = realsglang.sglang_envs.ensure_zbal_layer()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(DEV), str(layer)]), ZBAL_ENABLE_GRAPH="1")
+    env.update(realsglang.sglang_envs.zbal_env(layer))
+    out = subprocess.run([sys.executable, "-c", GRAPH_POOL_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["full"] == {"source": "gva_heap", "captures": 2, "bytes": 5120, "released": True}
+    assert got["mix_before_heap"] == {"source": "device", "captures": 1, "bytes": 512, "released": False}
+    assert got["mix_after_heap"] == {"source": "gva_heap", "captures": 1, "bytes": 2048, "released": False}
+    assert got["errors"] == ["beginAllocateToPool: already recording to mempool_id (0, 4)",
+                             "endAllocatePool: not currently recording to mempool_id (0, 6)",
+                             "Could not find pool of id (9, 9)"]
+    assert [b["filter"] for b in got["begins"]] == [True] * 4 + [False]
+    assert "[ZBAL] beginAllocateToPool: already recording" in out.stderr
+
+
+def test_the_facts_the_graph_pool_decision_rests_on(real_wheel, real_so):
+    """npu_shim/patches/zbal.py's ZBAL_ENABLE_GRAPH section: only the Python layer reads the
+    variable (at import, into a global switch_to_allocator reads); the native hooks lead to both
+    of the library's allocators, each with private pools and capture bookkeeping."""
+    module = real_wheel["zbal_module.py"].decode()
+    assert 'ZBAL_ENABLE_GRAPH = int(os.environ.get("ZBAL_ENABLE_GRAPH", 0)) == 1' in module
+    # the global, the variable's name, and switch_to_allocator's one test of the global
+    assert module.count("ZBAL_ENABLE_GRAPH") == 3 and "    if ZBAL_ENABLE_GRAPH:\n" in module
+    assert b"ZBAL_ENABLE_GRAPH" not in real_so
+    for symbol in (b"sma_begin_allocate_to_pool", b"dma_begin_allocate_to_pool", b"sma_release_pool",
+                   b"dma_release_pool", b"insertEventsDeferredUntilNoCapture", b"captures_underway",
+                   b"beginAllocateToPool: already recording to mempool_id",
+                   b"endAllocatePool: not currently recording to mempool_id", b"use_vmm_for_static_memory"):
+        assert symbol in real_so, symbol
 
 
 def test_the_deepep_runtime_answers_only_what_the_real_library_registers(real_wheel, real_so):

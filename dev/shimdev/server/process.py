@@ -32,12 +32,17 @@ from pathlib import Path
 from shimdev import realsglang
 from shimdev.server.layer import ensure_release_server_layer, ensure_server_layer, ensure_server_venv
 
-#: What every test server runs with: the simulated NPU's dense path (ascend attention), no graph
-#: capture and no warm-up request (each costs tens of seconds on 2 cores and tests nothing here),
-#: and an idle scheduler that sleeps (one that polls costs a core's fifth: a suite keeps several).
-BASE_ARGS = ("--device", "npu", "--attention-backend", "ascend", "--disable-cuda-graph",
+#: What every test server runs with: the simulated NPU's dense path (ascend attention), no warm-up
+#: request (it costs tens of seconds on 2 cores and tests nothing here), and an idle scheduler that
+#: sleeps (one that polls costs a core's fifth: a suite keeps several).
+BASE_ARGS = ("--device", "npu", "--attention-backend", "ascend",
              "--skip-server-warmup", "--sampling-backend", "pytorch", "--grammar-backend", "none",
              "--log-level", "info", "--sleep-on-idle")
+#: ``graphs=False`` (eager, every forward run op by op) and ``graphs=True``: sglang's default on
+#: Ascend, decode captured into NPU graphs -- here of two batch sizes, each warmed up twice and
+#: captured into the one pool they share, then replayed with its attention lengths updated.
+EAGER_ARGS = ("--disable-cuda-graph",)
+GRAPH_ARGS = ("--cuda-graph-bs", "1", "2")
 
 _LIVE: set = set()
 
@@ -166,11 +171,11 @@ class Server:
     def __init__(self, version: str, model: Path, *, args=(), env: dict | None = None,
                  zbal: bool = False, shim: str = "on", log_path: Path | None = None,
                  port: int | None = None, ready_timeout: float = 240, stop_timeout: float = 20,
-                 wait_ready: bool = True):
-        self.version, self.model = version, Path(model)
+                 wait_ready: bool = True, graphs: bool = False):
+        self.version, self.model, self.graphs = version, Path(model), graphs
         self.port = port or free_port()
-        self.args = [*BASE_ARGS, "--model-path", str(model), "--host", "127.0.0.1",
-                     "--port", str(self.port), *args]
+        self.args = [*BASE_ARGS, *(GRAPH_ARGS if graphs else EAGER_ARGS), "--model-path", str(model),
+                     "--host", "127.0.0.1", "--port", str(self.port), *args]
         if "--nccl-port" not in args:
             # Left to itself, sglang 0.5.9+ takes the torch.distributed store's port from the
             # kernel's ephemeral range (bind to 0, close, bind again much later), where any

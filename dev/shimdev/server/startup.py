@@ -7,12 +7,14 @@ so the server venv (``layer.ensure_server_venv``) carries a ``.pth`` line that i
 while ``site`` starts the interpreter -- in the launcher and in every child multiprocessing spawns.
 
 It acts only where ``SIMNPU_SERVER_RELEASE`` names the release (the stub set to use); with
-``SIMNPU_SERVER_DEVICE=cpu`` the process has no NPU at all (a ``--device cpu`` server).  Two more
-switches, for the GLM-4 MoE servers (tests/test_real_server_moe.py):
+``SIMNPU_SERVER_DEVICE=cpu`` the process has no NPU at all (a ``--device cpu`` server).  More
+switches (the first and the last for the GLM-4 MoE servers, tests/test_real_server_moe.py):
 
 * ``SIMNPU_FUSED_KERNEL=1``: the image's sgl-kernel-npu has ``norm.split_qkv_rmsnorm_rope`` (the
   version with partial rotary), as an image built with a 2026 sgl-kernel-npu does whatever its
   sglang -- its pure-torch stand-in (``dual_stream_kernels.py``);
+* ``SIMNPU_JOURNAL_DIR=<dir>``: every process keeps a journal of its zbal, allocator and graph
+  events there (``server/journal.py``);
 * ``SIMNPU_SANITIZE_DIR=<dir>``: every process multiprocessing spawns (the scheduler, the
   detokenizer) runs under the stream sanitizer for its whole life and keeps
   ``<dir>/sanitizer-<pid>.json`` up to date (``server/sanitizer.py``).
@@ -35,6 +37,10 @@ elif os.environ.get("SIMNPU_SERVER_RELEASE"):
 
         simnpu.add_stub(dual_stream_kernels.KERNEL_MODULE,
                         split_qkv_rmsnorm_rope=dual_stream_kernels.split_qkv_rmsnorm_rope)
+    if os.environ.get("SIMNPU_JOURNAL_DIR"):
+        from shimdev.server import journal
+
+        journal.start(os.environ["SIMNPU_JOURNAL_DIR"])
     if os.environ.get("SIMNPU_SANITIZE_DIR") and "--multiprocessing-fork" in sys.argv:
         from shimdev.server import sanitizer
 

@@ -512,6 +512,15 @@ def _bind(func, args, kwargs):
     return bound
 
 
+def _is_work(func, value) -> bool:
+    """The ``Work`` a c10d collective op returns (a TorchBind object): HCCL collectives are captured
+    into NPU graphs; the simulation's stand in (Gloo on the CPU tensors) run at capture and at each
+    replay, every rank replaying in step."""
+    import torch
+
+    return getattr(func, "namespace", None) == "c10d" and isinstance(value, torch.ScriptObject)
+
+
 def _recorder_class():
     import torch
     from torch.utils import _pytree as pytree
@@ -575,7 +584,9 @@ def _recorder_class():
             outputs = []
             for index, leaf in enumerate(leaves):
                 if not isinstance(leaf, torch.Tensor):
-                    if leaf is None:
+                    if leaf is None or _is_work(func, leaf):
+                        # a collective's Work (c10d): the capture's run of it is complete; the
+                        # caller's wait() returns at once, each replay runs it again and waits
                         outputs.append(leaf)
                         continue
                     raise RuntimeError("simnpu: %s hands a %s to the host during %s: a device-to-host "
@@ -817,12 +828,14 @@ class NPUGraph:
                     stack.append(self._sim_stream(entry.stream, stream))
                     try:
                         result = entry.func(*entry.args, **entry.kwargs)
-                        if entry.fresh:
-                            from torch.utils import _pytree as pytree
+                        from torch.utils import _pytree as pytree
 
-                            leaves = pytree.tree_leaves(result)
-                            for index, target in entry.fresh:
-                                target.copy_(leaves[index])
+                        leaves = pytree.tree_leaves(result)
+                        for leaf in leaves:
+                            if _is_work(entry.func, leaf):
+                                leaf.wait()  # the collective is done before the next op reads it
+                        for index, target in entry.fresh:
+                            target.copy_(leaves[index])
                     finally:
                         stack.pop()
                 elif kind == "log":

@@ -14,7 +14,12 @@ compiled from ``zbal_native.c`` here: Python imports it as the extension module 
 
 Test knobs (``STATE``): ``init_result`` (what bootstrap reports), ``mix`` (``is_mix_alloc()``),
 ``heap_total`` / ``heap_free`` (bytes, behind ``zbal.mem_get_info()``), ``version``; what happened:
-``initialized``, ``ip_port``.  ``CALLS`` lists every native call as ``(name, {field: value})``; the
+``initialized``, ``ip_port``, and the graph pools torch_npu's capture hooks opened (``pools``: each
+pool id's ``source`` -- ``gva_heap`` or ``device``, routed as the real library routes it -- the
+``bytes`` its captures placed and still held at their end, whether it was ``released``;
+``recording``; ``pool_errors``).  The hooks exist only where ``ZBAL_ENABLE_GRAPH=1`` made
+``switch_to_allocator`` install them; ``HOOK_TYPES`` are the ctypes prototypes of torch_npu's call.
+``CALLS`` lists every native call as ``(name, {field: value})``; the
 same goes to ``simnpu.EVENTS`` as ``("zbal", name, fields)``.  ``bootstraps()`` gives each
 bootstrap in ``zbal_init``'s own parameter names (``zbal_init`` is the wheel's code: what it passed
 on is what the test can see).
@@ -34,6 +39,23 @@ BOOTSTRAP_FIELDS = {"worldSize": "world_size", "deviceId": "device_id", "rankId"
                     "commGroupCap": "comm_group_cap"}
 
 
+def _hook_types():
+    import ctypes
+
+    class MempoolId(ctypes.Structure):  # c10_npu::MempoolId_t, std::pair<uint64, uint64>
+        _fields_ = [("first", ctypes.c_ulonglong), ("second", ctypes.c_ulonglong)]
+
+    return {"MempoolId": MempoolId,
+            "begin": ctypes.CFUNCTYPE(None, ctypes.c_int, MempoolId, ctypes.c_void_p),
+            "end": ctypes.CFUNCTYPE(None, ctypes.c_int, MempoolId),
+            "release": ctypes.CFUNCTYPE(None, ctypes.c_int, MempoolId)}
+
+
+#: How torch_npu calls the three pool hooks (Module.cpp casts each address to these types): build
+#: one from the address ``set_begin_allocate_to_pool`` etc. were given and call it.
+HOOK_TYPES = _hook_types()
+
+
 class _State:
     def __init__(self):
         self.reset()
@@ -50,6 +72,11 @@ class _State:
         self.version = "1.2.0"
         self.initialized = False
         self.ip_port = None
+        # the graph pools (native.pool_*): {pool id: {"source", "captures", "bytes", "released"}},
+        # the pool each device records to now, and what a real allocator would have refused
+        self.pools = {}
+        self.recording = {}
+        self.pool_errors = []
         CALLS.clear()
 
 

@@ -147,6 +147,74 @@ def dump_snapshot(*args):
     simzbal.record("dump_snapshot", {"args": args})
 
 
+# -- the graph-pool hooks (zbal_native.c's zbal_pluggable_*_pool call these) ----------------------
+
+def _device_counters():
+    from shimdev.simnpu._device import STATE as DEVICE
+
+    return {"gva_heap": DEVICE.pluggable_bytes, "device": DEVICE.live_npu_bytes}
+
+
+def pool_source():
+    """Which of the real library's allocators takes a pool now: ``zbal_pluggable_begin_allocate_to_
+    pool`` routes as ``zbal_pluggable_malloc`` does -- in mix mode (``use_vmm_for_static_memory``)
+    to the GVA heap's allocator (``sma_*``) once the GVA space exists, else to zbal's device
+    caching allocator (``dma_*``); in full mode to the heap's."""
+    from shimdev.simnpu._device import STATE as DEVICE
+
+    state = simzbal.STATE
+    return "gva_heap" if not state.mix or (state.initialized and DEVICE.heap_active) else "device"
+
+
+def _pool_problem(message):
+    """The real allocators fail such a call (its message, from the library's strings); a void C
+    hook cannot raise, so it is said and kept for the tests."""
+    simzbal.STATE.pool_errors.append(message)
+    print("[ZBAL] %s" % message, file=sys.stderr, flush=True)
+
+
+def pool_begin(device, pool, with_filter):
+    """A capture begins to allocate to ``pool`` on ``device``: from here until ``pool_end`` the
+    bytes placed on the device count as the pool's (in the counter of its source)."""
+    state, pool = simzbal.STATE, tuple(pool)
+    if device in state.recording:
+        _pool_problem("beginAllocateToPool: already recording to mempool_id %s" % (state.recording[device][0],))
+        return
+    source = pool_source()
+    entry = state.pools.setdefault(pool, {"source": source, "captures": 0, "bytes": 0, "released": False})
+    entry["captures"] += 1
+    entry["released"] = False
+    state.recording[device] = (pool, _device_counters())
+    simzbal.record("pool_begin", {"device": device, "pool": pool, "filter": bool(with_filter),
+                                  "source": source})
+
+
+def pool_end(device, pool):
+    """The capture ended: what it placed and still holds is the pool's."""
+    state, pool = simzbal.STATE, tuple(pool)
+    if state.recording.get(device, (None,))[0] != pool:
+        _pool_problem("endAllocatePool: not currently recording to mempool_id %s" % (pool,))
+        return
+    _, before = state.recording.pop(device)
+    entry = state.pools[pool]
+    now = _device_counters()
+    grown = {where: now[where] - before[where] for where in now}
+    entry["bytes"] += max(0, grown[entry["source"]])
+    simzbal.record("pool_end", {"device": device, "pool": pool, "source": entry["source"],
+                                "bytes": entry["bytes"], "grown": grown})
+
+
+def pool_release(device, pool):
+    """The graph was reset: the pool's memory goes back to its allocator."""
+    state, pool = simzbal.STATE, tuple(pool)
+    entry = state.pools.get(pool)
+    if entry is None:
+        _pool_problem("Could not find pool of id %s" % (pool,))
+        return
+    entry["released"] = True
+    simzbal.record("pool_release", {"device": device, "pool": pool, "bytes": entry["bytes"]})
+
+
 # -- zbal.zbal.deepep_adaptor ------------------------------------------------------------------------
 
 def _deepep():

@@ -69,9 +69,58 @@ void zbal_pluggable_empty_cache(int check_error) { (void)check_error; }
 void zbal_pluggable_record_stream(void *ptr, void *stream) { (void)ptr; (void)stream; }
 void zbal_pluggable_erase_stream(void *ptr, void *stream) { (void)ptr; (void)stream; }
 void zbal_pluggable_get_device_stats(int device) { (void)device; }
-void zbal_pluggable_begin_allocate_to_pool(int device) { (void)device; }
-void zbal_pluggable_end_allocate_to_pool(int device) { (void)device; }
-void zbal_pluggable_release_pool(int device) { (void)device; }
+
+/* The graph-pool hooks switch_to_allocator() sets only with ZBAL_ENABLE_GRAPH=1.  torch_npu calls
+ * them with the types its setters cast to (torch_npu/csrc/npu/Module.cpp):
+ *   begin: void(int device, c10_npu::MempoolId_t pool, std::function<bool(aclrtStream)> filter)
+ *   end, release: void(int device, c10_npu::MempoolId_t pool)
+ * MempoolId_t is std::pair<unsigned long long, unsigned long long>: two integer registers, as this
+ * struct is passed.  The filter, a std::function (not trivially copyable), is passed by address;
+ * the real library copies it (its manager is called) -- here only whether one came is noted: a
+ * caller from Python cannot build a std::function.  What the library does with the call (which of
+ * its allocators takes the pool, the bytes it holds) is shimdev.simzbal.native's pool_* functions. */
+typedef struct {
+    unsigned long long first;
+    unsigned long long second;
+} mempool_id_t;
+
+static void pool_call(const char *name, int device, mempool_id_t pool, int with_filter)
+{
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject *impl = PyImport_ImportModule("shimdev.simzbal.native");
+    PyObject *done = NULL;
+    if (impl != NULL) {
+        if (with_filter < 0) {
+            done = PyObject_CallMethod(impl, name, "i(KK)", device, pool.first, pool.second);
+        } else {
+            done = PyObject_CallMethod(impl, name, "i(KK)O", device, pool.first, pool.second,
+                                       with_filter ? Py_True : Py_False);
+        }
+        Py_DECREF(impl);
+    }
+    if (done == NULL) {
+        /* a void C hook cannot raise: the error is printed, as a C++ allocator would abort loudly */
+        PyErr_Print();
+    } else {
+        Py_DECREF(done);
+    }
+    PyGILState_Release(gil);
+}
+
+void zbal_pluggable_begin_allocate_to_pool(int device, mempool_id_t pool, const void *filter)
+{
+    pool_call("pool_begin", device, pool, filter != NULL);
+}
+
+void zbal_pluggable_end_allocate_to_pool(int device, mempool_id_t pool)
+{
+    pool_call("pool_end", device, pool, -1);
+}
+
+void zbal_pluggable_release_pool(int device, mempool_id_t pool)
+{
+    pool_call("pool_release", device, pool, -1);
+}
 
 /* zbal_get_symm_base_addr(): the base of the symmetric heap; a static block stands in for it. */
 static char symm_heap[64];

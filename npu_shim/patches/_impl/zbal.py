@@ -18,6 +18,8 @@ SCHEDULER_INIT_SIGS = (
      "moe_dp_rank", "dp_rank"),
 )
 INITIALIZE_SIGS = (("min_per_gpu_memory",), ("pre_model_load_memory",))
+#: memfabric-zbal's own switch for its graph-pool hooks (zbal_module.py reads it at import).
+GRAPH_SWITCH = "ZBAL_ENABLE_GRAPH"
 AVAILABLE_SIG = ("device", "gpu_id", "distributed", "empty_cache", "cpu_group")
 INIT_DIST_SIGS = (
     ("world_size", "rank", "distributed_init_method", "local_rank", "backend", "timeout"),
@@ -166,11 +168,49 @@ class ZbalState:
         def scheduler_init(wrapped, instance, args, kwargs):
             bound = bind_arguments(params, args, kwargs)
             server_args = bound["server_args"]
+            self.graph_pool_hooks(server_args)
             self.init_for_rank(server_args.tp_size, server_args.pp_size, bound["gpu_id"], bound["tp_rank"])
             metrics.publish()
             return wrapped(*args, **kwargs)
 
         return scheduler_init
+
+    # 1b. NPU graphs: zbal's graph-pool hooks (ZBAL_ENABLE_GRAPH; the patch's docstring says why).
+    def graph_pool_hooks(self, server_args):
+        """Before zbal's allocator is switched in: where this scheduler will capture NPU graphs,
+        make ``switch_to_allocator`` install zbal's pool hooks, unless the operator set
+        ``ZBAL_ENABLE_GRAPH`` (then say what that value means)."""
+        import os
+
+        if getattr(server_args, "disable_cuda_graph", True):  # (a stand-in without it: no capture)
+            return  # no capture: the hooks would never be called, and nothing is said
+        raw = os.environ.get(GRAPH_SWITCH)
+        if raw is None:
+            os.environ[GRAPH_SWITCH] = "1"
+            # zbal_module reads the variable once, at its import (which the DeepEP module may have
+            # done already); switch_to_allocator, its only reader, reads the module global.
+            module = sys.modules.get("zbal.zbal_module")
+            if module is not None and hasattr(module, GRAPH_SWITCH):
+                setattr(module, GRAPH_SWITCH, True)
+            self.details.update(graph_pool="zbal pool hooks (%s=1 set by the shim)" % GRAPH_SWITCH,
+                                graph_pool_hooks=1)
+            return
+        try:
+            on = int(raw) == 1
+        except ValueError:
+            on = None
+        if on:
+            self.details.update(graph_pool="zbal pool hooks (%s=%s set in the environment)" % (GRAPH_SWITCH, raw),
+                                graph_pool_hooks=1)
+            return
+        self.details.update(graph_pool="unpooled (%s=%s set in the environment)" % (GRAPH_SWITCH, raw),
+                            graph_pool_hooks=0)
+        log.warning(
+            "zbal: graphs will be captured but %s=%s%s keeps zbal's pool hooks off: a captured "
+            "graph's memory is not pooled and may be reused while replays write it; unset %s (the "
+            "shim then sets it to 1) or pass --disable-cuda-graph"
+            % (GRAPH_SWITCH, raw, "" if on is not None else " (not an integer: zbal fails to import)",
+               GRAPH_SWITCH))
 
     # 2. ModelRunner.initialize / init_device_graphs: the lazy GVA heap of mix mode.
     def lazy_init_due(self, runner):

@@ -209,12 +209,11 @@ def graph_servers(proc="/proc"):
     return sorted(found)
 
 
-def graph_facts(npu, patch_states=None, environ=None, proc="/proc"):
+def graph_facts(npu, proc="/proc"):
     """Whether graphs will be captured, from what decides it here: torch_npu's graph API (``npu``:
-    torch.npu, or None), sglang's default, the server commands running on this host, and for zbal
-    whether its graph-pool hooks are on (``ZBAL_ENABLE_GRAPH=1`` when zbal is imported).  The
-    server's own arguments are not visible to ``check``: the verdict states the default."""
-    environ = os.environ if environ is None else environ
+    torch.npu, or None), sglang's default and the server commands running on this host (what a
+    patch does about graphs is its own ``check_facts``).  The server's own arguments are not
+    visible to ``check``: the verdict states the default."""
     api = graph_api(npu)
     default_off = sglang_graph_default()
     servers = graph_servers(proc)
@@ -230,9 +229,6 @@ def graph_facts(npu, patch_states=None, environ=None, proc="/proc"):
         facts["verdict"] = "off by default in this sglang (ServerArgs.disable_cuda_graph is True)"
     else:
         facts["verdict"] = GRAPH_DEFAULT
-    state = ((patch_states or {}).get("zbal") or {}).get("state")
-    if state == "applied":
-        facts["zbal_graph_pool"] = environ.get("ZBAL_ENABLE_GRAPH") == "1"
     parts = [facts["verdict"]]
     if npu is not None and api["usable"]:
         parts.append("torch_npu's graph API present (%s; auto_dispatch_capture %s)" % (
@@ -240,10 +236,6 @@ def graph_facts(npu, patch_states=None, environ=None, proc="/proc"):
     if servers:
         parts.append("servers on this host: %s" % ", ".join(
             "pid %d %s" % (pid, "captures" if captures else "has " + GRAPH_FLAG) for pid, captures in servers[:8]))
-    if "zbal_graph_pool" in facts:
-        parts.append("zbal: captured tensors %s" % (
-            "come from its graph pool (ZBAL_ENABLE_GRAPH=1)" if facts["zbal_graph_pool"] else
-            "get no graph pool (ZBAL_ENABLE_GRAPH is not 1 when zbal is imported)"))
     facts["text"] = "; ".join(parts)
     return facts
 
@@ -351,7 +343,7 @@ def child_main(watcher):
         "wrapt": origin.as_dict(),
         "sglang": sglang_facts(),
         "npu": npu_facts(),
-        "graphs": graph_facts(getattr(sys.modules.get("torch"), "npu", None), activation.RUNTIME.states()),
+        "graphs": graph_facts(getattr(sys.modules.get("torch"), "npu", None)),
         "torch_problem": broken,
         "seconds": round(time.monotonic() - started, 2),
         "patch_facts": list(facts),  # the patches' own facts, each under its key, in this order

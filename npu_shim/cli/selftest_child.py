@@ -136,7 +136,7 @@ def graphs_skipped(kind, dm, simulated=False, torch=None):
     """None where the steps drive their paths through an NPU graph capture and a replay (an NPU
     whose torch_npu has the graph API sglang's runner calls), else why not.  On the simulated NPU
     a graph records only tensors on the npu: where it makes none, nothing would be captured.  (A
-    real NPU is not touched here: zbal's step needs its allocator in first.)"""
+    real NPU is not touched here: one patch's step needs its allocator in first.)"""
     from npu_shim.cli import check
 
     if kind != "npu":
@@ -206,7 +206,7 @@ def stage_main(options, watcher):
     index = options["device_index"]
     report["device"] = {"kind": kind, "name": name, "simulated": simulated, "index": index}
     npu = getattr(torch, "npu", None)
-    report["graphs"] = check.graph_facts(npu, report["states"])
+    report["graphs"] = check.graph_facts(npu)
     skipped = report["graphs"]["skipped"] = (
         graphs_skipped(kind, torch.get_device_module(kind), simulated, torch) if kind else "no device")
     decided = plan(report["states"], kind, options["patches"])

@@ -96,6 +96,7 @@ Remove when every supported image runs sglang >= 0.5.12.
 
 import importlib
 import importlib.util
+import os
 
 from npu_shim.core import config
 from npu_shim.core.framework import Inactive, Patch, Report, ShimError
@@ -209,6 +210,23 @@ def api_problems(package_dir):
 
 # -- the patch -----------------------------------------------------------------------------------
 
+GRAPH_SWITCH = "ZBAL_ENABLE_GRAPH"
+
+
+def graph_pool_setting(raw):
+    """What a scheduler that captures NPU graphs gets from ``ZBAL_ENABLE_GRAPH``'s value ``raw``
+    (None: unset): ``(hooks, words)``, ``hooks`` True where zbal's pool hooks go in.  Unset, the
+    shim sets it to 1 (the module docstring says why); any value zbal reads as 1 is the operator's
+    own; anything else keeps the hooks off."""
+    if raw is None:
+        return True, "zbal pool hooks (%s=1 set by the shim)" % GRAPH_SWITCH
+    try:
+        on = int(raw) == 1  # as zbal_module reads it
+    except ValueError:
+        on = False
+    return on, "%s (%s=%s set in the environment)" % ("zbal pool hooks" if on else "unpooled", GRAPH_SWITCH, raw)
+
+
 class ZbalReport(Report):
     def check_facts(self):
         """The zbal package the shim would use, read from its files (never imported: importing
@@ -224,8 +242,11 @@ class ZbalReport(Report):
         text = "%s at %s: %s" % (version or "unknown version", package_dir,
                                  "API as memfabric-zbal 1.1.2/1.2.0" if not missing else
                                  "API differs: " + "; ".join(missing))
+        hooks, words = graph_pool_setting(os.environ.get(GRAPH_SWITCH))
         return {"zbal": {"label": "zbal", "found": True, "version": version, "path": package_dir,
-                         "api_ok": not missing, "api_problems": missing, "text": text}}
+                         "api_ok": not missing, "api_problems": missing, "text": text},
+                "zbal_graphs": {"label": "zbal graphs", "hooks": hooks,
+                                "text": "a server that captures NPU graphs: %s" % words}}
 
     def summary(self, details):
         parts = [details.text("mode")] if details.text("mode") else []

@@ -254,10 +254,10 @@ def _proc(tmp_path, commands):
 def test_graphs_are_captured_by_default_where_torch_npu_has_the_graph_api(tmp_path):
     from npu_shim.cli import check
 
-    facts = check.graph_facts(_npu(), {}, environ={}, proc=_proc(tmp_path, {}))
+    facts = check.graph_facts(_npu(), proc=_proc(tmp_path, {}))
     assert facts["verdict"] == check.GRAPH_DEFAULT
     assert facts["api"] == {"present": list(check.GRAPH_API), "usable": True, "auto_dispatch_capture": True}
-    assert facts["servers"] == [] and "zbal_graph_pool" not in facts
+    assert facts["servers"] == []
     assert facts["text"].startswith("sglang captures decode graphs (target-verify too under speculative "
                                     "decoding) unless the server is started with --disable-cuda-graph; ")
     assert "auto_dispatch_capture accepted" in facts["text"]
@@ -269,15 +269,15 @@ def test_a_stub_or_missing_graph_api_says_capture_would_fail(tmp_path):
     from npu_shim.cli import check
 
     proc = _proc(tmp_path, {})
-    stub = check.graph_facts(_npu(graph=lambda *a, **k: None), {}, environ={}, proc=proc)
+    stub = check.graph_facts(_npu(graph=lambda *a, **k: None), proc=proc)
     assert stub["api"]["usable"] is False and stub["api"]["present"] == list(check.GRAPH_API)
     assert stub["verdict"].startswith("NOT possible: torch_npu's graph API is missing here")
     assert "start it with --disable-cuda-graph" in stub["verdict"]
-    bare = check.graph_facts(types.SimpleNamespace(), {}, environ={}, proc=proc)
+    bare = check.graph_facts(types.SimpleNamespace(), proc=proc)
     assert "(none present of graph, NPUGraph, graph_pool_handle, is_current_stream_capturing)" in bare["verdict"]
-    old = check.graph_facts(_npu(graph=_OldGraph), {}, environ={}, proc=proc)
+    old = check.graph_facts(_npu(graph=_OldGraph), proc=proc)
     assert old["api"]["auto_dispatch_capture"] is False and "auto_dispatch_capture NOT accepted" in old["text"]
-    none = check.graph_facts(None, {}, environ={}, proc=proc)
+    none = check.graph_facts(None, proc=proc)
     assert none["verdict"] == "no NPU torch here: no NPU graph is captured" and none["text"] == none["verdict"]
 
 
@@ -289,22 +289,30 @@ def test_server_commands_on_this_host_say_whether_they_capture(tmp_path):
         102: ["python3", "-m", "sglang.launch_server", "--model-path", "m", "--cuda-graph-bs", "1", "2"],
         103: ["sglang::scheduler_TP0"],  # a title, no arguments: not read
         104: ["tail", "-f", "sglang.launch_server.log"]})
-    facts = check.graph_facts(_npu(), {}, environ={}, proc=proc)
+    facts = check.graph_facts(_npu(), proc=proc)
     assert facts["servers"] == [{"pid": 101, "captures": False}, {"pid": 102, "captures": True}]
     assert "servers on this host: pid 101 has --disable-cuda-graph, pid 102 captures" in facts["text"]
 
 
-def test_zbal_applied_says_whether_captured_tensors_get_its_graph_pool(tmp_path):
-    from npu_shim.cli import check
+def test_zbal_says_whether_a_capturing_server_gets_its_graph_pool(monkeypatch):
+    """What a server that captures gets: the pool hooks the shim turns on, the operator's 1, or
+    UNPOOLED for any other value (zbal reads it with int())."""
+    from npu_shim.patches import zbal
 
-    proc, applied = _proc(tmp_path, {}), {"zbal": {"state": "applied"}}
-    off = check.graph_facts(_npu(), applied, environ={}, proc=proc)
-    assert off["zbal_graph_pool"] is False
-    assert "zbal: captured tensors get no graph pool (ZBAL_ENABLE_GRAPH is not 1 when zbal is imported)" in off["text"]
-    on = check.graph_facts(_npu(), applied, environ={"ZBAL_ENABLE_GRAPH": "1"}, proc=proc)
-    assert on["zbal_graph_pool"] is True and "come from its graph pool" in on["text"]
-    upstream = check.graph_facts(_npu(), {"zbal": {"state": "upstream"}}, environ={}, proc=proc)
-    assert "zbal_graph_pool" not in upstream
+    assert zbal.graph_pool_setting(None) == (True, "zbal pool hooks (ZBAL_ENABLE_GRAPH=1 set by the shim)")
+    assert zbal.graph_pool_setting("01")[0] is True
+    assert zbal.graph_pool_setting("0") == (False, "unpooled (ZBAL_ENABLE_GRAPH=0 set in the environment)")
+    assert zbal.graph_pool_setting("yes")[0] is False
+    monkeypatch.setenv("ZBAL_ENABLE_GRAPH", "0")
+    from npu_shim.source import reading
+
+    monkeypatch.setattr(reading, "find_package_dir", lambda name: "/z")
+    monkeypatch.setattr(reading, "module_version", lambda names, path: "1.2.0")
+    monkeypatch.setattr(zbal, "api_problems", lambda path: [])
+    facts = zbal.PATCH.report.check_facts()
+    assert facts["zbal_graphs"]["hooks"] is False
+    assert facts["zbal_graphs"]["text"] == ("a server that captures NPU graphs: unpooled "
+                                            "(ZBAL_ENABLE_GRAPH=0 set in the environment)")
 
 
 def test_a_sglang_whose_default_is_no_graphs_says_so(tmp_path, monkeypatch):
@@ -318,8 +326,8 @@ def test_a_sglang_whose_default_is_no_graphs_says_so(tmp_path, monkeypatch):
         disable_cuda_graph: bool = True
 
     monkeypatch.setitem(sys.modules, "sglang.srt.server_args", types.SimpleNamespace(ServerArgs=ServerArgs))
-    facts = check.graph_facts(_npu(), {}, environ={}, proc=_proc(tmp_path, {}))
+    facts = check.graph_facts(_npu(), proc=_proc(tmp_path, {}))
     assert facts["sglang_disable_cuda_graph_default"] is True
     assert facts["verdict"] == "off by default in this sglang (ServerArgs.disable_cuda_graph is True)"
     ServerArgs.__dataclass_fields__["disable_cuda_graph"].default = False
-    assert check.graph_facts(_npu(), {}, environ={}, proc=str(tmp_path))["verdict"] == check.GRAPH_DEFAULT
+    assert check.graph_facts(_npu(), proc=str(tmp_path))["verdict"] == check.GRAPH_DEFAULT

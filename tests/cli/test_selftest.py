@@ -131,7 +131,7 @@ def test_full_mode_json_every_applied_patch_passes_within_the_bound(release_venv
     # graphs: captured by default, and each step drove its path through a capture and a replay
     graphs = out["graphs"]
     assert graphs["skipped"] is None and graphs["api"]["usable"] and graphs["api"]["auto_dispatch_capture"]
-    assert graphs["verdict"].startswith("sglang captures decode graphs") and "zbal_graph_pool" in graphs
+    assert graphs["verdict"].startswith("sglang captures decode graphs")
     pooled = z["graph"].pop("graph_pool")
     assert z["graph"] == {"captured": True, "replayed": True, "equal": True}
     assert ("captured tensors in zbal's graph pool (ZBAL_ENABLE_GRAPH=1)" if pooled else

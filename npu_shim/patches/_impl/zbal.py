@@ -8,8 +8,9 @@ import sys
 from npu_shim.core.framework import Failed
 from npu_shim.reporting import log, metrics
 from npu_shim.patches.zbal import (
-    BOOTSTRAP_URL, COMMON, DEEPEP, LOCAL_MEM_SIZE, MIB, ALIGN_MIB, MODEL_RUNNER, PARALLEL_STATE,
-    SCHEDULER, ZbalError, ZbalInitError, missing_message, zbal_findable)
+    BOOTSTRAP_URL, COMMON, DEEPEP, GRAPH_SWITCH, LOCAL_MEM_SIZE, MIB, ALIGN_MIB, MODEL_RUNNER,
+    PARALLEL_STATE, SCHEDULER, ZbalError, ZbalInitError, graph_pool_setting, missing_message,
+    zbal_findable)
 from npu_shim.runtime.targets import Replace, Wrap, bind_arguments
 
 SCHEDULER_INIT_SIGS = (
@@ -19,7 +20,6 @@ SCHEDULER_INIT_SIGS = (
 )
 INITIALIZE_SIGS = (("min_per_gpu_memory",), ("pre_model_load_memory",))
 #: memfabric-zbal's own switch for its graph-pool hooks (zbal_module.py reads it at import).
-GRAPH_SWITCH = "ZBAL_ENABLE_GRAPH"
 AVAILABLE_SIG = ("device", "gpu_id", "distributed", "empty_cache", "cpu_group")
 INIT_DIST_SIGS = (
     ("world_size", "rank", "distributed_init_method", "local_rank", "backend", "timeout"),
@@ -185,6 +185,8 @@ class ZbalState:
         if getattr(server_args, "disable_cuda_graph", True):  # (a stand-in without it: no capture)
             return  # no capture: the hooks would never be called, and nothing is said
         raw = os.environ.get(GRAPH_SWITCH)
+        hooks, words = graph_pool_setting(raw)
+        self.details.update(graph_pool=words, graph_pool_hooks=int(hooks))
         if raw is None:
             os.environ[GRAPH_SWITCH] = "1"
             # zbal_module reads the variable once, at its import (which the DeepEP module may have
@@ -192,25 +194,17 @@ class ZbalState:
             module = sys.modules.get("zbal.zbal_module")
             if module is not None and hasattr(module, GRAPH_SWITCH):
                 setattr(module, GRAPH_SWITCH, True)
-            self.details.update(graph_pool="zbal pool hooks (%s=1 set by the shim)" % GRAPH_SWITCH,
-                                graph_pool_hooks=1)
+        if hooks:
             return
         try:
-            on = int(raw) == 1
+            int(raw)
+            note = ""
         except ValueError:
-            on = None
-        if on:
-            self.details.update(graph_pool="zbal pool hooks (%s=%s set in the environment)" % (GRAPH_SWITCH, raw),
-                                graph_pool_hooks=1)
-            return
-        self.details.update(graph_pool="unpooled (%s=%s set in the environment)" % (GRAPH_SWITCH, raw),
-                            graph_pool_hooks=0)
+            note = " (not an integer: zbal fails to import)"
         log.warning(
             "zbal: graphs will be captured but %s=%s%s keeps zbal's pool hooks off: a captured "
             "graph's memory is not pooled and may be reused while replays write it; unset %s (the "
-            "shim then sets it to 1) or pass --disable-cuda-graph"
-            % (GRAPH_SWITCH, raw, "" if on is not None else " (not an integer: zbal fails to import)",
-               GRAPH_SWITCH))
+            "shim then sets it to 1) or pass --disable-cuda-graph" % (GRAPH_SWITCH, raw, note, GRAPH_SWITCH))
 
     # 2. ModelRunner.initialize / init_device_graphs: the lazy GVA heap of mix mode.
     def lazy_init_due(self, runner):

@@ -1,0 +1,152 @@
+"""MLA's form of ``npu_fused_infer_attention_score`` (``query_rope`` / ``key_rope``) in the
+simulation, as sglang's ascend backend calls it -- BSND in ``forward_decode_graph``, TND in
+``forward_mtp`` -- and through the graph-only ``.out`` overload, against the same attention
+written out plainly: per request, the latent rows read from the paged cache through the block
+table, scores ``(q_nope . c_kv + q_rope . k_rope) * scale`` (right-down causal for TND with
+``sparse_mode=3``), softmax, times the latent rows."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shimdev.simnpu import _ops
+
+PAGE, BLOCKS = 4, 8
+KV_LORA, ROPE, SCALE = 16, 8, 0.3
+
+
+def caches(seq_lens, tables):
+    """Latent and rope rows per request, and the paged caches ``[BLOCKS, PAGE, 1 * D]`` they are in."""
+    c_kv, k_rope = torch.zeros(BLOCKS, PAGE, KV_LORA), torch.zeros(BLOCKS, PAGE, ROPE)
+    rows = []
+    for n, table in zip(seq_lens, tables):
+        lat, rope = torch.randn(n, KV_LORA), torch.randn(n, ROPE)
+        for i in range(n):
+            c_kv[table[i // PAGE], i % PAGE] = lat[i]
+            k_rope[table[i // PAGE], i % PAGE] = rope[i]
+        rows.append((lat, rope))
+    return c_kv, k_rope, rows
+
+
+def plain(q_nope, q_rope, lat, rope, visible):
+    """q ``[n, heads, D]`` over ``lat``/``rope`` ``[m, D]``; query i sees keys ``< visible[i]``."""
+    scores = (torch.einsum("nhd,md->nhm", q_nope, lat) + torch.einsum("nhd,md->nhm", q_rope, rope)) * SCALE
+    keys = torch.arange(lat.shape[0])
+    allowed = keys[None, :] < torch.tensor(visible)[:, None]
+    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+    return torch.einsum("nhm,md->nhd", scores.softmax(-1), lat)
+
+
+def test_bsnd_decode_with_rope_is_plain_mla_attention_over_each_request_s_pages():
+    """forward_decode_graph: BSND ``[B, 1, N, kv_lora]``, heads padded to a power of two, a padded
+    batch entry with 0 tokens gets zeros."""
+    torch.manual_seed(0)
+    seq_lens, heads = [6, 3, 0], 4
+    tables = torch.tensor([[3, 5], [1, 0], [0, 0]], dtype=torch.int32)
+    c_kv, k_rope, rows = caches(seq_lens, tables.tolist())
+    q_nope, q_rope = torch.randn(3, 1, heads, KV_LORA), torch.randn(3, 1, heads, ROPE)
+    kw = dict(query_rope=q_rope, key_rope=k_rope, num_heads=heads, num_key_value_heads=1, block_table=tables,
+              block_size=PAGE, input_layout="BSND", scale=SCALE, actual_seq_lengths_kv=seq_lens,
+              antiquant_mode=0, antiquant_scale=None, sparse_mode=0)
+    out, lse = _ops.npu_fused_infer_attention_score(q_nope, c_kv, c_kv, **kw)
+    assert out.shape == (3, 1, heads, KV_LORA) and lse.shape == (1,)
+    for b in (0, 1):
+        lat, rope = rows[b]
+        want = plain(q_nope[b], q_rope[b], lat, rope, [seq_lens[b]])
+        assert torch.allclose(out[b], want, atol=1e-5), b
+    assert torch.equal(out[2], torch.zeros(1, heads, KV_LORA))
+
+    # the graph-only overload, as forward_decode_graph calls it: the max workspace, then .out into
+    # torch.empty_like(q_nope) and a one-element lse
+    ws = _ops._npu_fused_infer_attention_score_get_max_workspace(q_nope, c_kv, c_kv, **kw)
+    o, l1 = torch.empty_like(q_nope), torch.empty(1)
+    res = _ops._npu_fused_infer_attention_score_out(q_nope, c_kv, c_kv, workspace=ws, out=[o, l1], **kw)
+    assert res[0] is o and torch.equal(o, out)
+    inferred, _ = _ops._npu_fused_infer_attention_score_infer_output(
+        q_nope, c_kv, input_layout="BSND", block_table=tables, num_heads=heads, num_key_value_heads=1,
+        query_rope=q_rope)
+    assert inferred.shape == out.shape
+
+
+def test_tnd_with_rope_is_right_down_causal_mla_attention():
+    """forward_mtp: TND ``[T, N, kv_lora]``, cumulative query ends, ``sparse_mode=3`` with the 2048
+    x 2048 mask: query i of a request's n sees its keys ``<= kv_len - n + i``."""
+    torch.manual_seed(1)
+    seq_lens, ends, heads = [7, 5], [2, 4], 2
+    tables = torch.tensor([[2, 6], [4, 7]], dtype=torch.int32)
+    c_kv, k_rope, rows = caches(seq_lens, tables.tolist())
+    q_nope, q_rope = torch.randn(4, heads, KV_LORA), torch.randn(4, heads, ROPE)
+    mask = ~torch.ones(2048, 2048, dtype=torch.bool).tril_()
+    out, _ = _ops.npu_fused_infer_attention_score(
+        q_nope, c_kv, c_kv, query_rope=q_rope, key_rope=k_rope, num_heads=heads, num_key_value_heads=1,
+        input_layout="TND", scale=SCALE, block_table=tables, block_size=PAGE, sparse_mode=3, atten_mask=mask,
+        actual_seq_lengths=ends, actual_seq_lengths_kv=seq_lens)
+    assert out.shape == (4, heads, KV_LORA)
+    start = 0
+    for b, end in enumerate(ends):
+        n, lat_rope = end - start, rows[b]
+        visible = [seq_lens[b] - n + i + 1 for i in range(n)]
+        want = plain(q_nope[start:end], q_rope[start:end], *lat_rope, visible)
+        assert torch.allclose(out[start:end], want, atol=1e-5), b
+        start = end
+
+
+def test_what_sglang_never_passes_with_rope_raises_by_name():
+    q, c_kv, k_rope = torch.randn(1, 1, 2, KV_LORA), torch.zeros(BLOCKS, PAGE, KV_LORA), torch.zeros(BLOCKS, PAGE, ROPE)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    base = dict(num_heads=2, num_key_value_heads=1, block_table=table, block_size=PAGE, input_layout="BSND",
+                actual_seq_lengths_kv=[1])
+    with pytest.raises(RuntimeError, match="query_rope and key_rope come together"):
+        _ops.npu_fused_infer_attention_score(q, c_kv, c_kv, query_rope=torch.randn(1, 1, 2, ROPE), **base)
+    with pytest.raises(NotImplementedError, match="FRACTAL_NZ"):
+        _ops.npu_fused_infer_attention_score(q, c_kv.view(BLOCKS, 1, 1, PAGE, KV_LORA), c_kv,
+                                             query_rope=torch.randn(1, 1, 2, ROPE), key_rope=k_rope, **base)
+    with pytest.raises(NotImplementedError, match="input_layout='BSH'"):
+        _ops.npu_fused_infer_attention_score(q.view(1, 1, -1), c_kv, c_kv, query_rope=torch.randn(1, 1, 2 * ROPE),
+                                             key_rope=k_rope, **dict(base, input_layout="BSH"))
+    with pytest.raises(NotImplementedError, match="BSND with sparse_mode=3"):
+        _ops.npu_fused_infer_attention_score(q, c_kv, c_kv, query_rope=torch.randn(1, 1, 2, ROPE),
+                                             key_rope=k_rope, **dict(base, sparse_mode=3))
+
+
+def test_the_bsnd_rope_call_captures_updates_and_replays_as_eager():
+    """forward_decode_graph's MLA call in an NPU graph (auto_dispatch_capture, sglang's
+    NPUGraphRunner): recorded as ``.out`` once, each replay after an update from a thread with new
+    ``actual_seq_lengths_kv`` equals the eager call with those lengths."""
+    from tests.dev.test_simnpu_graphs import run
+
+    out = run("""
+    heads, kv_lora, rope, page = 4, 16, 8, 4
+    ckv = torch.randn(8, page, kv_lora, device="npu")
+    kr = torch.randn(8, page, rope, device="npu")
+    table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32, device="npu")
+    q = torch.randn(2, 1, heads, kv_lora, device="npu")
+    qr = torch.randn(2, 1, heads, rope, device="npu")
+    kw = dict(query_rope=qr, key_rope=kr, num_heads=heads, num_key_value_heads=1, block_table=table,
+              block_size=page, input_layout="BSND", scale=0.3, antiquant_mode=0, antiquant_scale=None,
+              sparse_mode=0)
+
+    def decode(lens):
+        ws = torch_npu._npu_fused_infer_attention_score_get_max_workspace(q, ckv, ckv, actual_seq_lengths_kv=lens, **kw)
+        o = torch.empty_like(q)
+        lse = torch.empty(1, device="npu")
+        torch_npu.npu_fused_infer_attention_score.out(q, ckv, ckv, actual_seq_lengths_kv=lens, workspace=ws,
+                                                      out=[o, lse], **kw)
+        return o * 1
+
+    s = torch.npu.Stream()
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g, pool=torch.npu.graph_pool_handle(), stream=s, auto_dispatch_capture=True):
+        static = decode([5, 3])
+    rows = []
+    for lens in ([7, 1], [2, 6], [8, 0]):
+        t = threading.Thread(target=g.update, kwargs={"cpu_update_input": [{"actual_seq_lengths_kv": lens}]})
+        t.start(); g.replay(); t.join()
+        with torch.npu.stream(s):
+            rows.append([torch.allclose(static, decode(lens), atol=1e-6),
+                         bool(static.abs().sum() > 0)])
+    records = g.graph_dispatch_mode.graph_dispatch_records
+    print(json.dumps({"records": [r.op_cache_entry.__name__ for r in records], "rows": rows}))
+    """)
+    assert out["records"] == ["npu_fused_infer_attention_score.out"]
+    assert out["rows"] == [[True, True]] * 3

@@ -6,10 +6,18 @@ table, scores ``(q_nope . c_kv + q_rope . k_rope) * scale`` (right-down causal f
 ``sparse_mode=3``), softmax, times the latent rows."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
+from shimdev import DEV
 from shimdev.simnpu import _ops
+from tests.dev.test_simnpu_graphs import PRELUDE, run
 
 PAGE, BLOCKS = 4, 8
 KV_LORA, ROPE, SCALE = 16, 8, 0.3
@@ -113,8 +121,6 @@ def test_the_bsnd_rope_call_captures_updates_and_replays_as_eager():
     """forward_decode_graph's MLA call in an NPU graph (auto_dispatch_capture, sglang's
     NPUGraphRunner): recorded as ``.out`` once, each replay after an update from a thread with new
     ``actual_seq_lengths_kv`` equals the eager call with those lengths."""
-    from tests.dev.test_simnpu_graphs import run
-
     out = run("""
     heads, kv_lora, rope, page = 4, 16, 8, 4
     ckv = torch.randn(8, page, kv_lora, device="npu")
@@ -150,3 +156,40 @@ def test_the_bsnd_rope_call_captures_updates_and_replays_as_eager():
     """)
     assert out["records"] == ["npu_fused_infer_attention_score.out"]
     assert out["rows"] == [[True, True]] * 3
+
+
+
+def test_a_collective_is_captured_and_reissued_at_each_replay(tmp_path):
+    """TP's all-reduce inside a capture (sglang's TP-2 decode graphs; a device captures HCCL's
+    collectives): recorded without landing, the Work it gives back waited on; each replay sums
+    the ranks' current values into the same tensor again."""
+    script = textwrap.dedent("""
+    import sys
+    import torch.distributed as dist
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", init_method=sys.argv[2], rank=rank, world_size=2)
+    x = torch.zeros(4, device="npu")
+    s = torch.npu.Stream()
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g, pool=torch.npu.graph_pool_handle(), stream=s):
+        x.fill_(rank + 1)
+        dist.all_reduce(x)
+        y = x * 10
+    at_capture = x.tolist()
+    rows = []
+    for _ in range(2):
+        g.replay()
+        rows.append([x.tolist(), y.tolist()])
+    print(json.dumps({"capture": at_capture, "replays": rows}))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("TASK_QUEUE_ENABLE", "ASCEND_LAUNCH_BLOCKING")}
+    env["PYTHONPATH"] = str(DEV)
+    store = "file://%s" % (tmp_path / "store")
+    procs = [subprocess.Popen([sys.executable, "-c", PRELUDE + script, str(r), store], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    for stdout, _ in outs:
+        got = json.loads(stdout.strip().splitlines()[-1])
+        assert got["capture"] == [0.0] * 4  # nothing lands at capture
+        assert got["replays"] == [[[3.0] * 4, [30.0] * 4]] * 2

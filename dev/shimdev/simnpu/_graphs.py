@@ -578,6 +578,12 @@ def _recorder_class():
                     if leaf is None:
                         outputs.append(leaf)
                         continue
+                    if func.namespace == "c10d" and hasattr(leaf, "wait"):
+                        # a collective (HCCL's are captured): it ran on the shadows, every rank
+                        # capturing it in the same order; each replay issues it again
+                        leaf.wait()
+                        outputs.append(leaf)
+                        continue
                     raise RuntimeError("simnpu: %s hands a %s to the host during %s: a device-to-host "
                                        "read cannot be captured" % (func.__name__, type(leaf).__name__,
                                                                     _describe(live)))
@@ -817,6 +823,12 @@ class NPUGraph:
                     stack.append(self._sim_stream(entry.stream, stream))
                     try:
                         result = entry.func(*entry.args, **entry.kwargs)
+                        if entry.func.namespace == "c10d":
+                            from torch.utils import _pytree as pytree
+
+                            for leaf in pytree.tree_leaves(result):
+                                if not isinstance(leaf, torch.Tensor) and hasattr(leaf, "wait"):
+                                    leaf.wait()  # a captured collective completes in the graph
                         if entry.fresh:
                             from torch.utils import _pytree as pytree
 

@@ -193,3 +193,30 @@ def test_a_collective_is_captured_and_reissued_at_each_replay(tmp_path):
         got = json.loads(stdout.strip().splitlines()[-1])
         assert got["capture"] == [0.0] * 4  # nothing lands at capture
         assert got["replays"] == [[[3.0] * 4, [30.0] * 4]] * 2
+
+
+def test_to_another_device_tensor_s_device_is_captured_and_a_host_copy_still_refused():
+    """The DSA indexer's ``actual_seq_lengths_kv.to(k.device)`` in a capture: device to device on
+    an NPU (a no-op), though npu tensors stand on the cpu in the simulated server; ``.to("cpu")``
+    and ``.cpu()`` of a device tensor stay refused."""
+    out = run("""
+    lens = torch.tensor([3, 5], device="npu")
+    k = torch.ones(2, device="npu")
+    s = torch.npu.Stream()
+    results = {}
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g, pool=torch.npu.graph_pool_handle(), stream=s):
+        y = lens.to(k.device).to(torch.int32) + 1
+    g.replay()
+    results["same_device"] = y.tolist()
+    for name, fn in (("string", lambda: lens.to("cpu")), ("cpu", lambda: lens.cpu())):
+        g2 = torch.npu.NPUGraph()
+        def capture():
+            with torch.npu.graph(g2, pool=torch.npu.graph_pool_handle(), stream=s):
+                fn()
+        results[name] = refused(capture)
+    print(json.dumps(results))
+    """)
+    assert out["same_device"] == [4, 6]
+    for name in ("string", "cpu"):
+        assert out[name] and "device-to-host copy" in out[name], out

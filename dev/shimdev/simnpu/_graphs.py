@@ -634,6 +634,10 @@ def _function_mode_class():
                 target = kwargs.get("device", args[1] if len(args) > 1 else None)
                 if isinstance(target, (str, torch.device)) and str(target).startswith("cpu"):
                     what = "Tensor.to(cpu)"
+                    if isinstance(target, torch.device) and _server_mode():
+                        # npu tensors stand on the cpu here: a torch.device is another device
+                        # tensor's ``.device`` (sglang's ``x.to(k.device)``), a no-op on a device
+                        what = None
             if what is not None and args and isinstance(args[0], torch.Tensor) and is_device(args[0]):
                 check_call("a device-to-host copy (%s)" % what, host_copy=True)
             device = kwargs.get("device")
@@ -649,6 +653,12 @@ def _function_mode_class():
                 _tls.npu_factory -= 1
 
     return CaptureCalls
+
+
+def _server_mode():
+    from . import _server
+
+    return _server._installed
 
 
 _CLASSES = {}

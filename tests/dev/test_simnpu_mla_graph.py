@@ -220,3 +220,26 @@ def test_to_another_device_tensor_s_device_is_captured_and_a_host_copy_still_ref
     assert out["same_device"] == [4, 6]
     for name in ("string", "cpu"):
         assert out[name] and "device-to-host copy" in out[name], out
+
+
+def test_a_device_storage_resize_is_logged_with_the_capture_live_at_the_time():
+    """The server's order of captures and device resizes (what a weight release inside a capture
+    would show), in the events and in the memory snapshot a server process writes."""
+    out = run("""
+    from shimdev.simnpu import _server
+    before = torch.ones(256, device="npu")
+    inside = torch.ones(128, device="npu")
+    host = torch.ones(64)
+    before.untyped_storage().resize_(0)
+    host.untyped_storage().resize_(0)            # not device memory: not logged
+    s = torch.npu.Stream()
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g, pool=torch.npu.graph_pool_handle(), stream=s):
+        inside.untyped_storage().resize_(0)
+    print(json.dumps({"events": _server.memory_snapshot()["graph_events"]}))
+    """)
+    kinds = [e[0] for e in out["events"]]
+    assert kinds == ["storage_resize", "capture_begin", "storage_resize", "capture_end"], out
+    assert out["events"][0] == ["storage_resize", 1024, 0, None]
+    graph = out["events"][1][1]
+    assert out["events"][2] == ["storage_resize", 512, 0, graph]

@@ -328,6 +328,31 @@ def live_capture():
     return _Live.live
 
 
+def log_device_resizes() -> None:
+    """Server mode: each ``UntypedStorage.resize_`` of a storage on the npu (how sglang and a
+    weight release free memory a tensor object keeps) is logged, in order with the graph events,
+    as ``("storage_resize", bytes_before, bytes_after, graph_id_or_None)`` -- the id of the capture
+    live at the time on any thread."""
+    import torch
+
+    from . import _server
+
+    real = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        key = storage.data_ptr()
+        before = storage.nbytes()
+        on_device = key in GRAPH_STORAGES or key in _server._tracked
+        out = real(storage, size)
+        if on_device:
+            live = _Live.live
+            log("storage_resize", before, storage.nbytes(), None if live is None else live.graph._sim_id)
+        return out
+
+    resize_.__wrapped__ = real
+    torch.UntypedStorage.resize_ = resize_
+
+
 def _describe(live):
     return "graph %d's capture on %s (%s mode)" % (live.graph._sim_id, live.stream_name, live.mode)
 

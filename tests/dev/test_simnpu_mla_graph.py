@@ -243,3 +243,36 @@ def test_a_device_storage_resize_is_logged_with_the_capture_live_at_the_time():
     assert out["events"][0] == ["storage_resize", 1024, 0, None]
     graph = out["events"][1][1]
     assert out["events"][2] == ["storage_resize", 512, 0, graph]
+
+
+def test_a_capture_that_reads_a_released_weight_is_refused_as_it_is_captured():
+    """mla_weight_release's guard (``tensor_release.free_weight``) answers every torch call on the
+    released weight, so an op that would read it inside a capture raises then -- nothing is
+    recorded that a replay would run on freed memory; the release's resize happened with no
+    capture live."""
+    out = run("""
+    import sys
+    sys.path.insert(0, %r)
+    from npu_shim.patches._impl import mla_weight_release as impl
+    from npu_shim.runtime import tensor_release
+    w = torch.nn.Parameter(torch.ones(8, 8, device="npu"), requires_grad=False)
+    x = torch.ones(2, 8, device="npu")
+    freed = tensor_release.free_weight(w, "w_kc of layer 0", impl.GUARD, lambda *a: None)
+    s = torch.npu.Stream()
+    g = torch.npu.NPUGraph()
+    error = None
+    try:
+        with torch.npu.graph(g, pool=torch.npu.graph_pool_handle(), stream=s):
+            y = x @ w
+    except Exception as exc:
+        error = [type(exc).__name__, str(exc)]
+    print(json.dumps({"freed": freed, "error": error,
+                      "events": [list(e) for e in simnpu.events() if e[0] in
+                                 ("capture_begin", "capture_end", "storage_resize")]}))
+    """ % str(DEV.parent))
+    assert out["freed"] == 256
+    assert out["error"][0] == "ReleasedWeightError", out
+    assert "w_kc of layer 0" in out["error"][1] and "NPU_SHIM_MLA_WEIGHT_RELEASE=0" in out["error"][1]
+    kinds = [e[0] for e in out["events"]]
+    assert kinds[0] == "storage_resize" and out["events"][0][3] is None  # released before any capture
+    assert kinds[1:] == ["capture_begin", "capture_end"]

@@ -276,3 +276,30 @@ def test_a_capture_that_reads_a_released_weight_is_refused_as_it_is_captured():
     kinds = [e[0] for e in out["events"]]
     assert kinds[0] == "storage_resize" and out["events"][0][3] is None  # released before any capture
     assert kinds[1:] == ["capture_begin", "capture_end"]
+
+
+def test_sparse_attention_reads_no_index_past_the_request_s_kv_length():
+    """An index at or past ``actual_seq_lengths_kv[b]`` selects nothing, as -1 does: the kernel reads
+    a request's pages only up to its length (in a DSA decode capture the lengths and the block
+    table hold nothing yet, and nothing is read)."""
+    torch.manual_seed(3)
+    n, heads = 5, 2
+    lat, rope = torch.randn(n, KV_LORA), torch.randn(n, ROPE)
+    table = torch.tensor([[2, 6]], dtype=torch.int32)
+    c_kv, k_rope, _ = torch.zeros(BLOCKS, PAGE, 1, KV_LORA), torch.zeros(BLOCKS, PAGE, 1, ROPE), None
+    for i in range(n):
+        c_kv[table[0, i // PAGE], i % PAGE, 0], k_rope[table[0, i // PAGE], i % PAGE, 0] = lat[i], rope[i]
+    q, q_rope = torch.randn(1, heads, KV_LORA), torch.randn(1, heads, ROPE)
+    kw = dict(block_table=table, actual_seq_lengths_query=torch.tensor([1]), query_rope=q_rope, key_rope=k_rope,
+              layout_query="TND", layout_kv="PA_BSND", attention_mode=2)
+    picks = torch.tensor([[[0, 2, 4, 6, -1]]], dtype=torch.int32)  # 6 is past the request's 5 tokens
+    out, _, _ = _ops.npu_sparse_flash_attention(q, c_kv, c_kv, picks, SCALE,
+                                                actual_seq_lengths_kv=torch.tensor([n]), **kw)
+    sel = torch.tensor([0, 2, 4])
+    probs = ((q[0] @ lat[sel].T + q_rope[0] @ rope[sel].T) * SCALE).softmax(-1)
+    assert torch.allclose(out[0], probs @ lat[sel], atol=1e-5)
+    garbage = torch.full((8, 2), -394322512, dtype=torch.int32)  # a block table nothing filled yet
+    none, _, _ = _ops.npu_sparse_flash_attention(q, c_kv, c_kv, torch.zeros(1, 1, 4, dtype=torch.int32), SCALE,
+                                                 actual_seq_lengths_kv=torch.tensor([0]),
+                                                 **dict(kw, block_table=garbage))
+    assert torch.equal(none, torch.zeros_like(none))

@@ -333,7 +333,8 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
                                layout_query="BSND", layout_kv="BSND", sparse_mode=3,
                                pre_tokens=9223372036854775807, next_tokens=9223372036854775807,
                                attention_mode=0, return_softmax_lse=False, sinks=None):
-    """Attention of each query token over the tokens ``sparse_indices`` selects (-1: none); with
+    """Attention of each query token over the tokens ``sparse_indices`` selects (-1, or an index
+    at or past the request's ``actual_seq_lengths_kv``: none); with
     ``attention_mode`` 2 (MLA, absorbed) the scores add ``query_rope . key_rope`` and the values
     are ``value`` (the latent cache).  TND over PA_BSND, sparse_block_size 1 (what sglang passes)."""
     import torch
@@ -344,10 +345,14 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
     tokens = query.shape[0]
     out = torch.zeros(query.shape[0], query.shape[1], value.shape[-1], dtype=query.dtype)
     batches = _batch_of_tokens(actual_seq_lengths_query, tokens)
+    kv_lens = None if actual_seq_lengths_kv is None else actual_seq_lengths_kv.reshape(-1).long()
     for t in range(tokens):
         b = int(batches[t])
         chosen = sparse_indices[t, 0].long()
-        chosen = chosen[chosen >= 0]
+        # -1 selects nothing; nor does an index past the request's KV length: the kernel reads a
+        # request's pages only up to actual_seq_lengths_kv[b] (in a capture, where the lengths are
+        # not yet known, nothing)
+        chosen = chosen[(chosen >= 0) & (True if kv_lens is None else chosen < kv_lens[b])]
         if not chosen.numel():
             continue
         scores = query[t].float() @ _paged_rows(key, block_table[b], chosen).float().T

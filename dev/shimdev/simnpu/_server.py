@@ -159,9 +159,9 @@ def memory_snapshot() -> dict:
             "graph_pool_bytes": _device.STATE.graph_pool_bytes,
             "graph_pools": {"%d,%d" % k: v for k, v in _graphs.pools().items()},
             "track_derived": _TRACK_DERIVED,
-            # the order of captures and device storage resizes (a release inside a capture shows)
+            # the order of captures, replays and device storage resizes (a release in a capture shows)
             "graph_events": [list(e) for e in _log.EVENTS
-                             if e[0] in ("capture_begin", "capture_end", "storage_resize")]}
+                             if e[0] in ("capture_begin", "capture_end", "replay", "storage_resize")]}
 
 
 def _dump_on_signal() -> None:

@@ -15,16 +15,19 @@ once and the decode server decodes from its (untransferred) cache -- the first t
 metadata buffer's -- so the tokens are a deterministic function of the decode path, not of the
 prompt (docs/development.md, "A real MLA decode server").
 
-Two servers, one per configuration, on one xdist worker: the shim on, and without the shim
-(not on PYTHONPATH).  Checked on them:
+Three servers on one xdist worker: the shim on with NPU graphs on (sglang's NPUGraphRunner
+captures batch sizes 1 and 2 and decodes by replay), the shim absent (not on PYTHONPATH) with
+graphs on, and the shim on in eager mode (``--disable-cuda-graph``).  Checked on them:
 
-* the same tokens for the same requests;
+* the same tokens for the same requests, graphs on and off, shim on and absent;
+* every device storage resize of the release done with no capture live, before the first
+  capture (the simulation's order of events in each rank), and the graphs replayed;
 * the bytes released, from the patch's details on each TP rank (sglang's ``/metrics``), equal
-  to what the model's shapes say; the simulated device of each rank holds exactly that much less
+  to what the model's shapes say and to eager mode's; the simulated device of each rank holds exactly that much less
   than the same rank of the server without the shim, after the same requests
   (``SIMNPU_TRACK_DERIVED``: what sglang derives from npu weights counts as npu memory);
-* ``/update_weights_from_disk`` refused with the clear answer by every rank, and the server still
-  serving the same tokens afterwards (last: it counts a refusal).
+* ``/update_weights_from_disk`` refused with the clear answer by every rank with the graphs
+  captured, and the server still serving the same tokens afterwards (last: it counts a refusal).
 """
 from __future__ import annotations
 
@@ -47,8 +50,10 @@ pytestmark = pytest.mark.xdist_group("server-mla-" + VERSION)
 
 
 class Bed:
-    """The two servers (shim on, shim absent), started on first use, with the answers each gave
-    to the fixed requests and its ranks' device counters right after."""
+    """The three servers ("on": shim on, graphs on; "off": shim absent, graphs on; "eager": shim
+    on, graphs off), started on first use, with the answers each gave to the fixed requests, its
+    ranks' device counters and its release details right after.  At most two run at once: a test
+    that needs "eager" asks for it before the others (the oldest is stopped to make room)."""
 
     def __init__(self, tmp):
         self.tmp, self.pool, self.after = tmp, ServerPool(max_live=2), {}
@@ -57,11 +62,13 @@ class Bed:
         return self.pool.get(name, lambda: self._start(name))
 
     def _start(self, name) -> Server:
-        server = mla.decode_server(VERSION, TP, "on" if name == "on" else "absent", self.tmp, name)
+        server = mla.decode_server(VERSION, TP, "absent" if name == "off" else "on", self.tmp, name,
+                                   graphs=name != "eager")
         server.start()
         try:
             answers = [mla.decode(server, p, NEW_TOKENS) for p in PROMPTS]
-            self.after[name] = (answers, mla.devices(server))
+            details = mla.release_details(server) if name != "off" else {}
+            self.after[name] = (answers, mla.devices(server), details)
         except BaseException:
             server.stop()  # not in the pool yet: nothing else would stop it
             raise
@@ -75,6 +82,10 @@ class Bed:
         self.get(name)
         return self.after[name][1]
 
+    def details(self, name):
+        self.get(name)
+        return self.after[name][2]
+
     def stop_all(self):
         self.pool.stop_all()
 
@@ -86,11 +97,14 @@ def bed(tmp_path_factory):
     b.stop_all()
 
 
-def test_the_decode_server_serves_the_same_tokens_through_mlaprolog_as_without_the_shim(bed):
-    assert bed.answers("on") == bed.answers("off")
-    assert all(len(a) == NEW_TOKENS for a in bed.answers("on"))
+def test_the_graph_mode_decode_server_serves_the_same_tokens_as_eager_and_as_without_the_shim(bed):
+    eager = bed.answers("eager")  # first: the oldest, stopped when "off" needs room
+    assert bed.answers("on") == eager == bed.answers("off")
+    assert all(len(a) == NEW_TOKENS for a in eager)
     on = bed.get("on")
-    lines = [ln for ln in on.log_text().splitlines() if ln.startswith("[npu-shim ")]
+    log = on.log_text()
+    assert "Capture npu graph end" in log and "Capture cuda graph bs [1, 2]" in log
+    lines = [ln for ln in log.splitlines() if ln.startswith("[npu-shim ")]
     layers = json.loads((on.model_dir / "config.json").read_text())["num_hidden_layers"]
     for rank in range(TP):
         assert any(re.search(r"tp %d/%d\] .*mla_weight_release=applied" % (rank, TP), ln) for ln in lines), lines
@@ -98,15 +112,37 @@ def test_the_decode_server_serves_the_same_tokens_through_mlaprolog_as_without_t
                    for ln in lines), lines
 
 
-def test_the_bytes_released_on_each_rank_are_what_the_shapes_say(bed):
+def test_every_release_resize_happens_with_no_capture_live_before_the_first_capture(bed):
+    """From each rank's simulated device: the order of captures, replays and device storage
+    resizes.  The release frees qkv_a and w_kc of every layer (2 per layer) in warm-up 1, eager."""
+    layers = json.loads((bed.get("on").model_dir / "config.json").read_text())["num_hidden_layers"]
+    memory = bed.memory("on")
+    assert sorted(memory) == list(range(TP)), memory
+    for rank, snapshot in memory.items():
+        events = mla.graph_events(snapshot)
+        kinds = [e[0] for e in events]
+        assert kinds.count("capture_begin") == len(mla.GRAPH_BATCH_SIZES), (rank, kinds)
+        assert "replay" in kinds, (rank, kinds)  # the decode steps ran the captured graphs
+        first_capture = kinds.index("capture_begin")
+        resizes = [(i, e) for i, e in enumerate(events) if e[0] == "storage_resize"]
+        assert all(e[3] is None for _, e in resizes), (rank, resizes)  # none with a capture live
+        released = [e for i, e in resizes if e[2] == 0 and i < first_capture]
+        assert len(released) >= 2 * layers, (rank, events[:first_capture + 1])
+
+
+def test_the_bytes_released_on_each_rank_are_what_the_shapes_say_and_eager_s(bed):
+    eager = bed.details("eager")
     expected = mla.expected_release(bed.get("on").model_dir, TP)
-    details = mla.release_details(bed.get("on"))
-    assert sorted(details) == list(range(TP)), details
+    details = bed.details("on")
+    assert sorted(details) == sorted(eager) == list(range(TP)), (details, eager)
     for rank, patch in details.items():
         assert patch["state"] == "applied"
         d = patch["details"]
         assert (d["qkv_a_bytes"], d["w_kc_bytes"]) == (expected["qkv_a"], expected["w_kc"]), (rank, d)
         assert d["released_bytes"] == sum(expected.values())
+        e = eager[rank]["details"]
+        assert (e["qkv_a_bytes"], e["w_kc_bytes"], e["released_bytes"]) == \
+            (d["qkv_a_bytes"], d["w_kc_bytes"], d["released_bytes"]), (rank, d, e)
 
 
 def test_each_ranks_simulated_device_holds_that_much_less_than_without_the_shim(bed):
@@ -118,7 +154,7 @@ def test_each_ranks_simulated_device_holds_that_much_less_than_without_the_shim(
         assert off[rank]["live_npu_bytes"] - on[rank]["live_npu_bytes"] == expected, (rank, on, off)
 
 
-def test_update_weights_from_disk_is_refused_by_every_rank_and_the_server_keeps_serving(bed):
+def test_update_weights_from_disk_is_refused_by_every_rank_with_graphs_captured_and_it_keeps_serving(bed):
     on = bed.get("on")
     before = bed.answers("on")
     status, out = on.post("/update_weights_from_disk", {"model_path": str(on.model_dir)})

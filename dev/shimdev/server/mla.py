@@ -29,10 +29,15 @@ def decode_args(tp: int) -> list[str]:
             "--max-running-requests", "8", "--tp-size", str(tp)]
 
 
+#: The batch sizes a graph-mode decode server captures.
+GRAPH_BATCH_SIZES = (1, 2)
+
+
 def decode_server(version: str, tp: int, shim: str, workdir: Path, name: str,
-                  device_mib: int = 1024) -> Server:
+                  device_mib: int = 1024, graphs: bool = False) -> Server:
     """A decode server (not started, ``--enable-metrics``): ``shim`` "on" or "absent"; every
-    process of it writes its device counters to ``workdir/memory-<name>`` on SIGUSR2."""
+    process of it writes its device counters to ``workdir/memory-<name>`` on SIGUSR2.  ``graphs``:
+    NPU graphs on (the harness's ``--disable-cuda-graph`` dropped; GRAPH_BATCH_SIZES captured)."""
     memory = Path(workdir) / f"memory-{name}"
     memory.mkdir(parents=True, exist_ok=True)
     env = {"SIMNPU_TOTAL_MIB": device_mib, "SGLANG_NPU_USE_MLAPO": "1",
@@ -41,6 +46,9 @@ def decode_server(version: str, tp: int, shim: str, workdir: Path, name: str,
     server = Server(version, model, args=decode_args(tp) + ["--enable-metrics"], env=env, shim=shim,
                     log_path=Path(workdir) / f"mla-{name}.log")
     server.model_dir = model
+    if graphs:
+        server.argv = [a for a in server.argv if a != "--disable-cuda-graph"]
+        server.argv += ["--cuda-graph-bs", *map(str, GRAPH_BATCH_SIZES)]
     return server
 
 
@@ -100,3 +108,10 @@ def release_details(server: Server) -> dict:
                    "details": {k: int(v) if float(v).is_integer() else v
                                for k, v in metrics["detail"].get((pid, "mla_weight_release"), {}).items()}}
             for rank, pid in schedulers(server).items()}
+
+
+def graph_events(snapshot: dict) -> list:
+    """A rank's captures and device storage resizes, in order (``devices()``'s snapshot):
+    ``["capture_begin", graph, stream, pool]``, ``["capture_end", ...]``, ``["storage_resize",
+    bytes_before, bytes_after, graph live or None]``."""
+    return snapshot["graph_events"]

@@ -328,6 +328,31 @@ def live_capture():
     return _Live.live
 
 
+def log_device_resizes() -> None:
+    """Server mode: each ``UntypedStorage.resize_`` of a storage on the npu (how sglang and a
+    weight release free memory a tensor object keeps) is logged, in order with the graph events,
+    as ``("storage_resize", bytes_before, bytes_after, graph_id_or_None)`` -- the id of the capture
+    live at the time on any thread."""
+    import torch
+
+    from . import _server
+
+    real = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        key = storage.data_ptr()
+        before = storage.nbytes()
+        on_device = key in GRAPH_STORAGES or key in _server._tracked
+        out = real(storage, size)
+        if on_device:
+            live = _Live.live
+            log("storage_resize", before, storage.nbytes(), None if live is None else live.graph._sim_id)
+        return out
+
+    resize_.__wrapped__ = real
+    torch.UntypedStorage.resize_ = resize_
+
+
 def _describe(live):
     return "graph %d's capture on %s (%s mode)" % (live.graph._sim_id, live.stream_name, live.mode)
 
@@ -639,6 +664,10 @@ def _function_mode_class():
                 target = kwargs.get("device", args[1] if len(args) > 1 else None)
                 if isinstance(target, (str, torch.device)) and str(target).startswith("cpu"):
                     what = "Tensor.to(cpu)"
+                    if isinstance(target, torch.device) and _server_mode():
+                        # npu tensors stand on the cpu here: a torch.device is another device
+                        # tensor's ``.device`` (sglang's ``x.to(k.device)``), a no-op on a device
+                        what = None
             if what is not None and args and isinstance(args[0], torch.Tensor) and is_device(args[0]):
                 check_call("a device-to-host copy (%s)" % what, host_copy=True)
             device = kwargs.get("device")
@@ -654,6 +683,12 @@ def _function_mode_class():
                 _tls.npu_factory -= 1
 
     return CaptureCalls
+
+
+def _server_mode():
+    from . import _server
+
+    return _server._installed
 
 
 _CLASSES = {}

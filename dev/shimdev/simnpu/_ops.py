@@ -333,7 +333,8 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
                                layout_query="BSND", layout_kv="BSND", sparse_mode=3,
                                pre_tokens=9223372036854775807, next_tokens=9223372036854775807,
                                attention_mode=0, return_softmax_lse=False, sinks=None):
-    """Attention of each query token over the tokens ``sparse_indices`` selects (-1: none); with
+    """Attention of each query token over the tokens ``sparse_indices`` selects (-1, or an index
+    at or past the request's ``actual_seq_lengths_kv``: none); with
     ``attention_mode`` 2 (MLA, absorbed) the scores add ``query_rope . key_rope`` and the values
     are ``value`` (the latent cache).  TND over PA_BSND, sparse_block_size 1 (what sglang passes)."""
     import torch
@@ -344,10 +345,14 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
     tokens = query.shape[0]
     out = torch.zeros(query.shape[0], query.shape[1], value.shape[-1], dtype=query.dtype)
     batches = _batch_of_tokens(actual_seq_lengths_query, tokens)
+    kv_lens = None if actual_seq_lengths_kv is None else actual_seq_lengths_kv.reshape(-1).long()
     for t in range(tokens):
         b = int(batches[t])
         chosen = sparse_indices[t, 0].long()
-        chosen = chosen[chosen >= 0]
+        # -1 selects nothing; nor does an index past the request's KV length: the kernel reads a
+        # request's pages only up to actual_seq_lengths_kv[b] (in a capture, where the lengths are
+        # not yet known, nothing)
+        chosen = chosen[(chosen >= 0) & (True if kv_lens is None else chosen < kv_lens[b])]
         if not chosen.numel():
             continue
         scores = query[t].float() @ _paged_rows(key, block_table[b], chosen).float().T
@@ -550,8 +555,9 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     tokens per request, and ``sparse_mode=3`` (rightDownCausal: the queries are the last tokens of
     their request, query i of n sees keys ``<= kv_len - n + i``) with the op's compressed 2048 x
     2048 upper-triangle mask.  Returns (attention_out ``[T, N, D]`` in the query's dtype,
-    softmax_lse -- a one-element tensor, as the op gives without ``softmax_lse_flag``).  Anything
-    else sglang does not pass here raises by name."""
+    softmax_lse -- a one-element tensor, as the op gives without ``softmax_lse_flag``).  With
+    ``query_rope`` / ``key_rope`` (MLA: BSND or TND), see the MLA block below.  Anything else sglang
+    does not pass here raises by name."""
     import torch
 
     op = "npu_fused_infer_attention_score"
@@ -566,10 +572,15 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
                  query_padding_size=query_padding_size is not None, kv_padding_size=kv_padding_size is not None,
                  key_shared_prefix=key_shared_prefix is not None, value_shared_prefix=value_shared_prefix is not None,
                  actual_shared_prefix_len=actual_shared_prefix_len is not None,
-                 query_rope=query_rope is not None, key_rope=key_rope is not None,
                  key_rope_antiquant_scale=key_rope_antiquant_scale is not None,
                  softmax_lse_flag=softmax_lse_flag, antiquant_mode=antiquant_mode,
                  key_antiquant_mode=key_antiquant_mode, value_antiquant_mode=value_antiquant_mode)
+    if query_rope is not None or key_rope is not None:
+        query, key = _mla_rope_joined(query, key, query_rope, key_rope, input_layout, num_heads,
+                                      num_key_value_heads)  # the MLA block below
+        if input_layout == "BSND":
+            return _bsnd_paged_decode(query, key, value, block_table, actual_seq_lengths_kv, num_heads,
+                                      num_key_value_heads, scale, block_size, sparse_mode, atten_mask)
     if input_layout == "BSH" and block_table is not None and sparse_mode == 0 and atten_mask is None:
         return _bsh_paged_decode(query, key, value, block_table, actual_seq_lengths_kv, num_heads,
                                  num_key_value_heads, scale, block_size)  # the graph-only block below
@@ -1351,6 +1362,89 @@ def _npu_fused_infer_attention_score_out(query, key, value, *, workspace=None, o
     out[0].copy_(attention)
     out[1].reshape(-1)[:lse.numel()].copy_(lse.reshape(-1)[:out[1].numel()])
     return out[0], out[1]
+
+
+# == MLA's form of the fused attention (query_rope / key_rope) ======================================
+#
+# sglang 0.5.9 - 0.5.11's ascend backend with MLA: ``forward_decode_graph`` passes BSND queries
+# ``[B, 1, N, kv_lora]`` (``q_nope`` after absorbing W_UK) with ``query_rope`` ``[B, 1, N, rope]``,
+# the latent cache ``c_kv`` ``[blocks, page, H_kv * kv_lora]`` as both key and value and its rope
+# cache ``[blocks, page, H_kv * rope]`` as ``key_rope``, ``sparse_mode=0``, no mask, the head count
+# padded to a power of two (a padded head's query is zeros: its row is computed like any other);
+# ``forward_mtp`` passes the same operands in TND with ``sparse_mode=3`` and the MTP mask.  A
+# score is ``(q_nope . k_nope + q_rope . k_rope) * scale``; the output has the value's head dim
+# (kv_lora).  The FRACTAL_NZ cache form (``SGLANG_USE_FIA_NZ``: 5-D caches) raises by name.
+
+
+def _mla_rope_joined(query, key, query_rope, key_rope, input_layout, num_heads, num_key_value_heads):
+    """(query, key) with the rope parts joined on the head dim: a score over the joined vectors is
+    the op's nope + rope score."""
+    import torch
+
+    op = "npu_fused_infer_attention_score"
+    if query_rope is None or key_rope is None:
+        raise RuntimeError("%s: query_rope and key_rope come together (got %s only)"
+                           % (op, "query_rope" if key_rope is None else "key_rope"))
+    if input_layout not in ("BSND", "TND"):
+        raise NotImplementedError("simnpu: %s with query_rope/key_rope and input_layout=%r (sglang's MLA "
+                                  "paths pass BSND or TND)" % (op, input_layout))
+    if key.dim() != 3 or key_rope.dim() != 3:
+        raise NotImplementedError("simnpu: %s with %d-D key / %d-D key_rope caches (the FRACTAL_NZ form is "
+                                  "not simulated; sglang passes [blocks, page, H_kv * D] without "
+                                  "SGLANG_USE_FIA_NZ)" % (op, key.dim(), key_rope.dim()))
+    if tuple(query_rope.shape[:-1]) != tuple(query.shape[:-1]) or tuple(key_rope.shape[:2]) != tuple(key.shape[:2]):
+        raise RuntimeError("%s: query %r / query_rope %r or key %r / key_rope %r disagree outside the head dim"
+                           % (op, tuple(query.shape), tuple(query_rope.shape), tuple(key.shape),
+                              tuple(key_rope.shape)))
+    kv_heads = num_key_value_heads or num_heads
+    if key.shape[-1] % kv_heads or key_rope.shape[-1] % kv_heads:
+        raise RuntimeError("%s: key %r / key_rope %r for %d key/value heads"
+                           % (op, tuple(key.shape), tuple(key_rope.shape), kv_heads))
+    joined_key = torch.cat([key.reshape(*key.shape[:2], kv_heads, -1),
+                            key_rope.reshape(*key_rope.shape[:2], kv_heads, -1).to(key.dtype)], dim=-1)
+    return (torch.cat([query, query_rope.to(query.dtype)], dim=-1),
+            joined_key.reshape(*key.shape[:2], -1))
+
+
+def _bsnd_paged_decode(query, key, value, block_table, actual_seq_lengths_kv, num_heads,
+                       num_key_value_heads, scale, block_size, sparse_mode, atten_mask):
+    """BSND queries ``[B, S, N, D]`` over a paged cache ``[blocks, page, H_kv * D]`` read through
+    ``block_table`` for ``actual_seq_lengths_kv[b]`` tokens, ``sparse_mode=0`` without a mask: each
+    query of request b sees all its cached tokens (a request with 0 tokens -- a padded batch entry
+    -- gets zeros)."""
+    import torch
+
+    op = "npu_fused_infer_attention_score"
+    if block_table is None or sparse_mode != 0 or atten_mask is not None:
+        raise NotImplementedError("simnpu: %s BSND with sparse_mode=%r, %s mask and %s block table (sglang's "
+                                  "MLA graph decode passes 0, no mask, a table)"
+                                  % (op, sparse_mode, "a" if atten_mask is not None else "no",
+                                     "a" if block_table is not None else "no"))
+    kv_heads = num_key_value_heads or num_heads
+    if query.dim() != 4 or query.shape[2] != num_heads or num_heads % kv_heads:
+        raise RuntimeError("%s: BSND query %r for %d heads over %d key/value heads"
+                           % (op, tuple(query.shape), num_heads, kv_heads))
+    if actual_seq_lengths_kv is None or len(actual_seq_lengths_kv) != query.shape[0] \
+            or block_table.shape[0] != query.shape[0]:
+        raise RuntimeError("%s: actual_seq_lengths_kv %r / block_table %r for a batch of %d"
+                           % (op, actual_seq_lengths_kv, tuple(block_table.shape), query.shape[0]))
+    if block_size and key.shape[1] != block_size:
+        raise RuntimeError("%s: key cache blocks of %d tokens, block_size %d" % (op, key.shape[1], block_size))
+    k_cache = key.reshape(key.shape[0], key.shape[1], kv_heads, -1)
+    v_cache = value.reshape(value.shape[0], value.shape[1], kv_heads, -1)
+    if k_cache.shape[-1] != query.shape[-1]:
+        raise RuntimeError("%s: key head dim %d, query head dim %d" % (op, k_cache.shape[-1], query.shape[-1]))
+    out = torch.zeros(*query.shape[:3], v_cache.shape[-1], dtype=query.dtype)
+    for b, total in enumerate(int(n) for n in actual_seq_lengths_kv):
+        if total > block_table.shape[1] * key.shape[1]:
+            raise RuntimeError("%s: request %d has %d tokens, its block table row holds %d"
+                               % (op, b, total, block_table.shape[1] * key.shape[1]))
+        if total <= 0:
+            continue
+        k = _gather(k_cache, block_table[b], total)
+        v = _gather(v_cache, block_table[b], total)
+        out[b] = _attend(query[b], k, v, scale, None).to(query.dtype)
+    return out, torch.zeros(1, dtype=query.dtype)
 
 
 _GRAPH_KERNELS = {

@@ -29,7 +29,7 @@ import datetime
 import os
 import threading
 
-from . import _device, _graphs, _stubs
+from . import _device, _graphs, _log, _stubs
 
 _lock = threading.Lock()
 _installed = False
@@ -158,7 +158,10 @@ def memory_snapshot() -> dict:
             "pluggable_bytes": _device.STATE.pluggable_bytes, "storages": len(_tracked),
             "graph_pool_bytes": _device.STATE.graph_pool_bytes,
             "graph_pools": {"%d,%d" % k: v for k, v in _graphs.pools().items()},
-            "track_derived": _TRACK_DERIVED}
+            "track_derived": _TRACK_DERIVED,
+            # the order of captures, replays and device storage resizes (a release in a capture shows)
+            "graph_events": [list(e) for e in _log.EVENTS
+                             if e[0] in ("capture_begin", "capture_end", "replay", "storage_resize")]}
 
 
 def _dump_on_signal() -> None:
@@ -289,6 +292,7 @@ def install() -> None:
         torch.nn.Module.npu = lambda self, *args, **kwargs: self
         torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
         _record_stream_takes_simulated_streams(torch)
+        _graphs.log_device_resizes()
         _answer_accelerator(torch)
         _npu_backends_take_cpu_tensors()
         _register_hccl()

@@ -394,7 +394,7 @@ def test_every_op_quotes_where_its_schema_is_from():
 GRAPH_MESSAGES = [
     ("MSG_DEFAULT_STREAM", "lib"), ("MSG_ALREADY_CAPTURED", "lib"), ("MSG_TASK_QUEUE", "lib"),
     ("MSG_END_STREAM", "lib"), ("MSG_REPLAY", "lib"), ("MSG_POOL", "lib"), ("MSG_UNJOINED", "lib"),
-    ("MSG_SEED", "lib"), ("MSG_CAPTURE_MODE", "lib"), ("MSG_TASK_QUEUE_VALUE", "lib"),
+    ("MSG_SEED", "lib"), ("MSG_ACLOP", "lib"), ("MSG_CAPTURE_MODE", "lib"), ("MSG_TASK_QUEUE_VALUE", "lib"),
     ("MSG_UPDATE", "graphs"), ("MSG_SET_TASK_QUEUE", "utils"),
 ]
 

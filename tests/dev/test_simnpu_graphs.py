@@ -202,8 +202,20 @@ def test_torch_npu_s_refusals_with_its_messages():
         torch.npu.manual_seed(67280421310721)  # the seed it has: allowed
         got["other_seed"] = refused(lambda: torch.npu.manual_seed(1))
         k.capture_end()
+    lib = torch.library.Library("simtest", "DEF")
+    lib.define("old_op(Tensor x) -> Tensor")
+    lib.impl("old_op", lambda x: x + 1, "CompositeExplicitAutograd")
+    _graphs.declare_aclop("simtest::old_op")
+    got["aclop_eager"] = torch.ops.simtest.old_op(x).tolist()  # outside a capture it runs
+    a = torch.npu.NPUGraph()
+    with torch.npu.stream(s):
+        a.capture_begin()
+        got["aclop"] = refused(lambda: torch.ops.simtest.old_op(x))
+        a.capture_end()
     print(json.dumps(got))
     """)
+    assert out["aclop_eager"] == [2.0, 2.0]
+    assert out["aclop"] == _msg("MSG_ACLOP") + "simtest::old_op"
     assert out["default_stream"] == _msg("MSG_DEFAULT_STREAM")
     assert out["second_capture"] == _msg("MSG_ALREADY_CAPTURED")
     assert out["replay_before_capture"] == _msg("MSG_REPLAY")

@@ -37,8 +37,9 @@ an op handing a number to the host) on the capturing thread; the same calls from
 while a ``"global"`` capture is live (``"thread_local"``: the capturing thread only;
 ``"relaxed"``: none of those from other threads); a side stream with work not joined back into
 the capture stream at ``capture_end`` (CUDA's ``cudaErrorStreamCaptureUnjoined``; no NPU rule was
-found -- a guess).  Not modelled: aclop operators (no simulated op is one), aten ops issued from
-another thread during a capture (the recorder sees the capturing thread's ops only).
+found -- a guess); an op declared aclop (``declare_aclop``; none of sglang's NPU path is one) with
+the wheel's message.  Not modelled: aten ops issued from another thread during a capture (the
+recorder sees the capturing thread's ops only).
 
 **Memory.**  Pool ids as torch_npu makes them: ``graph_pool_handle()`` and ``MemPool`` are
 ``(0, n)``, a capture without a pool makes ``(n, 0)``; a pool is created or increfed by the first
@@ -100,6 +101,7 @@ MSG_UPDATE = ("The current graph configuration does not support update,"
               "Try to capture by setting auto_dispatch_capture=True during capture")
 MSG_MEMPOOL = ("pluggable does not yet support createOrIncrefPool. If you need it, please file an issue "
                "describing your use case.")
+MSG_ACLOP = "Cannot run aclop operators during NPU graph capture. Current working aclop is "
 MSG_CAPTURE_MODE = "Invalid GraphCaptureMode value: "
 MSG_TASK_QUEUE_VALUE = "TASK_QUEUE_ENABLE should be 0, 1 or 2, but got "
 MSG_SET_TASK_QUEUE = "mode must be 0, 1, or 2, but got {}."
@@ -110,6 +112,16 @@ _lock = threading.RLock()
 _uid = itertools.count(1)    # user-created pools: (0, uid)
 _uuid = itertools.count(1)   # pools a capture makes: (uuid, 0)
 _graph_ids = itertools.count(1)
+
+
+#: Ops that run through CANN's aclop path rather than aclnn (``declare_aclop``): torch_npu refuses
+#: them in a capture (``NPUGraphsUtils.h``).  None of the ops sglang's NPU path calls is one.
+ACLOP: set = set()
+
+
+def declare_aclop(name: str) -> None:
+    """``name`` (``"namespace::op"``) stands for an aclop operator: refused in a capture."""
+    ACLOP.add(name)
 
 
 class _Live:
@@ -579,6 +591,8 @@ def _recorder_class():
             if stream not in live.members:
                 raise RuntimeError(MSG_UNJOINED + " (simnpu: %s on %s during %s)"
                                    % (func.__name__, stream, _describe(live)))
+            if func._schema.name in ACLOP:
+                raise RuntimeError(MSG_ACLOP + func._schema.name)
             if func.__name__ in _EMPTY:
                 with _disable_current_modes():
                     out = func(*args, **kwargs)

@@ -191,22 +191,28 @@ def sglang_graph_default():
     return None
 
 
+def sglang_servers(proc="/proc", skip=()):
+    """[(pid, argv)] of the sglang server processes on this host, known by their readable command
+    line (``is_sglang_server``), the pids in ``skip`` left out."""
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if name.isdigit() and int(name) not in skip:
+            argv = command_line(proc, name)
+            if is_sglang_server(argv):
+                found.append((int(name), argv))
+    return sorted(found)
+
+
 def graph_servers(proc="/proc"):
     """[(pid, captures)] of the sglang server commands on this host whose arguments are readable
     (``-m sglang.launch_server ...``, ``sglang serve ...``): captures is whether GRAPH_FLAG is
     absent from them.  sglang's scheduler processes carry a title, not arguments: not listed."""
-    found = []
-    try:
-        names = os.listdir(proc)
-    except OSError:
-        return found
-    for name in names:
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        argv = command_line(proc, name)
-        if len(argv) > 1 and is_sglang_server(argv):
-            found.append((int(name), GRAPH_FLAG not in argv))
-    return sorted(found)
+    return [(pid, GRAPH_FLAG not in argv) for pid, argv in sglang_servers(proc, skip={os.getpid()})
+            if len(argv) > 1]
 
 
 def graph_facts(npu, proc="/proc"):

@@ -27,7 +27,7 @@ import sys
 import time
 
 # How a server's command line is read and known: check's (it lists the servers' graph flags too).
-from npu_shim.cli.check import command_line as _argv, is_sglang_server
+from npu_shim.cli.check import sglang_servers
 
 TIMEOUT_S = 60
 MAX_TIMEOUT_S = 86400  # a day: past it time.monotonic() + bound is no bound an operator means
@@ -66,21 +66,9 @@ def _holds_device(proc, pid):
 def sglang_processes(proc="/proc"):
     """(pid, command line) of the sglang server processes on this host that have a device open:
     known by their command line (``is_sglang_server``); this process and its parent excluded."""
-    mine = {os.getpid(), os.getppid()}
-    found = []
-    try:
-        names = os.listdir(proc)
-    except OSError:
-        return found
-    for name in names:
-        if not name.isdigit() or int(name) in mine:
-            continue
-        argv = _argv(proc, name)
-        if not is_sglang_server(argv):
-            continue
-        if _holds_device(proc, name):
-            found.append((int(name), " ".join(argv).strip()[:120]))
-    return sorted(found)
+    return [(pid, " ".join(argv).strip()[:120])
+            for pid, argv in sglang_servers(proc, skip={os.getpid(), os.getppid()})
+            if _holds_device(proc, str(pid))]
 
 
 def holders(proc="/proc"):

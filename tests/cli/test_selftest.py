@@ -21,7 +21,7 @@ import types
 import pytest
 
 from npu_shim import __main__ as cli
-from npu_shim.cli import selftest, selftest_child
+from npu_shim.cli import check, selftest, selftest_child
 from npu_shim.patches._selftest import dual_stream_experts as dual_stream_selftest
 from npu_shim.patches._selftest import mla_weight_release as mla_selftest
 from npu_shim.patches._selftest import zbal as zbal_selftest
@@ -239,9 +239,9 @@ def test_a_file_name_on_another_user_s_command_line_is_no_server(tmp_path):
         (tmp_path / str(pid) / "cmdline").write_bytes(cmdline)
         (tmp_path / str(pid) / "fd").write_text("")  # listing it fails: assumed to hold the device
     assert [pid for pid, _line in selftest.sglang_processes(str(tmp_path))] == [23, 24, 25]
-    assert not selftest.is_sglang_server(["grep", "sglang.launch_server", "x.log"])
-    assert not selftest.is_sglang_server(["python3", "-m", "sglang.launch_server_wrapper"])
-    assert selftest.is_sglang_server(["python3", "-msglang.launch_server"])
+    assert not check.is_sglang_server(["grep", "sglang.launch_server", "x.log"])
+    assert not check.is_sglang_server(["python3", "-m", "sglang.launch_server_wrapper"])
+    assert check.is_sglang_server(["python3", "-msglang.launch_server"])
 
 
 # -- time bound, failures and exit codes -------------------------------------------------------------
@@ -779,11 +779,11 @@ from hypothesis import given, strategies as st  # noqa: E402 - the property test
        data=st.binary(max_size=120))
 def test_any_command_line_is_read_without_an_exception(argv, data, tmp_path_factory):
     """A /proc entry's cmdline is anything its process wrote into its own argv."""
-    assert selftest.is_sglang_server(argv) in (True, False)
+    assert check.is_sglang_server(argv) in (True, False)
     if not any(a == "-m" for a in argv) and not any("launch_server.py" in a or a.startswith("sglang::")
                                                     or a == "-msglang.launch_server" or
                                                     os.path.basename(a) == "sglang" for a in argv):
-        assert not selftest.is_sglang_server(argv)
+        assert not check.is_sglang_server(argv)
     proc = tmp_path_factory.mktemp("proc")
     (proc / "7").mkdir()
     (proc / "7" / "cmdline").write_bytes(data)

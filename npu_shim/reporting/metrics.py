@@ -148,10 +148,11 @@ def _forget_own_file(path, pid):
 
 
 def _refusal(path, problem):
-    """One WARNING line (``log.MAX_LINE`` characters at most: a long path cuts the end)."""
-    log.warning_once("metrics:dir", "PROMETHEUS_MULTIPROC_DIR=%s %s: npu-shim writes no metrics there, and "
-                     "sglang's own files go there too once it writes a value (prometheus_client): use a "
-                     "directory only this user can write (mkdir -m 0700) or unset it" % (path, problem))
+    """One WARNING line (``log.MAX_LINE`` characters at most: the path comes last, so that a long
+    one cuts only itself, never what to do)."""
+    log.warning_once("metrics:dir", "npu-shim writes no metrics into PROMETHEUS_MULTIPROC_DIR: it %s; "
+                     "sglang's own files go there too (prometheus_client): use a directory only this "
+                     "user can write (mkdir -m 0700) or unset it: %s" % (problem, path))
 
 
 def _usable_dir():

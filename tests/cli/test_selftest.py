@@ -161,7 +161,7 @@ def test_mix_mode_text_switch_allocation_then_lazy_heap(release_venv, tmp_path):
     steps = progress_lines(proc.stderr)
     order = [i for i, s in enumerate(steps) if s.startswith(("zbal: mix mode: setting", "zbal: mix mode: lazy"))]
     assert len(order) == 2 and order[0] < order[1]
-    assert lines[1].startswith("  graphs: sglang captures decode graphs") and "zbal: captured tensors " in lines[1]
+    assert lines[1].startswith("  graphs: sglang captures decode graphs")
     assert lines[2] == "  capture and replay: each step below drives its path through an NPU graph capture and a replay"
     assert all("graph: " in row for row in rows.values()), rows
 

@@ -474,6 +474,17 @@ def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices):
     value_cache.view(-1, heads, dim)[slots] = value.reshape(-1, heads, dim).to(value_cache.dtype)
 
 
+def _paged_requests(op, k_cache, v_cache, block_table, lengths):
+    """(request, keys, values) of each request with tokens: its first ``lengths[b]`` tokens
+    gathered through its block table row (a length past the row's blocks is refused)."""
+    for b, total in enumerate(int(n) for n in lengths):
+        if total > block_table.shape[1] * k_cache.shape[1]:
+            raise RuntimeError("%s: request %d has %d tokens, its block table row holds %d"
+                               % (op, b, total, block_table.shape[1] * k_cache.shape[1]))
+        if total > 0:
+            yield b, _gather(k_cache, block_table[b], total), _gather(v_cache, block_table[b], total)
+
+
 def _gather(cache, block_table_row, length):
     """The first ``length`` tokens of one request from a paged cache ``[blocks, page, heads, dim]``."""
     import torch
@@ -1300,14 +1311,7 @@ def _bsh_paged_decode(query, key, value, block_table, actual_seq_lengths_kv, num
     if k_cache.shape[-1] != head_dim:
         raise RuntimeError("%s: key head dim %d, query head dim %d" % (op, k_cache.shape[-1], head_dim))
     out = torch.zeros(query.shape[0], 1, num_heads * v_cache.shape[-1], dtype=query.dtype)
-    for b, total in enumerate(int(n) for n in actual_seq_lengths_kv):
-        if total > block_table.shape[1] * key.shape[1]:
-            raise RuntimeError("%s: request %d has %d tokens, its block table row holds %d"
-                               % (op, b, total, block_table.shape[1] * key.shape[1]))
-        if total <= 0:
-            continue
-        k = _gather(k_cache, block_table[b], total)
-        v = _gather(v_cache, block_table[b], total)
+    for b, k, v in _paged_requests(op, k_cache, v_cache, block_table, actual_seq_lengths_kv):
         q = query[b].reshape(1, num_heads, head_dim)
         out[b] = _attend(q, k, v, scale, None).reshape(1, -1).to(query.dtype)
     return out, torch.zeros(1, dtype=query.dtype)
@@ -1435,14 +1439,7 @@ def _bsnd_paged_decode(query, key, value, block_table, actual_seq_lengths_kv, nu
     if k_cache.shape[-1] != query.shape[-1]:
         raise RuntimeError("%s: key head dim %d, query head dim %d" % (op, k_cache.shape[-1], query.shape[-1]))
     out = torch.zeros(*query.shape[:3], v_cache.shape[-1], dtype=query.dtype)
-    for b, total in enumerate(int(n) for n in actual_seq_lengths_kv):
-        if total > block_table.shape[1] * key.shape[1]:
-            raise RuntimeError("%s: request %d has %d tokens, its block table row holds %d"
-                               % (op, b, total, block_table.shape[1] * key.shape[1]))
-        if total <= 0:
-            continue
-        k = _gather(k_cache, block_table[b], total)
-        v = _gather(v_cache, block_table[b], total)
+    for b, k, v in _paged_requests(op, k_cache, v_cache, block_table, actual_seq_lengths_kv):
         out[b] = _attend(query[b], k, v, scale, None).to(query.dtype)
     return out, torch.zeros(1, dtype=query.dtype)
 

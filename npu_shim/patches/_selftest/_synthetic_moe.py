@@ -18,6 +18,7 @@ after ``synchronize``.  The stream helpers go through ``torch.get_device_module(
 so the same code runs on CUDA and on an NPU.  Imports torch only when called.
 """
 
+import contextlib
 import statistics
 import time
 
@@ -193,25 +194,18 @@ def measure(device, device_module=None, dtype=None, **overrides):
     block = build_block(device, dtype, p)
     hidden = torch.randn(p["tokens"], p["hidden"], device=device, dtype=dtype)
     batch = types.SimpleNamespace(num_token_non_padded=None)
-    # The stream helpers ask torch.get_device_module() (no argument, as upstream): make it name
-    # this device module even where the accelerator default differs (``--device cpu`` on a GPU box).
-    real_get = torch.get_device_module
-    torch.get_device_module = lambda d=None: dm if d is None else real_get(d)
-    try:
-        with torch.no_grad():
-            process = ds.DualStreamExpertsState()  # the shim's per-process state, as a decision builds it
-            fns = {
-                "serial": lambda: serial_forward(block, hidden, batch),
-                "overlapped": lambda: process._forward_deepep_dual_stream(serial_forward, block, hidden, batch),
-                "shared": lambda: block._forward_shared_experts(hidden),
-                "routed": lambda: routed_only(block, hidden, batch),
-            }
-            equal = bool(torch.equal(fns["serial"](), fns["overlapped"]()))
-            result = {name: median_ms(fn, dm, p) for name, fn in fns.items()}
-            # Serial once more after the rest: a drift between the two would show up here.
-            result["serial_again"] = median_ms(fns["serial"], dm, p)
-    finally:
-        torch.get_device_module = real_get
+    with device_module_named(torch, dm), torch.no_grad():
+        process = ds.DualStreamExpertsState()  # the shim's per-process state, as a decision builds it
+        fns = {
+            "serial": lambda: serial_forward(block, hidden, batch),
+            "overlapped": lambda: process._forward_deepep_dual_stream(serial_forward, block, hidden, batch),
+            "shared": lambda: block._forward_shared_experts(hidden),
+            "routed": lambda: routed_only(block, hidden, batch),
+        }
+        equal = bool(torch.equal(fns["serial"](), fns["overlapped"]()))
+        result = {name: median_ms(fn, dm, p) for name, fn in fns.items()}
+        # Serial once more after the rest: a drift between the two would show up here.
+        result["serial_again"] = median_ms(fns["serial"], dm, p)
     result["ideal"] = max(result["shared"], result["routed"])
     result["equal"] = equal
     result["params"] = p
@@ -236,18 +230,25 @@ def graph_check(step, **overrides):
     hidden = torch.randn(p["tokens"], p["hidden"], device=device, dtype=dtype)
     fresh = torch.randn(p["tokens"], p["hidden"], device=device, dtype=dtype)
     batch = types.SimpleNamespace(num_token_non_padded=None)
+    with device_module_named(torch, dm), torch.no_grad():
+        process = ds.DualStreamExpertsState()
+        equal, facts = _graphs.capture_and_replay(
+            step, lambda h: process._forward_deepep_dual_stream(serial_forward, block, h, batch),
+            [hidden], [fresh], reference=lambda h: serial_forward(block, h, batch))
+    facts["tokens"] = p["tokens"]
+    return equal, facts
+
+
+@contextlib.contextmanager
+def device_module_named(torch, dm):
+    """The stream helpers ask torch.get_device_module() (no argument, as upstream): make it name
+    ``dm`` even where the accelerator default differs (``--device cpu`` on a GPU box)."""
     real_get = torch.get_device_module
     torch.get_device_module = lambda d=None: dm if d is None else real_get(d)
     try:
-        with torch.no_grad():
-            process = ds.DualStreamExpertsState()
-            equal, facts = _graphs.capture_and_replay(
-                step, lambda h: process._forward_deepep_dual_stream(serial_forward, block, h, batch),
-                [hidden], [fresh], reference=lambda h: serial_forward(block, h, batch))
+        yield
     finally:
         torch.get_device_module = real_get
-    facts["tokens"] = p["tokens"]
-    return equal, facts
 
 
 def summarise(result):

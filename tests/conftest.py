@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +46,21 @@ def pytest_configure(config):
         "markers", "another_python: runs the shim's code in a Python other than the test's own (a release's, a "
         "bare venv's, one started with -S); mutation runs leave these out, as mutmut's mutants import mutmut "
         "and that Python has none (pyproject.toml [tool.mutmut])")
+
+
+@pytest.fixture(autouse=True)
+def _environ_restored():
+    """Each test leaves ``os.environ`` as it found it.  The shim writes to the environment by design
+    (zbal's ``ZBAL_ENABLE_GRAPH``, the inherited source answers) and the servers the suite starts
+    inherit this process's environment, so a variable one test's shim left behind would change what a
+    later server in the same worker does."""
+    saved = dict(os.environ)
+    yield
+    for name in [k for k in os.environ if k not in saved]:
+        del os.environ[name]
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -83,10 +83,6 @@ def sources(quick):
         import bench_zbal
         return bench_zbal.rows(*((5, 1000) if quick else (15, 2000)))
 
-    def server():
-        import bench_server
-        return bench_server.rows(*((1, 2, 32) if quick else (2, 4, 64)))
-
     def mla_server():
         import bench_mla_server
         return bench_mla_server.rows()
@@ -109,7 +105,7 @@ def sources(quick):
 
     return [("bench_shim_cost", shim_cost), ("bench_drop_in", drop_in), ("bench_hot_path", hot_path),
             ("bench_mla_release", mla), ("bench_zbal", zbal), ("bench_dual_stream", dual_stream),
-            ("bench_server", server), ("bench_mla_server", mla_server), ("bench_moe_server", moe_server),
+            ("bench_mla_server", mla_server), ("bench_moe_server", moe_server),
             ("bench_graph_server", graph_server)]
 
 

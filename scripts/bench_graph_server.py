@@ -34,6 +34,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
+from shimdev import interleave  # noqa: E402 - after dev/ is put on sys.path
+
 RELEASE = "0.5.11"
 BATCH_SIZES = ("1", "2")
 ARMS = {"off": {"shim": "absent", "env": {}},
@@ -146,28 +148,26 @@ def measure(rounds=2, num_prompts=8, output_len=32, log_dir="/tmp", log=print):
     startup = {"off": [], "on": []}
     live = {}
     try:
-        for r in range(rounds):
-            for arm in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                server = _server(arm, log_dir)
-                server.start()
-                startup[arm].append(server.wait_until_ready())
-                if not captured(server):
-                    server.stop()
-                    raise RuntimeError("the %s server came up without %r in its log: no graph captured"
-                                       % (arm, CAPTURE_END))
-                log("[bench_graph_server] %s up in %.1f s (capture included)" % (arm, startup[arm][-1]))
-                if r == rounds - 1:
-                    live[arm] = server
-                else:
-                    server.stop()
+        for r, arm in interleave.turns(rounds, ("off", "on")):
+            server = _server(arm, log_dir)
+            server.start()
+            startup[arm].append(server.wait_until_ready())
+            if not captured(server):
+                server.stop()
+                raise RuntimeError("the %s server came up without %r in its log: no graph captured"
+                                   % (arm, CAPTURE_END))
+            log("[bench_graph_server] %s up in %.1f s (capture included)" % (arm, startup[arm][-1]))
+            if r == rounds - 1:
+                live[arm] = server
+            else:
+                server.stop()
         tokenizer = live["off"].model
         client = client_env(live["off"].env)  # no shim in the client: it measures, it is not measured
         loads = {"off": [], "on": []}
-        for r in range(rounds * 2):
-            for arm in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                output_file = os.path.join(log_dir, "bench-serving-%s-%d.jsonl" % (arm, r))
-                loads[arm].append(run_load(live[arm], client, tokenizer, output_file, num_prompts, output_len))
-                log("[bench_graph_server] %s load %d: %.1f tok/s" % (arm, r, loads[arm][-1]["tok_s"]))
+        for r, arm in interleave.turns(rounds * 2, ("off", "on")):
+            output_file = os.path.join(log_dir, "bench-serving-%s-%d.jsonl" % (arm, r))
+            loads[arm].append(run_load(live[arm], client, tokenizer, output_file, num_prompts, output_len))
+            log("[bench_graph_server] %s load %d: %.1f tok/s" % (arm, r, loads[arm][-1]["tok_s"]))
     finally:
         for server in live.values():
             server.stop()

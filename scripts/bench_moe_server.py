@@ -29,6 +29,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
+from shimdev import interleave  # noqa: E402 - after dev/ is put on sys.path
+
 ARMS = {"shim": ("0.5.8", "on"), "upstream": ("0.5.10", "absent"), "off": ("0.5.8", "absent")}
 WHAT = ("GLM-4 MoE server (simulated NPU, DeepEP, dual-stream on), decode tokens per second, "
         "shim on sglang 0.5.8 vs sglang 0.5.10's own")
@@ -55,9 +57,8 @@ def _decode_rate(server, requests, tokens):
 
 
 def _alternate(live, pair, rounds, requests, tokens, rates):
-    for r in range(rounds * 2):
-        for arm in (pair if r % 2 == 0 else pair[::-1]):
-            rates.setdefault(arm, []).append(_decode_rate(live[arm], requests, tokens))
+    for _, arm in interleave.turns(rounds * 2, pair):
+        rates.setdefault(arm, []).append(_decode_rate(live[arm], requests, tokens))
 
 
 def measure(rounds=2, requests=4, tokens=64, log_dir="/tmp"):

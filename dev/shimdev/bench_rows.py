@@ -111,8 +111,6 @@ ROWS = (
     ("bench_zbal", "get_available_gpu_memory('npu'), full mode: added per call"),
     ("bench_zbal", "decide(zbal) on a cold SourceView of 0.5.11"),
     ("bench_dual_stream", "dual-stream overlap (CUDA or NPU when present)"),
-    ("bench_server", "real sglang 0.5.11 server (simulated NPU), start-up to ready, shim on (zbal) vs off"),
-    ("bench_server", "the same server, decode tokens per second over a fixed greedy load, shim on vs off"),
     ("bench_mla_server", "MLA bytes freed per decode server: real sglang 0.5.11 DSA decode server "
                          "(simulated NPU), shim on vs off"),
     ("bench_moe_server", "GLM-4 MoE server (simulated NPU, DeepEP, dual-stream on), decode tokens per second, "

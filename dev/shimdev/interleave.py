@@ -3,8 +3,9 @@
 Two processes that must not share an interpreter (two sglang releases, two builds of wrapt) are
 compared on a shared, loaded machine only if the load hits both alike: each arm is a ``Worker``
 that sets itself up once, then answers requests on its stdin; ``alternate`` asks them in turn,
-round after round, the order reversed every other round, so only one arm runs at a time and a
-burst of load lands on both.  Used by scripts/bench_hot_path.py (dev/shimdev/hot_path_bench.py).
+round after round, the order reversed every other round (``turns``), so only one arm runs at a time
+and a burst of load lands on both.  Used by scripts/bench_hot_path.py (dev/shimdev/hot_path_bench.py);
+``turns`` also orders the server benchmarks' starts and loads (scripts/bench_*_server.py).
 
 A worker is ``argv + ["-c", script]`` where the script is the given setup ``code``, which defines
 ``serve(request) -> JSON-able`` (and may set ``SETUP_INFO``), followed by a loop: one JSON request
@@ -117,14 +118,18 @@ class Worker:
         self.close()
 
 
+def turns(rounds, arms):
+    """``[(round, arm), ...]``: each arm once per round, the order reversed every other round -- the
+    one order every side-by-side measurement here runs its arms in (workers, servers, loads)."""
+    return [(index, arm) for index in range(rounds) for arm in (arms if index % 2 == 0 else arms[::-1])]
+
+
 def alternate(workers, rounds, request=None):
-    """Ask each worker ``request`` (with ``"round"`` set) once per round, in turn, the order
-    reversed every other round; {worker name: [its answers in round order]}."""
+    """Ask each worker ``request`` (with ``"round"`` set) once per round, in ``turns`` order;
+    {worker name: [its answers in round order]}."""
     answers = {w.name: [] for w in workers}
-    for index in range(rounds):
-        order = workers if index % 2 == 0 else list(reversed(workers))
-        for worker in order:
-            answers[worker.name].append(worker.ask(dict(request or {}, round=index)))
+    for index, worker in turns(rounds, list(workers)):
+        answers[worker.name].append(worker.ask(dict(request or {}, round=index)))
     return answers
 
 

@@ -3,6 +3,8 @@
 shimdev.bench_rows), in that order, each naming its script.  Not the numbers: those are a run's."""
 import os
 
+import pytest
+
 from shimdev import bench_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -245,3 +247,48 @@ def test_the_budget_lines_give_each_budget_its_rows_verdict():
         "budget: an sglang import <= 1.05x in instructions: MISSED (1.06x)",
         "budget: memory retained in an sglang process <= 2 MiB: not measured: valgrind is not installed",
         "budget: a wrapper in eager mode <= 1000 ns per call; 0 at graph replay: not measured in this run"]
+
+
+class _FakeServer:
+    def __init__(self, arm, events):
+        self.arm, self.events, self.model, self.env = arm, events, "tok", {}
+
+    def start(self):
+        self.events.append(("start", self.arm))
+
+    def wait_until_ready(self):
+        return 1.0
+
+    def stop(self):
+        self.events.append(("stop", self.arm))
+
+
+def test_the_graph_server_bench_alternates_its_starts_and_loads_and_stops_every_server(monkeypatch):
+    bench = _graph_bench()
+    events = []
+    monkeypatch.setattr(bench, "_server", lambda arm, log_dir: _FakeServer(arm, events))
+    monkeypatch.setattr(bench, "captured", lambda server: True)
+    monkeypatch.setattr(bench, "client_env", lambda env: {})
+
+    def load(server, client, tokenizer, output_file, num_prompts, output_len):
+        events.append(("load", server.arm))
+        return {"tok_s": 1.0, "ttft_ms": 1.0, "itl_ms": 1.0, "completed": num_prompts}
+
+    monkeypatch.setattr(bench, "run_load", load)
+    startup, loads = bench.measure(rounds=2, log_dir="/nonexistent", log=lambda line: None)
+    assert events == [("start", "off"), ("stop", "off"), ("start", "on"), ("stop", "on"),  # round 0
+                      ("start", "on"), ("start", "off"),                                   # round 1: kept up
+                      ("load", "off"), ("load", "on"), ("load", "on"), ("load", "off"),
+                      ("load", "off"), ("load", "on"), ("load", "on"), ("load", "off"),
+                      ("stop", "on"), ("stop", "off")]
+    assert startup == {"off": [1.0, 1.0], "on": [1.0, 1.0]} and [len(v) for v in loads.values()] == [4, 4]
+
+
+def test_a_graph_server_that_captured_nothing_stops_the_bench_and_every_server(monkeypatch):
+    bench = _graph_bench()
+    events = []
+    monkeypatch.setattr(bench, "_server", lambda arm, log_dir: _FakeServer(arm, events))
+    monkeypatch.setattr(bench, "captured", lambda server: server.arm == "off")
+    with pytest.raises(RuntimeError, match="the on server came up without 'Capture npu graph end'"):
+        bench.measure(rounds=1, log_dir="/nonexistent", log=lambda line: None)
+    assert events == [("start", "off"), ("start", "on"), ("stop", "on"), ("stop", "off")]

@@ -60,3 +60,8 @@ def test_a_set_up_that_fails_is_an_error_and_start_all_closes_the_workers_it_sta
           ("b", [sys.executable], None, "raise SystemExit('no set-up here')"))
     with pytest.raises(interleave.WorkerError, match="(?s)b: exited 1 without answering.*no set-up here"):
         interleave.start_all(ok)
+
+
+def test_turns_reverse_the_order_every_other_round():
+    assert interleave.turns(3, ("off", "on")) == [(0, "off"), (0, "on"), (1, "on"), (1, "off"), (2, "off"), (2, "on")]
+    assert interleave.turns(0, ("a", "b")) == []

@@ -15,9 +15,11 @@ once and the decode server decodes from its (untransferred) cache -- the first t
 metadata buffer's -- so the tokens are a deterministic function of the decode path, not of the
 prompt (docs/development.md, "A real MLA decode server").
 
-Three servers on one xdist worker: the shim on with NPU graphs on (sglang's NPUGraphRunner
+Four servers on one xdist worker: the shim on with NPU graphs on (sglang's NPUGraphRunner
 captures batch sizes 1 and 2 and decodes by replay), the shim absent (not on PYTHONPATH) with
-graphs on, and the shim on in eager mode (``--disable-cuda-graph``).  Checked on them:
+graphs on, the shim on in eager mode (``--disable-cuda-graph``), and -- beside the backport --
+sglang 0.5.20's own release (the shim installed and standing down: ``mla_weight_release``
+``upstream``) on the same model, role and TP, graphs on.  Checked on them:
 
 * the same tokens for the same requests, graphs on and off, shim on and absent;
 * every device storage resize of the release done with no capture live, before the first
@@ -27,7 +29,12 @@ graphs on, and the shim on in eager mode (``--disable-cuda-graph``).  Checked on
   than the same rank of the server without the shim, after the same requests
   (``SIMNPU_TRACK_DERIVED``: what sglang derives from npu weights counts as npu memory);
 * ``/update_weights_from_disk`` refused with the clear answer by every rank with the graphs
-  captured, and the server still serving the same tokens afterwards (last: it counts a refusal).
+  captured, and the server still serving the same tokens afterwards (it counts a refusal);
+* sglang 0.5.20's own release frees, on each rank, what the backport frees (the same storages'
+  bytes, resized to 0 in the eager warm-up before the first capture) and decodes the same tokens.
+  Each request carries a request id whose 0.5.20 fake handoff token is 0, the token 0.5.11 starts
+  from (``mla.zero_handoff_rid``): 0.5.20's fake backend hashes the request id into the first
+  token, 0.5.11 takes the metadata buffer's 0.
 """
 from __future__ import annotations
 
@@ -42,6 +49,8 @@ from shimdev.server.pool import ServerPool
 from shimdev.server.process import Server
 
 VERSION = "0.5.11"
+#: The first release with the MLA release of its own (sgl-project/sglang#38807): the shim stands down.
+UPSTREAM = "0.5.20"
 TP = 2
 PROMPTS = ([5, 6, 7, 8], [100, 200, 300, 400, 500, 600, 700], [9])
 NEW_TOKENS = 8
@@ -50,10 +59,12 @@ pytestmark = pytest.mark.xdist_group("server-mla-" + VERSION)
 
 
 class Bed:
-    """The three servers ("on": shim on, graphs on; "off": shim absent, graphs on; "eager": shim
-    on, graphs off), started on first use, with the answers each gave to the fixed requests, its
-    ranks' device counters and its release details right after.  At most two run at once: a test
-    that needs "eager" asks for it before the others (the oldest is stopped to make room)."""
+    """The four servers ("on": shim on, graphs on; "off": shim absent, graphs on; "eager": shim
+    on, graphs off; "upstream": sglang 0.5.20, shim on, graphs on), started on first use, with the
+    answers each gave to the fixed requests, its ranks' device counters and its release details
+    right after.  At most two run at once: a test that needs "eager" asks for it before the others
+    (the oldest is stopped to make room); "upstream" is asked for last, when "on" has served its
+    own tests (its answers and counters stay)."""
 
     def __init__(self, tmp):
         self.tmp, self.pool, self.after = tmp, ServerPool(max_live=2), {}
@@ -62,11 +73,12 @@ class Bed:
         return self.pool.get(name, lambda: self._start(name))
 
     def _start(self, name) -> Server:
-        server = mla.decode_server(VERSION, TP, "absent" if name == "off" else "on", self.tmp, name,
-                                   graphs=name != "eager")
+        server = mla.decode_server(UPSTREAM if name == "upstream" else VERSION, TP,
+                                   "absent" if name == "off" else "on", self.tmp, name, graphs=name != "eager")
         server.start()
         try:
-            answers = [mla.decode(server, p, NEW_TOKENS) for p in PROMPTS]
+            vocab = json.loads((server.model_dir / "config.json").read_text())["vocab_size"]
+            answers = [mla.decode(server, p, NEW_TOKENS, rid=mla.zero_handoff_rid(vocab)) for p in PROMPTS]
             details = mla.release_details(server) if name != "off" else {}
             self.after[name] = (answers, mla.devices(server), details)
         except BaseException:
@@ -177,3 +189,34 @@ def test_update_weights_from_disk_is_refused_by_every_rank_with_graphs_captured_
         time.sleep(0.5)
     assert refused == {rank: 1 for rank in range(TP)}, refused
     assert [mla.decode(on, p, NEW_TOKENS) for p in PROMPTS] == before
+
+
+def test_sglang_0_5_20_s_own_release_frees_on_each_rank_what_the_backport_frees(bed):
+    """Upstream beside the backport: the same model (the same weights), decode role, TP 2, graphs
+    on.  On 0.5.20 the shim stands down (``upstream``) and sglang's own ``resize_(0)``s free the
+    fused qkv_a weight and ``w_kc``; on 0.5.11 the backport does.  Per rank, the storages resized
+    to 0 before the first capture hold the same bytes on both, which are the backport's reported
+    figure and the shapes'; upstream's, too, are all done with no capture live, and both decode
+    the same tokens (asked last: starting it stops the oldest server)."""
+    on = bed.get("on")
+    expected = mla.expected_release(on.model_dir, TP)
+    backport, backport_details = bed.memory("on"), bed.details("on")
+    upstream, upstream_details = bed.memory("upstream"), bed.details("upstream")
+    assert sorted(upstream) == sorted(backport) == list(range(TP)), (upstream, backport)
+    up = bed.get("upstream")
+    assert json.loads((up.model_dir / "config.json").read_text())["num_hidden_layers"] == \
+        json.loads((on.model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert (up.model_dir / "model.safetensors").read_bytes() == (on.model_dir / "model.safetensors").read_bytes()
+    assert "Capture target decode NPU graph end" in up.log_text()
+    for rank in range(TP):
+        assert upstream_details[rank]["state"] == "upstream", upstream_details
+        events = mla.graph_events(upstream[rank])
+        kinds = [e[0] for e in events]
+        assert kinds.count("capture_begin") == len(mla.GRAPH_BATCH_SIZES) and "replay" in kinds, (rank, kinds)
+        assert all(e[3] is None for e in events if e[0] == "storage_resize"), (rank, events)
+        freed_upstream = mla.released_before_capture(upstream[rank])
+        freed_backport = mla.released_before_capture(backport[rank])
+        assert sorted(freed_upstream) == sorted(freed_backport), (rank, freed_upstream, freed_backport)
+        assert sum(freed_upstream) == backport_details[rank]["details"]["released_bytes"] == \
+            sum(expected.values()), (rank, freed_upstream, backport_details[rank])
+    assert bed.answers("upstream") == bed.answers("on")

@@ -7,6 +7,7 @@ Used by tests/test_real_server_mla.py and scripts/bench_mla_server.py.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -14,6 +15,7 @@ import signal
 import time
 from pathlib import Path
 
+from shimdev.releases import version_key
 from shimdev.server import models
 from shimdev.server.process import Server, ServerError, current_states, schedulers, shim_metrics
 
@@ -33,6 +35,13 @@ def decode_args(tp: int) -> list[str]:
 GRAPH_BATCH_SIZES = (1, 2)
 
 
+def graph_bs_flag(version: str) -> str:
+    """The flag that sets the decode batch sizes captured: ``--cuda-graph-bs`` up to 0.5.13;
+    ``--cuda-graph-bs-decode`` from 0.5.14 (0.5.14 - 0.5.19 keep ``--cuda-graph-bs`` as a
+    deprecated alias, 0.5.20 drops it: argparse calls it ambiguous there)."""
+    return "--cuda-graph-bs-decode" if version_key(version) >= version_key("0.5.14") else "--cuda-graph-bs"
+
+
 def decode_server(version: str, tp: int, shim: str, workdir: Path, name: str,
                   device_mib: int = 1024, graphs: bool = False) -> Server:
     """A decode server (not started, ``--enable-metrics``): ``shim`` "on" or "absent"; every
@@ -48,21 +57,43 @@ def decode_server(version: str, tp: int, shim: str, workdir: Path, name: str,
     server.model_dir = model
     if graphs:
         server.argv = [a for a in server.argv if a != "--disable-cuda-graph"]
-        server.argv += ["--cuda-graph-bs", *map(str, GRAPH_BATCH_SIZES)]
+        server.argv += [graph_bs_flag(version), *map(str, GRAPH_BATCH_SIZES)]
     return server
 
 
 _rooms = itertools.count(1000)
+_rids = itertools.count()
 
 
-def decode(server: Server, input_ids, new_tokens: int = 8) -> list[int]:
+def fake_handoff_token(rid: str, vocab_size: int) -> int:
+    """The first token a fake-backend decode server of sglang 0.5.20+ gives request ``rid``:
+    ``_generate_fake_prefill_handoff_output_id`` (sglang.srt.disaggregation.decode) hashes the
+    request id, where 0.5.9 - 0.5.19 take the metadata buffer's token, which the fake transfer
+    leaves 0."""
+    digest = hashlib.blake2b(rid.encode(), digest_size=8, person=b"fake-pd").digest()
+    return int.from_bytes(digest, byteorder="little") % vocab_size
+
+
+def zero_handoff_rid(vocab_size: int) -> str:
+    """A fresh request id whose 0.5.20+ fake handoff token is 0, the token 0.5.9 - 0.5.19 start
+    from: the same request then decodes the same tokens on both (the same model and path)."""
+    while True:
+        rid = "npu-shim-mla-%d" % next(_rids)
+        if fake_handoff_token(rid, vocab_size) == 0:
+            return rid
+
+
+def decode(server: Server, input_ids, new_tokens: int = 8, rid: str | None = None) -> list[int]:
     """Greedy tokens of a request sent to the decode server as a PD router sends it (bootstrap
-    host, port and a fresh room)."""
-    status, out = server.post("/generate", {
+    host, port and a fresh room); ``rid``: the request id (sglang makes one when None)."""
+    request = {
         "input_ids": list(input_ids),
         "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
         "bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_port": BOOTSTRAP_PORT,
-        "bootstrap_room": next(_rooms)})
+        "bootstrap_room": next(_rooms)}
+    if rid is not None:
+        request["rid"] = rid
+    status, out = server.post("/generate", request)
     if status != 200:
         raise ServerError(f"/generate answered {status}: {out}\n{server.log_tail()}")
     return out["output_ids"]
@@ -115,3 +146,13 @@ def graph_events(snapshot: dict) -> list:
     ``["capture_begin", graph, stream, pool]``, ``["capture_end", ...]``, ``["storage_resize",
     bytes_before, bytes_after, graph live or None]``."""
     return snapshot["graph_events"]
+
+
+def released_before_capture(snapshot: dict) -> list[int]:
+    """The bytes each device storage resize to 0 freed before a rank's first capture, in order
+    (``devices()``'s snapshot): what a release in the eager warm-up gave back, whoever did it --
+    the shim's ``mla_weight_release`` or sglang 0.5.20's own ``resize_(0)``."""
+    events = graph_events(snapshot)
+    kinds = [e[0] for e in events]
+    first = kinds.index("capture_begin") if "capture_begin" in kinds else len(events)
+    return [e[1] - e[2] for e in events[:first] if e[0] == "storage_resize" and e[2] == 0]

@@ -14,7 +14,9 @@ an int belongs fails here as there), in the namespace torch_npu registers it in:
   names are the ones sglang passes by keyword;
 * ``custom::npu_mla_prolog_v3`` -- the CANN custom-ops package's namespace, which sglang 0.5.9 -
   0.5.19's mlaprolog path calls; its schema is torch_npu 2.13.0's ``npu::npu_mla_prolog_v3`` (a
-  string of libtorch_npu.so, which the conformance test finds) less five trailing dtype arguments;
+  string of libtorch_npu.so, which the conformance test finds) less five trailing dtype arguments.
+  sglang 0.5.20+ call the wheel's own ``torch_npu.npu_mla_prolog_v3`` (``npu::``, whole schema):
+  one stand-in behind both;
 * sgl-kernel-npu's ``npu::batch_matmul_transpose`` -- quoted from its ``csrc/pytorch_extensions.cpp``
   (no public wheel to hold it to).
 
@@ -136,6 +138,10 @@ NPU_MLA_PROLOG_V3 = (
 _DTYPE_ARGS = (", int? token_x_dtype=None, int? weight_dq_dtype=None, int? weight_uq_qr_dtype=None, "
                "int? weight_dkv_kr_dtype=None, int? kv_cache_dtype=None")
 CUSTOM_SCHEMAS = {"npu_mla_prolog_v3": NPU_MLA_PROLOG_V3.replace(_DTYPE_ARGS, "")}
+#: sglang 0.5.20+ call the wheel's own op, ``torch_npu.npu_mla_prolog_v3`` (torch_npu/utils/
+#: custom_ops.py binds it as ``torch.ops.npu.npu_mla_prolog_v3``): defined here under the wheel's
+#: whole string, the same stand-in behind both namespaces.
+NPU_SCHEMAS["npu_mla_prolog_v3"] = NPU_MLA_PROLOG_V3
 
 #: sgl-kernel-npu's own ``npu::`` op (``csrc/pytorch_extensions.cpp``, ``TORCH_LIBRARY_FRAGMENT(npu,
 #: m)``): the decode attention's ``w_vc`` product (``forward_dsa_core_npu``).  Not in the torch-npu
@@ -411,6 +417,59 @@ def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=N
     return torch.round(x / scale).clamp(-128, 127).to(torch.int8), scale.squeeze(-1)
 
 
+def _mla_prolog_shapes(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq,
+                       rmsnorm_gamma_ckv, rope_sin, rope_cos, kv_cache, kr_cache, cache_index,
+                       dequant_scale_w_uq_qr, weight_quant_mode):
+    """(tokens, heads, nope, rope, kv_lora) of a prolog call, or ``RuntimeError`` naming the operand
+    that disagrees.  torch_npu's meta function checks the ranks (token_x 2-D or 3-D, weight_uk
+    3-D, rope_sin of token_x's rank); the kernel's shape rules (CANN's aclnnMlaPrologV3) are
+    those of the math: ``x [T, H]``, ``W_dq [H, q_lora]``, ``W_uq_qr [q_lora, N * (nope + rope)]``,
+    ``W_uk [N, nope, kv_lora]``, ``W_dkv_kr [H, kv_lora + rope]``, the two gammas, rope_sin /
+    rope_cos ``[T, rope]``, one slot per token, caches whose last dims are kv_lora and rope."""
+    op = "npu_mla_prolog_v3"
+    required = {"token_x": token_x, "weight_dq": weight_dq, "weight_uq_qr": weight_uq_qr, "weight_uk": weight_uk,
+                "weight_dkv_kr": weight_dkv_kr, "rmsnorm_gamma_cq": rmsnorm_gamma_cq,
+                "rmsnorm_gamma_ckv": rmsnorm_gamma_ckv, "rope_sin": rope_sin, "rope_cos": rope_cos,
+                "kv_cache": kv_cache, "kr_cache": kr_cache}
+    for name, value in required.items():  # the meta function's require_param (Tensor? passes None)
+        if value is None:
+            raise RuntimeError("%s: %s should not be None, but the actual value is None" % (op, name))
+    if token_x.dim() not in (2, 3):
+        raise RuntimeError("%s: token_x dim num should be 2 or 3, but the actual value is %d" % (op, token_x.dim()))
+    if weight_uk.dim() != 3:
+        raise RuntimeError("%s: weight_uk dim num should be 3, but the actual value is %d" % (op, weight_uk.dim()))
+    if rope_sin.dim() != token_x.dim():
+        raise RuntimeError("%s: when token_x dim num is %d, rope_sin dim num should be %d, but the actual value "
+                           "is %d" % (op, token_x.dim(), token_x.dim(), rope_sin.dim()))
+    if token_x.dim() == 3:
+        raise NotImplementedError("simnpu: %s with a 3-D token_x (BS layout; sglang passes [T, H])" % op)
+    tokens, hidden = token_x.shape
+    heads, nope, kv_lora = weight_uk.shape
+    rope = rope_sin.shape[-1]
+    q_lora = weight_dq.shape[-1] if weight_dq.dim() == 2 else -1
+    want = {"weight_dq": (weight_dq, (hidden, q_lora)),
+            "weight_uq_qr": (weight_uq_qr, (q_lora, heads * (nope + rope))),
+            "weight_dkv_kr": (weight_dkv_kr, (hidden, kv_lora + rope)),
+            "rmsnorm_gamma_cq": (rmsnorm_gamma_cq, (q_lora,)), "rmsnorm_gamma_ckv": (rmsnorm_gamma_ckv, (kv_lora,)),
+            "rope_sin": (rope_sin, (tokens, rope)), "rope_cos": (rope_cos, (tokens, rope))}
+    for name, (tensor, shape) in want.items():
+        if tuple(tensor.shape) != shape:
+            raise RuntimeError("%s: %s has shape %r, token_x %r and weight_uk %r make it %r"
+                               % (op, name, tuple(tensor.shape), tuple(token_x.shape), tuple(weight_uk.shape), shape))
+    if cache_index is None or cache_index.numel() != tokens:
+        raise RuntimeError("%s: cache_mode PA_BSND takes one cache_index per token: %d tokens, cache_index %r"
+                           % (op, tokens, None if cache_index is None else tuple(cache_index.shape)))
+    for name, cache, last in (("kv_cache", kv_cache, kv_lora), ("kr_cache", kr_cache, rope)):
+        if cache.dim() < 2 or cache.shape[-1] != last:
+            raise RuntimeError("%s: %s %r, its last dim should be %d" % (op, name, tuple(cache.shape), last))
+    if weight_quant_mode == 1 and (dequant_scale_w_uq_qr is None
+                                   or dequant_scale_w_uq_qr.numel() != weight_uq_qr.shape[1]):
+        raise RuntimeError("%s: weight_quant_mode 1 takes a per-channel dequant_scale_w_uq_qr of %d, got %r"
+                           % (op, weight_uq_qr.shape[1], None if dequant_scale_w_uq_qr is None
+                              else tuple(dequant_scale_w_uq_qr.shape)))
+    return tokens, heads, nope, rope, kv_lora
+
+
 def npu_mla_prolog_v3(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq,
                       rmsnorm_gamma_ckv, rope_sin, rope_cos, kv_cache, kr_cache, *, cache_index=None,
                       dequant_scale_x=None, dequant_scale_w_dq=None, dequant_scale_w_uq_qr=None,
@@ -419,30 +478,42 @@ def npu_mla_prolog_v3(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
                       rmsnorm_epsilon_cq=1e-05, rmsnorm_epsilon_ckv=1e-05, cache_mode="PA_BSND",
                       query_norm_flag=False, weight_quant_mode=0, kv_cache_quant_mode=0,
                       query_quant_mode=0, ckvkr_repo_mode=0, quant_scale_repo_mode=0, tile_size=128,
-                      qc_qr_scale=1.0, kc_scale=1.0):
+                      qc_qr_scale=1.0, kc_scale=1.0, token_x_dtype=None, weight_dq_dtype=None,
+                      weight_uq_qr_dtype=None, weight_dkv_kr_dtype=None, kv_cache_dtype=None):
     """MLA's prolog, fused: ``cq = rmsnorm(x @ W_dq)``; with ``weight_quant_mode`` 1 cq is
     quantised per token to INT8 (returned as the query norm with its scale when
     ``query_norm_flag``) and multiplied by the INT8 ``W_uq_qr`` (dequantised per channel); the
     query's nope part absorbed through ``W_uk`` (``[heads, nope, kv_lora]``), its rope part
     rotated by halves; ``ckv = x @ W_dkv_kr``: the kv part normed into ``kv_cache``, the rope
     part rotated into ``kr_cache``, at the slots ``cache_index`` (PA_BSND).  Modes 0 and 1 only
-    (what 0.5.9 - 0.5.19 pass)."""
+    (what sglang passes on a bf16 / W8A8 model: 0.5.9 - 0.5.19 through ``custom::``, 0.5.20+
+    through ``torch_npu.npu_mla_prolog_v3``); the five ``*_dtype`` arguments (HiFloat8, the
+    ``npu::`` schema only) are not simulated.  The outputs as torch_npu's meta function makes them
+    for those modes (CANN >= 8.5.0), but for the query's dtype: an empty ``dequant_scale_q_nope``;
+    with ``query_norm_flag`` the query norm ``[T, q_lora]`` of ``W_uq_qr``'s dtype and (mode 1)
+    its per-token scale ``[T, 1]``, else empty.  The query and its rope part are token_x's dtype
+    (the meta function says bf16 whatever token_x is; sglang's token_x is the model's bf16)."""
     import torch
 
+    op = "npu_mla_prolog_v3"
     if weight_quant_mode not in (0, 1) or kv_cache_quant_mode or query_quant_mode or cache_mode != "PA_BSND":
         raise NotImplementedError("simnpu: npu_mla_prolog_v3 weight_quant_mode %d kv_cache_quant_mode %d "
                                   "query_quant_mode %d cache_mode %s" % (
                                       weight_quant_mode, kv_cache_quant_mode, query_quant_mode, cache_mode))
-    tokens = token_x.shape[0]
-    heads, nope, kv_lora = weight_uk.shape
-    rope = rope_cos.shape[-1]
+    _unsupported(op, token_x_dtype=token_x_dtype, weight_dq_dtype=weight_dq_dtype,
+                 weight_uq_qr_dtype=weight_uq_qr_dtype, weight_dkv_kr_dtype=weight_dkv_kr_dtype,
+                 kv_cache_dtype=kv_cache_dtype, ckvkr_repo_mode=ckvkr_repo_mode,
+                 quant_scale_repo_mode=quant_scale_repo_mode)
+    tokens, heads, nope, rope, kv_lora = _mla_prolog_shapes(
+        token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq, rmsnorm_gamma_ckv,
+        rope_sin, rope_cos, kv_cache, kr_cache, cache_index, dequant_scale_w_uq_qr, weight_quant_mode)
     cos, sin = rope_cos.float().view(tokens, 1, rope), rope_sin.float().view(tokens, 1, rope)
     cq, _ = _rms((token_x.float() @ weight_dq.float()).to(token_x.dtype), rmsnorm_gamma_cq, rmsnorm_epsilon_cq)
     if weight_quant_mode == 1:
         qr, cq_scale = npu_dynamic_quant(cq)
         q = (qr.float() @ weight_uq_qr.float()) * cq_scale[:, None] * dequant_scale_w_uq_qr.float().view(1, -1)
     else:
-        qr, cq_scale = cq, torch.ones(tokens)
+        qr, cq_scale = cq, None
         q = cq.float() @ weight_uq_qr.float()
     q = q.view(tokens, heads, nope + rope)
     q_nope = torch.einsum("thn,hnk->thk", q[..., :nope], weight_uk.float()).to(token_x.dtype)
@@ -454,8 +525,11 @@ def npu_mla_prolog_v3(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr
     slots = cache_index.long().flatten()
     kv_cache.view(-1, kv_lora)[slots] = kv.to(kv_cache.dtype)
     kr_cache.view(-1, rope)[slots] = kr.to(kr_cache.dtype)
-    query_norm = qr if query_norm_flag else torch.empty(0, dtype=token_x.dtype)
-    norm_scale = cq_scale.view(tokens, 1) if query_norm_flag else torch.empty(0)
+    if query_norm_flag:
+        query_norm = qr.to(weight_uq_qr.dtype)
+        norm_scale = cq_scale.float().view(tokens, 1) if cq_scale is not None else torch.empty(0)
+    else:
+        query_norm, norm_scale = torch.empty(0, dtype=weight_uq_qr.dtype), torch.empty(0)
     return q_nope, q_pe, torch.empty(0), query_norm, norm_scale
 
 
@@ -968,17 +1042,20 @@ def _schemas():
     return out
 
 
-def kernel(name):
-    """The stand-in registered for ``name``: declared to the sanitizer where the op is one of
-    DECLARED, custom:: or sgl-kernel-npu's (with the real op's schema and its source)."""
+def kernel(name, namespace=None):
+    """The stand-in registered for ``name`` (in ``namespace``; the first one defining it when
+    None): declared to the sanitizer where the op is one of DECLARED, a custom:: one (in either
+    namespace: ``npu_mla_prolog_v3``) or sgl-kernel-npu's, with that namespace's schema of the
+    real op and its source."""
     from ._sanitizer import declare_kernel
 
     if name in GRAPH_SCHEMAS:
         return _graph_kernel(name)
+    wanted = namespace
     for namespace, op, schema, source in _schemas():
-        if op == name:
+        if op == name and wanted in (None, namespace):
             fn = globals()[name]
-            if name in DECLARED or namespace == "custom" or name in SGL_KERNEL_NPU_SCHEMAS:
+            if name in DECLARED or name in CUSTOM_SCHEMAS or name in SGL_KERNEL_NPU_SCHEMAS:
                 for index, written in enumerate(SANITIZER_WRITES.get(name, ())):
                     schema = schema.replace("Tensor %s," % written, "Tensor(%s!) %s," % (chr(97 + index), written))
                 return declare_kernel(name + schema, source)(fn)
@@ -997,7 +1074,7 @@ def define() -> None:
             libraries[namespace] = torch.library.Library(namespace, "FRAGMENT")
             _LIBRARIES.append(libraries[namespace])
         libraries[namespace].define(name + schema)
-        libraries[namespace].impl(name, kernel(name), "CompositeExplicitAutograd")
+        libraries[namespace].impl(name, kernel(name, namespace), "CompositeExplicitAutograd")
     for name, schema in GRAPH_SCHEMAS.items():  # the graph-only block below
         libraries["npu"].define(name + schema)
         libraries["npu"].impl(name, kernel(name), "CompositeExplicitAutograd")

@@ -101,6 +101,7 @@ SCHEDULER_UPDATER = ("sglang.srt.managers.scheduler_components.weight_updater",
                      "SchedulerWeightUpdaterManager")
 
 CLASS = "NPUFusedMLAPreprocess"
+# npu_mla_preprocess's parameters in every pinned release: its replacement restates them
 PREPROCESS_SIG = ("m", "hidden_states", "positions", "forward_batch", "zero_allocator")
 MIB = 1 << 20
 ROLES = ("null", "prefill", "decode")

@@ -70,8 +70,9 @@ def test_states_across_every_release():
             assert release.w8a8_attr == attr, version
             newer = sglang_envs.RELEASES.index(version) >= sglang_envs.RELEASES.index("0.5.17")
             assert release.role_source == ("get_disagg" if newer else "server_args"), version
-            assert all(getattr(t, "wrapper", release.wrap_npu_mla_preprocess).__self__ is release
+            assert all(getattr(t, "wrapper", None) is None or t.wrapper.__self__ is release
                        for t in decision.targets) and release.details is decision.details
+            assert view_of(version).function(R.MLA_NPU, "npu_mla_preprocess").params == R.PREPROCESS_SIG
             assert sorted(t.describe().split(":")[1] for t in decision.targets
                           if t.module != R.TP_WORKER) == [
                 "NPUFusedMLAPreprocess.mlaprolog_preprocess_weight",
@@ -484,7 +485,21 @@ def npu_mla_preprocess(m, hidden_states, positions, forward_batch, zero_allocato
     return hidden_states @ pre.q_a_proj_weight, pre.w_kc.sum()
 
 
-WRAPPED = wrapt.FunctionWrapper(npu_mla_preprocess, REL.wrap_npu_mla_preprocess)
+WRAPPED = REL.npu_mla_preprocess_for(npu_mla_preprocess)
+
+
+def test_the_entry_is_a_plain_function_of_sglangs_parameters_that_pickles_by_name(monkeypatch):
+    """npu_mla_preprocess is replaced by a plain function (not a wrapt proxy: every eager layer
+    call goes through it) with sglang's parameters, its name, and a way back to sglang's."""
+    import inspect
+    import pickle
+
+    assert type(WRAPPED) is types.FunctionType and WRAPPED.__wrapped__ is npu_mla_preprocess
+    assert tuple(inspect.signature(WRAPPED, follow_wrapped=False).parameters) == R.PREPROCESS_SIG
+    assert (WRAPPED.__name__, WRAPPED.__qualname__, WRAPPED.__module__) == (
+        "npu_mla_preprocess", "npu_mla_preprocess", __name__)
+    monkeypatch.setitem(globals(), "npu_mla_preprocess", WRAPPED)  # as the module attribute is
+    assert pickle.loads(pickle.dumps(WRAPPED)) is WRAPPED
 
 
 def layer(layer_id, contiguous_w_kc=False, mlaprolog=True):
@@ -937,9 +952,9 @@ def test_targets_of_a_release_with_the_mlaprolog_path():
                          "(qkv_a, w_kc), and not with LoRA, weight updates or speculative decoding; once "
                          "it has, update_weights_* requests are refused"]
     entry, weight, predicate = targets[:3]
-    assert (entry.module, entry.qualname, entry.wrapper) == (R.MLA_NPU, "npu_mla_preprocess",
-                                                             release.wrap_npu_mla_preprocess)
-    assert entry.signatures == (R.PREPROCESS_SIG,)
+    assert isinstance(entry, framework_targets().Replace) and entry.rebind_copies and entry.must_exist
+    assert (entry.module, entry.qualname, entry.factory) == (R.MLA_NPU, "npu_mla_preprocess",
+                                                             release.npu_mla_preprocess_for)
     assert entry.pins == {ENTRY: R.PINNED[ENTRY]}
     assert (weight.module, weight.qualname, weight.wrapper) == (R.MLA_PRE, WEIGHT[1],
                                                                 release.wrap_preprocess_weight)

@@ -72,11 +72,12 @@ def passes(layers=3, count=2):
             "types": sorted({(type(m.fused_qkv_a_proj_with_mqa.weight).__name__, type(m.w_kc).__name__)
                              for m in ms}),
             "touch": touch(lambda: ms[-1].w_kc.sum()),
-            "wrappers": state["wrappers"], "details": state["details"]}
+            "wrappers": state["wrappers"], "targets": state["targets"], "details": state["details"]}
 
 from sglang.srt.managers import tp_worker as TW  # noqa: E402 - imported where the update ops are checked
 out = {"state": activation.RUNTIME.states()["mla_weight_release"]["state"],
-       "wrapped": type(N.npu_mla_preprocess).__name__,
+       "wrapped": type(N.npu_mla_preprocess).__name__
+                  + (" over sglang's" if hasattr(N.npu_mla_preprocess, "__wrapped__") else ""),
        "updates_wrapped": sorted(op for op in R.UPDATE_OPS
                                  if type(TW.BaseTpWorker.__dict__[op]).__name__ == "FunctionWrapper"),
        "method_is_predicate": P.NPUFusedMLAPreprocess.uses_mlaprolog.__code__

@@ -78,7 +78,7 @@ simnpu.install(release={release!r})
 _MLA = _TIMER + r'''
 import re, types
 from npu_shim.runtime import activation, wrapt_loader
-from npu_shim.patches._impl import mla_weight_release as RI
+from npu_shim.patches import mla_weight_release as RI
 from shimdev import mla_kernels as K
 from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
 
@@ -146,7 +146,7 @@ _WRAPT = _TIMER + r'''
 import sys
 sys.path[:0] = [REPO_DIR]
 from npu_shim.runtime import wrapt_loader
-from npu_shim.patches._impl import mla_weight_release as RI
+from npu_shim.patches import mla_weight_release as RI
 wrapt = wrapt_loader._load_private(PATH)
 
 def npu_mla_preprocess(m, hidden_states, positions, forward_batch, zero_allocator):

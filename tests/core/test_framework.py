@@ -420,17 +420,13 @@ def test_a_switch_given_outright_is_kept_even_with_a_switch_doc():
     assert patch.switch is given
 
 
-def test_a_patch_without_an_implementation_module_says_which_module_it_looked_for():
-    """In a package with an ``_impl`` package that lacks the patch's module, and outside any package."""
+def test_a_patch_whose_module_defines_no_targets_says_which_module():
     patch = declare(omit=("targets", "name", "switch"), __module__="npu_shim.patches.no_such_feature",
                     switch_doc="its switch")()
     with pytest.raises(NotImplementedError) as info:
         patch.targets(View(), None)
-    assert str(info.value) == ("patch no_such_feature has no implementation module "
-                               "npu_shim.patches._impl.no_such_feature (nor targets of its own)")
-    with pytest.raises(NotImplementedError) as info:
-        declare(omit=("targets",), __module__="demo")().implementation()
-    assert str(info.value) == "patch demo has no implementation module ._impl.demo (nor targets of its own)"
+    assert str(info.value) == ("patch no_such_feature's module npu_shim.patches.no_such_feature defines no "
+                               "targets(view, ctx)")
 
 
 def test_a_wrong_declaration_names_every_problem_in_one_message():
@@ -460,11 +456,11 @@ def test_a_decide_context_keeps_the_details_it_is_given():
     assert ctx.details is details and framework.DecideContext({}, False).details == {}
 
 
-def test_a_patch_takes_its_targets_from_its_implementation_module():
-    """zbal's implementation module: its ``targets`` is the one a decision calls."""
-    from npu_shim.patches._impl import zbal as zbal_impl
-
-    assert zbal_patch.PATCH.implementation() is zbal_impl
+def test_a_patch_takes_its_targets_from_its_module(monkeypatch):
+    """A patch's ``targets`` is its module's ``targets(view, ctx)``, looked up when it is decided."""
+    seen = []
+    monkeypatch.setattr(zbal_patch, "targets", lambda view, ctx: seen.append((view, ctx)) or ["t"])
+    assert zbal_patch.PATCH.targets("view", "ctx") == ["t"] and seen == [("view", "ctx")]
 
 
 def test_a_count_may_be_zero():

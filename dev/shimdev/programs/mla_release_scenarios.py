@@ -10,7 +10,6 @@ from shimdev import simnpu
 from shimdev.programs import emit
 from npu_shim.runtime import activation
 from npu_shim.patches import mla_weight_release as R
-from npu_shim.patches._impl import mla_weight_release as RI
 from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P
 from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
 
@@ -81,7 +80,7 @@ out = {"state": activation.RUNTIME.states()["mla_weight_release"]["state"],
        "updates_wrapped": sorted(op for op in R.UPDATE_OPS
                                  if type(TW.BaseTpWorker.__dict__[op]).__name__ == "FunctionWrapper"),
        "method_is_predicate": P.NPUFusedMLAPreprocess.uses_mlaprolog.__code__
-                              is RI.make_uses_mlaprolog_method("x").__code__}
+                              is R.make_uses_mlaprolog_method("x").__code__}
 out["decode"], m = case("decode")
 out["decode_through_wrapper"] = called() is N.npu_mla_preprocess and not is_sglangs(called())
 c = K.CONFIGS["glm-5"]

@@ -134,16 +134,14 @@ class Patch:
     backport_range = ()    # (first, last) release the shim backports it to, e.g. ("0.5.7", "0.5.9")
     remove_when = ""       # when this patch can be deleted
     switch_doc = ""        # what its switch, NPU_SHIM_<NAME>, says in the variables' table
-    switch_aliases = ()    # older names of the switch, still read
-    switch = None          # the config.EnvVar made from those (or given: config.switch(name, doc))
+    switch = None          # the config.EnvVar made from it (or given: config.switch(name, doc,
+                           # aliases=older names, still read))
     reads = ()             # other config.EnvVar it depends on; a bad value fails the patch (one
                            # of upstream's where sglang has the feature: upstream reads it)
     trigger_env = {}       # the variables that turn it on (tests, the demo and the release table)
     modules = ()           # every module its targets can live in (hooks are put on these)
     needs_npu = True
     error = ShimError      # what the process raises when a requested patch cannot be honoured
-    requires = None        # a method run before any target of the patch changes a loaded module;
-                           # it raises (with the reason) when an apply-time precondition fails
     report = Report()      # what it says about itself (optional: a Report subclass's instance)
 
     def __init_subclass__(cls, **kwargs):
@@ -151,7 +149,7 @@ class Patch:
         if "name" not in cls.__dict__:
             cls.name = cls.__module__.rpartition(".")[2]
         if cls.__dict__.get("switch") is None and cls.switch_doc and _NAME.match(cls.name):
-            cls.switch = config.switch(cls.name, cls.switch_doc, aliases=cls.switch_aliases)
+            cls.switch = config.switch(cls.name, cls.switch_doc)
         problems = declaration_problems(cls)
         if problems:
             raise TypeError("patch %s is declared wrongly: %s" % (cls.__name__, "; ".join(problems)))
@@ -327,15 +325,10 @@ def _decide_from_source(patch, view, environ, on_npu, assume_triggered):
 
 
 def targets_for(patch, view, environ=None, assume_triggered=True):
-    """(ctx, targets) as a decision lists them, the patch's ``requires`` put on every target that
-    has none of its own.  Raises a ``Verdict`` where the patch has none to apply here."""
+    """(ctx, targets) as a decision lists them.  Raises a ``Verdict`` where the patch has none to
+    apply here."""
     ctx = DecideContext(environ, assume_triggered)
-    targets = patch.targets(view, ctx)
-    if patch.requires is not None:
-        for target in targets:
-            if target.requires is None:
-                target.requires = patch.requires
-    return ctx, targets
+    return ctx, patch.targets(view, ctx)
 
 
 def without_wrapt(decision, reason):

@@ -72,8 +72,8 @@ class DualStreamExperts(Patch):
     upstream_release = "0.5.10"
     backport_range = ("0.5.7", "0.5.9")
     remove_when = "every supported image runs sglang >= 0.5.10"
-    switch_doc = "Switch for the GLM-4.x MoE dual-stream experts and fused qkv-rmsnorm-rope backport."
-    switch_aliases = ("NPU_SHIM_DUAL_STREAM",)
+    switch = config.switch("dual_stream_experts", "Switch for the GLM-4.x MoE dual-stream experts and fused "
+                           "qkv-rmsnorm-rope backport.", aliases=("NPU_SHIM_DUAL_STREAM",))
     reads = (MULTI_STREAM,)
     trigger_env = {MULTI_STREAM.name: "1"}
     modules = (GLM4_MOE,)

@@ -284,10 +284,6 @@ class ZbalPatch(Patch):
         if LOCAL_MEM_SIZE.read(environ) <= 0:
             raise Inactive("SGLANG_ZBAL_LOCAL_MEM_SIZE is unset or 0")
 
-    def requires(self):
-        """Every target: zbal must be findable when its module is patched."""
-        require_zbal()
-
     def must_honour(self, environ):
         if not LOCAL_MEM_SIZE.is_set(environ):
             return False
@@ -662,4 +658,6 @@ def targets(view, ctx):
         Wrap(SCHEDULER, "Scheduler.__init__", process.scheduler_init_wrapper(sched_params),
              SCHEDULER_INIT_SIGS),
     ]
+    for target in targets:  # zbal must be findable when any of its modules is patched
+        target.requires = target.requires or require_zbal
     return targets

@@ -86,9 +86,9 @@ def test_a_patch_is_named_after_its_module_and_its_switch_made_from_its_doc():
     """Its name is spelled once, by its module's file name: left out, the name is the module's and
     the switch NPU_SHIM_<NAME> is made from ``switch_doc``; a name given wrongly still fails."""
     module = __name__.rpartition(".")[2]
-    patch = declare(omit=("name", "switch"), switch_doc="test switch", switch_aliases=("NPU_SHIM_OLD",))()
+    patch = declare(omit=("name", "switch"), switch_doc="test switch")()
     assert patch.name == module and patch.switch.name == config.switch_name(module)
-    assert patch.switch.doc == "test switch" and patch.switch.aliases == ("NPU_SHIM_OLD",)
+    assert patch.switch.doc == "test switch" and patch.switch.aliases == ()
     with pytest.raises(TypeError) as info:
         declare(name="")
     assert "name '' is not a lower-case identifier" in str(info.value)
@@ -374,21 +374,10 @@ def test_a_bad_value_of_a_variable_the_patch_reads_fails_it():
     assert framework.decide(patch, View(), environ={"NPU_SHIM_DEMO_MIB": "12"}).state == framework.APPLIED
 
 
-def test_the_patchs_requires_goes_on_every_target_without_its_own():
-    def requires(self):
-        return None
-
-    def own():
-        return None
-
-    bare, owning = Target(), Target(requires=own)
-    patch = declare(requires=requires, targets=lambda self, v, c: [bare, owning])()
-    _, found = framework.targets_for(patch, View())
-    assert found == [bare, owning] and bare.requires == patch.requires and owning.requires is own
-    assert bare.requires.__func__ is requires
-    plain = Target()
-    framework.targets_for(declare(targets=lambda self, v, c: [plain])(), View())
-    assert plain.requires is None
+def test_targets_for_lists_the_patchs_targets_as_they_are():
+    own, bare = Target(requires=lambda: None), Target()
+    ctx, found = framework.targets_for(declare(targets=lambda self, v, c: [own, bare])(), View())
+    assert found == [own, bare] and bare.requires is None and isinstance(ctx, framework.DecideContext)
 
 
 def test_a_decision_and_a_verdict_say_what_they_are():

@@ -236,7 +236,9 @@ def test_source_checks_guard_what_the_wrappers_rely_on():
 
 def test_zbal_missing_fails_before_anything_is_patched(zb, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "zbal", None)  # find_spec -> None, import fails
-    target = framework.targets_for(zp.PATCH, view("0.5.11"))[1][0]
+    found = framework.targets_for(zp.PATCH, view("0.5.11"))[1]
+    assert all(t.requires is zp.require_zbal for t in found)  # every target, whichever module is first
+    target = found[0]
     module = types.ModuleType("sglang.srt.utils.common")
     module.get_available_gpu_memory = lambda device, gpu_id, distributed=False, empty_cache=True, cpu_group=None: 0
     with pytest.raises(zp.ZbalError) as exc:

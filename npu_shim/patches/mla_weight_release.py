@@ -31,7 +31,8 @@ How
        (not published yet, no such field, odd value): nothing is released and one warning says so.
     3. ``mlaprolog_preprocess_weight`` is wrapped: after it made the q_a / kv_a copies, the fused
        ``qkv_a_proj.weight`` is released when role != ``null``.
-    4. ``npu_mla_preprocess`` is wrapped: on the call that first constructed the layer's
+    4. ``npu_mla_preprocess`` is wrapped (by a plain function of its pinned parameters, not a
+       wrapt proxy: it runs on every eager layer call): on the call that first constructed the layer's
        ``mla_preprocess``, ``m.w_kc`` is released when role == ``decode``, ``uses_mlaprolog()`` and
        ``w_kc is not None``.  A layer first seen later (a layer list that changes) is released the
        same way at its first call.  The wrapper stays for the life of the process: every later call

@@ -84,7 +84,7 @@ def rows(rounds=15, calls=2000):
 def _rows(envs, zbal, wrapt, framework, SourceView, zp, rounds, calls):
     root = str(envs.ensure_sources(RELEASE))
     original = _original(root, "get_available_gpu_memory")
-    wrapped = wrapt.FunctionWrapper(original, zp.PATCH.implementation().get_available_gpu_memory)
+    wrapped = wrapt.FunctionWrapper(original, zp.get_available_gpu_memory)
     result = []
     zbal.reset()
     for mode, mix in (("mix", True), ("full", False)):

@@ -1,4 +1,4 @@
-"""docs/adding-a-patch.md's template is code that works: its three modules, taken from the page,
+"""docs/adding-a-patch.md's template is code that works: its two modules, taken from the page,
 make a fourth patch in a copy of the shim that decides, applies and reverts in a process that
 imports sglang, and shows in ``status``, ``check`` and the generated tables."""
 
@@ -26,9 +26,8 @@ def template():
         return {"npu_shim/" + m.group("path"): m.group("code") for m in TEMPLATE.finditer(handle.read())}
 
 
-def test_the_guide_holds_the_three_modules_of_one_patch():
-    assert sorted(template()) == sorted(["npu_shim/patches/%s.py" % NAME, "npu_shim/patches/_impl/%s.py" % NAME,
-                                         "npu_shim/patches/_selftest/%s.py" % NAME])
+def test_the_guide_holds_the_two_modules_of_one_patch():
+    assert sorted(template()) == sorted(["npu_shim/patches/%s.py" % NAME, "npu_shim/patches/_selftest/%s.py" % NAME])
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ every sglang process).
 Imports by string count too: ``importlib.import_module`` of a constant (or a module-level name
 bound to one) is an import like any other.  A name built at run time is allowed only where this
 file lists it (``BUILT_NAMES``): the plug-in loads of the registered patches (their modules by the
-registry's names and the convention: ``core.loading``, ``Patch.implementation``: the one import
-that goes up, by design, and so in neither check) and imports of modules outside the package.
+registry's names and the convention: ``core.loading``: the one import that goes up, by design,
+and so in neither check) and imports of modules outside the package.
 """
 
 import ast
@@ -60,8 +60,7 @@ def modules():
 
 
 # (module, function) that import a module whose name is built at run time, and what they import.
-PLUGIN_LOADS = {("npu_shim.core.loading", "load"), ("npu_shim.core.loading", "selftest_step"),
-                ("npu_shim.core.framework", "implementation")}
+PLUGIN_LOADS = {("npu_shim.core.loading", "load"), ("npu_shim.core.loading", "selftest_step")}
 BUILT_NAMES = PLUGIN_LOADS | {
     ("npu_shim.cli.check", "import_target_modules"),        # sglang's modules the patches target
     ("npu_shim.runtime.wrapt_loader", "_c_wrappers"),       # wrapt's, under its private name
@@ -195,8 +194,8 @@ def test_a_module_name_built_at_run_time_is_imported_only_where_listed():
 
 
 def test_imports_by_string_are_seen():
-    """A feature module that imported its implementation by a dotted string (the forwarding
-    ``__getattr__`` of old) and an implementation importing the feature module back: a circle."""
+    """A module imported by a dotted string (a constant, or a module-level name bound to one) is
+    an import; a name built at run time is reported by the function that imports it."""
     tree = ast.parse('IMPL = "npu_shim.patches._impl.p"\n'
                      'def f():\n    import importlib\n    return importlib.import_module(IMPL)\n'
                      'def g(name):\n    return importlib.import_module("npu_shim." + name)\n')

@@ -3,7 +3,7 @@ cross-check, on a CUDA device, of the simulated NPU's stream sanitizer (run by
 scripts/csan_dual_stream.py; its cases are also run under the simulated NPU's sanitizer by
 tests/dev/test_simnpu_sanitizer.py, which keeps ``OURS`` honest).
 
-Each case drives ``DualStreamExpertsState._forward_deepep_dual_stream`` (npu_shim/patches/_impl/dual_stream_experts.py)
+Each case drives ``DualStreamExpertsState._forward_deepep_dual_stream`` (npu_shim/patches/dual_stream_experts.py)
 on the benchmark's synthetic MoE block (npu_shim/patches/_selftest/_synthetic_moe.py) through
 ``torch.get_device_module()``, so the same code runs on the simulated NPU and on CUDA.  On CUDA each
 case runs in a child process with ``TORCH_CUDA_SANITIZER=1`` (CSAN must be on before the first
@@ -66,7 +66,7 @@ def _draft_between_target_layers(dm, process, block, hidden):
 
 def run_case(name, dm, block, hidden):
     """Run one case with the device module ``dm`` (torch.npu simulated, or torch.cuda)."""
-    from npu_shim.patches._impl import dual_stream_experts as ds
+    from npu_shim.patches import dual_stream_experts as ds
 
     process = ds.DualStreamExpertsState()
     if name == "backport":

@@ -113,7 +113,7 @@ def wrapper_cost(device, wrapt, tokens=16, calls=200, rounds=9, device_module=No
 
     import torch
 
-    from npu_shim.patches._impl import dual_stream_experts as ds
+    from npu_shim.patches import dual_stream_experts as ds
 
     p = dict(DEFAULTS, tokens=tokens, **overrides)
     if device == "cpu":

@@ -78,7 +78,7 @@ simnpu.install(release={release!r})
 _MLA = _TIMER + r'''
 import re, types
 from npu_shim.runtime import activation, wrapt_loader
-from npu_shim.patches._impl import mla_weight_release as RI
+from npu_shim.patches import mla_weight_release as RI
 from shimdev import mla_kernels as K
 from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
 
@@ -146,7 +146,7 @@ _WRAPT = _TIMER + r'''
 import sys
 sys.path[:0] = [REPO_DIR]
 from npu_shim.runtime import wrapt_loader
-from npu_shim.patches._impl import mla_weight_release as RI
+from npu_shim.patches import mla_weight_release as RI
 wrapt = wrapt_loader._load_private(PATH)
 
 def npu_mla_preprocess(m, hidden_states, positions, forward_batch, zero_allocator):
@@ -159,11 +159,18 @@ with_self.__self__ = None  # a function attribute: PyObject_GetAttr finds it, no
 def through(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
-shim = RI.MlaWeightReleaseState().wrap_npu_mla_preprocess
 class Layer:
     pass
 m = Layer()
 m.__dict__[RI._DONE] = True  # a layer the wrapper has seen: its delegating path
+
+def shim(wrapped, instance, args, kwargs):
+    # The entry's check as a wrapt wrapper: what a wrapt build adds to it (the shim itself
+    # replaces npu_mla_preprocess with a plain function, the "plain" arm).
+    m = args[0] if args else kwargs["m"]
+    if RI._DONE in m.__dict__:
+        return wrapped(*args, **kwargs)
+    raise AssertionError("a layer the wrapper has not seen")
 ARGS = (m, object(), object(), object(), object())
 
 def raise_self(f):
@@ -180,6 +187,7 @@ Wrapper = targets.make_wrapper_class(wrapt)  # the class the shim wraps with, ov
 ARMS = {
     "unwrapped": (npu_mla_preprocess, ARGS),
     "shim": (Wrapper(npu_mla_preprocess, shim), ARGS),
+    "plain": (RI.MlaWeightReleaseState().npu_mla_preprocess_for(npu_mla_preprocess), ARGS),
     "through": (Wrapper(npu_mla_preprocess, through), ARGS),
     "wrapt_call": (wrapt.FunctionWrapper(npu_mla_preprocess, shim), ARGS),
     "shim_with_self": (wrapt.FunctionWrapper(with_self, shim), ARGS),

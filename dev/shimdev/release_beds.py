@@ -134,7 +134,7 @@ def stub_model_runner():
     ``Runner(draft=False, weights=MiB, kv=MiB).initialize(1.0)``."""
     from shimdev import simnpu
     import sglang.srt.model_executor.model_runner as mr
-    from npu_shim.patches._impl import zbal as zbal_impl
+    from npu_shim.patches import zbal as zbal_impl
 
     zbal_impl._world_group = lambda: types.SimpleNamespace(world_size=1, rank_in_group=0, cpu_group=None)
     for name in ("set_global_expert_location_metadata", "compute_initial_expert_location_metadata",

@@ -1,25 +1,23 @@
 """The patch model: what a patch declares and how it is decided (nothing is changed here).
 
-A patch is three modules found from its name (docs/adding-a-patch.md):
+A patch is a module found from its name (docs/adding-a-patch.md), ``npu_shim/patches/<name>.py``:
 
-* ``npu_shim/patches/<name>.py`` defines ``PATCH``, an instance of a ``Patch`` subclass -- the
-  thin contract, all that deciding needs: the upstream PR it backports and the release that has
-  it, the releases it backports to, its switch and the variables it reads, a ``probe`` that
-  recognises upstream's own implementation in the running code; optionally a ``Report`` (what it
-  says about itself in ``check`` and the summary line);
-* ``npu_shim/patches/_impl/<name>.py`` defines ``targets(view, ctx)`` (npu_shim/runtime/targets.py)
-  and what its wrappers share in a process; it is loaded only where the patch is decided past its
-  probe and trigger (``Patch.implementation``);
-* ``npu_shim/patches/_selftest/<name>.py``, optional: its step of ``python -m npu_shim selftest``.
+* ``PATCH``, an instance of a ``Patch`` subclass -- the thin contract, all that deciding needs:
+  the upstream PR it backports and the release that has it, the releases it backports to, its
+  switch and the variables it reads, a ``probe`` that recognises upstream's own implementation in
+  the running code; optionally a ``Report`` (what it says about itself in ``check`` and the
+  summary line);
+* ``targets(view, ctx)`` (npu_shim/runtime/targets.py) and what its wrappers share in a process,
+  called only where the patch is decided past its probe and trigger;
+* optionally, ``npu_shim/patches/_selftest/<name>.py``: its step of ``python -m npu_shim selftest``.
 
 The declaration is checked when the class is defined, and every target against ``modules`` when
 the patch is decided.  ``decide`` turns it into one of the states below from the sglang *source*
 (``codeview.SourceView``), before anything is changed; the runtime then applies the targets.
 """
 
-import importlib
-import importlib.util
 import re
+import sys
 
 from npu_shim.core import config
 
@@ -125,8 +123,8 @@ class Details:
 
 class Patch:
     """The contract: what a patch declares to be decided and applied.  A feature module subclasses
-    it and fills in the class attributes and ``probe``; its targets are its implementation
-    module's ``targets(view, ctx)`` (found from ``name``)."""
+    it and fills in the class attributes and ``probe``; its targets are its module's
+    ``targets(view, ctx)``."""
 
     name = ""              # short id, used in logs, status and NPU_SHIM_PATCHES: the module's name
                            # unless given
@@ -136,16 +134,14 @@ class Patch:
     backport_range = ()    # (first, last) release the shim backports it to, e.g. ("0.5.7", "0.5.9")
     remove_when = ""       # when this patch can be deleted
     switch_doc = ""        # what its switch, NPU_SHIM_<NAME>, says in the variables' table
-    switch_aliases = ()    # older names of the switch, still read
-    switch = None          # the config.EnvVar made from those (or given: config.switch(name, doc))
+    switch = None          # the config.EnvVar made from it (or given: config.switch(name, doc,
+                           # aliases=older names, still read))
     reads = ()             # other config.EnvVar it depends on; a bad value fails the patch (one
                            # of upstream's where sglang has the feature: upstream reads it)
     trigger_env = {}       # the variables that turn it on (tests, the demo and the release table)
     modules = ()           # every module its targets can live in (hooks are put on these)
     needs_npu = True
     error = ShimError      # what the process raises when a requested patch cannot be honoured
-    requires = None        # a method run before any target of the patch changes a loaded module;
-                           # it raises (with the reason) when an apply-time precondition fails
     report = Report()      # what it says about itself (optional: a Report subclass's instance)
 
     def __init_subclass__(cls, **kwargs):
@@ -153,7 +149,7 @@ class Patch:
         if "name" not in cls.__dict__:
             cls.name = cls.__module__.rpartition(".")[2]
         if cls.__dict__.get("switch") is None and cls.switch_doc and _NAME.match(cls.name):
-            cls.switch = config.switch(cls.name, cls.switch_doc, aliases=cls.switch_aliases)
+            cls.switch = config.switch(cls.name, cls.switch_doc)
         problems = declaration_problems(cls)
         if problems:
             raise TypeError("patch %s is declared wrongly: %s" % (cls.__name__, "; ".join(problems)))
@@ -167,21 +163,15 @@ class Patch:
         return None
 
     def targets(self, view, ctx):
-        """The Wrap/Replace targets for this release (``ctx``: a DecideContext): the
-        implementation module's ``targets(view, ctx)``, which raises a ``Verdict`` (``Inactive``,
+        """The Wrap/Replace targets for this release (``ctx``: a DecideContext): the patch
+        module's ``targets(view, ctx)``, which raises a ``Verdict`` (``Inactive``,
         ``Unsupported``, ``Failed``) where there are none to apply."""
-        return self.implementation().targets(view, ctx)
-
-    def implementation(self):
-        """The patch's implementation module, ``<its package>._impl.<name>`` (loaded on first use:
-        a process whose sglang has the feature upstream never loads it)."""
-        package = type(self).__module__.rpartition(".")[0]
-        name = "%s._impl.%s" % (package, self.name)
-        if not package or importlib.util.find_spec(package + "._impl") is None \
-                or importlib.util.find_spec(name) is None:
-            raise NotImplementedError("patch %s has no implementation module %s (nor targets of its own)"
-                                      % (self.name, name))
-        return importlib.import_module(name)
+        module = sys.modules.get(type(self).__module__)
+        function = getattr(module, "targets", None)
+        if not callable(function):
+            raise NotImplementedError("patch %s's module %s defines no targets(view, ctx)"
+                                      % (self.name, type(self).__module__))
+        return function(view, ctx)
 
     def must_honour(self, environ):
         """True when the user explicitly asked for the feature, so that failing to apply it must
@@ -335,15 +325,10 @@ def _decide_from_source(patch, view, environ, on_npu, assume_triggered):
 
 
 def targets_for(patch, view, environ=None, assume_triggered=True):
-    """(ctx, targets) as a decision lists them, the patch's ``requires`` put on every target that
-    has none of its own.  Raises a ``Verdict`` where the patch has none to apply here."""
+    """(ctx, targets) as a decision lists them.  Raises a ``Verdict`` where the patch has none to
+    apply here."""
     ctx = DecideContext(environ, assume_triggered)
-    targets = patch.targets(view, ctx)
-    if patch.requires is not None:
-        for target in targets:
-            if target.requires is None:
-                target.requires = patch.requires
-    return ctx, targets
+    return ctx, patch.targets(view, ctx)
 
 
 def without_wrapt(decision, reason):

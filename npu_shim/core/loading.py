@@ -3,9 +3,8 @@ the modules their targets live in, the variables they read, their selftest steps
 module that cannot be loaded becomes a ``BrokenPatch``: that patch alone is ``failed``; the
 others work.
 
-The patches are plug-ins: this module and ``Patch.implementation`` are the only places that
-import a patch's modules, by the names the registry and the convention give
-(tests/test_layering.py holds it so)."""
+The patches are plug-ins: this module is the only place that imports a patch's modules, by the
+names the registry and the convention give (tests/test_layering.py holds it so)."""
 
 import importlib
 import importlib.util

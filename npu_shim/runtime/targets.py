@@ -169,8 +169,11 @@ class Wrap(Target):
 
 class Replace(Target):
     """Replace a module-level name (or class attribute) with ``factory(original)``; ``original``
-    is None when absent.  For objects rather than functions: a class imported from another
-    package, a dict entry.  Only the name in its own module is replaced unless ``rebind_copies``."""
+    is None when absent.  For objects rather than functions (a class imported from another
+    package, a dict entry), and for a function on a per-call hot path, replaced by a plain
+    function of its pinned parameters (``functools.wraps``: it pickles by name), which costs a
+    tenth of a wrapt proxy per call.  Only the name in its own module is replaced unless
+    ``rebind_copies``."""
 
     def __init__(self, module, qualname, factory, must_exist=True, rebind_copies=False, **checks):
         super().__init__(module, qualname, **checks)
@@ -222,26 +225,8 @@ def _owner_class(function):
     return owner if isinstance(owner, type) else None
 
 
-_FUNCTION = type(_owner_class)
-
-
 def make_wrapper_class(wrapt):
     """The shim's FunctionWrapper class over ``wrapt`` (the module wrapt_loader loaded)."""
-    unbound_call = wrapt.FunctionWrapper.__call__
-
-    def call(self, *args, **kwargs):
-        # A plain function called through its wrapper (a module-level name: npu_mla_preprocess on
-        # every layer's eager call) has nothing to bind: the wrapper gets instance None.  wrapt's
-        # C __call__ finds that out by asking the function for __self__, raising and clearing an
-        # AttributeError on every call; this saves it.  The budget row it serves: "npu_mla_preprocess
-        # wrapper in eager mode, a layer it has seen" (<= 1000 ns per call): on real sglang 0.5.11
-        # +1186 ns through wrapt's own __call__, +1099 ns through this one (two cores at load ~20);
-        # with a bundle's wrapt, C build +1109 ns vs +683 ns, pure-Python build +1240 ns vs +546 ns.
-        wrapped = self.__wrapped__
-        if type(wrapped) is _FUNCTION:
-            return self._self_wrapper(wrapped, None, args, kwargs)
-        return unbound_call(self, *args, **kwargs)
-
     def reduce(self, protocol=None):
         function = self.__wrapped__
         instance = self._self_instance  # None unless bound to an instance
@@ -265,7 +250,7 @@ def make_wrapper_class(wrapt):
     # wrapt's names, so that what reports a wrapper's type (logs, tests) reads the same
     bound = type("BoundFunctionWrapper", (wrapt.BoundFunctionWrapper,), dict(methods))
     return type("FunctionWrapper", (wrapt.FunctionWrapper,),
-                dict(methods, __call__=call, __bound_function_wrapper__=bound))
+                dict(methods, __bound_function_wrapper__=bound))
 
 
 def bind_arguments(params, args, kwargs):

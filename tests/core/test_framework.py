@@ -86,9 +86,9 @@ def test_a_patch_is_named_after_its_module_and_its_switch_made_from_its_doc():
     """Its name is spelled once, by its module's file name: left out, the name is the module's and
     the switch NPU_SHIM_<NAME> is made from ``switch_doc``; a name given wrongly still fails."""
     module = __name__.rpartition(".")[2]
-    patch = declare(omit=("name", "switch"), switch_doc="test switch", switch_aliases=("NPU_SHIM_OLD",))()
+    patch = declare(omit=("name", "switch"), switch_doc="test switch")()
     assert patch.name == module and patch.switch.name == config.switch_name(module)
-    assert patch.switch.doc == "test switch" and patch.switch.aliases == ("NPU_SHIM_OLD",)
+    assert patch.switch.doc == "test switch" and patch.switch.aliases == ()
     with pytest.raises(TypeError) as info:
         declare(name="")
     assert "name '' is not a lower-case identifier" in str(info.value)
@@ -374,21 +374,10 @@ def test_a_bad_value_of_a_variable_the_patch_reads_fails_it():
     assert framework.decide(patch, View(), environ={"NPU_SHIM_DEMO_MIB": "12"}).state == framework.APPLIED
 
 
-def test_the_patchs_requires_goes_on_every_target_without_its_own():
-    def requires(self):
-        return None
-
-    def own():
-        return None
-
-    bare, owning = Target(), Target(requires=own)
-    patch = declare(requires=requires, targets=lambda self, v, c: [bare, owning])()
-    _, found = framework.targets_for(patch, View())
-    assert found == [bare, owning] and bare.requires == patch.requires and owning.requires is own
-    assert bare.requires.__func__ is requires
-    plain = Target()
-    framework.targets_for(declare(targets=lambda self, v, c: [plain])(), View())
-    assert plain.requires is None
+def test_targets_for_lists_the_patchs_targets_as_they_are():
+    own, bare = Target(requires=lambda: None), Target()
+    ctx, found = framework.targets_for(declare(targets=lambda self, v, c: [own, bare])(), View())
+    assert found == [own, bare] and bare.requires is None and isinstance(ctx, framework.DecideContext)
 
 
 def test_a_decision_and_a_verdict_say_what_they_are():
@@ -420,17 +409,13 @@ def test_a_switch_given_outright_is_kept_even_with_a_switch_doc():
     assert patch.switch is given
 
 
-def test_a_patch_without_an_implementation_module_says_which_module_it_looked_for():
-    """In a package with an ``_impl`` package that lacks the patch's module, and outside any package."""
+def test_a_patch_whose_module_defines_no_targets_says_which_module():
     patch = declare(omit=("targets", "name", "switch"), __module__="npu_shim.patches.no_such_feature",
                     switch_doc="its switch")()
     with pytest.raises(NotImplementedError) as info:
         patch.targets(View(), None)
-    assert str(info.value) == ("patch no_such_feature has no implementation module "
-                               "npu_shim.patches._impl.no_such_feature (nor targets of its own)")
-    with pytest.raises(NotImplementedError) as info:
-        declare(omit=("targets",), __module__="demo")().implementation()
-    assert str(info.value) == "patch demo has no implementation module ._impl.demo (nor targets of its own)"
+    assert str(info.value) == ("patch no_such_feature's module npu_shim.patches.no_such_feature defines no "
+                               "targets(view, ctx)")
 
 
 def test_a_wrong_declaration_names_every_problem_in_one_message():
@@ -460,11 +445,11 @@ def test_a_decide_context_keeps_the_details_it_is_given():
     assert ctx.details is details and framework.DecideContext({}, False).details == {}
 
 
-def test_a_patch_takes_its_targets_from_its_implementation_module():
-    """zbal's implementation module: its ``targets`` is the one a decision calls."""
-    from npu_shim.patches._impl import zbal as zbal_impl
-
-    assert zbal_patch.PATCH.implementation() is zbal_impl
+def test_a_patch_takes_its_targets_from_its_module(monkeypatch):
+    """A patch's ``targets`` is its module's ``targets(view, ctx)``, looked up when it is decided."""
+    seen = []
+    monkeypatch.setattr(zbal_patch, "targets", lambda view, ctx: seen.append((view, ctx)) or ["t"])
+    assert zbal_patch.PATCH.targets("view", "ctx") == ["t"] and seen == [("view", "ctx")]
 
 
 def test_a_count_may_be_zero():

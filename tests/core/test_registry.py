@@ -29,17 +29,17 @@ def test_every_registered_module_is_a_patch_of_its_own_name():
     assert here == sorted(names), "a feature module that is not registered (or the reverse)"
 
 
-def test_every_module_of_impl_and_selftest_is_a_patch_s_or_a_helper_no_patch_can_be_named():
-    """``_impl/<name>`` and ``_selftest/<name>`` are found from a patch's name: a module there is
-    a registered patch's, or a helper whose name begins with ``_`` (no patch's name can:
+def test_every_module_of_selftest_is_a_patch_s_or_a_helper_no_patch_can_be_named():
+    """``_selftest/<name>`` is found from a patch's name: a module there is a registered patch's,
+    or a helper whose name begins with ``_`` (no patch's name can:
     ``core.framework.declaration_problems``), so a patch registered later never gets a helper as
-    its implementation or its selftest step."""
+    its selftest step.  A patch is one module: no other folder holds a part of one."""
     names = set(patch_registry.known_names())
-    for folder in ("_impl", "_selftest"):
-        found = sorted(f[:-3] for f in os.listdir(os.path.join(PATCHES, folder))
-                       if f.endswith(".py") and f != "__init__.py")
-        assert [f for f in found if f not in names and not f.startswith("_")] == [], folder
-    assert loading.load_all()[0].implementation().__name__ == "npu_shim.patches._impl.zbal"
+    found = sorted(f[:-3] for f in os.listdir(os.path.join(PATCHES, "_selftest"))
+                   if f.endswith(".py") and f != "__init__.py")
+    assert [f for f in found if f not in names and not f.startswith("_")] == []
+    folders = sorted(d for d in os.listdir(PATCHES) if os.path.isdir(os.path.join(PATCHES, d)) and d != "__pycache__")
+    assert folders == ["_selftest"]
 
 
 def test_readme_has_one_row_per_patch_with_its_upstream():

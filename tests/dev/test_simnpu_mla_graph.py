@@ -253,7 +253,7 @@ def test_a_capture_that_reads_a_released_weight_is_refused_as_it_is_captured():
     out = run("""
     import sys
     sys.path.insert(0, %r)
-    from npu_shim.patches._impl import mla_weight_release as impl
+    from npu_shim.patches import mla_weight_release as impl
     from npu_shim.runtime import tensor_release
     w = torch.nn.Parameter(torch.ones(8, 8, device="npu"), requires_grad=False)
     x = torch.ones(2, 8, device="npu")

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from npu_shim.patches._impl import dual_stream_experts as ds
+from npu_shim.patches import dual_stream_experts as ds
 from shimdev import csan_check, dual_stream_bench, dual_stream_kernels, mla_kernels
 from shimdev.simnpu import _sanitizer
 
@@ -334,7 +334,7 @@ def test_a_stand_in_that_breaks_its_schema_is_reported(npu):
 
 
 def test_a_declared_stand_in_keeps_its_signature_and_source_for_the_kernel_check():
-    from npu_shim.patches._impl._dual_stream_experts_kernel import loaded_kernel_support
+    from npu_shim.patches.dual_stream_experts import loaded_kernel_support
     from npu_shim.source.reading import unwrap
 
     kernel = dual_stream_kernels.split_qkv_rmsnorm_rope

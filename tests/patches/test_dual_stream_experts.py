@@ -14,12 +14,10 @@ from npu_shim.core import framework
 from npu_shim.runtime import targets
 from npu_shim.source.codeview import SourceView
 from npu_shim.patches import dual_stream_experts as ds
-from npu_shim.patches._impl import _dual_stream_experts_kernel as dsk  # the kernel checks
-from npu_shim.patches._impl import dual_stream_experts as dsi
 from shimdev import realsglang
 
 # The wrappers' per-process state, as a decision builds it (reset by the fixtures).
-DS = dsi.DualStreamExpertsState()
+DS = ds.DualStreamExpertsState()
 
 envs = realsglang.sglang_envs
 BACKPORTED = ("0.5.7", "0.5.8", "0.5.9")
@@ -33,14 +31,14 @@ def view_of(version):
 
 def share_stream():
     """The side stream of the current (main) stream, None before its first use."""
-    return DS.side_streams.get(dsi._device_module().current_stream())
+    return DS.side_streams.get(ds._device_module().current_stream())
 
 
 @pytest.fixture
 def kernel(monkeypatch):
     """Set what the image's sgl_kernel_npu offers: kernel(None) present, kernel("why") missing."""
     def set_problem(problem):
-        monkeypatch.setattr(dsi, "kernel_problem", lambda: problem)
+        monkeypatch.setattr(ds, "kernel_problem", lambda: problem)
     set_problem(None)
     return set_problem
 
@@ -64,7 +62,7 @@ def test_every_release_backported_or_upstream(kernel):
         decision = framework.decide(ds.PATCH, view_of(version), environ=ON, on_npu=True)
         states[version] = decision.state
         if version in BACKPORTED:
-            assert targets_of(decision) == [dsi.PREPARE, dsi.DEEPEP], (version, decision)
+            assert targets_of(decision) == [ds.PREPARE, ds.DEEPEP], (version, decision)
             assert "dual-stream experts on" in decision.reason
             assert "fused qkv-rmsnorm-rope decode path on" in decision.reason
         else:
@@ -75,22 +73,22 @@ def test_every_release_backported_or_upstream(kernel):
 def test_recorded_fingerprints_are_those_of_0_5_7_to_0_5_9_and_later_code_differs():
     for version in BACKPORTED:
         view = view_of(version)
-        assert view.function(ds.GLM4_MOE, dsi.DEEPEP).fingerprint in dsi.DEEPEP_FINGERPRINTS
-        assert view.function(ds.GLM4_MOE, dsi.PREPARE).fingerprint in dsi.PREPARE_FINGERPRINTS
+        assert view.function(ds.GLM4_MOE, ds.DEEPEP).fingerprint in ds.DEEPEP_FINGERPRINTS
+        assert view.function(ds.GLM4_MOE, ds.PREPARE).fingerprint in ds.PREPARE_FINGERPRINTS
     # 0.5.10 changed both bodies (it has the feature): the guard would refuse them.
     view = view_of("0.5.10")
-    deepep = targets.Wrap(ds.GLM4_MOE, dsi.DEEPEP, DS.forward_deepep_wrapper,
-                           [dsi.DEEPEP_PARAMS], pins={(ds.GLM4_MOE, dsi.DEEPEP): dsi.DEEPEP_FINGERPRINTS})
+    deepep = targets.Wrap(ds.GLM4_MOE, ds.DEEPEP, DS.forward_deepep_wrapper,
+                           [ds.DEEPEP_PARAMS], pins={(ds.GLM4_MOE, ds.DEEPEP): ds.DEEPEP_FINGERPRINTS})
     assert "differs from the code the shim stands in for" in deepep.check_source(view)
 
 
 # -- states -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("environ, problem, state, targets, words", [
-    (ON, None, "applied", [dsi.PREPARE, dsi.DEEPEP], ["dual-stream experts on", "decode path on"]),
-    (ON, "no kernel here", "applied", [dsi.DEEPEP],
+    (ON, None, "applied", [ds.PREPARE, ds.DEEPEP], ["dual-stream experts on", "decode path on"]),
+    (ON, "no kernel here", "applied", [ds.DEEPEP],
      ["dual-stream experts on", "decode path unsupported: no kernel here"]),
-    (OFF, None, "applied", [dsi.PREPARE],
+    (OFF, None, "applied", [ds.PREPARE],
      ["dual-stream experts off (SGLANG_NPU_USE_MULTI_STREAM is not on)", "decode path on"]),
     ({"SGLANG_NPU_USE_MULTI_STREAM": "0"}, "no kernel here", "unsupported", [],
      ["dual-stream experts off", "decode path unsupported: no kernel here"]),
@@ -120,7 +118,7 @@ def test_static_question_assumes_streams_asked_and_forgets_earlier_decisions(ker
     # An earlier decide() with the streams off must not leak into the static question.
     assert framework.decide(ds.PATCH, view, environ=OFF, on_npu=True).state == "unsupported"
     static = framework.decide(ds.PATCH, view, environ=OFF, on_npu=None, assume_triggered=True)
-    assert static.state == "applied" and targets_of(static) == [dsi.DEEPEP], static
+    assert static.state == "applied" and targets_of(static) == [ds.DEEPEP], static
 
 
 # -- the fingerprint guard ----------------------------------------------------------------------
@@ -180,8 +178,8 @@ def _original_prepare_source():
 
 
 def test_loaded_code_is_fingerprinted_too(tmp_path):
-    target = targets.Wrap("m", dsi.PREPARE, DS.forward_prepare_wrapper, [dsi.PREPARE_PARAMS],
-                          pins={("m", dsi.PREPARE): dsi.PREPARE_FINGERPRINTS})
+    target = targets.Wrap("m", ds.PREPARE, DS.forward_prepare_wrapper, [ds.PREPARE_PARAMS],
+                          pins={("m", ds.PREPARE): ds.PREPARE_FINGERPRINTS})
     original = _original_prepare_source()
     assert target.prepare(_loaded_module(tmp_path, original)).original.__name__ == "forward_prepare"
     edited = original.replace("q, k = self.rotary_emb(positions, q, k)", "q, k = q, k")
@@ -265,18 +263,18 @@ OLD_KERNEL = HISTORY["2025-12-26"]
 
 def test_kernel_check_reads_the_installed_package_without_importing_it(on_path):
     _fake_kernel_package(on_path, NEW_KERNEL)
-    assert dsi.kernel_problem() is None
+    assert ds.kernel_problem() is None
     assert "sgl_kernel_npu" not in sys.modules
 
 
 def test_kernel_check_reasons(on_path):
-    assert str(dsi.kernel_problem()) == "sgl_kernel_npu is not installed"
+    assert str(ds.kernel_problem()) == "sgl_kernel_npu is not installed"
     _fake_kernel_package(on_path, None)
-    assert "has no norm/split_qkv_rmsnorm_rope.py" in str(dsi.kernel_problem())
+    assert "has no norm/split_qkv_rmsnorm_rope.py" in str(ds.kernel_problem())
     (on_path / "sgl_kernel_npu" / "norm" / "split_qkv_rmsnorm_rope.py").write_text(OLD_KERNEL)
-    assert "no partial-rotary support" in str(dsi.kernel_problem())
+    assert "no partial-rotary support" in str(ds.kernel_problem())
     (on_path / "sgl_kernel_npu" / "norm" / "split_qkv_rmsnorm_rope.py").write_text("x = 1\n")
-    assert "defines no split_qkv_rmsnorm_rope()" in str(dsi.kernel_problem())
+    assert "defines no split_qkv_rmsnorm_rope()" in str(ds.kernel_problem())
 
 
 @pytest.mark.parametrize("when,decision,call_time", [
@@ -295,7 +293,7 @@ def test_kernel_history_is_judged_by_signature_the_same_before_and_at_call_time(
     and what the first call finds in the loaded function agree (a GLM-4.x layer: rope on 8 of
     16 head dims)."""
     _fake_kernel_package(on_path, HISTORY[when])
-    problem = dsi.kernel_problem()
+    problem = ds.kernel_problem()
     assert (problem is None) if decision is None else (decision in str(problem)), problem
     assert "sgl_kernel_npu" not in sys.modules  # read, not imported
     (on_path / "sgl_kernel_npu" / "__init__.py").write_text("")  # now the process imports it
@@ -307,7 +305,7 @@ def test_kernel_history_is_judged_by_signature_the_same_before_and_at_call_time(
 
 
 def test_kernel_the_shim_cannot_read_keeps_the_original_path(monkeypatch):
-    monkeypatch.setattr(dsk, "importlib", types.SimpleNamespace(
+    monkeypatch.setattr(ds, "importlib", types.SimpleNamespace(
         import_module=lambda name: types.SimpleNamespace(split_qkv_rmsnorm_rope=len)))  # a builtin
     assert "cannot read the source of the loaded split_qkv_rmsnorm_rope" in DS._plan_layer(_attn())
 
@@ -393,7 +391,7 @@ def _attn(**kw):
 def test_layer_plan(monkeypatch):
     from shimdev import dual_stream_kernels as K
 
-    monkeypatch.setattr(dsk, "importlib", types.SimpleNamespace(
+    monkeypatch.setattr(ds, "importlib", types.SimpleNamespace(
         import_module=lambda name: types.SimpleNamespace(split_qkv_rmsnorm_rope=K.split_qkv_rmsnorm_rope)))
     assert DS._plan_layer(_attn()) is None
     assert DS.kernel_partial is True
@@ -402,7 +400,7 @@ def test_layer_plan(monkeypatch):
     assert "not a neox-style" in DS._plan_layer(_attn(rotary_emb=_Rope(8, neox=False)))
     # The old kernel (whole-head rope) is fine only where the rope covers the whole head.
     DS.__init__()
-    monkeypatch.setattr(dsk, "importlib", types.SimpleNamespace(
+    monkeypatch.setattr(ds, "importlib", types.SimpleNamespace(
         import_module=lambda name: types.SimpleNamespace(split_qkv_rmsnorm_rope=K.split_qkv_rmsnorm_rope_full_head)))
     assert "rotates 8 of 16 head dims" in DS._plan_layer(_attn())
     assert DS._plan_layer(_attn(rotary_emb=_Rope(16))) is None
@@ -412,7 +410,7 @@ def test_missing_kernel_at_call_time_keeps_the_original_path(monkeypatch):
     def missing(name):
         raise ImportError("No module named %r" % name)
 
-    monkeypatch.setattr(dsk, "importlib", types.SimpleNamespace(import_module=missing))
+    monkeypatch.setattr(ds, "importlib", types.SimpleNamespace(import_module=missing))
     import torch
 
     assert DS._fused_kernel_for(_attn(), torch.arange(3)) is None

@@ -17,7 +17,6 @@ import wrapt
 from npu_shim.core import framework
 from npu_shim.source.codeview import SourceView
 from npu_shim.patches import mla_weight_release as R
-from npu_shim.patches._impl import mla_weight_release as RI
 from npu_shim.runtime import tensor_release
 from shimdev import sglang_envs
 
@@ -25,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 # The wrappers' per-process state, as a decision builds it for 0.5.10 - 0.5.16 (each test afresh).
-REL = RI.MlaWeightReleaseState("quantization_config", "server_args")
+REL = R.MlaWeightReleaseState("quantization_config", "server_args")
 
 
 @pytest.fixture(autouse=True)
@@ -70,8 +69,9 @@ def test_states_across_every_release():
             assert release.w8a8_attr == attr, version
             newer = sglang_envs.RELEASES.index(version) >= sglang_envs.RELEASES.index("0.5.17")
             assert release.role_source == ("get_disagg" if newer else "server_args"), version
-            assert all(getattr(t, "wrapper", release.wrap_npu_mla_preprocess).__self__ is release
+            assert all(getattr(t, "wrapper", None) is None or t.wrapper.__self__ is release
                        for t in decision.targets) and release.details is decision.details
+            assert view_of(version).function(R.MLA_NPU, "npu_mla_preprocess").params == R.PREPROCESS_SIG
             assert sorted(t.describe().split(":")[1] for t in decision.targets
                           if t.module != R.TP_WORKER) == [
                 "NPUFusedMLAPreprocess.mlaprolog_preprocess_weight",
@@ -218,9 +218,9 @@ def test_release_frees_the_storage_and_guards_every_reference(make):
     alias = tensor  # another holder of the same object (e.g. a module attribute)
     storage = tensor.untyped_storage()
     nbytes = storage.nbytes()
-    assert RI.free_weight(tensor, "w_kc of layer 7", REL.once) == nbytes > 0
+    assert R.free_weight(tensor, "w_kc of layer 7", REL.once) == nbytes > 0
     assert storage.nbytes() == 0
-    assert isinstance(alias, cls) and RI.is_released(alias)
+    assert isinstance(alias, cls) and R.is_released(alias)
     for touch in (lambda: alias.sum(), lambda: alias + 1, lambda: alias.shape, lambda: alias.data,
                   lambda: torch.nn.functional.linear(torch.ones(1, 8), alias), lambda: alias.copy_(alias),
                   lambda: torch.ops.aten.add(alias, 1), lambda: alias.untyped_storage(),
@@ -233,14 +233,14 @@ def test_release_frees_the_storage_and_guards_every_reference(make):
     with pytest.raises(R.ReleasedWeightError, match="`sum` touched it"):
         alias.sum()
     assert "released by npu-shim: w_kc of layer 7" in repr(alias) == str(alias)
-    assert RI.free_weight(alias, "again", REL.once) == 0  # idempotent
+    assert R.free_weight(alias, "again", REL.once) == 0  # idempotent
     if isinstance(tensor, SglangLikeParameter):
         assert tensor._weight_loader == "loader"  # attributes survive
 
 
 def test_released_parameter_in_a_module_fails_state_dict_and_loading_clearly():
     linear = torch.nn.Linear(8, 4, bias=False)
-    RI.free_weight(linear.weight, "qkv_a_proj.weight of layer 3", REL.once)
+    R.free_weight(linear.weight, "qkv_a_proj.weight of layer 3", REL.once)
     assert [name for name, _ in linear.named_parameters()] == ["weight"]
     with pytest.raises(R.ReleasedWeightError, match="qkv_a_proj.weight of layer 3"):
         linear(torch.ones(2, 8))
@@ -260,9 +260,8 @@ def test_touching_a_released_weight_exits_with_an_exception_not_a_signal():
     shim = _run("""
         import torch
         from npu_shim.patches import mla_weight_release as R
-        from npu_shim.patches._impl import mla_weight_release as RI
         t = torch.randn(64, 64)
-        RI.free_weight(t, "w_kc of layer 5")
+        R.free_weight(t, "w_kc of layer 5")
         print("released", flush=True)
         t.sum()
     """)
@@ -284,17 +283,16 @@ def test_touching_a_released_weight_exits_with_an_exception_not_a_signal():
 ALIAS = """
 import json, torch
 from npu_shim.patches import mla_weight_release as R
-from npu_shim.patches._impl import mla_weight_release as RI
 qkv = torch.nn.Parameter(torch.randn(24, 32), requires_grad=False)          # as the fused qkv_a
 w_kc = torch.randn(4, 8, 12).transpose(1, 2).contiguous().transpose(1, 2)  # as sglang lays out w_kc
 weight = {weight}
 alias = {alias}
-freed = RI.free_weight(weight, "w_kc of layer 3")
+freed = R.free_weight(weight, "w_kc of layer 3")
 print("released", freed, flush=True)
 with torch._C.DisableTorchFunctionSubclass():  # what C++ / subclass-blind code sees
     base = weight._base
     seen = {{"numel": weight.numel(), "base": None if base is None else base.numel()}}
-print(json.dumps({{"freed": freed, "released": RI.is_released(weight), "seen": seen,
+print(json.dumps({{"freed": freed, "released": R.is_released(weight), "seen": seen,
                   "alias_sum": None if alias is None else float(
                       sum(alias.tolist()) if isinstance(alias, torch.UntypedStorage) else alias.sum())}}),
       flush=True)
@@ -334,12 +332,12 @@ def test_keeping_an_aliased_weight_warns_once_with_the_holder_count(logs):
     weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     views = [weight.view(-1), weight.t(), weight.detach()]
     for _ in range(2):
-        assert RI.free_weight(weight, "qkv_a_proj.weight of layer 1", REL.once) == 0
+        assert R.free_weight(weight, "qkv_a_proj.weight of layer 1", REL.once) == 0
     warnings = [line for line in logs if "other holder" in line]
     assert len(warnings) == 1 and "has 3 other holders" in warnings[0]
     assert float(sum(v.sum() for v in views)) == pytest.approx(3 * float(weight.sum()), rel=1e-4)
     del views
-    assert RI.free_weight(weight, "qkv_a_proj.weight of layer 1", REL.once) == 8 * 8 * 4
+    assert R.free_weight(weight, "qkv_a_proj.weight of layer 1", REL.once) == 8 * 8 * 4
 
 
 # --------------------------------------------------------------------------- predicate
@@ -356,13 +354,13 @@ def fake_preprocess(ignore=("model.layers.0.self_attn.kv_b_proj",), w8a8_attr=No
 @pytest.mark.parametrize("attr", ["quant_config", "quantization_config"])
 def test_predicate_is_forwards_routing(attr):
     other = "quantization_config" if attr == "quant_config" else "quant_config"
-    assert RI.uses_mlaprolog(fake_preprocess(), attr) is True
-    assert RI.uses_mlaprolog(fake_preprocess(ignore=("kv_b_proj",)), attr) is True  # fullmatch of .*kv_b_proj
-    assert RI.uses_mlaprolog(fake_preprocess(ignore=("model.layers.0.self_attn.kv_b_proj.weight",)), attr) is False
-    assert RI.uses_mlaprolog(fake_preprocess(ignore=("model.layers.0.mlp.gate",)), attr) is False
-    assert RI.uses_mlaprolog(fake_preprocess(has_ignore=False), attr) is False
-    assert RI.uses_mlaprolog(fake_preprocess(w8a8_attr=attr), attr) is False  # forward_mlapo wins
-    assert RI.uses_mlaprolog(fake_preprocess(w8a8_attr=other), attr) is True
+    assert R.uses_mlaprolog(fake_preprocess(), attr) is True
+    assert R.uses_mlaprolog(fake_preprocess(ignore=("kv_b_proj",)), attr) is True  # fullmatch of .*kv_b_proj
+    assert R.uses_mlaprolog(fake_preprocess(ignore=("model.layers.0.self_attn.kv_b_proj.weight",)), attr) is False
+    assert R.uses_mlaprolog(fake_preprocess(ignore=("model.layers.0.mlp.gate",)), attr) is False
+    assert R.uses_mlaprolog(fake_preprocess(has_ignore=False), attr) is False
+    assert R.uses_mlaprolog(fake_preprocess(w8a8_attr=attr), attr) is False  # forward_mlapo wins
+    assert R.uses_mlaprolog(fake_preprocess(w8a8_attr=other), attr) is True
 
 
 # --------------------------------------------------------------------------- role and gates
@@ -383,7 +381,7 @@ def server(monkeypatch):
         return state["args"]
 
     monkeypatch.setattr(REL, "disagg_role", role)
-    monkeypatch.setattr(RI, "server_args", args)
+    monkeypatch.setattr(R, "server_args", args)
     monkeypatch.delenv("NPU_SHIM_MLA_RELEASE_FORCE", raising=False)
     return state
 
@@ -435,7 +433,7 @@ def test_unreadable_server_args_release_nothing(server, logs):
 
 
 def test_every_other_reader_is_named_in_the_warning_and_the_status(server, logs, monkeypatch):
-    monkeypatch.setattr(RI, "other_reader_reasons", lambda args: ["speculative decoding (EAGLE)", "a draft model"])
+    monkeypatch.setattr(R, "other_reader_reasons", lambda args: ["speculative decoding (EAGLE)", "a draft model"])
     for _ in range(2):
         assert REL.free_allowed("qkv_a") == ("decode", "other readers")
     assert logs == ["mla_weight_release: releasing nothing: speculative decoding (EAGLE); a draft model"]
@@ -484,7 +482,21 @@ def npu_mla_preprocess(m, hidden_states, positions, forward_batch, zero_allocato
     return hidden_states @ pre.q_a_proj_weight, pre.w_kc.sum()
 
 
-WRAPPED = wrapt.FunctionWrapper(npu_mla_preprocess, REL.wrap_npu_mla_preprocess)
+WRAPPED = REL.npu_mla_preprocess_for(npu_mla_preprocess)
+
+
+def test_the_entry_is_a_plain_function_of_sglangs_parameters_that_pickles_by_name(monkeypatch):
+    """npu_mla_preprocess is replaced by a plain function (not a wrapt proxy: every eager layer
+    call goes through it) with sglang's parameters, its name, and a way back to sglang's."""
+    import inspect
+    import pickle
+
+    assert type(WRAPPED) is types.FunctionType and WRAPPED.__wrapped__ is npu_mla_preprocess
+    assert tuple(inspect.signature(WRAPPED, follow_wrapped=False).parameters) == R.PREPROCESS_SIG
+    assert (WRAPPED.__name__, WRAPPED.__qualname__, WRAPPED.__module__) == (
+        "npu_mla_preprocess", "npu_mla_preprocess", __name__)
+    monkeypatch.setitem(globals(), "npu_mla_preprocess", WRAPPED)  # as the module attribute is
+    assert pickle.loads(pickle.dumps(WRAPPED)) is WRAPPED
 
 
 def layer(layer_id, contiguous_w_kc=False, mlaprolog=True):
@@ -531,7 +543,7 @@ def test_summary_logged_once_after_first_pass(server, logs):
     step(layers)
     summaries = [line for line in logs if "MiB in 2 layers" in line]
     assert len(summaries) == 1 and "pid" in summaries[0]
-    assert all(RI._DONE in m.__dict__ for m in layers)
+    assert all(R._DONE in m.__dict__ for m in layers)
 
 
 def test_prefill_releases_qkv_only_and_null_nothing(server):
@@ -539,26 +551,26 @@ def test_prefill_releases_qkv_only_and_null_nothing(server):
     m = layer(0)
     wkc = m.w_kc.untyped_storage()
     step([m])
-    assert RI.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not RI.is_released(m.w_kc)
+    assert R.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not R.is_released(m.w_kc)
     assert wkc.nbytes() > 0
     REL.reset()
     server["role"] = "null"
     m = layer(1)
     step([m])
-    assert not RI.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not RI.is_released(m.w_kc)
+    assert not R.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not R.is_released(m.w_kc)
 
 
 def test_not_mlaprolog_releases_nothing(server):
     m = layer(0, mlaprolog=False)
     step([m])
-    assert not RI.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not RI.is_released(m.w_kc)
+    assert not R.is_released(m.fused_qkv_a_proj_with_mqa.weight) and not R.is_released(m.w_kc)
 
 
 def test_shared_w_kc_is_kept(server, logs):
     m = layer(0, contiguous_w_kc=True)  # .contiguous() returns the same tensor
     out = step([m])[0]
-    assert RI.is_released(m.fused_qkv_a_proj_with_mqa.weight)
-    assert not RI.is_released(m.w_kc) and m.mla_preprocess.w_kc is m.w_kc
+    assert R.is_released(m.fused_qkv_a_proj_with_mqa.weight)
+    assert not R.is_released(m.w_kc) and m.mla_preprocess.w_kc is m.w_kc
     assert torch.equal(step([m])[0][1], out[1])
     assert any("shares its memory" in line for line in logs)
 
@@ -567,7 +579,7 @@ def test_w_kc_constructed_elsewhere_is_not_released(server):
     m = layer(0)
     m.mla_preprocess = FakePreprocess(m)  # built by forward_mla_prepare_npu, not here
     step([m])
-    assert not RI.is_released(m.w_kc)
+    assert not R.is_released(m.w_kc)
 
 
 def test_decision_errors_never_break_the_forward(server, logs, monkeypatch):
@@ -578,7 +590,7 @@ def test_decision_errors_never_break_the_forward(server, logs, monkeypatch):
     m = layer(0)
     out = step([m])[0]
     assert out[0].shape == (2, 16)
-    assert not RI.is_released(m.w_kc) and not RI.is_released(m.fused_qkv_a_proj_with_mqa.weight)
+    assert not R.is_released(m.w_kc) and not R.is_released(m.fused_qkv_a_proj_with_mqa.weight)
     assert any("boom" in line for line in logs)
 
 
@@ -636,7 +648,7 @@ def test_weight_updates_are_refused_once_weights_are_released(server, logs, monk
     layers = [layer(i) for i in range(3)]
     step(layers)
     touched = []
-    monkeypatch.setattr(RI.metrics, "publish", lambda: touched.append(True))
+    monkeypatch.setattr(R.metrics, "publish", lambda: touched.append(True))
     for op, call in (("update_weights_from_disk", worker.update_weights_from_disk),
                      ("init_weights_update_group", worker.init_weights_update_group)):
         success, message = call("req")
@@ -667,7 +679,7 @@ def test_guarded_but_still_held_weight_refuses_updates_too(server, monkeypatch):
     m.w_kc = base.transpose(1, 2)  # the base, held here, outlives the release
     monkeypatch.setattr(tensor_release, "_base_held_elsewhere", lambda chain: False)
     step([m])
-    assert RI.is_released(m.w_kc) and base.untyped_storage().nbytes() > 0
+    assert R.is_released(m.w_kc) and base.untyped_storage().nbytes() > 0
     assert REL.released_bytes["w_kc"] == 0 and REL.guarded["w_kc"] == {0}
     success, message = FakeWorker().update_weights_from_disk("req")
     assert success is False and "w_kc of layer 0" in message
@@ -693,8 +705,8 @@ def test_a_weight_whose_memory_cannot_be_freed_is_kept_whole_and_updates_run(ser
     values = m.w_kc.clone()
     out = step([m])
     monkeypatch.setattr(torch.UntypedStorage, "resize_", _REAL_RESIZE)
-    assert not RI.is_released(m.w_kc) and torch.equal(m.w_kc, values)
-    assert not RI.is_released(m.fused_qkv_a_proj_with_mqa.weight)
+    assert not R.is_released(m.w_kc) and torch.equal(m.w_kc, values)
+    assert not R.is_released(m.fused_qkv_a_proj_with_mqa.weight)
     assert REL.guarded == {"qkv_a": set(), "w_kc": set()} and REL.released_bytes == {"qkv_a": 0, "w_kc": 0}
     assert "released_bytes" not in REL.details
     kept = [line for line in logs if "keeping" in line]
@@ -719,9 +731,9 @@ def _refuse_resize(self, size):
 
 
 def test_layer_list():
-    assert RI._layer_list({3}) == "layer 3"
-    assert RI._layer_list(set(range(61))) == "layers 0-60"
-    assert RI._layer_list({0, 1, 2, 5, 7, 8, "?"}) == "layers 0-2, 5, 7-8, ?"
+    assert R._layer_list({3}) == "layer 3"
+    assert R._layer_list(set(range(61))) == "layers 0-60"
+    assert R._layer_list({0, 1, 2, 5, 7, 8, "?"}) == "layers 0-2, 5, 7-8, ?"
 
 
 def test_reset_forgets_guarded_weights(server):
@@ -748,7 +760,7 @@ def _prepared(m, copy):
 def test_qkv_a_whose_copies_share_its_memory_is_kept(server, logs, copy, word):
     pre = _prepared(layer(0), copy)
     assert REL.free_qkv_a(pre) == 0
-    assert not RI.is_released(pre.qkv_a_proj.weight)
+    assert not R.is_released(pre.qkv_a_proj.weight)
     assert any(word in line for line in logs)
     assert not any("other holder" in line for line in logs)  # decided before the holder count
 
@@ -759,7 +771,7 @@ def test_qkv_a_that_is_part_of_a_larger_storage_is_kept(server, logs):
     m.fused_qkv_a_proj_with_mqa.weight.data = big[:24 * 32].view(24, 32)
     del big  # the weight is the storage's only holder, but holds 100 values besides itself
     pre = _prepared(m, lambda t: t.clone())
-    assert REL.free_qkv_a(pre) == 0 and not RI.is_released(pre.qkv_a_proj.weight)
+    assert REL.free_qkv_a(pre) == 0 and not R.is_released(pre.qkv_a_proj.weight)
     assert any("storage holds more than this weight" in line for line in logs)
 
 
@@ -773,7 +785,7 @@ def test_w_kc_shared_with_or_distinct_from_the_preprocessors(server, logs, own):
     m.mla_preprocess.w_kc = own(m.w_kc)
     shares = m.mla_preprocess.w_kc.numel() > 0
     assert (REL.free_w_kc(m) == 0) is shares
-    assert RI.is_released(m.w_kc) is not shares
+    assert R.is_released(m.w_kc) is not shares
     assert any("preprocessor's w_kc shares its memory" in line for line in logs) is shares
 
 
@@ -781,13 +793,13 @@ def test_w_kc_that_is_part_of_a_larger_storage_is_kept(server, logs):
     m = layer(0)
     m.w_kc = torch.randn(4 * 8 * 12 + 10)[:4 * 8 * 12].view(4, 8, 12)
     m.mla_preprocess = FakePreprocess(m)
-    assert REL.free_w_kc(m) == 0 and not RI.is_released(m.w_kc)
+    assert REL.free_w_kc(m) == 0 and not R.is_released(m.w_kc)
     assert any("storage holds more than this weight" in line for line in logs)
 
 
 def test_accounting_in_status_details_and_summary_lines(server, logs, monkeypatch):
     record = types.SimpleNamespace(details=REL.details)  # the record's dict, handed to the Release
-    monkeypatch.setattr(RI.log, "pid_text", lambda: "pid 42")
+    monkeypatch.setattr(R.log, "pid_text", lambda: "pid 42")
     layers = [layer(0), layer(1)]
     step(layers)
     step(layers)  # layer 0 again: the first pass is done, the summary is logged
@@ -833,14 +845,14 @@ def test_weight_that_cannot_be_swapped_or_guarded_is_kept_whole(logs, monkeypatc
     weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     values = weight.clone()
     ref = weakref.ref(weight)  # swap_tensors refuses a tensor that has weakrefs
-    assert RI.free_weight(weight, "w_kc of layer 4", REL.once) == 0 and not RI.is_released(weight)
+    assert R.free_weight(weight, "w_kc of layer 4", REL.once) == 0 and not R.is_released(weight)
     assert torch.equal(weight, values) and ref() is weight
     assert any("keeping w_kc of layer 4: it is held where it cannot be replaced" in line for line in logs)
     other = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     values = other.clone()
     slotted = type("Slotted", (torch.nn.Parameter,), {"__slots__": ("x",)})
     monkeypatch.setattr(tensor_release, "guarded_class", lambda cls, guard: slotted)  # __class__ assignment fails
-    assert RI.free_weight(other, "w_kc of layer 5", REL.once) == 0 and type(other) is torch.nn.Parameter
+    assert R.free_weight(other, "w_kc of layer 5", REL.once) == 0 and type(other) is torch.nn.Parameter
     assert torch.equal(other, values)
     assert any("keeping w_kc of layer 5: its class Parameter cannot be guarded" in line for line in logs)
 
@@ -851,7 +863,7 @@ def test_memory_still_held_after_the_swap_is_not_freed(logs, monkeypatch):
     base = torch.randn(4, 12, 8)
     weight = base.transpose(1, 2)
     monkeypatch.setattr(tensor_release, "_base_held_elsewhere", lambda chain: False)
-    assert RI.free_weight(weight, "w_kc of layer 6", REL.once) == 0 and RI.is_released(weight)
+    assert R.free_weight(weight, "w_kc of layer 6", REL.once) == 0 and R.is_released(weight)
     assert base.untyped_storage().nbytes() == 4 * 12 * 8 * 4
     assert any("w_kc of layer 6 is guarded but its memory still has 1 holder;" in line for line in logs)
 
@@ -929,17 +941,17 @@ def test_report_shows_the_released_mib(details, summary):
 
 def test_targets_of_a_release_with_the_mlaprolog_path():
     ctx = framework.DecideContext(environ={}, assume_triggered=False, details={"kept": 1})
-    targets = RI.targets(release_view(names=[(R.RUNTIME_CONTEXT, "get_disagg")]), ctx)
+    targets = R.targets(release_view(names=[(R.RUNTIME_CONTEXT, "get_disagg")]), ctx)
     release = ctx.process_state
-    assert isinstance(release, RI.MlaWeightReleaseState) and release.details is ctx.details
+    assert isinstance(release, R.MlaWeightReleaseState) and release.details is ctx.details
     assert (release.w8a8_attr, release.role_source) == ("quantization_config", "get_disagg")
     assert ctx.notes == ["frees memory only where the disaggregation role is prefill (qkv_a) or decode "
                          "(qkv_a, w_kc), and not with LoRA, weight updates or speculative decoding; once "
                          "it has, update_weights_* requests are refused"]
     entry, weight, predicate = targets[:3]
-    assert (entry.module, entry.qualname, entry.wrapper) == (R.MLA_NPU, "npu_mla_preprocess",
-                                                             release.wrap_npu_mla_preprocess)
-    assert entry.signatures == (R.PREPROCESS_SIG,)
+    assert isinstance(entry, framework_targets().Replace) and entry.rebind_copies and entry.must_exist
+    assert (entry.module, entry.qualname, entry.factory) == (R.MLA_NPU, "npu_mla_preprocess",
+                                                             release.npu_mla_preprocess_for)
     assert entry.pins == {ENTRY: R.PINNED[ENTRY]}
     assert (weight.module, weight.qualname, weight.wrapper) == (R.MLA_PRE, WEIGHT[1],
                                                                 release.wrap_preprocess_weight)
@@ -969,19 +981,19 @@ def framework_targets():
 
 def test_targets_read_the_w8a8_attribute_and_role_source_from_the_code():
     ctx = framework.DecideContext(environ={}, assume_triggered=False)
-    targets = RI.targets(release_view(caller=R.SCHEDULER_MIXIN, forward="d010fbeaf53c20ee"), ctx)
+    targets = R.targets(release_view(caller=R.SCHEDULER_MIXIN, forward="d010fbeaf53c20ee"), ctx)
     assert (ctx.process_state.w8a8_attr, ctx.process_state.role_source) == ("quant_config", "server_args")
     mixin = {(R.SCHEDULER_MIXIN[0], R.SCHEDULER_MIXIN[1] + "." + op) for op in R.UPDATE_OPS}
     assert all(set(t.pins) & mixin for t in targets[3:])
     ctx = framework.DecideContext(environ={}, assume_triggered=False)
-    RI.targets(release_view(forward="0000000000000000"), ctx)
+    R.targets(release_view(forward="0000000000000000"), ctx)
     assert ctx.process_state.w8a8_attr is None  # an unknown forward(): its target's pin refuses it
 
 
 def test_targets_of_a_release_without_the_mlaprolog_path_are_inactive():
     ctx = framework.DecideContext(environ={}, assume_triggered=False)
     with pytest.raises(framework.Inactive) as info:
-        RI.targets(release_view(drop=(PROLOG, ENTRY)), ctx)
+        R.targets(release_view(drop=(PROLOG, ENTRY)), ctx)
     assert str(info.value) == ("this sglang has no mlaprolog path (it appears in 0.5.9), so there is "
                                "nothing to release")
     assert ctx.process_state is None
@@ -997,7 +1009,7 @@ def test_targets_of_a_release_without_the_mlaprolog_path_are_inactive():
 def test_targets_without_a_wrapped_definition_are_unsupported(drop, missing):
     ctx = framework.DecideContext(environ={}, assume_triggered=False)
     with pytest.raises(framework.Unsupported) as info:
-        RI.targets(release_view(drop=drop), ctx)
+        R.targets(release_view(drop=drop), ctx)
     assert str(info.value) == ("%s not found, although this sglang has the mlaprolog path "
                                "(NPUFusedMLAPreprocess.forward_mlaprolog): renamed or moved in this image, so "
                                "the shim cannot tell what would still read the weights" % missing)
@@ -1006,7 +1018,7 @@ def test_targets_without_a_wrapped_definition_are_unsupported(drop, missing):
 def test_targets_without_the_schedulers_update_method_are_unsupported():
     ctx = framework.DecideContext(environ={}, assume_triggered=False)
     with pytest.raises(framework.Unsupported) as info:
-        RI.targets(release_view(caller=None), ctx)
+        R.targets(release_view(caller=None), ctx)
     assert str(info.value) == (
         "the scheduler's update_weights_from_disk was not found "
         "(sglang.srt.managers.scheduler_update_weights_mixin.SchedulerUpdateWeightsMixin or "
@@ -1033,8 +1045,8 @@ def sglang_modules(monkeypatch, **published):
 def test_disagg_role_from_where_the_release_publishes_it(monkeypatch):
     sglang_modules(monkeypatch, get_disagg=lambda: types.SimpleNamespace(disaggregation_mode="decode"),
                    server_args=lambda: types.SimpleNamespace(disaggregation_mode="prefill"))
-    assert RI.disagg_role("get_disagg") == ("decode", None)
-    assert RI.disagg_role("server_args") == ("prefill", None)
+    assert R.disagg_role("get_disagg") == ("decode", None)
+    assert R.disagg_role("server_args") == ("prefill", None)
     REL.role_source = "get_disagg"
     assert REL.disagg_role() == ("decode", None)
 
@@ -1042,40 +1054,36 @@ def test_disagg_role_from_where_the_release_publishes_it(monkeypatch):
 def test_disagg_role_that_is_no_role_says_where_it_was_read(monkeypatch):
     sglang_modules(monkeypatch, get_disagg=lambda: types.SimpleNamespace(disaggregation_mode="Decode"),
                    server_args=lambda: types.SimpleNamespace(disaggregation_mode=None))
-    assert RI.disagg_role("get_disagg") == (None, "runtime_context.get_disagg() is 'Decode'")
-    assert RI.disagg_role("server_args") == (None, "server_args.disaggregation_mode is None")
+    assert R.disagg_role("get_disagg") == (None, "runtime_context.get_disagg() is 'Decode'")
+    assert R.disagg_role("server_args") == (None, "server_args.disaggregation_mode is None")
 
 
 def test_disagg_role_not_published_says_why(monkeypatch):
     sglang_modules(monkeypatch, server_args=lambda: None)
-    assert RI.disagg_role("server_args") == (
+    assert R.disagg_role("server_args") == (
         None, "reading the disaggregation role failed: "
               "AttributeError(\"'NoneType' object has no attribute 'disaggregation_mode'\")")
-    role, why = RI.disagg_role("get_disagg")
+    role, why = R.disagg_role("get_disagg")
     assert role is None and why.startswith("reading the disaggregation role failed: ImportError(")
     assert "get_disagg" in why
 
 
 def test_server_args_are_the_published_ones(monkeypatch):
-    from npu_shim.patches._impl import _mla_weight_release_rules as rules
-
     args = types.SimpleNamespace(enable_lora=False)
     sglang_modules(monkeypatch, server_args=lambda: args)
-    assert rules.server_args() is args
+    assert R.server_args() is args
     sglang_modules(monkeypatch, server_args=lambda: None)
     with pytest.raises(ValueError) as info:
-        rules.server_args()
+        R.server_args()
     assert str(info.value) == "server args are not published"
 
 
 def test_weight_update_reasons_name_every_flag_in_order():
-    from npu_shim.patches._impl import _mla_weight_release_rules as rules
-
     every = types.SimpleNamespace(
         enable_lora=True, lora_paths=None, enable_memory_saver=True, enable_weights_cpu_backup=True,
         load_format="dummy", checkpoint_engine_wait_weights_before_ready=True,
         custom_weight_loader=["pkg.loader"], remote_instance_weight_loader_start_seed_via_transfer_engine=True)
-    assert rules.weight_update_reasons(every) == [
+    assert R.weight_update_reasons(every) == [
         "LoRA (enable_lora / lora_paths)",
         "enable_memory_saver (release/resume of weights for RL refit)",
         "enable_weights_cpu_backup (weights are restored in place)",
@@ -1084,27 +1092,25 @@ def test_weight_update_reasons_name_every_flag_in_order():
         "custom_weight_loader (update_weights_from_tensor)",
         "this instance seeds other instances' weights",
     ]
-    assert rules.weight_update_reasons(types.SimpleNamespace(lora_paths=["a=/x"])) == [
+    assert R.weight_update_reasons(types.SimpleNamespace(lora_paths=["a=/x"])) == [
         "LoRA (enable_lora / lora_paths)"]
     quiet = types.SimpleNamespace(
         enable_lora=False, lora_paths=[], enable_memory_saver=False, enable_weights_cpu_backup=False,
         load_format="auto", checkpoint_engine_wait_weights_before_ready=False, custom_weight_loader=[],
         remote_instance_weight_loader_start_seed_via_transfer_engine=False)
-    assert rules.weight_update_reasons(quiet) == [] == rules.weight_update_reasons(types.SimpleNamespace())
+    assert R.weight_update_reasons(quiet) == [] == R.weight_update_reasons(types.SimpleNamespace())
 
 
 def test_other_reader_reasons_name_speculative_decoding():
-    from npu_shim.patches._impl import _mla_weight_release_rules as rules
-
-    assert rules.other_reader_reasons(types.SimpleNamespace(speculative_algorithm="NEXTN")) == [
+    assert R.other_reader_reasons(types.SimpleNamespace(speculative_algorithm="NEXTN")) == [
         "speculative decoding (NEXTN): target-verify / draft-extend batches take the unfused path of "
         "forward_dsa_prepare_npu, which reads qkv_a_proj.weight and w_kc"]
-    assert rules.other_reader_reasons(types.SimpleNamespace(speculative_algorithm=None)) == []
-    assert rules.other_reader_reasons(types.SimpleNamespace()) == []
+    assert R.other_reader_reasons(types.SimpleNamespace(speculative_algorithm=None)) == []
+    assert R.other_reader_reasons(types.SimpleNamespace()) == []
 
 
 def test_uses_mlaprolog_method_is_upstreams_name_for_the_predicate():
-    method = RI.make_uses_mlaprolog_method("quant_config")
+    method = R.make_uses_mlaprolog_method("quant_config")
     assert (method.__name__, method.__qualname__) == ("uses_mlaprolog", "NPUFusedMLAPreprocess.uses_mlaprolog")
     assert method.__doc__ == ("Whether this layer's forward() takes the mlaprolog path (npu-shim backport "
                               "of 0.5.20).")
@@ -1116,17 +1122,17 @@ def test_uses_mlaprolog_method_is_upstreams_name_for_the_predicate():
 def test_w8a8_of_another_quantisation_method_keeps_the_mlaprolog_route():
     pre = fake_preprocess()
     pre.qkv_a_proj.quant_method.quantization_config = types.SimpleNamespace(get_name=lambda: "compressed")
-    assert RI.uses_mlaprolog(pre, "quantization_config") is True
+    assert R.uses_mlaprolog(pre, "quantization_config") is True
 
 
 # --------------------------------------------------------------------------- the state's own parts
 
 def test_state_defaults_and_fresh_details():
-    a, b = RI.MlaWeightReleaseState(), RI.MlaWeightReleaseState()
+    a, b = R.MlaWeightReleaseState(), R.MlaWeightReleaseState()
     assert (a.w8a8_attr, a.role_source) == ("quantization_config", "server_args")
     assert a.details == {} and a.details is not b.details
     details = {}
-    assert RI.MlaWeightReleaseState(details=details).details is details
+    assert R.MlaWeightReleaseState(details=details).details is details
     assert (a.summary_logged, a.first_marked) == (False, False)
 
 
@@ -1155,7 +1161,7 @@ def test_free_weight_without_a_say_warns_every_time(logs):
     weight = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
     view = weight.view(-1)
     for _ in range(2):
-        assert RI.free_weight(weight, "w_kc of layer 9") == 0
+        assert R.free_weight(weight, "w_kc of layer 9") == 0
     warnings = [line for line in logs if "other holder" in line]
     assert len(warnings) == 2 and all(line.startswith("mla_weight_release: keeping w_kc of layer 9: its memory "
                                                       "has 1 other holder (") for line in warnings)
@@ -1163,10 +1169,10 @@ def test_free_weight_without_a_say_warns_every_time(logs):
 
 
 def test_layer_list_of_single_and_unordered_ids():
-    assert RI._layer_list({"?"}) == "layer ?"
-    assert RI._layer_list({5, 3, 4, 1}) == "layers 1, 3-5"
-    assert RI._layer_list({2, 0}) == "layers 0, 2"
-    assert RI._layer_list({"b", 7, "a"}) == "layers 7, a, b"
+    assert R._layer_list({"?"}) == "layer ?"
+    assert R._layer_list({5, 3, 4, 1}) == "layers 1, 3-5"
+    assert R._layer_list({2, 0}) == "layers 0, 2"
+    assert R._layer_list({"b", 7, "a"}) == "layers 7, a, b"
 
 
 # --------------------------------------------------------------------------- the gates, word for word
@@ -1242,7 +1248,7 @@ def test_each_reason_to_release_nothing_is_warned_once_on_its_own(server, logs):
 
 def test_release_is_accounted_in_the_details_the_log_and_the_metrics(server, logs, monkeypatch):
     touched = []
-    monkeypatch.setattr(RI.metrics, "publish", lambda: touched.append(dict(REL.details)))
+    monkeypatch.setattr(R.metrics, "publish", lambda: touched.append(dict(REL.details)))
     m = layer(4)
     step([m])
     qkv, wkc = 24 * 32 * 4, 4 * 8 * 12 * 4
@@ -1265,7 +1271,7 @@ def test_release_of_a_mib_sized_weight_logs_its_size(server, logs):
 
 
 def test_summary_line_in_mib(server, logs, monkeypatch):
-    monkeypatch.setattr(RI.log, "pid_text", lambda: "pid 7")
+    monkeypatch.setattr(R.log, "pid_text", lambda: "pid 7")
     REL.released_bytes = {"qkv_a": 3 * R.MIB, "w_kc": R.MIB // 2}
     REL.layers = {0, 1, 2}
     REL._log_summary()
@@ -1286,7 +1292,7 @@ def test_refusal_message_word_for_word(server):
 
 
 def test_refusal_once_only_w_kc_is_guarded_and_its_log_line(server, logs, monkeypatch):
-    monkeypatch.setattr(RI.log, "pid_text", lambda: "pid 42")
+    monkeypatch.setattr(R.log, "pid_text", lambda: "pid 42")
     REL.guarded["w_kc"].add(3)
     loaded = []
     update = wrapt.FunctionWrapper(lambda recv_req: loaded.append(recv_req), REL.wrap_weight_update)
@@ -1304,7 +1310,7 @@ def test_refusal_once_only_w_kc_is_guarded_and_its_log_line(server, logs, monkey
 def test_qkv_a_kept_where_its_copies_are_missing_or_it_is_not_exclusive_word_for_word(server, logs):
     pre = _prepared(layer(0), lambda t: t.clone())
     del pre.kv_a_proj_weight  # a copy mlaprolog_preprocess_weight did not make
-    assert REL.free_qkv_a(pre) == 0 and not RI.is_released(pre.qkv_a_proj.weight)
+    assert REL.free_qkv_a(pre) == 0 and not R.is_released(pre.qkv_a_proj.weight)
     assert logs == ["mla_weight_release: keeping qkv_a_proj.weight of layer 0: its q_a/kv_a copies share its "
                     "memory, or its storage holds more than this weight"]
 
@@ -1338,7 +1344,7 @@ def test_w_kc_registered_as_a_buffer_is_released(server, logs):
     w_kc = m.__dict__.pop("w_kc")
     m.register_buffer("w_kc", w_kc)  # not in the module's __dict__: found as an attribute
     m.mla_preprocess = FakePreprocess(m)
-    assert REL.free_w_kc(m) == 4 * 8 * 12 * 4 and RI.is_released(m.w_kc)
+    assert REL.free_w_kc(m) == 4 * 8 * 12 * 4 and R.is_released(m.w_kc)
 
 
 def test_w_kc_of_a_layer_without_a_layer_id_or_a_preprocessors_copy(server, logs):
@@ -1346,12 +1352,12 @@ def test_w_kc_of_a_layer_without_a_layer_id_or_a_preprocessors_copy(server, logs
     m.mla_preprocess = FakePreprocess(m)
     del m.layer_id
     del m.mla_preprocess.w_kc  # the preprocessor made no copy of its own
-    assert REL.free_w_kc(m) == 0 and not RI.is_released(m.w_kc)
+    assert REL.free_w_kc(m) == 0 and not R.is_released(m.w_kc)
     assert logs == ["mla_weight_release: keeping w_kc of layer ?: the preprocessor's w_kc shares its memory, "
                     "or its storage holds more than this weight"]
     m.mla_preprocess.w_kc = m.w_kc  # the very same tensor
     REL.said.clear()
-    assert REL.free_w_kc(m) == 0 and not RI.is_released(m.w_kc) and len(logs) == 2
+    assert REL.free_w_kc(m) == 0 and not R.is_released(m.w_kc) and len(logs) == 2
 
 
 def test_w_kc_kept_by_the_role_or_the_route_says_nothing(server, logs):
@@ -1363,7 +1369,7 @@ def test_w_kc_kept_by_the_role_or_the_route_says_nothing(server, logs):
     server["role"] = "decode"
     m.quant_config.ignore = []
     assert REL.free_w_kc(m) == 0
-    assert logs == [] and not RI.is_released(m.w_kc)
+    assert logs == [] and not R.is_released(m.w_kc)
 
 
 def test_a_layer_without_w_kc_has_nothing_to_release(server, logs):
@@ -1393,12 +1399,12 @@ def test_entry_wrapper_takes_m_as_a_keyword_on_every_path(server):
     """sglang may call npu_mla_preprocess with keywords: each path hands them on."""
     m = layer(0)
     out = by_keyword(m)  # the first call
-    assert out[0].shape == (2, 16) and RI.is_released(m.w_kc) and RI._FIRST in m.__dict__
+    assert out[0].shape == (2, 16) and R.is_released(m.w_kc) and R._FIRST in m.__dict__
     assert by_keyword(m)[0].shape == (2, 16)  # the first layer again: the pass is done
-    assert RI._DONE in m.__dict__
+    assert R._DONE in m.__dict__
     assert by_keyword(m)[0].shape == (2, 16)  # a layer the wrapper has seen
     later = layer(1)
-    assert by_keyword(later)[0].shape == (2, 16) and RI.is_released(later.w_kc)  # a layer seen after the pass
+    assert by_keyword(later)[0].shape == (2, 16) and R.is_released(later.w_kc)  # a layer seen after the pass
 
 
 class SlottedPreprocess:
@@ -1417,7 +1423,7 @@ def test_a_layer_whose_preprocessor_has_no_dict_is_passed_on(server, logs):
     m.mla_preprocess = SlottedPreprocess()
     out = step([m])[0]
     assert out[0].shape == (2, 16) and float(out[1]) == 2.0
-    assert not RI.is_released(m.w_kc) and RI._FIRST in m.__dict__ and logs == []
+    assert not R.is_released(m.w_kc) and R._FIRST in m.__dict__ and logs == []
 
 
 def test_errors_are_said_once_per_process_whichever_wrapper_raised(server, logs, monkeypatch):
@@ -1444,14 +1450,14 @@ def test_aliased_qkv_a_is_warned_about_once_and_a_released_one_not_at_all(server
 
 
 def test_first_pass_marks_the_first_layer_then_says_what_was_released(server, logs, monkeypatch):
-    monkeypatch.setattr(RI.log, "pid_text", lambda: "pid 1")
+    monkeypatch.setattr(R.log, "pid_text", lambda: "pid 1")
     layers = [layer(0), layer(1), layer(2)]
     step(layers)
-    assert RI._FIRST in layers[0].__dict__ and RI._DONE not in layers[0].__dict__
-    assert all(RI._DONE in m.__dict__ and RI._FIRST not in m.__dict__ for m in layers[1:])
+    assert R._FIRST in layers[0].__dict__ and R._DONE not in layers[0].__dict__
+    assert all(R._DONE in m.__dict__ and R._FIRST not in m.__dict__ for m in layers[1:])
     assert not REL.summary_logged
     step(layers[:1])
-    assert RI._DONE in layers[0].__dict__ and REL.summary_logged
+    assert R._DONE in layers[0].__dict__ and REL.summary_logged
     assert logs[-1].startswith("mla_weight_release: released: 0.0 MiB in 3 layers")
     said = list(logs)
     step(layers)  # every layer seen: only delegated, nothing more said
@@ -1476,8 +1482,8 @@ def test_layer_first_seen_after_the_first_pass_is_released_by_its_first_call(ser
     later = layer(2)
     out = step([later])[0]
     assert out[0].shape == (2, 16)
-    assert RI.is_released(later.fused_qkv_a_proj_with_mqa.weight) and RI.is_released(later.w_kc)
-    assert REL.guarded["w_kc"] == {0, 1, 2} and RI._DONE in later.__dict__
+    assert R.is_released(later.fused_qkv_a_proj_with_mqa.weight) and R.is_released(later.w_kc)
+    assert REL.guarded["w_kc"] == {0, 1, 2} and R._DONE in later.__dict__
     assert logs[-1].startswith("mla_weight_release: more layers released: 0.0 MiB in 3 layers")
     step([later])  # done: only delegated
     assert REL.guarded["w_kc"] == {0, 1, 2}
@@ -1490,8 +1496,8 @@ def test_a_first_call_whose_release_raises_still_forwards_and_marks_the_layer(se
     monkeypatch.setattr(REL, "free_w_kc", boom)
     first, second = layer(0), layer(1)
     assert step([first, second])[1][0].shape == (2, 16)
-    assert RI._FIRST in first.__dict__ and RI._DONE in second.__dict__
-    assert not RI.is_released(second.w_kc)
+    assert R._FIRST in first.__dict__ and R._DONE in second.__dict__
+    assert not R.is_released(second.w_kc)
     assert logs.count("mla_weight_release: keeping w_kc: deciding the release raised RuntimeError('boom')") == 1
 
 

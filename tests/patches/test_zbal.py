@@ -19,7 +19,6 @@ from npu_shim.runtime import decisions, targets
 from npu_shim.core.loading import all_variables
 from npu_shim.source.codeview import SourceView
 from npu_shim.patches import zbal as zp
-from npu_shim.patches._impl import zbal as zimpl
 
 from shimdev import realsglang, simzbal
 
@@ -35,7 +34,7 @@ _VIEWS = {}
 
 
 # The wrappers' per-process state, as a decision builds it (the fixture starts each test afresh).
-PROC = zimpl.ZbalState()
+PROC = zp.ZbalState()
 
 
 def view(version):
@@ -54,7 +53,7 @@ def zb(simnpu_clean, zbal_pkg, monkeypatch):
     monkeypatch.setenv("SGLANG_ZBAL_LOCAL_MEM_SIZE", "61440")
     for name in ("SGLANG_ZBAL_BOOTSTRAP_URL", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(zimpl, "_world_group", lambda: types.SimpleNamespace(
+    monkeypatch.setattr(zp, "_world_group", lambda: types.SimpleNamespace(
         world_size=1, rank_in_group=0, cpu_group=None))
     yield zbal_pkg
     PROC.__init__()
@@ -237,7 +236,9 @@ def test_source_checks_guard_what_the_wrappers_rely_on():
 
 def test_zbal_missing_fails_before_anything_is_patched(zb, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "zbal", None)  # find_spec -> None, import fails
-    target = framework.targets_for(zp.PATCH, view("0.5.11"))[1][0]
+    found = framework.targets_for(zp.PATCH, view("0.5.11"))[1]
+    assert all(t.requires is zp.require_zbal for t in found)  # every target, whichever module is first
+    target = found[0]
     module = types.ModuleType("sglang.srt.utils.common")
     module.get_available_gpu_memory = lambda device, gpu_id, distributed=False, empty_cache=True, cpu_group=None: 0
     with pytest.raises(zp.ZbalError) as exc:
@@ -246,7 +247,7 @@ def test_zbal_missing_fails_before_anything_is_patched(zb, monkeypatch):
     assert "memfabric-zbal" in msg and "SGLANG_ZBAL_LOCAL_MEM_SIZE=61440" in msg
     assert "not importable" in msg
     with pytest.raises(zp.ZbalError) as exc:
-        zimpl.zbal_module()
+        zp.zbal_module()
     assert "memfabric-zbal" in str(exc.value) and "import failed" in str(exc.value)
 
 
@@ -263,7 +264,7 @@ class FakeScheduler:
         self.buffer = torch.empty(4, device="npu")
 
 
-wrap_method(FakeScheduler, "__init__", PROC.scheduler_init_wrapper(zimpl.SCHEDULER_INIT_SIGS[1]))
+wrap_method(FakeScheduler, "__init__", PROC.scheduler_init_wrapper(zp.SCHEDULER_INIT_SIGS[1]))
 
 
 def server_args(tp=4, pp=1):
@@ -436,7 +437,7 @@ def test_gva_size_from_the_device_total(zb, simnpu_clean, monkeypatch, total, fr
 
 def test_in_use_rounds_up_partial_mib(zb, simnpu_clean, monkeypatch):
     monkeypatch.setattr(torch.npu, "mem_get_info", lambda device=None: (20000 * MIB - 1, 65536 * MIB))
-    size, in_use, total = zimpl.gva_size_mib(61440, 1, None)
+    size, in_use, total = zp.gva_size_mib(61440, 1, None)
     assert (in_use, total) == (45537, 65536) and size == (61440 - 45537) // 128 * 128
 
 
@@ -449,7 +450,7 @@ def test_gva_size_uses_the_largest_in_use_across_ranks(zb, simnpu_clean, monkeyp
 
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
     simnpu_clean.set_memory(total_mib=65536, free_mib=30000)
-    size, in_use, _ = zimpl.gva_size_mib(61440, 2, "cpu-group")
+    size, in_use, _ = zp.gva_size_mib(61440, 2, "cpu-group")
     assert seen == {"op": torch.distributed.ReduceOp.MAX, "group": "cpu-group"}
     assert in_use == 50000 and size == 11392
 
@@ -563,7 +564,7 @@ def cpu_group():
 def test_available_memory_full_mode_matches_the_original_contract(zb, simnpu_clean, cpu_group, version,
                                                                    kwargs):
     original = original_function(version, "get_available_gpu_memory")
-    wrapped = wrapt.FunctionWrapper(original, zimpl.get_available_gpu_memory)
+    wrapped = wrapt.FunctionWrapper(original, zp.get_available_gpu_memory)
     if kwargs.get("distributed"):
         kwargs = dict(kwargs, cpu_group=cpu_group)
     heap_free = 12345 * MIB + 777
@@ -588,7 +589,7 @@ def test_available_memory_full_mode_matches_the_original_contract(zb, simnpu_cle
 
 def test_available_memory_positional_arguments(zb, simnpu_clean, cpu_group):
     original = original_function("0.5.11", "get_available_gpu_memory")
-    wrapped = wrapt.FunctionWrapper(original, zimpl.get_available_gpu_memory)
+    wrapped = wrapt.FunctionWrapper(original, zp.get_available_gpu_memory)
     simzbal.STATE.heap_free = 3 * GIB
     assert wrapped("npu", 0, True, False, cpu_group) == 3.0
     assert simnpu_clean.events("empty_cache") == []
@@ -596,28 +597,28 @@ def test_available_memory_positional_arguments(zb, simnpu_clean, cpu_group):
 
 def test_available_memory_mix_mode_and_other_devices_are_the_original(zb, simnpu_clean):
     original = original_function("0.5.11", "get_available_gpu_memory")
-    wrapped = wrapt.FunctionWrapper(original, zimpl.get_available_gpu_memory)
+    wrapped = wrapt.FunctionWrapper(original, zp.get_available_gpu_memory)
     simzbal.STATE.mix = True
     simnpu_clean.set_memory(total_mib=65536, free_mib=4096)
     assert wrapped("npu", 0) == original("npu", 0) == 4.0
     assert simzbal.calls("get_heap_stats") == []
     seen = []
     passthrough = wrapt.FunctionWrapper(lambda *a, **k: seen.append((a, k)) or 7.0,
-                                        zimpl.get_available_gpu_memory)
+                                        zp.get_available_gpu_memory)
     assert passthrough("cuda", 1, distributed=True) == 7.0
     assert seen == [(("cuda", 1), {"distributed": True})]
 
 
 def test_available_memory_asserts_the_gpu_id_like_the_original(zb, simnpu_clean):
     wrapped = wrapt.FunctionWrapper(original_function("0.5.11", "get_available_gpu_memory"),
-                                    zimpl.get_available_gpu_memory)
+                                    zp.get_available_gpu_memory)
     with pytest.raises(AssertionError):
         wrapped("npu", 5)
 
 
 def test_npu_memory_capacity_is_the_configured_size(zb, simnpu_clean, monkeypatch):
     original = original_function("0.5.11", "get_npu_memory_capacity")
-    wrapped = wrapt.FunctionWrapper(original, zimpl.get_npu_memory_capacity)
+    wrapped = wrapt.FunctionWrapper(original, zp.get_npu_memory_capacity)
     simnpu_clean.set_memory(total_mib=65536)
     assert original() == 65536
     assert wrapped() == 61440
@@ -688,7 +689,7 @@ def _recorder():
 
 def test_hccl_becomes_zbal_where_the_release_has_no_map(zb):
     seen, body = _recorder()
-    wrapper = PROC.init_dist_wrapper(zimpl.INIT_DIST_SIGS[0], hccl_means_npu=True)
+    wrapper = PROC.init_dist_wrapper(zp.INIT_DIST_SIGS[0], hccl_means_npu=True)
     wrapped = wrapt.FunctionWrapper(body, wrapper)
     wrapped(backend="hccl", world_size=2, rank=0, local_rank=0, distributed_init_method="tcp://x:1")
     wrapped(2, 0, "tcp://x:1", 0, "hccl", None)
@@ -701,7 +702,7 @@ def test_hccl_becomes_zbal_where_the_release_has_no_map(zb):
 
 def test_with_a_map_hccl_is_left_alone(zb):
     seen, body = _recorder()
-    wrapper = PROC.init_dist_wrapper(zimpl.INIT_DIST_SIGS[0], hccl_means_npu=False)
+    wrapper = PROC.init_dist_wrapper(zp.INIT_DIST_SIGS[0], hccl_means_npu=False)
     wrapped = wrapt.FunctionWrapper(body, wrapper)
     wrapped(backend="hccl")
     wrapped(backend="zbal")
@@ -747,7 +748,7 @@ class FakeScheduler057:
 
 def test_scheduler_signature_of_0_5_7(zb, simnpu_clean):
     params = view("0.5.7").function(zp.SCHEDULER, "Scheduler.__init__").params
-    assert params == zimpl.SCHEDULER_INIT_SIGS[0]
+    assert params == zp.SCHEDULER_INIT_SIGS[0]
     wrap_method(FakeScheduler057, "__init__", PROC.scheduler_init_wrapper(params))
     FakeScheduler057(server_args(tp=8), None, 5, 6, 0, 0, None)
     args, = inits()
@@ -759,7 +760,7 @@ def test_scheduler_signature_of_0_5_7(zb, simnpu_clean):
 def _sized(monkeypatch, configured, in_use_bytes, total_mib=65536):
     monkeypatch.setattr(torch.npu, "mem_get_info",
                         lambda device=None: (total_mib * MIB - in_use_bytes, total_mib * MIB))
-    return zimpl.gva_size_mib(configured, 1, None)
+    return zp.gva_size_mib(configured, 1, None)
 
 
 @pytest.mark.parametrize("left", [-1, 0, 1, 2, 127])

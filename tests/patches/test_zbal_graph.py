@@ -12,8 +12,7 @@ import pytest
 import torch
 import wrapt
 
-from npu_shim.patches._impl import zbal as zimpl
-
+from npu_shim.patches import zbal as zp
 from shimdev import simzbal
 
 SWITCH = "ZBAL_ENABLE_GRAPH"
@@ -21,7 +20,7 @@ POOL_HOOKS = ["set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_
 BASE_HOOKS = ["set_init_fn", "set_reset_fn", "set_record_stream_fn", "set_erase_stream_fn",
               "set_get_device_stats_fn"]
 
-PROC = zimpl.ZbalState()
+PROC = zp.ZbalState()
 
 
 class Scheduler:
@@ -34,7 +33,7 @@ class Scheduler:
 
 
 Scheduler.__init__ = wrapt.FunctionWrapper(
-    Scheduler.__dict__["__init__"], PROC.scheduler_init_wrapper(zimpl.SCHEDULER_INIT_SIGS[1]))
+    Scheduler.__dict__["__init__"], PROC.scheduler_init_wrapper(zp.SCHEDULER_INIT_SIGS[1]))
 
 
 @pytest.fixture

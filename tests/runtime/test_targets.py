@@ -152,31 +152,9 @@ def test_the_wrappers_types_read_as_wrapts_and_live_in_the_shim():
     assert wrapped() == 1 and bound() == 2
 
 
-def test_a_plain_function_reaches_its_wrapper_with_no_instance_and_is_never_asked_for_self():
-    """The shim's wrapper class calls the wrapper of a plain function itself, with instance None,
-    without asking the function for ``__self__`` (wrapt's C ``__call__`` asks on every call, raising
-    and clearing an AttributeError: what the eager-mode budget row measures).  A function given a
-    ``__self__`` attribute shows it: wrapt's own class would pass that as the instance."""
-    from npu_shim.runtime import wrapt_loader
-
-    seen = []
-
-    def record(wrapped, instance, args, kwargs):
-        seen.append(instance)
-        return wrapped(*args, **kwargs)
-
-    def f(a, b=2):
-        return a + b
-
-    f.__self__ = "not asked"
-    assert targets.function_wrapper(f, record)(1, b=3) == 4
-    assert wrapt_loader.load().FunctionWrapper(f, record)(1) == 3
-    assert seen == [None, "not asked"]
-
-
 def test_a_bound_method_or_a_builtin_called_through_the_wrapper_keeps_wrapts_binding():
-    """Anything but a plain function goes through wrapt's own ``__call__``: a bound method's
-    ``__self__`` is the instance the wrapper gets."""
+    """The wrapper gets wrapt's binding: a bound method's ``__self__`` is the instance it is
+    given; a builtin is wrapped too."""
     seen = []
 
     def record(wrapped, instance, args, kwargs):

@@ -10,7 +10,6 @@ from shimdev import simnpu
 from shimdev.programs import emit
 from npu_shim.runtime import activation
 from npu_shim.patches import mla_weight_release as R
-from npu_shim.patches._impl import mla_weight_release as RI
 from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P
 from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
 
@@ -72,15 +71,16 @@ def passes(layers=3, count=2):
             "types": sorted({(type(m.fused_qkv_a_proj_with_mqa.weight).__name__, type(m.w_kc).__name__)
                              for m in ms}),
             "touch": touch(lambda: ms[-1].w_kc.sum()),
-            "wrappers": state["wrappers"], "details": state["details"]}
+            "wrappers": state["wrappers"], "targets": state["targets"], "details": state["details"]}
 
 from sglang.srt.managers import tp_worker as TW  # noqa: E402 - imported where the update ops are checked
 out = {"state": activation.RUNTIME.states()["mla_weight_release"]["state"],
-       "wrapped": type(N.npu_mla_preprocess).__name__,
+       "wrapped": type(N.npu_mla_preprocess).__name__
+                  + (" over sglang's" if hasattr(N.npu_mla_preprocess, "__wrapped__") else ""),
        "updates_wrapped": sorted(op for op in R.UPDATE_OPS
                                  if type(TW.BaseTpWorker.__dict__[op]).__name__ == "FunctionWrapper"),
        "method_is_predicate": P.NPUFusedMLAPreprocess.uses_mlaprolog.__code__
-                              is RI.make_uses_mlaprolog_method("x").__code__}
+                              is R.make_uses_mlaprolog_method("x").__code__}
 out["decode"], m = case("decode")
 out["decode_through_wrapper"] = called() is N.npu_mla_preprocess and not is_sglangs(called())
 c = K.CONFIGS["glm-5"]

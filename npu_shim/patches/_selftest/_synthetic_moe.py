@@ -186,7 +186,7 @@ def measure(device, device_module=None, dtype=None, **overrides):
 
     import torch
 
-    from npu_shim.patches._impl import dual_stream_experts as ds
+    from npu_shim.patches import dual_stream_experts as ds
 
     p = dict(DEFAULTS, **overrides)
     dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
@@ -220,7 +220,7 @@ def graph_check(step, **overrides):
     ``TARGET_VERIFY`` forward."""
     import types
 
-    from npu_shim.patches._impl import dual_stream_experts as ds
+    from npu_shim.patches import dual_stream_experts as ds
     from npu_shim.patches._selftest import _graphs
 
     torch, dm, device = step.torch, step.dm, _graphs.device(step)

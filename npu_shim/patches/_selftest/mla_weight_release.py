@@ -82,7 +82,7 @@ def _graph_part(step, mla, once):
 
 def run(step):
     """Each config's layer freed through the shim's own ``free_weight``; (ok, line, facts)."""
-    from npu_shim.patches._impl import mla_weight_release as mla
+    from npu_shim.patches import mla_weight_release as mla
 
     torch, device, simulated, progress = step.torch, step.device, step.simulated, step.progress
 

@@ -57,13 +57,13 @@ def run(step):
     import types
 
     from npu_shim.patches import zbal as zbal_patch
-    from npu_shim.patches._impl import zbal as zbal_impl
+    from npu_shim.patches import zbal as patch_module
 
     torch, index, simulated, progress = step.torch, step.index, step.simulated, step.progress
     zbal_mib = step.options["zbal_mib"]
 
     progress("importing zbal and sglang.srt.utils.common (the shim wraps its memory queries)")
-    zbal = zbal_impl.zbal_module()
+    zbal = patch_module.zbal_module()
     from sglang.srt.utils import common
 
     record = step.record()

@@ -28,6 +28,9 @@ checked:
   which little is free: the KV cache is real memory) the same tokens, KV cache and order of
   events, the GVA size differing by design (upstream's in use is 61.2 GB - free, the shim's the
   device total - free);
+* with a draft model (GLM-4 MoE and its NextN layer, 0.5.8, zbal mix mode, graphs on): zbal set up
+  once in the scheduler -- heap, allocator swap, pool hooks -- by the target's ModelRunner before
+  its target-verify captures, none by the draft worker's; the verify graphs replayed per step;
 * every process named with its role in its summary line (the launcher, each scheduler with
   ``tp r/n``, the detokenizer), and the states it logs in sglang's own ``/metrics`` (every server
   runs with ``--enable-metrics``), read as an operator reads them;
@@ -48,7 +51,7 @@ from pathlib import Path
 
 import pytest
 
-from shimdev.server import journal, models
+from shimdev.server import journal, models, moe_job
 from shimdev.server.pool import ServerPool
 from shimdev.server.process import Server, current_states, free_port, session_pids, shim_metrics, summaries
 
@@ -143,8 +146,8 @@ class Servers:
         return self.pool.get((name, version), lambda: self._start(name, version, **options))
 
     def _start(self, name, version, *, shim="on", tp=1, env=None, zbal_mib=None, mix=False,
-               args=(), graphs=True):
-        model = models.ensure_model("qwen2", version)
+               args=(), graphs=True, model_kind="qwen2"):
+        model = models.ensure_model(model_kind, version)
         journal_dir = Path(tempfile.mkdtemp(prefix=f"journal-{name}-{version}-", dir=self.tmp))
         env = {"SIMNPU_TOTAL_MIB": DEVICE_MIB, "SIMNPU_JOURNAL_DIR": str(journal_dir), **(env or {})}
         if zbal_mib:
@@ -430,6 +433,54 @@ def test_upstream_0_5_12_mix_mode_differs_from_the_backport_by_the_documented_gv
     assert abs(up_mib - shim_mib - gap) <= 128 + 16, (up_mib, shim_mib)
     # the shim's heap fits in what the device has free; upstream's is larger than that
     assert shim_mib <= total - used and up_mib << 20 > free
+
+
+# -- a draft model ---------------------------------------------------------------------------------------
+
+#: Speculative decoding: GLM-4 MoE with its NextN (MTP) layer as the draft (moe_job.SPEC_ARGS: one
+#: draft step, two tokens per verify) on 0.5.8, the release that serves that job
+#: (tests/test_real_server_moe.py), here without DeepEP (its simulated low-latency dispatch reads
+#: its counts to the host, which no capture takes).
+SPEC_VERSION = "0.5.8"
+SPEC_ENV = {k: v for k, v in moe_job.NPU_ENV.items() if k != "SIMNPU_TOTAL_MIB"}
+
+
+@pytest.mark.xdist_group("server-0.5.9")
+def test_with_a_draft_model_zbal_is_set_up_once_and_the_target_verify_capture_runs(servers):
+    """zbal in mix mode with graphs on and a draft worker: the target's ModelRunner makes the heap
+    after its KV cache and before its captures; the draft worker's ModelRunner, initialised after
+    the target's captures in the same scheduler, makes no second heap, no second allocator swap,
+    no second set of pool hooks.  A speculative target captures TARGET_VERIFY (sglang's
+    CudaGraphRunner), here of batch sizes 1 and 2, each into zbal's heap; one draft step captures
+    no draft graph.  Each decode step replays a verify graph."""
+    spec = servers.get("spec-mix", SPEC_VERSION, model_kind="glm4_moe_mtp", zbal_mib=MIX_HEAP_MIB, mix=True,
+                       env=SPEC_ENV, args=list(moe_job.SPEC_ARGS))
+    (entries,) = scheduler_journals(spec)
+    before = kinds_of(entries).count("replay")
+    assert len(spec.generate(TOKEN_PROMPTS[0], NEW_TOKENS)) == NEW_TOKENS
+    (entries,) = scheduler_journals(spec)
+    order = kinds_of(entries)
+    # each verify step gives one or two tokens: the 7 after the prefill's need 4 to 7 replays
+    assert NEW_TOKENS // 2 <= order.count("replay") - before <= NEW_TOKENS - 1
+    # zbal: one heap, one allocator swap, one set of hooks, all before the first capture
+    assert order.count("zbal:zbal_bootstrap") == 1 and order.count("change_allocator") == 1
+    hooks = [e["event"][1] for e in entries if kind(e) == "allocator_fn"]
+    assert all(hooks.count(h) == 1 for h in POOL_HOOKS), hooks
+    assert order.index("zbal:zbal_bootstrap") < order.index("capture_begin")
+    assert_captured_into_zbal_s_heap(entries)
+    # the log: the target's KV cache, its heap, its captures, then the draft's weights and KV cache
+    # -- and no second heap
+    log = spec.log_text()
+    heaps = re.findall(r"zbal: rank 0 initialised a (\d+) MiB GVA heap", log)
+    assert len(heaps) == 1 and len(re.findall(r"^\[ZBAL\] rank 0 allocated", log, re.M)) == 1
+    draft = log.index("Load weight end. type=Glm4MoeForCausalLMNextN")
+    assert log.index("KV Cache is allocated") < log.index("GVA heap") < log.index("Capture cuda graph end") < draft
+    assert "KV Cache is allocated" in log[draft:]  # the draft worker's own KV cache
+    assert log.count("Capture cuda graph begin") == 1 and "draft cuda graph" not in log.lower()
+    # sglang's /metrics: the heap once, in the scheduler, with zbal's pool hooks
+    details = shim_metrics(spec)["detail"]
+    (zbal,) = [values for (pid, patch), values in details.items() if patch == "zbal"]
+    assert (zbal["gva_mib"], zbal["graph_pool_hooks"], zbal["device_total_mib"]) == (int(heaps[0]), 1, CARD_MIB)
 
 
 # -- two nodes -----------------------------------------------------------------------------------------

@@ -5,6 +5,9 @@ wheel): what initialises the device, what refuses an allocator swap and what a s
 follow its Python layer (``torch_npu/npu/utils.py``, ``memory.py``, ``streams.py``, ``__init__.py``)
 and, where that calls into C++, Ascend/pytorch's sources as named at each place.
 
+``torch.Generator(device="npu")`` makes an NPU generator (``install_generators``): torch asks the
+PrivateUse1 hooks torch_npu registers in C++, which Python cannot register.
+
 Everything is synchronous CPU work; streams and events only *record* what was asked of them in
 ``simnpu.EVENTS`` so tests can assert ordering ("side-1 waited for main before ...").
 """

@@ -24,7 +24,13 @@ checked:
   queries a capture forbids, so a server that serves proves the rest);
 * the backport against upstream's own: a 0.5.12 server (zbal upstream, the shim standing down)
   with the same settings serves the same tokens from the same heap and KV cache, but captures
-  unpooled (upstream never sets ``ZBAL_ENABLE_GRAPH``);
+  unpooled (upstream never sets ``ZBAL_ENABLE_GRAPH``); in mix mode (TP 2, on a 64 GB card of
+  which little is free: the KV cache is real memory) the same tokens, KV cache and order of
+  events, the GVA size differing by design (upstream's in use is 61.2 GB - free, the shim's the
+  device total - free);
+* with a draft model (GLM-4 MoE and its NextN layer, 0.5.8, zbal mix mode, graphs on): zbal set up
+  once in the scheduler -- heap, allocator swap, pool hooks -- by the target's ModelRunner before
+  its target-verify captures, none by the draft worker's; the verify graphs replayed per step;
 * every process named with its role in its summary line (the launcher, each scheduler with
   ``tp r/n``, the detokenizer), and the states it logs in sglang's own ``/metrics`` (every server
   runs with ``--enable-metrics``), read as an operator reads them;
@@ -45,7 +51,7 @@ from pathlib import Path
 
 import pytest
 
-from shimdev.server import journal, models
+from shimdev.server import journal, models, moe_job
 from shimdev.server.pool import ServerPool
 from shimdev.server.process import Server, current_states, free_port, session_pids, shim_metrics, summaries
 
@@ -53,7 +59,14 @@ RELEASES = ("0.5.9", "0.5.11")
 DEVICE_MIB = 512           # the simulated device (SIMNPU_TOTAL_MIB); its KV cache is real memory
 MEM_FRACTION = 0.5         # --mem-fraction-static (sglang's default needs a bigger device)
 HEAP_MIB = 256             # SGLANG_ZBAL_LOCAL_MEM_SIZE in full mode
-MIX_HEAP_MIB = 512         # ... in mix mode
+#: Mix mode runs on a 64 GB card (SIMNPU_TOTAL_MIB) with DEVICE_MIB of it free at start
+#: (SIMNPU_FREE_MIB; the simulation allocates nothing for the rest): sglang sizes the KV cache
+#: from free memory, so it is the same real memory as on a DEVICE_MIB device, while zbal's GVA size
+#: is taken against a card's total -- the shim's from the device's, upstream's (0.5.12) from a
+#: hard-coded 61.2 GB, right only on a 64 GB card (npu_shim/patches/zbal.py).
+CARD_MIB = 65536
+MIX_HEAP_MIB = CARD_MIB    # SGLANG_ZBAL_LOCAL_MEM_SIZE in mix mode: the card
+UPSTREAM_TOTAL_GB = 61.2   # upstream's lazy_init_zbal_gva_mem: "in use" = this - free (GiB)
 PAGE = 128                 # sglang's NPU page size
 #: The fixed greedy requests: /generate on token ids, the openai chat and completions clients.
 TOKEN_PROMPTS = ([5, 6, 7, 8], [100, 200, 300, 400, 500, 600, 700])
@@ -133,15 +146,15 @@ class Servers:
         return self.pool.get((name, version), lambda: self._start(name, version, **options))
 
     def _start(self, name, version, *, shim="on", tp=1, env=None, zbal_mib=None, mix=False,
-               args=(), graphs=True):
-        model = models.ensure_model("qwen2", version)
+               args=(), graphs=True, model_kind="qwen2"):
+        model = models.ensure_model(model_kind, version)
         journal_dir = Path(tempfile.mkdtemp(prefix=f"journal-{name}-{version}-", dir=self.tmp))
         env = {"SIMNPU_TOTAL_MIB": DEVICE_MIB, "SIMNPU_JOURNAL_DIR": str(journal_dir), **(env or {})}
         if zbal_mib:
             env["SGLANG_ZBAL_LOCAL_MEM_SIZE"] = zbal_mib
             env["SGLANG_ZBAL_BOOTSTRAP_URL"] = "tcp://127.0.0.1:%d" % free_port()
         if mix:
-            env["SIMZBAL_MIX"] = "1"
+            env.update(SIMZBAL_MIX="1", SIMNPU_TOTAL_MIB=CARD_MIB, SIMNPU_FREE_MIB=DEVICE_MIB)
         all_args = ["--mem-fraction-static", str(MEM_FRACTION), "--tp-size", str(tp), "--enable-metrics", *args]
         server = Server(version, model, args=all_args, env=env, zbal=bool(zbal_mib), shim=shim,
                         log_path=self.tmp / f"{name}-{version}.log", graphs=graphs)
@@ -332,7 +345,7 @@ def test_mix_mode_tp2_one_world_heap_after_the_kv_cache(servers, version):
                        r"\((\d+) MiB configured, (\d+) of (\d+) MiB in use\)", log)
     assert sorted((h[0], h[1]) for h in heaps) == [("0", "0"), ("1", "1")], heaps
     for _, _, heap, configured, used, total in heaps:
-        assert int(configured) == MIX_HEAP_MIB and int(total) == DEVICE_MIB
+        assert int(configured) == MIX_HEAP_MIB and int(total) == CARD_MIB
         # the shim's rule: configured - in use, aligned down to 128 MiB
         assert int(heap) == (MIX_HEAP_MIB - int(used)) // 128 * 128
         # in use: at least the rank's KV cache, placed before the heap was made
@@ -360,6 +373,114 @@ def test_mix_mode_tp2_one_world_heap_after_the_kv_cache(servers, version):
         (boot,) = [e for e in entries if kind(e) == "zbal:zbal_bootstrap"]
         assert boot["live_npu_bytes"] >= kv_bytes and not boot["capturing"]
         assert_captured_into_zbal_s_heap(entries)
+
+
+def upstream_gva_mib(configured_mib, free_bytes) -> int:
+    """sglang 0.5.12's ``lazy_init_zbal_gva_mem``: free memory from ``get_available_gpu_memory``
+    (the MIN over the ranks, through a float32 tensor, in GiB), in use = 61.2 - free GiB, the
+    size = configured - in use (whole MiB), aligned down to 128 MiB."""
+    import torch
+
+    free_gib = torch.tensor(free_bytes, dtype=torch.float32).item() / (1 << 30)
+    size = configured_mib - int((UPSTREAM_TOTAL_GB - free_gib) * 1024)
+    return size - size % 128
+
+
+@pytest.mark.xdist_group("server-0.5.11")
+def test_upstream_0_5_12_mix_mode_differs_from_the_backport_by_the_documented_gva_size(servers):
+    """sglang 0.5.12's own mix mode (the shim standing down) beside the backport's on 0.5.11, both
+    TP 2 with graphs on the same 64 GB card and settings: the same tokens, the KV cache sized alike
+    from the device, the heap made once per rank after the KV cache and before the first capture.
+    What differs by design is the GVA size: upstream takes in use as 61.2 GB - free, the shim as
+    the device's total - free, so on this card upstream's heap is the 2.8 GB between them larger
+    (more than the device has free); and upstream captures unpooled (no ZBAL_ENABLE_GRAPH)."""
+    version = "0.5.11"
+    backport = servers.get("mix-tp2", version, tp=2, zbal_mib=MIX_HEAP_MIB, mix=True)
+    upstream = servers.get("upstream-mix-tp2", "0.5.12", tp=2, zbal_mib=MIX_HEAP_MIB, mix=True)
+    assert servers.answers_of("upstream-mix-tp2", "0.5.12") == servers.answers_of("mix-tp2", version)
+    for server in (upstream, backport):  # sized from the device before the heap, as without zbal
+        assert (expected_kv_tokens(DEVICE_MIB, 2, server.model_dir) <= kv_tokens(server)
+                <= expected_kv_tokens(DEVICE_MIB, 2, server.model_dir, weights=False)), server.name
+    assert any(re.search(r"tp [01]/2\] zbal=upstream ", ln) for ln in shim_lines(upstream))
+    assert "GVA heap" not in upstream.log_text()  # the backport's own line: upstream's runs
+    kv_bytes = kv_tokens(upstream) * kv_bytes_per_token(upstream.model_dir, 2)
+    ranks = scheduler_journals(upstream)
+    assert len(ranks) == 2
+    boots = []
+    for entries in ranks:
+        order = kinds_of(entries)
+        assert order.count("zbal:zbal_bootstrap") == 1
+        assert order.index("zbal:zbal_bootstrap") < order.index("capture_begin")
+        (boot,) = [e for e in entries if kind(e) == "zbal:zbal_bootstrap"]
+        assert boot["live_npu_bytes"] >= kv_bytes and not boot["capturing"]
+        boots.append(boot)
+        # upstream never sets ZBAL_ENABLE_GRAPH: zbal gets no pool hooks, its captures no pool
+        hooks = [e["event"][1] for e in entries if kind(e) == "allocator_fn"]
+        assert not set(POOL_HOOKS) & set(hooks) and "zbal:pool_begin" not in order
+        assert order.count("capture_begin") == 2
+    # upstream's size, from the free memory each rank had when it asked (the MIN over the ranks)
+    free = min(DEVICE_MIB * (1 << 20) - b["live_npu_bytes"] - b["graph_pool_bytes"] for b in boots)
+    up_mib = upstream_gva_mib(MIX_HEAP_MIB, free)
+    assert {b["event"][2]["deviceMemorySize"] for b in boots} == {up_mib << 20}
+    assert sorted(re.findall(r"^\[ZBAL\] rank (\d) allocated (\d+) MB gva space\.$", upstream.log_text(),
+                             re.M)) == [("0", str(up_mib)), ("1", str(up_mib))]
+    # the backport's, from the device total: smaller by the card's 64 GB - 61.2 GB (to the
+    # 128 MiB alignment and the few MiB the two releases' processes hold differently)
+    ((shim_mib, used, total),) = {tuple(map(int, h)) for h in re.findall(
+        r"initialised a (\d+) MiB GVA heap \(\d+ MiB configured, (\d+) of (\d+) MiB in use\)",
+        backport.log_text())}
+    gap = CARD_MIB - UPSTREAM_TOTAL_GB * 1024
+    assert abs(up_mib - shim_mib - gap) <= 128 + 16, (up_mib, shim_mib)
+    # the shim's heap fits in what the device has free; upstream's is larger than that
+    assert shim_mib <= total - used and up_mib << 20 > free
+
+
+# -- a draft model ---------------------------------------------------------------------------------------
+
+#: Speculative decoding: GLM-4 MoE with its NextN (MTP) layer as the draft (moe_job.SPEC_ARGS: one
+#: draft step, two tokens per verify) on 0.5.8, the release that serves that job
+#: (tests/test_real_server_moe.py), here without DeepEP (its simulated low-latency dispatch reads
+#: its counts to the host, which no capture takes).
+SPEC_VERSION = "0.5.8"
+SPEC_ENV = {k: v for k, v in moe_job.NPU_ENV.items() if k != "SIMNPU_TOTAL_MIB"}
+
+
+@pytest.mark.xdist_group("server-0.5.9")
+def test_with_a_draft_model_zbal_is_set_up_once_and_the_target_verify_capture_runs(servers):
+    """zbal in mix mode with graphs on and a draft worker: the target's ModelRunner makes the heap
+    after its KV cache and before its captures; the draft worker's ModelRunner, initialised after
+    the target's captures in the same scheduler, makes no second heap, no second allocator swap,
+    no second set of pool hooks.  A speculative target captures TARGET_VERIFY (sglang's
+    CudaGraphRunner), here of batch sizes 1 and 2, each into zbal's heap; one draft step captures
+    no draft graph.  Each decode step replays a verify graph."""
+    spec = servers.get("spec-mix", SPEC_VERSION, model_kind="glm4_moe_mtp", zbal_mib=MIX_HEAP_MIB, mix=True,
+                       env=SPEC_ENV, args=list(moe_job.SPEC_ARGS))
+    (entries,) = scheduler_journals(spec)
+    before = kinds_of(entries).count("replay")
+    assert len(spec.generate(TOKEN_PROMPTS[0], NEW_TOKENS)) == NEW_TOKENS
+    (entries,) = scheduler_journals(spec)
+    order = kinds_of(entries)
+    # each verify step gives one or two tokens: the 7 after the prefill's need 4 to 7 replays
+    assert NEW_TOKENS // 2 <= order.count("replay") - before <= NEW_TOKENS - 1
+    # zbal: one heap, one allocator swap, one set of hooks, all before the first capture
+    assert order.count("zbal:zbal_bootstrap") == 1 and order.count("change_allocator") == 1
+    hooks = [e["event"][1] for e in entries if kind(e) == "allocator_fn"]
+    assert all(hooks.count(h) == 1 for h in POOL_HOOKS), hooks
+    assert order.index("zbal:zbal_bootstrap") < order.index("capture_begin")
+    assert_captured_into_zbal_s_heap(entries)
+    # the log: the target's KV cache, its heap, its captures, then the draft's weights and KV cache
+    # -- and no second heap
+    log = spec.log_text()
+    heaps = re.findall(r"zbal: rank 0 initialised a (\d+) MiB GVA heap", log)
+    assert len(heaps) == 1 and len(re.findall(r"^\[ZBAL\] rank 0 allocated", log, re.M)) == 1
+    draft = log.index("Load weight end. type=Glm4MoeForCausalLMNextN")
+    assert log.index("KV Cache is allocated") < log.index("GVA heap") < log.index("Capture cuda graph end") < draft
+    assert "KV Cache is allocated" in log[draft:]  # the draft worker's own KV cache
+    assert log.count("Capture cuda graph begin") == 1 and "draft cuda graph" not in log.lower()
+    # sglang's /metrics: the heap once, in the scheduler, with zbal's pool hooks
+    details = shim_metrics(spec)["detail"]
+    (zbal,) = [values for (pid, patch), values in details.items() if patch == "zbal"]
+    assert (zbal["gva_mib"], zbal["graph_pool_hooks"], zbal["device_total_mib"]) == (int(heaps[0]), 1, CARD_MIB)
 
 
 # -- two nodes -----------------------------------------------------------------------------------------

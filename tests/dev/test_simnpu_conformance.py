@@ -396,6 +396,7 @@ GRAPH_MESSAGES = [
     ("MSG_END_STREAM", "lib"), ("MSG_REPLAY", "lib"), ("MSG_POOL", "lib"), ("MSG_UNJOINED", "lib"),
     ("MSG_SEED", "lib"), ("MSG_ACLOP", "lib"), ("MSG_CAPTURE_MODE", "lib"), ("MSG_TASK_QUEUE_VALUE", "lib"),
     ("MSG_UPDATE", "graphs"), ("MSG_SET_TASK_QUEUE", "utils"),
+    ("MSG_NOT_CAPTURING", "lib"), ("CAPTURE_STATUS_ACTIVE", "lib"), ("MSG_GENERATOR_DEVICE", "lib"),
 ]
 
 
@@ -414,6 +415,33 @@ def test_graph_messages_are_the_wheel_s(wheel, library, name, where):
         assert text.encode() in library, f"{name}: {text!r} is not in libtorch_npu.so"
     else:
         assert text in _python_strings(wheel / NPU_DIR / f"{where}.py"), f"{name} is not in {where}.py"
+
+
+#: Messages the compiler builds at run time rather than keeping whole: the std::string handed to
+#: ``assertNotCapturing`` is stored with 16-byte SSE constants (``movdqa`` from .rodata.cst16) and,
+#: for a tail under 16 bytes, a ``movabs`` immediate (``48 ba`` + 8 bytes), pieces that may overlap
+#: (objdump of the wheel's NPUGeneratorImpl constructor, 0x13d8b3a-0x13d8b72, and of clone_impl:
+#: length 0x27 and 0x3e).  (constant, [(offset, piece, how it is stored)]).
+BUILT_MESSAGES = [
+    ("MSG_NEW_GENERATOR", [(0, "Cannot construct", "const16"), (16, " a new NPUGenera", "const16"),
+                           (31, "atorImpl", "movabs")]),
+    ("MSG_CLONE_GENERATOR", [(0, "Cannot call NPUG", "const16"), (16, "eneratorImpl::cl", "const16"),
+                             (32, "one_impl while i", "const16"), (46, " in capture mode", "const16")]),
+]
+
+
+@pytest.mark.parametrize("name, pieces", BUILT_MESSAGES, ids=[m[0] for m in BUILT_MESSAGES])
+def test_messages_built_from_pieces_are_the_wheel_s(library, name, pieces):
+    from shimdev.simnpu import _graphs
+
+    text = getattr(_graphs, name)
+    covered = set()
+    for offset, piece, stored in pieces:
+        assert text[offset:offset + len(piece)] == piece, (name, offset, piece)
+        needle = piece.encode() if stored == "const16" else b"\x48\xba" + piece.encode()
+        assert needle in library, f"{name}: {piece!r} is not in libtorch_npu.so as a {stored}"
+        covered.update(range(offset, offset + len(piece)))
+    assert covered == set(range(len(text))), f"{name}: pieces do not cover the message"
 
 
 def test_mempool_s_refusal_is_the_allocator_base_s_message_with_the_pluggable_name(library):

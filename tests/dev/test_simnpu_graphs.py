@@ -224,6 +224,47 @@ def test_torch_npu_s_refusals_with_its_messages():
     assert out["other_seed"] == _msg("MSG_SEED")
 
 
+def test_a_new_npu_generator_is_refused_while_the_current_stream_is_captured():
+    """NPUGeneratorImpl's constructor asserts no capture on the current stream
+    (``assertNotCapturing``), as does ``clone_impl``; ``set_current_seed`` keeps the seed it has."""
+    out = run("""
+    got = {}
+    g = torch.Generator(device="npu")
+    got["eager"] = [str(g.device), g.initial_seed(), isinstance(g, torch.Generator),
+                    isinstance(torch.default_generator, torch.Generator), str(torch.Generator().device)]
+    got["draws"] = torch.randn(3, device="npu", generator=torch.Generator(device="npu").manual_seed(5)).tolist()
+    got["cpu_draws"] = torch.randn(3, generator=torch.Generator().manual_seed(5)).tolist()
+    got["bad_index"] = refused(lambda: torch.Generator(device="npu:8"))
+    s = torch.npu.Stream()
+    graph = torch.npu.NPUGraph()
+    with torch.npu.graph(graph, stream=s):
+        got["new"] = refused(lambda: torch.Generator(device="npu"))
+        got["new_index"] = refused(lambda: torch.Generator(torch.device("npu", 0)))
+        got["clone"] = refused(g.clone_state)
+        got["other_seed"] = refused(lambda: g.manual_seed(7))
+        got["same_seed"] = refused(lambda: g.manual_seed(g.initial_seed()))
+        got["cpu"] = str(torch.Generator(device="cpu").device)  # a CPU generator: no NPU stream involved
+        with torch.npu.stream(torch.npu.default_stream()):  # the capturing thread off the capture
+            got["off_stream"] = str(torch.Generator(device="npu").device)
+        other = []
+        t = threading.Thread(target=lambda: other.append(str(torch.Generator(device="npu").device)))
+        t.start()
+        t.join()
+        got["other_thread"] = other
+    got["after"] = [str(torch.Generator(device="npu").device), str(g.clone_state().device)]
+    print(json.dumps(got))
+    """)
+    assert out["eager"] == ["npu:0", 67280421310721, True, True, "cpu"]
+    assert out["draws"] == out["cpu_draws"]
+    assert out["bad_index"] == _msg("MSG_GENERATOR_DEVICE")
+    refusal = _msg("MSG_NOT_CAPTURING") + _msg("CAPTURE_STATUS_ACTIVE")
+    assert out["new"] == out["new_index"] == _msg("MSG_NEW_GENERATOR") + refusal
+    assert out["clone"] == _msg("MSG_CLONE_GENERATOR") + refusal
+    assert out["other_seed"] == _msg("MSG_SEED") and out["same_seed"] is None
+    assert out["cpu"] == "cpu" and out["off_stream"] == "npu:0" and out["other_thread"] == ["npu:0"]
+    assert out["after"] == ["npu:0", "npu:0"]
+
+
 def test_task_queue_enable_is_read_as_torch_npu_reads_it():
     """capture_begin keeps the level it read at the process's first capture (a function-local
     static in NPUGraph.cpp): TASK_QUEUE_ENABLE=2 refuses every capture, set_task_queue_enable

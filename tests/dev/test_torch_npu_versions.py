@@ -231,6 +231,24 @@ def test_only_2_13_0_names_a_stream_that_never_joined_the_capture(unpacked):
         assert found == (version == PIN), version
 
 
+def test_2_8_0_post2_makes_a_new_generator_in_a_capture_and_spells_the_seed_refusal_otherwise(unpacked):
+    """From 2.10.0 on NPUGeneratorImpl's constructor calls assertNotCapturing("Cannot construct a new
+    NPUGeneratorImpl"), a string the compiler builds from pieces (test_simnpu_conformance.py's
+    BUILT_MESSAGES); 2.8.0.post2's constructor calls nothing of the kind (objdump: the GeneratorImpl
+    base, then the state) and its set_current_seed refusal reads "cann be called"."""
+    from shimdev.simnpu import _graphs
+
+    for version in VERSIONS:
+        library = unpacked[version][1]
+        built = b"Cannot construct" in library and b" a new NPUGenera" in library
+        assert built == (version != "2.8.0.post2"), version
+        assert (_graphs.MSG_SEED.encode() in library) == (version != "2.8.0.post2"), version
+        misspelt = _graphs.MSG_SEED.replace(" can be ", " cann be ").encode()
+        assert (misspelt in library) == (version == "2.8.0.post2"), version
+        # clone_state's refusal is in all three
+        assert all(p.encode() in library for p in ("Cannot call NPUG", "eneratorImpl::cl", "one_impl while i")), version
+
+
 def test_2_8_0_post2_does_not_refuse_an_update_list_of_the_wrong_length(unpacked):
     for version in VERSIONS:
         text = ast.unparse(_method(unpacked[version][2], "_GraphDispatchMode", "update_capture_record"))

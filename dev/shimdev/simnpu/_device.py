@@ -5,6 +5,9 @@ wheel): what initialises the device, what refuses an allocator swap and what a s
 follow its Python layer (``torch_npu/npu/utils.py``, ``memory.py``, ``streams.py``, ``__init__.py``)
 and, where that calls into C++, Ascend/pytorch's sources as named at each place.
 
+``torch.Generator(device="npu")`` makes an NPU generator (``install_generators``): torch asks the
+PrivateUse1 hooks torch_npu registers in C++, which Python cannot register.
+
 Everything is synchronous CPU work; streams and events only *record* what was asked of them in
 ``simnpu.EVENTS`` so tests can assert ordering ("side-1 waited for main before ...").
 """
@@ -561,6 +564,85 @@ def get_allocator_backend():
     return STATE.allocator_backend
 
 
+# ------------------------------------------------------------------------------ generators
+
+def _npu_generator_class(torch, base):
+    class NPUGenerator(base):
+        """What ``torch.Generator(device="npu")`` makes: torch_npu's NPUGeneratorImpl stands here as
+        a CPU generator (the npu tensors it draws for are CPU tensors) on the npu device.  Its
+        seed and offset follow NPUGeneratorImpl.cpp where a capture is concerned."""
+
+        @property
+        def device(self):
+            return torch.device("npu", self._sim_device_index)
+
+        def manual_seed(self, seed):
+            # NPUGeneratorImpl::set_current_seed: in a capture only the seed it has
+            if _graphs().capture_status() is not None and int(seed) != self.initial_seed():
+                raise RuntimeError(_graphs().MSG_SEED)
+            base.manual_seed(self, seed)
+            return self
+
+        def clone_state(self):
+            # NPUGeneratorImpl::clone_impl: assertNotCapturing, then a generator on a copy of the state
+            _graphs().assert_not_capturing(_graphs().MSG_CLONE_GENERATOR)
+            clone = _new_npu_generator(NPUGenerator, base, self._sim_device_index, check=False)
+            clone.set_state(self.get_state())
+            return clone
+
+        def __repr__(self):
+            return "<simnpu Generator npu:%d>" % self._sim_device_index
+
+    return NPUGenerator
+
+
+def _new_npu_generator(cls, base, index, check=True):
+    """``createNPUGenerator(index)`` (NPUGeneratorImpl.cpp): -1 is the current device, an index
+    outside the devices is refused; the NPUGeneratorImpl constructor refuses while the current
+    stream is captured (``assertNotCapturing``); the seed is c10's default."""
+    if index is None or index == -1:
+        index = STATE.device
+    if not 0 <= index < device_count():
+        raise RuntimeError(_graphs().MSG_GENERATOR_DEVICE)
+    if check:
+        _graphs().assert_not_capturing(_graphs().MSG_NEW_GENERATOR)
+    generator = base.__new__(cls, "cpu")
+    generator._sim_device_index = index
+    return generator
+
+
+def install_generators(torch) -> None:
+    """``torch.Generator(device="npu")`` as torch_npu answers it (torch asks the PrivateUse1 hooks
+    torch_npu registers in C++ for ``getNewGenerator``; none can be registered from Python, so
+    ``torch.Generator`` is answered here): an npu device makes an ``NPUGenerator``, anything else
+    the generator torch makes; ``isinstance(g, torch.Generator)`` holds for every generator."""
+    base = torch._C.Generator
+    if getattr(torch.Generator, "__simnpu__", False):
+        return
+    npu_generator = _npu_generator_class(torch, base)
+
+    class _GeneratorType(type(base)):
+        def __instancecheck__(cls, instance):
+            return isinstance(instance, base)
+
+        def __subclasscheck__(cls, subclass):
+            return issubclass(subclass, base)
+
+    class Generator(base, metaclass=_GeneratorType):
+        __simnpu__ = True
+
+        def __new__(cls, device=None):
+            where = device
+            if isinstance(where, str):
+                where = torch.device(where)
+            if isinstance(where, torch.device) and where.type == "npu":
+                return _new_npu_generator(npu_generator, base, where.index)
+            return base() if device is None else base(device)
+
+    Generator.__module__, Generator.__qualname__, Generator.__doc__ = "torch", "Generator", base.__doc__
+    torch.Generator = Generator
+
+
 # ------------------------------------------------------------------------------ the modules
 
 class _Config:
@@ -634,4 +716,7 @@ def build_npu_module() -> types.ModuleType:
     npu.graphs = _make_module("torch_npu.npu.graphs", {n: getattr(_graphs, n) for n in GRAPHS_NAMES},
                               _api.GRAPHS)
     npu.config = _Config()
+    import torch
+
+    install_generators(torch)
     return npu

@@ -29,9 +29,11 @@ the device waits on the external event; a replay nobody updates fails there nami
 **Refusals** (each raises ``RuntimeError``).  The wheel's messages where torch_npu checks: capture on
 the default stream, a second capture into one graph, ``TASK_QUEUE_ENABLE=2``, a capture ended on
 another stream, a replay / ``pool()`` before capture, ``update`` without ``auto_dispatch_capture``,
-``manual_seed`` of another seed, work on a stream that never joined the capture, ``MemPool()``
-under a pluggable allocator.  Where the refusal is CANN's (its text is not in the wheel) an error
-naming the operation: ``synchronize`` (device, stream, event), stream / event ``query``,
+``manual_seed`` of another seed, a new NPU generator (``torch.Generator(device="npu")``) or a
+generator's ``clone_state()`` while the current stream is captured (``assert_not_capturing``), work
+on a stream that never joined the capture, ``MemPool()`` under a pluggable allocator.  Where the
+refusal is CANN's (its text is not in the wheel) an error naming the operation: ``synchronize``
+(device, stream, event), stream / event ``query``,
 ``mem_get_info``, device-to-host copies (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
 an op handing a number to the host) on the capturing thread; the same calls from any other thread
 while a ``"global"`` capture is live (``"thread_local"``: the capturing thread only;
@@ -97,6 +99,17 @@ MSG_UNJOINED = ("get_currently_capturing_graph() can be used only between captur
                 "Did you use a stream without making it depend upon the original stream used for capture?")
 MSG_SEED = ("NPUGeneratorImpl::set_current_seed can be called during stream capture only if new seed is "
             "the same as the original seed.")
+#: ``c10_npu::assertNotCapturing(attempt)`` (NPUGraphsUtils.h): ``attempt`` + this + the status.
+MSG_NOT_CAPTURING = (" during NPU graph capture. If you need this call to be captured, please file an issue. "
+                     "Current npuStreamCaptureStatus: ")
+CAPTURE_STATUS_ACTIVE = "npuStreamCaptureStatusActive"
+#: The attempts NPUGeneratorImpl.cpp names: its constructor (every new generator:
+#: ``torch.Generator(device="npu")`` through ``createNPUGenerator``, a device's default generator
+#: made first) and ``clone_impl`` (``Generator.clone_state()``).  The compiler builds both strings
+#: from 16-byte constants and an immediate (the conformance test finds those pieces).
+MSG_NEW_GENERATOR = "Cannot construct a new NPUGeneratorImpl"
+MSG_CLONE_GENERATOR = "Cannot call NPUGeneratorImpl::clone_impl while in capture mode"
+MSG_GENERATOR_DEVICE = "The device_index is invalid."
 MSG_UPDATE = ("The current graph configuration does not support update,"
               "Try to capture by setting auto_dispatch_capture=True during capture")
 MSG_MEMPOOL = ("pluggable does not yet support createOrIncrefPool. If you need it, please file an issue "
@@ -407,6 +420,23 @@ def check_seed(seed) -> None:
     live = _Live.live
     if live is not None and int(seed) != getattr(_device.STATE, "seed", int(seed)):
         raise RuntimeError(MSG_SEED)
+
+
+def capture_status():
+    """``c10_npu::currentStreamCaptureStatus()``: the status of the calling thread's current
+    stream -- ``CAPTURE_STATUS_ACTIVE`` on a stream a live capture holds (the capturing thread's),
+    None otherwise (another thread's current stream is not captured)."""
+    live = _Live.live
+    if live is None or threading.get_ident() != live.thread:
+        return None
+    return CAPTURE_STATUS_ACTIVE if _device.current_stream_name() in live.members else None
+
+
+def assert_not_capturing(attempt: str) -> None:
+    """``c10_npu::assertNotCapturing(attempt)``: refused while the current stream is captured."""
+    status = capture_status()
+    if status is not None:
+        raise RuntimeError(attempt + MSG_NOT_CAPTURING + status)
 
 
 # ------------------------------------------------------------------------------ streams and events

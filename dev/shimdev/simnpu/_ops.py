@@ -696,6 +696,14 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     start = 0
     for b, (end, total) in enumerate(zip(ends, kv_lens)):
         n = end - start
+        if total == 0 and k_cache.shape[-1] == head_dim:
+            # No keys: what a graph runner's warm-ups and capture pass for the padded target-verify
+            # batch (the ascend backend's seq_len_fill_value is 0), which the device runs.  Its rows
+            # are 0 here (a guess: nothing attended; no documented value was found), never read
+            # (each replay passes the real lengths).
+            out[start:end] = 0
+            start = end
+            continue
         if n > total or k_cache.shape[-1] != head_dim:
             raise RuntimeError("%s: request %d has %d queries over %d keys of dim %d (query dim %d)"
                                % (op, b, n, total, k_cache.shape[-1], head_dim))

@@ -17,7 +17,8 @@
   worker, any server configuration started twice, the tests that cost most.  The tests that start
   servers outside any xdist group are collected first: xdist hands the groups out first (the most
   tests first), then the single tests in collection order, so these long ones do not come last
-  and leave the other worker idle.
+  and leave the other worker idle; the tests that share a module-scoped fixture of their module
+  run on one worker, which makes it once (``module_group``).
 * ``release_venv(version)`` builds/reuses a release's layered environment through
   shimdev.sglang_envs and returns the python that runs it; an environment that cannot be built
   FAILS the test (never skips).
@@ -25,6 +26,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -63,8 +65,33 @@ _COST_MARK = pytest.StashKey()
 _COSTS = []
 
 
+def module_group(item):
+    """The xdist group of a test that takes a module-scoped fixture of its own module (a release's
+    program run, a wheel unpacked, venvs made): ``module:<file>`` and the parameters of those
+    fixtures, so that one worker makes each once -- handed out one by one, the module's tests went
+    to both workers and each made it.  None where the test takes none, or has a group already.
+    (No ``]`` or ``@`` in the name: xdist takes the group from after the last ``@`` of a test's id,
+    and only where no ``]`` follows it.)"""
+    if item.get_closest_marker("xdist_group") is not None:
+        return None
+    info = getattr(item, "_fixtureinfo", None)
+    shared = sorted(name for name, defs in (info.name2fixturedefs.items() if info else ())
+                    if defs and defs[-1].scope == "module" and defs[-1].baseid == item.nodeid.split("::")[0])
+    if not shared:
+        return None
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return "module:%s%s" % (item.nodeid.split("::")[0], "".join(
+        ":%s=%s" % (name, re.sub(r"[^\w.-]", "_", str(params[name]))) for name in shared if name in params))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """The server tests that no xdist group holds first, the rest in their order."""
+    """The tests that share a module-scoped fixture in one xdist group (``module_group``); the
+    server tests that no xdist group holds first, the rest in their order."""
+    for item in items:
+        group = module_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
     first = [item for item in items
              if item.path.name in SERVER_MODULES and item.get_closest_marker("xdist_group") is None]
     if first:

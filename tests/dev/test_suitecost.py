@@ -83,9 +83,36 @@ def test_the_summary_sums_per_worker_and_names_servers_started_twice():
                      "   30.0 CPU s  2 starts  t1"]
 
 
-def _item(name, group=None):
-    return types.SimpleNamespace(path=Path("/x") / name, name=name + (group or ""),
-                                 get_closest_marker=lambda marker: group if marker == "xdist_group" else None)
+def _item(name, group=None, fixtures=(), params=None):
+    """A collected test of file ``tests/<name>`` (as much of one as conftest's hooks read):
+    ``fixtures``: (name, scope, where it is defined)."""
+    marks = [group] if group else []
+    item = types.SimpleNamespace(
+        path=Path("/x") / name, nodeid="tests/%s::test_x" % name, name=name + (group or ""),
+        get_closest_marker=lambda marker: (marks or [None])[0] if marker == "xdist_group" else None,
+        add_marker=marks.append,
+        _fixtureinfo=types.SimpleNamespace(name2fixturedefs={
+            fixture: [types.SimpleNamespace(scope=scope, baseid=baseid)] for fixture, scope, baseid in fixtures}))
+    if params is not None:
+        item.callspec = types.SimpleNamespace(params=params)
+    return item
+
+
+def test_the_tests_that_share_a_module_fixture_of_their_module_run_in_one_group():
+    own = ("scenarios", "module", "tests/test_m.py")
+    assert conftest.module_group(_item("test_m.py", fixtures=[own])) == "module:tests/test_m.py"
+    # one group per parameter of that fixture (the releases of one file may go to both workers)
+    assert conftest.module_group(_item("test_m.py", fixtures=[own, ("tmp_path", "function", "")],
+                                       params={"scenarios": "0.5.9", "other": 1})) == (
+        "module:tests/test_m.py:scenarios=0.5.9")
+    # none: no module fixture, one of conftest's (a session's), or a group of its own already
+    assert conftest.module_group(_item("test_m.py", fixtures=[("tmp_path", "function", "")])) is None
+    assert conftest.module_group(_item("test_m.py", fixtures=[("servers", "module", "tests")])) is None
+    assert conftest.module_group(_item("test_m.py", "server-0.5.9", fixtures=[own])) is None
+    items = [_item("test_m.py", fixtures=[own], params={"scenarios": "a b]@c"}), _item("test_n.py")]
+    conftest.pytest_collection_modifyitems(items)
+    assert items[0].get_closest_marker("xdist_group").args == ("module:tests/test_m.py:scenarios=a_b__c",)
+    assert items[1].get_closest_marker("xdist_group") is None
 
 
 def test_the_server_tests_outside_any_group_are_collected_first_the_rest_in_order():

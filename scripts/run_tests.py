@@ -12,17 +12,23 @@
    that cannot be built stops the run (exit 1) -- nothing is skipped;
 3. ruff over the checkout (dev/shimdev/lint.py, configured in pyproject.toml): its findings fail the
    run, after the suite has run;
-4. pytest over tests/ in the runner venv.  Exits non-zero on any failure, and also when pytest
-   collected no test (its exit code 5).  The deploy tests (tests/test_deploy.py) set up their
-   container engine themselves (dev/shimdev/containers.py: podman from apt-get where missing, its
-   images cached under the cache dir), started here beside step 2; one that cannot be set up
-   fails those tests.
+4. pytest over tests/ in the runner venv, two xdist workers: ``--dist loadgroup`` gives each
+   ``xdist_group`` (the real-server tests of one release or job, sharing its servers) to one
+   worker, the groups of most tests first, then the single tests in collection order (the
+   ungrouped server tests collected first: tests/conftest.py).  On a whole run the bundle the
+   tests share is built beside the first of them (dev/shimdev/testbundle.py).  The run ends with
+   what it cost: CPU seconds and sglang server starts per worker (dev/shimdev/suitecost.py).
+   Exits non-zero on any failure, and also when pytest collected no test (its exit code 5).  The
+   deploy tests (tests/test_deploy.py) set up their container engine themselves
+   (dev/shimdev/containers.py: podman from apt-get where missing, its images cached under the
+   cache dir), started here beside step 2; one that cannot be set up fails those tests.
 
 Extra arguments go to pytest (e.g. ``-k zbal``, or ``tests/reporting/test_log.py`` to run that file
 alone).  ``NPU_SHIM_CACHE`` moves the cache.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -31,7 +37,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import containers, lint, machine, runner, sglang_envs  # noqa: E402 - after dev/ is put on sys.path
+from shimdev import containers, lint, machine, runner, sglang_envs, testbundle  # noqa: E402 - after dev/ is put on sys.path
 
 PYTEST_NO_TESTS = 5
 
@@ -59,6 +65,22 @@ def start_containers(started):
     thread = threading.Thread(target=work, name="containers")
     thread.start()
     return thread
+
+
+def start_bundle(python, env):
+    """The tests' bundle, built beside the suite (its lock held from now: a test that asks sooner
+    waits); returns its directory and the thread building it."""
+    shared, lock = testbundle.reserve()
+
+    def work():
+        _, error = testbundle.ensure(str(python), shared, env, held=lock)
+        if error:
+            log("the tests' bundle could not be built (the tests that need it build it again): %s"
+                % error.strip().splitlines()[-1])
+
+    thread = threading.Thread(target=work, name="bundle")
+    thread.start()
+    return shared, thread
 
 
 def prepare():
@@ -97,7 +119,15 @@ def main(argv):
                 "--durations=25"]
                + ([] if chosen else ["tests"]) + list(argv))
     log(" ".join(command))
-    code = subprocess.call(command, cwd=REPO, env=env)
+    if chosen:  # the tests chosen build the bundle if they need it
+        code = subprocess.call(command, cwd=REPO, env=env)
+    else:
+        shared, bundle = start_bundle(python, env)
+        try:
+            code = subprocess.call(command, cwd=REPO, env=dict(env, **{testbundle.ENV: str(shared)}))
+        finally:
+            bundle.join()
+            shutil.rmtree(str(shared), ignore_errors=True)
     log("pytest exit code %d after %.0fs in all" % (code, time.monotonic() - started))
     if code == PYTEST_NO_TESTS:
         log("error: pytest ran no test")

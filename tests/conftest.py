@@ -9,6 +9,16 @@
   realsglang, ...; dev/shimdev/__init__.py); the zbal layer (memfabric-zbal 1.2.0's own Python
   files over the simulated native module, shimdev/simzbal) only by tests that want ``import zbal``
   (fixture ``zbal_pkg``).
+* ``servers``: the qwen2 servers of tests/test_real_server.py (its ``Servers``), one bed per
+  worker for the session, so that every module whose tests run in a release's group
+  (``xdist_group("server-<release>")``) uses the same ones (tests/dev/test_simnpu_graphs.py's
+  graphs-on server is the bed's ``off``).
+* after every run, what it cost (shimdev.suitecost): CPU seconds and sglang server starts per
+  worker, any server configuration started twice, the tests that cost most.  The tests that start
+  servers outside any xdist group are collected first: xdist hands the groups out first (the most
+  tests first), then the single tests in collection order, so these long ones do not come last
+  and leave the other worker idle; the tests that share a module-scoped fixture of their module
+  run on one worker, which makes it once (``module_group``).
 * ``release_venv(version)`` builds/reuses a release's layered environment through
   shimdev.sglang_envs and returns the python that runs it; an environment that cannot be built
   FAILS the test (never skips).
@@ -16,6 +26,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -27,7 +38,7 @@ for _folder in [DEV, TESTS] + sorted(p for p in TESTS.iterdir() if p.is_dir() an
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
 
-from shimdev import realsglang  # noqa: E402 - after dev/ is put on sys.path
+from shimdev import realsglang, suitecost  # noqa: E402 - after dev/ is put on sys.path
 
 try:  # the property tests' settings (hypothesis is in the runner venv, dev/shimdev/runner.py)
     from hypothesis import HealthCheck, settings as _hypothesis_settings
@@ -46,6 +57,74 @@ def pytest_configure(config):
         "markers", "another_python: runs the shim's code in a Python other than the test's own (a release's, a "
         "bare venv's, one started with -S); mutation runs leave these out, as mutmut's mutants import mutmut "
         "and that Python has none (pyproject.toml [tool.mutmut])")
+
+
+#: The files whose tests start sglang servers: those of them outside any xdist group go first.
+SERVER_MODULES = ("test_real_server.py", "test_real_server_mla.py", "test_real_server_moe.py")
+_COST_MARK = pytest.StashKey()
+_COSTS = []
+
+
+def module_group(item):
+    """The xdist group of a test that takes a module-scoped fixture of its own module (a release's
+    program run, a wheel unpacked, venvs made): ``module:<file>`` and the parameters of those
+    fixtures, so that one worker makes each once -- handed out one by one, the module's tests went
+    to both workers and each made it.  None where the test takes none, or has a group already.
+    (No ``]`` or ``@`` in the name: xdist takes the group from after the last ``@`` of a test's id,
+    and only where no ``]`` follows it.)"""
+    if item.get_closest_marker("xdist_group") is not None:
+        return None
+    info = getattr(item, "_fixtureinfo", None)
+    shared = sorted(name for name, defs in (info.name2fixturedefs.items() if info else ())
+                    if defs and defs[-1].scope == "module" and defs[-1].baseid == item.nodeid.split("::")[0])
+    if not shared:
+        return None
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return "module:%s%s" % (item.nodeid.split("::")[0], "".join(
+        ":%s=%s" % (name, re.sub(r"[^\w.-]", "_", str(params[name]))) for name in shared if name in params))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items):
+    """The tests that share a module-scoped fixture in one xdist group (``module_group``); the
+    server tests that no xdist group holds first, the rest in their order."""
+    for item in items:
+        group = module_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    first = [item for item in items
+             if item.path.name in SERVER_MODULES and item.get_closest_marker("xdist_group") is None]
+    if first:
+        chosen = set(map(id, first))
+        items[:] = first + [item for item in items if id(item) not in chosen]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_COST_MARK] = suitecost.now()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if call.when == "teardown" and _COST_MARK in item.stash:
+        report.user_properties.append((suitecost.PROPERTY, suitecost.since(item.stash[_COST_MARK])))
+    return report
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        node = getattr(report, "node", None)  # the xdist worker that ran it (on the controller)
+        worker = node.gateway.id if node is not None else "main"
+        _COSTS.extend((report.nodeid, worker, value) for name, value in report.user_properties
+                      if name == suitecost.PROPERTY)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _COSTS and not hasattr(terminalreporter.config, "workerinput"):
+        terminalreporter.write_sep("-", "cost: CPU seconds and sglang server starts (shimdev.suitecost)")
+        for line in suitecost.summary(_COSTS):
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True)
@@ -77,6 +156,17 @@ def release_venv():
         return cache[version]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory):
+    """The qwen2 servers of tests/test_real_server.py's checks (its ``Servers``), started on first
+    use and shared by every test of the worker; stopped at the end of the session."""
+    from test_real_server import Servers
+
+    bed = Servers(tmp_path_factory.mktemp("servers"))
+    yield bed
+    bed.stop_all()
 
 
 @pytest.fixture(scope="session")
@@ -118,22 +208,18 @@ def zbal_pkg(sim):
 @pytest.fixture(scope="session")
 def built_bundle(tmp_path_factory):
     """A bundle built once per test run by the real command (``python -m npu_shim bundle``, wrapt
-    wheels from PyPI), shared by the xdist workers (their base temp dirs are siblings)."""
-    import fcntl
-    import os
-    import subprocess
+    wheels from PyPI), shared by the xdist workers (their base temp dirs are siblings), or the one
+    the test command built beside the first tests (shimdev.testbundle)."""
+    from shimdev import testbundle
 
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent
-    out = shared / "npu-shim-bundle" / "npu-shim"
-    repo = str(Path(__file__).resolve().parent.parent)
-    with open(str(shared / "npu-shim-bundle.lock"), "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "MANIFEST").is_file():
-            proc = subprocess.run([sys.executable, "-m", "npu_shim", "bundle", str(out), "--force"],
-                                  cwd=repo, env=dict(os.environ, PYTHONPATH=repo),
-                                  capture_output=True, text=True, timeout=900)
-            if proc.returncode != 0:
-                pytest.fail("python -m npu_shim bundle failed:\n%s" % proc.stderr[-3000:], pytrace=False)
+    shared = os.environ.get(testbundle.ENV)
+    if shared:
+        shared = Path(shared)
+    else:
+        shared = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            shared = shared.parent
+    out, error = testbundle.ensure(sys.executable, shared)
+    if error:
+        pytest.fail(error, pytrace=False)
     return out

@@ -181,12 +181,7 @@ class Servers:
     def stop_all(self):
         self.pool.stop_all()
 
-
-@pytest.fixture(scope="session")
-def servers(tmp_path_factory):
-    bed = Servers(tmp_path_factory.mktemp("servers"))
-    yield bed
-    bed.stop_all()
+# (the ``servers`` fixture, one bed per worker that tests/dev/test_simnpu_graphs.py shares: tests/conftest.py)
 
 
 def scheduler_journals(server) -> list[list[dict]]:

@@ -587,39 +587,42 @@ def test_the_graph_only_ops_compute_and_refuse_a_short_workspace():
 
 # -- a real sglang server's NPUGraphRunner on the simulated NPU ------------------------------------------
 
-def _serve(version, graphs, tmp_path):
-    """What a real sglang server (the shim absent) answers greedily, graphs on (batch sizes 1 and 2,
-    sglang's own warm-ups and captures) or off, and its log."""
+#: The requests: 45 new tokens in the last, as sglang logs a decode batch (with whether it replayed
+#: a graph) every 40 steps.
+GRAPH_REQUESTS = (([5, 6, 7, 8], 8), ([100, 200, 300, 400, 500], 8), ([9, 10, 11], 45))
+
+
+def _serve_eager(version, tmp_path):
+    """What a real sglang server (the shim absent) with graphs off answers greedily, and its log."""
     from shimdev.server import models
     from shimdev.server.process import Server
 
     model = models.ensure_model("qwen2", version)
-    args = ["--mem-fraction-static", "0.5", "--tp-size", "1"] + (["--cuda-graph-bs", "1", "2"] if graphs else [])
-    server = Server(version, model, args=args, env={"SIMNPU_TOTAL_MIB": 512}, shim="absent",
-                    log_path=tmp_path / ("%s-graphs-%s.log" % (version, "on" if graphs else "off")))
-    if graphs:  # the harness serves with --disable-cuda-graph; this server captures
-        assert "--disable-cuda-graph" in server.argv
-        server.argv = [a for a in server.argv if a != "--disable-cuda-graph"]
+    server = Server(version, model, args=["--mem-fraction-static", "0.5", "--tp-size", "1"],
+                    env={"SIMNPU_TOTAL_MIB": 512}, shim="absent", log_path=tmp_path / ("%s-graphs-off.log" % version))
+    assert "--disable-cuda-graph" in server.argv
     try:
         server.start()
-        # 45 new tokens: sglang logs a decode batch (with whether it replayed a graph) every 40 steps
-        tokens = [server.generate(p, n) for p, n in (([5, 6, 7, 8], 8), ([100, 200, 300, 400, 500], 8),
-                                                     ([9, 10, 11], 45))]
-        return tokens, server.log_text()
+        return [server.generate(p, n) for p, n in GRAPH_REQUESTS], server.log_text()
     finally:
         server.stop()
 
 
 @pytest.mark.parametrize("version", [pytest.param(v, marks=pytest.mark.xdist_group("server-" + v))
                                      for v in ("0.5.9", "0.5.11")])
-def test_a_real_sglang_server_captures_replays_and_answers_as_without_graphs(version, tmp_path):
+def test_a_real_sglang_server_captures_replays_and_answers_as_without_graphs(version, servers, tmp_path):
     """sglang's NPUGraphRunner (two warm-ups, torch.npu.graph with the global pool and
     auto_dispatch_capture, update from a thread while replay runs) comes up and decodes by replay,
-    with the same greedy tokens as the same server with graphs off."""
-    on, log = _serve(version, True, tmp_path)
+    with the same greedy tokens as the same server with graphs off.  The graphs-on server is
+    tests/test_real_server.py's ``off`` (the shim absent, batch sizes 1 and 2 captured; the
+    release's group runs both files on one worker, this test first): one start fewer."""
+    server = servers.live("off", version, shim="absent")
+    assert "--cuda-graph-bs" in server.argv and "--disable-cuda-graph" not in server.argv
+    on = [server.generate(p, n) for p, n in GRAPH_REQUESTS]
+    log = server.log_text()
     assert "Capture npu graph end" in log and "Capture cuda graph bs [1, 2]" in log
     assert re.search(r"Decode batch.*(npu|cuda) graph: True", log), "no decode step replayed a graph"
-    off, log_off = _serve(version, False, tmp_path)
+    off, log_off = _serve_eager(version, tmp_path)
     assert not re.search(r"Decode batch.*graph: True", log_off)
     assert on == off
 

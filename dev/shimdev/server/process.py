@@ -46,6 +46,13 @@ GRAPH_ARGS = ("--cuda-graph-bs", "1", "2")
 
 _LIVE: set = set()
 
+#: What the servers of this process cost, for the suite's cost report (shimdev.suitecost): the
+#: configuration of every server started (``Server.config``), in order; the CPU seconds of their
+#: whole process trees, read from /proc as each stops (``server_cpu_s``); and the part of those
+#: that this process's own RUSAGE_CHILDREN also counts, reaped while stopping (``reaped_cpu_s``).
+STARTED: list = []
+COST = {"server_cpu_s": 0.0, "reaped_cpu_s": 0.0}
+
 
 class ServerError(AssertionError):
     """The server did not come up, or died; the message ends with its log's last lines."""
@@ -106,6 +113,29 @@ def session_pids(sid: int) -> list[int]:
             pids.append(int(entry))
     return pids
 
+
+def tree_cpu_seconds(sid: int) -> float:
+    """User + system CPU seconds of every process of session ``sid`` (zombies too: their time
+    is theirs until reaped) with what each had reaped of its own children (Linux /proc)."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:
+            total += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_seconds() -> float:
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def shim_metrics(server: "Server") -> dict:
@@ -172,7 +202,8 @@ class Server:
                  zbal: bool = False, shim: str = "on", log_path: Path | None = None,
                  port: int | None = None, ready_timeout: float = 240, stop_timeout: float = 20,
                  wait_ready: bool = True, graphs: bool = False):
-        self.version, self.model, self.graphs = version, Path(model), graphs
+        self.version, self.model, self.graphs, self.shim = version, Path(model), graphs, shim
+        self.switches = dict(env or {})
         self.port = port or free_port()
         self.args = [*BASE_ARGS, *(GRAPH_ARGS if graphs else EAGER_ARGS), "--model-path", str(model),
                      "--host", "127.0.0.1", "--port", str(self.port), *args]
@@ -214,9 +245,30 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
 
+    def config(self) -> str:
+        """What makes this server what it is, in one line: the release, the shim, its arguments
+        and its environment switches -- ports and per-server paths left out, so two servers
+        started alike say the same (the suite's cost report counts servers started twice)."""
+        args, skip = [], False
+        for arg in self.args:
+            if skip:
+                skip = False
+            elif arg in ("--port", "--nccl-port", "--dist-init-addr", "--host"):
+                skip = True
+            elif arg not in BASE_ARGS:
+                args.append(arg)
+
+        def plain(value):
+            value = str(value)
+            return "<path>" if os.path.isabs(value) else re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:<port>", value)
+
+        switches = " ".join("%s=%s" % (k, plain(v)) for k, v in sorted(self.switches.items()))
+        return " ".join(filter(None, ["sglang %s shim=%s" % (self.version, self.shim), " ".join(args), switches]))
+
     # -- life cycle ---------------------------------------------------------------------------------
 
     def start(self) -> "Server":
+        STARTED.append(self.config())
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
@@ -264,6 +316,8 @@ class Server:
             return []
         sid = self.proc.pid
         killed = []
+        reaped_before = _children_cpu_seconds()
+        COST["server_cpu_s"] += tree_cpu_seconds(sid)
         if self.proc.poll() is None:
             try:
                 os.killpg(sid, signal.SIGTERM)
@@ -280,6 +334,7 @@ class Server:
             except ProcessLookupError:
                 pass
         self.returncode = self.proc.wait(timeout=30)
+        COST["reaped_cpu_s"] += _children_cpu_seconds() - reaped_before
         _LIVE.discard(self)
         deadline = time.monotonic() + 10
         while (session_pids(sid) or not port_is_free(self.port)) and time.monotonic() < deadline:

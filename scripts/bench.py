@@ -3,9 +3,9 @@
 
 Each row is measured side by side in this one run (ratios of medians over alternating runs; these
 machines are noisy) by the script named in the row; the rows are declared in
-dev/shimdev/bench_rows.py.  Where this Python has no torch (a fresh clone's ``python3``) it re-runs
+dev/shimdev/bench/bench_rows.py.  Where this Python has no torch (a fresh clone's ``python3``) it re-runs
 itself in the test runner's venv, built by the same code the test command uses
-(dev/shimdev/runner.py); the release environments it needs are built like the tests' (shimdev).
+(dev/shimdev/envs/runner.py); the release environments it needs are built like the tests' (shimdev).
 A missed target says MISSED; a row that cannot be measured here says "not measured: why"; a
 benchmark that fails gives each of its rows a one-line "not measured: ... failed: ..." cell, and
 the exit status is then 1.
@@ -30,7 +30,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import bench_rows  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.bench import bench_rows  # noqa: E402 - after dev/ is put on sys.path
 
 
 def machine():
@@ -110,7 +110,7 @@ def sources(quick):
 
 
 def collect(quick, only=None, log=print):
-    """(rows in declared order, problems): shimdev.bench_rows.collect over this run's benchmarks."""
+    """(rows in declared order, problems): shimdev.bench.bench_rows.collect over this run's benchmarks."""
     chosen = [(script, produce) for script, produce in sources(quick) if not only or script in only]
     return bench_rows.collect(chosen, log=log)
 
@@ -122,7 +122,7 @@ def in_runner_venv():
 
     if all(importlib.util.find_spec(name) for name in ("torch", "wrapt")):
         return  # found, not imported: this process stays small (its children's peak RSS is measured)
-    from shimdev import runner, sglang_envs
+    from shimdev.envs import runner, sglang_envs
 
     try:
         python = str(runner.runner_python(log=lambda line: print("[bench] " + line, flush=True)))

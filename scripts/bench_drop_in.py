@@ -5,7 +5,7 @@
   ``.pyc`` are measured by scripts/bench_shim_cost.py);
 * the same start-up in instructions executed (valgrind, counted as
   ``bench_shim_cost.instructions_side_by_side`` counts): deterministic where wall time on a shared
-  machine is not.  The budget: <= 1.03x (shimdev/bench_rows.py); the wall-time row is a reference.
+  machine is not.  The budget: <= 1.03x (shimdev/bench/bench_rows.py); the wall-time row is a reference.
 
 The ``npu_mla_preprocess`` wrapper's cost per call with the bundle's two wrapt builds:
 scripts/bench_hot_path.py.
@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
 from bench_shim_cost import alternate, clean_env, instructions_side_by_side  # noqa: E402 - after dev/ is put on sys.path
-from shimdev.bench_rows import STARTUP_INSTRUCTIONS  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.bench.bench_rows import STARTUP_INSTRUCTIONS  # noqa: E402 - after dev/ is put on sys.path
 
 TARGET = "<= %.2fx (budget: start-up of a process that never imports sglang)" % STARTUP_INSTRUCTIONS
 

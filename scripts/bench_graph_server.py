@@ -34,7 +34,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import interleave  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.bench import interleave  # noqa: E402 - after dev/ is put on sys.path
 
 RELEASE = "0.5.11"
 BATCH_SIZES = ("1", "2")
@@ -62,7 +62,7 @@ CLIENT_PINS = ("datasets==5.2.0", "pandas==3.1.1", "pyarrow==26.0.1", "multiproc
 
 def client_layer():
     """The directory of CLIENT_PINS (built once, under the cache's lock)."""
-    from shimdev import buildcache, sglang_envs
+    from shimdev.envs import buildcache, sglang_envs
 
     d = buildcache.layered_dir() / ("bench-client-" + buildcache.digest({"pins": CLIENT_PINS}))
 

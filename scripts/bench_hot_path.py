@@ -1,4 +1,4 @@
-"""The hot path's per-call costs, side by side in one run (dev/shimdev/hot_path_bench.py says how).
+"""The hot path's per-call costs, side by side in one run (dev/shimdev/bench/hot_path_bench.py says how).
 
 * the ``npu_mla_preprocess`` wrapper in eager mode, in a real sglang 0.5.11 process: calls of a
   layer it has seen through the name the caller looks up (the wrapper, checked by identity) beside
@@ -25,7 +25,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev.hot_path_rows import rows, wrapt_rows  # noqa: E402 - after the path is set
+from shimdev.bench.hot_path_rows import rows, wrapt_rows  # noqa: E402 - after the path is set
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -3,7 +3,7 @@
 
 * bytes freed per layer and per full model, DeepSeek-V3(.2) and GLM-5 attention shapes (public
   configs) at attention TP 1 / 8 / 16 on decode, TP 8 on prefill: driven through the REAL sglang
-  0.5.11 ``npu_mla_preprocess`` on the simulated NPU (dev/shimdev/mla_real_bench.py); freed = the
+  0.5.11 ``npu_mla_preprocess`` on the simulated NPU (dev/shimdev/bench/mla_real_bench.py); freed = the
   weights' ``untyped_storage().nbytes()`` before - after, compared with the bytes the weights' shapes
   say no consumer reads (the original fused qkv_a weight; ``w_kc`` on decode).  Target: 100 %.
 
@@ -20,8 +20,8 @@ MIB = 1 << 20
 
 
 def memory_rows():
-    from shimdev import mla_real_bench
-    from shimdev.bench_rows import mla_row
+    from shimdev.bench import mla_real_bench
+    from shimdev.bench.bench_rows import mla_row
 
     out = mla_real_bench.measure()
     if out["state"] != "applied":

@@ -29,7 +29,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import interleave  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.bench import interleave  # noqa: E402 - after dev/ is put on sys.path
 
 ARMS = {"shim": ("0.5.8", "on"), "upstream": ("0.5.10", "absent"), "off": ("0.5.8", "absent")}
 WHAT = ("GLM-4 MoE server (simulated NPU, DeepEP, dual-stream on), decode tokens per second, "

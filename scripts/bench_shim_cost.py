@@ -12,7 +12,7 @@
 * memory the shim retains there: ``tracemalloc`` (``PYTHONTRACEMALLOC=1``, from interpreter
   start) traced memory after the imports and a ``gc.collect()``, shim vs not.
 
-Budgets (shimdev/bench_rows.py): an sglang import <= 1.05x in instructions, <= 2 MiB retained; the
+Budgets (shimdev/bench/bench_rows.py): an sglang import <= 1.05x in instructions, <= 2 MiB retained; the
 wall-time rows, the start-up rows here and the shim's own time are references (the start-up budget
 is counted in instructions by scripts/bench_drop_in.py, on the bundle).
 
@@ -32,10 +32,11 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import DEV, sglang_envs  # noqa: E402 - after dev/ is put on sys.path
-from shimdev.bench_rows import (  # noqa: E402 - after dev/ is put on sys.path
+from shimdev import DEV  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.envs import sglang_envs  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.bench.bench_rows import (  # noqa: E402 - after dev/ is put on sys.path
     IMPORT_INSTRUCTIONS, RETAINED_MIB, STARTUP_INSTRUCTIONS, clean_env, instructions_side_by_side)
-from shimdev.demo_features import DEMO_ENV  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.beds.demo_features import DEMO_ENV  # noqa: E402 - after dev/ is put on sys.path
 
 IMPORT_RELEASE = "0.5.11"
 # What the zbal integration itself loads when it is on (upstream 0.5.12's does the same): imported
@@ -166,7 +167,8 @@ def startup_rows(runs):
 
 _IMPORTS = """import gc, json, sys, time
 t0 = time.perf_counter()
-from shimdev import dual_stream_kernels, simnpu
+from shimdev.beds import dual_stream_kernels
+from shimdev import simnpu
 simnpu.install(release={release!r})
 dual_stream_kernels.install(simnpu, kernel="partial")
 {imports}

@@ -22,7 +22,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import sglang_envs  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.envs import sglang_envs  # noqa: E402 - after dev/ is put on sys.path
 
 RELEASE = "0.5.11"
 

@@ -3,7 +3,7 @@
 
     python3 scripts/demo.py [--release 0.5.11 [--release 0.5.9 ...]]
 
-Builds (or reuses) the environment of a real sglang release (dev/shimdev/sglang_envs.py: a base venv
+Builds (or reuses) the environment of a real sglang release (dev/shimdev/envs/sglang_envs.py: a base venv
 with torch, the release's sglang and dependency layers, a wrapt layer), then
 
 1. runs ``python -m npu_shim status`` there with the shim on PYTHONPATH;
@@ -11,16 +11,16 @@ with torch, the release's sglang and dependency layers, a wrapt layer), then
    simnpu: torch.npu on the CPU; memfabric-zbal's own Python layer over a simulated native
    library, dev/shimdev/simzbal; pure-torch stand-ins for the NPU kernels), imports
    the real sglang modules and drives each patch on a small synthetic model
-   (dev/shimdev/demo_features.py);
+   (dev/shimdev/beds/demo_features.py);
 3. prints the patch states in that process and one short summary per feature, checking each
-   against what the release should do (dev/shimdev/expected_states.py).
+   against what the release should do (dev/shimdev/beds/expected_states.py).
 
 Exit status: 0 when every check holds, 1 otherwise (with the reason), 2 on bad usage.
 Any releases of the import matrix; by default 0.5.11 (it needs backports of zbal and
 mla_weight_release and already has dual_stream_experts upstream) in full, then 0.5.9 (all three
 backported) briefly: a patch in the same state as on 0.5.11 is checked as fully but takes one line.
 Each patch is shown by its entry in DISPLAYS (keyed by patch name), from what its driver in
-shimdev.demo_features.DRIVERS measured; a patch with neither is shown generically (state, reason,
+shimdev.beds.demo_features.DRIVERS measured; a patch with neither is shown generically (state, reason,
 details), so a new patch needs no change here.
 """
 from __future__ import annotations
@@ -39,9 +39,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "dev"), str(REPO)]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import demo_features  # noqa: E402  (stdlib only at import)
-from shimdev import expected_states  # noqa: E402 - after dev/ is put on sys.path
-from shimdev import realsglang  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.beds import demo_features  # noqa: E402  (stdlib only at import)
+from shimdev.beds import expected_states  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.envs import realsglang  # noqa: E402 - after dev/ is put on sys.path
 
 RULE = "=" * 100
 SIMULATED = ("SIMULATED NPU: torch.npu runs on the CPU (dev/shimdev/simnpu), zbal's native library is "
@@ -127,7 +127,7 @@ def check(ok, what, failures):
 
 
 #: How the demo shows a patch's driver facts, keyed by patch name (``@display(name)``).  A patch
-#: without an entry (or without a driver in shimdev.demo_features.DRIVERS) gets show_generic().
+#: without an entry (or without a driver in shimdev.beds.demo_features.DRIVERS) gets show_generic().
 DISPLAYS = {}
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Mutation testing of the shim's own code with mutmut 3, by hand (not in CI; the scope is
-``[tool.mutmut]`` in pyproject.toml, the helpers dev/shimdev/mutation.py):
+``[tool.mutmut]`` in pyproject.toml, the helpers dev/shimdev/envs/mutation.py):
 
     python3 scripts/mutation.py                      # mutmut run, then the score per file
     python3 scripts/mutation.py --out /tmp/mut.json  # ... and every mutant's status as JSON
@@ -20,7 +20,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import mutation  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.envs import mutation  # noqa: E402 - after dev/ is put on sys.path
 
 
 def main(argv=None):

@@ -1,16 +1,16 @@
 """The test command: everything the suite needs, then the suite.  `python3 scripts/run_tests.py`
 
 0. what this machine lacks of what the tests need (the CPythons 3.9-3.13, a C compiler:
-   dev/shimdev/machine.py), said in one line with how to get it; the tests that need it fail;
-1. a runner venv (``CACHE/venvs/test-runner-<pins>``, dev/shimdev/runner.py): torch==2.13.0 (CPU),
+   dev/shimdev/envs/machine.py), said in one line with how to get it; the tests that need it fail;
+1. a runner venv (``CACHE/venvs/test-runner-<pins>``, dev/shimdev/envs/runner.py): torch==2.13.0 (CPU),
    wrapt, pytest, pytest-mock, pytest-xdist, hypothesis, ruff, and the clients the real-server tests talk
    with (openai, prometheus-client);
 2. the sglang wheels of every supported release and their extracted sources (static matrix), and
-   the layered environments of the import matrix (dev/shimdev/sglang_envs.py: one base venv with
+   the layered environments of the import matrix (dev/shimdev/envs/sglang_envs.py: one base venv with
    torch and no wrapt, per release a thin sglang layer and a dependency layer, a wrapt layer, the
    editable install; all cached, content-addressed: a changed pin builds a new layer).  A layer
    that cannot be built stops the run (exit 1) -- nothing is skipped;
-3. ruff over the checkout (dev/shimdev/lint.py, configured in pyproject.toml): its findings fail the
+3. ruff over the checkout (dev/shimdev/envs/lint.py, configured in pyproject.toml): its findings fail the
    run, after the suite has run;
 4. pytest over tests/ in the runner venv, two xdist workers: ``--dist loadgroup`` gives each
    ``xdist_group`` (the real-server tests of one release or job, sharing its servers) to one
@@ -20,7 +20,7 @@
    what it cost: CPU seconds and sglang server starts per worker (dev/shimdev/suitecost.py).
    Exits non-zero on any failure, and also when pytest collected no test (its exit code 5).  The
    deploy tests (tests/test_deploy.py) set up their container engine themselves
-   (dev/shimdev/containers.py: podman from apt-get where missing, its images cached under the
+   (dev/shimdev/envs/containers.py: podman from apt-get where missing, its images cached under the
    cache dir), started here beside step 2; one that cannot be set up fails those tests.
 
 Extra arguments go to pytest (e.g. ``-k zbal``, or ``tests/reporting/test_log.py`` to run that file
@@ -37,7 +37,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev import containers, lint, machine, runner, sglang_envs, testbundle  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.envs import containers, lint, machine, runner, sglang_envs  # noqa: E402 - after dev/ is put on sys.path
+from shimdev import testbundle  # noqa: E402 - after dev/ is put on sys.path
 
 PYTEST_NO_TESTS = 5
 
@@ -47,7 +48,7 @@ def log(message):
 
 
 def runner_python():
-    """The runner venv's python (shimdev.runner; built when missing)."""
+    """The runner venv's python (shimdev.envs.runner; built when missing)."""
     return runner.runner_python(log=log)
 
 

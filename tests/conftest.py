@@ -20,7 +20,7 @@
   and leave the other worker idle; the tests that share a module-scoped fixture of their module
   run on one worker, which makes it once (``module_group``).
 * ``release_venv(version)`` builds/reuses a release's layered environment through
-  shimdev.sglang_envs and returns the python that runs it; an environment that cannot be built
+  shimdev.envs.sglang_envs and returns the python that runs it; an environment that cannot be built
   FAILS the test (never skips).
 """
 from __future__ import annotations
@@ -38,9 +38,10 @@ for _folder in [DEV, TESTS] + sorted(p for p in TESTS.iterdir() if p.is_dir() an
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
 
-from shimdev import realsglang, suitecost  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.envs import realsglang  # noqa: E402 - after dev/ is put on sys.path
+from shimdev import suitecost  # noqa: E402 - after dev/ is put on sys.path
 
-try:  # the property tests' settings (hypothesis is in the runner venv, dev/shimdev/runner.py)
+try:  # the property tests' settings (hypothesis is in the runner venv, dev/shimdev/envs/runner.py)
     from hypothesis import HealthCheck, settings as _hypothesis_settings
 except ImportError:  # a test that imports hypothesis then fails at its import, as it should
     pass

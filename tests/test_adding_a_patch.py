@@ -96,7 +96,7 @@ def test_the_fourth_patch_shows_in_status_and_check(tree):
 def test_the_fourth_patch_shows_in_the_generated_tables(tree):
     code = textwrap.dedent("""
         import json
-        from shimdev import expected_states, release_report
+        from shimdev.beds import expected_states, release_report
         print(json.dumps({"releases": expected_states.render_table(), "env": release_report.env_table()}))
     """)
     proc = run(tree, ["-c", code])

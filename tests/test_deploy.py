@@ -1,10 +1,10 @@
 """The deploy recipes of docs/deploy/ (README.md there), run in real containers.
 
-The engine is podman (dev/shimdev/containers.py sets it up: installed with apt when missing, its
+The engine is podman (dev/shimdev/envs/containers.py sets it up: installed with apt when missing, its
 own containers.conf and storage under the cache).  The image is Debian's python3 and nothing else
 -- no pip, no wrapt -- with the fake sglang tree and demo patch of tests/test_bootstrap.py
 installed in its site-packages, its own sitecustomize registering the demo patch, and
-dev/shimdev/fake_launch_server.py as ``sglang.launch_server``.  The bundle is the one the suite
+dev/shimdev/envs/fake_launch_server.py as ``sglang.launch_server``.  The bundle is the one the suite
 builds from this checkout (``python -m npu_shim bundle``, conftest's ``built_bundle``).
 
 Each recipe must show: the summary line of the server and of its spawned child, both patched;
@@ -23,8 +23,8 @@ import pytest
 
 import npu_shim
 from npu_shim.cli import bundle
-from shimdev import containers, sglang_envs
-from shimdev import fake_launch_server
+from shimdev.envs import containers, sglang_envs
+from shimdev.envs import fake_launch_server
 from test_bootstrap import DEMO_PATCH, FAKE_SGLANG
 from test_drop_in import snapshot
 

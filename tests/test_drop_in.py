@@ -4,7 +4,7 @@ that called ``install()``.
 
 Each case runs fresh interpreters -- bare venvs without wrapt (``python -m venv --without-pip``)
 of every CPython 3.9-3.13 this machine has (pyenv's under ``PYENV_ROOT``, or ``python3.X`` on
-``PATH``: dev/shimdev/machine.py) -- against the minimal ``sglang`` tree and demo patch of
+``PATH``: dev/shimdev/envs/machine.py) -- against the minimal ``sglang`` tree and demo patch of
 tests/test_bootstrap.py.  The real releases get the same treatment in tests/test_drop_in_real.py.
 """
 
@@ -22,7 +22,7 @@ import pytest
 
 from npu_shim.cli import bundle, bundle_verify
 from npu_shim.runtime import installer
-from shimdev import machine
+from shimdev.envs import machine
 from test_bootstrap import DEMO_PATCH, IMAGE_SITECUSTOMIZE, last_json, run_python
 from test_bootstrap import tree as bootstrap_tree  # noqa: F401 - a fixture
 
@@ -58,7 +58,7 @@ print(json.dumps({"value": get_npu_memory_capacity(), "state": state.get("state"
 
 def cpython(version):
     """The executable of CPython ``version`` on this machine (pyenv's under PYENV_ROOT, or
-    python3.X on PATH: shimdev.machine); a test that needs a missing one fails saying how to get it."""
+    python3.X on PATH: shimdev.envs.machine); a test that needs a missing one fails saying how to get it."""
     found = machine.cpython(version)
     if found is None:
         pytest.fail(machine.how_to_get(version), pytrace=False)

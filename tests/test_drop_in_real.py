@@ -2,7 +2,7 @@
 no wrapt in the environment, the shim as a read-only bundle, sglang installed editable.
 
 The release runs in the test bed's base environment (torch, no wrapt) with the release's layers
-on PYTHONPATH (dev/shimdev/realsglang.py); ``wrapt=None`` leaves wrapt out entirely.
+on PYTHONPATH (dev/shimdev/envs/realsglang.py); ``wrapt=None`` leaves wrapt out entirely.
 """
 
 import json
@@ -13,9 +13,9 @@ import subprocess
 import textwrap
 
 import npu_shim
-from shimdev import realsglang
-from shimdev.demo_features import DEMO_ENV
-from shimdev.expected_states import expected
+from shimdev.envs import realsglang
+from shimdev.beds.demo_features import DEMO_ENV
+from shimdev.beds.expected_states import expected
 from test_drop_in import snapshot
 
 RELEASE = "0.5.11"
@@ -86,7 +86,7 @@ def test_read_only_bundle_applies_every_applicable_patch_in_parent_and_spawned_c
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     code = _sim(RELEASE) + textwrap.dedent("""
         import json, multiprocessing as mp
-        from shimdev import drop_in_probe
+        from shimdev.beds import drop_in_probe
         report = drop_in_probe.report()
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()

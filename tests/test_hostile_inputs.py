@@ -17,7 +17,7 @@ import pytest
 
 from npu_shim.core.loading import all_variables
 from npu_shim.patches import zbal as zbal_patch
-from shimdev import realsglang, sglang_envs
+from shimdev.envs import realsglang, sglang_envs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,8 +10,9 @@ import pytest
 
 from npu_shim.core import framework
 from npu_shim.core.loading import all_variables
-from shimdev import release_report, sglang_envs
+from shimdev.beds import release_report
 
+from shimdev.envs import sglang_envs
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md", "CHANGELOG.md"] + sorted(
     os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True))

@@ -1,6 +1,6 @@
 """Import matrix: the real sglang modules of every release of the table (post releases included) and
 of the editable install, executed on the simulated NPU with the shim on PYTHONPATH exactly as a
-user has it.  One subprocess per release (dev/shimdev/import_probe.py) does
+user has it.  One subprocess per release (dev/shimdev/beds/import_probe.py) does
 everything:
 
 * imports every module a patch targets, with every patch triggered (demo_features.DEMO_ENV: zbal
@@ -10,8 +10,8 @@ everything:
 * looks at the loaded modules themselves: which functions are wrapt wrappers (exactly the applied
   patches' targets), and whether the copies other modules took with ``from ... import`` are the
   wrapped ones;
-* runs each applied feature's driver (dev/shimdev/demo_features.py, shared with the demo; their
-  set-ups, dev/shimdev/release_beds.py, with the real-release tests) on the release's real code;
+* runs each applied feature's driver (dev/shimdev/beds/demo_features.py, shared with the demo; their
+  set-ups, dev/shimdev/beds/release_beds.py, with the real-release tests) on the release's real code;
   import_probe.problems() checks what it measured.
 
 A release whose layers cannot be built FAILS (never skips).
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import pytest
 
-from shimdev import import_probe
-from shimdev import realsglang
-from shimdev.expected_states import expected
-from shimdev import sglang_envs
+from shimdev.beds import import_probe
+from shimdev.envs import realsglang
+from shimdev.beds.expected_states import expected
+from shimdev.envs import sglang_envs
 
 
 def test_matrix_covers_every_release_and_the_editable_install():

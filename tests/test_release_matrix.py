@@ -3,10 +3,10 @@
 For each release the wheel is downloaded once (cached), its ``sglang/`` tree extracted, and each
 patch is decided exactly as the runtime decides it (probe, then every target resolved with a known
 signature), with the patch switched on and its trigger assumed set.  The expected table
-(dev/shimdev/expected_states.py) is the one docs/releases.md shows users; test_docs_table_matches
+(dev/shimdev/beds/expected_states.py) is the one docs/releases.md shows users; test_docs_table_matches
 keeps the two identical.
 
-Adding a release: one line in dev/shimdev/releases.py RELEASES (or POST_RELEASES) and its row in
+Adding a release: one line in dev/shimdev/envs/releases.py RELEASES (or POST_RELEASES) and its row in
 expected_states.py (``python3 scripts/release_report.py VERSION`` prints it), then
 ``python3 scripts/release_report.py --write-docs``.
 """
@@ -15,13 +15,13 @@ import os
 import re
 
 import pytest
-from shimdev import sglang_envs
+from shimdev.envs import sglang_envs
 
 from npu_shim.core import framework
 from npu_shim.source.codeview import SourceView
 from npu_shim.core.loading import load_all
 
-from shimdev.expected_states import DOC, EXPECTED, PATCH_ORDER, TABLE_END, TABLE_START, render_table
+from shimdev.beds.expected_states import DOC, EXPECTED, PATCH_ORDER, TABLE_END, TABLE_START, render_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,33 +1,29 @@
 """shimdev: npu-shim's development tooling -- never part of what users put on PYTHONPATH.
 
-What lives here (each module says more):
+Grouped by role (each package and module says more):
 
-* ``sglang_envs``    the releases' layered environments, and the one import of the test bed's names:
-                     ``releases`` (the supported releases), ``buildcache`` (the cache, locks, pip
-                     runs, content-addressed builds), ``wheels`` (wheels and sources),
-                     ``npu_layers`` (the zbal and no-CANN torch-npu layers);
-* ``runner``         the test runner's venv (torch, wrapt, pytest), shared by the test command and
-                     the benchmarks;
-* ``machine``        what the test command needs of a machine: the CPythons 3.9-3.13 (through
-                     ``PYENV_ROOT`` and ``PATH``), a C compiler;
-* ``realsglang``     run code in a release's environment with the simulated NPU;
-* ``simnpu``         a simulated Ascend NPU (``torch.npu`` on the CPU, a recorded event log);
-* ``simzbal``       the native half of memfabric-zbal 1.2.0, simulated (``zbal_native.c`` and the
-                     module it fills); ``import zbal`` gets the wheel's own Python files over it
-                     where the zbal layer (``npu_layers.ensure_zbal_layer``) is on the path;
-* ``demo_features``  the per-patch drivers of the demo and the import probe;
-* ``release_beds``   the set-ups over a release's real modules those drivers and the real-release
-                     tests stand on (a stubbed scheduler and model runner, a synthetic GLM-4 MoE);
-* ``expected_states`` the release table; ``mla_kernels``, ``dual_stream_kernels`` NPU kernel
-                     stand-ins; ``import_probe``, ``drop_in_probe`` child-process probes;
-* ``release_report``, ``dual_stream_bench``, ``mla_real_bench`` code shared by a script and a test;
-* ``containers``     podman and the local images the deploy recipes run in (tests/test_deploy.py);
-                     ``fake_launch_server`` the ``sglang.launch_server`` of those images.
+* ``envs``     the environments the code runs in: every sglang release's layered environment
+               (``envs.sglang_envs``, ``releases``, ``wheels``, ``npu_layers``, ``buildcache``), the
+               test runner's venv (``runner``), what a machine needs (``machine``), running code in a
+               release with the simulated NPU (``realsglang``), the deploy recipes' images
+               (``containers``, ``fake_launch_server``), the linter and mutation runs (``lint``,
+               ``mutation``);
+* ``simnpu``   a simulated Ascend NPU (``torch.npu`` on the CPU, NPU graphs, a recorded event log,
+               the stream sanitizer); ``simzbal`` the native half of memfabric-zbal 1.2.0, simulated
+               (``import zbal`` gets the wheel's own Python files over it where the zbal layer is on
+               the path);
+* ``server``   the server bed: real ``sglang.launch_server`` processes on the simulated NPU, their
+               models, logs, journals and ``/metrics``;
+* ``beds``     what the tests stand on inside a release process: set-ups over a release's real
+               modules, the demo's drivers, child-process probes, NPU kernel stand-ins, the expected
+               states per release; ``programs`` the programs the tests run in a release process;
+* ``bench``    the benchmarks: the rows of ``scripts/bench.py``'s table and the code measuring them.
 
 The one import convention: ``dev/`` (the directory holding this package) is put first on
 ``sys.path`` -- by tests/conftest.py for the tests, by the one-line prelude of each script in
-scripts/, by ``PYTHONPATH`` (``realsglang.release_env``) for the child processes -- and everything is
-imported as ``shimdev.<module>`` (``from shimdev import simnpu``).  Nothing is loaded by file path.
+scripts/, by ``PYTHONPATH`` (``envs.realsglang.release_env``) for the child processes -- and
+everything is imported as ``shimdev.<package>.<module>`` (``from shimdev.envs import realsglang``).
+Nothing is loaded by file path.
 
 Why ``dev/shimdev`` and not a top-level package: the repository root is on users' PYTHONPATH, and
 only ``sitecustomize`` and ``npu_shim`` may be importable from it (tests/test_layout.py).

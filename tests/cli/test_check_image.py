@@ -123,7 +123,7 @@ def test_unpacked_or_copied_bundle_starts_from_its_pyc(how, bare_venvs, built_bu
 def test_zbal_api_check_accepts_the_real_wheel_and_names_what_a_package_lacks(tmp_path):
     import zipfile
 
-    from shimdev import realsglang
+    from shimdev.envs import realsglang
     from npu_shim.patches import zbal as zbal_patch
 
     with zipfile.ZipFile(str(realsglang.sglang_envs.ensure_zbal_wheel())) as wheel:

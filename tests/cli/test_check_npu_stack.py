@@ -17,7 +17,7 @@ import pytest
 
 from npu_shim import __main__ as cli
 from npu_shim.cli import check
-from shimdev import realsglang
+from shimdev.envs import realsglang
 
 RELEASE = "0.5.11"
 

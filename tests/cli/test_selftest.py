@@ -27,7 +27,7 @@ from npu_shim.patches._selftest import mla_weight_release as mla_selftest
 from npu_shim.patches._selftest import zbal as zbal_selftest
 from npu_shim.patches._selftest import _synthetic_moe
 
-from shimdev import realsglang
+from shimdev.envs import realsglang
 
 DEFAULT_ZBAL_MIB = zbal_selftest.OPTIONS[0][2]  # --zbal-mib's default
 
@@ -494,7 +494,7 @@ def test_mla_step_fails_when_memory_does_not_drop():
 
 
 def test_the_bench_row_and_the_selftest_share_one_measurement():
-    from shimdev import dual_stream_bench
+    from shimdev.bench import dual_stream_bench
 
     assert dual_stream_bench._synthetic_moe is _synthetic_moe
     assert dual_stream_bench.build_block is _synthetic_moe.build_block

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from shimdev import realsglang
+from shimdev.envs import realsglang
 
 REPO = str(realsglang.REPO)
 

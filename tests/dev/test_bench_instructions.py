@@ -1,4 +1,4 @@
-"""The benches' instruction counts (shimdev.bench_rows.instructions_side_by_side, which
+"""The benches' instruction counts (shimdev.bench.bench_rows.instructions_side_by_side, which
 scripts/bench_shim_cost.py and bench_drop_in.py use): what a count reads from valgrind, and that an arm
 that fails leaves no other arm's valgrind running (a stand-in ``valgrind`` on PATH; nothing timed)."""
 import os
@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from shimdev import bench_rows
+from shimdev.bench import bench_rows
 
 FAKE = """#!/bin/sh
 # a stand-in valgrind: "$4" is the command's first word (after the three options)

@@ -1,4 +1,4 @@
-"""The container test bed (dev/shimdev/containers.py) without starting a container: its podman
+"""The container test bed (dev/shimdev/envs/containers.py) without starting a container: its podman
 configuration, when it installs anything, how its images are named, the busybox root file
 system.  The images themselves run in tests/test_deploy.py."""
 
@@ -8,7 +8,7 @@ import tarfile
 
 import pytest
 
-from shimdev import containers
+from shimdev.envs import containers
 
 
 def test_containers_conf_stays_within_the_hard_limits_and_names_runc_and_cgroupfs():

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shimdev.expected_states import PATCH_ORDER, expected
+from shimdev.beds.expected_states import PATCH_ORDER, expected
 
 REPO = Path(__file__).resolve().parents[2]
 

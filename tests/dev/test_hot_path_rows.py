@@ -1,12 +1,12 @@
-"""scripts/bench_hot_path.py's rows (shimdev/hot_path_rows.py) from given measurements (its
+"""scripts/bench_hot_path.py's rows (shimdev/bench/hot_path_rows.py) from given measurements (its
 plumbing, nothing timed): what a row's result rests on -- the wrapper the caller reaches and the
 budget for the first, the outputs and the states for the MoE rows -- and that a measurement that
 fails is one line and a problem for bench.py."""
 import pytest
 
-from shimdev import bench_rows
-from shimdev import hot_path_bench as H
-from shimdev import hot_path_rows
+from shimdev.bench import bench_rows
+from shimdev.bench import hot_path_bench as H
+from shimdev.bench import hot_path_rows
 
 
 @pytest.fixture

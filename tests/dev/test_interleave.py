@@ -1,11 +1,11 @@
-"""shimdev.interleave, the benchmarks' worker processes (scripts/bench_hot_path.py): the plumbing,
+"""shimdev.bench.interleave, the benchmarks' worker processes (scripts/bench_hot_path.py): the plumbing,
 not any timing -- set-up facts come back, requests are answered in alternating order, a failure in
 a worker is an error with its traceback, a worker that dies says so with its stderr."""
 import sys
 
 import pytest
 
-from shimdev import interleave
+from shimdev.bench import interleave
 
 ECHO = r'''
 import os

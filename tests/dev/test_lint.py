@@ -1,4 +1,4 @@
-"""The linter of the test command (dev/shimdev/lint.py): ruff with the checkout's configuration
+"""The linter of the test command (dev/shimdev/envs/lint.py): ruff with the checkout's configuration
 fails on a finding with one line that says so, and every ``noqa`` names its rule and says why."""
 
 import re
@@ -6,8 +6,9 @@ import shutil
 import sys
 import tokenize
 
-from shimdev import DEV, REPO, lint
+from shimdev import DEV, REPO
 
+from shimdev.envs import lint
 NOQA = re.compile(r"#\s*noqa\b(?P<rest>.*)$")
 
 
@@ -39,7 +40,7 @@ def test_a_noqa_that_silences_nothing_is_a_finding(tmp_path):
 
 
 def test_ruff_is_pinned_in_the_runner_venv():
-    from shimdev import runner
+    from shimdev.envs import runner
 
     assert lint.RUFF_PIN in runner.RUNNER_PINS
 

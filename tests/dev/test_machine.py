@@ -1,4 +1,4 @@
-"""What the test command needs of a machine (dev/shimdev/machine.py): the CPythons 3.9-3.13 are
+"""What the test command needs of a machine (dev/shimdev/envs/machine.py): the CPythons 3.9-3.13 are
 found through ``PYENV_ROOT`` and the ``PATH`` whatever ``HOME`` is, and what is missing is said in
 one line with how to get it."""
 
@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from shimdev import DEV, REPO, machine
+from shimdev import DEV, REPO
+from shimdev.envs import machine
 from test_drop_in import cpython
 
 ASK = "import json; from shimdev import machine; print(json.dumps([machine.cpython(v) for v in machine.PYTHONS]))"

@@ -1,4 +1,4 @@
-"""scripts/mutation.py (dev/shimdev/mutation.py): mutmut's results read back into scores, the
+"""scripts/mutation.py (dev/shimdev/envs/mutation.py): mutmut's results read back into scores, the
 environment its forked workers need, and the mutation venv it runs in."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from shimdev import mutation, runner
+from shimdev.envs import mutation, runner
 
 REPO = mutation.REPO
 
@@ -74,7 +74,7 @@ def test_the_mutation_venv_is_the_runner_pins_and_mutmut():
 
 
 def test_stats_are_cleared_in_a_started_program_and_mutant_names_pass():
-    """The line the mutation venv's .pth runs at start-up (dev/shimdev/runner.py)."""
+    """The line the mutation venv's .pth runs at start-up (dev/shimdev/envs/runner.py)."""
     name = "npu_shim.core.config.x_mib__mutmut_3"
     for value, seen in (("stats", None), (name, name), ("", "")):
         code = runner._STATS_ONLY_IN_THE_TEST_PROCESS + 'print(repr(os.environ.get("MUTANT_UNDER_TEST")))'

@@ -1,4 +1,4 @@
-"""The layered release environments (dev/shimdev/sglang_envs.py, dev/shimdev/realsglang.py).
+"""The layered release environments (dev/shimdev/envs/sglang_envs.py, dev/shimdev/envs/realsglang.py).
 
 One base venv (torch, the common pins, no wrapt -- a real Ascend image has none), each release's
 sglang and its differing pins as thin ``--target`` layers on PYTHONPATH, wrapt as a layer of its
@@ -13,8 +13,8 @@ import subprocess
 from pathlib import Path
 
 
-from shimdev import realsglang
-from shimdev import sglang_envs
+from shimdev.envs import realsglang
+from shimdev.envs import sglang_envs
 
 REPO = Path(__file__).resolve().parents[2]
 

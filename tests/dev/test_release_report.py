@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shimdev.expected_states import EXPECTED, row
-from shimdev import sglang_envs
+from shimdev.beds.expected_states import EXPECTED, row
+from shimdev.envs import sglang_envs
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "release_report.py"
@@ -20,7 +20,7 @@ def run(*args, timeout=900):
 
 
 def load_report():
-    from shimdev import release_report
+    from shimdev.beds import release_report
 
     return release_report
 

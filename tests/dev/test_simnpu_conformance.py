@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shimdev import realsglang
+from shimdev.envs import realsglang
 from shimdev.simnpu import _api, _device
 
 NPU_DIR = "torch_npu/npu"

@@ -12,7 +12,7 @@ import inspect
 import pytest
 import torch
 
-from shimdev import realsglang
+from shimdev.envs import realsglang
 from shimdev.simnpu import _ops
 from tests.dev.test_simnpu_graphs import run
 

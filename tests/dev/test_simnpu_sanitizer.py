@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from npu_shim.patches import dual_stream_experts as ds
-from shimdev import csan_check, dual_stream_bench, dual_stream_kernels, mla_kernels
+from shimdev.bench import csan_check, dual_stream_bench
+from shimdev.beds import dual_stream_kernels, mla_kernels
 from shimdev.simnpu import _sanitizer
 
 SMALL = dict(dual_stream_bench.DEFAULTS, tokens=6, hidden=8, shared_inter=8, experts=4, topk=2,

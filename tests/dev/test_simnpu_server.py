@@ -9,9 +9,10 @@ import textwrap
 
 import pytest
 
-from shimdev import DEV, realsglang
+from shimdev import DEV
 
 
+from shimdev.envs import realsglang
 def run(code, env=None, timeout=180, layers=()):
     path = os.pathsep.join([str(DEV), *map(str, layers)])
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,

@@ -32,7 +32,8 @@ import zipfile
 
 import pytest
 
-from shimdev import DEV, realsglang, simzbal
+from shimdev import DEV, simzbal
+from shimdev.envs import realsglang
 from shimdev.simzbal import native
 
 PY_FILES = realsglang.sglang_envs.ZBAL_PY_FILES

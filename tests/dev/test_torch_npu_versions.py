@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shimdev import releases, wheels
+from shimdev.envs import releases, wheels
 from shimdev.simnpu import _device
 
 from test_simnpu_conformance import Namespace, _constructor, _real_params

@@ -14,7 +14,7 @@ from npu_shim.core import framework
 from npu_shim.runtime import targets
 from npu_shim.source.codeview import SourceView
 from npu_shim.patches import dual_stream_experts as ds
-from shimdev import realsglang
+from shimdev.envs import realsglang
 
 # The wrappers' per-process state, as a decision builds it (reset by the fixtures).
 DS = ds.DualStreamExpertsState()
@@ -331,7 +331,7 @@ def test_side_stream_waits_main_runs_work_and_main_waits_side(simnpu_clean):
 
 
 def _moe_layer(process, block, hidden):
-    from shimdev import dual_stream_bench
+    from shimdev.bench import dual_stream_bench
 
     batch = types.SimpleNamespace(num_token_non_padded=None)
     return process._forward_deepep_dual_stream(dual_stream_bench._serial_forward, block, hidden, batch)
@@ -343,7 +343,7 @@ def test_two_main_streams_feeding_side_streams_do_not_race(simnpu_clean):
     stream sanitizer: the target's shared-experts output, used on its main stream and freed, must
     not be handed to the draft's shared experts while the target may still read it."""
     import torch
-    from shimdev import dual_stream_bench
+    from shimdev.bench import dual_stream_bench
 
     torch.manual_seed(0)
     params = dict(dual_stream_bench.DEFAULTS, tokens=6, hidden=8, shared_inter=8, experts=4, topk=2,
@@ -389,7 +389,7 @@ def _attn(**kw):
 
 
 def test_layer_plan(monkeypatch):
-    from shimdev import dual_stream_kernels as K
+    from shimdev.beds import dual_stream_kernels as K
 
     monkeypatch.setattr(ds, "importlib", types.SimpleNamespace(
         import_module=lambda name: types.SimpleNamespace(split_qkv_rmsnorm_rope=K.split_qkv_rmsnorm_rope)))
@@ -422,7 +422,7 @@ def test_missing_kernel_at_call_time_keeps_the_original_path(monkeypatch):
 # -- the benchmark script -------------------------------------------------------------------------
 
 def _bench():
-    from shimdev import dual_stream_bench
+    from shimdev.bench import dual_stream_bench
 
     return dual_stream_bench
 

@@ -7,7 +7,7 @@ the real methods (real ``Glm4MoeGate``, ``RMSNorm``, ``get_rope`` rotary embeddi
 stand-ins for what needs a device or a distributed setup: qkv projection, topk, experts, shared
 experts).  The stream order is read from ``simnpu.EVENTS``; numerics are compared with the
 original (unwrapped) methods on the same objects.  The stream sanitizer of the simulated NPU is
-on in every dual-stream call, and dev/shimdev/stream_races.py drives the races this kind of code
+on in every dual-stream call, and dev/shimdev/beds/stream_races.py drives the races this kind of code
 has had (two layers, in-place routed experts, a draft model on a stream of its own).  0.5.11
 reports ``upstream``.
 
@@ -16,7 +16,7 @@ dev/shimdev/programs/glm4_moe.py and glm4_moe_upstream.py.
 """
 import pytest
 
-from shimdev.realsglang import run_program
+from shimdev.envs.realsglang import run_program
 
 RELEASE = "0.5.9"
 SIDE = "side-1"
@@ -25,7 +25,7 @@ SIDE = "side-1"
 def _run(scenario, kernel, env):
     """``scenario`` of dev/shimdev/programs/glm4_moe.py on the synthetic MoE block and two attention
     layers of release_beds.glm4_moe_bed; ``kernel`` is "partial", "full_head" or None (see
-    dev/shimdev/dual_stream_kernels.py)."""
+    dev/shimdev/beds/dual_stream_kernels.py)."""
     return run_program(RELEASE, "glm4_moe", kernel, scenario, env=env)
 
 
@@ -97,8 +97,8 @@ def test_real_0_5_9_dual_stream_is_race_free_under_the_stream_sanitizer(streams_
     per main stream, ``draft_and_target`` reported unsafe reuse of the shared-experts output (as
     upstream's code still does, tests/test_real_sglang_import.py).  Routed experts that wrote their
     input in place would race with the side stream (``in_place_routed``); sglang's NPU routed
-    path does not (dev/shimdev/stream_races.py)."""
-    from shimdev import stream_races
+    path does not (dev/shimdev/beds/stream_races.py)."""
+    from shimdev.beds import stream_races
 
     res = streams_and_fused
     assert stream_races.problems(res["races"], "backport") == []

@@ -18,7 +18,7 @@ from npu_shim.core import framework
 from npu_shim.source.codeview import SourceView
 from npu_shim.patches import mla_weight_release as R
 from npu_shim.runtime import tensor_release
-from shimdev import sglang_envs
+from shimdev.envs import sglang_envs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

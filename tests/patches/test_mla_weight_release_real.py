@@ -10,7 +10,7 @@ dev/shimdev/programs/mla_release_*.py.
 """
 import pytest
 
-from shimdev import realsglang
+from shimdev.envs import realsglang
 
 MIB = 1 << 20
 R_UPDATE_OPS = ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed",

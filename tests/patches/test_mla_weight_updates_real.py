@@ -5,14 +5,14 @@ real handler (``SchedulerUpdateWeightsMixin`` in 0.5.9 - 0.5.12, ``SchedulerWeig
 from 0.5.13), the real (wrapped) ``BaseTpWorker`` method of a real ``TpModelWorker`` and, where the
 shim delegates, the real model-runner update (``ModelRunner.update_weights_from_disk`` /
 ``WeightUpdater`` from 0.5.16) with sglang's real ``DefaultModelLoader`` reading a safetensors
-checkpoint from disk into a model that holds a synthetic MLA layer (dev/shimdev/mla_kernels.py)
+checkpoint from disk into a model that holds a synthetic MLA layer (dev/shimdev/beds/mla_kernels.py)
 whose weights went through the release's real ``npu_mla_preprocess``.  Only the scheduler's and the
 worker's constructors are skipped (their attributes set by hand) and torch.distributed is a
 1-process gloo group.  The program the release process runs: dev/shimdev/programs/mla_weight_updates.py.
 """
 import pytest
 
-from shimdev import realsglang
+from shimdev.envs import realsglang
 
 
 @pytest.fixture(scope="module", params=["0.5.11", "0.5.19"])

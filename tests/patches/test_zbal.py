@@ -20,8 +20,9 @@ from npu_shim.core.loading import all_variables
 from npu_shim.source.codeview import SourceView
 from npu_shim.patches import zbal as zp
 
-from shimdev import realsglang, simzbal
+from shimdev.envs import realsglang
 
+from shimdev import simzbal
 MIB = 1 << 20
 GIB = 1 << 30
 BACKPORTED = ("0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11")

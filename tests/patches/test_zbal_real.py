@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from shimdev import realsglang
+from shimdev.envs import realsglang
 
 ENV = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": "61440", "SGLANG_ZBAL_BOOTSTRAP_URL": "tcp://10.0.0.1:6789",
        "NPU_SHIM_STRICT": None, "NPU_SHIM_ZBAL": None}

@@ -938,7 +938,7 @@ def test_the_shims_hooks_with_the_images_wrapt(version, private, app, tree, bare
     and load no wrapt import hook, whether or not the application imported wrapt first; the
     application's own wrapt hooks fire as well -- on a module of its own, and on the very module
     the shim hooks (wrapt's finder then in front of the shim's)."""
-    from shimdev import sglang_envs
+    from shimdev.envs import sglang_envs
     from test_drop_in import REPO
     from test_drop_in import run as run_in
 

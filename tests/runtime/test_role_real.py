@@ -2,14 +2,14 @@
 off: a scheduler spawned as sglang spawns it (multiprocessing spawn, target the real
 ``run_scheduler_process``) logs one summary line that carries its role (with its size) -- before
 the body of ``run_scheduler_process`` ran (its first read of the server
-arguments ends the child: ``shimdev.release_beds.StopAtBody``).  The program the release process
+arguments ends the child: ``shimdev.beds.release_beds.StopAtBody``).  The program the release process
 runs: dev/shimdev/programs/scheduler_role_spawn.py."""
 from __future__ import annotations
 
 import re
 
 import npu_shim
-from shimdev import realsglang
+from shimdev.envs import realsglang
 
 
 def test_a_spawned_scheduler_with_zbal_off_logs_its_role_in_its_summary_line(release_venv):

@@ -92,7 +92,7 @@ print(json.dumps({"result": wrapped(1), "calls": calls, "loaded": loaded,
 def _load_wrapt_beside(python, version, before):
     """_PRIVATE_LOAD's report from ``python`` with the image's wrapt ``version`` on PYTHONPATH,
     after the application's own ``before``."""
-    from shimdev import sglang_envs
+    from shimdev.envs import sglang_envs
 
     layer = str(sglang_envs.ensure_wrapt(version))
     env = dict({k: v for k, v in os.environ.items() if not k.startswith(("NPU_SHIM_", "PYTHON"))},

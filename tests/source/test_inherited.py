@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from shimdev import realsglang
+from shimdev.envs import realsglang
 from npu_shim.core import framework
 from npu_shim.source import inherited
 from npu_shim.core.loading import load_all

@@ -1,17 +1,17 @@
 """The dual-stream experts on the synthetic GLM-4 MoE bed of ``release_beds.glm4_moe_bed``
 (tests/patches/test_dual_stream_experts_real.py, 0.5.9).  Arguments: the fused decode kernel
-("partial", "full_head" or None, see dev/shimdev/dual_stream_kernels.py) and the scenario, one of
+("partial", "full_head" or None, see dev/shimdev/beds/dual_stream_kernels.py) and the scenario, one of
 ``SCENARIOS``."""
 import copy
 
 import torch
-from shimdev import stream_races
+from shimdev.beds import stream_races
 from shimdev.programs import arg, emit
-from shimdev.release_beds import glm4_moe_bed
+from shimdev.beds.release_beds import glm4_moe_bed
 
 
 def streams_and_fused(bed):
-    """Stream order, numerics, fused decode, and the races of dev/shimdev/stream_races.py."""
+    """Stream order, numerics, fused decode, and the races of dev/shimdev/beds/stream_races.py."""
     H, ForwardMode, moe, prepare = bed.H, bed.ForwardMode, bed.moe, bed.prepare
     result = {"wrapped": bed.wrapped_names()}
     h = torch.randn(5, H)

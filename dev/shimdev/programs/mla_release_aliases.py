@@ -2,7 +2,7 @@
 (tests/patches/test_mla_weight_release_real.py, 0.5.11)."""
 import torch
 from npu_shim.runtime import activation
-from shimdev import mla_kernels as K
+from shimdev.beds import mla_kernels as K
 from shimdev.programs import emit
 K.publish_server_args("decode")
 KINDS = {

@@ -1,9 +1,9 @@
 """What mla_weight_release frees per layer in one release process, for each (model, tp, role)
-case of the argument (shimdev.mla_real_bench.measure, the bench table's MLA rows)."""
+case of the argument (shimdev.bench.mla_real_bench.measure, the bench table's MLA rows)."""
 from shimdev.programs import arg, emit
 from npu_shim.runtime import activation
 from npu_shim.patches import mla_weight_release  # noqa: F401 - loaded before the first layer, as it was
-from shimdev import mla_kernels as K
+from shimdev.beds import mla_kernels as K
 
 results = []
 for model, tp, role in arg(0):

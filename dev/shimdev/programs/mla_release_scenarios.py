@@ -5,7 +5,7 @@ import os
 
 import npu_shim
 import torch
-from shimdev import mla_kernels as K
+from shimdev.beds import mla_kernels as K
 from shimdev import simnpu
 from shimdev.programs import emit
 from npu_shim.runtime import activation

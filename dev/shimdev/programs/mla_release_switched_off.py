@@ -1,6 +1,6 @@
 """mla_weight_release switched off (tests/patches/test_mla_weight_release_real.py, 0.5.19):
 nothing touched."""
-from shimdev import mla_kernels as K
+from shimdev.beds import mla_kernels as K
 from shimdev.programs import emit
 from npu_shim.runtime import activation
 from sglang.srt.hardware_backend.npu.attention import mla_preprocess as P

@@ -1,6 +1,6 @@
 """A released weight touched (tests/patches/test_mla_weight_release_real.py): the process exits
 with the error, not a signal.  Argument: which touch (``TOUCHES``)."""
-from shimdev import mla_kernels as K
+from shimdev.beds import mla_kernels as K
 from shimdev.programs import arg, emit
 
 #: How a released weight is touched: the fused qkv_a projection called, or w_kc read.

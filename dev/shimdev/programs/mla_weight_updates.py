@@ -6,7 +6,7 @@ import types
 
 import torch
 import torch.distributed as dist
-from shimdev import mla_kernels as K
+from shimdev.beds import mla_kernels as K
 from safetensors.torch import save_file
 from npu_shim.runtime import activation
 from sglang.srt.managers import io_struct as IO

@@ -1,4 +1,4 @@
-"""One release imported for real with the shim on (shimdev.import_probe.probe, the import matrix
+"""One release imported for real with the shim on (shimdev.beds.import_probe.probe, the import matrix
 and scripts/release_report.py): every module a patch targets imported, the states, the wrapt
 wrappers, the ``from ... import`` copies, then each applied feature's driver and the dual-stream
 races.  Argument: the target modules (``import_probe.TARGETS``)."""
@@ -7,7 +7,7 @@ import sys
 
 import npu_shim
 from npu_shim.runtime import wrapt_loader
-from shimdev import demo_features, stream_races
+from shimdev.beds import demo_features, stream_races
 from shimdev.programs import arg, emit
 
 TARGETS = arg(0)

@@ -12,7 +12,7 @@ if __name__ == "__main__":
     import sys
 
     import sglang.srt.managers.scheduler as sch
-    from shimdev.release_beds import scheduler_process_args
+    from shimdev.beds.release_beds import scheduler_process_args
     log_path = os.path.join(os.getcwd(), "child.log")
     saved = os.dup(2)
     os.dup2(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)  # the child's stderr

@@ -22,7 +22,7 @@ from shimdev.programs import emit
 GIB, MIB = 1 << 30, 1 << 20
 out = {"state": activation.RUNTIME.states()["zbal"]}
 
-from shimdev.release_beds import zbal_fresh as fresh, event_order as order, make_scheduler, stub_model_runner  # noqa: E402 - after the state is read
+from shimdev.beds.release_beds import zbal_fresh as fresh, event_order as order, make_scheduler, stub_model_runner  # noqa: E402 - after the state is read
 
 def is_wrapper(obj):
     return isinstance(obj, wrapt.FunctionWrapper)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shimdev import sglang_envs
+from shimdev.envs import sglang_envs
 
 SERVER_PACKAGES = ("uvloop", "python-multipart", "interegular", "prometheus-client", "jsonschema",
                    "soundfile==0.13.1")

@@ -15,7 +15,7 @@ import signal
 import time
 from pathlib import Path
 
-from shimdev.releases import version_key
+from shimdev.envs.releases import version_key
 from shimdev.server import models
 from shimdev.server.process import Server, ServerError, current_states, schedulers, shim_metrics
 

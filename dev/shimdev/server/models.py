@@ -18,7 +18,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from shimdev import realsglang, sglang_envs
+from shimdev.envs import realsglang, sglang_envs
 
 #: kind -> (transformers config class, its keyword arguments).  The sizes are the smallest that
 #: sglang's NPU paths accept (head_dim 16: the attention stand-ins take any; 2 layers so that a

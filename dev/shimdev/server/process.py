@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from shimdev import realsglang
+from shimdev.envs import realsglang
 from shimdev.server.layer import ensure_release_server_layer, ensure_server_layer, ensure_server_venv
 
 #: What every test server runs with: the simulated NPU's dense path (ascend attention), no warm-up

@@ -33,7 +33,7 @@ elif os.environ.get("SIMNPU_SERVER_RELEASE"):
 
     simnpu.install(release=os.environ["SIMNPU_SERVER_RELEASE"], server=True)
     if os.environ.get("SIMNPU_FUSED_KERNEL") == "1":
-        from shimdev import dual_stream_kernels
+        from shimdev.beds import dual_stream_kernels
 
         simnpu.add_stub(dual_stream_kernels.KERNEL_MODULE,
                         split_qkv_rmsnorm_rope=dual_stream_kernels.split_qkv_rmsnorm_rope)

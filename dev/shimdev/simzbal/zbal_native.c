@@ -5,7 +5,7 @@
  * that zbal_module.py opens with ctypes and hands to torch_npu's NPUPluggableAllocator.  It links
  * libtorch_npu and CANN's libopapi, so it cannot load off an Ascend image.  The test command
  * builds this file under the same name next to the wheel's own Python files
- * (dev/shimdev/npu_layers.py, ensure_zbal_layer): importing zbal.zbal and both ctypes loads then
+ * (dev/shimdev/envs/npu_layers.py, ensure_zbal_layer): importing zbal.zbal and both ctypes loads then
  * go through the real import machinery and the real dynamic loader.
  *
  * What the module holds is Python (shimdev.simzbal.native), so tests can drive it; the allocator

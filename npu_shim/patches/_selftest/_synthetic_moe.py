@@ -1,7 +1,7 @@
 """A synthetic GLM-4.x-style MoE block and the dual-stream overlap measured on it, with device events.
 
 Used by ``python -m npu_shim selftest`` (dual_stream_experts.py beside this) and by the benchmark row
-(scripts/bench_dual_stream.py, dev/shimdev/dual_stream_bench.py): one piece of code, so the row and
+(scripts/bench_dual_stream.py, dev/shimdev/bench/dual_stream_bench.py): one piece of code, so the row and
 the selftest measure the same thing.  The block has a router gate, top-k, routed experts run expert
 by expert, and one shared-expert MLP; it runs
 

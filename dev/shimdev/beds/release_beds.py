@@ -1,5 +1,5 @@
 """Set-ups over a release's real sglang modules, run inside a release process (simulated NPU):
-what the demo's drivers (dev/shimdev/demo_features.py) and the real-release tests drive.
+what the demo's drivers (dev/shimdev/beds/demo_features.py) and the real-release tests drive.
 
 * zbal: ``zbal_fresh`` (a fresh process's patch state, device and zbal native side),
   ``event_order`` (simnpu.EVENTS as names), ``make_scheduler`` (the real, wrapped
@@ -11,7 +11,7 @@ what the demo's drivers (dev/shimdev/demo_features.py) and the real-release test
   that end the call where the body first reads them -- tests/runtime/test_role_real.py;
 * dual_stream_experts: ``glm4_moe_bed`` (a synthetic GLM-4 MoE block and two attention layers over
   the release's real ``glm4_moe`` classes) -- tests/patches/test_dual_stream_experts_real.py,
-  dev/shimdev/stream_races.py.
+  dev/shimdev/beds/stream_races.py.
 
 Nothing heavy at module level: the outer test process imports this module too.
 """
@@ -192,14 +192,14 @@ def stub_model_runner():
 def glm4_moe_bed(kernel="partial", head_dim=16):
     """A small synthetic GLM-4 MoE block and two attention layers over the release's real
     ``glm4_moe`` classes, with run helpers; returns every name as a namespace.  ``kernel`` is
-    "partial", "full_head" or None (see dev/shimdev/dual_stream_kernels.py).  ``head_dim``: 0.5.7
+    "partial", "full_head" or None (see dev/shimdev/beds/dual_stream_kernels.py).  ``head_dim``: 0.5.7
     and 0.5.8 build their NPU rotary embedding only for head sizes 64/128/256/512 (others take a
     vllm kernel)."""
     import torch
     from npu_shim.patches._selftest import _synthetic_moe
     from shimdev import simnpu
-    from shimdev import dual_stream_kernels as K
-    from shimdev import mla_kernels
+    from shimdev.beds import dual_stream_kernels as K
+    from shimdev.beds import mla_kernels
 
     K.install(simnpu, kernel=kernel)
 

@@ -9,8 +9,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-from shimdev.buildcache import EnvError, cache_dir, file_lock, pip, run
-from shimdev.releases import check_release
+from shimdev.envs.buildcache import EnvError, cache_dir, file_lock, pip, run
+from shimdev.envs.releases import check_release
 
 def find_wheel(d: Path, version: str) -> Path | None:
     hits = sorted(d.glob(f"sglang-{version}-*.whl"))

@@ -1,6 +1,6 @@
 """What the test command needs of a machine: the CPythons 3.9-3.13 the drop-in tests run
 (tests/test_drop_in.py) and a C compiler (the zbal layer's native stand-in); podman the test
-command installs itself with apt-get (dev/shimdev/containers.py).
+command installs itself with apt-get (dev/shimdev/envs/containers.py).
 
 An interpreter is looked for where a machine keeps it: pyenv's ``$PYENV_ROOT/versions/3.X.*``
 (``~/.pyenv`` where ``PYENV_ROOT`` is not set, as pyenv does), then ``python3.X`` on ``PATH``.
@@ -17,7 +17,7 @@ import os
 import shutil
 import subprocess
 
-from shimdev import npu_layers
+from shimdev.envs import npu_layers
 
 PYTHONS = ("3.9", "3.10", "3.11", "3.12", "3.13")
 
@@ -71,7 +71,7 @@ def missing() -> str:
     """What the test command needs of this machine and does not find, in one line ("" where
     nothing is missing): the CPythons 3.9-3.13 and a C compiler (``$CC`` or ``cc``: the zbal
     layer's native stand-in).  podman is not here: the test command installs it with apt-get where
-    it can (dev/shimdev/containers.py says what it cannot)."""
+    it can (dev/shimdev/envs/containers.py says what it cannot)."""
     gaps = []
     absent = [version for version in PYTHONS if cpython(version) is None]
     if absent:

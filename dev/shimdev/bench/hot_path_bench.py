@@ -1,7 +1,7 @@
 """The hot path's per-call costs, measured side by side (used by scripts/bench_hot_path.py).
 
 Three measurements, each in persistent worker processes timed in alternating rounds
-(shimdev.interleave), each arm's figure the median over its rounds -- of the calling thread's CPU
+(shimdev.bench.interleave), each arm's figure the median over its rounds -- of the calling thread's CPU
 time per call (``time.thread_time_ns``: what other jobs on a shared machine add is the time they
 hold the core, which that clock leaves out; one torch thread), with the wall time beside it
 (``arm@wall``):
@@ -42,8 +42,9 @@ from __future__ import annotations
 import statistics
 import sys
 
-from shimdev import REPO, interleave
+from shimdev import REPO
 
+from shimdev.bench import interleave
 MLA_RELEASE = "0.5.11"
 DUAL_STREAM_SHIM, DUAL_STREAM_UPSTREAM = "0.5.9", "0.5.10"
 
@@ -79,7 +80,7 @@ _MLA = _TIMER + r'''
 import re, types
 from npu_shim.runtime import activation, wrapt_loader
 from npu_shim.patches import mla_weight_release as RI
-from shimdev import mla_kernels as K
+from shimdev.beds import mla_kernels as K
 from sglang.srt.hardware_backend.npu.modules import deepseek_v2_attention_mla_npu as N
 
 def called():
@@ -130,8 +131,8 @@ def serve(request):
 
 def mla_eager(rounds=9, calls=100000):
     """{"info": set-up facts, "ns": {arm: [per round]}} in one real 0.5.11 process."""
-    from shimdev import realsglang
-    from shimdev.demo_features import DEMO_ENV
+    from shimdev.envs import realsglang
+    from shimdev.beds.demo_features import DEMO_ENV
 
     argv, env = realsglang.release_command(MLA_RELEASE, DEMO_ENV, zbal=True)
     code = _PRELUDE.format(release=MLA_RELEASE) + _MLA
@@ -230,7 +231,7 @@ import torch
 # One intra-op thread in both arms: with two, on 2 cores other jobs share, a call of this small
 # block took ~10x longer (1.3 ms -> 14 ms in 0.5.10, measured 2026-12-02), most of it waiting.
 torch.set_num_threads(1)
-from shimdev.release_beds import glm4_moe_bed
+from shimdev.beds.release_beds import glm4_moe_bed
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 bed = glm4_moe_bed("partial")
 block = bed.block
@@ -309,7 +310,7 @@ def dual_stream(rounds=9, calls=2000, tokens=16):
     the shim's wrapper, 0.5.10's own, and 0.5.9's own with the patch switched off
     (``NPU_SHIM_DUAL_STREAM_EXPERTS=0``: single stream, no wrapper -- what the other two differ
     from), the three processes asked in alternating rounds."""
-    from shimdev import realsglang
+    from shimdev.envs import realsglang
 
     env = {"SGLANG_NPU_USE_MULTI_STREAM": "1"}
     specs = []

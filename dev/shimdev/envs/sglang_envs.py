@@ -22,23 +22,23 @@ bed's names.
 The rest of the test bed, each a module of its own, is re-exported here (``__all__``), so that a
 caller imports the test bed once (``from shimdev import sglang_envs``):
 
-* ``shimdev.releases`` -- ``RELEASES`` / ``POST_RELEASES`` / ``ALL_RELEASES`` (add one line to
+* ``shimdev.envs.releases`` -- ``RELEASES`` / ``POST_RELEASES`` / ``ALL_RELEASES`` (add one line to
   support one more), ``EDITABLE``, ``version_key``;
-* ``shimdev.buildcache`` -- ``cache_dir()`` (``$NPU_SHIM_CACHE`` or ``~/.cache/npu-shim``), file
+* ``shimdev.envs.buildcache`` -- ``cache_dir()`` (``$NPU_SHIM_CACHE`` or ``~/.cache/npu-shim``), file
   locks, pip runs, ``build_once`` (content-addressed, stamped last: a changed pin gives a new
   directory, so a build never replaces an environment another process is running in);
-* ``shimdev.wheels`` -- ``ensure_wheel(v)`` (the sglang wheel in ``CACHE/wheels``),
+* ``shimdev.envs.wheels`` -- ``ensure_wheel(v)`` (the sglang wheel in ``CACHE/wheels``),
   ``ensure_sources(v)`` (its ``sglang/`` tree in ``CACHE/src/<v>/``), the sdist, the pinned
   memfabric-zbal and torch-npu wheels;
-* ``shimdev.npu_layers`` -- the zbal layer (the wheel's Python files over the simulated native
+* ``shimdev.envs.npu_layers`` -- the zbal layer (the wheel's Python files over the simulated native
   library) and the no-CANN torch-npu layer.
 
 CLI::
 
-    PYTHONPATH=dev python3 -m shimdev.sglang_envs wheels           # download every release's wheel
-    PYTHONPATH=dev python3 -m shimdev.sglang_envs sources [V ...]  # extract sources (default: all)
-    PYTHONPATH=dev python3 -m shimdev.sglang_envs envs [V ...]     # build layers (default: all + editable)
-    PYTHONPATH=dev python3 -m shimdev.sglang_envs python V         # print the python that runs release V
+    PYTHONPATH=dev python3 -m shimdev.envs.sglang_envs wheels           # download every release's wheel
+    PYTHONPATH=dev python3 -m shimdev.envs.sglang_envs sources [V ...]  # extract sources (default: all)
+    PYTHONPATH=dev python3 -m shimdev.envs.sglang_envs envs [V ...]     # build layers (default: all + editable)
+    PYTHONPATH=dev python3 -m shimdev.envs.sglang_envs python V         # print the python that runs release V
 
 Part of ``shimdev`` (dev/shimdev/): imported as ``from shimdev import sglang_envs`` with ``dev/`` on
 sys.path (see shimdev/__init__.py), never by file path.
@@ -57,22 +57,22 @@ import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
-from shimdev.buildcache import (LAYOUT, TORCH_PIN, EnvError, build_once, cache_dir, constraints_file, digest,
+from shimdev.envs.buildcache import (LAYOUT, TORCH_PIN, EnvError, build_once, cache_dir, constraints_file, digest,
                                 file_lock, layered_dir, pip, python_tag, run, stamp_of)
-from shimdev.npu_layers import ZBAL_PY_FILES, ensure_torch_npu_layer, ensure_zbal_layer, zbal_env
-from shimdev.releases import ALL_RELEASES, EDITABLE, POST_RELEASES, RELEASES, check_release, version_key
-from shimdev.wheels import (ensure_sdist, ensure_sources, ensure_torch_npu_wheel, ensure_wheel, ensure_zbal_wheel,
+from shimdev.envs.npu_layers import ZBAL_PY_FILES, ensure_torch_npu_layer, ensure_zbal_layer, zbal_env
+from shimdev.envs.releases import ALL_RELEASES, EDITABLE, POST_RELEASES, RELEASES, check_release, version_key
+from shimdev.envs.wheels import (ensure_sdist, ensure_sources, ensure_torch_npu_wheel, ensure_wheel, ensure_zbal_wheel,
                             find_wheel)
 
 __all__ = [
-    # the releases (shimdev.releases)
+    # the releases (shimdev.envs.releases)
     "RELEASES", "POST_RELEASES", "ALL_RELEASES", "EDITABLE", "version_key",
-    # the cache and its builds (shimdev.buildcache)
+    # the cache and its builds (shimdev.envs.buildcache)
     "EnvError", "LAYOUT", "TORCH_PIN", "cache_dir", "layered_dir", "file_lock", "run", "pip", "constraints_file",
     "digest", "build_once",
-    # wheels and sources (shimdev.wheels)
+    # wheels and sources (shimdev.envs.wheels)
     "ensure_wheel", "ensure_sources", "ensure_sdist", "ensure_zbal_wheel", "ensure_torch_npu_wheel",
-    # the NPU stack's layers (shimdev.npu_layers)
+    # the NPU stack's layers (shimdev.envs.npu_layers)
     "ZBAL_PY_FILES", "ensure_zbal_layer", "zbal_env", "ensure_torch_npu_layer",
     # the layered environments (here)
     "WRAPT_DEFAULT", "COMMON_DEPS", "BASE_PINS", "LAYER_REQUIREMENTS", "NODEPS_REQUIREMENTS", "NEVER_IN_LAYERS",
@@ -402,7 +402,7 @@ def _versions(args: list[str], default) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m shimdev.sglang_envs", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 -m shimdev.envs.sglang_envs", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("wheels", help="download every supported release's wheel")
     p = sub.add_parser("sources", help="extract releases' sglang/ trees (default: all)")

@@ -12,7 +12,7 @@
 
 No registry is reachable from the test machines, so every image is local and nothing is pulled.
 Everything is content-addressed (the image tag is the digest of what it is made of) and built
-under a file lock, as the release environments are (dev/shimdev/sglang_envs.py).
+under a file lock, as the release environments are (dev/shimdev/envs/sglang_envs.py).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from shimdev import sglang_envs
+from shimdev.envs import sglang_envs
 
 #: Bump to build every image anew (part of every image's digest).
 LAYOUT = 1
@@ -127,7 +127,7 @@ def containers_conf_text():
 
     nofile = within(resource.RLIMIT_NOFILE, 1 << 20)
     nproc = within(resource.RLIMIT_NPROC, NPROC_CAP)
-    return ("# Written by dev/shimdev/containers.py for the test bed's podman; edit that file instead.\n"
+    return ("# Written by dev/shimdev/envs/containers.py for the test bed's podman; edit that file instead.\n"
             "[containers]\n"
             'default_ulimits = ["nofile=%d:%d", "nproc=%d:%d"]\n'
             "[engine]\n"

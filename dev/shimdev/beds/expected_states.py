@@ -10,7 +10,7 @@ scripts/release_report.py --write-docs``) all check the real decisions against t
 declaration that is wrong about the code fails a test, and a new patch needs no row anywhere.
 """
 
-from shimdev import realsglang
+from shimdev.envs import realsglang
 from npu_shim.core.framework import expected_state
 from npu_shim.core.loading import load_all
 

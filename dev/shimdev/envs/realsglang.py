@@ -1,7 +1,7 @@
 """Run code against a real sglang release, in its layered environment, with the simulated NPU.
 
 ``run_in_release("0.5.11", "from sglang.srt.utils import is_npu\\nemit({'npu': is_npu()})")``
-builds/reuses the release's layers (shimdev/sglang_envs.py: one base venv with torch and no wrapt,
+builds/reuses the release's layers (shimdev/envs/sglang_envs.py: one base venv with torch and no wrapt,
 the release's sglang and dependency layers, a wrapt layer), runs the snippet in a fresh
 interpreter of the base venv with ``PYTHONPATH=<repo root>:<dev>:<wrapt layer>:<release
 layers>`` (repo root first, so the shim's sitecustomize.py is active exactly as for a user),
@@ -22,9 +22,10 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from shimdev import DEV, REPO, sglang_envs
+from shimdev import DEV, REPO
 
 
+from shimdev.envs import sglang_envs
 class ReleaseRunError(AssertionError):
     """The snippet failed (or emitted nothing); carries its stdout/stderr."""
 

@@ -1,5 +1,5 @@
 """The linter the test command runs before the suite: ruff, configured in pyproject.toml
-(``[tool.ruff]``), pinned in the runner venv (dev/shimdev/runner.py), over the whole checkout (what
+(``[tool.ruff]``), pinned in the runner venv (dev/shimdev/envs/runner.py), over the whole checkout (what
 git ignores left out).  A finding fails the run (scripts/run_tests.py) after the suite has run, with
 one line that says so; the findings themselves are ruff's, one a line, above it."""
 from __future__ import annotations

@@ -4,7 +4,7 @@ Two processes that must not share an interpreter (two sglang releases, two build
 compared on a shared, loaded machine only if the load hits both alike: each arm is a ``Worker``
 that sets itself up once, then answers requests on its stdin; ``alternate`` asks them in turn,
 round after round, the order reversed every other round (``turns``), so only one arm runs at a time
-and a burst of load lands on both.  Used by scripts/bench_hot_path.py (dev/shimdev/hot_path_bench.py);
+and a burst of load lands on both.  Used by scripts/bench_hot_path.py (dev/shimdev/bench/hot_path_bench.py);
 ``turns`` also orders the server benchmarks' starts and loads (scripts/bench_*_server.py).
 
 A worker is ``argv + ["-c", script]`` where the script is the given setup ``code``, which defines

@@ -3,7 +3,7 @@ how): each measurement turned into the table's row, with what its result rests o
 import os
 import tempfile
 
-from shimdev.bench_rows import EAGER_NS, clean_env
+from shimdev.bench.bench_rows import EAGER_NS, clean_env
 
 WHAT_EAGER = "npu_mla_preprocess wrapper in eager mode, a layer it has seen: added ns/call (real sglang 0.5.11)"
 WHAT_BUILD = "npu_mla_preprocess wrapper in eager mode, a layer it has seen: added ns/call, bundle's wrapt %s"
@@ -18,14 +18,14 @@ MOE_TARGET = 1.05
 
 
 def _failed(whats, exc):
-    from shimdev.bench_rows import one_line
+    from shimdev.bench.bench_rows import one_line
 
     return [{"what": what, "how": "", "measured": "not measured: failed: %s" % one_line(exc), "target": "",
              "ok": False, "failed": one_line(exc)} for what in whats]
 
 
 def mla_eager_row(rounds, calls):
-    from shimdev import hot_path_bench as H
+    from shimdev.bench import hot_path_bench as H
 
     out = H.mla_eager(rounds, calls)
     info, ns = out["info"], out["ns"]
@@ -50,7 +50,7 @@ def mla_eager_row(rounds, calls):
 
 def wrapt_rows(bundle_dir, rounds, calls):
     from npu_shim.runtime import wrapt_loader
-    from shimdev import hot_path_bench as H
+    from shimdev.bench import hot_path_bench as H
 
     # absolute: the workers run in a directory of their own, where a relative bundle is not found
     vendor = os.path.join(os.path.abspath(bundle_dir), "npu_shim", "_vendor", "wrapt")
@@ -109,7 +109,7 @@ def _why(c):
 
 
 def moe_rows(rounds, calls, tokens=16):
-    from shimdev import hot_path_bench as H
+    from shimdev.bench import hot_path_bench as H
 
     out = H.dual_stream(rounds, calls, tokens)
     shim, up, off = out["shim"], out["upstream"], out["off"]

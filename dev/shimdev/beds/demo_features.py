@@ -8,19 +8,19 @@ interpreter started by ``realsglang.run_in_release(..., env=DEMO_ENV, zbal=True)
   ``ModelRunner.initialize`` body on a runner whose heavy steps are stubs that take simulated device
   memory (64 GB device), the real ``get_available_gpu_memory`` / ``get_npu_memory_capacity``;
 * mla_weight_release -- a GLM-5-shaped MLA layer through the real ``npu_mla_preprocess`` with the
-  decode role published through real ``ServerArgs`` (dev/shimdev/mla_kernels.py);
+  decode role published through real ``ServerArgs`` (dev/shimdev/beds/mla_kernels.py);
 * dual_stream_experts -- the real ``Glm4MoeSparseMoeBlock.forward_deepep`` (wrapped on 0.5.9, the
   release's own on 0.5.10+) on a synthetic block; the stream each part ran on from simnpu.EVENTS,
   and what the stream sanitizer (on in every call) reported.
 
 The set-ups the drivers stand on (``zbal_fresh``, ``make_scheduler``, ``stub_model_runner``,
-``glm4_moe_bed``, ...) are dev/shimdev/release_beds.py, which the real-release tests use too.
+``glm4_moe_bed``, ...) are dev/shimdev/beds/release_beds.py, which the real-release tests use too.
 
 Nothing heavy at module level: the outer test process imports this module too.
 """
 from __future__ import annotations
 
-from shimdev.release_beds import (GIB, MIB, event_order, glm4_moe_bed, make_scheduler, stub_model_runner,
+from shimdev.beds.release_beds import (GIB, MIB, event_order, glm4_moe_bed, make_scheduler, stub_model_runner,
                                   zbal_fresh)
 
 #: The demo's drivers, keyed by patch name: each runs the release's real (patched or own) code on a
@@ -108,7 +108,7 @@ def zbal_demo():
 @driver("mla_weight_release")
 def mla_demo(model="glm-5", tp=16):
     """Decode role: bytes released from one synthetic MLA layer; touching a released weight."""
-    from shimdev import mla_kernels as K
+    from shimdev.beds import mla_kernels as K
     from npu_shim.runtime import activation
     from npu_shim.patches import mla_weight_release as R
 
@@ -171,7 +171,7 @@ def import_targets():
     Returns {module: "ExcType: message"} for each module that failed to import."""
     import importlib
 
-    from shimdev import dual_stream_kernels
+    from shimdev.beds import dual_stream_kernels
     from shimdev import simnpu
     from npu_shim.core.loading import load_all
 

@@ -11,12 +11,12 @@ For VERSION it
    assumed set), and compares with the newest older release of the expected table: a probe that
    now says ``upstream``, a target gone, a signature changed, a pinned body whose fingerprint
    changed, a state that moved;
-3. builds the release's layers (dev/shimdev/sglang_envs.py) and imports it with the shim on, on the
+3. builds the release's layers (dev/shimdev/envs/sglang_envs.py) and imports it with the shim on, on the
    simulated NPU, every patch triggered: states, wrapped functions, ``from``-import copies and each
    applied feature's driver, checked as the import matrix checks them
-   (dev/shimdev/import_probe.py);
+   (dev/shimdev/beds/import_probe.py);
 4. compares with what the patches' declarations promise for VERSION (backport_range and
-   upstream_release: dev/shimdev/expected_states.py), and prints the release table's row.
+   upstream_release: dev/shimdev/beds/expected_states.py), and prints the release table's row.
 
 Exit status 0 when the import agrees with the source decision and both with the declarations; 1
 otherwise (change the patch whose declaration is wrong); 2 on bad usage or when the release
@@ -32,9 +32,11 @@ import re
 import subprocess
 import sys
 
-from shimdev import REPO, expected_states, realsglang, sglang_envs
+from shimdev import REPO
 
 
+from shimdev.beds import expected_states
+from shimdev.envs import realsglang, sglang_envs
 def say(line=""):
     print(line, flush=True)
 
@@ -180,7 +182,7 @@ def report(version: str) -> int:
 
     say("\n3. imported with the shim on (simulated NPU, every patch triggered; building its layers "
         "if needed):")
-    from shimdev import import_probe
+    from shimdev.beds import import_probe
 
     sglang_envs.ensure_release(version, strict=False, log=lambda s: say("    " + s))
     out = import_probe.probe(version)
@@ -205,7 +207,7 @@ def report(version: str) -> int:
     say("   its row in %s (python3 scripts/release_report.py --write-docs):" % expected_states.DOC)
     say("   " + expected_states.row(version, states))
     if not known:
-        say("   new release: add it to RELEASES (or POST_RELEASES) in dev/shimdev/releases.py, then "
+        say("   new release: add it to RELEASES (or POST_RELEASES) in dev/shimdev/envs/releases.py, then "
             "--write-docs")
     return 0 if agree and not found else 1
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from shimdev.buildcache import EnvError
+from shimdev.envs.buildcache import EnvError
 
 #: Every supported base release, oldest first.  One line to add one.
 RELEASES = (

@@ -17,7 +17,7 @@ drives the release's real ``Glm4MoeSparseMoeBlock.forward_deepep`` on the synthe
   output read and freed, a draft extend on the draft's stream, the target's next layer.
 
 ``EXPECTED`` says what each should report for the backport and for upstream; ``problems`` compares
-(the import matrix and ``scripts/release_report.py`` through dev/shimdev/import_probe.py).  A
+(the import matrix and ``scripts/release_report.py`` through dev/shimdev/beds/import_probe.py).  A
 release whose own code stops racing -- or starts -- shows up there: say so in docs/reliability.md and here.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def run(bed=None):
     """{scenario: [report as a dict]} for every scenario, on ``bed`` (a glm4_moe_bed)."""
     import torch
     from shimdev import simnpu
-    from shimdev.release_beds import glm4_moe_bed
+    from shimdev.beds.release_beds import glm4_moe_bed
 
     bed = bed or glm4_moe_bed("partial", head_dim=64)
     drive = {
@@ -124,8 +124,8 @@ def problems(races, who):
 
 def probe(version):
     """{state, races} of dual_stream_experts in release ``version`` (its own process)."""
-    from shimdev import realsglang
-    from shimdev.demo_features import DEMO_ENV
+    from shimdev.envs import realsglang
+    from shimdev.beds.demo_features import DEMO_ENV
 
     return realsglang.run_program(version, "dual_stream_races", env=DEMO_ENV, zbal=True)
 

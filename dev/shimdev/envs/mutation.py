@@ -3,7 +3,7 @@
 
 What is mutated and which tests run is mutmut's configuration, ``[tool.mutmut]`` in pyproject.toml;
 mutmut makes the mutants, maps each to the tests that reach it and runs them.  This module only
-gives mutmut the interpreter it needs (the mutation venv, dev/shimdev/runner.py), the environment
+gives mutmut the interpreter it needs (the mutation venv, dev/shimdev/envs/runner.py), the environment
 it needs here (below), and reads mutmut's results back into one score per file.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ import os
 import subprocess
 from pathlib import Path
 
-from shimdev import runner
+from shimdev.envs import runner
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # mutmut's names for its results (mutmut/stats.py ``status_by_exit_code``), by exit code of the
 # mutant's test run.  Only ``killed`` counts as killed: a survivor, a mutant no selected test

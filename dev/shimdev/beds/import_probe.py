@@ -6,15 +6,16 @@ must hold of it -- shared by the import matrix (tests/test_real_sglang_import.py
 dev/shimdev/programs/release_import.py): it imports every
 module a patch targets, records the states, which functions are wrapt wrappers, whether the
 ``from ... import`` copies are the module's own function, then runs each applied feature's driver
-(dev/shimdev/demo_features.py) under the stream sanitizer, and the dual-stream MoE path (the
-backport's or upstream's own) through dev/shimdev/stream_races.py.  ``problems(version, out,
+(dev/shimdev/beds/demo_features.py) under the stream sanitizer, and the dual-stream MoE path (the
+backport's or upstream's own) through dev/shimdev/beds/stream_races.py.  ``problems(version, out,
 table)`` lists everything in that result that differs from the expected states ``table``
 ({patch: state}); empty = all holds.
 """
 from __future__ import annotations
 
-from shimdev import realsglang, stream_races
-from shimdev.demo_features import DEMO_ENV
+from shimdev.envs import realsglang
+from shimdev.beds import stream_races
+from shimdev.beds.demo_features import DEMO_ENV
 
 from npu_shim.core.loading import load_all
 from npu_shim.runtime import role

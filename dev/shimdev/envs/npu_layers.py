@@ -9,14 +9,14 @@ import os
 import zipfile
 from pathlib import Path
 
-from shimdev.buildcache import LAYOUT, build_once, digest, layered_dir, python_tag, run
-from shimdev.wheels import TORCH_NPU_PIN, ZBAL_PIN, ensure_torch_npu_wheel, ensure_zbal_wheel
+from shimdev.envs.buildcache import LAYOUT, build_once, digest, layered_dir, python_tag, run
+from shimdev.envs.wheels import TORCH_NPU_PIN, ZBAL_PIN, ensure_torch_npu_wheel, ensure_zbal_wheel
 
 
 # -- memfabric-zbal: the wheel's Python files over a simulated native module --------------------------
 
 #: The C source of the simulated native library (dev/shimdev/simzbal/zbal_native.c).
-ZBAL_NATIVE_SOURCE = Path(__file__).resolve().parent / "simzbal" / "zbal_native.c"
+ZBAL_NATIVE_SOURCE = Path(__file__).resolve().parents[1] / "simzbal" / "zbal_native.c"
 #: The wheel's files the layer takes, byte for byte.
 ZBAL_PY_FILES = ("__init__.py", "zbal_module.py", "zbal_buffer.py", "zbal_utils.py")
 #: The directory MEMFABRIC_HYBRID_LIBRARY_PATH names in the layer (empty: only the native side

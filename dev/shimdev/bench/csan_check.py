@@ -41,7 +41,7 @@ CSAN = {"backport": False, "two_main_streams": False, "removed_wait": True,
 
 
 def _layer(process, block, hidden):
-    from shimdev import dual_stream_bench
+    from shimdev.bench import dual_stream_bench
 
     return process._forward_deepep_dual_stream(dual_stream_bench._serial_forward, block, hidden, BATCH)
 
@@ -87,7 +87,7 @@ def run_case(name, dm, block, hidden):
         process.wait_share_stream = lambda: dm.current_stream().wait_stream(side)
         return _layer(process, block, hidden * 2)  # written on the main stream just before
     if name == "in_place_routed":
-        from shimdev.stream_races import in_place
+        from shimdev.beds.stream_races import in_place
 
         block.experts = in_place(block.experts)
         return _layer(process, block, hidden)
@@ -101,7 +101,7 @@ def run_case(name, dm, block, hidden):
 def build(device, dtype=None):
     import torch
 
-    from shimdev import dual_stream_bench
+    from shimdev.bench import dual_stream_bench
 
     params = dict(dual_stream_bench.DEFAULTS, **SMALL)
     dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)

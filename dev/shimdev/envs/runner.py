@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 
-from shimdev import lint, sglang_envs
+from shimdev.envs import lint, sglang_envs
 
 RUNNER_PINS = (sglang_envs.TORCH_PIN, "wrapt==2.5.2", "pytest==9.2.0", "pytest-mock==3.17.0",
                "pytest-xdist==3.8.0", "numpy==2.4.6",  # numpy: torch warns at import without it

@@ -8,19 +8,18 @@
 #                      machine) its dual-stream step alone (--patch dual_stream_experts)
 #   3. overlap         scripts/bench_dual_stream.py: serial vs overlapped shared+routed experts on
 #                      the synthetic MoE block, target >= 90 % of the ideal saving
-#   4. mla_wrapper     scripts/bench_hot_path.py --wrapt-only: the npu_mla_preprocess wrapper's
-#                      added ns per call with the bundle's wrapt C build and pure-Python build
-#                      (their processes asked in alternating rounds), and why the C build reads slower
+#   4. mla_function    scripts/bench_hot_path.py --mla-only: the shim's npu_mla_preprocess
+#                      function's added ns per call on a layer it has seen (this host's CPU)
 #   5. moe_wrapper     scripts/bench_dual_stream.py --wrapper-cost: the dual-stream wrapper's host
 #                      time per MoE layer call on the device (extend: dual stream; decode: calls through)
 #   6. sweep           the overlap over batch sizes, shapes and both routed paths (--routed
 #                      per-expert / masked): where on this device the side stream can pay at all
 #
-# Steps 4 and 5 use a bundle's wrapt (BUNDLE, default .device-bundle/npu-shim): a device machine
+# Step 5 uses a bundle's wrapt (BUNDLE, default .device-bundle/npu-shim): a device machine
 # reaches no package index, so build it here and carry it --
 #   echo /.device-bundle/ >> .git/info/exclude; python3 -m npu_shim bundle .device-bundle/npu-shim
 #   then copy the checkout, .device-bundle/ with it, to the device machine and run this script there.
-# Without it those two steps say "not measured: no bundle".
+# Without it that step says "not measured: no bundle".
 #
 # --dry-run: on this machine's CPU, no device: every step's plumbing with tiny sizes (the
 # benchmarks on `--device cpu`, where streams are no-ops; the selftest as it runs here), the bundle
@@ -115,17 +114,17 @@ sweep > "$OUT/sweep.txt" 2>&1
 note "sweep: $(grep -c '^measured:' "$OUT/sweep.txt") rows measured"
 cat "$OUT/sweep.txt"
 
+step mla_function 180 "$PY" scripts/bench_hot_path.py --mla-only "${HOT_SIZES[@]}"
 if [ -d "$BUNDLE/npu_shim/_vendor/wrapt" ]; then
-  step mla_wrapper 180 "$PY" scripts/bench_hot_path.py --wrapt-only --bundle "$BUNDLE" "${HOT_SIZES[@]}"
   step moe_wrapper 180 "$PY" scripts/bench_dual_stream.py --wrapper-cost --bundle "$BUNDLE" "${DEVICE[@]}" "${WRAPPER_SIZES[@]}"
 else
-  note "mla_wrapper, moe_wrapper: not measured: no bundle at $BUNDLE (build it and carry it: see the head of this script)"
+  note "moe_wrapper: not measured: no bundle at $BUNDLE (build it and carry it: see the head of this script)"
 fi
 
 echo
 echo "== summary ($OUT/summary.txt)"
 cat "$OUT/summary.txt"
 grep -h "^measured:\|^ok:" "$OUT/overlap.txt" "$OUT/moe_wrapper.txt" 2>/dev/null
-grep -h -A1 "added ns/call\|reads slower" "$OUT/mla_wrapper.txt" 2>/dev/null
+grep -h -A1 "added ns/call" "$OUT/mla_function.txt" 2>/dev/null
 [ $DRY -eq 1 ] && echo "DRY RUN: nothing above was measured on a device"
 exit 0

@@ -69,8 +69,8 @@ def test_a_measurement_that_fails_is_one_line_each_row_and_a_problem(bench, monk
 
     monkeypatch.setattr(H, "mla_eager", boom)
     monkeypatch.setattr(H, "dual_stream", boom)
-    monkeypatch.setattr(bench, "wrapt_rows", boom)
-    produced = bench.rows(3, 10, 10, bundle_dir="/nonexistent")
+    monkeypatch.setattr(H, "mla_function", boom)
+    produced = bench.rows(3, 10, 10)
     assert [r["what"] for r in produced] == [w for s, w in bench_rows.ROWS if s == "bench_hot_path"]
     rows, problems = bench_rows.collect([("bench_hot_path", lambda: produced)], log=lambda line: None)
     assert len(problems) == len(produced)
@@ -84,17 +84,8 @@ def test_round_ratios_give_the_middle_half():
     assert H.round_ratios([2], [1])[1] == (2, 2)
 
 
-def test_the_wrapt_rows_find_a_bundle_given_by_a_relative_path(built_bundle, monkeypatch):
-    """device_check.sh passes ``.device-bundle/npu-shim``: the builds' workers run in a directory of
-    their own, where the relative path named nothing and the C build's worker could not load wrapt
-    (found on the first device run, 2026-12-04).  Tiny rounds: the rows' plumbing, nothing timed."""
-    import os
-
-    monkeypatch.chdir(os.path.dirname(os.path.dirname(str(built_bundle))))
-    relative = os.path.join(os.path.basename(os.path.dirname(str(built_bundle))), "npu-shim")
-    assert not os.path.isabs(relative) and os.path.isdir(relative)
-    rows = hot_path_rows.wrapt_rows(relative, 1, 200)
-    assert [r["what"] for r in rows[:2]] == [hot_path_rows.WHAT_BUILD % label
-                                             for label in ("C build", "pure-Python build")]
-    # wrapt_rows itself refuses a build loaded with the wrong extension; here each row names its build
-    assert len(rows) == 3 and "cp3" in rows[0]["how"] and "py3-none-any" in rows[1]["how"], rows
+def test_the_function_row_times_the_shim_s_function_beside_the_one_it_replaces():
+    """Tiny rounds: the row's plumbing in a process of its own, nothing timed."""
+    row = hot_path_rows.mla_function_row(1, 200)
+    assert row["what"] == hot_path_rows.WHAT_FUNCTION and row["target"] == hot_path_rows.EAGER_TARGET
+    assert row["how"].startswith("Python 3.") and " ns (" in row["measured"] and isinstance(row["ok"], bool)

@@ -98,11 +98,8 @@ ROWS = (
     ("bench_drop_in", "start-up of `python -c pass`, read-only bundle vs no shim, in instructions executed"),
     ("bench_hot_path", "npu_mla_preprocess wrapper in eager mode, a layer it has seen: added ns/call (real sglang "
                        "0.5.11)"),
-    ("bench_hot_path", "npu_mla_preprocess wrapper in eager mode, a layer it has seen: added ns/call, bundle's "
-                       "wrapt C build"),
-    ("bench_hot_path", "npu_mla_preprocess wrapper in eager mode, a layer it has seen: added ns/call, bundle's "
-                       "wrapt pure-Python build"),
-    ("bench_hot_path", "why the C build reads slower: wrapt's C `__call__` and a function without `__self__`"),
+    ("bench_hot_path", "npu_mla_preprocess in eager mode, a layer it has seen: added ns/call, the shim's function "
+                       "in a process of its own (no sglang)"),
     ("bench_hot_path", "dual-stream experts per MoE layer call, extend batch: the shim on real sglang 0.5.9 vs "
                        "sglang 0.5.10's own"),
     ("bench_hot_path", "the same, decode batch (single stream: the shim's wrapper calls through)"),

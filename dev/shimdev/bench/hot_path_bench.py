@@ -14,16 +14,9 @@ hold the core, which that clock leaves out; one torch thread), with the wall tim
   ``forward_dsa_prepare_npu`` looks up (the wrapper: checked by identity) and calls of sglang's own
   function, alternated within each round: the wrapper's cost per eager call.  A captured NPU graph
   replays its kernels without running Python, so nothing of the wrapper runs there.
-* ``wrapt_builds`` -- two processes of this Python, one per wrapt build of a bundle (the C build,
-  the pure-Python build), each loaded by the shim's own loader (``wrapt_loader._load_private``):
-  a plain function as ``npu_mla_preprocess``, the same wrapped as the shim wraps it (a layer the
-  wrapper has seen), wrapped with a wrapper that only calls through (wrapt's own share), the shim's
-  wrapper over a copy of the function that has a ``__self__`` attribute (None), and the lookup of
-  ``__self__`` on a plain function alone, raised and caught vs ``getattr`` with a default -- the
-  figures that say why the C build reads slower (its ``__call__`` asks for ``__self__`` with
-  ``PyObject_GetAttr`` on every call made without an instance: a plain function has none, so an
-  AttributeError is built and cleared each time; the pure-Python build asks
-  ``getattr(wrapped, "__self__", None)``, which builds none).
+* ``mla_function`` -- one process of this Python, no sglang: the shim's ``npu_mla_preprocess``
+  function (a plain function since it replaced a wrapt wrapper) on a layer it has seen beside the
+  function it replaces: what a host without the release environments measures (a device machine).
 * ``dual_stream`` -- three release processes: 0.5.9 with the shim's dual-stream wrapper on its real
   ``Glm4MoeSparseMoeBlock.forward_deepep``, 0.5.10 with its own ``forward_deepep`` and
   ``process_shared_expert`` (the shim stands down there), and, to say where a difference comes
@@ -141,86 +134,45 @@ def mla_eager(rounds=9, calls=100000):
         return {"info": worker.info, "ns": _by_arm(answers)}
 
 
-# ------------------------------------------------------------------------------ wrapt builds
+# ------------------------------------------------------------------------------ the MLA function
 
-_WRAPT = _TIMER + r'''
+_MLA_FUNCTION = _TIMER + r'''
 import sys
 sys.path[:0] = [REPO_DIR]
-from npu_shim.runtime import wrapt_loader
 from npu_shim.patches import mla_weight_release as RI
-wrapt = wrapt_loader._load_private(PATH)
 
 def npu_mla_preprocess(m, hidden_states, positions, forward_batch, zero_allocator):
     return hidden_states
 
-def with_self(m, hidden_states, positions, forward_batch, zero_allocator):
-    return hidden_states
-with_self.__self__ = None  # a function attribute: PyObject_GetAttr finds it, nothing is raised
-
-def through(wrapped, instance, args, kwargs):
-    return wrapped(*args, **kwargs)
-
 class Layer:
     pass
 m = Layer()
-m.__dict__[RI._DONE] = True  # a layer the wrapper has seen: its delegating path
-
-def shim(wrapped, instance, args, kwargs):
-    # The entry's check as a wrapt wrapper: what a wrapt build adds to it (the shim itself
-    # replaces npu_mla_preprocess with a plain function, the "plain" arm).
-    m = args[0] if args else kwargs["m"]
-    if RI._DONE in m.__dict__:
-        return wrapped(*args, **kwargs)
-    raise AssertionError("a layer the wrapper has not seen")
+m.__dict__[RI._DONE] = True  # a layer the shim's function has seen: its delegating path
 ARGS = (m, object(), object(), object(), object())
-
-def raise_self(f):
-    try:
-        f.__self__
-    except AttributeError:
-        pass
-
-def default_self(f):
-    getattr(f, "__self__", None)
-
-from npu_shim.runtime import targets
-Wrapper = targets.make_wrapper_class(wrapt)  # the class the shim wraps with, over this build
-ARMS = {
-    "unwrapped": (npu_mla_preprocess, ARGS),
-    "shim": (Wrapper(npu_mla_preprocess, shim), ARGS),
-    "plain": (RI.MlaWeightReleaseState().npu_mla_preprocess_for(npu_mla_preprocess), ARGS),
-    "through": (Wrapper(npu_mla_preprocess, through), ARGS),
-    "wrapt_call": (wrapt.FunctionWrapper(npu_mla_preprocess, shim), ARGS),
-    "shim_with_self": (wrapt.FunctionWrapper(with_self, shim), ARGS),
-    "self_raised": (raise_self, (npu_mla_preprocess,)),
-    "self_default": (default_self, (npu_mla_preprocess,)),
-}
-SETUP_INFO = {"c_extension": "npu_shim._wrapt._wrappers" in sys.modules,
-               "wrapper_type": "%s.%s" % (Wrapper.__mro__[1].__module__, Wrapper.__mro__[1].__name__),
-               "python": sys.version.split()[0]}
+ARMS = {"unwrapped": npu_mla_preprocess,
+        "plain": RI.MlaWeightReleaseState().npu_mla_preprocess_for(npu_mla_preprocess)}
+SETUP_INFO = {"python": sys.version.split()[0]}
 
 def serve(request):
     names = list(ARMS) if request["round"] % 2 == 0 else list(reversed(list(ARMS)))
     out = {}
     for name in names:
-        out[name], out[name + "@wall"] = per_call_ns(ARMS[name][0], ARMS[name][1], request["calls"])
+        out[name], out[name + "@wall"] = per_call_ns(ARMS[name], ARGS, request["calls"])
     return out
 '''
 
 
-def wrapt_builds(builds, rounds=9, calls=100000, python=None, env=None):
-    """``builds``: {label: a wrapt package directory}; {label: {"info", "ns": {arm: [...]}}}, the
-    builds' processes asked in alternating rounds."""
-    argv = [python or sys.executable]
-    specs = [(label, argv, env, "REPO_DIR, PATH = %r, %r\n" % (str(REPO), path) + _WRAPT)
-             for label, path in builds.items()]
-    workers = interleave.start_all(specs)
+def mla_function(rounds=9, calls=100000, python=None):
+    """The shim's ``npu_mla_preprocess`` function on a layer it has seen beside the function it
+    replaces, in one process of this Python (no sglang, no wrapt: the function is plain);
+    {"info", "ns": {arm: [...]}}."""
+    (worker,) = interleave.start_all([("mla", [python or sys.executable], None,
+                                       "REPO_DIR = %r\n" % str(REPO) + _MLA_FUNCTION)])
     try:
-        answers = interleave.alternate(workers, rounds, {"calls": calls})
-        return {w.name: {"info": w.info, "ns": _by_arm(answers[w.name])} for w in workers}
+        answers = interleave.alternate([worker], rounds, {"calls": calls})[worker.name]
+        return {"info": worker.info, "ns": _by_arm(answers)}
     finally:
-        for worker in workers:
-            worker.close()
+        worker.close()
 
 
 # ------------------------------------------------------------------------------- dual stream

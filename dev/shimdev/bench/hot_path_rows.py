@@ -1,16 +1,14 @@
 """scripts/bench_hot_path.py's rows (its docstring says what each measures; hot_path_bench.py
 how): each measurement turned into the table's row, with what its result rests on."""
-import os
-import tempfile
 
-from shimdev.bench.bench_rows import EAGER_NS, clean_env
+from shimdev.bench.bench_rows import EAGER_NS
 
 WHAT_EAGER = "npu_mla_preprocess wrapper in eager mode, a layer it has seen: added ns/call (real sglang 0.5.11)"
-WHAT_BUILD = "npu_mla_preprocess wrapper in eager mode, a layer it has seen: added ns/call, bundle's wrapt %s"
+WHAT_FUNCTION = ("npu_mla_preprocess in eager mode, a layer it has seen: added ns/call, the shim's function in a "
+                 "process of its own (no sglang)")
 # The budget of a wrapper on a layer's path (bench_rows.EAGER_NS): what an eager call may add; a
 # captured NPU graph replays its kernels without running Python, so the wrapper adds nothing there.
 EAGER_TARGET = "<= %d ns per eager call (0 at graph replay: no Python runs there)" % EAGER_NS
-WHAT_WHY = "why the C build reads slower: wrapt's C `__call__` and a function without `__self__`"
 WHAT_EXTEND = ("dual-stream experts per MoE layer call, extend batch: the shim on real sglang 0.5.9 vs "
                "sglang 0.5.10's own")
 WHAT_DECODE = "the same, decode batch (single stream: the shim's wrapper calls through)"
@@ -48,64 +46,20 @@ def mla_eager_row(rounds, calls):
     }
 
 
-def wrapt_rows(bundle_dir, rounds, calls):
-    from npu_shim.runtime import wrapt_loader
+def mla_function_row(rounds, calls):
     from shimdev.bench import hot_path_bench as H
 
-    # absolute: the workers run in a directory of their own, where a relative bundle is not found
-    vendor = os.path.join(os.path.abspath(bundle_dir), "npu_shim", "_vendor", "wrapt")
-    c_build, _ = wrapt_loader.select_build(wrapt_loader.bundled_builds(vendor), *wrapt_loader.platform_facts())
-    builds = {"C build": c_build, "pure-Python build": wrapt_loader.PURE_BUILD}
-    out = H.wrapt_builds({label: os.path.join(vendor, build, "wrapt") for label, build in builds.items()},
-                         rounds, calls, env=clean_env([]))
-    med = {label: {arm: H.median(values) for arm, values in r["ns"].items()} for label, r in out.items()}
-    for label, build in builds.items():
-        loaded = out[label]["info"]["c_extension"]
-        if loaded != (build != wrapt_loader.PURE_BUILD):
-            raise RuntimeError("the shim's loader loaded %s with its C extension %s" % (build, loaded))
-    rows = []
-    for label, build in builds.items():
-        m = med[label]
-        added = m["shim"] - m["unwrapped"]
-        rows.append({
-            "what": WHAT_BUILD % label,
-            "how": "%s, loaded by the shim's loader (%s) in a process of its own, the two builds' processes asked "
-                   "in alternating rounds; a layer the wrapper has seen vs the unwrapped "
-                   "function; %d rounds x %dk calls, medians of the thread's CPU time per call"
-                   % (build, out[label]["info"]["wrapper_type"], rounds, calls // 1000),
-            "measured": "+%.0f ns (%.0f vs %.0f ns); of which wrapt's own (a wrapper that only calls through): "
-                        "+%.0f ns" % (added, m["shim"], m["unwrapped"], m["through"] - m["unwrapped"]),
-            "target": EAGER_TARGET, "ok": added <= EAGER_NS})
-    c, pure = med["C build"], med["pure-Python build"]
-    rows.append({
-        "what": WHAT_WHY,
-        "how": "the same two processes and rounds: the shim's wrapper function under wrapt's own FunctionWrapper "
-               "(its `__call__`), and over a copy of the function given `__self__ = None`; on a plain function "
-               "`f.__self__` raised and caught vs `getattr(f, '__self__', None)`, each alone; wrapt 2.5.2's C "
-               "`FunctionWrapper.__call__` (_wrappers.c) asks `PyObject_GetAttr(wrapped, '__self__')` on every "
-               "call made without an instance, its Python `__call__` `getattr(wrapped, '__self__', None)`; the "
-               "shim's FunctionWrapper class calls its wrapper directly for a plain function (runtime/targets.py)",
-        "measured": "C build: +%.0f ns through wrapt's own `__call__`, +%.0f ns once the function has a `__self__`, "
-                    "+%.0f ns through the shim's class; raising and clearing the AttributeError alone %.0f ns "
-                    "(getattr with a default %.0f ns); pure-Python build: +%.0f / +%.0f / +%.0f ns. %s"
-                    % (c["wrapt_call"] - c["unwrapped"], c["shim_with_self"] - c["unwrapped"],
-                       c["shim"] - c["unwrapped"], c["self_raised"], c["self_default"],
-                       pure["wrapt_call"] - pure["unwrapped"], pure["shim_with_self"] - pure["unwrapped"],
-                       pure["shim"] - pure["unwrapped"], _why(c)),
-        "target": "none: explains the two rows above",
-        "ok": None})
-    return rows
-
-
-def _why(c):
-    """What the C build's figures say this run: whether a function with a ``__self__`` saves it at
-    least half of what raising the AttributeError costs alone."""
-    saved, cost = c["wrapt_call"] - c["shim_with_self"], c["self_raised"] - c["self_default"]
-    if cost > 0 and saved >= cost / 2:
-        return ("So wrapt's C `__call__` pays the AttributeError on every call (%.0f ns of it saved once there is "
-                "a `__self__`), the Python build never; the shim's class does not ask" % saved)
-    return ("This run does not show it (%.0f ns saved with a `__self__`, %.0f ns the AttributeError alone): "
-            "noise on a loaded machine, or another cause" % (saved, cost))
+    out = H.mla_function(rounds, calls)
+    plain, unwrapped = (H.median(out["ns"][arm]) for arm in ("plain", "unwrapped"))
+    added = plain - unwrapped
+    return {
+        "what": WHAT_FUNCTION,
+        "how": "Python %s: the shim's function vs the function it replaces; %d rounds x %dk calls, arms "
+               "alternated, medians of the thread's CPU time per call" % (out["info"]["python"], rounds, calls // 1000),
+        "measured": "%+.0f ns (%.0f vs %.0f ns)" % (added, plain, unwrapped),
+        "target": EAGER_TARGET,
+        "ok": added <= EAGER_NS,
+    }
 
 
 def moe_rows(rounds, calls, tokens=16):
@@ -158,23 +112,17 @@ def moe_rows(rounds, calls, tokens=16):
     return rows
 
 
-def rows(rounds=15, calls=100000, moe_calls=2000, bundle_dir=None):
+def rows(rounds=15, calls=100000, moe_calls=2000):
     """The table's rows: each measurement in its own try, so one that fails leaves the others."""
     result = []
     try:
         result.append(mla_eager_row(rounds, calls))
     except Exception as exc:  # noqa: BLE001 - one line in the table
         result += _failed([WHAT_EAGER], exc)
-    with tempfile.TemporaryDirectory(prefix="npu-shim-bench-") as workdir:
-        try:
-            if bundle_dir is None:
-                from npu_shim.cli import bundle
-
-                bundle_dir = os.path.join(workdir, "npu-shim")
-                bundle.build(bundle_dir, log=lambda line: None)
-            result += wrapt_rows(bundle_dir, rounds, calls)
-        except Exception as exc:  # noqa: BLE001 - one line in the table
-            result += _failed([WHAT_BUILD % "C build", WHAT_BUILD % "pure-Python build", WHAT_WHY], exc)
+    try:
+        result.append(mla_function_row(rounds, calls))
+    except Exception as exc:  # noqa: BLE001 - one line in the table
+        result += _failed([WHAT_FUNCTION], exc)
     try:
         result += moe_rows(rounds, moe_calls)
     except Exception as exc:  # noqa: BLE001 - one line in the table

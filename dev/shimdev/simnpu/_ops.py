@@ -619,16 +619,20 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     k_cache = key.reshape(key.shape[0], key.shape[1], kv_heads, -1)
     v_cache = value.reshape(value.shape[0], value.shape[1], kv_heads, -1)
     out = torch.empty(query.shape[0], num_heads, v_cache.shape[-1], dtype=query.dtype)
+    if k_cache.shape[-1] != head_dim:
+        raise RuntimeError("%s: keys of dim %d, queries of dim %d" % (op, k_cache.shape[-1], head_dim))
     start = 0
     for b, (end, total) in enumerate(zip(ends, kv_lens)):
         n = end - start
-        if n > total or k_cache.shape[-1] != head_dim:
-            raise RuntimeError("%s: request %d has %d queries over %d keys of dim %d (query dim %d)"
-                               % (op, b, n, total, k_cache.shape[-1], head_dim))
-        if n:
+        # a query that sees no key (more queries than keys: a capture's warm-ups fill the
+        # sequence lengths with 0, sglang's get_cuda_graph_seq_len_fill_value) gets a row of
+        # zeros, as a padded batch entry does
+        blind = max(0, n - total)
+        out[start:start + blind] = 0
+        if n > blind:
             k = _gather(k_cache, block_table[b], total)
             v = _gather(v_cache, block_table[b], total)
-            out[start:end] = _attend(query[start:end], k, v, scale, total - n).to(query.dtype)
+            out[start + blind:end] = _attend(query[start + blind:end], k, v, scale, total - n + blind).to(query.dtype)
         start = end
     return out, torch.zeros(1, dtype=query.dtype)
 
@@ -1453,11 +1457,12 @@ _GRAPH_KERNELS = {
 
 def _graph_kernel(name):
     """The graph-only ops' stand-ins; ``.out`` is declared to the stream sanitizer with its ``out``
-    marked written (what the kernel does; the registered string does not say so)."""
+    marked written and returned (what the kernel does; the registered string does not say so)."""
     from ._sanitizer import declare_kernel
 
     fn = _GRAPH_KERNELS[name]
     if name not in WRITES_UNANNOTATED:
         return fn
     schema = GRAPH_SCHEMAS[name].replace("Tensor[] out)", "Tensor(a!)[] out)")
+    schema = schema.replace("-> (Tensor, Tensor)", "-> (Tensor(a!), Tensor(a!))")  # it returns out
     return declare_kernel(name.split(".")[0] + schema, SOURCES["npu"])(fn)

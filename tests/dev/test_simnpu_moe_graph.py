@@ -11,8 +11,11 @@ allocates lands in the graph's pool; each replay gives the single-stream result 
 and the sanitizer follows the graph's fork and join at replay and stays silent; the counts are
 Python calls (warm-ups and the capture), replays add none.  Seeded races: a side stream never
 joined is refused at ``capture_end``; one joined only after the combine passes the capture and is
-reported by the sanitizer at the first replay.  Each case runs in a process of its own (server
-mode changes torch for the process's life)."""
+reported by the sanitizer at the first replay.  And what the captured MoE path needs of the
+simulation: a declared stand-in run by the recorder while capturing is no launch for the
+sanitizer; a TND attention query that sees no key (a capture's warm-ups) gives zeros; DeepEP's
+low-latency dispatch and combine are captured and replayed.  Each case runs in a process of its
+own (server mode changes torch for the process's life)."""
 from tests.dev.test_simnpu_graphs import run
 
 BED = """
@@ -158,3 +161,88 @@ def test_a_side_stream_joined_after_the_combine_is_reported_by_the_sanitizer_at_
     # the combine (add_ on the replaying stream) writes the shared output the side stream wrote
     assert any(kind.endswith("-after-write") and streams == [side, "main"] and "add_" in ops[1]
                for kind, streams, ops in out["reports"]), out["reports"]
+
+
+# -- what the captured MoE path needed of the simulation ---------------------------------------------
+
+def test_a_declared_stand_in_run_while_capturing_is_no_launch_for_the_sanitizer():
+    """The recorder runs a captured op once to learn its outputs' shapes; that run (a declared
+    stand-in such as the fused split_qkv_rmsnorm_rope included) happens at replay, not now: an
+    eager write on the default stream after the capture races nothing."""
+    out = run("""
+    from shimdev import dual_stream_kernels as K
+    x = torch.randn(2, 64, device="npu")
+    sin, cos = torch.randn(2, 1, 1, 8, device="npu"), torch.randn(2, 1, 1, 8, device="npu")
+    s = torch.npu.Stream()
+    with simnpu.sanitize() as san:
+        g = torch.npu.NPUGraph()
+        with torch.npu.graph(g, stream=s):
+            q, k, v = K.split_qkv_rmsnorm_rope(x, sin, cos, 32, 16, 16, eps=1e-6)
+        x.fill_(1.0)                     # eager, on the default stream
+    print(json.dumps([str(r) for r in san.reports]))
+    """)
+    assert out == []
+
+
+def test_a_tnd_query_that_sees_no_key_gives_zeros():
+    """A capture's warm-ups fill the sequence lengths with 0 (sglang's ascend backend): a
+    target-verify batch then has more queries than keys; the queries that see none give zeros and
+    the others attend as usual (right-down causal)."""
+    import torch
+
+    from shimdev.simnpu import _ops
+
+    torch.manual_seed(0)
+    heads, dim, page = 2, 8, 4
+    cache = torch.randn(4, page, heads * dim)
+    q = torch.randn(4, heads, dim)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+    kw = dict(input_layout="TND", block_table=table, block_size=page, num_heads=heads, num_key_value_heads=heads,
+              scale=0.5, sparse_mode=3, atten_mask=mask, actual_seq_lengths=[2, 4])
+    out, _ = _ops.npu_fused_infer_attention_score(q, cache, cache, actual_seq_lengths_kv=[0, 1], **kw)
+    assert torch.equal(out[:3], torch.zeros(3, heads, dim))   # request 0: no key; request 1: its first query
+    # request 1's second query sees the one key: its value row
+    assert torch.allclose(out[3], cache[2, 0].reshape(heads, dim))
+    full, _ = _ops.npu_fused_infer_attention_score(q, cache, cache, actual_seq_lengths_kv=[2, 3], **kw)
+    assert not torch.equal(full[:2], torch.zeros(2, heads, dim))
+
+
+def test_the_low_latency_deepep_dispatch_and_combine_are_captured_and_replayed():
+    """DeepEP's low-latency path (what decode and target-verify graphs capture) keeps its shapes and
+    reads nothing back to the host; a padded token (expert -1) adds nothing."""
+    out = run("""
+    from shimdev.simnpu import _deepep
+
+    class Group:
+        def rank(self): return 0
+        def size(self): return 1
+
+    E, H = 4, 8
+    buf = _deepep.Buffer(Group(), low_latency_mode=True)
+    w = torch.randn(E, H, H, device="npu")
+
+    def moe(x, ids, weights):
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, ids, 16, E, use_fp8=False)
+        y = torch_npu.npu_grouped_matmul(x=[recv], weight=[w], split_item=2, group_list_type=1, group_type=0,
+                                         group_list=count.long())[0]
+        return buf.low_latency_combine(y, ids, weights, handle)[0]
+
+    x = torch.randn(3, H, device="npu")
+    ids = torch.tensor([[0, 2], [1, 3], [2, -1]], device="npu")
+    weights = torch.rand(3, 2, device="npu")
+    s = torch.npu.Stream()
+    with torch.npu.stream(s):
+        moe(x, ids, weights)
+        g = torch.npu.NPUGraph()
+        with torch.npu.graph(g, stream=s):
+            y = moe(x, ids, weights)
+    fresh = torch.randn(3, H, device="npu")
+    x.copy_(fresh)
+    g.replay()
+    ref = torch.stack([sum(weights[t, j] * (fresh[t] @ w[int(ids[t, j])]) for j in range(2) if ids[t, j] >= 0)
+                       for t in range(3)])
+    print(json.dumps({"replayed": bool(torch.allclose(y, ref, atol=1e-5)),
+                      "eager": bool(torch.allclose(moe(fresh, ids, weights), ref, atol=1e-5))}))
+    """)
+    assert out == {"replayed": True, "eager": True}

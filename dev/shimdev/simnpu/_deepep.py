@@ -85,7 +85,8 @@ def _expand(x, topk_idx, num_experts, fixed=False):
     valid = flat >= 0
     order = torch.sort(torch.where(valid, flat, num_experts), stable=True).indices
     if fixed:
-        counts = torch.zeros(num_experts + 1, dtype=torch.long).scatter_add_(
+        # (made from a device tensor: a capture records it, so each replay starts from zeros)
+        counts = flat.new_zeros(num_experts + 1).scatter_add_(
             0, torch.where(valid, flat, num_experts), torch.ones_like(flat))[:num_experts]
     else:
         order = order[: int(valid.sum())]
@@ -97,7 +98,7 @@ def _combine(x, order, topk_idx, topk_weights, tokens):
     import torch
 
     k = topk_idx.shape[1]
-    out = torch.zeros(tokens, x.shape[-1], dtype=torch.float32)
+    out = x.new_zeros((tokens, x.shape[-1]), dtype=torch.float32)  # recorded in a capture: zeros each replay
     # a slot of no expert (-1: a padded token) adds nothing
     weights = torch.where(topk_idx.reshape(-1) >= 0, topk_weights.reshape(-1).float(), 0.0)[order]
     out.index_add_(0, order // k, x[: order.numel()].float() * weights[:, None])

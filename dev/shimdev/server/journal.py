@@ -4,8 +4,9 @@ and its ``set_*`` hooks, and every graph event (capture, replay, update, pool) -
 ``<dir>/journal-<pid>.jsonl``, one JSON line each, in the order they happened, with the device
 counters at that moment (``live_npu_bytes``: device memory; ``pluggable_bytes``: zbal's heap;
 ``graph_pool_bytes``: the native allocator's graph pools) and
-whether a capture was live on the thread that logged it.  A test reads the order of events across
-a server's processes from outside (``read``)."""
+whether a capture was live on the thread that logged it.  ``SIMNPU_JOURNAL_KINDS=a,b``: events of
+those kinds too (``stream_create,wait_stream``: where streams are made, forked and joined).  A test
+reads the order of events across a server's processes from outside (``read``)."""
 from __future__ import annotations
 
 import json
@@ -39,9 +40,10 @@ def start(directory: str) -> None:
 
     path = os.path.join(directory, "journal-%d.jsonl" % os.getpid())
     lock = threading.Lock()
+    extra = frozenset(k for k in os.environ.get("SIMNPU_JOURNAL_KINDS", "").split(",") if k)
 
     def listener(event):
-        if not wanted(event):
+        if not (wanted(event) or (event and event[0] in extra)):
             return
         line = json.dumps({"pid": os.getpid(), "thread": threading.current_thread().name,
                            "event": list(event), "live_npu_bytes": DEVICE.live_npu_bytes,

@@ -9,7 +9,9 @@ scripts/bench_moe_server.py): ``--moe-a2a-backend deepep`` with the streams on, 
 * ``SPEC_ARGS``: the same job with its MTP layer as the draft (``models.ensure_model("glm4_moe_mtp")``;
   NEXTN is EAGLE with the draft path = the model path): one draft step, top-1, two tokens per
   verify -- each decode step one target-verify batch (two tokens per request) and one draft
-  extend; no draft decode batch (that needs two or more steps).
+  extend; no draft decode batch (that needs two or more steps).  With NPU graphs on (the server's
+  ``graphs=True``) the target-verify batch is the one captured and replayed; the draft extend runs
+  eagerly (0.5.8 never captures draft-extend on NPU).
 """
 import json
 

@@ -73,16 +73,24 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num
 CALLS = {"dispatch": 0, "combine": 0, "low_latency_dispatch": 0, "low_latency_combine": 0}
 
 
-def _expand(x, topk_idx, num_experts):
-    """(rows sorted by expert, the slot order, counts per expert)."""
+def _expand(x, topk_idx, num_experts, fixed=False):
+    """(rows sorted by expert, the slot order, counts per expert).  ``fixed`` (the low-latency
+    dispatch, which decode and target-verify graphs capture): every (token, k) slot, the slots of
+    no expert (-1) last, so the shapes follow the input's and nothing is read back to the host --
+    the rows past the counts' sum are not the experts' (the grouped matmul leaves them alone)."""
     import torch
 
     k = topk_idx.shape[1]
     flat = topk_idx.reshape(-1).long()
     valid = flat >= 0
     order = torch.sort(torch.where(valid, flat, num_experts), stable=True).indices
-    order = order[: int(valid.sum())]
-    counts = torch.bincount(flat[valid], minlength=num_experts)[:num_experts]
+    if fixed:
+        # (made from a device tensor: a capture records it, so each replay starts from zeros)
+        counts = flat.new_zeros(num_experts + 1).scatter_add_(
+            0, torch.where(valid, flat, num_experts), torch.ones_like(flat))[:num_experts]
+    else:
+        order = order[: int(valid.sum())]
+        counts = torch.bincount(flat[valid], minlength=num_experts)[:num_experts]
     return x[order // k].clone(), order, counts
 
 
@@ -90,8 +98,9 @@ def _combine(x, order, topk_idx, topk_weights, tokens):
     import torch
 
     k = topk_idx.shape[1]
-    out = torch.zeros(tokens, x.shape[-1], dtype=torch.float32)
-    weights = topk_weights.reshape(-1).float()[order]
+    out = x.new_zeros((tokens, x.shape[-1]), dtype=torch.float32)  # recorded in a capture: zeros each replay
+    # a slot of no expert (-1: a padded token) adds nothing
+    weights = torch.where(topk_idx.reshape(-1) >= 0, topk_weights.reshape(-1).float(), 0.0)[order]
     out.index_add_(0, order // k, x[: order.numel()].float() * weights[:, None])
     return out.to(x.dtype)
 
@@ -154,7 +163,7 @@ class Runtime:
         if x.shape[0] > num_max_dispatch_tokens_per_rank:
             raise RuntimeError("low_latency_dispatch: %d tokens, more than num_max_dispatch_tokens_"
                                "per_rank %d" % (x.shape[0], num_max_dispatch_tokens_per_rank))
-        rows, order, counts = _expand(x, topk_idx, num_experts)
+        rows, order, counts = _expand(x, topk_idx, num_experts, fixed=True)
         scales = None
         if use_fp8:
             rows, scales = _int8_per_row(rows)

@@ -68,6 +68,8 @@ and, where torch_npu hands a ``std::function<bool(aclrtStream)>`` (by reference:
 function pointer answering whether a stream belongs to the capture.
 
 Every graph action is logged to ``simnpu.EVENTS``: ``("capture_begin", graph_id, stream, pool)``,
+``("capture_allocations", graph_id, pool, {stream: bytes})`` (what the capture allocated into its
+pool, by the stream it was allocated on; logged just before ``capture_end``),
 ``("capture_end", graph_id, stream, pool)``, ``("replay", graph_id, stream, pool)``,
 ``("graph_update", graph_id, records)``, ``("graph_reset", graph_id, pool)``,
 ``("pool_hook", name, device, pool)`` (a pluggable allocator's hook called),
@@ -275,6 +277,8 @@ def _hold(storage) -> None:
     pool = POOLS[live.pool]
     pool.held[key] = (storage, nbytes, field)
     GRAPH_STORAGES[key] = nbytes
+    stream = _device.current_stream_name()
+    live.allocated[stream] = live.allocated.get(stream, 0) + nbytes
     state = _device.STATE
     setattr(state, field, getattr(state, field) + nbytes)
 
@@ -644,9 +648,10 @@ def _recorder_class():
                     return type(value)(shadow(v) for v in value)
                 return value
 
-            run_args = [shadow(v) if names[i] in written else v for i, v in enumerate(args)]
-            run_kwargs = {k: shadow(v) if k in written else v for k, v in kwargs.items()}
             with _disable_current_modes(), torch.no_grad():
+                # the copies are the simulation's own: no launch for the modes below (the sanitizer)
+                run_args = [shadow(v) if names[i] in written else v for i, v in enumerate(args)]
+                run_kwargs = {k: shadow(v) if k in written else v for k, v in kwargs.items()}
                 result = func(*run_args, **run_kwargs)
             leaves, spec = pytree.tree_flatten(result)
             fresh = []
@@ -755,6 +760,7 @@ class _Capture:
         self.timeline = []
         self.task = None
         self.modes = []
+        self.allocated = {}  # stream -> bytes the capture allocated on it (all into the pool)
 
 
 class _TaskGroup:
@@ -888,6 +894,7 @@ class NPUGraph:
             _free_deferred(self._sim_id)
         self._sim_timeline = live.timeline
         self._sim_capture_stream = live.stream_name
+        log("capture_allocations", self._sim_id, live.pool, dict(sorted(live.allocated.items())))
         log("capture_end", self._sim_id, live.stream_name, live.pool)
 
     def replay(self):

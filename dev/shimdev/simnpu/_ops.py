@@ -693,24 +693,21 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     k_cache = key.reshape(key.shape[0], key.shape[1], kv_heads, -1)
     v_cache = value.reshape(value.shape[0], value.shape[1], kv_heads, -1)
     out = torch.empty(query.shape[0], num_heads, v_cache.shape[-1], dtype=query.dtype)
+    if k_cache.shape[-1] != head_dim:
+        raise RuntimeError("%s: keys of dim %d, queries of dim %d" % (op, k_cache.shape[-1], head_dim))
     start = 0
     for b, (end, total) in enumerate(zip(ends, kv_lens)):
         n = end - start
-        if total == 0 and k_cache.shape[-1] == head_dim:
-            # No keys: what a graph runner's warm-ups and capture pass for the padded target-verify
-            # batch (the ascend backend's seq_len_fill_value is 0), which the device runs.  Its rows
-            # are 0 here (a guess: nothing attended; no documented value was found), never read
-            # (each replay passes the real lengths).
-            out[start:end] = 0
-            start = end
-            continue
-        if n > total or k_cache.shape[-1] != head_dim:
-            raise RuntimeError("%s: request %d has %d queries over %d keys of dim %d (query dim %d)"
-                               % (op, b, n, total, k_cache.shape[-1], head_dim))
-        if n:
+        # A query that sees no key gets a row of zeros, as a padded batch entry does: a graph
+        # runner's warm-ups and captures fill the target-verify sequence lengths with 0 (sglang's
+        # get_cuda_graph_seq_len_fill_value on the ascend backend), which the device runs.  0 is a
+        # guess (no documented value was found), never read: each replay passes the real lengths.
+        blind = max(0, n - total)
+        out[start:start + blind] = 0
+        if n > blind:
             k = _gather(k_cache, block_table[b], total)
             v = _gather(v_cache, block_table[b], total)
-            out[start:end] = _attend(query[start:end], k, v, scale, total - n).to(query.dtype)
+            out[start + blind:end] = _attend(query[start + blind:end], k, v, scale, total - n + blind).to(query.dtype)
         start = end
     return out, torch.zeros(1, dtype=query.dtype)
 
@@ -1538,11 +1535,12 @@ _GRAPH_KERNELS = {
 
 def _graph_kernel(name):
     """The graph-only ops' stand-ins; ``.out`` is declared to the stream sanitizer with its ``out``
-    marked written (what the kernel does; the registered string does not say so)."""
+    marked written and returned (what the kernel does; the registered string does not say so)."""
     from ._sanitizer import declare_kernel
 
     fn = _GRAPH_KERNELS[name]
     if name not in WRITES_UNANNOTATED:
         return fn
     schema = GRAPH_SCHEMAS[name].replace("Tensor[] out)", "Tensor(a!)[] out)")
+    schema = schema.replace("-> (Tensor, Tensor)", "-> (Tensor(a!), Tensor(a!))")  # it returns out
     return declare_kernel(name.split(".")[0] + schema, SOURCES["npu"])(fn)

@@ -37,8 +37,10 @@ Tensors that existed before the sanitizer started count as allocated on the devi
 stream (where sglang loads weights).  Storages are whole blocks: two streams writing disjoint
 slices of one storage are reported (the allocator hands out whole blocks, so a block is the unit
 whose reuse matters).  NPU graphs (``_graphs.py``): nothing a capture records runs, so the sanitizer
-sees none of it then (nor the capture's event edges); each replay launches the recorded ops on their
-streams and logs the graph's event edges again, which the sanitizer follows.  Not modelled:
+sees none of it then (nor the capture's event edges) -- no op on a capturing stream is a launch, the
+simulation's own runs of a recorded op (to learn its outputs' shapes) and host work included; each
+replay launches the recorded ops on their streams and logs the graph's event edges again, which the
+sanitizer follows.  Not modelled:
 host-to-device copies' own streams, and the comm streams inside collective libraries.
 """
 from __future__ import annotations
@@ -385,7 +387,7 @@ class Sanitizer:
     def resized(self, storage, before, after):
         """``untyped_storage().resize_``: the old bytes are freed, new ones (if any) allocated on
         the current stream."""
-        if before == after:
+        if before == after or _graphs.is_current_stream_capturing():
             return
         with self.lock:
             key = storage._cdata
@@ -640,6 +642,8 @@ def _mode_class():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if _graphs.is_current_stream_capturing():
+                return func(*args, **kwargs)  # recorded, or host work: no launch on a stream now
             san = self.san
             schema = func._schema
             accesses = _accesses(schema, args, kwargs)
@@ -731,7 +735,7 @@ def declare_kernel(schema, source):
         @functools.wraps(fn)
         def launch(*args, **kwargs):
             san = _ACTIVE
-            if san is None:
+            if san is None or _graphs.is_current_stream_capturing():
                 return fn(*args, **kwargs)
             return san.run_kernel(fn, declared, args, kwargs)
 

@@ -85,14 +85,32 @@ def module_group(item):
         ":%s=%s" % (name, re.sub(r"[^\w.-]", "_", str(params[name]))) for name in shared if name in params))
 
 
+def group_ids(config, items):
+    """Each grouped test's id with its group (``<id>@<group>``), where xdist's ``--dist loadgroup``
+    runs: the scheduler reads the group from there, and xdist 3.8 writes it to ``_nodeid``, which
+    pytest 9 no longer reads (a test's id is ``_id``) -- so no group reached the scheduler, and the
+    tests of one release's servers ran on both workers, each starting the servers."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and hasattr(item, "_id") and "@" not in item.nodeid.rsplit("::", 1)[-1]:
+            item._id = coerce_node_id("%s@%s" % (item.nodeid, "_".join(names)))
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items):
-    """The tests that share a module-scoped fixture in one xdist group (``module_group``); the
-    server tests that no xdist group holds first, the rest in their order."""
+def pytest_collection_modifyitems(config, items):
+    """The tests that share a module-scoped fixture in one xdist group (``module_group``), every
+    group in its tests' ids (``group_ids``); the server tests that no xdist group holds first, the
+    rest in their order."""
     for item in items:
         group = module_group(item)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+    group_ids(config, items)
     first = [item for item in items
              if item.path.name in SERVER_MODULES and item.get_closest_marker("xdist_group") is None]
     if first:

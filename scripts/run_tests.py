@@ -16,8 +16,8 @@
    ``xdist_group`` (the real-server tests of one release or job, sharing its servers) to one
    worker, the groups of most tests first, then the single tests in collection order (the
    ungrouped server tests collected first: tests/conftest.py).  On a whole run the bundle the
-   tests share is built beside the first of them (dev/shimdev/testbundle.py).  The run ends with
-   what it cost: CPU seconds and sglang server starts per worker (dev/shimdev/suitecost.py).
+   tests share is built beside the first of them (dev/shimdev/envs/testbundle.py).  The run ends with
+   what it cost: CPU seconds and sglang server starts per worker (dev/shimdev/envs/suitecost.py).
    Exits non-zero on any failure, and also when pytest collected no test (its exit code 5).  The
    deploy tests (tests/test_deploy.py) set up their container engine themselves
    (dev/shimdev/envs/containers.py: podman from apt-get where missing, its images cached under the
@@ -38,7 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
 from shimdev.envs import containers, lint, machine, runner, sglang_envs  # noqa: E402 - after dev/ is put on sys.path
-from shimdev import testbundle  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.envs import testbundle  # noqa: E402 - after dev/ is put on sys.path
 
 PYTEST_NO_TESTS = 5
 

@@ -13,7 +13,7 @@
   worker for the session, so that every module whose tests run in a release's group
   (``xdist_group("server-<release>")``) uses the same ones (tests/dev/test_simnpu_graphs.py's
   graphs-on server is the bed's ``off``).
-* after every run, what it cost (shimdev.suitecost): CPU seconds and sglang server starts per
+* after every run, what it cost (shimdev.envs.suitecost): CPU seconds and sglang server starts per
   worker, any server configuration started twice, the tests that cost most.  The tests that start
   servers outside any xdist group are collected first: xdist hands the groups out first (the most
   tests first), then the single tests in collection order, so these long ones do not come last
@@ -39,7 +39,7 @@ for _folder in [DEV, TESTS] + sorted(p for p in TESTS.iterdir() if p.is_dir() an
         sys.path.insert(0, str(_folder))
 
 from shimdev.envs import realsglang  # noqa: E402 - after dev/ is put on sys.path
-from shimdev import suitecost  # noqa: E402 - after dev/ is put on sys.path
+from shimdev.envs import suitecost  # noqa: E402 - after dev/ is put on sys.path
 
 try:  # the property tests' settings (hypothesis is in the runner venv, dev/shimdev/envs/runner.py)
     from hypothesis import HealthCheck, settings as _hypothesis_settings
@@ -141,7 +141,7 @@ def pytest_runtest_logreport(report):
 
 def pytest_terminal_summary(terminalreporter):
     if _COSTS and not hasattr(terminalreporter.config, "workerinput"):
-        terminalreporter.write_sep("-", "cost: CPU seconds and sglang server starts (shimdev.suitecost)")
+        terminalreporter.write_sep("-", "cost: CPU seconds and sglang server starts (shimdev.envs.suitecost)")
         for line in suitecost.summary(_COSTS):
             terminalreporter.write_line(line)
 
@@ -228,8 +228,8 @@ def zbal_pkg(sim):
 def built_bundle(tmp_path_factory):
     """A bundle built once per test run by the real command (``python -m npu_shim bundle``, wrapt
     wheels from PyPI), shared by the xdist workers (their base temp dirs are siblings), or the one
-    the test command built beside the first tests (shimdev.testbundle)."""
-    from shimdev import testbundle
+    the test command built beside the first tests (shimdev.envs.testbundle)."""
+    from shimdev.envs import testbundle
 
     shared = os.environ.get(testbundle.ENV)
     if shared:

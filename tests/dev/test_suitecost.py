@@ -1,4 +1,4 @@
-"""What the suite costs (shimdev.suitecost, its hooks in tests/conftest.py): CPU seconds and sglang
+"""What the suite costs (shimdev.envs.suitecost, its hooks in tests/conftest.py): CPU seconds and sglang
 server starts per test and per worker, servers started twice named, the ungrouped server tests
 collected first."""
 import os
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import conftest
-from shimdev import suitecost
+from shimdev.envs import suitecost
 from shimdev.server import models, process
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The tests' shared bundle (shimdev.testbundle): built once under its lock, by the test command
+"""The tests' shared bundle (shimdev.envs.testbundle): built once under its lock, by the test command
 beside the suite or else by the first test that needs it; a test that asks while it is built
 waits for it, and a failed build is built again and its words given."""
 import os
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from shimdev import testbundle
+from shimdev.envs import testbundle
 
 #: Stands in for the runner's python: ``python -m npu_shim bundle OUT --force`` writes OUT/MANIFEST
 #: (or fails where FAIL names a file that exists), and counts its runs.

@@ -14,9 +14,9 @@ import os
 import subprocess
 from pathlib import Path
 
+from shimdev import REPO
 from shimdev.envs import runner
 
-REPO = Path(__file__).resolve().parents[3]
 
 # mutmut's names for its results (mutmut/stats.py ``status_by_exit_code``), by exit code of the
 # mutant's test run.  Only ``killed`` counts as killed: a survivor, a mutant no selected test

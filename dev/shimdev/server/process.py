@@ -46,7 +46,7 @@ GRAPH_ARGS = ("--cuda-graph-bs", "1", "2")
 
 _LIVE: set = set()
 
-#: What the servers of this process cost, for the suite's cost report (shimdev.suitecost): the
+#: What the servers of this process cost, for the suite's cost report (shimdev.envs.suitecost): the
 #: configuration of every server started (``Server.config``), in order; the CPU seconds of their
 #: whole process trees, read from /proc as each stops (``server_cpu_s``); and the part of those
 #: that this process's own RUSAGE_CHILDREN also counts, reaped while stopping (``reaped_cpu_s``).

@@ -15,9 +15,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from shimdev import REPO
+
 #: The directory the test command built the bundle in (unset: the fixture builds it).
 ENV = "SHIMDEV_TEST_BUNDLE"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def paths(shared: Path) -> tuple[Path, Path]:

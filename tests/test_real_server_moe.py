@@ -1,6 +1,6 @@
 """dual_stream_experts inside a real sglang server: GLM-4 MoE served by ``sglang.launch_server``
 of 0.5.8 with ``--moe-a2a-backend deepep`` and ``SGLANG_NPU_USE_MULTI_STREAM=1`` on the simulated
-NPU (dev/shimdev/server/, the MoE ops of simnpu/_ops.py, DeepEP of simnpu/_deepep.py), with NPU
+NPU (dev/shimdev/server/, the MoE ops of simnpu/_ops/, DeepEP of simnpu/_deepep.py), with NPU
 graphs on as production runs it (sglang's default on Ascend: batch sizes 1 and 2, each warmed up
 twice and captured into one pool, then replayed).
 

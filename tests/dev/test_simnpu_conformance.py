@@ -320,7 +320,7 @@ def test_cpp_behaviours_name_their_source(library, what, source, strings):
         assert text.encode() in library, f"{what}: {text!r} is not in libtorch_npu.so ({source})"
 
 
-# -- the operators of the server's dense path (simnpu/_ops.py) ---------------------------------------
+# -- the operators of the server's dense path (simnpu/_ops/) ---------------------------------------
 
 def test_npu_op_schemas_are_the_wheel_s(library):
     from shimdev.simnpu import _ops

@@ -1,4 +1,4 @@
-"""The reference math of the DSA decode path's stand-ins (dev/shimdev/simnpu/_ops.py), against the
+"""The reference math of the DSA decode path's stand-ins (dev/shimdev/simnpu/_ops/), against the
 same computation written out plainly: a paged cache read through its block table, the indexer's
 top-k, attention over what it selected, the W8A8 matmul, MLA's prolog."""
 from __future__ import annotations

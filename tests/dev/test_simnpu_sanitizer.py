@@ -390,7 +390,7 @@ def test_the_csan_cross_check_says_plainly_when_there_is_no_cuda_device(capsys):
 
 
 def _dsa_calls():
-    """One small call of each stand-in of the DSA decode path (simnpu/_ops.py) declared to the
+    """One small call of each stand-in of the DSA decode path (simnpu/_ops/) declared to the
     sanitizer, as sglang 0.5.11 calls it."""
     from shimdev.simnpu import _ops
 

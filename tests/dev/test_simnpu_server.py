@@ -1,4 +1,4 @@
-"""The simulated NPU's server mode (simnpu/_server.py, _ops.py) and the stub traps a real server
+"""The simulated NPU's server mode (simnpu/_server.py, _ops/) and the stub traps a real server
 met (../shared/docs/real-sglang-server-on-cpu.md).  Each runs in a process of its own: server mode
 changes torch for the process's life."""
 import json
@@ -118,7 +118,7 @@ def test_the_dense_path_ops_compute_the_reference_math():
 
 
 def test_the_moe_ops_compute_the_reference_math_and_are_one_launch_each_reading_their_inputs():
-    """The GLM-4 MoE path's ops (simnpu/_ops.py) against a dense MoE computed here, the sanitizer
+    """The GLM-4 MoE path's ops (simnpu/_ops/) against a dense MoE computed here, the sanitizer
     seeing each as one kernel (its inner torch ops are not launches) that writes none of its
     inputs (each schema marks no argument written), and DeepEP's dispatch/combine (_deepep.py)
     giving back what a dense MoE gives."""

@@ -12,7 +12,7 @@ operators for real; the rest of the simulation only answers the device module.  
 * **``hccl``**: a ``torch.distributed`` backend (torch_npu registers it from C++) that builds a Gloo
   group, for ``npu`` and for the ``cpu`` tensors that stand for npu ones -- as is every backend
   registered for ``npu`` (zbal's);
-* **the operators** (``_ops.py``): defined with ``torch.library`` under the schemas torch_npu
+* **the operators** (``_ops/``): defined with ``torch.library`` under the schemas torch_npu
   2.13.0 registers, reached as ``torch.ops.npu.*`` / ``torch.ops.atb.*`` and as ``torch_npu.*``
   the way torch_npu binds them; sgl-kernel-npu's triton allocator kernel as a stand-in running
   sglang's own naive allocator;

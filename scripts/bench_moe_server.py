@@ -44,7 +44,7 @@ def _server(arm, log_dir):
     release, shim = ARMS[arm]
     # sglang's metrics on every arm alike: the shim's counts are read from them
     return Server(release, models.ensure_model("glm4_moe", release), shim=shim, env=dict(moe_job.NPU_ENV),
-                  args=list(moe_job.NPU_ARGS) + ["--enable-metrics"], ready_timeout=600, graphs=True,
+                  args=list(moe_job.NPU_ARGS) + ["--enable-metrics"], ready_timeout=420,
                   log_path=os.path.join(log_dir, "bench-moe-%s.log" % arm))
 
 

@@ -249,3 +249,8 @@ def test_a_view_answers_none_for_a_module_the_release_does_not_have(tmp_path):
     assert view.has("sglang.srt.x", "f") and not view.has("sglang.srt.y", "f")
     with pytest.raises(ValueError, match="not an sglang module"):
         view.module("other.x")
+
+
+def test_a_function_s_repr_names_it_with_its_parameters():
+    assert repr(module().function("Scheduler.__init__")) == "FunctionInfo(Scheduler.__init__(a, b))"
+    assert repr(module().function("twice")) == "FunctionInfo(twice())"

@@ -207,3 +207,26 @@ def test_a_fingerprint_deciding_read_is_known_when_applying_without_reading_the_
     monkeypatch.setattr(reading, "read_source", unread)
     monkeypatch.setattr(inspect, "getsource", unread)
     assert reading.live_fingerprint(loaded["f"]) == fingerprint
+
+
+def test_a_child_takes_the_version_from_the_record_without_reading_it(tree, monkeypatch):
+    from npu_shim.source import codeview
+
+    _states, environ = parent(tree)
+
+    def unread(package_dir):
+        raise AssertionError("the version was read again")
+
+    monkeypatch.setattr(codeview, "read_version", unread)
+    child = inherited.view(tree, environ=environ)
+    assert child.reused and child.version == "0.5.11"
+
+
+def test_an_answer_whose_key_names_no_module_is_dropped(tree):
+    """``module`` alone is a key of a known kind that names no module: the record is used, the
+    answer is not (every answer needs its module's files listed)."""
+    _states, environ = parent(tree)
+    record = json.loads(environ[inherited.ENV])
+    record["answers"]["module"] = True
+    view = inherited.view(tree, environ={inherited.ENV: json.dumps(record)})
+    assert view.reused and "module" not in view.answers

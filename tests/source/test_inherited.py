@@ -107,15 +107,45 @@ def test_a_record_of_this_tree_and_format_with_odd_contents_means_reading_the_so
     or damaged ``NPU_SHIM_SOURCE_ANSWERS``) is not used.  Before the fix it was: a version that is
     no text printed a logging traceback at the summary line, and an answer of another shape made
     deciding raise (the patch ``failed``; a patch asked for stopped the process)."""
-    record = dict({"format": inherited.FORMAT, "dir": tree, "version": "0.5.11", "files": {}, "answers": {}},
+    # Every module the answers name, and the version's files, are listed as they are: only the odd
+    # shape can make the record unused.
+    files = {name: inherited._identities(tree, name)
+             for name in ("sglang.srt.utils.common", "sglang.srt.utils") + inherited.VERSION_FILES}
+    record = dict({"format": inherited.FORMAT, "dir": tree, "version": "0.5.11", "files": files, "answers": {}},
                   **odd)
     view = inherited.view(tree, environ={inherited.ENV: json.dumps(record)})
     assert not view.reused and view.answers == {} and view.version == "0.5.11"
     assert decide_all(view)["zbal"][0] == "applied"
-    files = {name: inherited._identities(tree, name) for name in ("sglang.srt.utils.common", "sglang.srt.utils")}
     assert inherited.view(tree, environ={inherited.ENV: json.dumps(dict(record, version="0.5.11", answers={
         "function|sglang.srt.utils.common|f": [["x"], None, 3], "has|sglang.srt.utils.common|f": True,
         "module|sglang.srt.utils": False, "contains|sglang.srt.utils|0123": True}, files=files))}).reused
+
+
+def test_a_record_without_answers_still_gives_the_version_of_its_files(tree):
+    files = {name: inherited._identities(tree, name) for name in inherited.VERSION_FILES}
+    record = {"format": inherited.FORMAT, "dir": tree, "version": "9.9.9", "files": files}
+    view = inherited.view(tree, environ={inherited.ENV: json.dumps(record)})
+    assert view.version == "9.9.9" and view.answers == {} and not view.reused
+
+
+def test_the_record_is_compact_and_in_a_stable_order(tree, monkeypatch):
+    """The same answers give the same bytes (keys sorted), as small as JSON writes them (an
+    environment variable every child of the launcher carries); with no environment given, the
+    process's own is the one children inherit."""
+    view = inherited.view(tree, environ={})
+    decide_all(view)
+    monkeypatch.delenv(inherited.ENV, raising=False)
+    inherited.export(view)
+    raw = os.environ[inherited.ENV]
+    assert raw == json.dumps(json.loads(raw), separators=(",", ":"), sort_keys=True)
+    inherited.export(codeview_view(tree))  # a plain view has no answers to hand on: nothing changes
+    assert os.environ[inherited.ENV] == raw
+
+
+def codeview_view(tree):
+    from npu_shim.source import codeview
+
+    return codeview.SourceView(tree)
 
 
 def test_another_sglang_directory_does_not_use_the_record(tree, tmp_path):

@@ -158,14 +158,16 @@ def test_another_sglang_directory_does_not_use_the_record(tree, tmp_path):
     {"format": inherited.FORMAT - 1, "files": {}},                   # another format, this dir
 ])
 def test_a_record_of_another_directory_or_format_is_never_used(tree, record):
-    """Each alone is enough: no file identity is left to tell the record is not this tree's."""
+    """Each alone is enough: no file identity is left to tell the record is not this tree's (the
+    record lists its module's and the version's files as they are here)."""
+    files = {name: inherited._identities(tree, name) for name in ("sglang.srt.nothing",) + inherited.VERSION_FILES}
     record = dict({"dir": tree, "version": "9.9.9", "answers": {"module|sglang.srt.nothing": True}},
-                  **record)
+                  **dict(record, files=files))
     view = inherited.view(tree, environ={inherited.ENV: json.dumps(record)})
     assert not view.reused and view.answers == {} and view.version != "9.9.9"
-    good = dict(record, format=inherited.FORMAT, dir=tree,
-                files={"sglang.srt.nothing": inherited._identities(tree, "sglang.srt.nothing")})
-    assert inherited.view(tree, environ={inherited.ENV: json.dumps(good)}).reused
+    good = dict(record, format=inherited.FORMAT, dir=tree)
+    good_view = inherited.view(tree, environ={inherited.ENV: json.dumps(good)})
+    assert good_view.reused and good_view.version == "9.9.9"
 
 
 @pytest.fixture(scope="module")

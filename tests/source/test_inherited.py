@@ -262,3 +262,27 @@ def test_an_answer_whose_key_names_no_module_is_dropped(tree):
     record["answers"]["module"] = True
     view = inherited.view(tree, environ={inherited.ENV: json.dumps(record)})
     assert view.reused and "module" not in view.answers
+
+
+def test_each_question_has_its_own_answer_in_the_parent_and_in_the_child(tmp_path):
+    """Two patterns asked of one module, a module that is there and one that is not: each answer
+    is its own, in the view that read the source and in the child that answers from the record."""
+    package = tmp_path / "sglang"
+    (package / "srt").mkdir(parents=True)
+    (package / "srt" / "a.py").write_text("def f(x):\n    return x + 1\n")
+    parent_view = inherited.view(str(package), environ={})
+    environ = {}
+    for view in (parent_view, None):
+        if view is None:
+            inherited.export(parent_view, environ)
+            view = inherited.view(str(package), environ=environ)
+            assert view.reused
+        assert view.module("sglang.srt.missing") is None
+        module = view.module("sglang.srt.a")
+        assert module is not None
+        assert module.contains(r"return x \+ 1") is True
+        assert module.contains(r"return x \+ 2") is False
+        assert view.has("sglang.srt.a", "f") and not view.has("sglang.srt.a", "g")
+        assert view.function("sglang.srt.a", "f").params == ("x",)
+        assert view.function("sglang.srt.a", "g") is None
+    assert view._modules == {}  # the child read nothing

@@ -7,6 +7,7 @@ the watcher's state as it found them.
 """
 
 import sys
+import threading
 import types
 
 import pytest
@@ -24,7 +25,7 @@ class Finds:
         self.asked = []
 
     def find_spec(self, fullname, path=None, target=None):
-        self.asked.append((fullname, path))
+        self.asked.append((fullname, path) if target is None else (fullname, path, target))
         if fullname in self.names:
             return types.SimpleNamespace(name=fullname, submodule_search_locations=[])
         return None
@@ -230,3 +231,38 @@ def test_start_stays_silent_when_even_saying_so_fails(watcher, monkeypatch):
     monkeypatch.delenv("NPU_SHIM_ENABLED", raising=False)
     _bootstrap.start()  # no exception reaches the application
     assert _bootstrap.WATCHER not in sys.meta_path
+
+
+def test_the_other_finders_are_asked_the_question_as_it_came(watcher):
+    """``path`` and ``target`` (a reload's module) reach the finders after the watcher unchanged."""
+    sglang = Finds("sglang")
+    sys.meta_path.append(sglang)
+    _bootstrap.arm()
+    target = types.ModuleType("sglang")
+    assert _bootstrap.find_spec("sglang", ["where"], target) is None
+    assert sglang.asked == [("sglang", ["where"], target)] and watcher == [("activate", _bootstrap.WATCHER)]
+
+
+def test_another_thread_asking_at_the_same_time_is_answered_for_itself(watcher):
+    """The "no" to a lookup inside the question is per thread: a second thread importing sglang
+    while the first is still asking the finders gets the finders' own answer."""
+    entered, release = threading.Event(), threading.Event()
+    first = []
+
+    class Slow:
+        def find_spec(self, fullname, path=None, target=None):
+            if threading.current_thread() is asker:
+                entered.set()
+                assert release.wait(30)
+            return types.SimpleNamespace(name=fullname)
+
+    sys.meta_path.insert(0, Slow())
+    asker = threading.Thread(target=lambda: first.append(_bootstrap.findable("sglang", None, None)))
+    asker.start()
+    try:
+        assert entered.wait(30)
+        assert _bootstrap.findable("sglang", None, None) is True
+    finally:
+        release.set()
+        asker.join(30)
+    assert first == [True]

@@ -285,4 +285,21 @@ def test_each_question_has_its_own_answer_in_the_parent_and_in_the_child(tmp_pat
         assert view.has("sglang.srt.a", "f") and not view.has("sglang.srt.a", "g")
         assert view.function("sglang.srt.a", "f").params == ("x",)
         assert view.function("sglang.srt.a", "g") is None
+        assert view.function("sglang.srt.missing", "f") is None
+        assert not view.has("sglang.srt.missing", "f")
     assert view._modules == {}  # the child read nothing
+
+
+def test_a_package_module_s_init_file_changed_since_is_noticed(tmp_path):
+    package = tmp_path / "sglang"
+    (package / "srt").mkdir(parents=True)
+    init = package / "srt" / "__init__.py"
+    init.write_text("def f(x):\n    return x\n")
+    parent_view = inherited.view(str(package), environ={})
+    assert parent_view.function("sglang.srt", "f").params == ("x",)
+    environ = {}
+    inherited.export(parent_view, environ)
+    assert inherited.view(str(package), environ=environ).reused
+    init.write_text("def f(x, y):\n    return x\n")
+    child = inherited.view(str(package), environ=environ)
+    assert not child.reused and child.function("sglang.srt", "f").params == ("x", "y")

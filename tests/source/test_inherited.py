@@ -138,6 +138,7 @@ def test_the_record_is_compact_and_in_a_stable_order(tree, monkeypatch):
     inherited.export(view)
     raw = os.environ[inherited.ENV]
     assert raw == json.dumps(json.loads(raw), separators=(",", ":"), sort_keys=True)
+    assert inherited.view(tree).reused  # a child reads the process's own environment by default
     inherited.export(codeview_view(tree))  # a plain view has no answers to hand on: nothing changes
     assert os.environ[inherited.ENV] == raw
 

@@ -247,5 +247,20 @@ def test_a_view_answers_none_for_a_module_the_release_does_not_have(tmp_path):
     assert view.function("sglang.srt.x", "f").params == ("a",)
     assert view.module("sglang.srt.y") is None and view.function("sglang.srt.y", "f") is None
     assert view.has("sglang.srt.x", "f") and not view.has("sglang.srt.y", "f")
-    with pytest.raises(ValueError, match="not an sglang module"):
+    with pytest.raises(ValueError) as raised:
         view.module("other.x")
+    assert str(raised.value) == "not an sglang module: other.x"
+
+
+def test_a_package_module_is_read_from_its_init_file(tmp_path):
+    package = tmp_path / "sglang"
+    (package / "srt" / "layers").mkdir(parents=True)
+    (package / "srt" / "layers" / "__init__.py").write_text("def g(b):\n    pass\n")
+    view = codeview.SourceView(str(package), version="0")
+    assert view.has("sglang.srt.layers", "g") and view.function("sglang.srt.layers", "g").params == ("b",)
+    assert view.module("sglang.srt") is None  # a directory without __init__.py is no module here
+
+
+def test_a_function_s_repr_names_it_with_its_parameters():
+    assert repr(module().function("Scheduler.__init__")) == "FunctionInfo(Scheduler.__init__(a, b))"
+    assert repr(module().function("twice")) == "FunctionInfo(twice())"

@@ -107,15 +107,46 @@ def test_a_record_of_this_tree_and_format_with_odd_contents_means_reading_the_so
     or damaged ``NPU_SHIM_SOURCE_ANSWERS``) is not used.  Before the fix it was: a version that is
     no text printed a logging traceback at the summary line, and an answer of another shape made
     deciding raise (the patch ``failed``; a patch asked for stopped the process)."""
-    record = dict({"format": inherited.FORMAT, "dir": tree, "version": "0.5.11", "files": {}, "answers": {}},
+    # Every module the answers name, and the version's files, are listed as they are: only the odd
+    # shape can make the record unused.
+    files = {name: inherited._identities(tree, name)
+             for name in ("sglang.srt.utils.common", "sglang.srt.utils") + inherited.VERSION_FILES}
+    record = dict({"format": inherited.FORMAT, "dir": tree, "version": "0.5.11", "files": files, "answers": {}},
                   **odd)
     view = inherited.view(tree, environ={inherited.ENV: json.dumps(record)})
     assert not view.reused and view.answers == {} and view.version == "0.5.11"
     assert decide_all(view)["zbal"][0] == "applied"
-    files = {name: inherited._identities(tree, name) for name in ("sglang.srt.utils.common", "sglang.srt.utils")}
     assert inherited.view(tree, environ={inherited.ENV: json.dumps(dict(record, version="0.5.11", answers={
         "function|sglang.srt.utils.common|f": [["x"], None, 3], "has|sglang.srt.utils.common|f": True,
         "module|sglang.srt.utils": False, "contains|sglang.srt.utils|0123": True}, files=files))}).reused
+
+
+def test_a_record_without_answers_still_gives_the_version_of_its_files(tree):
+    files = {name: inherited._identities(tree, name) for name in inherited.VERSION_FILES}
+    record = {"format": inherited.FORMAT, "dir": tree, "version": "9.9.9", "files": files}
+    view = inherited.view(tree, environ={inherited.ENV: json.dumps(record)})
+    assert view.version == "9.9.9" and view.answers == {} and not view.reused
+
+
+def test_the_record_is_compact_and_in_a_stable_order(tree, monkeypatch):
+    """The same answers give the same bytes (keys sorted), as small as JSON writes them (an
+    environment variable every child of the launcher carries); with no environment given, the
+    process's own is the one children inherit."""
+    view = inherited.view(tree, environ={})
+    decide_all(view)
+    monkeypatch.delenv(inherited.ENV, raising=False)
+    inherited.export(view)
+    raw = os.environ[inherited.ENV]
+    assert raw == json.dumps(json.loads(raw), separators=(",", ":"), sort_keys=True)
+    assert inherited.view(tree).reused  # a child reads the process's own environment by default
+    inherited.export(codeview_view(tree))  # a plain view has no answers to hand on: nothing changes
+    assert os.environ[inherited.ENV] == raw
+
+
+def codeview_view(tree):
+    from npu_shim.source import codeview
+
+    return codeview.SourceView(tree)
 
 
 def test_another_sglang_directory_does_not_use_the_record(tree, tmp_path):
@@ -128,14 +159,16 @@ def test_another_sglang_directory_does_not_use_the_record(tree, tmp_path):
     {"format": inherited.FORMAT - 1, "files": {}},                   # another format, this dir
 ])
 def test_a_record_of_another_directory_or_format_is_never_used(tree, record):
-    """Each alone is enough: no file identity is left to tell the record is not this tree's."""
+    """Each alone is enough: no file identity is left to tell the record is not this tree's (the
+    record lists its module's and the version's files as they are here)."""
+    files = {name: inherited._identities(tree, name) for name in ("sglang.srt.nothing",) + inherited.VERSION_FILES}
     record = dict({"dir": tree, "version": "9.9.9", "answers": {"module|sglang.srt.nothing": True}},
-                  **record)
+                  **dict(record, files=files))
     view = inherited.view(tree, environ={inherited.ENV: json.dumps(record)})
     assert not view.reused and view.answers == {} and view.version != "9.9.9"
-    good = dict(record, format=inherited.FORMAT, dir=tree,
-                files={"sglang.srt.nothing": inherited._identities(tree, "sglang.srt.nothing")})
-    assert inherited.view(tree, environ={inherited.ENV: json.dumps(good)}).reused
+    good = dict(record, format=inherited.FORMAT, dir=tree)
+    good_view = inherited.view(tree, environ={inherited.ENV: json.dumps(good)})
+    assert good_view.reused and good_view.version == "9.9.9"
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +240,67 @@ def test_a_fingerprint_deciding_read_is_known_when_applying_without_reading_the_
     monkeypatch.setattr(reading, "read_source", unread)
     monkeypatch.setattr(inspect, "getsource", unread)
     assert reading.live_fingerprint(loaded["f"]) == fingerprint
+
+
+def test_a_child_takes_the_version_from_the_record_without_reading_it(tree, monkeypatch):
+    from npu_shim.source import codeview
+
+    _states, environ = parent(tree)
+
+    def unread(package_dir):
+        raise AssertionError("the version was read again")
+
+    monkeypatch.setattr(codeview, "read_version", unread)
+    child = inherited.view(tree, environ=environ)
+    assert child.reused and child.version == "0.5.11"
+
+
+def test_an_answer_whose_key_names_no_module_is_dropped(tree):
+    """``module`` alone is a key of a known kind that names no module: the record is used, the
+    answer is not (every answer needs its module's files listed)."""
+    _states, environ = parent(tree)
+    record = json.loads(environ[inherited.ENV])
+    record["answers"]["module"] = True
+    view = inherited.view(tree, environ={inherited.ENV: json.dumps(record)})
+    assert view.reused and "module" not in view.answers
+
+
+def test_each_question_has_its_own_answer_in_the_parent_and_in_the_child(tmp_path):
+    """Two patterns asked of one module, a module that is there and one that is not: each answer
+    is its own, in the view that read the source and in the child that answers from the record."""
+    package = tmp_path / "sglang"
+    (package / "srt").mkdir(parents=True)
+    (package / "srt" / "a.py").write_text("def f(x):\n    return x + 1\n")
+    parent_view = inherited.view(str(package), environ={})
+    environ = {}
+    for view in (parent_view, None):
+        if view is None:
+            inherited.export(parent_view, environ)
+            view = inherited.view(str(package), environ=environ)
+            assert view.reused
+        assert view.module("sglang.srt.missing") is None
+        module = view.module("sglang.srt.a")
+        assert module is not None
+        assert module.contains(r"return x \+ 1") is True
+        assert module.contains(r"return x \+ 2") is False
+        assert view.has("sglang.srt.a", "f") and not view.has("sglang.srt.a", "g")
+        assert view.function("sglang.srt.a", "f").params == ("x",)
+        assert view.function("sglang.srt.a", "g") is None
+        assert view.function("sglang.srt.missing", "f") is None
+        assert not view.has("sglang.srt.missing", "f")
+    assert view._modules == {}  # the child read nothing
+
+
+def test_a_package_module_s_init_file_changed_since_is_noticed(tmp_path):
+    package = tmp_path / "sglang"
+    (package / "srt").mkdir(parents=True)
+    init = package / "srt" / "__init__.py"
+    init.write_text("def f(x):\n    return x\n")
+    parent_view = inherited.view(str(package), environ={})
+    assert parent_view.function("sglang.srt", "f").params == ("x",)
+    environ = {}
+    inherited.export(parent_view, environ)
+    assert inherited.view(str(package), environ=environ).reused
+    init.write_text("def f(x, y):\n    return x\n")
+    child = inherited.view(str(package), environ=environ)
+    assert not child.reused and child.function("sglang.srt", "f").params == ("x", "y")

@@ -21,7 +21,7 @@ from test_drop_in import snapshot
 RELEASE = "0.5.11"
 SIZE = {"SGLANG_ZBAL_LOCAL_MEM_SIZE": "12288", "SIMNPU_FREE_MIB": "60000"}
 
-REPORT = "import json\nfrom shimdev import drop_in_probe\nprint(json.dumps(drop_in_probe.report()))\n"
+REPORT = "import json\nfrom shimdev.beds import drop_in_probe\nprint(json.dumps(drop_in_probe.report()))\n"
 
 
 def _run(argv, env, code, cwd, readonly=None):

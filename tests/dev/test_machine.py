@@ -13,7 +13,7 @@ from shimdev import DEV, REPO
 from shimdev.envs import machine
 from test_drop_in import cpython
 
-ASK = "import json; from shimdev import machine; print(json.dumps([machine.cpython(v) for v in machine.PYTHONS]))"
+ASK = "import json; from shimdev.envs import machine; print(json.dumps([machine.cpython(v) for v in machine.PYTHONS]))"
 
 
 def ask(env, code=ASK):
@@ -67,7 +67,7 @@ def test_what_is_missing_is_one_line_that_says_how_to_get_it(tmp_path):
     (tmp_path / "home").mkdir()
     (tmp_path / "empty").mkdir()
     line = ask({"HOME": str(tmp_path / "home"), "PATH": str(tmp_path / "empty"), "CC": "no-such-cc"},
-               "import json; from shimdev import machine; print(json.dumps(machine.missing()))")
+               "import json; from shimdev.envs import machine; print(json.dumps(machine.missing()))")
     assert "\n" not in line
     assert line.startswith("CPython 3.9, 3.10, 3.11, 3.12, 3.13 not found (looked in %s/.pyenv/versions/3.X.* "
                            "and for python3.X on PATH): install with `pyenv install 3.9 3.10 3.11 3.12 3.13`"

@@ -20,7 +20,7 @@ bed's names.
   ``ensure_release`` returns a ``ReleaseEnv`` (python, layer paths in ``PYTHONPATH`` order).
 
 The rest of the test bed, each a module of its own, is re-exported here (``__all__``), so that a
-caller imports the test bed once (``from shimdev import sglang_envs``):
+caller imports the test bed once (``from shimdev.envs import sglang_envs``):
 
 * ``shimdev.envs.releases`` -- ``RELEASES`` / ``POST_RELEASES`` / ``ALL_RELEASES`` (add one line to
   support one more), ``EDITABLE``, ``version_key``;
@@ -40,7 +40,7 @@ CLI::
     PYTHONPATH=dev python3 -m shimdev.envs.sglang_envs envs [V ...]     # build layers (default: all + editable)
     PYTHONPATH=dev python3 -m shimdev.envs.sglang_envs python V         # print the python that runs release V
 
-Part of ``shimdev`` (dev/shimdev/): imported as ``from shimdev import sglang_envs`` with ``dev/`` on
+Part of ``shimdev`` (dev/shimdev/): imported as ``from shimdev.envs import sglang_envs`` with ``dev/`` on
 sys.path (see shimdev/__init__.py), never by file path.
 """
 from __future__ import annotations

@@ -48,7 +48,7 @@ SIMULATED = ("SIMULATED NPU: torch.npu runs on the CPU (dev/shimdev/simnpu), zba
              "simulated (dev/shimdev/simzbal;\n  its Python layer is memfabric-zbal 1.2.0's own), NPU "
              "kernels are pure-torch stand-ins; the sglang code is REAL (release {v}, installed from "
              "PyPI wheels).")
-SNIPPET = "from shimdev import demo_features\nemit(demo_features.run_all({v!r}))\n"
+SNIPPET = "from shimdev.beds import demo_features\nemit(demo_features.run_all({v!r}))\n"
 #: 0.5.11 needs backports of zbal and mla_weight_release and has dual_stream_experts upstream;
 #: 0.5.9 needs all three backported.
 DEFAULT_RELEASES = ("0.5.11", "0.5.9")

@@ -83,6 +83,10 @@ def test_the_fourth_patch_shows_in_status_and_check(tree):
     status = run(tree, ["-m", "npu_shim", "status", "--json"])
     rows = {row["name"]: row for row in json.loads(status.stdout)["patches"]}
     assert rows[NAME]["state"] == "applied" and rows[NAME]["switch"] == "NPU_SHIM_EXAMPLE_BACKPORT"
+    assert rows[NAME]["title"] == "Example backport: the capacity query reports extra memory"  # the docstring's
+    assert (rows[NAME]["upstream"], rows[NAME]["backport_range"], rows[NAME]["remove_when"]) == (
+        "backport of sgl-project/sglang#99999; upstream since 0.5.99", ["0.5.0", "0.5.98"],
+        "every supported image runs sglang >= 0.5.99")
     env = {row["name"] for row in json.loads(status.stdout)["env"]}
     assert {"NPU_SHIM_EXAMPLE_BACKPORT", "SGLANG_EXAMPLE_EXTRA_MIB"} <= env
     off = run(tree, ["-m", "npu_shim", "status", "--json"], {"NPU_SHIM_EXAMPLE_BACKPORT": "0"})

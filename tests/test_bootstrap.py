@@ -65,17 +65,15 @@ def mark_init(wrapped, instance, args, kwargs):
 
 class DemoPatch(framework.Patch):
     name = "demo"
-    title = "test patch"
-    upstream_pr = "sgl-project/sglang#1"
-    upstream_release = "0.5.99"
-    backport_range = ("0.5.0", "0.5.98")
-    remove_when = "never (a test patch)"
+    upstream = framework.Upstream("sgl-project/sglang#1", "0.5.99", backports=("0.5.0", "0.5.98"))
     # an alias and a variable the real patches use, so messages read like theirs
     switch = config.switch("demo", "test switch", aliases=("NPU_SHIM_DUAL_STREAM",))
     reads = (config.mib("SGLANG_ZBAL_LOCAL_MEM_SIZE", "test size"),
              config.url("SGLANG_ZBAL_BOOTSTRAP_URL", "test url"))
     modules = ("sglang.srt.utils.common",)
-    needs_npu = False
+
+    def trigger(self, environ, on_npu):
+        return None  # works off an NPU too
 
     def probe(self, view):
         if view.has("sglang.srt.utils.common", "upstream_has_it"):

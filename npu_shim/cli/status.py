@@ -45,8 +45,8 @@ def collect():
             "name": patch.name, "state": decision.state, "reason": decision.reason,
             # a patch the job asks for explicitly that cannot apply stops every sglang process
             "stops_server": decision.state in framework.PROBLEMS and _must_honour(patch),
-            "title": patch.title, "upstream": patch.origin(), "switch": patch.switch.name,
-            "backport_range": list(patch.backport_range), "remove_when": patch.remove_when,
+            "title": patch.title, "upstream": str(patch.upstream), "switch": patch.switch.name,
+            "backport_range": list(patch.upstream.backports), "remove_when": patch.upstream.remove_when,
         })
     enabled, enabled_error = values[config.ENABLED.name]
     ours, loaded = sitecustomize_facts()

@@ -3,10 +3,11 @@
 A patch is a module found from its name (docs/adding-a-patch.md), ``npu_shim/patches/<name>.py``:
 
 * ``PATCH``, an instance of a ``Patch`` subclass -- the thin contract, all that deciding needs:
-  the upstream PR it backports and the release that has it, the releases it backports to, its
-  switch and the variables it reads, a ``probe`` that recognises upstream's own implementation in
-  the running code; optionally a ``Report`` (what it says about itself in ``check`` and the
-  summary line);
+  ``upstream`` (the PR it backports, the release that has it, the releases it backports to),
+  its ``switch``, the variables it ``reads``, the ``modules`` it hooks, and three methods:
+  ``probe`` (upstream's own implementation in the running code), ``trigger`` (nothing to do in
+  this job) and ``targets``; optionally ``must_honour``, its own ``error`` and a ``Report``
+  (what it says about itself in ``check`` and the summary line);
 * ``targets(view, ctx)`` (npu_shim/runtime/targets.py) and what its wrappers share in a process,
   called only where the patch is decided past its probe and trigger;
 * optionally, ``npu_shim/patches/_selftest/<name>.py``: its step of ``python -m npu_shim selftest``.
@@ -121,46 +122,79 @@ class Details:
         return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-class Patch:
-    """The contract: what a patch declares to be decided and applied.  A feature module subclasses
-    it and fills in the class attributes and ``probe``; its targets are its module's
-    ``targets(view, ctx)``."""
+class Upstream:
+    """Where a patch comes from and when it goes (vllm-ascend's registry: why, how, PR, when to
+    remove): the upstream ``pr`` it backports, the first sglang ``release`` that has it, and the
+    releases it is backported to, ``backports = (first, last)``, which must end before
+    ``release``.  The patch can be removed once every supported image runs ``release``."""
 
-    name = ""              # short id, used in logs, status and NPU_SHIM_PATCHES: the module's name
-                           # unless given
-    title = ""             # one line: what it does
-    upstream_pr = ""       # e.g. "sgl-project/sglang#19246"
-    upstream_release = ""  # first sglang release that has it, e.g. "0.5.10"
-    backport_range = ()    # (first, last) release the shim backports it to, e.g. ("0.5.7", "0.5.9")
-    remove_when = ""       # when this patch can be deleted
-    switch_doc = ""        # what its switch, NPU_SHIM_<NAME>, says in the variables' table
-    switch = None          # the config.EnvVar made from it (or given: config.switch(name, doc,
-                           # aliases=older names, still read))
-    reads = ()             # other config.EnvVar it depends on; a bad value fails the patch (one
+    def __init__(self, pr, release, backports):
+        self.pr, self.release, self.backports = pr, release, tuple(backports)
+
+    @property
+    def remove_when(self):
+        return "every supported image runs sglang >= %s" % self.release
+
+    def __str__(self):
+        return "backport of %s; upstream since %s" % (self.pr, self.release)
+
+    def problems(self):
+        """What is wrong with it ([] when nothing)."""
+        if not (isinstance(self.pr, str) and self.pr):
+            return ["upstream.pr is required (e.g. sgl-project/sglang#19246)"]
+        releases = list(self.backports) + [self.release]
+        if len(self.backports) != 2 or not all(isinstance(r, str) and _RELEASE.match(r) for r in releases):
+            return ["upstream.backports must be (first, last) and upstream.release a release number"]
+        if not version_tuple(releases[0]) <= version_tuple(releases[1]) < version_tuple(releases[2]):
+            return ["upstream.backports %s - %s must end before upstream.release %s" % tuple(releases)]
+        return []
+
+
+class Patch:
+    """The contract (OpenTelemetry's instrumentor, for a backport): four facts and three methods.
+
+    A feature module ``npu_shim/patches/<name>.py`` subclasses it; the patch's name is the
+    module's, its title the first line of the module's docstring."""
+
+    upstream = None        # an Upstream: the PR, the release that has it, the releases backported to
+    switch = None          # its switch's doc (NPU_SHIM_<NAME> is made from it), or the config.EnvVar
+                           # given outright (config.switch(name, doc, aliases=older names, still read))
+    reads = ()             # the other config.EnvVar it depends on; a bad value fails the patch (one
                            # of upstream's where sglang has the feature: upstream reads it)
-    trigger_env = {}       # the variables that turn it on (tests, the demo and the release table)
-    modules = ()           # every module its targets can live in (hooks are put on these)
-    needs_npu = True
+    modules = ()           # every sglang module its targets can live in (hooks are put on these)
+
+    # Optional, each with a default that fits most patches:
     error = ShimError      # what the process raises when a requested patch cannot be honoured
-    report = Report()      # what it says about itself (optional: a Report subclass's instance)
+    report = Report()      # what it says about itself in check and the summary line
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "name" not in cls.__dict__:
             cls.name = cls.__module__.rpartition(".")[2]
-        if cls.__dict__.get("switch") is None and cls.switch_doc and _NAME.match(cls.name):
-            cls.switch = config.switch(cls.name, cls.switch_doc)
+        if isinstance(cls.__dict__.get("switch"), str) and _NAME.match(cls.name):
+            cls.switch = config.switch(cls.name, cls.switch)
         problems = declaration_problems(cls)
         if problems:
             raise TypeError("patch %s is declared wrongly: %s" % (cls.__name__, "; ".join(problems)))
+
+    @property
+    def title(self):
+        """One line: what it does -- its module docstring's first line (less a leading '<name>: ')."""
+        doc = getattr(sys.modules.get(type(self).__module__), "__doc__", None) or ""
+        line = doc.strip().partition("\n")[0].strip()
+        prefix = self.name + ": "
+        return (line[len(prefix):] if line.startswith(prefix) else line).rstrip(".")
 
     def probe(self, view):
         """Evidence (a short string) that the running sglang already has the feature, else None."""
         raise NotImplementedError
 
-    def trigger(self, environ):
-        """Raise ``Inactive(reason)`` when the patch has nothing to do in this job."""
-        return None
+    def trigger(self, environ, on_npu):
+        """Raise ``Inactive(reason)`` when the patch has nothing to do in this job.  By default:
+        off an NPU (``on_npu`` False; None is "not known").  A patch that overrides it calls this
+        one too, unless it also works without an NPU."""
+        if on_npu is False:
+            raise Inactive("not running on an NPU (torch.npu is unavailable)")
 
     def targets(self, view, ctx):
         """The Wrap/Replace targets for this release (``ctx``: a DecideContext): the patch
@@ -175,11 +209,8 @@ class Patch:
 
     def must_honour(self, environ):
         """True when the user explicitly asked for the feature, so that failing to apply it must
-        stop the process rather than run silently without it."""
+        stop the process rather than run silently without it (optional)."""
         return False
-
-    def origin(self):
-        return "backport of %s; upstream since %s" % (self.upstream_pr, self.upstream_release)
 
 
 def declaration_problems(cls):
@@ -188,19 +219,15 @@ def declaration_problems(cls):
     if not _NAME.match(cls.name or ""):
         problems.append("name %r is not a lower-case identifier" % (cls.name,))
     if not isinstance(cls.switch, config.EnvVar):
-        problems.append("switch must be a config.EnvVar (made from switch_doc, or given: "
-                        "config.switch(name, doc))")
+        problems.append("switch must be its doc (a string) or a config.EnvVar (config.switch(name, doc))")
     elif cls.switch.name != config.switch_name(cls.name):
         problems.append("switch is %s, expected %s" % (cls.switch.name, config.switch_name(cls.name)))
     if not all(isinstance(var, config.EnvVar) for var in cls.reads):
         problems.append("reads must hold config.EnvVar only")
-    if not (cls.title and cls.upstream_pr and cls.remove_when):
-        problems.append("title, upstream_pr and remove_when are required")
-    releases = list(cls.backport_range) + [cls.upstream_release]
-    if len(cls.backport_range) != 2 or not all(_RELEASE.match(r or "") for r in releases):
-        problems.append("backport_range must be (first, last) and upstream_release a release number")
-    elif not version_tuple(releases[0]) <= version_tuple(releases[1]) < version_tuple(releases[2]):
-        problems.append("backport_range %s - %s must end before upstream_release %s" % tuple(releases))
+    if not isinstance(cls.upstream, Upstream):
+        problems.append("upstream must be an Upstream(pr, release, backports=(first, last))")
+    else:
+        problems += cls.upstream.problems()
     if not cls.modules or not all(m.startswith("sglang.") for m in cls.modules):
         problems.append("modules must list the sglang modules its targets live in")
     return problems
@@ -208,12 +235,12 @@ def declaration_problems(cls):
 
 def expected_state(patch, version):
     """The state the patch's declaration promises on ``version`` with its trigger set and its
-    switch on: ``upstream`` from upstream_release, ``applied`` in backport_range, ``inactive``
+    switch on: ``upstream`` from upstream.release, ``applied`` in upstream.backports, ``inactive``
     before it (no code to backport onto), ``unsupported`` between the range and upstream."""
     key = version_tuple(version)
-    if key >= version_tuple(patch.upstream_release):
+    if key >= version_tuple(patch.upstream.release):
         return UPSTREAM
-    first, last = (version_tuple(r) for r in patch.backport_range)
+    first, last = (version_tuple(r) for r in patch.upstream.backports)
     if key < first:
         return INACTIVE
     return APPLIED if key[:len(last)] <= last else UNSUPPORTED
@@ -264,7 +291,8 @@ def decide(patch, view, environ=None, on_npu=None, assume_triggered=False):
     """The patch's state for this sglang source and environment; changes nothing.
 
     ``on_npu`` None means "not known" (static use: the status command, the release matrix);
-    ``assume_triggered`` skips the env trigger (to ask "would it apply if switched on?").
+    ``assume_triggered`` skips the trigger, NPU included (to ask "would it apply if switched on,
+    on an NPU?").
     """
     try:
         off = switched_off(patch, environ)
@@ -309,9 +337,7 @@ def _decide_from_source(patch, view, environ, on_npu, assume_triggered):
     if evidence:
         return Decision(UPSTREAM, "sglang %s has it: %s" % (view.version or "?", evidence))
     if not assume_triggered:
-        patch.trigger(environ)
-    if patch.needs_npu and on_npu is False:
-        return Decision(INACTIVE, "not running on an NPU (torch.npu is unavailable)")
+        patch.trigger(environ, on_npu)
     ctx, targets = targets_for(patch, view, environ, assume_triggered)
     stray = sorted({t.module for t in targets} - set(patch.modules))
     if stray:
@@ -320,7 +346,7 @@ def _decide_from_source(patch, view, environ, on_npu, assume_triggered):
     problems = [p for p in (t.check_source(view) for t in targets) if p]
     if problems:
         return Decision(UNSUPPORTED, "; ".join(problems))
-    reason = patch.origin() + (" (%s)" % "; ".join(ctx.notes) if ctx.notes else "")
+    reason = str(patch.upstream) + (" (%s)" % "; ".join(ctx.notes) if ctx.notes else "")
     return Decision(APPLIED, reason, targets, ctx.details, ctx.process_state)
 
 

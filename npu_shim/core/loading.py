@@ -19,23 +19,31 @@ class BrokenPatch:
     error, no ``PATCH``): that patch alone is ``failed`` with the reason; the others work."""
 
     title = "(could not be loaded)"
-    upstream_pr = upstream_release = remove_when = ""
-    backport_range = ()
     reads = ()
     modules = ()
-    trigger_env = {}
     report = Report()
 
     def __init__(self, name, reason):
         self.name = name
         self.broken = reason
         self.switch = config.switch(name, "")
+        self.upstream = _Unknown("feature module npu_shim.patches.%s" % name)
 
     def must_honour(self, environ):
         return False
 
-    def origin(self):
-        return "feature module npu_shim.patches.%s" % self.name
+
+class _Unknown:
+    """A broken patch's ``upstream``: where it came from, nothing it promises."""
+
+    pr = release = remove_when = ""
+    backports = ()
+
+    def __init__(self, text):
+        self.text = text
+
+    def __str__(self):
+        return self.text
 
 
 def load(module_name):

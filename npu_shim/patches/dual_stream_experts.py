@@ -45,7 +45,7 @@ import os
 import threading
 
 from npu_shim.core import config
-from npu_shim.core.framework import Inactive, Patch, Report, Unsupported
+from npu_shim.core.framework import Inactive, Patch, Report, Unsupported, Upstream
 from npu_shim.reporting import metrics
 from npu_shim.runtime.targets import Wrap, bind_arguments
 from npu_shim.source.reading import SourceError, parse_source, read_source, unwrap
@@ -67,15 +67,10 @@ class DualStreamExpertsReport(Report):
 
 
 class DualStreamExperts(Patch):
-    title = "GLM-4.x MoE: shared experts on a side stream; fused qkv-rmsnorm-rope in decode"
-    upstream_pr = "sgl-project/sglang#19246"
-    upstream_release = "0.5.10"
-    backport_range = ("0.5.7", "0.5.9")
-    remove_when = "every supported image runs sglang >= 0.5.10"
+    upstream = Upstream("sgl-project/sglang#19246", "0.5.10", backports=("0.5.7", "0.5.9"))
     switch = config.switch("dual_stream_experts", "Switch for the GLM-4.x MoE dual-stream experts and fused "
                            "qkv-rmsnorm-rope backport.", aliases=("NPU_SHIM_DUAL_STREAM",))
     reads = (MULTI_STREAM,)
-    trigger_env = {MULTI_STREAM.name: "1"}
     modules = (GLM4_MOE,)
     report = DualStreamExpertsReport()
 

@@ -94,7 +94,7 @@ import logging
 import re
 
 from npu_shim.core import config
-from npu_shim.core.framework import Inactive, Patch, Report, Unsupported
+from npu_shim.core.framework import Inactive, Patch, Report, Unsupported, Upstream
 from npu_shim.reporting import log, metrics
 from npu_shim.runtime import tensor_release
 from npu_shim.runtime.targets import Replace, Wrap
@@ -218,14 +218,9 @@ class MlaWeightReleaseReport(Report):
 
 
 class MlaWeightRelease(Patch):
-    title = "Free MLA weights the mlaprolog path no longer reads (PD disaggregation)"
-    upstream_pr = "sgl-project/sglang#38807"
-    upstream_release = "0.5.20"
-    backport_range = ("0.5.9", "0.5.19")
-    remove_when = "every supported image runs sglang >= 0.5.20"
-    switch_doc = "Switch for freeing MLA weights the mlaprolog path no longer reads (PD disaggregation only)."
+    upstream = Upstream("sgl-project/sglang#38807", "0.5.20", backports=("0.5.9", "0.5.19"))
+    switch = "Switch for freeing MLA weights the mlaprolog path no longer reads (PD disaggregation only)."
     reads = (RELEASE_FORCE,)
-    trigger_env = {}  # on by default; the disaggregation role decides in the server
     modules = (MLA_PRE, MLA_NPU, TP_WORKER)
     report = MlaWeightReleaseReport()
 

@@ -100,7 +100,7 @@ import os
 import sys
 
 from npu_shim.core import config
-from npu_shim.core.framework import Failed, Inactive, Patch, Report, ShimError
+from npu_shim.core.framework import Failed, Inactive, Patch, Report, ShimError, Upstream
 from npu_shim.reporting import log, metrics
 from npu_shim.runtime.targets import Replace, Wrap, bind_arguments
 
@@ -261,14 +261,9 @@ class ZbalReport(Report):
 
 
 class ZbalPatch(Patch):
-    title = "memfabric zbal allocator: init, lazy GVA heap, memory queries, DeepEP, dist backend"
-    upstream_pr = "sgl-project/sglang#24575"
-    upstream_release = "0.5.12"
-    backport_range = ("0.5.7", "0.5.11")
-    remove_when = "every supported image runs sglang >= 0.5.12"
-    switch_doc = "Switch for the zbal allocator backport (also needs SGLANG_ZBAL_LOCAL_MEM_SIZE)."
+    upstream = Upstream("sgl-project/sglang#24575", "0.5.12", backports=("0.5.7", "0.5.11"))
+    switch = "Switch for the zbal allocator backport (also needs SGLANG_ZBAL_LOCAL_MEM_SIZE)."
     reads = (LOCAL_MEM_SIZE, BOOTSTRAP_URL)
-    trigger_env = {LOCAL_MEM_SIZE.name: "12288"}
     modules = (COMMON, PARALLEL_STATE, DEEPEP, MODEL_RUNNER, SCHEDULER)
     error = ZbalError
     report = ZbalReport()
@@ -280,9 +275,10 @@ class ZbalPatch(Patch):
             return "hardware_backend.npu.utils.init_zbal"
         return None
 
-    def trigger(self, environ):
+    def trigger(self, environ, on_npu):
         if LOCAL_MEM_SIZE.read(environ) <= 0:
             raise Inactive("SGLANG_ZBAL_LOCAL_MEM_SIZE is unset or 0")
+        super().trigger(environ, on_npu)
 
     def must_honour(self, environ):
         if not LOCAL_MEM_SIZE.is_set(environ):

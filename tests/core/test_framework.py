@@ -12,16 +12,18 @@ from npu_shim.core import registry as patch_registry
 from npu_shim.patches import zbal as zbal_patch
 
 
+def upstream(pr="sgl-project/sglang#1", release="0.5.20", backports=("0.5.7", "0.5.19")):
+    return framework.Upstream(pr, release, backports)
+
+
 def declare(omit=(), **overrides):
     """Define a Patch subclass with a complete declaration, ``overrides`` applied and the
     attributes named in ``omit`` left to the base class's defaults."""
     attrs = dict(
-        name="demo", title="a test patch", upstream_pr="sgl-project/sglang#1",
-        upstream_release="0.5.20", backport_range=("0.5.7", "0.5.19"), remove_when="never",
-        switch=config.switch("demo", "test switch"), modules=("sglang.srt.a",),
-        probe=lambda self, view: None,
+        name="demo", upstream=upstream(), switch=config.switch("demo", "test switch"),
+        modules=("sglang.srt.a",), probe=lambda self, view: None,
         targets=lambda self, view, ctx: [targets.Wrap("sglang.srt.a", "f", lambda *a: None, [()])],
-        needs_npu=False)
+        trigger=lambda self, environ, on_npu: None)  # works off an NPU too
     attrs.update(overrides)
     for name in omit:
         del attrs[name]
@@ -50,12 +52,14 @@ class View:
 # -- declarations ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, words", [
-    ({"switch": None}, "switch must be a config.EnvVar"),
+    ({"switch": None}, "switch must be its doc (a string) or a config.EnvVar"),
     ({"switch": config.boolean("NPU_SHIM_OTHER", True, "x")}, "switch is NPU_SHIM_OTHER, expected NPU_SHIM_DEMO"),
     ({"name": "Demo-Patch"}, "is not a lower-case identifier"),
-    ({"upstream_pr": ""}, "title, upstream_pr and remove_when are required"),
-    ({"backport_range": ("0.5.7",)}, "backport_range must be (first, last)"),
-    ({"backport_range": ("0.5.7", "0.5.21")}, "must end before upstream_release 0.5.20"),
+    ({"upstream": upstream(pr="")}, "upstream.pr is required"),
+    ({"upstream": upstream(backports=("0.5.7",))}, "upstream.backports must be (first, last)"),
+    ({"upstream": upstream(release="latest")}, "and upstream.release a release number"),
+    ({"upstream": upstream(backports=("0.5.7", "0.5.21"))}, "must end before upstream.release 0.5.20"),
+    ({"upstream": ("sgl-project/sglang#1", "0.5.20", ("0.5.7", "0.5.19"))}, "upstream must be an Upstream("),
     ({"modules": ()}, "modules must list the sglang modules"),
     ({"reads": ("SGLANG_X",)}, "reads must hold config.EnvVar only"),
 ])
@@ -66,17 +70,13 @@ def test_a_wrong_declaration_fails_when_the_class_is_defined(overrides, words):
 
 
 @pytest.mark.parametrize("omitted, words", [
-    ("upstream_pr", "title, upstream_pr and remove_when are required"),
-    ("title", "title, upstream_pr and remove_when are required"),
-    ("remove_when", "title, upstream_pr and remove_when are required"),
-    ("switch", "switch must be a config.EnvVar"),
-    ("upstream_release", "backport_range must be (first, last) and upstream_release a release number"),
-    ("backport_range", "backport_range must be (first, last) and upstream_release a release number"),
+    ("upstream", "upstream must be an Upstream(pr, release, backports=(first, last))"),
+    ("switch", "switch must be its doc (a string) or a config.EnvVar"),
     ("modules", "modules must list the sglang modules its targets live in"),
 ])
 def test_a_declaration_that_leaves_out_a_required_attribute_fails(omitted, words):
     """Left out altogether (the base class's default), not set to a wrong value: a Patch without
-    an ``upstream_pr`` cannot be defined, so no reason ever reads 'backport of ; upstream ...'."""
+    an ``upstream`` cannot be defined, so no reason ever reads 'backport of ; upstream ...'."""
     with pytest.raises(TypeError) as info:
         declare(omit=(omitted,))
     assert words in str(info.value)
@@ -84,9 +84,10 @@ def test_a_declaration_that_leaves_out_a_required_attribute_fails(omitted, words
 
 def test_a_patch_is_named_after_its_module_and_its_switch_made_from_its_doc():
     """Its name is spelled once, by its module's file name: left out, the name is the module's and
-    the switch NPU_SHIM_<NAME> is made from ``switch_doc``; a name given wrongly still fails."""
+    the switch NPU_SHIM_<NAME> is made from ``switch`` given as its doc; a name given wrongly
+    still fails."""
     module = __name__.rpartition(".")[2]
-    patch = declare(omit=("name", "switch"), switch_doc="test switch")()
+    patch = declare(omit=("name",), switch="test switch")()
     assert patch.name == module and patch.switch.name == config.switch_name(module)
     assert patch.switch.doc == "test switch" and patch.switch.aliases == ()
     with pytest.raises(TypeError) as info:
@@ -95,9 +96,12 @@ def test_a_patch_is_named_after_its_module_and_its_switch_made_from_its_doc():
 
 
 def test_the_defaults_a_declaration_may_leave_out():
-    patch = declare(omit=("needs_npu",))()
-    assert (patch.needs_npu, patch.reads, patch.trigger_env, patch.error) == (True, (), {}, framework.ShimError)
-    assert patch.trigger({}) is None and patch.must_honour({}) is False
+    patch = declare(omit=("trigger",))()
+    assert (patch.reads, patch.error, type(patch.report)) == ((), framework.ShimError, framework.Report)
+    assert patch.trigger({}, True) is None and patch.trigger({}, None) is None and patch.must_honour({}) is False
+    with pytest.raises(framework.Inactive) as info:
+        patch.trigger({}, False)  # by default a patch needs an NPU
+    assert info.value.reason == "not running on an NPU (torch.npu is unavailable)"
     with pytest.raises(NotImplementedError):
         framework.Patch.probe(patch, View())
     with pytest.raises(NotImplementedError):
@@ -220,7 +224,7 @@ def test_nothing_to_do_is_inactive_and_cannot_is_unsupported():
 
 
 def test_expected_state_follows_the_declaration():
-    patch = declare(backport_range=("0.5.9", "0.5.11"), upstream_release="0.5.13")()
+    patch = declare(upstream=upstream(release="0.5.13", backports=("0.5.9", "0.5.11")))()
     got = {v: framework.expected_state(patch, v) for v in
            ("0.5.8.post1", "0.5.9", "0.5.10.post2.dev3+g5d1c3a7", "0.5.11", "0.5.12", "0.5.13", "0.5.20")}
     assert got == {"0.5.8.post1": "inactive", "0.5.9": "applied", "0.5.10.post2.dev3+g5d1c3a7": "applied",
@@ -239,8 +243,8 @@ def test_decisions_hand_the_wrappers_their_details_and_process_state():
     assert decision.process_state is state and decision.details == {"seen": True}
 
 
-def test_a_backport_range_of_one_release_is_a_valid_declaration():
-    patch = declare(backport_range=("0.5.9", "0.5.9"))()
+def test_backports_of_one_release_are_a_valid_declaration():
+    patch = declare(upstream=upstream(backports=("0.5.9", "0.5.9")))()
     assert [framework.expected_state(patch, v) for v in ("0.5.8", "0.5.9", "0.5.10", "0.5.20")] == [
         "inactive", "applied", "unsupported", "upstream"]
 
@@ -296,7 +300,7 @@ def test_a_patch_whose_probe_finds_the_feature_stands_down_with_the_evidence():
 def test_no_sglang_is_unsupported_and_no_npu_inactive_for_a_patch_that_needs_one():
     decision = framework.decide(declare()(), None, environ={})
     assert (decision.state, decision.reason) == (framework.UNSUPPORTED, "sglang not found")
-    needs = declare(needs_npu=True)()
+    needs = declare(omit=("trigger",))()
     decision = framework.decide(needs, View(), environ={}, on_npu=False)
     assert (decision.state, decision.reason) == (framework.INACTIVE,
                                                  "not running on an NPU (torch.npu is unavailable)")
@@ -308,7 +312,7 @@ def test_no_sglang_is_unsupported_and_no_npu_inactive_for_a_patch_that_needs_one
 def test_the_trigger_reads_the_environ_given_and_is_skipped_when_assumed():
     seen = []
 
-    def trigger(self, environ):
+    def trigger(self, environ, on_npu):
         seen.append(environ)
         raise framework.Inactive("SGLANG_X is not set")
 
@@ -397,21 +401,20 @@ def test_a_release_is_read_up_to_its_first_part_that_is_no_number():
 
 def test_a_patch_declared_in_a_package_is_named_after_the_last_part_of_its_module():
     patch = type("Feature", (framework.Patch,), dict(
-        __module__="npu_shim.patches.some_feature", title="t", upstream_pr="sgl-project/sglang#1",
-        upstream_release="0.5.20", backport_range=("0.5.7", "0.5.19"), remove_when="never",
-        switch_doc="its switch", modules=("sglang.srt.a",)))
+        __module__="npu_shim.patches.some_feature", upstream=upstream(), switch="its switch",
+        modules=("sglang.srt.a",)))
     assert patch.name == "some_feature" and patch.switch.name == "NPU_SHIM_SOME_FEATURE"
 
 
-def test_a_switch_given_outright_is_kept_even_with_a_switch_doc():
-    given = config.switch("demo", "the given doc")
-    patch = declare(switch=given, switch_doc="another doc")
-    assert patch.switch is given
+def test_a_switch_given_outright_is_kept_with_its_aliases():
+    given = config.switch("demo", "the given doc", aliases=("NPU_SHIM_OLD_DEMO",))
+    patch = declare(switch=given)
+    assert patch.switch is given and patch.switch.aliases == ("NPU_SHIM_OLD_DEMO",)
 
 
 def test_a_patch_whose_module_defines_no_targets_says_which_module():
-    patch = declare(omit=("targets", "name", "switch"), __module__="npu_shim.patches.no_such_feature",
-                    switch_doc="its switch")()
+    patch = declare(omit=("targets", "name"), __module__="npu_shim.patches.no_such_feature",
+                    switch="its switch")()
     with pytest.raises(NotImplementedError) as info:
         patch.targets(View(), None)
     assert str(info.value) == ("patch no_such_feature's module npu_shim.patches.no_such_feature defines no "
@@ -420,23 +423,23 @@ def test_a_patch_whose_module_defines_no_targets_says_which_module():
 
 def test_a_wrong_declaration_names_every_problem_in_one_message():
     with pytest.raises(TypeError) as info:
-        declare(name="Bad", switch=None, reads=("SGLANG_X",), upstream_pr="", backport_range=("0.5.7",), modules=())
+        declare(name="Bad", switch=None, reads=("SGLANG_X",), upstream=None, modules=())
     assert str(info.value) == (
-        "patch DemoPatch is declared wrongly: name 'Bad' is not a lower-case identifier; switch must be a "
-        "config.EnvVar (made from switch_doc, or given: config.switch(name, doc)); reads must hold config.EnvVar "
-        "only; title, upstream_pr and remove_when are required; backport_range must be (first, last) and "
-        "upstream_release a release number; modules must list the sglang modules its targets live in")
+        "patch DemoPatch is declared wrongly: name 'Bad' is not a lower-case identifier; switch must be its "
+        "doc (a string) or a config.EnvVar (config.switch(name, doc)); reads must hold config.EnvVar only; "
+        "upstream must be an Upstream(pr, release, backports=(first, last)); modules must list the sglang "
+        "modules its targets live in")
     with pytest.raises(TypeError) as info:
-        declare(switch=config.boolean("NPU_SHIM_OTHER", True, "x"), backport_range=("0.5.7", "0.5.20"))
-    assert str(info.value) == ("patch DemoPatch is declared wrongly: switch is NPU_SHIM_OTHER, expected "
-                               "NPU_SHIM_DEMO; backport_range 0.5.7 - 0.5.20 must end before upstream_release 0.5.20")
+        declare(switch=config.boolean("NPU_SHIM_OTHER", True, "x"), upstream=upstream(backports=("0.5.7", "0.5.20")))
+    assert str(info.value) == ("patch DemoPatch is declared wrongly: switch is NPU_SHIM_OTHER, expected NPU_SHIM_DEMO; "
+                               "upstream.backports 0.5.7 - 0.5.20 must end before upstream.release 0.5.20")
 
 
-def test_a_backport_range_must_not_end_before_it_starts():
+def test_the_backports_must_not_end_before_they_start():
     with pytest.raises(TypeError) as info:
-        declare(backport_range=("0.5.9", "0.5.8"))
-    assert str(info.value) == ("patch DemoPatch is declared wrongly: backport_range 0.5.9 - 0.5.8 must end before "
-                               "upstream_release 0.5.20")
+        declare(upstream=upstream(backports=("0.5.9", "0.5.8")))
+    assert str(info.value) == ("patch DemoPatch is declared wrongly: upstream.backports 0.5.9 - 0.5.8 must end "
+                               "before upstream.release 0.5.20")
 
 
 def test_a_decide_context_keeps_the_details_it_is_given():
@@ -455,3 +458,34 @@ def test_a_patch_takes_its_targets_from_its_module(monkeypatch):
 def test_a_count_may_be_zero():
     details = framework.Details({"released": 0, "mode": "full"})
     assert details.count("released") == 0 and details.text("mode") == "full" and details.text("mode", 2) == "fu"
+
+
+def test_the_upstream_fact_says_where_a_patch_comes_from_and_when_it_goes():
+    fact = upstream(pr="sgl-project/sglang#7", release="0.5.13", backports=["0.5.9", "0.5.11"])
+    assert (fact.pr, fact.release, fact.backports) == ("sgl-project/sglang#7", "0.5.13", ("0.5.9", "0.5.11"))
+    assert fact.remove_when == "every supported image runs sglang >= 0.5.13"
+    assert str(fact) == "backport of sgl-project/sglang#7; upstream since 0.5.13" and fact.problems() == []
+
+
+def test_a_patch_title_is_its_module_docstring_first_line():
+    """Written once, where a reader of the patch sees it first; a leading '<name>: ' and the full
+    stop are left out."""
+    module = types.ModuleType("npu_shim.patches.titled", "titled: does one thing well.\n\nWhy: ...\n")
+    import sys
+    sys.modules[module.__name__] = module
+    try:
+        patch = declare(omit=("name",), __module__=module.__name__, switch="test switch")()
+        assert patch.name == "titled" and patch.title == "does one thing well"
+        module.__doc__ = "Another thing, said plainly.\n"
+        assert patch.title == "Another thing, said plainly"
+    finally:
+        del sys.modules[module.__name__]
+    assert zbal_patch.PATCH.title == ("memfabric's zero-buffer allocator on Ascend NPUs (backport of sglang "
+                                      "0.5.12's integration)")
+
+
+def test_assuming_the_trigger_assumes_an_npu_too():
+    """The release table's question, "would it apply if switched on, on an NPU?"."""
+    patch = declare(omit=("trigger",))()
+    assert framework.decide(patch, View(), environ={}, on_npu=False).state == framework.INACTIVE
+    assert framework.decide(patch, View(), environ={}, on_npu=False, assume_triggered=True).state == framework.APPLIED

@@ -30,8 +30,9 @@ def test_a_broken_patch_has_no_step():
 
 def test_a_broken_patch_is_named_says_where_it_came_from_and_is_never_honoured():
     broken = loading.BrokenPatch("gone", "cannot be loaded")
-    assert (broken.name, broken.broken, broken.origin()) == ("gone", "cannot be loaded",
-                                                            "feature module npu_shim.patches.gone")
+    assert (broken.name, broken.broken, str(broken.upstream)) == ("gone", "cannot be loaded",
+                                                                 "feature module npu_shim.patches.gone")
+    assert (broken.upstream.backports, broken.upstream.remove_when) == ((), "")
     assert (broken.switch.name, broken.switch.doc, broken.switch.default) == ("NPU_SHIM_GONE", "", True)
     assert broken.must_honour({"NPU_SHIM_GONE": "1"}) is False
 

@@ -47,16 +47,17 @@ def test_readme_has_one_row_per_patch_with_its_upstream():
     patches = loading.load_all()
     assert [row[0] for row in rows] == ["`%s`" % p.name for p in patches]
     for row, patch in zip(rows, patches):
-        number = patch.upstream_pr.split("#")[1]
-        assert row[2] == "sglang#%s, %s" % (number, patch.upstream_release), row
+        number = patch.upstream.pr.split("#")[1]
+        assert row[2] == "sglang#%s, %s" % (number, patch.upstream.release), row
 
 
 def test_each_module_says_why_how_upstream_and_when_to_remove_it():
     for patch in loading.load_all():
         doc = sys.modules[type(patch).__module__].__doc__
-        for word in ("Why", "How", "Upstream: " + patch.upstream_pr, "Remove when " + patch.remove_when):
+        for word in ("Why", "How", "Upstream: " + patch.upstream.pr, "Remove when " + patch.upstream.remove_when):
             assert word in doc, (patch.name, word)
-        assert re.search(r"\b%s\b" % re.escape(patch.upstream_release), doc)
+        assert re.search(r"\b%s\b" % re.escape(patch.upstream.release), doc)
+        assert patch.title and "\n" not in patch.title, patch.name  # the docstring's first line
 
 
 def test_registry_loads_no_feature_module_until_asked():

@@ -214,7 +214,7 @@ def test_without_wrapt_before_torch_is_imported_the_npu_is_unknown(undecided, mo
     (package / "srt").mkdir(parents=True)
     (package / "srt" / "a.py").write_text("def f():\n    return 1\n")
     monkeypatch.setattr(activation, "find_package_dir", lambda name: str(package))
-    runtime = activation.Runtime(patches=[declare(needs_npu=True)()])
+    runtime = activation.Runtime(patches=[declare(omit=("trigger",))()])
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     runtime.fail_without_wrapt("wrapt is not available: test")
     assert runtime.record("demo").state == framework.FAILED
@@ -475,7 +475,7 @@ def test_install_leaves_a_watcher_armed_to_activate_alone_and_takes_over_one_arm
 # -- deciding and saying it ------------------------------------------------------------------------------
 
 def test_deciding_asks_whether_this_process_runs_on_an_npu(undecided, sglang_tree, monkeypatch):
-    runtime = activation.Runtime(patches=[declare(needs_npu=True)()])
+    runtime = activation.Runtime(patches=[declare(omit=("trigger",))()])
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace())  # imported, and no NPU
     runtime.decide_all()
     record = runtime.record("demo")

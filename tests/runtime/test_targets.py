@@ -57,11 +57,10 @@ VIEW = View(functions={(A, "f"): ((), "fp-f"), (A, "Cls.method"): (("x",), "fp-m
 def patch_with(*target_list):
     """An instance of a complete Patch whose targets are ``target_list``."""
     attrs = dict(
-        name="demo", title="a test patch", upstream_pr="sgl-project/sglang#1",
-        upstream_release="0.5.20", backport_range=("0.5.7", "0.5.19"), remove_when="never",
+        name="demo", upstream=framework.Upstream("sgl-project/sglang#1", "0.5.20", ("0.5.7", "0.5.19")),
         switch=config.switch("demo", "test switch"), modules=(A, "sglang.srt.b"),
         probe=lambda self, view: None, targets=lambda self, view, ctx: list(target_list),
-        needs_npu=False)
+        trigger=lambda self, environ, on_npu: None)
     return type("DemoPatch", (framework.Patch,), attrs)()
 
 

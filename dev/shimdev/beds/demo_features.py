@@ -44,15 +44,16 @@ def driver(name, upstream_too=False):
 #: switches at their defaults (a user's NPU_SHIM_* overrides would hide what the demo shows).
 def _demo_env():
     """Every patch switched on and triggered: each variable any patch reads unset (None: removed
-    from the child's environment), then each patch's declared ``trigger_env`` -- so a new patch is
-    triggered here without an edit -- and the drivers' own sizes."""
-    from npu_shim.core.loading import all_variables, load_all
+    from the child's environment), then each patch's trigger (expected_states.TRIGGERS, what the
+    release table assumes) -- and the drivers' own sizes."""
+    from npu_shim.core.loading import all_variables
+    from shimdev.beds.expected_states import TRIGGERS
 
     env = {var.name: None for var in all_variables()}
     env.update({alias: None for var in all_variables() for alias in var.aliases})
     env["NPU_SHIM_ENABLED"] = "1"
-    for patch in load_all():
-        env.update(patch.trigger_env)
+    for trigger in TRIGGERS.values():
+        env.update(trigger)
     # the zbal driver's device is 64 GB (61440 MiB managed), its bootstrap URL a fixed one
     env.update(SGLANG_ZBAL_LOCAL_MEM_SIZE="61440", SGLANG_ZBAL_BOOTSTRAP_URL="tcp://10.0.0.1:6789")
     return env

@@ -15,8 +15,8 @@ For VERSION it
    simulated NPU, every patch triggered: states, wrapped functions, ``from``-import copies and each
    applied feature's driver, checked as the import matrix checks them
    (dev/shimdev/beds/import_probe.py);
-4. compares with what the patches' declarations promise for VERSION (backport_range and
-   upstream_release: dev/shimdev/beds/expected_states.py), and prints the release table's row.
+4. compares with what the patches' declarations promise for VERSION (their ``upstream``:
+   dev/shimdev/beds/expected_states.py), and prints the release table's row.
 
 Exit status 0 when the import agrees with the source decision and both with the declarations; 1
 otherwise (change the patch whose declaration is wrong); 2 on bad usage or when the release
@@ -199,7 +199,7 @@ def report(version: str) -> int:
 
     promised = expected_states.expected(version)
     agree = promised == states
-    say("\n4. what the patches' declarations promise (backport_range, upstream_release):")
+    say("\n4. what the patches' declarations promise (upstream.backports, upstream.release):")
     say("   the table has %s: %s" % (", ".join(promised.values()), "agrees" if agree else "DIFFERS"))
     for name in (n for n in states if promised[n] != states[n]):
         say("   ! %s: declared %s, decided %s: fix %s's declaration (or the code)"

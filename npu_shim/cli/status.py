@@ -6,7 +6,7 @@ import os
 import sys
 
 from npu_shim import _paths, _version
-from npu_shim.cli.exit_codes import EXIT_BAD_ENV, EXIT_UNAVAILABLE, config_exit_code
+from npu_shim.cli.exit_codes import EXIT_BAD_ENV, EXIT_UNAVAILABLE, config_exit_code, stood_down_variables
 from npu_shim.core import config, framework
 from npu_shim.runtime import wrapt_loader
 from npu_shim.source.codeview import SourceView
@@ -48,6 +48,8 @@ def collect():
             "title": patch.title, "upstream": str(patch.upstream), "switch": patch.switch.name,
             "backport_range": list(patch.upstream.backports), "remove_when": patch.upstream.remove_when,
         })
+    # upstream's own variables that only stood-down patches read are sglang's to judge, not ours
+    stood_down = stood_down_variables(patches, {row["name"]: row["state"] for row in rows})
     enabled, enabled_error = values[config.ENABLED.name]
     ours, loaded = sitecustomize_facts()
     return {
@@ -61,7 +63,8 @@ def collect():
         "patches": rows,
         "env": [
             {"name": var.name, "set": var.is_set(), "value": values[var.name][0],
-             "error": values[var.name][1], "set_as": var.name_set()}
+             "error": None if var.name in stood_down else values[var.name][1], "set_as": var.name_set(),
+             "read_by_sglang": var.name in stood_down and var.is_set()}
             for var in variables
         ],
         "unknown_variables": [{"name": n, "did_you_mean": m} for n, m in config.unknown_names(variables)],
@@ -118,7 +121,10 @@ def print_status(info):
             out("  %-20s %-12s ^ requested explicitly: every sglang process will stop at import\n" % ("", ""))
     out("\n  %-30s %s\n" % ("variable", "value"))
     for var in info["env"]:
-        if var["error"]:
+        if var["read_by_sglang"]:
+            shown = "%r: read by sglang itself (the patch that reads it is upstream here)" % (
+                os.environ.get(var["set_as"] or var["name"], ""),)
+        elif var["error"]:
             shown = "INVALID: " + var["error"]
         else:
             shown = "%r%s" % (var["value"], "" if var["set"] else " (default)")

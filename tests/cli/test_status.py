@@ -134,8 +134,15 @@ def test_on_a_release_with_zbal_upstream_its_size_is_upstreams_to_read(raw):
     zbal = rows(proc)["zbal"]
     assert (proc.returncode, zbal["state"], zbal["stops_server"]) == (0, "upstream", False), proc.stdout
     assert "upstream reads SGLANG_ZBAL_LOCAL_MEM_SIZE itself (to the backport, " in zbal["reason"]
+    (var,) = [v for v in json.loads(proc.stdout)["env"] if v["name"] == "SGLANG_ZBAL_LOCAL_MEM_SIZE"]
+    assert (var["error"], var["read_by_sglang"]) == (None, True)
+    text = status(upstream, {"SGLANG_ZBAL_LOCAL_MEM_SIZE": raw}).stdout
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("SGLANG_ZBAL_LOCAL_MEM_SIZE"))
+    assert "INVALID" not in line and line.endswith("%r: read by sglang itself (the patch that reads it is "
+                                                    "upstream here)" % raw), line
     backport = status(str(realsglang.sglang_envs.ensure_sources("0.5.11")), {"SGLANG_ZBAL_LOCAL_MEM_SIZE": raw})
     assert backport.returncode == 2, backport.stdout
+    assert "SGLANG_ZBAL_LOCAL_MEM_SIZE" in backport.stdout and "INVALID" in backport.stdout
 
 
 def test_a_variable_of_sglangs_is_judged_while_any_patch_that_reads_it_is_not_upstream():

@@ -189,6 +189,16 @@ def servers(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def wheel():
+    """The unpacked torch-npu 2.13.0 wheel (the no-CANN layer; its C extension is never loaded):
+    its root directory."""
+    try:
+        return realsglang.sglang_envs.ensure_torch_npu_layer()
+    except realsglang.sglang_envs.EnvError as e:
+        pytest.fail(f"cannot get the real torch-npu wheel: {e}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
 def sim():
     """simnpu installed in this (outer) test process; state reset by ``simnpu_clean``."""
     from shimdev import simnpu

@@ -203,6 +203,23 @@ def kinds_of(entries) -> list[str]:
 POOL_HOOKS = ["set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"]
 
 
+def mix_heaps_before_capture(server):
+    """[(journal, heap bootstrap)] of a TP 2 mix-mode server's schedulers, each asserted to make one
+    heap after the KV cache (on device memory then) and before its first capture."""
+    ranks = scheduler_journals(server)
+    assert len(ranks) == 2
+    kv_bytes = kv_tokens(server) * kv_bytes_per_token(server.model_dir, 2)
+    out = []
+    for entries in ranks:
+        order = kinds_of(entries)
+        assert order.count("zbal:zbal_bootstrap") == 1
+        assert order.index("zbal:zbal_bootstrap") < order.index("capture_begin")
+        (boot,) = [e for e in entries if kind(e) == "zbal:zbal_bootstrap"]
+        assert boot["live_npu_bytes"] >= kv_bytes and not boot["capturing"]
+        out.append((entries, boot))
+    return out
+
+
 def assert_captured_into_zbal_s_heap(entries, sizes=2):
     """One scheduler's graphs: zbal's pool hooks installed with its allocator, before any capture;
     each batch size captured once, every capture into the one shared pool, placed by zbal in its
@@ -358,15 +375,7 @@ def test_mix_mode_tp2_one_world_heap_after_the_kv_cache(servers, version):
         sorted(("tp %s/2" % h[0], float(h[2])) for h in heaps)), details
     # graphs: in each scheduler, one heap, made after the KV cache (on device memory then) and
     # before the first capture, whose pool zbal then places in that heap
-    ranks = scheduler_journals(mix)
-    assert len(ranks) == 2
-    kv_bytes = kv_tokens(mix) * kv_bytes_per_token(mix.model_dir, 2)
-    for entries in ranks:
-        order = kinds_of(entries)
-        assert order.count("zbal:zbal_bootstrap") == 1
-        assert order.index("zbal:zbal_bootstrap") < order.index("capture_begin")
-        (boot,) = [e for e in entries if kind(e) == "zbal:zbal_bootstrap"]
-        assert boot["live_npu_bytes"] >= kv_bytes and not boot["capturing"]
+    for entries, _ in mix_heaps_before_capture(mix):
         assert_captured_into_zbal_s_heap(entries)
 
 
@@ -398,16 +407,9 @@ def test_upstream_0_5_12_mix_mode_differs_from_the_backport_by_the_documented_gv
                 <= expected_kv_tokens(DEVICE_MIB, 2, server.model_dir, weights=False)), server.name
     assert any(re.search(r"tp [01]/2\] zbal=upstream ", ln) for ln in shim_lines(upstream))
     assert "GVA heap" not in upstream.log_text()  # the backport's own line: upstream's runs
-    kv_bytes = kv_tokens(upstream) * kv_bytes_per_token(upstream.model_dir, 2)
-    ranks = scheduler_journals(upstream)
-    assert len(ranks) == 2
     boots = []
-    for entries in ranks:
+    for entries, boot in mix_heaps_before_capture(upstream):
         order = kinds_of(entries)
-        assert order.count("zbal:zbal_bootstrap") == 1
-        assert order.index("zbal:zbal_bootstrap") < order.index("capture_begin")
-        (boot,) = [e for e in entries if kind(e) == "zbal:zbal_bootstrap"]
-        assert boot["live_npu_bytes"] >= kv_bytes and not boot["capturing"]
         boots.append(boot)
         # upstream never sets ZBAL_ENABLE_GRAPH: zbal gets no pool hooks, its captures no pool
         hooks = [e["event"][1] for e in entries if kind(e) == "allocator_fn"]

@@ -27,19 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shimdev.envs import realsglang
 from shimdev.simnpu import _api, _device
 
 NPU_DIR = "torch_npu/npu"
-
-
-@pytest.fixture(scope="module")
-def wheel():
-    """The unpacked torch-npu wheel (the no-CANN layer): its root directory."""
-    try:
-        return realsglang.sglang_envs.ensure_torch_npu_layer()
-    except realsglang.sglang_envs.EnvError as e:
-        pytest.fail(f"cannot get the real torch-npu wheel: {e}", pytrace=False)
 
 
 @pytest.fixture(scope="module")

@@ -12,21 +12,11 @@ import inspect
 import pytest
 import torch
 
-from shimdev.envs import realsglang
 from shimdev.simnpu import _ops
 from tests.dev.test_simnpu_graphs import run
 
 PAGE = 4
 T, HIDDEN, Q_LORA, HEADS, NOPE, ROPE, KV_LORA = 2, 8, 4, 2, 3, 2, 4
-
-
-@pytest.fixture(scope="module")
-def wheel():
-    """The unpacked torch-npu 2.13.0 wheel (its C extension is never loaded)."""
-    try:
-        return realsglang.sglang_envs.ensure_torch_npu_layer()
-    except realsglang.sglang_envs.EnvError as e:
-        pytest.fail(f"cannot get the real torch-npu wheel: {e}", pytrace=False)
 
 
 def _schema_parameters(schema):

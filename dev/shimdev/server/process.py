@@ -98,26 +98,9 @@ def port_is_free(port: int) -> bool:
         return True
 
 
-def session_pids(sid: int) -> list[int]:
-    """Live (non-zombie) processes of session ``sid`` (Linux /proc)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(entry))
-    return pids
-
-
-def tree_cpu_seconds(sid: int) -> float:
-    """User + system CPU seconds of every process of session ``sid`` (zombies too: their time
-    is theirs until reaped) with what each had reaped of its own children (Linux /proc)."""
-    total = 0
+def _session_stats(sid: int):
+    """(pid, the fields of /proc/<pid>/stat after the command name) of each process of session
+    ``sid``, zombies included (Linux /proc)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -127,8 +110,19 @@ def tree_cpu_seconds(sid: int) -> float:
         except OSError:
             continue
         if int(fields[3]) == sid:
-            total += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
-    return total / os.sysconf("SC_CLK_TCK")
+            yield int(entry), fields
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session ``sid``."""
+    return [pid for pid, fields in _session_stats(sid) if fields[0] != "Z"]
+
+
+def tree_cpu_seconds(sid: int) -> float:
+    """User + system CPU seconds of every process of session ``sid`` (zombies too: their time
+    is theirs until reaped) with what each had reaped of its own children (Linux /proc)."""
+    ticks = sum(sum(int(f) for f in fields[11:15]) for _, fields in _session_stats(sid))  # utime stime cutime cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _children_cpu_seconds() -> float:

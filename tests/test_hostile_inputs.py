@@ -104,7 +104,8 @@ def test_tampered_target_source_gets_a_one_line_answer(tmp_path, case):
 
 def test_every_wrapped_target_pickles_and_copies_like_the_plain_function():
     """pickle, copy.deepcopy and dill of each wrapper (functions, methods unbound and bound) work
-    and give back the wrapper itself or one around the same function."""
+    and give back the wrapper itself or one around the same function; of a function replaced
+    outright (``npu_mla_preprocess``), the very same function."""
     out = realsglang.run_program(
         "0.5.9", "wrapper_pickling", zbal=True,
         env={"SGLANG_ZBAL_LOCAL_MEM_SIZE": "4096", "SGLANG_NPU_USE_MULTI_STREAM": "1"})
@@ -113,11 +114,15 @@ def test_every_wrapped_target_pickles_and_copies_like_the_plain_function():
     for target in ("sglang.srt.managers.scheduler:Scheduler.__init__ ",
                    "sglang.srt.managers.scheduler:Scheduler.__init__ bound",
                    "sglang.srt.utils.common:get_available_gpu_memory ",
-                   "sglang.srt.hardware_backend.npu.modules.deepseek_v2_attention_mla_npu:npu_mla_preprocess ",
                    "sglang.srt.hardware_backend.npu.attention.mla_preprocess:"
                    "NPUFusedMLAPreprocess.mlaprolog_preprocess_weight bound",
                    "sglang.srt.managers.tp_worker:BaseTpWorker.update_weights_from_disk bound"):
         assert target in results, sorted(results)
+    replaced = out["replaced"]
+    mla = "sglang.srt.hardware_backend.npu.modules.deepseek_v2_attention_mla_npu:npu_mla_preprocess"
+    assert replaced[mla] == {"same_object": True, "over_sglang_s": True}, replaced
+    assert "sglang.srt.hardware_backend.npu.attention.mla_preprocess:NPUFusedMLAPreprocess.uses_mlaprolog" in replaced
+    assert all(isinstance(r, dict) and r["same_object"] for r in replaced.values()), replaced
     for key, result in results.items():
         assert isinstance(result, dict), (key, result)
         assert result["same_function"] and result["still_wrapped"], (key, result)

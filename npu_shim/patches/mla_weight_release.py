@@ -262,7 +262,8 @@ def make_uses_mlaprolog_method(w8a8_attr):
         """Whether this layer's forward() takes the mlaprolog path (npu-shim backport of 0.5.20)."""
         return uses_mlaprolog(self, w8a8_attr)
 
-    method.__name__, method.__qualname__ = "uses_mlaprolog", CLASS + ".uses_mlaprolog"
+    # sglang's names, as upstream's method has them: it pickles by name, as any method of the class
+    method.__module__, method.__name__, method.__qualname__ = MLA_PRE, "uses_mlaprolog", CLASS + ".uses_mlaprolog"
     return method
 
 

@@ -1,5 +1,6 @@
 """pickle, copy.deepcopy and dill of every wrapper the shim put in a real release
-(tests/test_hostile_inputs.py, 0.5.9, every patch applied): functions, methods unbound and bound."""
+(tests/test_hostile_inputs.py, 0.5.9, every patch applied): functions, methods unbound and bound;
+and of every function it replaced outright (a plain function under sglang's name)."""
 import copy
 import importlib
 import pickle
@@ -51,4 +52,18 @@ for name, state in npu_shim.states().items():
                 }
             except Exception as exc:  # noqa: BLE001 - whatever fails is the fact
                 results[key] = repr(exc)
-emit({"states": {k: v["state"] for k, v in npu_shim.states().items()}, "results": results})
+replaced = {}
+for name, state in npu_shim.states().items():
+    for target, applied in state["targets"].items():
+        if not applied or target in state["wrappers"]:
+            continue
+        owner, attr = resolve(target)
+        obj = getattr(owner, attr)
+        try:
+            copies = (pickle.loads(pickle.dumps(obj)), dill.loads(dill.dumps(obj)), copy.deepcopy(obj))
+            # by name, as any module-level function: the very same object back, sglang's underneath
+            replaced[target] = {"same_object": all(x is obj for x in copies),
+                                "over_sglang_s": getattr(obj, "__wrapped__", None) is not None}
+        except Exception as exc:  # noqa: BLE001 - whatever fails is the fact
+            replaced[target] = repr(exc)
+emit({"states": {k: v["state"] for k, v in npu_shim.states().items()}, "results": results, "replaced": replaced})

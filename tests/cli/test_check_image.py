@@ -25,10 +25,20 @@ def _check(python, tree, first, env=None, *args):
                           env=full_env, capture_output=True, text=True, timeout=120)
 
 
-def test_patch_facts_in_an_image_without_their_packages():
+def test_patch_facts_in_an_image_without_their_packages(monkeypatch):
     """What ``check`` shows for zbal and dual_stream_experts where neither memfabric-zbal nor
-    sgl-kernel-npu is installed (this interpreter)."""
+    sgl-kernel-npu is installed (this interpreter, less what another test of this worker put on its
+    path or imported: the zbal layer, the simulated NPU's stub packages)."""
+    import os
+    import sys
+
     from npu_shim.patches import dual_stream_experts, zbal as zbal_patch
+
+    packages = ("zbal", "sgl_kernel_npu")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path
+                                      if not any(os.path.isdir(os.path.join(p or ".", name)) for name in packages)])
+    for name in [m for m in sys.modules if m.split(".")[0] in packages]:
+        monkeypatch.delitem(sys.modules, name)
 
     report = dict(zbal_patch.PATCH.report.check_facts(), **dual_stream_experts.PATCH.report.check_facts())
     assert report["zbal"]["found"] is False and report["kernel"]["ok"] is False

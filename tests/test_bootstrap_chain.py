@@ -35,6 +35,13 @@ def paths(tmp_path, monkeypatch):
         sys.path_importer_cache.pop(folder, None)
 
 
+def ours_then(paths, code):
+    """Our folder, then one whose sitecustomize is ``code``, as the whole of sys.path: ours."""
+    ours = paths("ours", "")
+    sys.path[:] = [str(ours), str(paths("entry", code))]
+    return ours
+
+
 def chain(ours):
     return _bootstrap.chain_next_sitecustomize(str(ours / "sitecustomize.py"))
 
@@ -78,9 +85,7 @@ def test_our_own_file_met_again_through_a_link_is_never_chained(paths, tmp_path)
 
 
 def test_the_chained_one_runs_under_its_own_name_and_ours_is_put_back(paths):
-    ours = paths("ours", "")
-    entry = paths("entry", "import sys\nSELF = sys.modules['sitecustomize']\nNAME = __name__\n")
-    sys.path[:] = [str(ours), str(entry)]
+    ours = ours_then(paths, "import sys\nSELF = sys.modules['sitecustomize']\nNAME = __name__\n")
     module = chain(ours)
     assert module.SELF is module and module.NAME == "sitecustomize"
     assert sys.modules["sitecustomize"] is paths.own
@@ -88,9 +93,7 @@ def test_the_chained_one_runs_under_its_own_name_and_ours_is_put_back(paths):
 
 
 def test_with_none_of_ours_imported_the_chained_one_stays_sitecustomize(paths, monkeypatch):
-    ours = paths("ours", "")
-    entry = paths("entry", "RAN = 1\n")
-    sys.path[:] = [str(ours), str(entry)]
+    ours = ours_then(paths, "RAN = 1\n")
     monkeypatch.delitem(sys.modules, "sitecustomize")
     module = chain(ours)
     assert sys.modules["sitecustomize"] is module
@@ -105,9 +108,7 @@ def test_with_none_of_ours_imported_the_chained_one_stays_sitecustomize(paths, m
     ("raise ImportError('gone', name='sitecustomize')\n", ""),  # site.py is silent about this one
 ])
 def test_an_error_in_the_chained_one_is_told_as_site_py_tells_it(paths, capsys, code, said):
-    ours = paths("ours", "")
-    entry = paths("entry", code)
-    sys.path[:] = [str(ours), str(entry)]
+    ours = ours_then(paths, code)
     module = chain(ours)
     assert capsys.readouterr().err == said
     assert sys.modules["sitecustomize"] is paths.own
@@ -115,9 +116,7 @@ def test_an_error_in_the_chained_one_is_told_as_site_py_tells_it(paths, capsys, 
 
 
 def test_in_verbose_mode_the_error_is_the_whole_traceback(paths, monkeypatch):
-    ours = paths("ours", "")
-    entry = paths("entry", "raise ValueError('image bug')\n")
-    sys.path[:] = [str(ours), str(entry)]
+    ours = ours_then(paths, "raise ValueError('image bug')\n")
     hooked = []
     flags = {name: getattr(sys.flags, name) for name in dir(sys.flags)
              if not name.startswith("_") and not callable(getattr(sys.flags, name))}

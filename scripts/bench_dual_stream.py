@@ -14,7 +14,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "dev"), REPO]  # shimdev (dev/shimdev/__init__.py), npu_shim
 
-from shimdev.bench import graph_bench  # noqa: E402
+from shimdev.bench import graph_bench  # noqa: E402 - after the path set-up above
 from shimdev.bench.dual_stream_bench import main, rows  # noqa: E402,F401  (rows: for scripts/bench.py)
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@
 #                      a capture refuses its host reads) and the GLM-4.5-Air shape: where on this
 #                      device the side stream can pay at all, with each mode's crossover
 #
-# Step 5 uses a bundle's wrapt (BUNDLE, default .device-bundle/npu-shim): a device machine
+# Step 6 uses a bundle's wrapt (BUNDLE, default .device-bundle/npu-shim): a device machine
 # reaches no package index, so build it here and carry it --
 #   echo /.device-bundle/ >> .git/info/exclude; python3 -m npu_shim bundle .device-bundle/npu-shim
 #   then copy the checkout, .device-bundle/ with it, to the device machine and run this script there.
@@ -40,7 +40,7 @@ DRY=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^# Needs a python/p' "$0"; exit 0 ;;
     *) echo "device_check.sh: unknown argument $arg (--dry-run, --help)" >&2; exit 2 ;;
   esac
 done

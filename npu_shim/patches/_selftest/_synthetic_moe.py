@@ -15,7 +15,10 @@ Times are device time between two events recorded on the main stream
 (``Event(enable_timing=True)``, ``elapsed_time``: torch.cuda and torch_npu alike), medians of
 samples of ``reps`` calls.  A device module without ``Event`` (CPU) is timed with the wall clock
 after ``synchronize``.  The stream helpers go through ``torch.get_device_module()`` as upstream's,
-so the same code runs on CUDA and on an NPU.  Imports torch only when called.
+so the same code runs on CUDA and on an NPU.  ``measure_graph`` times the same arms under device
+graphs (each captured once by ``capture``, its replays timed: the production mode), and
+``crossover`` finds, over a sweep of sizes, the smallest from which two streams win.  Imports torch
+only when called.
 """
 
 import contextlib

@@ -123,7 +123,9 @@ def test_full_mode_json_every_applied_patch_passes_within_the_bound(release_venv
     assert steps[0].startswith("starting the selftest process") and len(steps) >= 10
     # one line per config or size, and one for the graph part
     assert sum(s.startswith("mla_weight_release: ") for s in steps) == len(mla_selftest.MLA_CONFIGS) + 1
-    assert sum(s.startswith("dual_stream_experts: ") for s in steps) == len(dual_stream_selftest.SIMULATED_TOKENS) + 1
+    # dual-stream: each size eager, the graph check, then each size captured for the crossover's sweep
+    sizes = len(dual_stream_selftest.SIMULATED_TOKENS)
+    assert sum(s.startswith("dual_stream_experts: ") for s in steps) == 2 * sizes + 1
     assert "mla_weight_release: DeepSeek-V3 layer: a released weight inside an NPU graph capture, then capture " \
            "and replay" in steps
     assert any(s.startswith("zbal: full mode") for s in steps)
@@ -140,6 +142,12 @@ def test_full_mode_json_every_applied_patch_passes_within_the_bound(release_venv
                           "replayed": True, "equal": True}
     assert d["facts"][-1]["graph"]["equal"] is True
     assert "output equal to single-stream eager" in d["line"]
+    # the crossover: the graph sweep captured and replayed the four arms at each size, not timed here
+    assert d["facts"][-1]["crossover"] == {
+        "skipped": "the simulated NPU times nothing (the graph sweep captured and replayed at 4, 8 tokens)",
+        "graph_sizes": list(dual_stream_selftest.SIMULATED_TOKENS), "graph_equal": True}
+    assert d["line"].endswith("crossover: not measured: the simulated NPU times nothing (the graph sweep captured "
+                              "and replayed at 4, 8 tokens)")
 
 
 def test_mix_mode_text_switch_allocation_then_lazy_heap(release_venv, tmp_path):

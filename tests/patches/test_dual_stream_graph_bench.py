@@ -61,6 +61,15 @@ def test_graph_mode_on_plain_cpu_says_it_did_not_measure(capsys):
     assert "crossover (eager): not measured: CPU smoke run" in out and out.rstrip().endswith("ok:       None")
     assert graph_bench.main(["--mla-replay", "--device", "cpu"]) == 0
     assert "measured: not measured: %s" % why in capsys.readouterr().out
+    from shimdev.bench.dual_stream_bench import find_device
+
+    device, no_device = find_device()
+    if device is None:  # no device at all: the same words, and why
+        assert graph_bench.main(["--graph", "--sizes", "4"]) == 0
+        assert capsys.readouterr().out == "what:     %s\nnot measured: no device graphs (%s)\n" % (
+            graph_bench.WHAT, no_device)
+        assert graph_bench.main(["--mla-replay"]) == 0
+        assert "measured: not measured: no device graphs (%s)" % no_device in capsys.readouterr().out
 
 
 def test_command_line_refusals(capsys):

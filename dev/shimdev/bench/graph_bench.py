@@ -274,7 +274,8 @@ def main(argv):
     device, dm, name, simulated = target_device(args.device, args.simnpu)
     if args.mla_replay:
         if device is None:
-            row = {"what": MLA_WHAT, "how": "-", "measured": "not measured: %s" % name, "target": MLA_TARGET,
+            row = {"what": MLA_WHAT, "how": "-", "measured": "not measured: no device graphs (%s)" % name,
+                   "target": MLA_TARGET,
                    "ok": None}
         else:
             small = device == "cpu" or simulated
@@ -284,7 +285,7 @@ def main(argv):
             print("%-9s %s" % (key + ":", row[key]))
         return 0
     if device is None:
-        print("what:     %s\nnot measured: %s" % (WHAT, name))
+        print("what:     %s\nnot measured: no device graphs (%s)" % (WHAT, name))
         return 0
     sizes = parse_sizes(args.sizes, overrides.pop("tokens", _synthetic_moe.DEFAULTS["tokens"]))
     lines, _ = graph_report(device, dm, name, simulated, sizes, **overrides)

@@ -519,6 +519,12 @@ def test_dual_stream_step_on_an_npu_reports_the_crossover_measured_there(monkeyp
     assert seen == [("npu:0", 256, "masked")]
     assert "graph replay (masked routed, the production mode) never: two streams lose at 256 tokens, the largest " \
            "measured (256 tokens) (not measured past -1 s: 1024, 4096 tokens)" in line
+    # a graph sweep that raises: said in the line, the step still judged by its checks
+    monkeypatch.setattr(dual_stream_selftest, "CROSSOVER_BUDGET_S", 15.0)
+    monkeypatch.setattr(_synthetic_moe, "measure_graph", lambda *a, **p: 1 / 0)
+    ok, line, facts = dual_stream_selftest.run(types.SimpleNamespace(**step))
+    assert ok and "graph replay (masked routed, the production mode) not measured (the graph sweep raised " \
+                  "ZeroDivisionError: division by zero); eager (per-expert) from 1024 tokens" in line
     # an NPU without the graph API: eager only, the graph part says why
     step["graphs"] = "torch_npu's graph API is missing here"
     ok, line, facts = dual_stream_selftest.run(types.SimpleNamespace(**step))

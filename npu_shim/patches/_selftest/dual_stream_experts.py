@@ -82,11 +82,14 @@ def _crossover_part(step, shape, sizes, facts):
     if step.kind != "npu":
         why = "the device is %s, not an NPU (scripts/device_check.sh measures it there)" % step.kind
         return {"ok": True, "text": "crossover: not measured: %s" % why, "facts": {"skipped": why}}
+    graphs, left, graph_text = {}, [], None
     if step.graphs is not None:
-        graphs, left, graph_text = {}, [], "not measured (%s)" % step.graphs
+        graph_text = "not measured (%s)" % step.graphs
     else:
-        graphs, left = _graph_sweep(step, shape, sizes)
-        graph_text = None
+        try:
+            graphs, left = _graph_sweep(step, shape, sizes)
+        except Exception as exc:  # noqa: BLE001 - the crossover informs; the graph check above judges capture
+            graph_text = "not measured (the graph sweep raised %s: %s)" % (type(exc).__name__, str(exc)[:200])
     equal = all(r["equal"] for r in graphs.values())
     if step.simulated:
         why = "the simulated NPU times nothing"

@@ -8,22 +8,22 @@
 #                      machine) its dual-stream step alone (--patch dual_stream_experts); on an
 #                      NPU its dual-stream line ends with the crossover measured there
 #   3. overlap         scripts/bench_dual_stream.py --graph: serial vs overlapped shared+routed
-#                      experts on the synthetic MoE block (masked routed path), eager and under
-#                      device graphs (each arm captured once, timed by replays: the production
-#                      mode) over the same sizes, side by side; each mode's crossover (the smallest
-#                      size from which two streams win); target >= 90 % of the ideal saving
-#   4. mla_function    scripts/bench_hot_path.py --mla-only: the shim's npu_mla_preprocess
+#                      experts on the synthetic MoE block (masked routed path) at 512 / 2048 / 8192
+#                      tokens, eager and under device graphs (each arm captured once, timed by
+#                      replays: the production mode), side by side; each mode's crossover (the
+#                      smallest size from which two streams win); target >= 90 % of the ideal saving
+#   4. sweep           the same, eager and graph, for the per-expert routed path (eager only: a
+#                      capture refuses its host reads) and the GLM-4.5-Air shape at 1024 / 4096 /
+#                      8192 tokens: where on this device the side stream can pay at all
+#   5. mla_function    scripts/bench_hot_path.py --mla-only: the shim's npu_mla_preprocess
 #                      function's added ns per call on a layer it has seen (this host's CPU)
-#   5. mla_replay      scripts/bench_dual_stream.py --mla-replay: a graph captured through that
+#   6. mla_replay      scripts/bench_dual_stream.py --mla-replay: a graph captured through that
 #                      function beside one captured through the function it replaces, replays
 #                      timed side by side (expected equal: a replay runs no Python)
-#   6. moe_wrapper     scripts/bench_dual_stream.py --wrapper-cost: the dual-stream wrapper's host
+#   7. moe_wrapper     scripts/bench_dual_stream.py --wrapper-cost: the dual-stream wrapper's host
 #                      time per MoE layer call on the device (extend: dual stream; decode: calls through)
-#   7. sweep           the overlap, eager and graph, for the per-expert routed path (eager only:
-#                      a capture refuses its host reads) and the GLM-4.5-Air shape: where on this
-#                      device the side stream can pay at all, with each mode's crossover
 #
-# Step 6 uses a bundle's wrapt (BUNDLE, default .device-bundle/npu-shim): a device machine
+# Step 7 uses a bundle's wrapt (BUNDLE, default .device-bundle/npu-shim): a device machine
 # reaches no package index, so build it here and carry it --
 #   echo /.device-bundle/ >> .git/info/exclude; python3 -m npu_shim bundle .device-bundle/npu-shim
 #   then copy the checkout, .device-bundle/ with it, to the device machine and run this script there.

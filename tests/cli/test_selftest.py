@@ -123,7 +123,9 @@ def test_full_mode_json_every_applied_patch_passes_within_the_bound(release_venv
     assert steps[0].startswith("starting the selftest process") and len(steps) >= 10
     # one line per config or size, and one for the graph part
     assert sum(s.startswith("mla_weight_release: ") for s in steps) == len(mla_selftest.MLA_CONFIGS) + 1
-    assert sum(s.startswith("dual_stream_experts: ") for s in steps) == len(dual_stream_selftest.SIMULATED_TOKENS) + 1
+    # dual-stream: each size eager, the graph check, then each size captured for the crossover's sweep
+    sizes = len(dual_stream_selftest.SIMULATED_TOKENS)
+    assert sum(s.startswith("dual_stream_experts: ") for s in steps) == 2 * sizes + 1
     assert "mla_weight_release: DeepSeek-V3 layer: a released weight inside an NPU graph capture, then capture " \
            "and replay" in steps
     assert any(s.startswith("zbal: full mode") for s in steps)
@@ -140,6 +142,12 @@ def test_full_mode_json_every_applied_patch_passes_within_the_bound(release_venv
                           "replayed": True, "equal": True}
     assert d["facts"][-1]["graph"]["equal"] is True
     assert "output equal to single-stream eager" in d["line"]
+    # the crossover: the graph sweep captured and replayed the four arms at each size, not timed here
+    assert d["facts"][-1]["crossover"] == {
+        "skipped": "the simulated NPU times nothing (the graph sweep captured and replayed at 4, 8 tokens)",
+        "graph_sizes": list(dual_stream_selftest.SIMULATED_TOKENS), "graph_equal": True}
+    assert d["line"].endswith("crossover: not measured: the simulated NPU times nothing (the graph sweep captured "
+                              "and replayed at 4, 8 tokens)")
 
 
 def test_mix_mode_text_switch_allocation_then_lazy_heap(release_venv, tmp_path):
@@ -457,10 +465,86 @@ def test_dual_stream_step_on_a_device_reports_times_and_the_target(monkeypatch):
     assert ok and [f["tokens"] for f in facts] == list(_synthetic_moe.SELFTEST_TOKENS)
     assert line.startswith("256 tokens: serial 10.000 ms, overlapped 6.400 ms, saving 90 % of the ideal "
                            "(serial - max(shared, routed) = 4.000 ms)")
-    assert line.endswith("outputs equal to single-stream: yes; target >= 90 % of the ideal saving: met")
+    assert line.endswith("outputs equal to single-stream: yes; target >= 90 % of the ideal saving: met; "
+                         "crossover: not measured: the device is cuda, not an NPU (scripts/device_check.sh "
+                         "measures it there)")
+    assert facts[-1]["crossover"] == {"skipped": "the device is cuda, not an NPU (scripts/device_check.sh "
+                                                 "measures it there)"}
     fake.update(equal=False, fraction=0.5)
     ok, line, _ = dual_stream_selftest.run(_step(torch, None, "cuda:0"))
-    assert not ok and "outputs DIFFER" in line and line.endswith("not met")
+    assert not ok and "outputs DIFFER" in line and "saving: not met; crossover: not measured" in line
+
+
+def _timed(serial, overlapped, equal=True):
+    return dict(serial=serial, serial_again=serial, overlapped=overlapped, shared=overlapped / 2,
+                routed=overlapped / 2, ideal=overlapped / 2, equal=equal)
+
+
+def test_dual_stream_step_on_an_npu_reports_the_crossover_measured_there(monkeypatch):
+    """On an NPU (not simulated) with the graph API the step's line ends with the crossover of
+    its own sizes, eager and under graph replay (the graph sweep captures each size, masked)."""
+    import torch
+
+    eager = {256: (1.0, 1.5), 1024: (2.0, 1.8), 4096: (8.0, 6.0)}      # wins from 1024
+    graph = {256: (0.5, 0.6), 1024: (1.5, 1.6), 4096: (6.0, 4.5)}      # wins from 4096
+    seen = []
+    monkeypatch.setattr(_synthetic_moe, "measure", lambda device, device_module, **p: _synthetic_moe.summarise(
+        dict(_timed(*eager[p["tokens"]]), params=p)))
+
+    def measure_graph(device, device_module, **p):
+        seen.append((device, p["tokens"], p["routed"]))
+        return _synthetic_moe.summarise(dict(_timed(*graph[p["tokens"]]), params=p))
+
+    monkeypatch.setattr(_synthetic_moe, "measure_graph", measure_graph)
+    monkeypatch.setattr(dual_stream_selftest, "_graph_part", lambda step, shape, tokens: {
+        "ok": True, "text": "graph: checked", "facts": {}})
+    step = dict(vars(_step(torch, None, "npu:0")), graphs=None, graph_device="npu:0")
+    ok, line, facts = dual_stream_selftest.run(types.SimpleNamespace(**step))
+    assert ok, line
+    assert seen == [("npu:0", t, "masked") for t in _synthetic_moe.SELFTEST_TOKENS]
+    assert line.endswith(
+        "crossover on this NPU: graph replay (masked routed, the production mode) from 4096 tokens: two streams "
+        "win from there up to 4096, lose below (256-4096 tokens); eager (per-expert) from 1024 tokens: two streams "
+        "win from there up to 4096, lose below (256-4096 tokens); SGLANG_NPU_USE_MULTI_STREAM=1 pays where batches "
+        "reach it"), line
+    cross = facts[-1]["crossover"]
+    assert cross["graph"]["verdict"] == "from" and cross["graph"]["tokens"] == 4096
+    assert cross["eager"]["tokens"] == 1024 and cross["left"] == []
+    assert cross["graph_sizes"][256] == {"serial_median": 0.5, "overlapped": 0.6,
+                                        "fraction": pytest.approx(-0.5), "equal": True}
+    # the sweep stops past its budget: what it measured gives the crossover, the rest is named
+    seen.clear()
+    monkeypatch.setattr(dual_stream_selftest, "CROSSOVER_BUDGET_S", -1.0)
+    ok, line, facts = dual_stream_selftest.run(types.SimpleNamespace(**step))
+    assert seen == [("npu:0", 256, "masked")]
+    assert "graph replay (masked routed, the production mode) never: two streams lose at 256 tokens, the largest " \
+           "measured (256 tokens) (not measured past -1 s: 1024, 4096 tokens)" in line
+    # a graph sweep that raises: said in the line, the step still judged by its checks
+    monkeypatch.setattr(dual_stream_selftest, "CROSSOVER_BUDGET_S", 15.0)
+    monkeypatch.setattr(_synthetic_moe, "measure_graph", lambda *a, **p: 1 / 0)
+    ok, line, facts = dual_stream_selftest.run(types.SimpleNamespace(**step))
+    assert ok and "graph replay (masked routed, the production mode) not measured (the graph sweep raised " \
+                  "ZeroDivisionError: division by zero); eager (per-expert) from 1024 tokens" in line
+    # an NPU without the graph API: eager only, the graph part says why
+    step["graphs"] = "torch_npu's graph API is missing here"
+    ok, line, facts = dual_stream_selftest.run(types.SimpleNamespace(**step))
+    assert "graph replay (masked routed, the production mode) not measured (torch_npu's graph API is missing " \
+           "here); eager (per-expert) from 1024 tokens" in line and "graph" not in facts[-1]["crossover"]
+
+
+def test_the_crossover_of_a_sweep():
+    def pts(*pairs):
+        return [dict(tokens=t, serial_median=s, overlapped=o) for t, s, o in pairs]
+
+    always = _synthetic_moe.crossover(pts((512, 2, 1), (2048, 2, 1)))
+    assert always == {"verdict": "always", "tokens": 512,
+                      "text": "always: two streams win at every size measured (512-2048 tokens)"}
+    assert _synthetic_moe.crossover(pts((2048, 1, 2), (512, 2, 1), (8192, 3, 2)))["tokens"] == 8192  # sorted first
+    never = _synthetic_moe.crossover(pts((512, 1, 2), (2048, 2, 1), (8192, 1, 1)))  # a tie is no win
+    assert never["verdict"] == "never" and never["tokens"] is None
+    assert never["text"] == ("never: two streams lose at 8192 tokens, the largest measured (512-8192 tokens); "
+                             "they win at 2048 only")
+    assert _synthetic_moe.crossover([])["verdict"] == "not measured"
 
 
 class _StuckAllocator:
@@ -950,6 +1034,23 @@ def test_dual_stream_step_captures_its_side_stream_and_replays_equal_to_single_s
     (made,) = [c[1] for c in inside if c[0] == "stream"][-1:]
     assert any(c[0] == "wait_stream" and c[1] == made for c in inside)   # the side stream waits for main
     assert any(c[0] == "wait_stream" and c[2] == made for c in inside)   # main waits for the side stream
+    # the crossover's graph sweep ran too (each arm captured and replayed at each size), untimed here
+    sizes = list(dual_stream_selftest.SIMULATED_TOKENS)
+    assert facts[-1]["crossover"] == {
+        "skipped": "the simulated NPU times nothing (the graph sweep captured and replayed at 4, 8 tokens)",
+        "graph_sizes": sizes, "graph_equal": True}
+    assert line.endswith("crossover: not measured: the simulated NPU times nothing (the graph sweep captured and "
+                         "replayed at 4, 8 tokens)")
+    assert sum(1 for c in dm.calls if c == ("capture_begin", None, False)) == 4 * len(sizes)
+
+
+def test_dual_stream_step_fails_when_a_graph_replay_of_the_sweep_differs(monkeypatch):
+    import torch
+
+    real = _synthetic_moe.measure_graph
+    monkeypatch.setattr(_synthetic_moe, "measure_graph", lambda *a, **p: dict(real(*a, **p), equal=False))
+    ok, line, facts = dual_stream_selftest.run(_graph_step(torch, _NpuLike()))
+    assert not ok and facts[-1]["crossover"]["graph_equal"] is False
 
 
 def test_dual_stream_graph_part_fails_the_step_when_the_replay_differs(monkeypatch):

@@ -283,3 +283,31 @@ def test_only_names_of_the_real_module_exist(simnpu_clean):
         npu.config.allow_internal_format  # noqa: B018 - written by sglang, never readable
     npu.config.allow_internal_format = True
     assert callable(npu.get_device_properties)  # a real name not simulated: an inert stub
+
+
+def test_each_operator_is_named_once_in_its_family_module_and_found_from_there():
+    """simnpu/_ops/__init__.py imports no op or stand-in by name: ``kernel()`` and ``_ops.<name>``
+    find each in the family module that defines it, and a name none defines says where it looked."""
+    import ast
+
+    from shimdev.simnpu import _ops
+
+    tree = ast.parse(open(_ops.__file__, encoding="utf-8").read())
+    imported = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                for alias in node.names if node.level == 1 and node.module}  # from its family modules
+    assert imported == set(_ops.schemas.__dict__) & imported  # the schema tables it reads itself, nothing else
+    assert not any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+                   for node in tree.body)
+    names = [name for table in (_ops.NPU_SCHEMAS, _ops.ATB_SCHEMAS, _ops.CUSTOM_SCHEMAS, _ops.SGL_KERNEL_NPU_SCHEMAS)
+             for name in table]
+    for name in names:
+        (family,) = [f for f in _ops.FAMILIES
+                     if getattr(vars(f).get(name), "__module__", None) == f.__name__]  # where it is defined
+        assert getattr(_ops, name) is vars(family)[name] and _ops.lookup(name) is vars(family)[name]
+    assert _ops.kernel("npu_rms_norm") is _ops.dense.npu_rms_norm
+    assert _ops._rms is _ops.dense._rms and _ops.NPU_MLA_PROLOG_V3 is _ops.schemas.NPU_MLA_PROLOG_V3
+    assert not hasattr(_ops, "math")  # a family's imported module is no op
+    with pytest.raises(AttributeError, match="simnpu._ops has no op or table 'npu_nothing' \\(in none of schemas"):
+        _ops.npu_nothing  # noqa: B018 - the attribute read is the test
+    with pytest.raises(KeyError):
+        _ops.kernel("npu_nothing")

@@ -15,7 +15,10 @@ Times are device time between two events recorded on the main stream
 (``Event(enable_timing=True)``, ``elapsed_time``: torch.cuda and torch_npu alike), medians of
 samples of ``reps`` calls.  A device module without ``Event`` (CPU) is timed with the wall clock
 after ``synchronize``.  The stream helpers go through ``torch.get_device_module()`` as upstream's,
-so the same code runs on CUDA and on an NPU.  Imports torch only when called.
+so the same code runs on CUDA and on an NPU.  ``measure_graph`` times the same arms under device
+graphs (each captured once by ``capture``, its replays timed: the production mode), and
+``crossover`` finds, over a sweep of sizes, the smallest from which two streams win.  Imports torch
+only when called.
 """
 
 import contextlib
@@ -210,6 +213,116 @@ def measure(device, device_module=None, dtype=None, **overrides):
     result["equal"] = equal
     result["params"] = p
     return summarise(result)
+
+
+def graph_support(dm):
+    """(graph class, None) where the device module captures and replays graphs (``torch.cuda``'s
+    ``CUDAGraph``, torch_npu's ``NPUGraph``, each with ``graph(...)``), else (None, why not)."""
+    cls = getattr(dm, "CUDAGraph", None) or getattr(dm, "NPUGraph", None)
+    if cls is None or not callable(getattr(dm, "graph", None)):
+        return None, "no device graphs (%s has no CUDAGraph or NPUGraph with graph())" % (
+            getattr(dm, "__name__", type(dm).__name__))
+    return cls, None
+
+
+def capture(dm, fn, warmup=3):
+    """(graph, output): ``fn``'s device work captured once into a graph of ``dm``: ``warmup`` eager
+    calls first on the capture stream (a stream of its own, forked from and joined back to the
+    current one), then the capture on it (``dm.graph(graph, stream=...)``: torch.cuda.graph and
+    torch.npu.graph alike).  Where ``fn`` forks a side stream from the capture stream and joins it
+    back (the dual-stream body's ``wait_stream``: an event recorded and waited on), the fork and
+    the join are captured too.  ``graph.replay()`` re-runs the work into ``output``."""
+    cls, why = graph_support(dm)
+    if cls is None:
+        raise RuntimeError(why)
+    stream = dm.Stream()
+    stream.wait_stream(dm.current_stream())
+    with dm.stream(stream):
+        for _ in range(warmup):
+            fn()
+    dm.current_stream().wait_stream(stream)
+    dm.synchronize()
+    graph = cls()
+    with dm.graph(graph, stream=stream):
+        out = fn()
+    dm.synchronize()
+    return graph, out
+
+
+def measure_graph(device, device_module=None, dtype=None, **overrides):
+    """``measure``'s figures (same keys) with each of serial, overlapped, shared-only and
+    routed-only captured once into a device graph (``capture``) and timed by its replays: the
+    production mode, where a replay runs no Python.  The routed experts run "masked": "per-expert"
+    reads the host (``nonzero``), which a capture refuses (ValueError if asked for).  ``equal``:
+    the serial and the overlapped graphs' replayed outputs are the same."""
+    import types
+
+    import torch
+
+    from npu_shim.patches import dual_stream_experts as ds
+
+    p = dict(DEFAULTS, **dict({"routed": "masked"}, **overrides))
+    if p["routed"] != "masked":
+        raise ValueError("routed %r cannot be captured into a graph: it reads the host (nonzero) per "
+                         "expert; graphs run the masked path" % p["routed"])
+    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+    dm = device_module or torch.get_device_module(device)
+    block = build_block(device, dtype, p)
+    hidden = torch.randn(p["tokens"], p["hidden"], device=device, dtype=dtype)
+    batch = types.SimpleNamespace(num_token_non_padded=None)
+    graphs, outs = {}, {}
+    with device_module_named(torch, dm), torch.no_grad():
+        process = ds.DualStreamExpertsState()
+        fns = {
+            "serial": lambda: serial_forward(block, hidden, batch),
+            "overlapped": lambda: process._forward_deepep_dual_stream(serial_forward, block, hidden, batch),
+            "shared": lambda: block._forward_shared_experts(hidden),
+            "routed": lambda: routed_only(block, hidden, batch),
+        }
+        try:
+            for name, fn in fns.items():
+                graphs[name], outs[name] = capture(dm, fn, p["warmup"])
+            graphs["serial"].replay()
+            graphs["overlapped"].replay()
+            dm.synchronize()
+            equal = bool(torch.equal(outs["serial"], outs["overlapped"]))
+            result = {name: median_ms(graph.replay, dm, p) for name, graph in graphs.items()}
+            result["serial_again"] = median_ms(graphs["serial"].replay, dm, p)
+        finally:
+            for graph in graphs.values():
+                graph.reset()
+    result["ideal"] = max(result["shared"], result["routed"])
+    result["equal"] = equal
+    result["params"] = p
+    return summarise(result)
+
+
+def crossover(points):
+    """Where two streams start to win, from ``points`` ({tokens, serial_median, overlapped}, the
+    sizes of one sweep): {"verdict", "tokens", "text"}.  The crossover is the smallest measured
+    size from which the overlapped block is faster than the serial one at that size and at every
+    larger size measured.  verdict "always" (it wins at every size measured), "from" (``tokens``:
+    it loses below), "never" (it loses at the largest size measured), "not measured" (no points)."""
+    pts = sorted(points, key=lambda point: point["tokens"])
+    if not pts:
+        return {"verdict": "not measured", "tokens": None, "text": "not measured: no sizes"}
+    span = ("%d tokens" % pts[0]["tokens"] if len(pts) == 1
+            else "%d-%d tokens" % (pts[0]["tokens"], pts[-1]["tokens"]))
+    wins = [point["overlapped"] < point["serial_median"] for point in pts]
+    start = len(pts)
+    while start > 0 and wins[start - 1]:
+        start -= 1
+    if start == 0:
+        return {"verdict": "always", "tokens": pts[0]["tokens"],
+                "text": "always: two streams win at every size measured (%s)" % span}
+    if start < len(pts):
+        return {"verdict": "from", "tokens": pts[start]["tokens"],
+                "text": "from %d tokens: two streams win from there up to %d, lose below (%s)"
+                        % (pts[start]["tokens"], pts[-1]["tokens"], span)}
+    won = [str(point["tokens"]) for point, win in zip(pts, wins) if win]
+    return {"verdict": "never", "tokens": None,
+            "text": "never: two streams lose at %d tokens, the largest measured (%s)%s"
+                    % (pts[-1]["tokens"], span, "; they win at %s only" % ", ".join(won) if won else "")}
 
 
 def graph_check(step, **overrides):

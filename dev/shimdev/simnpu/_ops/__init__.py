@@ -1,6 +1,7 @@
 """torch_npu's operators on the paths of a real sglang server, in pure torch on the CPU: one module
 per family (``schemas``; ``common``; ``dense``; ``dsa_mla``; ``attention``; ``speculative``;
-``moe``; ``triton``), registered here.
+``moe``; ``triton``), registered here.  Each op and table is named once, in its family module:
+``kernel`` and ``_ops.<name>`` find it there (``lookup``).
 
 Each is defined with ``torch.library`` under the schema torch_npu 2.13.0 registers, so sglang's
 calls are parsed and checked as on a device (a wrong keyword, a missing argument or a tensor where
@@ -31,164 +32,47 @@ out); what it writes in place is what the schema marks ``(a!)``.
 """
 from __future__ import annotations
 
-from .schemas import (
-    ATB_SCHEMAS,
-    CUSTOM_SCHEMAS,
-    DECLARED,
-    GRAPH_SCHEMAS,
-    NPU_MLA_PROLOG_V3,
-    NPU_SCHEMAS,
-    SANITIZER_WRITES,
-    SGL_KERNEL_NPU_SCHEMAS,
-    SOURCES,
-    WRITES_UNANNOTATED,
-    _DTYPE_ARGS,
-    _FIA_ARGS)
-from .common import (
-    _SCALAR_TYPES,
-    _dtype,
-    _unsupported)
-from .dense import (
-    _rms,
-    _rotate,
-    _rotate_half,
-    npu_add_rms_norm,
-    npu_format_cast,
-    npu_interleave_rope,
-    npu_mrope,
-    npu_rms_norm,
-    npu_rotary_mul,
-    npu_swiglu)
-from .dsa_mla import (
-    _batch_of_tokens,
-    _mla_prolog_shapes,
-    _paged_rows,
-    _visible,
-    batch_matmul_transpose,
-    npu_dynamic_quant,
-    npu_lightning_indexer,
-    npu_mla_prolog_v3,
-    npu_quant_matmul,
-    npu_sparse_flash_attention)
-from .attention import (
-    WORKSPACE_BYTES_PER_QUERY_ELEMENT,
-    _attend,
-    _bsh_paged_decode,
-    _bsnd_paged_decode,
-    _gather,
-    _mla_rope_joined,
-    _npu_flash_attention_qlens,
-    _npu_fused_infer_attention_score_get_max_workspace,
-    _npu_fused_infer_attention_score_infer_output,
-    _npu_fused_infer_attention_score_out,
-    _npu_paged_attention,
-    _npu_reshape_and_cache,
-    _paged_requests,
-    npu_fused_infer_attention_score)
-from .speculative import (
-    _align_evict_mask_to_page_size,
-    _assign_draft_cache_locs,
-    _assign_req_to_token_pool,
-    _create_extend_after_decode_spec_info,
-    _filter_finished_cache_loc,
-    _get_target_cache_loc,
-    build_tree_kernel_efficient,
-    verify_tree_greedy)
-from .moe import (
-    _group_bounds,
-    _sorted_by_expert,
-    npu_grouped_matmul,
-    npu_moe_compute_expert_tokens,
-    npu_moe_finalize_routing,
-    npu_moe_gating_top_k,
-    npu_moe_gating_top_k_softmax,
-    npu_moe_init_routing,
-    npu_moe_init_routing_v2,
-    swiglu_quant)
-from .triton import (
-    JitKernel,
-    TRITON_KERNELS,
-    _alloc_extend_kernel,
-    _compute_position,
-    _write_req_to_token_pool,
-    jit)
+import types
 
-#: Every op and table of the families, reached by name here (``kernel`` looks its stand-in up by
-#: the op's name; the tests and the rest of simnpu read them as ``_ops.<name>``).
-__all__ = [
-    'ATB_SCHEMAS',
-    'CUSTOM_SCHEMAS',
-    'DECLARED',
-    'GRAPH_SCHEMAS',
-    'JitKernel',
-    'NPU_MLA_PROLOG_V3',
-    'NPU_SCHEMAS',
-    'SANITIZER_WRITES',
-    'SGL_KERNEL_NPU_SCHEMAS',
-    'SOURCES',
-    'TRITON_KERNELS',
-    'WORKSPACE_BYTES_PER_QUERY_ELEMENT',
-    'WRITES_UNANNOTATED',
-    '_DTYPE_ARGS',
-    '_FIA_ARGS',
-    '_SCALAR_TYPES',
-    '_align_evict_mask_to_page_size',
-    '_alloc_extend_kernel',
-    '_assign_draft_cache_locs',
-    '_assign_req_to_token_pool',
-    '_attend',
-    '_batch_of_tokens',
-    '_bsh_paged_decode',
-    '_bsnd_paged_decode',
-    '_compute_position',
-    '_create_extend_after_decode_spec_info',
-    '_dtype',
-    '_filter_finished_cache_loc',
-    '_gather',
-    '_get_target_cache_loc',
-    '_group_bounds',
-    '_mla_prolog_shapes',
-    '_mla_rope_joined',
-    '_npu_flash_attention_qlens',
-    '_npu_fused_infer_attention_score_get_max_workspace',
-    '_npu_fused_infer_attention_score_infer_output',
-    '_npu_fused_infer_attention_score_out',
-    '_npu_paged_attention',
-    '_npu_reshape_and_cache',
-    '_paged_requests',
-    '_paged_rows',
-    '_rms',
-    '_rotate',
-    '_rotate_half',
-    '_sorted_by_expert',
-    '_unsupported',
-    '_visible',
-    '_write_req_to_token_pool',
-    'batch_matmul_transpose',
-    'build_tree_kernel_efficient',
-    'jit',
-    'npu_add_rms_norm',
-    'npu_dynamic_quant',
-    'npu_format_cast',
-    'npu_fused_infer_attention_score',
-    'npu_grouped_matmul',
-    'npu_interleave_rope',
-    'npu_lightning_indexer',
-    'npu_mla_prolog_v3',
-    'npu_moe_compute_expert_tokens',
-    'npu_moe_finalize_routing',
-    'npu_moe_gating_top_k',
-    'npu_moe_gating_top_k_softmax',
-    'npu_moe_init_routing',
-    'npu_moe_init_routing_v2',
-    'npu_mrope',
-    'npu_quant_matmul',
-    'npu_rms_norm',
-    'npu_rotary_mul',
-    'npu_sparse_flash_attention',
-    'npu_swiglu',
-    'swiglu_quant',
-    'verify_tree_greedy']
+from . import attention, common, dense, dsa_mla, moe, schemas, speculative, triton
+from .schemas import (ATB_SCHEMAS, CUSTOM_SCHEMAS, DECLARED, GRAPH_SCHEMAS, NPU_SCHEMAS, SANITIZER_WRITES,
+                      SGL_KERNEL_NPU_SCHEMAS, SOURCES, WRITES_UNANNOTATED)
+
+_MISSING = object()
+
+#: The family modules, where each op and table is defined (and named) once.
+FAMILIES = (schemas, common, dense, dsa_mla, attention, speculative, moe, triton)
+
+
+def lookup(name):
+    """The op, stand-in or table ``name`` of a family module: what ``kernel`` registers and what
+    callers read as ``_ops.<name>`` (a name set on this package itself first, so a test's
+    ``monkeypatch.setattr(_ops, ...)`` is seen)."""
+    here = globals()
+    if name in here:
+        return here[name]
+    for family in FAMILIES:
+        found = vars(family).get(name, _MISSING)
+        if found is not _MISSING and not isinstance(found, types.ModuleType) and name != "annotations":
+            return found
+    raise AttributeError("simnpu._ops has no op or table %r (in none of %s)" % (
+        name, ", ".join(f.__name__.rsplit(".", 1)[-1] for f in FAMILIES)))
+
+
+def __getattr__(name):
+    """``_ops.<name>``: the family module's (``lookup``)."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return lookup(name)
+
+
+def __dir__():
+    names = set(globals())
+    for family in FAMILIES:
+        names.update(n for n, v in vars(family).items()
+                     if not n.startswith("__") and n != "annotations" and not isinstance(v, types.ModuleType))
+    return sorted(names)
+
 
 _LIBRARIES = []  # kept alive: a torch.library.Library unregisters its ops when collected
 
@@ -214,7 +98,7 @@ def kernel(name, namespace=None):
     wanted = namespace
     for namespace, op, schema, source in _schemas():
         if op == name and wanted in (None, namespace):
-            fn = globals()[name]
+            fn = lookup(name)
             if name in DECLARED or name in CUSTOM_SCHEMAS or name in SGL_KERNEL_NPU_SCHEMAS:
                 for index, written in enumerate(SANITIZER_WRITES.get(name, ())):
                     schema = schema.replace("Tensor %s," % written, "Tensor(%s!) %s," % (chr(97 + index), written))
@@ -252,17 +136,18 @@ def torch_npu_names() -> dict:
 
 def kernel_stand_ins() -> dict:
     """{stub module: {name: stand-in}} for sgl-kernel-npu's kernels on the paths a server takes."""
-    return {"sgl_kernel_npu.mem_cache.allocator": {
-                "alloc_extend_kernel": JitKernel(name="sgl_kernel_npu.mem_cache.allocator.alloc_extend_kernel")},
-            "sgl_kernel_npu.activation.swiglu_quant": {"swiglu_quant": swiglu_quant},
-            "sgl_kernel_npu.sample.verify_tree_greedy": {"verify_tree_greedy": verify_tree_greedy},
-            "triton": {"jit": jit}}
+    alloc_extend = "sgl_kernel_npu.mem_cache.allocator.alloc_extend_kernel"
+    return {"sgl_kernel_npu.mem_cache.allocator": {"alloc_extend_kernel": lookup("JitKernel")(name=alloc_extend)},
+            "sgl_kernel_npu.activation.swiglu_quant": {"swiglu_quant": lookup("swiglu_quant")},
+            "sgl_kernel_npu.sample.verify_tree_greedy": {"verify_tree_greedy": lookup("verify_tree_greedy")},
+            "triton": {"jit": lookup("jit")}}
 
 
+#: The graph-only ops' registered names -> their stand-ins' names.
 _GRAPH_KERNELS = {
-    "npu_fused_infer_attention_score.out": _npu_fused_infer_attention_score_out,
-    "_npu_fused_infer_attention_score_get_max_workspace": _npu_fused_infer_attention_score_get_max_workspace,
-    "_npu_fused_infer_attention_score_infer_output": _npu_fused_infer_attention_score_infer_output,
+    "npu_fused_infer_attention_score.out": "_npu_fused_infer_attention_score_out",
+    "_npu_fused_infer_attention_score_get_max_workspace": "_npu_fused_infer_attention_score_get_max_workspace",
+    "_npu_fused_infer_attention_score_infer_output": "_npu_fused_infer_attention_score_infer_output",
 }
 
 
@@ -271,7 +156,7 @@ def _graph_kernel(name):
     marked written and returned (what the kernel does; the registered string does not say so)."""
     from .._sanitizer import declare_kernel
 
-    fn = _GRAPH_KERNELS[name]
+    fn = lookup(_GRAPH_KERNELS[name])
     if name not in WRITES_UNANNOTATED:
         return fn
     schema = GRAPH_SCHEMAS[name].replace("Tensor[] out)", "Tensor(a!)[] out)")

@@ -52,11 +52,16 @@ def test_loaded_code_is_checked_from_memory_only_while_its_file_is_the_one_read(
     line of that file, unchanged since; otherwise it reads the file again."""
     import importlib
     import time
+    import uuid
 
     monkeypatch.setattr(reading, "_KNOWN", {})
     monkeypatch.syspath_prepend(str(tmp_path))
-    (tmp_path / "known_module.py").write_text("def target(a):\n    return a\n")
-    target = importlib.import_module("known_module").target
+    # A name of its own: a test process that runs this twice (mutmut's stats, then clean run) must
+    # not get the first run's module, whose file went with its tmp_path.
+    name = "known_module_" + uuid.uuid4().hex
+    (tmp_path / (name + ".py")).write_text("def target(a):\n    return a\n")
+    importlib.invalidate_caches()
+    target = importlib.import_module(name).target
     path = target.__code__.co_filename
     read = reading.live_fingerprint(target)
     reading.remember(path, "target", 2, "remembered", reading.file_identity(path))

@@ -125,7 +125,7 @@ def says_off_only():
 
 def activates_the_shim():
     # This process's start-up armed the shim itself (not only to say "off"): it activates, or
-    # did, at the first ``import sglang``.
+    # did, at the first ``import sglang`` (true too once install() had the watcher hand on).
     return (waiting() or _saw_sglang) and not _says_off_only
 
 

@@ -8,12 +8,15 @@
 # rather than docstrings (scripts/bench_drop_in.py counts the instructions).  Only sys and os are
 # touched; the first ``import sglang`` hands over to npu_shim.runtime.activation.
 #
-# The watcher is this module itself, placed in sys.meta_path: a finder that finds nothing.  It
-# notices the first ``import sglang`` and from then on hands every import on to the active shim's
-# finder (runtime/finder.ShimFinder): one finder of ours in sys.meta_path, not two, since the
-# import system asks each finder about each of the thousands of imports of an sglang process.
-# The runtime talks to it through its functions (hand_on, stop_handing_on, waiting,
-# activates_the_shim, take_over, disarm); its state below is written only here.
+# The watcher is this module itself, and it is the only object of the shim's ever placed in
+# sys.meta_path: a finder that finds nothing itself.  It notices the first ``import sglang``, and
+# from then on hands every import on to the active shim's post-import hooks (the hook table,
+# runtime/finder.ShimFinder, which is never in sys.meta_path): one finder of ours, since the import
+# system asks each finder about each of the thousands of imports of an sglang process.  look_up is
+# the one walk over the finders after it, with the one recursion guard: it answers both "is sglang
+# there" (findable) and the hook table's "which spec would be imported".  The runtime talks to it
+# through its functions (hand_on, stop_handing_on, look_up, waiting, activates_the_shim, take_over,
+# disarm), handed this module; it never imports it.  Its state below is written only here.
 
 import os
 import sys
@@ -27,8 +30,10 @@ FALSE_WORDS = ("0", "false", "no", "off")
 is_npu_shim_watcher = True  # what find_package_dir skips (asking it would activate the shim)
 _saw_sglang = False  # the first ``import sglang`` went past (the shim activated, or said off)
 _says_off_only = False  # NPU_SHIM_ENABLED=0: only say so when sglang is imported
-_hand_on_to = None  # the active shim's finder's find_spec, once activated through this watcher
-_looking = set()  # the threads asking the other finders whether sglang is there (findable)
+_hand_on_to = None  # the hook table's find_spec, once the shim is active
+# Per thread, the names it is looking up through the finders after the watcher (look_up's guard):
+# a thread-local, so that a child made by os.fork() has none of the other threads' lookups.
+_looking = sys.modules["_thread"]._local()
 
 
 def find_spec(fullname, path=None, target=None):
@@ -51,27 +56,44 @@ def find_spec(fullname, path=None, target=None):
     return None  # let the normal finders import sglang
 
 
-def findable(fullname, path, target):
-    # Whether a finder after us finds ``fullname``: a process where ``import sglang`` fails (no
-    # sglang in this Python: ``try: import sglang``) activates nothing and says nothing, and a
-    # later import that finds it still activates.  A finder that raises, or one without find_spec,
-    # is left to the import system (activate, as it may find it).  A lookup this one causes in the
-    # same thread (a finder asking importlib about sglang) is answered "no" here, not recursed.
-    me = sys.modules["_thread"].get_ident()
-    if me in _looking:
-        return False
-    _looking.add(me)
+def look_up(fullname, path=None, target=None, legacy=None):
+    # The spec the finders after the watcher give ``fullname`` (what the import system imports
+    # when the watcher answers None), or None.  A lookup this one causes in the same thread (a
+    # finder asking importlib about the same name: wrapt's does) is answered None, not recursed.
+    # A finder without find_spec is passed over, or answers ``legacy`` where that is given; what a
+    # finder raises goes to the caller (the import system would see the same).
+    names = getattr(_looking, "names", None)
+    if names is None:
+        names = _looking.names = set()
+    if fullname in names:
+        return None
+    names.add(fullname)
     try:
         for finder in list(sys.meta_path):
             if finder is WATCHER:
                 continue
-            if getattr(finder, "find_spec", None) is None or finder.find_spec(fullname, path, target) is not None:
-                return True
-        return False
+            find = getattr(finder, "find_spec", None)
+            if find is None:
+                if legacy is not None:
+                    return legacy
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                return spec
+        return None
+    finally:
+        names.discard(fullname)
+
+
+def findable(fullname, path, target):
+    # Whether a finder after us finds ``fullname``: a process where ``import sglang`` fails (no
+    # sglang in this Python: ``try: import sglang``) activates nothing and says nothing, and a
+    # later import that finds it still activates.  A finder that raises, or one without find_spec,
+    # is left to the import system (activate, as it may find it).
+    try:
+        return look_up(fullname, path, target, True) is not None
     except Exception:  # noqa: BLE001 - the import system asks that finder next and sees the same
         return True
-    finally:
-        _looking.discard(me)
 
 
 def arm():
@@ -103,7 +125,7 @@ def says_off_only():
 
 def activates_the_shim():
     # This process's start-up armed the shim itself (not only to say "off"): it activates, or
-    # did, at the first ``import sglang``.
+    # did, at the first ``import sglang`` (true too once install() had the watcher hand on).
     return (waiting() or _saw_sglang) and not _says_off_only
 
 
@@ -115,14 +137,15 @@ def take_over():
 
 
 def hand_on(find_spec):
-    # Hand every later import on to ``find_spec`` (the active shim's finder); False, nothing
-    # changed, where the watcher has not seen sglang or is no longer in sys.meta_path (the finder
-    # then goes into sys.meta_path itself).
-    global _hand_on_to
-    if not _saw_sglang or WATCHER not in sys.meta_path:
-        return False
+    # Hand every later import on to ``find_spec`` (the hook table's): sglang counts as seen, and
+    # the watcher goes first in sys.meta_path where it is not there (install() after sglang was
+    # imported, or after uninstall()).  Where it is there it stays in place: a list the import
+    # system may be walking right now is not reordered.
+    global _saw_sglang, _hand_on_to
+    _saw_sglang = True
     _hand_on_to = find_spec
-    return True
+    if WATCHER not in sys.meta_path:
+        sys.meta_path.insert(0, WATCHER)
 
 
 def stop_handing_on():

@@ -294,6 +294,90 @@ def test_a_finder_that_looks_sglang_up_itself_while_asked_does_not_activate_twic
                         proc.stderr.strip()), proc.stderr
 
 
+# Every object ever put in sys.meta_path (a list that records what goes in) and, at each step, the
+# shim's objects there: only the start-up watcher may ever be one of them.
+ONE_FINDER = """
+    import importlib, json, sys
+
+    class Recording(list):
+        def __init__(self, items):
+            super().__init__(items)
+            self.ever = list(items)
+
+        def insert(self, index, item):
+            self.ever.append(item)
+            super().insert(index, item)
+
+        def append(self, item):
+            self.ever.append(item)
+            super().append(item)
+
+        def extend(self, items):
+            items = list(items)
+            self.ever.extend(items)
+            super().extend(items)
+
+        def __iadd__(self, items):
+            self.extend(items)
+            return self
+
+        def __setitem__(self, index, item):
+            self.ever.extend(item if isinstance(index, slice) else [item])
+            super().__setitem__(index, item)
+
+    sys.meta_path = Recording(sys.meta_path)
+
+    def ours(finders):
+        return ["watcher" if getattr(f, "is_npu_shim_watcher", False) else repr(f) for f in finders
+                if getattr(f, "is_npu_shim_watcher", False)
+                or type(f).__module__.startswith(("npu_shim", "sitecustomize"))]
+
+    import npu_shim
+    steps = []
+
+    def step(what):
+        steps.append([what, ours(sys.meta_path)])
+
+    if %(install_first)r:
+        npu_shim.install()
+        step("install")
+    from sglang.srt.utils import common
+    step("import")
+    for _ in range(3):
+        npu_shim.install()
+        step("install")
+        importlib.reload(common)
+        step("reload %%d" %% common.get_npu_memory_capacity())
+        npu_shim.uninstall()
+        step("uninstall")
+    npu_shim.install()
+    step("install")
+    print(json.dumps({"steps": steps, "ever": sorted(set(ours(sys.meta_path.ever)))}))
+"""
+
+
+@pytest.mark.parametrize("start", ["armed at start-up", "install after import", "install before import",
+                                   "NPU_SHIM_ENABLED=0 then install"])
+def test_the_start_up_watcher_is_the_only_object_of_the_shims_ever_in_sys_meta_path(tree, start):
+    """Every way a process arms the shim -- at start-up, ``install()`` after or before ``import
+    sglang``, switched off at start-up then ``install()`` -- through uninstall()/install() cycles
+    and reloads: one finder of the shim's at most, always the watcher, which hands imports on to the
+    hook table.  Before, ``install()`` after sglang was imported (or after an ``uninstall()``) put
+    the table itself in sys.meta_path, a second finder of the shim's with its own recursion guard."""
+    proc = run(tree, ONE_FINDER % {"install_first": start == "install before import"},
+               shim=start in ("armed at start-up", "NPU_SHIM_ENABLED=0 then install"),
+               env={"NPU_SHIM_ENABLED": "0"} if start.startswith("NPU_SHIM_ENABLED") else None)
+    out = last_json(proc)
+    assert out["ever"] == ["watcher"]
+    # (switched off, an explicit install() decides each patch ``disabled``: nothing is patched)
+    value = 1000 if start.startswith("NPU_SHIM_ENABLED") else 1001
+    cycle = [["install", ["watcher"]], ["reload %d" % value, ["watcher"]], ["uninstall", []]]
+    first = [["install", ["watcher"]]] if start == "install before import" else []
+    # switched off at start-up, the watcher stays where it said "off" (it is not in the way)
+    imported = ["watcher"] if start != "install after import" else []
+    assert out["steps"] == first + [["import", imported]] + cycle * 3 + [["install", ["watcher"]]]
+
+
 def test_hooks_fire_on_sglang_import_and_log_one_summary_line(tree):
     proc = run(tree, """
         import json

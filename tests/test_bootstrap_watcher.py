@@ -1,11 +1,13 @@
 """The bootstrap's import watcher, in this process: what it answers the import system, when it
-activates the shim or only says "off", and how the runtime hands it on.  (The same in fresh
+activates the shim or only says "off", how the runtime has it hand imports on, and its one lookup
+through the finders after it (``look_up``, with the one recursion guard).  (The same in fresh
 interpreters, started the way a deployment starts them: test_bootstrap.py.)
 
 Each test starts from a watcher that has seen nothing and leaves sys.meta_path, sys.modules and
 the watcher's state as it found them.
 """
 
+import os
 import sys
 import threading
 import types
@@ -41,7 +43,7 @@ def watcher(monkeypatch):
     """The watcher as start-up leaves it before any ``import sglang``, with the shim's activation
     and its "off" line recorded instead of run."""
     for name, value in (("_saw_sglang", False), ("_says_off_only", False), ("_hand_on_to", None),
-                        ("_looking", set())):
+                        ("_looking", sys.modules["_thread"]._local())):
         monkeypatch.setattr(_bootstrap, name, value)
     monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if f is not _bootstrap.WATCHER])
     monkeypatch.delitem(sys.modules, "sglang", raising=False)
@@ -119,32 +121,47 @@ def test_an_explicit_install_takes_over_a_watcher_armed_only_to_say_off(watcher,
     assert watcher == [("activate", _bootstrap.WATCHER)]
 
 
-def test_after_sglang_every_import_is_handed_on_to_the_active_finder(watcher):
+def test_after_sglang_every_import_is_handed_on_to_the_hook_table(watcher):
     sys.meta_path.append(Finds("sglang"))
     _bootstrap.arm()
     asked = []
 
-    def shim_finder(fullname, path, target):
+    def hook_table(fullname, path, target):
         asked.append((fullname, path, target))
         return "spec of %s" % fullname
 
-    assert _bootstrap.hand_on(shim_finder) is False  # not before sglang was seen
-    assert _bootstrap.handing_on_to() is None
     _bootstrap.find_spec("sglang")
-    assert _bootstrap.hand_on(shim_finder) is True and _bootstrap.handing_on_to() is shim_finder
+    before = list(sys.meta_path)
+    _bootstrap.hand_on(hook_table)
+    assert _bootstrap.handing_on_to() is hook_table
+    assert sys.meta_path == before  # in place: a list the import system may be walking is not reordered
     assert _bootstrap.find_spec("sglang.srt", ["p"], "t") == "spec of sglang.srt"
-    assert asked == [("sglang.srt", ["p"], "t")]
+    assert asked == [("sglang.srt", ["p"], "t")] and watcher == [("activate", _bootstrap.WATCHER)]
     _bootstrap.stop_handing_on()
     assert _bootstrap.handing_on_to() is None
     assert _bootstrap.find_spec("sglang.srt") is None and len(asked) == 1
 
 
-def test_a_watcher_out_of_sys_meta_path_hands_nothing_on(watcher):
-    sys.meta_path.append(Finds("sglang"))
-    _bootstrap.arm()
+@pytest.mark.parametrize("how", ["never armed", "disarmed", "waiting"])
+def test_handing_on_arms_the_watcher_first_in_sys_meta_path_in_that_state(watcher, how):
+    """``install()`` after sglang was imported (or after ``uninstall()``): the watcher goes first,
+    once, as if it had seen sglang -- it hands on and never activates the shim again itself."""
+    first = Finds("sglang")
+    sys.meta_path.insert(0, first)
+    if how != "never armed":
+        _bootstrap.arm()
+    if how == "disarmed":
+        _bootstrap.disarm()
+    asked = []
+    _bootstrap.hand_on(lambda *question: asked.append(question))
+    assert sys.meta_path.count(_bootstrap.WATCHER) == 1 and sys.meta_path.index(_bootstrap.WATCHER) == 0
+    assert not _bootstrap.waiting() and _bootstrap.activates_the_shim()
     _bootstrap.find_spec("sglang")
-    _bootstrap.disarm()
-    assert _bootstrap.hand_on(lambda *args: None) is False and _bootstrap.handing_on_to() is None
+    assert asked == [("sglang", None, None)] and watcher == [] and first.asked == []
+    other = Finds()
+    sys.meta_path.insert(0, other)
+    _bootstrap.hand_on(lambda *question: None)  # again (install() after uninstall()): not moved, not added
+    assert sys.meta_path[:2] == [other, _bootstrap.WATCHER] and sys.meta_path.count(_bootstrap.WATCHER) == 1
 
 
 def test_findable_asks_every_other_finder_in_turn(watcher):
@@ -266,3 +283,82 @@ def test_another_thread_asking_at_the_same_time_is_answered_for_itself(watcher):
         release.set()
         asker.join(30)
     assert first == [True]
+
+
+# -- look_up: the one walk over the finders after the watcher, and its one recursion guard -------------
+
+def test_look_up_gives_the_first_spec_of_the_finders_after_the_watcher_never_asking_it(watcher, monkeypatch):
+    nothing, finds, later = Finds(), Finds("hk_x"), Finds("hk_x")
+    sys.meta_path[:0] = [nothing, _bootstrap.WATCHER, finds, later]
+    spec = _bootstrap.look_up("hk_x", ["where"], "target")
+    assert spec.name == "hk_x" and later.asked == []
+    assert nothing.asked == [("hk_x", ["where"], "target")] == finds.asked
+    assert _bootstrap.look_up("hk_none") is None and later.asked == [("hk_none", None)]
+
+
+def test_look_up_passes_a_legacy_finder_over_unless_told_what_it_answers(watcher):
+    """A finder without find_spec: the hook table takes the spec of the next one (the import system
+    of Python 3.12+ passes it over too); ``findable`` counts it as finding (before 3.12 the import
+    system asks its find_module)."""
+    sys.meta_path[:0] = [types.SimpleNamespace(find_module=None), Finds("hk_x")]
+    assert _bootstrap.look_up("hk_x").name == "hk_x"
+    assert _bootstrap.look_up("hk_x", None, None, "legacy") == "legacy"
+
+
+def test_what_a_finder_raises_reaches_the_hook_tables_lookup_and_the_guard_is_let_go(watcher):
+    sys.meta_path.insert(0, Raises())
+    with pytest.raises(RuntimeError, match="a broken finder"):
+        _bootstrap.look_up("hk_x")
+    assert _bootstrap._looking.names == set()
+    assert _bootstrap.findable("hk_x", None, None) is True
+
+
+def test_the_guard_answers_a_lookup_of_the_same_name_inside_it_and_looks_up_any_other(watcher):
+    """A finder asked about ``hk_outer`` that asks the import system about ``hk_outer`` again
+    (wrapt's does) gets None; about another module (its own configuration), that one's spec."""
+    inner = []
+
+    class Peeks:
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname == "hk_outer":
+                inner.append(_bootstrap.look_up("hk_outer"))
+                inner.append(_bootstrap.look_up("hk_inner").name)
+            return None
+
+    sys.meta_path[:0] = [Peeks(), Finds("hk_outer", "hk_inner")]
+    assert _bootstrap.look_up("hk_outer").name == "hk_outer"
+    assert inner == [None, "hk_inner"] and _bootstrap._looking.names == set()
+
+
+def test_a_child_forked_while_another_thread_looks_up_a_name_can_look_it_up(watcher):
+    """The guard is per thread (a thread-local): a child made by ``os.fork()`` keeps none of the
+    other threads' lookups, even for a new thread that gets the ident of one of them (glibc hands
+    a new thread the stack, and so the ident, of a thread the fork left behind)."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow:
+        def find_spec(self, fullname, path=None, target=None):
+            if threading.current_thread() is asker:
+                entered.set()
+                assert release.wait(30)
+            return types.SimpleNamespace(name=fullname) if fullname == "hk_forked" else None
+
+    sys.meta_path.insert(0, Slow())
+    asker = threading.Thread(target=_bootstrap.look_up, args=("hk_forked",))
+    asker.start()
+    try:
+        assert entered.wait(30)
+        pid = os.fork()
+        if pid == 0:  # the child: never back into pytest
+            try:
+                found = []
+                fresh = threading.Thread(target=lambda: found.append(_bootstrap.look_up("hk_forked")))
+                fresh.start()
+                fresh.join(10)
+                os._exit(0 if [spec.name for spec in found] == ["hk_forked"] else 1)
+            finally:
+                os._exit(2)
+    finally:
+        release.set()
+        asker.join(30)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0

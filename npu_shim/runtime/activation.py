@@ -3,8 +3,9 @@ decides, applies and reverts.
 
 Timeline in a process:
 1. ``Runtime.activate`` (first ``import sglang``, handed the start-up watcher that saw it, or
-   ``install()``): wrapt is loaded and a post-import hook is registered with the shim's finder
-   on every module any patch may touch.
+   ``install()``, which hands it the watcher too): wrapt is loaded, the watcher hands every import
+   on to the shim's hook table (npu_shim/runtime/finder.py), and a post-import hook is registered
+   there on every module any patch may touch.
 2. The first of those hooks decides every patch at once (``framework.decide``) from the sglang
    source on disk and logs one summary line for the process (``summary.report_all``: each reason
    at DEBUG, ``unsupported`` at WARNING, ``failed`` at ERROR): everything is validated before
@@ -20,7 +21,7 @@ Timeline in a process:
    targets to the new code, checked like the first time (npu_shim/runtime/finder.py); the new
    changes take over from the old code's, of which only what ``uninstall()`` must still put back
    is kept, held weakly (``decisions.take_over``).
-A child made by ``os.fork()`` makes the runtime's and the finder's locks anew (a thread that held
+A child made by ``os.fork()`` makes the runtime's and the hook table's locks anew (a thread that held
 one in the parent, inside a hook, is not there to release it).
 No exception leaves a hook unless strict mode is on or a patch the user explicitly asked for
 (``Patch.must_honour``) cannot be applied.
@@ -41,9 +42,10 @@ from npu_shim.runtime.finder import ShimFinder, after_fork_in_child
 from npu_shim.source.reading import find_package_dir
 
 class Runtime:
-    """The shim in this process: the patches, their records, the hooks and the finder.  The
+    """The shim in this process: the patches, their records, the hooks and their table.  The
     start-up watcher (npu_shim/_bootstrap.py) is handed in by whoever activates (the watcher
-    itself, or ``install()``); nothing else reaches into this object's fields.  ``patches``: the
+    itself, or ``install()``); it is the only meta-path finder of the shim's, and the runtime
+    never imports it.  Nothing else reaches into this object's fields.  ``patches``: the
     Patch instances to decide before ``activate`` loads the registry's (a test's own runtime)."""
 
     def __init__(self, patches=None):
@@ -69,7 +71,7 @@ class Runtime:
         self.lock = threading.RLock()
 
     # -- activation
-    def activate_guarded(self, watcher=None):
+    def activate_guarded(self, watcher):
         """``activate`` for the import watcher: errors are logged once, raised only in strict mode."""
         try:
             self.activate(watcher)
@@ -80,13 +82,13 @@ class Runtime:
             if strict():
                 raise ShimError("npu-shim activation failed: %r" % (exc,)) from exc
 
-    def activate(self, watcher=None):
-        """Register the post-import hooks (idempotent within one install)."""
+    def activate(self, watcher):
+        """Have ``watcher`` hand imports on to the hook table and register the post-import hooks
+        (idempotent within one install)."""
         with self.lock:
             if self.installed:
                 return
-            if watcher is not None:
-                self.watcher = watcher
+            self.watcher = watcher
             self.installed = True
             self.generation += 1
             generation = self.generation
@@ -96,13 +98,13 @@ class Runtime:
             modules += [m for m in (role.MODULE,) + metrics_hook.MODULES if m not in modules]
             self.imported_before = {m for m in modules if m in sys.modules}
             try:
-                wrapt_loader.load()  # the wrappers; the post-import hooks are the finder's
+                wrapt_loader.load()  # the wrappers; the post-import hooks are the hook table's
             except Exception as exc:  # noqa: BLE001 - WraptUnavailable, or a bundled build that broke
                 self.fail_without_wrapt(str(exc) if isinstance(exc, wrapt_loader.WraptUnavailable)
                                         else "wrapt could not be loaded: %r" % (exc,))
                 return
             self.hooked = set(modules)
-            self.finder.install(self.watcher)
+            self.finder.install(watcher)
 
         for name in modules:
             # Fires at once for a module that is already imported (install() after sglang).
@@ -205,7 +207,7 @@ class Runtime:
 
     # -- applying
     def watches(self, name):
-        """A hooked module of a process that decided (the finder re-applies it after a reload or
+        """A hooked module of a process that decided (the hook table re-applies it after a reload or
         an import again)."""
         return name in self.hooked and self.records is not None
 
@@ -262,7 +264,7 @@ class Runtime:
 
     def reapply_after_reload(self, module):
         """Re-apply the patches to a hooked module's code after ``importlib.reload`` ran it, or
-        after it was imported again once it had left ``sys.modules`` (the finder's loader calls
+        after it was imported again once it had left ``sys.modules`` (the hook table's loader calls
         this); a failure is logged, not raised, unless it is the shim's own."""
         try:
             with self.lock:

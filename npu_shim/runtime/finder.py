@@ -1,9 +1,12 @@
-"""The shim's one meta-path finder while it is active, and the shim's own post-import hooks.
+"""The shim's own post-import hooks: the table the start-up watcher hands every import on to.
 
 The import system asks every finder in ``sys.meta_path`` about every import (thousands in an
-sglang process; scripts/bench_drop_in.py measures what each finder costs), so the shim keeps one:
-the start-up watcher (the ``npu_shim._bootstrap`` module itself, handed in by the runtime) hands
-each import on to ``ShimFinder`` once it saw ``import sglang`` (``watcher.hand_on``).
+sglang process; scripts/bench_drop_in.py measures what each finder costs), so the shim has one
+there, ever: the start-up watcher (the ``npu_shim._bootstrap`` module itself, handed in by the
+runtime).  Once the shim is active the watcher hands each import on to ``ShimFinder.find_spec``
+(``watcher.hand_on``), which is never in ``sys.meta_path`` itself; ``install()`` after sglang was
+imported arms the watcher in that state.  The spec of a hooked module comes from the watcher's
+``look_up``, the one walk over the finders after it, with the one recursion guard.
 ``ShimFinder`` owns the shim's post-import hooks (as dd-trace-py's ModuleWatchdog owns its own):
 wrapt gives the shim only its function wrappers, and an application's own
 ``wrapt.register_post_import_hook`` keeps wrapt's finder, untouched.  It answers almost every
@@ -18,8 +21,9 @@ import with a dict lookup or two:
   does not), or an import again of one whose hooks ran, once it left ``sys.modules`` (a new
   module object): the new code runs, then the runtime re-applies the patches to it.
 
-Hooks run outside the finder's lock, with the module's import lock held by the import system
-(so a hook may import other hooked modules).  A child made by ``os.fork()`` makes the lock anew.
+Hooks run outside the table's lock, with the module's import lock held by the import system
+(so a hook may import other hooked modules).  A child made by ``os.fork()`` makes the lock anew
+(the watcher's guard is per thread: the child has none of the other threads' lookups).
 """
 
 import os
@@ -34,17 +38,14 @@ class ShimFinder:
         self._reapply = reapply  # (module) -> the patches re-applied to its reloaded code
         self._hooks = {}         # {module name: [hook(module), ...]} waiting for its import
         self._lock = threading.Lock()
-        self._finding = set()    # (thread, module name) being looked up through the other finders
         self._ran = set()        # the modules whose hooks ran
-        self.watcher = None      # the start-up watcher that hands imports on to this finder
+        self.watcher = None      # the start-up watcher that hands imports on to this table
         after_fork_in_child(self, ShimFinder.forked)
 
     def forked(self):
         """In a child made by ``os.fork()``: the lock anew (a thread that held it in the parent is
-        not here to release it), and only this thread's lookups still under way."""
+        not here to release it)."""
         self._lock = threading.Lock()
-        me = threading.get_ident()
-        self._finding = {key for key in self._finding if key[0] == me}
 
     def register(self, name, hook):
         """Run ``hook(module)`` once, after module ``name`` is imported -- at once when it is.  A
@@ -89,28 +90,23 @@ class ShimFinder:
         for hook in hooks:
             hook(module)
 
-    def install(self, watcher=None):
-        """Answer through the start-up ``watcher`` once it saw sglang (it is in sys.meta_path already,
-        and a list the import system may be walking right now is not reordered), else from the
-        front of sys.meta_path (``install()`` after sglang was imported)."""
+    def install(self, watcher):
+        """Have the start-up ``watcher`` hand every import on to this table (it goes into
+        sys.meta_path where it is not there: ``install()`` after sglang was imported)."""
         self.watcher = watcher
-        if watcher is not None and watcher.hand_on(self.find_spec):
-            return
-        if self not in sys.meta_path:
-            sys.meta_path.insert(0, self)
+        watcher.hand_on(self.find_spec)
 
-    def uninstall(self, watcher=None):
+    def uninstall(self, watcher):
         """Out of the imports, and the hooks still waiting dropped (they belong to the install
         that ends: an ``uninstall()``/``install()`` cycle added one more of each otherwise)."""
-        if watcher is not None:
-            watcher.stop_handing_on()
-        while self in sys.meta_path:
-            sys.meta_path.remove(self)
+        watcher.stop_handing_on()
         with self._lock:
             self._hooks.clear()
             self._ran.clear()
 
     def find_spec(self, fullname, path=None, target=None):
+        """What the watcher answers the import system once the shim is active: None, except for a
+        hooked module (its spec from the finders after the watcher, the loader wrapped)."""
         if fullname in self._hooks:
             after = self.run_hooks
         elif (target is not None or fullname in self._ran) and self._watches(fullname):
@@ -119,26 +115,11 @@ class ShimFinder:
             after = self._reapply
         else:
             return None
-        key = (threading.get_ident(), fullname)
-        if key in self._finding:
-            return None  # asked again by a finder we asked (wrapt's calls importlib.util.find_spec)
-        self._finding.add(key)
-        try:
-            spec = self._find_elsewhere(fullname, path, target)
-        finally:
-            self._finding.discard(key)
+        # None also when asked again by a finder the lookup asked (wrapt's calls importlib.util.find_spec)
+        spec = self.watcher.look_up(fullname, path, target)
         if spec is not None:
             _hook_loader(spec, after)
         return spec
-
-    def _find_elsewhere(self, fullname, path, target):
-        for finder in list(sys.meta_path):
-            if finder is self or finder is self.watcher or not hasattr(finder, "find_spec"):
-                continue  # (the watcher hands on to this finder)
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                return spec
-        return None
 
 
 def _initializing(module):

@@ -195,16 +195,16 @@ def test_a_child_whose_start_cannot_be_hooked_says_its_summary_line_at_once(unde
 # -- activation failing ---------------------------------------------------------------------------------
 
 def test_an_activation_that_fails_is_raised_only_in_strict_mode(monkeypatch):
-    def boom(watcher=None):
+    def boom(watcher):
         raise RuntimeError("boom")
 
     runtime = activation.Runtime()
     monkeypatch.setattr(runtime, "activate", boom)
     monkeypatch.delenv("NPU_SHIM_STRICT", raising=False)
-    runtime.activate_guarded()  # logged once, the application goes on
+    runtime.activate_guarded(Watcher())  # logged once, the application goes on
     monkeypatch.setenv("NPU_SHIM_STRICT", "1")
     with pytest.raises(framework.ShimError, match=r"^npu-shim activation failed: RuntimeError\('boom'\)$"):
-        runtime.activate_guarded()
+        runtime.activate_guarded(Watcher())
 
 
 def test_without_wrapt_before_torch_is_imported_the_npu_is_unknown(undecided, monkeypatch, tmp_path):
@@ -238,7 +238,7 @@ def add_one(wrapped, instance, args, kwargs):
 class Watcher:
     """The start-up watcher as the runtime calls it (npu_shim/_bootstrap.py), answering as told:
     ``waiting`` (armed for the first ``import sglang``), ``off_only`` (armed only to say "off");
-    it saw sglang, so the finder answers through it (``hand_on``)."""
+    it hands imports on to the hook table once told to (``hand_on``)."""
 
     def __init__(self, waiting=False, off_only=False):
         self.answers = (waiting, off_only)
@@ -261,7 +261,6 @@ class Watcher:
 
     def hand_on(self, find_spec):
         self.calls.append(("hand_on", find_spec))
-        return True
 
     def stop_handing_on(self):
         self.calls.append("stop_handing_on")
@@ -292,7 +291,7 @@ def sglang_tree(monkeypatch, tmp_path):
 def activating(undecided, monkeypatch):
     """``make()`` -> a Runtime whose activation loads one patch, the demo (``Wrap`` of
     sglang.srt.a:f adding 1); none of the modules it hooks imported yet; the finders of these
-    runtimes out of sys.meta_path afterwards."""
+    runtimes never in sys.meta_path."""
     patch = declare(targets=lambda self, view, ctx: [targets.Wrap("sglang.srt.a", "f", add_one, [()])])()
     monkeypatch.setattr(loading, "load_all", lambda: [patch])
     monkeypatch.setattr(summary, "report_all", lambda records: None)
@@ -306,9 +305,7 @@ def activating(undecided, monkeypatch):
         return made[-1]
 
     yield make
-    for runtime in made:
-        while runtime.finder in sys.meta_path:
-            sys.meta_path.remove(runtime.finder)
+    assert not [runtime for runtime in made if runtime.finder in sys.meta_path]  # never there
 
 
 def test_a_new_runtime_has_activated_hooked_and_decided_nothing():
@@ -329,7 +326,7 @@ def test_activation_hooks_each_module_a_patch_or_the_shim_itself_touches_once(ac
     patches = runtime.patches
     assert runtime.installed is True and patches == [patch] and runtime.records is None
     assert runtime.watcher is watcher and watcher.calls == [("hand_on", runtime.finder.find_spec)]
-    assert runtime.finder not in sys.meta_path  # it answers through the watcher
+    assert runtime.finder not in sys.meta_path  # it answers through the watcher, never itself
     assert runtime.hooked == set(HOOKED) and runtime.imported_before == set()
     assert runtime.finder.waiting() == sorted(HOOKED)
     assert runtime.watches("sglang.srt.a") is False  # nothing decided: a reload is not re-applied
@@ -337,10 +334,21 @@ def test_activation_hooks_each_module_a_patch_or_the_shim_itself_touches_once(ac
     assert runtime.watcher is watcher and runtime.patches is patches and len(watcher.calls) == 1
 
 
-def test_activation_without_a_watcher_puts_the_finder_first_in_sys_meta_path(activating):
+def test_activation_after_sglang_arms_the_start_up_watcher_alone_in_sys_meta_path(activating, monkeypatch):
+    """install() after sglang was imported, the watcher not in sys.meta_path: it goes first and
+    hands imports on to the hook table, which never goes there; uninstall() takes it out again."""
+    from npu_shim import _bootstrap
+
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if f is not _bootstrap.WATCHER])
+    monkeypatch.setattr(_bootstrap, "_saw_sglang", False)
+    monkeypatch.setattr(_bootstrap, "_hand_on_to", None)
+    before = list(sys.meta_path)
     runtime = activating()
-    runtime.activate()
-    assert sys.meta_path[0] is runtime.finder and runtime.watcher is None
+    runtime.activate(_bootstrap.WATCHER)
+    assert sys.meta_path == [_bootstrap.WATCHER] + before and runtime.watcher is _bootstrap.WATCHER
+    assert _bootstrap.handing_on_to() == runtime.finder.find_spec
+    runtime.uninstall(_bootstrap.WATCHER)
+    assert sys.meta_path == before and _bootstrap.handing_on_to() is None
 
 
 def test_a_module_imported_before_activation_is_decided_and_patched_at_once_copies_included(
@@ -429,21 +437,21 @@ def test_an_activation_that_fails_is_logged_once_and_a_shim_error_goes_through(l
     runtime.activate_guarded(watcher)
     assert runtime.watcher is watcher and runtime.installed is True
 
-    def boom(watcher=None):
+    def boom(watcher):
         raise RuntimeError("boom")
 
     failing = activation.Runtime()
     failing.activate = boom
-    failing.activate_guarded()
-    failing.activate_guarded()
+    failing.activate_guarded(watcher)
+    failing.activate_guarded(watcher)
     assert logged() == [("ERROR", "shim off: activation failed: RuntimeError('boom')")]
 
-    def refuse(watcher=None):
+    def refuse(watcher):
         raise framework.ShimError("npu-shim: demo was requested")
 
     failing.activate = refuse
     with pytest.raises(framework.ShimError, match=r"^npu-shim: demo was requested$"):
-        failing.activate_guarded()
+        failing.activate_guarded(watcher)
 
 
 # -- install() -----------------------------------------------------------------------------------------
@@ -800,11 +808,16 @@ def test_importlib_reload_through_the_finder_patches_the_new_code(monkeypatch, t
     runtime.apply_module(module)
     (tmp_path / "shim_reload_demo.py").write_text("def f():\n    return 10\n")
     importlib.invalidate_caches()
-    runtime.finder.install()
+    from npu_shim import _bootstrap
+
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(_bootstrap, "_saw_sglang", False)
+    monkeypatch.setattr(_bootstrap, "_hand_on_to", None)
+    runtime.finder.install(_bootstrap.WATCHER)
     try:
         importlib.reload(module)
     finally:
-        runtime.finder.uninstall()
+        runtime.finder.uninstall(_bootstrap.WATCHER)
     assert module.f() == 11
 
 

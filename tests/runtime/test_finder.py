@@ -1,6 +1,7 @@
-"""finder: the shim's one meta-path finder and its own post-import hooks -- a hooked module's
-hooks run after its code, every other import is ignored, no wrapt import hook is loaded (reloads:
-test_reliability.py)."""
+"""finder: the shim's own post-import hooks, the table the start-up watcher (the shim's one
+meta-path finder) hands imports on to -- a hooked module's hooks run after its code, every other
+import is ignored, no wrapt import hook is loaded, the table never enters sys.meta_path (reloads:
+test_reliability.py; the watcher's lookup and its guard: test_bootstrap_watcher.py)."""
 
 import importlib
 import importlib.machinery
@@ -10,6 +11,7 @@ import types
 
 import pytest
 
+from npu_shim import _bootstrap
 from npu_shim.runtime import activation, finder, metrics_hook, role
 from test_bootstrap import last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 from test_drop_in import bare_venvs  # noqa: F401 - a fixture
@@ -28,26 +30,26 @@ def test_only_modules_with_a_hook_waiting_are_looked_up_and_no_wrapt_import_hook
         import json, sys
         import sglang
         asked = []
+        from npu_shim import _bootstrap
         from npu_shim.runtime import activation
         shim = activation.RUNTIME.finder
-        find_elsewhere = shim._find_elsewhere
-        shim._find_elsewhere = lambda name, *rest: asked.append(name) or find_elsewhere(name, *rest)
+        look_up = _bootstrap.look_up
+        _bootstrap.look_up = lambda name, *rest: asked.append(name) or look_up(name, *rest)
         waiting = shim.waiting()
         import colorsys
         from sglang.srt.utils import common
-        from npu_shim import _bootstrap
         print(json.dumps({"finders": ["watcher" if getattr(f, "is_npu_shim_watcher", False) else type(f).__name__
                                       for f in sys.meta_path
                                       if "ImportHookFinder" in type(f).__name__
                                       or getattr(f, "is_npu_shim_watcher", False)
                                       or type(f).__module__.startswith(("npu_shim", "sitecustomize"))],
-                          "through_watcher": _bootstrap.handing_on_to() == activation.RUNTIME.finder.find_spec,
+                          "through_watcher": _bootstrap.handing_on_to() == shim.find_spec,
                           "importers": sorted(m for m in sys.modules if "wrapt" in m and "importer" in m),
                           "waiting": waiting, "left": shim.waiting(), "asked": sorted(set(asked)),
                           "value": common.get_npu_memory_capacity()}))
     """)
     out = last_json(proc)
-    # One finder of the shim's: the start-up watcher, which hands imports to the shim's finder;
+    # One finder of the shim's: the start-up watcher, which hands imports to the shim's hook table;
     # no wrapt finder, no wrapt importer.
     assert out["finders"] == ["watcher"] and out["through_watcher"] is True
     assert out["importers"] == [] and out["asked"] == ["sglang.srt.utils.common"]
@@ -98,12 +100,12 @@ def test_an_application_that_imported_wrapt_first_keeps_wrapts_own_finder(tree):
 
 @pytest.fixture
 def own_meta_path(monkeypatch):
-    """sys.meta_path as a copy (restored afterwards), the start-up watcher not fired."""
-    from npu_shim import _bootstrap
-
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    """sys.meta_path as a copy without the start-up watcher (restored afterwards), the watcher's
+    state as it was before start-up, and put back afterwards."""
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if f is not _bootstrap.WATCHER])
     monkeypatch.setattr(_bootstrap, "_saw_sglang", False)
     monkeypatch.setattr(_bootstrap, "_hand_on_to", None)
+    monkeypatch.setattr(_bootstrap, "_looking", sys.modules["_thread"]._local())
     return sys.meta_path
 
 
@@ -114,81 +116,92 @@ class Nobody:
         return None
 
 
-def test_without_the_watcher_the_finder_goes_first_once_and_leaves_entirely(own_meta_path):
+def test_the_table_never_enters_sys_meta_path_the_watcher_goes_first_once(own_meta_path):
+    """install() after sglang was imported: the watcher, not yet in sys.meta_path, goes first and
+    hands on to the table; installing again neither moves nor adds it."""
     shim = finder.ShimFinder(lambda name: False, lambda module: None)
-    shim.install()
-    assert own_meta_path[0] is shim
-    shim.install()
-    assert own_meta_path.count(shim) == 1
-    # Another finder inserted in front later: the shim's stays where it is (a list the import
+    before = list(own_meta_path)
+    shim.install(_bootstrap.WATCHER)
+    assert own_meta_path == [_bootstrap.WATCHER] + before and _bootstrap.handing_on_to() == shim.find_spec
+    shim.install(_bootstrap.WATCHER)
+    assert own_meta_path == [_bootstrap.WATCHER] + before
+    # Another finder inserted in front later: the watcher stays where it is (a list the import
     # system may be walking is not reordered) and is not added a second time.
     other = Nobody()
     own_meta_path.insert(0, other)
-    shim.install()
-    assert own_meta_path[:2] == [other, shim] and own_meta_path.count(shim) == 1
-    own_meta_path.append(shim)  # however it got there twice, uninstall removes every copy
-    shim.uninstall()
-    assert shim not in own_meta_path and own_meta_path[0] is other
+    shim.install(_bootstrap.WATCHER)
+    assert own_meta_path == [other, _bootstrap.WATCHER] + before
+    shim.uninstall(_bootstrap.WATCHER)
+    assert _bootstrap.handing_on_to() is None and shim not in own_meta_path
+    _bootstrap.disarm()  # what uninstall() does next
+    assert own_meta_path == [other] + before
 
 
 def test_once_the_watcher_fired_the_finder_answers_through_it(own_meta_path, monkeypatch):
-    from npu_shim import _bootstrap
-
     shim = finder.ShimFinder(lambda name: False, lambda module: None)
-    before = list(own_meta_path)
     monkeypatch.setattr(_bootstrap, "_saw_sglang", True)  # as the first ``import sglang`` leaves it
-    if _bootstrap.WATCHER not in own_meta_path:
-        own_meta_path.append(_bootstrap.WATCHER)
-        before.append(_bootstrap.WATCHER)
+    own_meta_path.append(_bootstrap.WATCHER)
+    before = list(own_meta_path)
     shim.install(_bootstrap.WATCHER)
     assert own_meta_path == before and _bootstrap.handing_on_to() == shim.find_spec
     shim.uninstall(_bootstrap.WATCHER)
     assert _bootstrap.handing_on_to() is None
-    # fired, but no longer in sys.meta_path (uninstall() removed it): the finder goes first
+    # fired, but no longer in sys.meta_path (uninstall() removed it): the watcher goes first again,
+    # and the table answers through it
     own_meta_path.remove(_bootstrap.WATCHER)
     shim.install(_bootstrap.WATCHER)
-    assert own_meta_path[0] is shim and _bootstrap.handing_on_to() is None
+    assert own_meta_path[0] is _bootstrap.WATCHER and _bootstrap.handing_on_to() == shim.find_spec
+    assert shim not in own_meta_path
 
 
 def test_a_finder_in_front_does_not_stop_reloads_being_reapplied(tree):
-    """install() after sglang was imported: the shim's finder goes to the front of sys.meta_path;
-    a finder inserted before it later is asked first, and the shim's still sees the reload."""
+    """install() after sglang was imported: the start-up watcher goes to the front of
+    sys.meta_path (the hook table never does); a finder inserted before it later is asked first,
+    and the watcher still hands the reload on to the table."""
     proc = run(tree, """
         import importlib, json, sys
         from sglang.srt.utils import common
         import npu_shim
+        from npu_shim import _bootstrap
         from npu_shim.runtime import activation
         npu_shim.install()
-        first = sys.meta_path.index(activation.RUNTIME.finder)
+        first = sys.meta_path.index(_bootstrap.WATCHER)
         class Nobody:
             def find_spec(self, fullname, path=None, target=None):
                 return None
         sys.meta_path.insert(0, Nobody())
         importlib.reload(common)
-        print(json.dumps({"first": first, "now": sys.meta_path.index(activation.RUNTIME.finder),
+        print(json.dumps({"first": first, "now": sys.meta_path.index(_bootstrap.WATCHER),
+                          "table": activation.RUNTIME.finder in sys.meta_path,
                           "value": common.get_npu_memory_capacity(),
                           "state": activation.RUNTIME.states()["demo"]["state"]}))
     """, shim=False)
-    assert last_json(proc) == {"first": 0, "now": 1, "value": 1001, "state": "applied"}
+    assert last_json(proc) == {"first": 0, "now": 1, "table": False, "value": 1001, "state": "applied"}
 
 
 # -- the shim's post-import hooks ------------------------------------------------------------------
 
 @pytest.fixture
 def hooks(own_meta_path, tmp_path, monkeypatch):
-    """A fresh ShimFinder first in (a copy of) sys.meta_path, modules ``hk_*`` written under
-    ``hooks.dir`` importable; ``hooks.reapplied``: the modules it re-applied after a reload."""
+    """A fresh ShimFinder, the start-up watcher first in (a copy of) sys.meta_path handing imports
+    on to it, modules ``hk_*`` written under ``hooks.dir`` importable; ``hooks.reapplied``: the
+    modules it re-applied after a reload."""
     monkeypatch.syspath_prepend(str(tmp_path))
     reapplied = []
     shim = finder.ShimFinder(lambda name: name.startswith("hk_"), reapplied.append)
-    shim.install()
+    shim.install(_bootstrap.WATCHER)
     shim.reapplied, shim.dir = reapplied, tmp_path
     before = set(sys.modules)
     yield shim
-    shim.uninstall()
+    shim.uninstall(_bootstrap.WATCHER)
     for name in set(sys.modules) - before:
         if name.startswith("hk_"):
             del sys.modules[name]
+
+
+def no_lookup_under_way():
+    """True when this thread is inside no lookup of the watcher's (its guard holds no name)."""
+    return getattr(_bootstrap._looking, "names", set()) == set()
 
 
 def _write(hooks, relative, text):
@@ -311,9 +324,10 @@ def test_a_namespace_package_without_a_loader_in_its_spec_runs_its_hooks(version
     (tmp_path / "hk_ns").mkdir()
     code = """if 1:
         import json, sys
+        from npu_shim import _bootstrap
         from npu_shim.runtime import finder
         shim = finder.ShimFinder(lambda name: False, lambda module: None)
-        shim.install()
+        shim.install(_bootstrap.WATCHER)
         fired = []
         shim.register("hk_ns", lambda module: fired.append(type(module.__loader__).__name__))
         import hk_ns
@@ -333,7 +347,7 @@ def test_a_module_that_fails_to_import_runs_no_hook_and_leaves_nothing(hooks):
     with pytest.raises(RuntimeError, match="broken"):
         import hk_bad
     assert fired == [] and "hk_bad" not in sys.modules
-    assert hooks.waiting() == ["hk_bad"] and hooks._finding == set()
+    assert hooks.waiting() == ["hk_bad"] and no_lookup_under_way()
     _write(hooks, "hk_bad.py", "X = 'fixed'\n")
     import hk_bad  # noqa: F401 - the import fires the hook
     assert fired == ["hk_bad"] and hooks.waiting() == []
@@ -359,7 +373,7 @@ def test_threads_importing_and_registering_run_each_hook_exactly_once(hooks):
 
     def importer():
         start.wait()
-        seen.append(importlib.import_module("hk_slow").X)
+        seen.append((importlib.import_module("hk_slow").X, no_lookup_under_way()))
 
     def registerer(i):
         start.wait()
@@ -372,10 +386,10 @@ def test_threads_importing_and_registering_run_each_hook_exactly_once(hooks):
         thread.start()
     for thread in threads:
         thread.join(30)
-    assert seen == [1, 1, 1, 1]
+    assert seen == [(1, True)] * 4
     # registered while the module's code still ran: run once it finished, never on half a module
     assert sorted(fired, key=str) == sorted([("first", 1)] + [(i, 1) for i in range(5)], key=str)
-    assert hooks.waiting() == [] and hooks._finding == set()
+    assert hooks.waiting() == [] and no_lookup_under_way()
 
 
 GATED_MODULE = "import gate\ngate.inside.set()\nassert gate.release.wait(30)\nX = 1\n"
@@ -507,61 +521,41 @@ def in_a_child_forked_while_held(lock, check):
 
 
 def test_a_child_forked_while_another_thread_holds_the_lock_registers_and_finds(hooks):
-    """The finder's lock is made anew in a forked child (the thread that held it is not there);
-    the lookups other threads had under way are not the child's."""
-    import threading
-
+    """The table's lock is made anew in a forked child (the thread that held it is not there).
+    (The lookups other threads had under way are not the child's either: the watcher's guard is
+    per thread, test_bootstrap_watcher.py.)"""
     _write(hooks, "hk_forked.py", "X = 1\n")
-    elsewhere = threading.Thread(target=lambda: None)
-    elsewhere.start()
-    elsewhere.join()
-    hooks._finding.add((elsewhere.ident, "hk_forked"))
     fired = []
 
     def check():
         hooks.register("hk_forked", fired.append)
         import hk_forked
-        return hooks.waiting() == [] and fired == [hk_forked] and hooks._finding == set()
+        return hooks.waiting() == [] and fired == [hk_forked] and no_lookup_under_way()
 
     assert in_a_child_forked_while_held(hooks._lock, check) == 0
     assert hooks.waiting() == [] and fired == []  # the parent's finder: nothing registered
 
 
-class Watcher:
-    """A start-up watcher that saw sglang (as npu_shim._bootstrap's): in sys.meta_path, it hands
-    every import on to the finder it was given."""
-
-    def __init__(self):
-        self.asked, self.to = [], None
-
-    def hand_on(self, find_spec):
-        self.to = find_spec
-        return True
-
-    def stop_handing_on(self):
-        self.to = None
-
-    def find_spec(self, fullname, path=None, target=None):
-        self.asked.append(fullname)
-        return None if self.to is None else self.to(fullname, path, target)
-
-
-def test_through_the_watcher_the_finder_asks_the_other_finders_but_never_the_watcher(hooks, own_meta_path):
-    """Asking the watcher back would only come round to the shim's finder again.  (``hooks``: the
-    module's directory; its own finder, asked too, finds nothing here.)"""
+def test_through_the_watcher_the_finder_asks_the_other_finders_but_never_the_watcher(
+        hooks, own_meta_path, monkeypatch):
+    """Asking the watcher back would only come round to the table again: the watcher is asked
+    once, by the import system.  (``hooks``: the module's directory; a table handed on to before.)"""
     _write(hooks, "hk_watched.py", "X = 'watched'\n")
-    watcher = Watcher()
-    own_meta_path.insert(0, watcher)
+    asked = []
+    find_spec = _bootstrap.find_spec
+    monkeypatch.setattr(_bootstrap, "find_spec", lambda fullname, *rest: asked.append(fullname) or
+                        find_spec(fullname, *rest))
     shim = finder.ShimFinder(lambda name: False, lambda module: None)
     assert shim.watcher is None  # none handed in yet
-    shim.install(watcher)
-    assert shim.watcher is watcher and watcher.to == shim.find_spec and shim not in own_meta_path
+    shim.install(_bootstrap.WATCHER)
+    assert shim.watcher is _bootstrap.WATCHER and _bootstrap.handing_on_to() == shim.find_spec
+    assert shim not in own_meta_path
     fired = []
     shim.register("hk_watched", lambda module: fired.append(module.X))
     import hk_watched  # noqa: F401 - the import fires the hook
-    assert fired == ["watched"] and watcher.asked == ["hk_watched"]
-    shim.uninstall(watcher)
-    assert watcher.to is None
+    assert fired == ["watched"] and asked == ["hk_watched"]
+    shim.uninstall(_bootstrap.WATCHER)
+    assert _bootstrap.handing_on_to() is None
 
 
 def test_a_regular_package_runs_its_init_before_its_hooks(hooks):

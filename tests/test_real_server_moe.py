@@ -433,3 +433,49 @@ def test_with_a_draft_model_the_tokens_are_the_target_s_alone(servers):
     spec = servers.answers_of("spec-on")
     alone = servers.answers_of("on")
     assert_same_tokens(spec, alone)
+
+
+def _moe_bench():
+    import importlib
+    import sys
+
+    scripts = str(Path(__file__).resolve().parent.parent / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        return importlib.import_module("bench_moe_server")
+    finally:
+        sys.path.remove(scripts)
+
+
+#: The lines each release logs (from real logs of the benchmark's servers): the capture's end and
+#: a decode batch -- 0.5.8 says "cuda graph end" and, off CUDA, "cpu graph"; 0.5.10 says "npu".
+BENCH_LOGS = {
+    "0.5.8": ("[2026-12-06 12:30:04] Capture cuda graph end. Time elapsed: 2.30 s. mem usage=0.00 GB. "
+              "avail mem=0.21 GB.",
+              "[2026-12-06 12:30:05] Decode batch, #running-req: 1, #token: 128, token usage: 0.00, "
+              "cpu graph: %s, gen throughput (token/s): 1.04, #queue-req: 0"),
+    "0.5.10": ("[2026-12-06 12:06:08] Capture npu graph end. Time elapsed: 2.40 s. mem usage=0.00 GB. "
+               "avail mem=0.21 GB.",
+               "[2026-12-06 12:09:31] Decode batch, #running-req: 1, #token: 128, token usage: 0.00, "
+               "npu graph: %s, gen throughput (token/s): 1.04, #queue-req: 0"),
+}
+
+
+@pytest.mark.parametrize("version", sorted(BENCH_LOGS))
+def test_the_moe_benchmark_counts_only_decode_replayed_from_a_captured_graph(version, tmp_path):
+    """scripts/bench_moe_server.py measures graph mode or nothing: each server's log must show its
+    decode capture ended and every decode batch it logged run from a graph (no server started)."""
+    import types
+
+    bench = _moe_bench()
+    capture, decode = BENCH_LOGS[version]
+    log = tmp_path / "server.log"
+    server = types.SimpleNamespace(version=version, log_path=log)
+    log.write_text("\n".join([capture, decode % "True", decode % "True"]) + "\n")
+    assert bench.check_graphs("upstream", server) == 2
+    for lines in ([decode % "True"],                                   # never captured
+                  [capture],                                          # no decode batch logged
+                  [capture, decode % "True", decode % "False"]):      # one batch eager
+        log.write_text("\n".join(lines) + "\n")
+        with pytest.raises(RuntimeError, match="did not decode from its graphs"):
+            bench.check_graphs("upstream", server)

@@ -246,3 +246,48 @@ def test_the_low_latency_deepep_dispatch_and_combine_are_captured_and_replayed()
                       "eager": bool(torch.allclose(moe(fresh, ids, weights), ref, atol=1e-5))}))
     """)
     assert out == {"replayed": True, "eager": True}
+
+
+def test_swiglu_quant_is_captured_and_a_replay_covers_the_rows_of_its_group_list():
+    """sgl-kernel-npu's swiglu_quant, between the two grouped matmuls of the bf16 DeepEP experts
+    from sglang 0.5.10 on (0.5.7-0.5.9 call ``npu_swiglu`` there), is inside the decode capture of
+    0.5.10's own GLM-4 MoE server: the kernel reads the group list on the device (``tl.load`` /
+    ``tl.sum`` in ``_swiglu_quant_kernel``), so nothing reaches the host and the capture goes
+    through -- on the capture stream and on a stream forked from it alike.  Each replay covers the
+    rows of the group list it finds then, quantised or not; the rows past them are zero."""
+    out = run("""
+    from shimdev.simnpu import _ops
+
+    x = torch.randn(6, 8, device="npu", dtype=torch.bfloat16)
+    counts = torch.tensor([2, 1, 0, 1], dtype=torch.int64, device="npu")     # 4 rows, type 1
+    cumsum = torch.tensor([2, 3, 3, 4], dtype=torch.int64, device="npu")     # the same, type 0
+    cap, side = torch.npu.Stream(), torch.npu.Stream()
+    with torch.npu.stream(cap):
+        g = torch.npu.NPUGraph()
+        with torch.npu.graph(g, stream=cap):
+            plain, _ = _ops.swiglu_quant(x, counts, 1, need_quant=False)
+            side.wait_stream(cap)
+            with torch.npu.stream(side):
+                quant, scale = _ops.swiglu_quant(x, cumsum, 0)
+            cap.wait_stream(side)
+    poisoned = bool(plain.float().isnan().all())
+    runs = []
+    for rows in (4, 6, 1):
+        fresh = torch.randn(6, 8).to(torch.bfloat16)
+        x.copy_(fresh)
+        counts.copy_(torch.tensor([rows, 0, 0, 0]))
+        cumsum.copy_(torch.tensor([0, rows, rows, rows]))
+        g.replay()
+        ref = (torch.nn.functional.silu(fresh[:, :4].float()) * fresh[:, 4:].float()).to(torch.bfloat16)
+        ref_scale = ref.float().abs().amax(dim=-1) / 127
+        runs.append({"plain": bool(torch.equal(plain[:rows], ref[:rows])),
+                     "plain_rest_zero": not plain[rows:].float().any(),
+                     "scale": bool(torch.allclose(scale[:rows], ref_scale[:rows])),
+                     "quant": bool(torch.allclose(quant[:rows].float() * scale[:rows, None], ref[:rows].float(),
+                                                  atol=float(scale[:rows].max()))),
+                     "quant_rest_zero": not quant[rows:].any() and not scale[rows:].any()})
+    print(json.dumps({"poisoned_before_replay": poisoned, "runs": runs}))
+    """)
+    assert out["poisoned_before_replay"]
+    assert out["runs"] == [{"plain": True, "plain_rest_zero": True, "scale": True, "quant": True,
+                            "quant_rest_zero": True}] * 3

@@ -225,7 +225,15 @@ def swiglu_quant(x, group_list, group_list_type, need_quant=True):
     bf16 DeepEP experts call it with ``need_quant=False``): swiglu of the rows the group list
     covers (its last cumulative entry, type 0, or the sum of its counts, type 1), into a new
     ``[rows, h / 2]`` tensor (int8 with one scale per row, max |y| / 127, when ``need_quant``);
-    the launcher's ``torch.empty`` rows past them are zero here.  Returns (out, scale)."""
+    the launcher's ``torch.empty`` rows past them are zero here.  Returns (out, scale).
+
+    The number of rows stays on the device, as in the kernel: sgl-kernel-npu's launcher
+    (``python/sgl_kernel_npu/sgl_kernel_npu/activation/swiglu_quant.py``) hands ``group_list`` to
+    ``_swiglu_quant_kernel`` as a pointer, and the kernel loads the total itself (``tl.load`` of the
+    cumulative entry, or ``tl.sum`` of the counts) -- no host read, so the call is captured into an
+    NPU graph and a replay covers the rows of the group list it meets then.  Here the rows past the
+    total are masked on the device rather than sliced on the host (a slice would need the number
+    on the host: a device-to-host read the graph capture refuses)."""
     import torch
 
     if group_list_type not in (0, 1):
@@ -233,14 +241,13 @@ def swiglu_quant(x, group_list, group_list_type, need_quant=True):
     if group_list.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"group_list dtype must be torch.int32 or torch.int64, but got {group_list.dtype}")
     s, h = x.shape
-    rows = int(group_list[-1]) if group_list_type == 0 else int(group_list.sum())
-    out = torch.zeros((s, h // 2), dtype=torch.int8 if need_quant else x.dtype)
-    scale = torch.zeros((s,), dtype=torch.float32)
-    a, b = x[:rows, : h // 2].float(), x[:rows, h // 2:].float()
+    total = group_list[-1] if group_list_type == 0 else group_list.sum()
+    covered = torch.arange(s, device=x.device) < total  # [s] bool, on the device
+    a, b = x[:, : h // 2].float(), x[:, h // 2:].float()
     y = (a * torch.sigmoid(a) * b).to(x.dtype)
-    if need_quant:
-        scale[:rows] = y.float().abs().amax(dim=-1) / 127
-        out[:rows] = torch.round(y.float() / scale[:rows, None]).to(torch.int8)
-    else:
-        out[:rows] = y
-    return out, scale
+    if not need_quant:
+        return torch.where(covered[:, None], y, torch.zeros((), dtype=x.dtype)), \
+            torch.zeros((s,), dtype=torch.float32, device=x.device)
+    scale = torch.where(covered, y.float().abs().amax(dim=-1) / 127, 0.0)
+    q = torch.where(covered[:, None], torch.round(y.float() / scale[:, None]), 0.0)
+    return q.to(torch.int8), scale

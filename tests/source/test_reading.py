@@ -201,13 +201,15 @@ def test_live_fingerprint_leaves_linecache_as_it_found_it(tmp_path, monkeypatch)
     ``linecache``, and lines something else had cached stay there."""
     import importlib
     import linecache
+    import uuid
 
     monkeypatch.setattr(reading, "_KNOWN", {})
     monkeypatch.syspath_prepend(str(tmp_path))
-    (tmp_path / "cached_module.py").write_text("def first(a):\n    return a\n")
-    (tmp_path / "uncached_module.py").write_text("def second(a):\n    return a\n")
-    first = importlib.import_module("cached_module").first
-    second = importlib.import_module("uncached_module").second
+    cached, uncached = ("%s_%s" % (kind, uuid.uuid4().hex) for kind in ("cached", "uncached"))  # per run
+    (tmp_path / (cached + ".py")).write_text("def first(a):\n    return a\n")
+    (tmp_path / (uncached + ".py")).write_text("def second(a):\n    return a\n")
+    first = importlib.import_module(cached).first
+    second = importlib.import_module(uncached).second
     linecache.checkcache()
     linecache.getlines(first.__code__.co_filename)
     linecache.cache.pop(second.__code__.co_filename, None)

@@ -1,11 +1,11 @@
 """One process's decisions: each patch decided into a ``PatchRecord`` (``decide_each``) from the
 sglang source this process reads itself (``view_of``), sglang's version noted for its lines
-(``note_version``), what a record must
-do when it did not apply (``enforce``: stop the process where the user asked for the patch, or in
-strict mode), undoing a record's changes (``revert_record``), and what a reload's changes leave of
-the old code's (``take_over``, ``Replaced``).  The ``Runtime`` (activation.py) calls these and each
-returns to it: none is handed anything of the runtime to call back, so the walk from activation
-to a wrapper goes one way (tests/runtime/test_decisions.py holds it).  No module-level state."""
+(``note_version``), what a record must do when it did not apply (``enforce``: stop the process
+where the user asked for the patch, or in strict mode), undoing a record's changes
+(``revert_record``), and what a reload's changes leave of the old code's (``take_over``,
+``Replaced``).  The ``Runtime`` (activation.py) calls these and each returns to it: none is handed
+anything of the runtime to call back, so the walk from activation to a wrapper goes one way
+(tests/runtime/test_decisions.py holds it).  No module-level state."""
 
 import os
 import sys

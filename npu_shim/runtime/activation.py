@@ -149,8 +149,9 @@ class Runtime:
         """Decide every patch from ``view``, say so, then enforce.  Saying so is three steps --
         sglang's version for the process's lines, the summary line (now, or when a spawned child's
         target starts), the metrics -- each guarded: a patch the user asked for that failed stops
-        the process even where one raised, and in strict mode a step that raised stops it too.  The walk goes one way: each call below returns to this one (the
-        functions of decisions.py are handed nothing of the runtime to call back)."""
+        the process even where one raised, and in strict mode a step that raised stops it too.
+        The walk goes one way: each call below returns to this one (the functions of decisions.py
+        are handed nothing of the runtime to call back)."""
         self.records = decide_each(self.patches, view, on_npu, missing_wrapt)
         self.summary_due = os.getpid()
         steps = (("noting sglang's version", lambda: note_version(view)),

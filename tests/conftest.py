@@ -149,7 +149,7 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(autouse=True)
 def _environ_restored():
     """Each test leaves ``os.environ`` as it found it.  The shim writes to the environment by design
-    (zbal's ``ZBAL_ENABLE_GRAPH``, the inherited source answers) and the servers the suite starts
+    (zbal's ``ZBAL_ENABLE_GRAPH``) and the servers the suite starts
     inherit this process's environment, so a variable one test's shim left behind would change what a
     later server in the same worker does."""
     saved = dict(os.environ)

@@ -588,21 +588,26 @@ def test_env_command_lists_every_variable():
         assert var.name in proc.stdout and var.doc in proc.stdout
 
 
-def test_children_decide_from_the_answers_the_parent_read(tree):
-    """The launcher parses sglang's source once; the processes it starts (spawn: a fresh
-    interpreter that inherits the environment) decide from the answers, unless a file changed."""
+def test_children_decide_from_the_source_as_the_parent_does(tree):
+    """The processes the launcher starts (spawn: a fresh interpreter that inherits the environment)
+    read sglang's source themselves and reach the parent's states; the parent's deciding adds
+    nothing to the environment they inherit, and a file changed since is read as it is now."""
     proc = run(tree, """
         import json, os, subprocess, sys
+        before = {k: v for k, v in os.environ.items() if k.startswith("NPU_SHIM_")}
         from sglang.srt.utils import common
         from npu_shim.runtime import activation
-        child = ("import json; from sglang.srt.utils import common; from npu_shim.runtime import activation; "
-                 "print(json.dumps([activation.RUNTIME.decided_from, activation.RUNTIME.states()['demo']['state']]))")
+        after = {k: v for k, v in os.environ.items() if k.startswith("NPU_SHIM_")}
+        child = ("import json, sys; from sglang.srt.utils import common; from npu_shim.runtime import activation; "
+                 "print(json.dumps([activation.RUNTIME.states()['demo']['state'], "
+                 "'npu_shim.source.codeview' in sys.modules]))")
         first = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout
-        os.utime(common.__file__)  # the file changed (as far as anyone can tell): read it again
+        os.utime(common.__file__)  # the file changed (as far as anyone can tell)
         second = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout
-        print(json.dumps({"parent": activation.RUNTIME.decided_from, "first": json.loads(first),
-                          "second": json.loads(second)}))
+        print(json.dumps({"parent": activation.RUNTIME.states()["demo"]["state"], "env": before == after,
+                          "first": json.loads(first), "second": json.loads(second)}))
     """)
     out = last_json(proc)
-    assert out == {"parent": "sglang source", "first": ["inherited answers", "applied"],
-                   "second": ["sglang source", "applied"]}
+    assert out["parent"] == "applied" and out["env"] is True
+    assert out["first"][0] == out["second"][0] == "applied"
+    assert out["first"][1] is True and out["second"][1] is True  # each child read the source itself

@@ -9,7 +9,7 @@ import may close a circle, inside a layer or across:
 1. ``core``: the variables, the patch model and deciding, the registry (the patches' module names: a
    list), loading the registered patches;
 2. ``reporting``: logging, process identity, sglang's metrics, the summary line, text for a terminal;
-3. ``source``: reading sglang's code without importing it (view, fast scan, inherited answers);
+3. ``source``: reading sglang's code without importing it (view, fast scan);
 4. ``runtime``: one process's activation, finder, wrapt, targets and wrappers, install();
 5. ``patches``: the feature modules;
 6. ``cli``: ``python -m npu_shim``'s commands;

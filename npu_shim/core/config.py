@@ -219,8 +219,8 @@ LOG_FORMAT = EnvVar(
     "(one object per line, for log pipelines).", _parse_log_format)
 
 SHIM_VARIABLES = (ENABLED, ACTIVATE, STRICT, LOG_LEVEL, LOG_FORMAT, PATCHES)
-# Set by npu-shim itself (source/inherited.py) or its dev tooling (the test cache), not by users.
-INTERNAL_NAMES = ("NPU_SHIM_SOURCE_ANSWERS", "NPU_SHIM_CACHE")
+# Set by npu-shim's dev tooling (the test cache), not by users.
+INTERNAL_NAMES = ("NPU_SHIM_CACHE",)
 
 
 def read_all(variables, environ=None):

@@ -7,10 +7,11 @@ Timeline in a process:
    on to the shim's hook table (npu_shim/runtime/finder.py), and a post-import hook is registered
    there on every module any patch may touch.
 2. The first of those hooks decides every patch at once (``framework.decide``) from the sglang
-   source on disk and logs one summary line for the process (``summary.report_all``: each reason
-   at DEBUG, ``unsupported`` at WARNING, ``failed`` at ERROR): everything is validated before
-   anything changes.  A spawned child that decides while unpickling its target logs that line
-   when the target starts (a scheduler's then carries its role: npu_shim/runtime/role.py).
+   source on disk -- every process reads it itself, a spawned child too -- and logs one summary
+   line for the process (``summary.report_all``: each reason at DEBUG, ``unsupported`` at WARNING,
+   ``failed`` at ERROR): everything is validated before anything changes.  A spawned child that
+   decides while unpickling its target logs that line when the target starts (a scheduler's then
+   carries its role: npu_shim/runtime/role.py).
    Where sglang keeps metrics (``--enable-metrics``) the shim's gauges follow every decision
    and application (npu_shim/reporting/metrics.py).
 3. Each hook then applies the targets that live in its module -- the shim's own first (the
@@ -36,7 +37,7 @@ from npu_shim.core.framework import APPLIED, FAILED, ShimError
 from npu_shim.reporting import log, metrics, procinfo, summary
 from npu_shim.runtime import metrics_hook, role, wrapt_loader
 from npu_shim.runtime.decisions import (
-    decide_each, decided_from, enforce, export, pruned, report_invalid_variables, revert_record,
+    decide_each, enforce, note_version, pruned, report_invalid_variables, revert_record,
     running_on_npu, sglang_view, strict, take_over, view_of)
 from npu_shim.runtime.finder import ShimFinder, after_fork_in_child
 from npu_shim.source.reading import find_package_dir
@@ -54,7 +55,6 @@ class Runtime:
         self.generation = 0
         self.patches = patches        # loaded Patch instances
         self.records = None           # {name: PatchRecord} once decided
-        self.decided_from = None      # "sglang source", or "inherited answers" (source/inherited.py)
         self.imported_before = set()  # target modules already imported when the shim activated
         self.hooked = set()           # every module a patch may touch
         self.watcher = None           # the start-up watcher, once handed in
@@ -146,16 +146,15 @@ class Runtime:
         self.decide(view_of(find_package_dir("sglang")), on_npu, missing_wrapt=reason)
 
     def decide(self, view, on_npu, missing_wrapt=None):
-        """Decide every patch from ``view``, say so, then enforce.  Saying so is three steps -- the
-        answers children inherit (and where the decisions came from), the summary line (now, or
-        when a spawned child's target starts), the metrics -- each guarded: a patch the user asked
-        for that failed stops the process even where one raised, and in strict mode a step that
-        raised stops it too.  The walk goes one way: each call below returns to this one (the
-        functions of decisions.py are handed nothing of the runtime to call back)."""
+        """Decide every patch from ``view``, say so, then enforce.  Saying so is three steps --
+        sglang's version for the process's lines, the summary line (now, or when a spawned child's
+        target starts), the metrics -- each guarded: a patch the user asked for that failed stops
+        the process even where one raised, and in strict mode a step that raised stops it too.
+        The walk goes one way: each call below returns to this one (the functions of decisions.py
+        are handed nothing of the runtime to call back)."""
         self.records = decide_each(self.patches, view, on_npu, missing_wrapt)
-        self.decided_from = decided_from(view)
         self.summary_due = os.getpid()
-        steps = (("exporting the answers", lambda: export(view)),
+        steps = (("noting sglang's version", lambda: note_version(view)),
                  ("the summary line", lambda: self.say_summary_when_due(missing_wrapt)),
                  ("the metrics", metrics.publish))
         failures = [what for what, step in steps if not said(what, step)]

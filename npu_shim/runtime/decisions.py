@@ -1,10 +1,11 @@
-"""One process's decisions: each patch decided into a ``PatchRecord`` (``decide_each``), where
-they came from and the answers children inherit (``decided_from``, ``export``), what a record must
-do when it did not apply (``enforce``: stop the process where the user asked for the patch, or in
-strict mode), undoing a record's changes (``revert_record``), and what a reload's changes leave of
-the old code's (``take_over``, ``Replaced``).  The ``Runtime`` (activation.py) calls these and each
-returns to it: none is handed anything of the runtime to call back, so the walk from activation
-to a wrapper goes one way (tests/runtime/test_decisions.py holds it).  No module-level state."""
+"""One process's decisions: each patch decided into a ``PatchRecord`` (``decide_each``) from the
+sglang source this process reads itself (``view_of``), sglang's version noted for its lines
+(``note_version``), what a record must do when it did not apply (``enforce``: stop the process
+where the user asked for the patch, or in strict mode), undoing a record's changes
+(``revert_record``), and what a reload's changes leave of the old code's (``take_over``,
+``Replaced``).  The ``Runtime`` (activation.py) calls these and each returns to it: none is handed
+anything of the runtime to call back, so the walk from activation to a wrapper goes one way
+(tests/runtime/test_decisions.py holds it).  No module-level state."""
 
 import os
 import sys
@@ -76,10 +77,11 @@ def sglang_view():
 
 
 def view_of(package_dir):
-    """What deciding reads sglang's source through (source/inherited.py), or None without a directory."""
-    from npu_shim.source import inherited
+    """What deciding reads sglang's source through (source/codeview.py), or None without a directory.
+    Every process reads it itself: a spawned child is told nothing by its parent."""
+    from npu_shim.source.codeview import SourceView
 
-    return inherited.view(package_dir) if package_dir else None
+    return SourceView(package_dir) if package_dir else None
 
 
 def running_on_npu():
@@ -128,21 +130,10 @@ def decide_each(patches, view, on_npu, missing_wrapt):
     return records
 
 
-def decided_from(view):
-    """Where the decisions came from: the answers a parent exported (the view reused them and
-    parsed nothing), or the sglang source."""
-    inherited = getattr(view, "reused", False) and not getattr(view, "_modules", None)
-    return "inherited answers" if inherited else "sglang source"
-
-
-def export(view):
-    """The answers children inherit, and sglang's version for this process's lines.  The parsed
-    source is dropped after this (the view is the caller's): every sglang process keeps only the
-    decisions."""
+def note_version(view):
+    """sglang's version for this process's lines (nothing without a view).  The parsed source is
+    dropped after this (the view is the caller's): every sglang process keeps only the decisions."""
     if view is not None:
-        from npu_shim.source import inherited
-
-        inherited.export(view)
         procinfo.note_sglang_version(view.version)
 
 

@@ -5,8 +5,8 @@ function's parameters from its ``__code__``; ``live_fingerprint`` gives its fing
 from deciding (``remember``) while the file is still the one read.  Reading and parsing a source
 file, the fingerprint of a def, and where a package and its version are here too.
 
-Deciding itself (``codeview``'s SourceView, ``inherited``) is needed once per
-process, applying never: nothing here imports them at module level.
+Deciding itself (``codeview``'s SourceView) is needed once per process, applying never: nothing
+here imports it at module level.
 """
 
 import ast
@@ -94,8 +94,8 @@ def file_identity(path):
     return [path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
-# Defs whose fingerprint this process has from their source (deciding, or the answers its parent's
-# source gave): {(path, qualname): (first line, fingerprint, file identity)}.
+# Defs whose fingerprint this process's deciding read from their source (codeview.FunctionInfo):
+# {(path, qualname): (first line, fingerprint, file identity)}.
 _KNOWN = {}
 
 

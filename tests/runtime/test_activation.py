@@ -14,7 +14,7 @@ import pytest
 from npu_shim.core import framework, loading
 from npu_shim.reporting import metrics, procinfo, summary
 from npu_shim.runtime import activation, decisions, metrics_hook, role, targets, wrapt_loader
-from npu_shim.source import inherited
+from npu_shim.source.codeview import SourceView
 from test_bootstrap import DEMO_PATCH, last_json, run, tree  # noqa: F401 - ``tree`` is a fixture
 from test_decisions import logged  # noqa: F401 - a fixture
 from test_framework import declare
@@ -54,8 +54,8 @@ def undecided(monkeypatch):
     """A runtime of the test's own with one test patch (the demo of test_framework: needs no NPU,
     wraps sglang.srt.a:f), nothing decided; the global state deciding touches is restored after."""
     monkeypatch.setattr(procinfo, "_sglang_version", "before")
-    for name in (inherited.ENV, "NPU_SHIM_STRICT", "NPU_SHIM_DEMO"):
-        monkeypatch.setenv(name, "")  # so that the undo also removes what deciding exports
+    for name in ("NPU_SHIM_STRICT", "NPU_SHIM_DEMO"):
+        monkeypatch.setenv(name, "")  # so that the undo also removes what a test sets
         monkeypatch.delenv(name)
     return activation.Runtime(patches=[declare()()])
 
@@ -73,20 +73,19 @@ def test_sglang_view_reads_the_directory_of_the_imported_package(monkeypatch, tm
     package = types.ModuleType("sglang")
     package.__file__ = str(tmp_path / "sglang" / "__init__.py")
     monkeypatch.setitem(sys.modules, "sglang", package)
-    monkeypatch.setenv(inherited.ENV, "")
     view = decisions.sglang_view()
-    assert isinstance(view, inherited.InheritedView)
+    assert type(view) is SourceView
     assert view.package_dir == str(tmp_path / "sglang")
 
 
-def test_deciding_without_sglang_says_sglang_not_found_and_exports_nothing(undecided, monkeypatch):
+def test_deciding_without_sglang_says_sglang_not_found_and_notes_no_version(undecided, monkeypatch):
     monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    environ = dict(os.environ)
     undecided.decide_all()
     record = undecided.record("demo")
     assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang not found")
     assert undecided.states()["demo"]["targets"] == {}
-    assert undecided.decided_from == "sglang source"
-    assert inherited.ENV not in os.environ  # no answers to hand to children
+    assert dict(os.environ) == environ
     assert procinfo.sglang_version() == "before"  # no version read
 
 
@@ -96,7 +95,7 @@ def test_without_wrapt_and_without_sglang_on_disk_nothing_reads_applied(undecide
     undecided.fail_without_wrapt("wrapt is not available: test")
     record = undecided.record("demo")
     assert (record.state, record.reason) == (framework.UNSUPPORTED, "sglang not found")
-    assert inherited.ENV not in os.environ and procinfo.sglang_version() == "before"
+    assert procinfo.sglang_version() == "before"
 
 
 def test_without_wrapt_a_patch_that_would_apply_is_failed(undecided, monkeypatch, tmp_path):
@@ -134,7 +133,7 @@ def boom(*args, **kwargs):
 @pytest.fixture
 def requested(undecided, monkeypatch, tmp_path):
     """The runtime with one patch the user asked for (``must_honour``) that cannot apply: sglang's
-    directory is gone, so a view exists (the answers are exported) and the patch is unsupported."""
+    directory is gone, so a view exists (its version is noted) and the patch is unsupported."""
     module = types.ModuleType("sglang")
     module.__file__ = str(tmp_path / "gone" / "__init__.py")
     monkeypatch.setitem(sys.modules, "sglang", module)
@@ -143,7 +142,6 @@ def requested(undecided, monkeypatch, tmp_path):
 
 
 FAILURE_POINTS = {
-    "inherited.export": lambda mp: mp.setattr(inherited, "export", boom),
     "procinfo.note_sglang_version": lambda mp: mp.setattr(procinfo, "note_sglang_version", boom),
     "summary.report_all": lambda mp: mp.setattr(summary, "report_all", boom),
     "report_invalid_variables": lambda mp: mp.setattr(activation, "report_invalid_variables", boom),
@@ -310,7 +308,7 @@ def activating(undecided, monkeypatch):
 
 def test_a_new_runtime_has_activated_hooked_and_decided_nothing():
     runtime = activation.Runtime()
-    assert (runtime.installed, runtime.patches, runtime.records, runtime.decided_from) == (False, None, None, None)
+    assert (runtime.installed, runtime.patches, runtime.records) == (False, None, None)
     assert (runtime.imported_before, runtime.hooked, runtime.watcher, runtime.own_changes) == (set(), set(), None, [])
     assert runtime.summary_due is None and runtime.finder.waiting() == []
     assert runtime.watches("sglang.srt.a") is False
@@ -534,8 +532,7 @@ def test_the_summary_line_is_followed_by_the_unknown_variables_of_the_patches_re
         ("WARNING", "NPU_SHIM_DEMOO is not a variable npu-shim reads (ignored); did you mean NPU_SHIM_DEMO?")]
 
 
-PUBLISHING_STEPS = {"inherited.export": "exporting the answers",
-                    "procinfo.note_sglang_version": "exporting the answers",
+PUBLISHING_STEPS = {"procinfo.note_sglang_version": "noting sglang's version",
                     "summary.report_all": "the summary line", "report_invalid_variables": "the summary line",
                     "metrics.publish": "the metrics"}
 
@@ -561,28 +558,24 @@ def test_strict_mode_names_every_publishing_step_that_raised(undecided, monkeypa
     monkeypatch.setattr(summary, "report_all", lambda records: None)
     monkeypatch.setattr(activation, "sglang_view", lambda: types.SimpleNamespace(
         version="0.5.9", package_dir=None, function=lambda *a: None, module=lambda d: None))
-    FAILURE_POINTS["inherited.export"](monkeypatch)
+    FAILURE_POINTS["procinfo.note_sglang_version"](monkeypatch)
     FAILURE_POINTS["metrics.publish"](monkeypatch)
     monkeypatch.setenv("NPU_SHIM_STRICT", "1")
     with pytest.raises(framework.ShimError, match=r"^npu-shim \(strict\): publishing the decisions failed: "
-                                                 r"exporting the answers, the metrics$"):
+                                                 r"noting sglang's version, the metrics$"):
         runtime.decide_all()
 
 
-@pytest.mark.parametrize("attributes, source", [
-    ({"reused": True}, "inherited answers"), ({"reused": True, "_modules": {}}, "inherited answers"),
-    ({"reused": True, "_modules": {"sglang.srt.a": object()}}, "sglang source"),
-    ({"reused": False}, "sglang source"), ({}, "sglang source")])
-def test_decided_from_inherited_answers_only_where_the_view_reused_them_and_parsed_nothing(
-        undecided, monkeypatch, attributes, source):
-    exported = []
-    monkeypatch.setattr(inherited, "export", exported.append)
+def test_deciding_notes_the_views_version_and_hands_nothing_on_through_the_environment(undecided, monkeypatch):
+    """A process that decided leaves the environment its children inherit as it was: each of them
+    reads sglang's source itself."""
     view = types.SimpleNamespace(version="0.5.9", package_dir=None, function=lambda *a: None,
-                                 module=lambda dotted: None, **attributes)
+                                 module=lambda dotted: None)
     monkeypatch.setattr(activation, "sglang_view", lambda: view)
+    environ = dict(os.environ)
     undecided.decide_all()
-    assert undecided.decided_from == decisions.decided_from(view) == source
-    assert exported == [view] and procinfo.sglang_version() == "0.5.9"
+    assert undecided.record("demo").state == framework.UNSUPPORTED
+    assert procinfo.sglang_version() == "0.5.9" and dict(os.environ) == environ
 
 
 def test_a_step_of_saying_the_decisions_says_whether_it_ran_and_a_failure_is_logged_once(logged):

@@ -276,21 +276,23 @@ def test_nothing_here_calls_back_what_the_runtime_handed_it():
     assert not hasattr(decisions, "published")  # the guard of the runtime's own steps is the runtime's
 
 
-def test_the_answers_are_exported_and_the_version_noted_only_where_there_is_a_view(monkeypatch):
+def test_the_version_is_noted_only_where_there_is_a_view(monkeypatch):
     from npu_shim.reporting import procinfo
-    from npu_shim.source import inherited
 
-    exported = []
-    monkeypatch.setattr(inherited, "export", exported.append)
     monkeypatch.setattr(procinfo, "_sglang_version", "before")
-    decisions.export(None)
-    assert exported == [] and procinfo.sglang_version() == "before"
-    view = types.SimpleNamespace(version="0.5.9")
-    decisions.export(view)
-    assert exported == [view] and procinfo.sglang_version() == "0.5.9"
+    decisions.note_version(None)
+    assert procinfo.sglang_version() == "before"
+    decisions.note_version(types.SimpleNamespace(version="0.5.9"))
+    assert procinfo.sglang_version() == "0.5.9"
 
 
-def test_a_view_is_read_only_where_there_is_a_directory(monkeypatch, tmp_path):
-    monkeypatch.setenv("NPU_SHIM_SOURCE_ANSWERS", "")
+def test_a_view_is_read_only_where_there_is_a_directory_and_from_the_source_itself(monkeypatch, tmp_path):
+    """Whatever the environment holds: a child decides from the source as its parent does (the
+    record a parent once handed its children, NPU_SHIM_SOURCE_ANSWERS, is not read)."""
+    from npu_shim.source.codeview import SourceView
+
+    (tmp_path / "version.py").write_text('__version__ = "0.5.9"\n')
+    monkeypatch.setenv("NPU_SHIM_SOURCE_ANSWERS", '{"format": 2, "dir": "%s", "version": "9.9.9"}' % tmp_path)
     assert decisions.view_of(None) is None and decisions.view_of("") is None
-    assert decisions.view_of(str(tmp_path)).package_dir == str(tmp_path)
+    view = decisions.view_of(str(tmp_path))
+    assert type(view) is SourceView and view.package_dir == str(tmp_path) and view.version == "0.5.9"

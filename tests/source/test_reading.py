@@ -73,6 +73,56 @@ def test_loaded_code_is_checked_from_memory_only_while_its_file_is_the_one_read(
     assert reading.live_fingerprint(target) == read
 
 
+def _decided_and_loaded(tmp_path, text):
+    """(the SourceView deciding reads, the def ``f`` of sglang/srt/a.py as the import loads it)."""
+    package = tmp_path / "sglang"
+    (package / "srt").mkdir(parents=True)
+    path = package / "srt" / "a.py"
+    path.write_text(text)
+    loaded = {}
+    exec(compile(path.read_text(), str(path), "exec"), loaded)  # as the import would load it
+    return codeview.SourceView(str(package)), loaded["f"], path
+
+
+def test_a_fingerprint_deciding_read_is_known_when_applying_without_reading_the_file(tmp_path, monkeypatch):
+    """The loaded code is checked against the fingerprint deciding read in this process while its
+    file is the one read (``reading.remember``, keyed by the file's path): applying reads nothing
+    again."""
+    import inspect
+
+    monkeypatch.setattr(reading, "_KNOWN", {})
+    view, loaded, _path = _decided_and_loaded(tmp_path, "def f(x):\n    return x + 1\n")
+    fingerprint = view.function("sglang.srt.a", "f").fingerprint
+
+    def unread(*args, **kwargs):
+        raise AssertionError("the file was read again")
+
+    monkeypatch.setattr(reading, "read_source", unread)
+    monkeypatch.setattr(inspect, "getsource", unread)
+    assert reading.live_fingerprint(loaded) == fingerprint
+
+
+def test_a_file_written_after_deciding_read_it_is_read_again_when_applying(tmp_path, monkeypatch):
+    """The def deciding fingerprinted, its file written since (its identity taken before it was
+    read): applying reads the loaded def again, and sees what is there now."""
+    monkeypatch.setattr(reading, "_KNOWN", {})
+    view, _loaded, path = _decided_and_loaded(tmp_path, "def f(x):\n    return x + 1\n")
+    decided = view.function("sglang.srt.a", "f").fingerprint
+    path.write_text("def f(x):\n    return x + 2\n")
+    loaded = {}
+    exec(compile(path.read_text(), str(path), "exec"), loaded)
+    assert reading.live_fingerprint(loaded["f"]) != decided
+    assert reading.live_fingerprint(loaded["f"]) == codeview.SourceView(view.package_dir).function(
+        "sglang.srt.a", "f").fingerprint
+
+
+def test_only_a_def_read_from_a_file_is_remembered(monkeypatch):
+    """A module read from text alone (no file identity) fingerprints as ever and remembers nothing."""
+    monkeypatch.setattr(reading, "_KNOWN", {})
+    info = ModuleSource("m.py", "def f(x):\n    return x\n").function("f")
+    assert info.fingerprint and reading._KNOWN == {}
+
+
 def test_live_params_read_the_parameters_as_the_source_names_them():
     class Owner:
         def method(self, a, /, b, *rest, c, **more):
@@ -106,15 +156,15 @@ def test_find_package_dir_never_asks_the_shims_own_watcher(monkeypatch, tmp_path
 
 
 def test_applying_needs_none_of_the_deciding_modules():
-    """Applying never needs codeview or inherited (deciding's modules): this module,
-    which applying uses, must not import them at module level."""
+    """Applying never needs codeview (deciding's module): this module, which applying uses, must
+    not import it at module level."""
     import ast
 
     tree = ast.parse(open(reading.__file__).read())
     top = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
     names = {alias.name for node in top for alias in node.names} | {
         node.module for node in top if isinstance(node, ast.ImportFrom)}
-    assert not names & {"codeview", "inherited", "npu_shim.source.codeview", "npu_shim.source.inherited"}
+    assert not names & {"codeview", "npu_shim.source.codeview"}
 
 
 # -- the fingerprint is a fixed function of the code ----------------------------------------------

@@ -93,7 +93,7 @@ ROWS = (
     ("bench_shim_cost", "the same import overhead in instructions executed"),
     ("bench_shim_cost", "the shim's own time in that process, and in a child, timed inside it"),
     ("bench_shim_cost", "memory the shim retains in an sglang 0.5.11 process, every applicable patch on"),
-    ("bench_shim_cost", "the same two in a child process (decides from the answers its parent's source gave)"),
+    ("bench_shim_cost", "the same two in a spawned child process (decides from the sglang source itself)"),
     ("bench_drop_in", "start-up of `python -c pass`, read-only bundle (its .pyc) on PYTHONPATH vs no shim"),
     ("bench_drop_in", "start-up of `python -c pass`, read-only bundle vs no shim, in instructions executed"),
     ("bench_hot_path", "npu_mla_preprocess wrapper in eager mode, a layer it has seen: added ns/call (real sglang "

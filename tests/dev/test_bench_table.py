@@ -76,7 +76,8 @@ def test_write_docs_puts_a_run_between_the_markers_and_leaves_the_rest(tmp_path)
     assert written.startswith(head + bench_rows.TABLE_START + "\n`python3 scripts/bench.py` on a test run.\n\n")
     assert written.endswith(bench_rows.TABLE_END + rest.split(bench_rows.TABLE_END, 1)[1])
     assert bench_rows.doc_rows(written) == [what for _, what in bench_rows.ROWS]
-    assert "stale" not in written and written.count("| 1 ms | t |") == len(bench_rows.ROWS)
+    assert "stale" not in written and written.count("| h | 1 ms | t |") == 1  # then "the same"
+    assert written.count("| the same | 1 ms | the same |") == len(bench_rows.ROWS) - 1
 
 
 def test_a_row_marked_failed_is_a_problem_and_keeps_its_one_line_cell():
@@ -292,3 +293,14 @@ def test_a_graph_server_that_captured_nothing_stops_the_bench_and_every_server(m
     with pytest.raises(RuntimeError, match="the on server came up without 'Capture npu graph end'"):
         bench.measure(rounds=1, log_dir="/nonexistent", log=lambda line: None)
     assert events == [("start", "off"), ("start", "on"), ("stop", "on"), ("stop", "off")]
+
+
+def test_a_how_or_target_that_repeats_the_row_above_says_the_same():
+    rows = [{"what": "a", "how": "h", "measured": "1", "target": "t", "ok": True, "script": "s"},
+            {"what": "b", "how": "h", "measured": "1", "target": "u", "ok": True, "script": "s"},
+            {"what": "c", "how": "h2", "measured": "1", "target": "u", "ok": None, "script": "s"},
+            {"what": "d", "how": "", "measured": "1", "target": "", "ok": None, "script": "s"},
+            {"what": "e", "how": "", "measured": "1", "target": "", "ok": None, "script": "s"}]
+    lines = bench_rows.render(rows).splitlines()[2:]
+    assert lines == ["| a | h | 1 | t | ok | s |", "| b | the same | 1 | u | ok | s |",
+                     "| c | h2 | 1 | the same | - | s |", "| d |  | 1 |  | - | s |", "| e |  | 1 |  | - | s |"]

@@ -197,11 +197,16 @@ def budget_lines(rows):
 
 
 def render(rows):
-    """The table (header + one line per row) for rows with what/how/measured/target/ok/script."""
-    lines = list(HEADER)
+    """The table (header + one line per row) for rows with what/how/measured/target/ok/script; a
+    ``how`` or ``target`` cell that repeats the row above's says "the same" (the page is read)."""
+    lines, above = list(HEADER), {}
     for row in rows:
-        lines.append("| %s |" % " | ".join(cell(row[k]) if k != "ok" else RESULT[row["ok"]]
-                                            for k in ("what", "how", "measured", "target", "ok", "script")))
+        cells = []
+        for k in ("what", "how", "measured", "target", "ok", "script"):
+            text = RESULT[row["ok"]] if k == "ok" else cell(row[k])
+            cells.append("the same" if k in ("how", "target") and text and text == above.get(k) else text)
+            above[k] = text
+        lines.append("| %s |" % " | ".join(cells))
     return "\n".join(lines)
 
 

@@ -21,32 +21,27 @@ import ast
 import os
 import re
 
-from npu_shim.source.reading import file_identity, fingerprint_node, parse_source, read_source, read_version, remember
+from npu_shim.source.reading import fingerprint_node, parse_source, read_source, read_version
 
 
 class FunctionInfo:
     """A function or method as written in the source."""
 
-    __slots__ = ("qualname", "params", "first_line", "_node", "_fingerprint", "_file")
+    __slots__ = ("qualname", "params", "first_line", "_node", "_fingerprint")
 
-    def __init__(self, qualname, params, node, file=None):
+    def __init__(self, qualname, params, node):
         self.qualname = qualname
         self.params = params            # parameter names, ``self``/``cls`` left out for methods
         # The def's first line in the file (its first decorator's), as its code's co_firstlineno.
         self.first_line = (node.decorator_list[0] if node.decorator_list else node).lineno
         self._node = node
         self._fingerprint = None
-        self._file = file               # (path, file identity before it was read), or None
 
     @property
     def fingerprint(self):
-        """Short hash of the normalised AST of the whole def (computed on first use).  Applying in
-        this process then checks the loaded def against it without reading the file again, while
-        the file is the one read (``reading.remember``)."""
+        """Short hash of the normalised AST of the whole def (computed on first use)."""
         if self._fingerprint is None:
             self._fingerprint = fingerprint_node(self._node)
-            if self._file is not None and self._file[1] is not None:
-                remember(self._file[0], self.qualname, self.first_line, self._fingerprint, self._file[1])
         return self._fingerprint
 
     def __repr__(self):
@@ -84,20 +79,18 @@ def walk_block(body):
             yield from walk_block(node.finalbody)
 
 
-def _definitions(body, file=None):
+def _definitions(body):
     """({qualname: FunctionInfo}, {module-level name}) of a module's statements: defs, classes,
-    assigned names and imports, looking through if/try blocks; ``file``: (path, identity) of the
-    file they were read from."""
+    assigned names and imports, looking through if/try blocks."""
     functions, names = {}, set()
     for node in walk_block(body):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            functions[node.name] = FunctionInfo(node.name, _params(node.args, False), node, file)
+            functions[node.name] = FunctionInfo(node.name, _params(node.args, False), node)
         elif isinstance(node, ast.ClassDef):
             for item in node.body:
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     qualname = node.name + "." + item.name
-                    functions[qualname] = FunctionInfo(qualname, _params(item.args, not _is_static(item)), item,
-                                                       file)
+                    functions[qualname] = FunctionInfo(qualname, _params(item.args, not _is_static(item)), item)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -112,10 +105,9 @@ class ModuleSource:
     """Functions, methods and global names of one module, from its source (parsed once, whole,
     when first asked)."""
 
-    def __init__(self, path, text, identity=None):
+    def __init__(self, path, text):
         self.path = path
         self.text = text
-        self.identity = identity  # reading.file_identity of the file, taken before it was read
         self._whole = None  # (functions, globals) once the module is parsed
 
     @property
@@ -138,7 +130,7 @@ class ModuleSource:
 
     def _parse_whole(self):
         if self._whole is None:
-            self._whole = _definitions(parse_source(self.text, self.path).body, (self.path, self.identity))
+            self._whole = _definitions(parse_source(self.text, self.path).body)
         return self._whole
 
     def contains(self, pattern):
@@ -167,8 +159,7 @@ class SourceView:
         base = os.path.join(self.package_dir, *parts[1:])
         for path in (base + ".py", os.path.join(base, "__init__.py")):
             if os.path.isfile(path):
-                identity = file_identity(path)  # before reading: a write after it shows
-                return ModuleSource(path, read_source(path), identity)
+                return ModuleSource(path, read_source(path))
         return None
 
     def function(self, dotted, qualname):

@@ -1,9 +1,9 @@
 """What applying asks of sglang in every process, and what both sides of a decision share.
 
 Applying checks the loaded code against what deciding read: ``live_params`` reads an imported
-function's parameters from its ``__code__``; ``live_fingerprint`` gives its fingerprint, known
-from deciding (``remember``) while the file is still the one read.  Reading and parsing a source
-file, the fingerprint of a def, and where a package and its version are here too.
+function's parameters from its ``__code__``; ``live_fingerprint`` gives its fingerprint from the
+def's source as loaded.  Reading and parsing a source file, the fingerprint of a def, and where a
+package and its version are here too.
 
 Deciding itself (``codeview``'s SourceView) is needed once per process, applying never: nothing
 here imports it at module level.
@@ -84,43 +84,15 @@ def fingerprint_node(node):
     return hashlib.sha256(_canonical(node).encode()).hexdigest()[:16]
 
 
-def file_identity(path):
-    """[path, size, mtime_ns, ctime_ns, inode] of a file, or None: what says it is still the file
-    that was read (``ctime`` changes with any write and cannot be set back)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return [path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-
-
-# Defs whose fingerprint this process's deciding read from their source (codeview.FunctionInfo):
-# {(path, qualname): (first line, fingerprint, file identity)}.
-_KNOWN = {}
-
-
-def remember(path, qualname, first_line, fingerprint, identity):
-    """``live_fingerprint`` of the def at ``first_line`` of ``path`` is ``fingerprint`` while the
-    file keeps ``identity``."""
-    _KNOWN[(path, qualname)] = (first_line, fingerprint, identity)
-
-
 def live_fingerprint(func):
-    """``fingerprint_node`` of an imported function, from the source file it was loaded from:
-    known already when this process read that def of that file (``remember``) and the file is
-    still the one read; else through ``inspect``.  The file's lines ``inspect`` reads are not left
-    in ``linecache`` (every sglang process would keep them)."""
+    """``fingerprint_node`` of an imported function, from the source file it was loaded from
+    (through ``inspect``).  The file's lines ``inspect`` reads are not left in ``linecache``
+    (every sglang process would keep them)."""
     import inspect
     import linecache
 
     func = unwrap(func)
-    code = getattr(func, "__code__", None)
-    qualname = getattr(func, "__qualname__", "")
-    if code is not None:
-        known = _KNOWN.get((code.co_filename, qualname))
-        if known is not None and known[0] == code.co_firstlineno and known[2] == file_identity(code.co_filename):
-            return known[1]
-    filename = getattr(code, "co_filename", None)
+    filename = getattr(getattr(func, "__code__", None), "co_filename", None)
     kept = filename in linecache.cache
     try:
         source = inspect.getsource(func)

@@ -4,7 +4,6 @@
 """
 
 import ast
-import os
 import sys
 
 import pytest
@@ -47,32 +46,6 @@ def test_the_loaded_code_has_the_fingerprint_its_source_has():
     assert checked > 200
 
 
-def test_loaded_code_is_checked_from_memory_only_while_its_file_is_the_one_read(tmp_path, monkeypatch):
-    """live_fingerprint answers from what deciding read (``remember``) only for the def at that
-    line of that file, unchanged since; otherwise it reads the file again."""
-    import importlib
-    import time
-    import uuid
-
-    monkeypatch.setattr(reading, "_KNOWN", {})
-    monkeypatch.syspath_prepend(str(tmp_path))
-    # A name of its own: a test process that runs this twice (mutmut's stats, then clean run) must
-    # not get the first run's module, whose file went with its tmp_path.
-    name = "known_module_" + uuid.uuid4().hex
-    (tmp_path / (name + ".py")).write_text("def target(a):\n    return a\n")
-    importlib.invalidate_caches()
-    target = importlib.import_module(name).target
-    path = target.__code__.co_filename
-    read = reading.live_fingerprint(target)
-    reading.remember(path, "target", 2, "remembered", reading.file_identity(path))
-    assert reading.live_fingerprint(target) == read  # another line: not that def
-    reading.remember(path, "target", 1, "remembered", reading.file_identity(path))
-    assert reading.live_fingerprint(target) == "remembered"
-    time.sleep(0.01)
-    os.utime(path)  # any change of the file changes its ctime
-    assert reading.live_fingerprint(target) == read
-
-
 def _decided_and_loaded(tmp_path, text):
     """(the SourceView deciding reads, the def ``f`` of sglang/srt/a.py as the import loads it)."""
     package = tmp_path / "sglang"
@@ -84,28 +57,9 @@ def _decided_and_loaded(tmp_path, text):
     return codeview.SourceView(str(package)), loaded["f"], path
 
 
-def test_a_fingerprint_deciding_read_is_known_when_applying_without_reading_the_file(tmp_path, monkeypatch):
-    """The loaded code is checked against the fingerprint deciding read in this process while its
-    file is the one read (``reading.remember``, keyed by the file's path): applying reads nothing
-    again."""
-    import inspect
-
-    monkeypatch.setattr(reading, "_KNOWN", {})
-    view, loaded, _path = _decided_and_loaded(tmp_path, "def f(x):\n    return x + 1\n")
-    fingerprint = view.function("sglang.srt.a", "f").fingerprint
-
-    def unread(*args, **kwargs):
-        raise AssertionError("the file was read again")
-
-    monkeypatch.setattr(reading, "read_source", unread)
-    monkeypatch.setattr(inspect, "getsource", unread)
-    assert reading.live_fingerprint(loaded) == fingerprint
-
-
-def test_a_file_written_after_deciding_read_it_is_read_again_when_applying(tmp_path, monkeypatch):
-    """The def deciding fingerprinted, its file written since (its identity taken before it was
-    read): applying reads the loaded def again, and sees what is there now."""
-    monkeypatch.setattr(reading, "_KNOWN", {})
+def test_a_file_written_after_deciding_read_it_is_read_again_when_applying(tmp_path):
+    """The def deciding fingerprinted, its file written since: applying reads the loaded def
+    again, and sees what is there now."""
     view, _loaded, path = _decided_and_loaded(tmp_path, "def f(x):\n    return x + 1\n")
     decided = view.function("sglang.srt.a", "f").fingerprint
     path.write_text("def f(x):\n    return x + 2\n")
@@ -114,13 +68,6 @@ def test_a_file_written_after_deciding_read_it_is_read_again_when_applying(tmp_p
     assert reading.live_fingerprint(loaded["f"]) != decided
     assert reading.live_fingerprint(loaded["f"]) == codeview.SourceView(view.package_dir).function(
         "sglang.srt.a", "f").fingerprint
-
-
-def test_only_a_def_read_from_a_file_is_remembered(monkeypatch):
-    """A module read from text alone (no file identity) fingerprints as ever and remembers nothing."""
-    monkeypatch.setattr(reading, "_KNOWN", {})
-    info = ModuleSource("m.py", "def f(x):\n    return x\n").function("f")
-    assert info.fingerprint and reading._KNOWN == {}
 
 
 def test_live_params_read_the_parameters_as_the_source_names_them():
@@ -253,7 +200,6 @@ def test_live_fingerprint_leaves_linecache_as_it_found_it(tmp_path, monkeypatch)
     import linecache
     import uuid
 
-    monkeypatch.setattr(reading, "_KNOWN", {})
     monkeypatch.syspath_prepend(str(tmp_path))
     cached, uncached = ("%s_%s" % (kind, uuid.uuid4().hex) for kind in ("cached", "uncached"))  # per run
     (tmp_path / (cached + ".py")).write_text("def first(a):\n    return a\n")

@@ -99,6 +99,12 @@ def test_zbal_init_and_its_parameters(tmp_path, module, problems):
     assert zp.api_problems(package(tmp_path, zbal_module_py=module)) == problems
 
 
+def test_parameter_problems_follow_the_names_missing_before_them(tmp_path):
+    module = "def zbal_init(world_size, device_id, rank_id, device_mem_size):\n    pass\n"
+    assert zp.api_problems(package(tmp_path, zbal_buffer_py="", zbal_module_py=module)) == [
+        "zbal_buffer.py has no Buffer", "zbal_init has no parameter ip_port"]
+
+
 def test_problems_of_every_file_together(tmp_path):
     assert zp.api_problems(write_package(tmp_path / "zbal", {})) == [
         "__init__.py unreadable (FileNotFoundError)", "zbal_buffer.py unreadable (FileNotFoundError)",

@@ -71,6 +71,13 @@ def test_a_dotted_import_binds_its_first_name(tmp_path):
     assert zp.api_problems(package(tmp_path, __init___py=init)) == ["__init__.py has no is_mix_alloc"]
 
 
+def test_files_are_read_in_their_declared_encoding(tmp_path):
+    root = package(tmp_path)
+    text = "# -*- coding: latin-1 -*-\nNAME = '\u00e9'\n" + COMPLETE["__init__.py"]
+    (tmp_path / "zbal" / "__init__.py").write_bytes(text.encode("latin-1"))
+    assert zp.api_problems(root) == []
+
+
 def test_unreadable_files_are_named_and_the_others_still_checked(tmp_path):
     assert zp.api_problems(package(tmp_path, __init___py="def (:\n", zbal_buffer_py="x = 1\n")) == [
         "__init__.py unreadable (SyntaxError)", "zbal_buffer.py has no Buffer"]

@@ -86,21 +86,17 @@ class Bed:
             raise
         return server
 
-    def _after(self, name):
-        """What ``name`` answered and held right after its start; a server stopped to make room
-        is not started again for it."""
-        if name not in self.after:
-            self.get(name)
-        return self.after[name]
-
     def answers(self, name):
-        return self._after(name)[0]
+        self.get(name)
+        return self.after[name][0]
 
     def memory(self, name):
-        return self._after(name)[1]
+        self.get(name)
+        return self.after[name][1]
 
     def details(self, name):
-        return self._after(name)[2]
+        self.get(name)
+        return self.after[name][2]
 
     def stop_all(self):
         self.pool.stop_all()

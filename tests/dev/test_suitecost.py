@@ -153,3 +153,14 @@ def test_under_loadgroup_a_group_s_tests_run_on_one_worker():
     grouped = {worker for worker, nodeid in ran if nodeid.endswith("@module:tests/cli/test_status.py")}
     assert len(grouped) == 1, ran
     assert len([n for _, n in ran if "@" in n]) >= 5 and len(ran) > len([n for _, n in ran if "@" in n]), ran
+
+
+def test_an_mla_decode_server_with_graphs_is_named_apart_from_its_eager_twin(tmp_path):
+    from shimdev.server import mla
+
+    eager = mla.decode_server("0.5.11", 2, "on", tmp_path, "eager")
+    graphs = mla.decode_server("0.5.11", 2, "on", tmp_path, "on", graphs=True)
+    assert "--disable-cuda-graph" in eager.config() and "--disable-cuda-graph" not in graphs.config()
+    flag = " ".join([mla.graph_bs_flag("0.5.11"), *map(str, mla.GRAPH_BATCH_SIZES)])
+    assert flag in graphs.config() and flag not in eager.config()
+    assert graphs.argv[graphs.argv.index("sglang.launch_server") + 1:] == graphs.args

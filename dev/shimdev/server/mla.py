@@ -55,9 +55,10 @@ def decode_server(version: str, tp: int, shim: str, workdir: Path, name: str,
     server = Server(version, model, args=decode_args(tp) + ["--enable-metrics"], env=env, shim=shim,
                     log_path=Path(workdir) / f"mla-{name}.log")
     server.model_dir = model
-    if graphs:
-        server.argv = [a for a in server.argv if a != "--disable-cuda-graph"]
-        server.argv += [graph_bs_flag(version), *map(str, GRAPH_BATCH_SIZES)]
+    if graphs:  # in argv and in args, which the suite's cost report names the server by
+        graph_args = [graph_bs_flag(version), *map(str, GRAPH_BATCH_SIZES)]
+        server.argv = [a for a in server.argv if a != "--disable-cuda-graph"] + graph_args
+        server.args = [a for a in server.args if a != "--disable-cuda-graph"] + graph_args
     return server
 
 

@@ -252,7 +252,11 @@ _ZBAL_WORLD = """
                             timeout=datetime.timedelta(seconds=60))
     t = torch.tensor([rank + 1.0], device="npu")
     dist.all_reduce(t)
-    print(json.dumps({"ok": ok, "heap": total, "sum": t.item(), "world": simzbal.STATE.world}))
+    print(json.dumps({"ok": ok, "heap": total, "sum": t.item(), "world": simzbal.STATE.world}), flush=True)
+    # Both ranks leave together: a rank whose peer exited first can abort in gloo's threads
+    # ("terminate called without an active exception") at its own exit.
+    dist.barrier()
+    dist.destroy_process_group()
 """
 
 

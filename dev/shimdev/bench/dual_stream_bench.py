@@ -30,6 +30,7 @@ import time
 
 from npu_shim.patches._selftest import _synthetic_moe
 from npu_shim.patches._selftest._synthetic_moe import DEFAULTS, build_block, serial_forward as _serial_forward
+from shimdev.bench import interleave
 
 WHAT = "dual-stream overlap (CUDA or NPU when present)"
 TARGET = ">= 90 % of the ideal saving (serial - max(shared, routed))"
@@ -153,14 +154,12 @@ def wrapper_cost(device, wrapt, tokens=16, calls=200, rounds=9, device_module=No
                     fn()
             dm.synchronize()
             out = {name: [] for name in arms}
-            for index in range(rounds):
-                names = list(arms) if index % 2 == 0 else list(reversed(list(arms)))
-                for name in names:
-                    start = time.perf_counter()
-                    for _ in range(calls):
-                        arms[name]()
-                    dm.synchronize()
-                    out[name].append((time.perf_counter() - start) * 1000.0 / calls)
+            for _, name in interleave.turns(rounds, list(arms)):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    arms[name]()
+                dm.synchronize()
+                out[name].append((time.perf_counter() - start) * 1000.0 / calls)
     finally:
         torch.get_device_module = real_get
     return {"ms": out, "dual_stream_python_calls": process.counts["dual_stream_python_calls"]}

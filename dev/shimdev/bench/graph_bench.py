@@ -32,6 +32,7 @@ import argparse
 import statistics
 
 from npu_shim.patches._selftest import _synthetic_moe
+from shimdev.bench import interleave
 
 WHAT = "dual-stream overlap, eager beside graph replay, over one sweep of sizes"
 TARGET = ">= 90 % of the ideal saving (serial - max(shared, routed)) under graph replay"
@@ -180,10 +181,8 @@ def mla_replay(device, dm, tokens=64, rounds=7, reps=20, dims=None):
                     dm, lambda fn=fn, m=m: fn(m, hidden, None, None, None), warmup=3)
             before = calls[0]
             out = {name: [] for name in graphs}
-            for index in range(rounds):
-                names = list(graphs) if index % 2 == 0 else list(reversed(list(graphs)))
-                for name in names:
-                    out[name].append(_synthetic_moe.sample_ms(graphs[name].replay, dm, reps))
+            for _, name in interleave.turns(rounds, list(graphs)):
+                out[name].append(_synthetic_moe.sample_ms(graphs[name].replay, dm, reps))
             dm.synchronize()
             in_replays = calls[0] - before
             equal = all(bool(torch.equal(a, b)) for a, b in zip(outs["replaced"], outs["shim"]))

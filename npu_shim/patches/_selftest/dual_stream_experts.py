@@ -57,10 +57,10 @@ def _graph_sweep(step, shape, sizes, budget=None):
     from npu_shim.patches._selftest import _synthetic_moe
 
     budget = CROSSOVER_BUDGET_S if budget is None else budget
-    started, found = time.monotonic(), {}
-    for index, count in enumerate(sorted(sizes)):
+    started, found, ordered = time.monotonic(), {}, sorted(sizes)
+    for index, count in enumerate(ordered):
         if found and time.monotonic() - started > budget:
-            return found, sorted(sizes)[index:]
+            return found, ordered[index:]
         step.progress("%d tokens: single-stream vs dual-stream captured into graphs, replays timed" % count)
         found[count] = _synthetic_moe.measure_graph(_graphs_device(step), device_module=step.dm,
                                                     **dict(shape, tokens=count, routed="masked"))

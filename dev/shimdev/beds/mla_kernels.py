@@ -294,14 +294,18 @@ _MODEL_DIR = None
 
 
 def _model_dir():
-    """A local HF config (DeepSeek-V3 shapes) so ServerArgs can be built offline."""
+    """A local HF config (DeepSeek-V3 shapes) so ServerArgs can be built offline; removed when the
+    process exits (every scenario process makes its own)."""
     global _MODEL_DIR
     if _MODEL_DIR is None:
+        import atexit
         import json
         import os
+        import shutil
         import tempfile
 
         _MODEL_DIR = tempfile.mkdtemp(prefix="mla-model-")
+        atexit.register(shutil.rmtree, _MODEL_DIR, True)
         c = CONFIGS["deepseek-v3"]
         with open(os.path.join(_MODEL_DIR, "config.json"), "w") as f:
             json.dump({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],

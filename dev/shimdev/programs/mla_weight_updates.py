@@ -1,6 +1,8 @@
 """Weight-update requests after the MLA weights were released
 (tests/patches/test_mla_weight_updates_real.py)."""
+import atexit
 import os
+import shutil
 import tempfile
 import types
 
@@ -44,6 +46,7 @@ class Model(torch.nn.Module):
 
 def checkpoint(tensors):
     path = tempfile.mkdtemp(prefix="ckpt-")
+    atexit.register(shutil.rmtree, path, True)  # the scenario's process is the checkpoint's only reader
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
     return path
 

@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,8 +62,10 @@ class ServerError(AssertionError):
 @functools.lru_cache(maxsize=None)
 def _private_dir() -> Path:
     """This process's own directory (mkdtemp: 0700, a new name): nothing another user of a shared
-    /tmp made or links to."""
-    return Path(tempfile.mkdtemp(prefix="npu-shim-server-"))
+    /tmp made or links to; removed when the process exits."""
+    path = tempfile.mkdtemp(prefix="npu-shim-server-")
+    atexit.register(shutil.rmtree, path, True)
+    return Path(path)
 
 
 def _empty_dir() -> Path:

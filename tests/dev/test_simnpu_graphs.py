@@ -592,39 +592,37 @@ def test_the_graph_only_ops_compute_and_refuse_a_short_workspace():
 GRAPH_REQUESTS = (([5, 6, 7, 8], 8), ([100, 200, 300, 400, 500], 8), ([9, 10, 11], 45))
 
 
-def _serve_eager(version, tmp_path):
-    """What a real sglang server (the shim absent) with graphs off answers greedily, and its log."""
-    from shimdev.server import models
-    from shimdev.server.process import Server
+def _eager(version):
+    """The graphs-off server a release's tokens are compared with, from tests/test_real_server.py's
+    bed: 0.5.11's is the one its graphs-on/graphs-off zbal test starts anyway (the shim's tokens are
+    the shim-absent server's, which that file checks); 0.5.9 has none there, so one of its own."""
+    from test_real_server import HEAP_MIB
 
-    model = models.ensure_model("qwen2", version)
-    server = Server(version, model, args=["--mem-fraction-static", "0.5", "--tp-size", "1"],
-                    env={"SIMNPU_TOTAL_MIB": 512}, shim="absent", log_path=tmp_path / ("%s-graphs-off.log" % version))
-    assert "--disable-cuda-graph" in server.argv
-    try:
-        server.start()
-        return [server.generate(p, n) for p, n in GRAPH_REQUESTS], server.log_text()
-    finally:
-        server.stop()
+    return {"0.5.9": ("off-eager", dict(shim="absent", graphs=False)),
+            "0.5.11": ("full-eager", dict(zbal_mib=HEAP_MIB, graphs=False))}[version]
 
 
 @pytest.mark.parametrize("version", [pytest.param(v, marks=pytest.mark.xdist_group("server-" + v))
                                      for v in ("0.5.9", "0.5.11")])
-def test_a_real_sglang_server_captures_replays_and_answers_as_without_graphs(version, servers, tmp_path):
+def test_a_real_sglang_server_captures_replays_and_answers_as_without_graphs(version, servers):
     """sglang's NPUGraphRunner (two warm-ups, torch.npu.graph with the global pool and
     auto_dispatch_capture, update from a thread while replay runs) comes up and decodes by replay,
-    with the same greedy tokens as the same server with graphs off.  The graphs-on server is
+    with the same greedy tokens as a server of the release with graphs off.  The graphs-on server is
     tests/test_real_server.py's ``off`` (the shim absent, batch sizes 1 and 2 captured; the
-    release's group runs both files on one worker, this test first): one start fewer."""
+    release's group runs both files on one worker, this test first)."""
     server = servers.live("off", version, shim="absent")
     assert "--cuda-graph-bs" in server.argv and "--disable-cuda-graph" not in server.argv
-    on = [server.generate(p, n) for p, n in GRAPH_REQUESTS]
+    for prompt, new_tokens in GRAPH_REQUESTS:
+        server.generate(prompt, new_tokens)
     log = server.log_text()
     assert "Capture npu graph end" in log and "Capture cuda graph bs [1, 2]" in log
     assert re.search(r"Decode batch.*(npu|cuda) graph: True", log), "no decode step replayed a graph"
-    off, log_off = _serve_eager(version, tmp_path)
-    assert not re.search(r"Decode batch.*graph: True", log_off)
-    assert on == off
+    name, options = _eager(version)
+    graphs_on = servers.answers_of("off", version)
+    eager = servers.get(name, version, **options)
+    assert "--disable-cuda-graph" in eager.argv
+    assert servers.answers_of(name, version, **options) == graphs_on
+    assert "Capture" not in eager.log_text()
 
 
 def test_the_sanitizer_takes_no_edge_from_a_capture_as_it_is_captured():

@@ -592,24 +592,18 @@ def test_the_graph_only_ops_compute_and_refuse_a_short_workspace():
 GRAPH_REQUESTS = (([5, 6, 7, 8], 8), ([100, 200, 300, 400, 500], 8), ([9, 10, 11], 45))
 
 
-def _eager(version):
-    """The graphs-off server a release's tokens are compared with, from tests/test_real_server.py's
-    bed: 0.5.11's is the one its graphs-on/graphs-off zbal test starts anyway (the shim's tokens are
-    the shim-absent server's, which that file checks); 0.5.9 has none there, so one of its own."""
-    from test_real_server import HEAP_MIB
-
-    return {"0.5.9": ("off-eager", dict(shim="absent", graphs=False)),
-            "0.5.11": ("full-eager", dict(zbal_mib=HEAP_MIB, graphs=False))}[version]
-
-
-@pytest.mark.parametrize("version", [pytest.param(v, marks=pytest.mark.xdist_group("server-" + v))
-                                     for v in ("0.5.9", "0.5.11")])
-def test_a_real_sglang_server_captures_replays_and_answers_as_without_graphs(version, servers):
+@pytest.mark.xdist_group("server-0.5.11")
+def test_a_real_sglang_server_captures_replays_and_answers_as_without_graphs(servers):
     """sglang's NPUGraphRunner (two warm-ups, torch.npu.graph with the global pool and
     auto_dispatch_capture, update from a thread while replay runs) comes up and decodes by replay,
-    with the same greedy tokens as a server of the release with graphs off.  The graphs-on server is
-    tests/test_real_server.py's ``off`` (the shim absent, batch sizes 1 and 2 captured; the
-    release's group runs both files on one worker, this test first)."""
+    with the same greedy tokens as with graphs off.  Both servers are tests/test_real_server.py's
+    (the release's group runs both files on one worker, this test first): ``off`` (the shim absent,
+    batch sizes 1 and 2 captured) and ``full-eager`` (graphs off; that the shim's tokens are the
+    shim-absent server's is that file's check).  0.5.9's graph runner is held to graphs-off tokens
+    there too: test_two_nodes_answer_as_one (TP 2 eager beside TP 2 captured)."""
+    from test_real_server import HEAP_MIB
+
+    version = "0.5.11"
     server = servers.live("off", version, shim="absent")
     assert "--cuda-graph-bs" in server.argv and "--disable-cuda-graph" not in server.argv
     for prompt, new_tokens in GRAPH_REQUESTS:
@@ -617,11 +611,10 @@ def test_a_real_sglang_server_captures_replays_and_answers_as_without_graphs(ver
     log = server.log_text()
     assert "Capture npu graph end" in log and "Capture cuda graph bs [1, 2]" in log
     assert re.search(r"Decode batch.*(npu|cuda) graph: True", log), "no decode step replayed a graph"
-    name, options = _eager(version)
     graphs_on = servers.answers_of("off", version)
-    eager = servers.get(name, version, **options)
+    eager = servers.get("full-eager", version, zbal_mib=HEAP_MIB, graphs=False)
     assert "--disable-cuda-graph" in eager.argv
-    assert servers.answers_of(name, version, **options) == graphs_on
+    assert servers.answers_of("full-eager", version) == graphs_on
     assert "Capture" not in eager.log_text()
 
 

@@ -80,6 +80,8 @@ KEPT = {
     "no qk-norm": (dict(use_qk_norm=False), NO_QK_NORM),
     # sglang's Glm4MoeAttention without qk-norm has neither the flag's truth nor the norms
     "no qk-norm attributes": (dict(use_qk_norm=_GONE, q_norm=_GONE, k_norm=_GONE), NO_QK_NORM),
+    # the plan goes by the flag alone (the original forward_prepare normalises only where it is set)
+    "norms without the flag": (dict(use_qk_norm=_GONE), NO_QK_NORM),
     "q eps": (dict(q_norm=Norm(1e-6)), OTHER_EPS),
     "k eps": (dict(k_norm=Norm(1e-6)), OTHER_EPS),
     "not neox": (dict(rotary_emb=Rope(neox=False)),

@@ -403,17 +403,47 @@ def test_npu_utils_with_the_helper_but_a_model_not_calling_it_is_backported(tmp_
     """Upstream is the model calling hardware_backend.npu.utils.process_shared_expert: the helper
     alone in npu/utils.py (a release or image between the two changes) is not the feature."""
     monkeypatch.setattr(ds, "kernel_problem", lambda: None)
-    src, root = realsglang.sglang_envs.ensure_sources("0.5.9") / "sglang", tmp_path / "sglang"
-    for rel in ("srt/models/glm4_moe.py", "srt/hardware_backend/npu/utils.py", "version.py"):
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(src / rel, root / rel)
-    utils = root / "srt/hardware_backend/npu/utils.py"
-    utils.write_text(utils.read_text() + "\n\ndef process_shared_expert(hidden_states, forward_func):\n"
-                                         "    return forward_func(hidden_states)\n")
-    view = SourceView(str(root), version="0.5.9+helper")
+    view = _tree_with(tmp_path, "srt/hardware_backend/npu/utils.py", lambda t: t + (
+        "\n\ndef process_shared_expert(hidden_states, forward_func):\n    return forward_func(hidden_states)\n"))
     assert view.has(ds.NPU_UTILS, "process_shared_expert")
     decision = framework.decide(ds.PATCH, view, environ={"SGLANG_NPU_USE_MULTI_STREAM": "1"}, on_npu=True)
     assert decision.state == "applied", decision
+
+
+def _tree_with(tmp_path, rel, edit):
+    """A copy of 0.5.9's glm4_moe.py, npu/utils.py and version.py with ``edit(text)`` applied to ``rel``."""
+    src, root = realsglang.sglang_envs.ensure_sources("0.5.9") / "sglang", tmp_path / "sglang"
+    for name in ("srt/models/glm4_moe.py", "srt/hardware_backend/npu/utils.py", "version.py"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src / name, root / name)
+    text = (root / rel).read_text()
+    assert edit(text) != text
+    (root / rel).write_text(edit(text))
+    return SourceView(str(root), version="0.5.9+edited")
+
+
+def test_a_changed_forward_prepare_body_is_unsupported(tmp_path, monkeypatch):
+    """The fused path stands in for 0.5.7-0.5.9's forward_prepare: an image whose body differs
+    (here the rope call) is refused even with the streams off."""
+    monkeypatch.setattr(ds, "kernel_problem", lambda: None)
+    view = _tree_with(tmp_path, "srt/models/glm4_moe.py", lambda t: t.replace(
+        "q, k = self.rotary_emb(positions, q, k)", "q, k = self.rotary_emb(positions, k, q)"))
+    decision = framework.decide(ds.PATCH, view, environ={}, on_npu=True)
+    assert decision.state == "unsupported"
+    assert "Glm4MoeAttention.forward_prepare differs from the code the shim stands in for" in decision.reason
+
+
+def test_the_targets_wrap_with_the_decisions_own_state(monkeypatch):
+    """Each decision builds one state: its targets call that state's wrappers, and the patch
+    record's details show that state's counts."""
+    monkeypatch.setattr(ds, "kernel_problem", lambda: None)
+    decision = framework.decide(ds.PATCH, view_of("0.5.9"), environ={"SGLANG_NPU_USE_MULTI_STREAM": "1"},
+                                on_npu=True)
+    state = decision.process_state
+    assert isinstance(state, ds.DualStreamExpertsState)
+    assert {t.qualname: t.wrapper for t in decision.targets} == {
+        ds.DEEPEP: state.forward_deepep_wrapper, ds.PREPARE: state.forward_prepare_wrapper}
+    assert state.details is decision.details and decision.details["counts"] is state.counts
 
 
 # == forward_deepep: which calls take two streams, and what they compute ==========================

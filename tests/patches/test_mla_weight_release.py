@@ -29,7 +29,11 @@ REL = R.MlaWeightReleaseState("quantization_config", "server_args")
 
 @pytest.fixture(autouse=True)
 def fresh_state():
+    """A fresh state and a fresh entry built on it, in the test, as a decision builds them (an entry
+    built at import time would keep the code it was built with)."""
+    global WRAPPED
     REL.__init__("quantization_config", "server_args")
+    WRAPPED = REL.npu_mla_preprocess_for(npu_mla_preprocess)
     yield
     REL.__init__("quantization_config", "server_args")
 

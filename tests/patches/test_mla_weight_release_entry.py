@@ -83,7 +83,10 @@ def test_first_call_hands_sglang_the_layers_arguments_and_releases_w_kc(decode):
     assert entry(m, *args) == ("sglang's answer", 1)
     assert len(calls) == 1 and all(a is b for a, b in zip(calls[0], (m,) + args))
     assert R.is_released(w_kc) and decode.guarded["w_kc"] == {0}  # released on the call that built it
-    assert decode.released_bytes["w_kc"] == 4 * 8 * 12 * 4 and R._FIRST in m.__dict__
+    assert decode.released_bytes == {"qkv_a": 0, "w_kc": 4 * 8 * 12 * 4} and R._FIRST in m.__dict__
+    # and the status says so (npu_shim.states())
+    assert (decode.details["w_kc_bytes"], decode.details["qkv_a_bytes"], decode.details["layers"]) == (
+        4 * 8 * 12 * 4, 0, 1)
 
 
 def test_first_call_takes_every_argument_as_a_keyword(decode):

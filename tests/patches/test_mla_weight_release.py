@@ -29,7 +29,11 @@ REL = R.MlaWeightReleaseState("quantization_config", "server_args")
 
 @pytest.fixture(autouse=True)
 def fresh_state():
+    """A fresh state and a fresh entry built on it, in the test, as a decision builds them (an entry
+    built at import time would keep the code it was built with)."""
+    global WRAPPED
     REL.__init__("quantization_config", "server_args")
+    WRAPPED = REL.npu_mla_preprocess_for(npu_mla_preprocess)
     yield
     REL.__init__("quantization_config", "server_args")
 
@@ -482,7 +486,7 @@ def npu_mla_preprocess(m, hidden_states, positions, forward_batch, zero_allocato
     return hidden_states @ pre.q_a_proj_weight, pre.w_kc.sum()
 
 
-WRAPPED = REL.npu_mla_preprocess_for(npu_mla_preprocess)
+WRAPPED = None  # the entry: fresh_state builds it for each test, on REL
 
 
 def test_the_entry_is_a_plain_function_of_sglangs_parameters_that_pickles_by_name(monkeypatch):

@@ -264,3 +264,25 @@ def test_a_package_module_is_read_from_its_init_file(tmp_path):
 def test_a_function_s_repr_names_it_with_its_parameters():
     assert repr(module().function("Scheduler.__init__")) == "FunctionInfo(Scheduler.__init__(a, b))"
     assert repr(module().function("twice")) == "FunctionInfo(twice())"
+
+
+def test_contains_answers_whether_the_module_text_matches():
+    """Probes on code (a call a release makes, not a name it defines) read the module's text."""
+    module = ModuleSource("m.py", "def f():\n    return process_shared_expert(x)\n")
+    assert module.contains(r"process_shared_expert\(") is True
+    assert module.contains(r"forward_deepep\(") is False
+
+
+def test_an_imported_module_is_known_by_the_name_it_binds():
+    module = ModuleSource("m.py", "import os.path\nimport json.decoder as decoding\nfrom a.b import c as d\n")
+    assert module.has("os") and not module.has("os.path")
+    assert module.has("decoding") and not module.has("json")
+    assert module.has("d")
+
+
+def test_a_view_given_its_version_keeps_it(tmp_path):
+    """A version given (an edited copy of a release's tree names another, or none) is believed
+    over the package's own files."""
+    (tmp_path / "version.py").write_text('__version__ = "0.5.9"\n')
+    assert codeview.SourceView(str(tmp_path)).version == "0.5.9"
+    assert codeview.SourceView(str(tmp_path), version="0.5.11").version == "0.5.11"

@@ -5,6 +5,8 @@
 
 import ast
 import sys
+import types
+import uuid
 
 import pytest
 
@@ -132,9 +134,11 @@ async def f(a, b=None, *rest, c: int = 2, **more) -> "T":
     ("def f(a):\n    return a + 1\n", "8e64ac8a1783043d"),
     (PINNED_DEF, "a313918a2ae9101e"),
 ])
-def test_a_fingerprint_is_the_same_value_in_every_shim_and_python(text, fingerprint):
+def test_a_fingerprint_is_the_same_value_in_every_shim_and_python(text, fingerprint, monkeypatch):
     """Patches ship the fingerprints of the sglang defs they were written against (their pins):
-    a def's fingerprint is a fixed value, not only one this process computes the same way twice."""
+    a def's fingerprint is a fixed value, not only one this process computes the same way twice --
+    in a fresh process too, whose cache of each AST class's fields starts empty."""
+    monkeypatch.setattr(reading, "_FIELDS", {})
     node = ast.parse(text).body[0]
     assert reading.fingerprint_node(node) == fingerprint
     assert ModuleSource("m.py", text).function("f").fingerprint == fingerprint
@@ -182,6 +186,19 @@ def test_a_file_that_does_not_parse_says_where_and_why(text, message):
     with pytest.raises(SourceError) as raised:
         reading.parse_source(text, "broken.py")
     assert str(raised.value) == message
+
+
+def test_a_parse_error_without_a_line_says_the_error_itself_cut_to_120_characters(monkeypatch):
+    """Older Pythons raise ValueError for a null byte: no line number, no ``msg``."""
+    def refuse(text, filename):
+        raise ValueError("source code string cannot contain null bytes " + "x" * 200)
+
+    monkeypatch.setattr(reading, "ast", types.SimpleNamespace(parse=refuse))  # reading's name only
+    with pytest.raises(SourceError) as raised:
+        reading.parse_source("A = 1\n", "nul.py")
+    reason = str(raised.value).split("cannot parse nul.py: ValueError: ", 1)[1]
+    assert len(reason) == 120 and reason.startswith("source code string cannot contain null bytes xxx")
+    assert reason.endswith("...")
 
 
 def test_a_parse_reason_is_cut_to_120_characters():
@@ -328,3 +345,39 @@ def test_an_installed_package_s_version_is_its_distribution_s_before_its_files(t
     assert reading.module_version(["no-such-dist-anywhere", "pytest"], package_dir) == metadata.version("pytest")
     assert reading.module_version(["no-such-dist-anywhere"], package_dir) == "7.7.7"
     assert reading.module_version([], str(tmp_path / "absent")) is None
+
+
+def test_the_loaded_code_of_something_with_no_source_raises_what_the_check_reports():
+    """``Target.check_loaded`` turns TypeError / OSError into "cannot read the loaded code";
+    an object with no ``__code__`` must raise one of those, not an AttributeError."""
+    import functools
+
+    with pytest.raises(TypeError):
+        reading.live_fingerprint(functools.partial(print))
+
+
+def test_the_loaded_code_whose_file_is_gone_raises_oserror(tmp_path, monkeypatch):
+    import importlib
+    import linecache
+
+    name = "gone_%s" % uuid.uuid4().hex  # a new name each run: no import cache can answer for it
+    (tmp_path / (name + ".py")).write_text("def f(a):\n    return a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    monkeypatch.delitem(sys.modules, name)
+    (tmp_path / (name + ".py")).unlink()
+    linecache.cache.pop(module.f.__code__.co_filename, None)
+    with pytest.raises(OSError):
+        reading.live_fingerprint(module.f)
+
+
+def test_a_method_indented_with_a_tab_has_the_fingerprint_its_source_has(tmp_path, monkeypatch):
+    import importlib
+
+    text = "class C:\n\tdef m(self, a):\n\t\treturn a + 1\n"
+    name = "tabbed_%s" % uuid.uuid4().hex  # a new name each run: no import cache can answer for it
+    (tmp_path / (name + ".py")).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    monkeypatch.delitem(sys.modules, name)
+    assert reading.live_fingerprint(module.C.m) == ModuleSource(name + ".py", text).function("C.m").fingerprint

@@ -305,6 +305,21 @@ def test_a_patch_whose_probe_finds_the_feature_stands_down_with_the_evidence():
     assert (decision.state, decision.reason) == (framework.UPSTREAM, "sglang ? has it: def forward_mlaprolog")
 
 
+def test_an_upstream_variable_the_backport_rejects_stands_down_word_for_word_without_a_version():
+    """A variable of upstream's (not ``NPU_SHIM_*``) set to what the backport cannot accept, on an
+    sglang that has the feature but says no version: ``upstream``, "?" for the version, and what
+    the backport would have said."""
+    var = config.boolean("SGLANG_DEMO_FLAG", False, "upstream's flag")
+    patch = declare(reads=(var,), probe=lambda self, view: "def forward_mlaprolog")()
+    view = View()
+    view.version = None
+    decision = framework.decide(patch, view, environ={"SGLANG_DEMO_FLAG": "maybe"})
+    assert (decision.state, decision.reason) == (
+        framework.UPSTREAM,
+        "sglang ? has it: def forward_mlaprolog; upstream reads SGLANG_DEMO_FLAG itself (to the backport, "
+        "SGLANG_DEMO_FLAG='maybe' is invalid: expected a boolean: one of 1/0, true/false, yes/no, on/off)")
+
+
 def test_no_sglang_is_unsupported_and_no_npu_inactive_for_a_patch_that_needs_one():
     decision = framework.decide(declare()(), None, environ={})
     assert (decision.state, decision.reason) == (framework.UNSUPPORTED, "sglang not found")
@@ -441,6 +456,23 @@ def test_a_wrong_declaration_names_every_problem_in_one_message():
         declare(switch=config.boolean("NPU_SHIM_OTHER", True, "x"), upstream=upstream(backports=("0.5.7", "0.5.20")))
     assert str(info.value) == ("patch DemoPatch is declared wrongly: switch is NPU_SHIM_OTHER, expected NPU_SHIM_DEMO; "
                                "upstream.backports 0.5.7 - 0.5.20 must end before upstream.release 0.5.20")
+
+
+@pytest.mark.parametrize("fact, problem", [
+    (upstream(pr=""), "upstream.pr is required (e.g. sgl-project/sglang#19246)"),
+    (upstream(pr=None), "upstream.pr is required (e.g. sgl-project/sglang#19246)"),
+    (upstream(backports=("0.5.7",)),
+     "upstream.backports must be (first, last) and upstream.release a release number"),
+    (upstream(release="latest"),
+     "upstream.backports must be (first, last) and upstream.release a release number"),
+], ids=["empty pr", "no pr", "one backport", "release not a number"])
+def test_each_upstream_problem_word_for_word_in_the_declarations_type_error(fact, problem):
+    """What the author of a patch reads when ``upstream`` is wrong: the problem alone, and the
+    TypeError the class definition raises."""
+    assert fact.problems() == [problem]
+    with pytest.raises(TypeError) as info:
+        declare(upstream=fact)
+    assert str(info.value) == "patch DemoPatch is declared wrongly: " + problem
 
 
 def test_the_backports_must_not_end_before_they_start():

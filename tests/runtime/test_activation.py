@@ -414,6 +414,28 @@ def test_install_cycles_leave_one_hook_waiting_per_module(activating, sglang_tre
     assert module.f() == 2  # wrapped once
 
 
+def test_a_hook_an_earlier_install_left_behind_does_nothing_in_a_later_one(activating, sglang_tree, monkeypatch):
+    """A hook held across uninstall() (popped by ``run_hooks`` in another thread, or handed out by an
+    activation that raced uninstall() and install()) that runs in a later install neither decides
+    nor patches: each install's hooks are its own, however many cycles came before."""
+    runtime, watcher = activating(), Watcher()
+    earlier = []
+    for _ in range(2):
+        runtime.activate(watcher)
+        earlier += runtime.finder._hooks["sglang.srt.a"]
+        runtime.uninstall(watcher)
+    runtime.activate(watcher)
+    module = fake_module("sglang.srt.a", "def f():\n    return 1\n")
+    monkeypatch.setitem(sys.modules, "sglang.srt.a", module)
+    for hook in earlier:
+        hook(module)
+    assert module.f() == 1 and runtime.records is None
+    runtime.finder.run_hooks(module)  # this install's own hook
+    assert module.f() == 2 and runtime.record("demo").applied == {"sglang.srt.a:f"}
+    runtime.uninstall(watcher)
+    assert module.f() == 1
+
+
 @pytest.mark.parametrize("error, reason", [
     (wrapt_loader.WraptUnavailable("wrapt is not available: test"), "wrapt is not available: test"),
     (RuntimeError("broken build"), "wrapt could not be loaded: RuntimeError('broken build')")])
@@ -829,6 +851,24 @@ def test_a_child_forked_while_another_thread_holds_the_runtimes_lock_reloads(fak
 
     assert in_a_child_forked_while_held(runtime.lock, check) == 0
     assert module.f() == 1  # the parent's module: the child's change is the child's
+
+
+def test_after_a_fork_the_runtime_takes_a_new_lock_and_reloads_while_the_old_one_is_held(fake_a):
+    """What the fork handler runs in the child, here in this process: ``forked`` gives the runtime a
+    lock of its own, free while another thread still holds the one it had, so a reload is patched."""
+    from test_finder import held_by_another_thread
+
+    module, _ = fake_a
+    runtime = activation.Runtime()
+    runtime.records = {"demo": applied_record([targets.Wrap("sglang.fake_a", "f", add_one, [()])])}
+    with held_by_another_thread(runtime.lock):
+        runtime.forked()
+        assert runtime.lock.acquire(timeout=10)
+        runtime.lock.release()
+        runtime.reapply_after_reload(module)
+        assert module.f() == 2
+    runtime.uninstall(Watcher())
+    assert module.f() == 1
 
 
 def reload_in_place(module, source):

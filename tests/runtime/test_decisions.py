@@ -181,15 +181,17 @@ def test_a_replaced_value_in_the_module_the_new_change_holds_has_nothing_left_to
     assert staying == [] and len(replaced) == 1 and decisions.pruned(replaced) == []
 
 
-def test_a_replaced_value_in_another_owner_is_put_back_while_that_owner_lives():
+@pytest.mark.parametrize("original", [{"a": 1}, None], ids=["a dict", "None"])
+def test_a_replaced_value_in_another_owner_is_put_back_while_that_owner_lives(original):
     """A dict (no weak reference) set on the class of the old code: put back at uninstall() while
-    that class lives, held no longer than it."""
+    that class lives, held no longer than it -- a dict, and None (a replacement without
+    ``__wrapped__`` is no wrapper of it)."""
     import gc
 
     class Old:
-        TABLE = {"a": 1}
+        TABLE = original
 
-    original, table = Old.TABLE, {"b": 2}
+    table = {"b": 2}
     old = targets.Change(Old, "TABLE", original, table, what="m:Old.TABLE")
     old.apply(False)
     new = targets.Change(type("New", (), {}), "TABLE", original, table, what="m:Old.TABLE")
@@ -229,6 +231,84 @@ def test_the_copies_of_a_replaced_wrapper_are_put_back_once_its_module_object_is
     del holder.f
     gc.collect()
     assert decisions.pruned(replaced) == []  # the wrapper gone with its last copy
+
+
+def test_a_replaced_wrapper_in_a_module_object_that_lives_on_is_put_back_there_and_in_its_copies(monkeypatch):
+    """A purge left the old module object, which something still holds, and a third module copied its
+    wrapper: both get the original back."""
+    import gc
+
+    def f():
+        return 1
+
+    old_module = _module("sglang.fake_old", f=f)
+    wrapper = targets.function_wrapper(f, lambda wrapped, instance, args, kwargs: wrapped() + 1)
+    old = targets.Change(old_module, "f", f, wrapper, what="m:f")
+    old.apply(False)
+    holder = _module("sglang.fake_holder", f=wrapper)
+    monkeypatch.setitem(sys.modules, holder.__name__, holder)
+    new_module = _module("sglang.fake_old", f=lambda: 1)
+    new = targets.Change(new_module, "f", new_module.f, object(), what="m:f")
+    staying, replaced = decisions.take_over([old], [], [new])
+    del old, wrapper
+    gc.collect()
+    assert staying == [] and decisions.pruned(replaced) == replaced
+    assert old_module.f() == holder.f() == 2
+    replaced[0].revert()
+    assert old_module.f is f and holder.f is f
+
+
+def test_a_replaced_shared_value_in_a_module_object_that_lives_on_is_put_back_there_alone(monkeypatch):
+    """A value replaced in place only (``rebind_copies`` off: a dict other code holds too), in the old
+    module object a purge left: put back there, and another module that holds the same dict keeps it."""
+    original, shared = {"mode": "sglang's"}, {"mode": "the shim's"}
+    old_module = _module("sglang.fake_cfg", CONFIG=original)
+    old = targets.Change(old_module, "CONFIG", original, shared, rebind_copies=False, what="m:CONFIG")
+    old.apply(False)
+    other = _module("sglang.fake_other", CONFIG=shared)
+    monkeypatch.setitem(sys.modules, other.__name__, other)
+    new_module = _module("sglang.fake_cfg", CONFIG={"mode": "sglang's"})
+    new = targets.Change(new_module, "CONFIG", new_module.CONFIG, shared, rebind_copies=False, what="m:CONFIG")
+    staying, replaced = decisions.take_over([old], [], [new])
+    assert staying == [] and decisions.pruned(replaced) == replaced
+    replaced[0].revert()
+    assert old_module.CONFIG is original and other.CONFIG is shared
+
+
+def test_a_replaced_wrapper_of_a_method_that_uses_super_keeps_nothing_of_the_old_class_alive():
+    """A reload's class took over from the old one, whose method (calling ``super()``: its code holds
+    its class) is wrapped.  What is still to put back holds the old class and the wrapper weakly and
+    the original only through the wrapper: once nothing else holds the old class it is collected,
+    and nothing is left to put back (held strongly, the original kept its class, and so itself, alive
+    for ever: one class more each reload)."""
+    import gc
+    import weakref
+
+    def load():
+        class Base:
+            def get(self):
+                return 1
+
+        class Box(Base):
+            def get(self):
+                return super().get()
+
+        return Box
+
+    Old = load()
+    original = Old.__dict__["get"]
+    wrapper = targets.function_wrapper(original, lambda wrapped, instance, args, kwargs: wrapped(*args) + 1)
+    old = targets.Change(Old, "get", original, wrapper, what="m:Box.get")
+    old.apply(False)
+    assert Old().get() == 2
+    New = load()
+    new = targets.Change(New, "get", New.__dict__["get"], object(), what="m:Box.get")
+    staying, replaced = decisions.take_over([old], [], [new])
+    assert staying == [] and decisions.pruned(replaced) == replaced  # the old class lives
+    old_class = weakref.ref(Old)
+    del old, Old, original, wrapper
+    gc.collect()
+    assert old_class() is None and decisions.pruned(replaced) == []
 
 
 # -- deciding every patch -----------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ meta-path finder) hands imports on to -- a hooked module's hooks run after its c
 import is ignored, no wrapt import hook is loaded, the table never enters sys.meta_path (reloads:
 test_reliability.py; the watcher's lookup and its guard: test_bootstrap_watcher.py)."""
 
+import contextlib
 import importlib
 import importlib.machinery
 import json
@@ -471,6 +472,27 @@ def test_the_watch_on_a_spec_fires_once_when_its_import_ends_and_not_after():
     assert calls == [1] and type(spec) is importlib.machinery.ModuleSpec
 
 
+def test_a_watched_spec_reads_as_its_own_class_while_its_import_runs():
+    """Code that looks at ``type(module.__spec__)`` during the import (a repr, a check by name or
+    module) sees the spec's own class, never one of npu-shim's -- for a spec class nested in
+    another too -- and the class itself once the import ended."""
+    class Specs:
+        class Nested(importlib.machinery.ModuleSpec):
+            pass
+
+    for base in (importlib.machinery.ModuleSpec, Specs.Nested):
+        spec = base("hk_disguised", None)
+        spec._initializing = True
+        ended = []
+        assert finder._watch_initializing(spec, lambda: ended.append(True)) is True
+        watched = type(spec)
+        assert watched is not base and isinstance(spec, base)
+        assert (watched.__name__, watched.__qualname__, watched.__module__) == (
+            base.__name__, base.__qualname__, base.__module__)
+        spec._initializing = False
+        assert ended == [True] and type(spec) is base
+
+
 def test_a_spec_whose_class_cannot_change_runs_the_hooks_at_once(hooks, monkeypatch):
     class Fixed:
         __slots__ = ("_initializing",)
@@ -482,6 +504,43 @@ def test_a_spec_whose_class_cannot_change_runs_the_hooks_at_once(hooks, monkeypa
     fired = []
     hooks.register("hk_fixed", fired.append)
     assert fired == [module] and hooks.waiting() == []
+
+
+@contextlib.contextmanager
+def held_by_another_thread(lock):
+    """``lock`` held by another thread until the block ends."""
+    import threading
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(30)
+        yield
+    finally:
+        release.set()
+        holder.join(30)
+
+
+def test_after_a_fork_the_table_takes_a_new_lock_and_registers_while_the_old_one_is_held(hooks):
+    """What the fork handler runs in the child, here in this process: ``forked`` gives the table a
+    lock of its own, free while another thread still holds the one it had, so registering and
+    the import's hooks go on."""
+    _write(hooks, "hk_relocked.py", "X = 1\n")
+    fired = []
+    with held_by_another_thread(hooks._lock):
+        hooks.forked()
+        assert hooks._lock.acquire(timeout=10)
+        hooks._lock.release()
+        hooks.register("hk_relocked", fired.append)
+        import hk_relocked
+        assert fired == [hk_relocked] and hooks.waiting() == []
 
 
 def in_a_child_forked_while_held(lock, check):
@@ -733,6 +792,16 @@ class OwnSpec(types.ModuleType):
     @property
     def __spec__(self):
         return self.own_spec
+
+
+def test_a_hook_for_an_object_without_a_spec_in_sys_modules_runs_at_once(hooks, monkeypatch):
+    """What sys.modules holds under a hooked name may have no ``__spec__`` (a module object that takes
+    none, one put there by hand): it counts as imported, and its hook runs at once."""
+    module = Sealed("hk_sealed_before")
+    monkeypatch.setitem(sys.modules, "hk_sealed_before", module)
+    fired = []
+    hooks.register("hk_sealed_before", fired.append)
+    assert fired == [module] and hooks.waiting() == []
 
 
 def test_a_loaders_own_module_object_gets_the_hooks(hooks, own_meta_path):

@@ -138,3 +138,24 @@ def test_the_schedulers_stats_log_publishes_the_counts_after_sglangs_own_values(
     for change in changes:
         change.revert()
     assert SchedulerMetricsCollector.__dict__["log_stats"] is changes[1].original
+
+
+def test_the_stats_log_wrapper_hands_keyword_arguments_and_the_result_through(monkeypatch):
+    """sglang's scheduler may pass ``log_stats`` its arguments by keyword: they reach its own method,
+    what it returns is returned, and the shim's counts are published after it."""
+    module = types.ModuleType(metrics_hook.MODULES[0])
+    seen = []
+
+    class SchedulerMetricsCollector:
+        def log_stats(self, stats, *, step=None):
+            seen.append((stats, step))
+            return "logged"
+
+    module.SchedulerMetricsCollector = SchedulerMetricsCollector
+    monkeypatch.setattr(metrics, "publish", lambda: seen.append("shim"))
+    (change,) = metrics_hook.prepare(module, dict)
+    assert (change.owner, change.attr) == (SchedulerMetricsCollector, "log_stats")
+    change.apply(False)
+    assert SchedulerMetricsCollector().log_stats(stats={"tok/s": 1}, step=3) == "logged"
+    assert seen == [({"tok/s": 1}, 3), "shim"]
+    change.revert()

@@ -377,6 +377,35 @@ def test_modules_without_a_dict_namespace_are_passed_over(holder, monkeypatch):
     assert owner.f is f
 
 
+def test_rebinding_changes_the_copies_of_the_original_and_no_other_name():
+    """``rebind`` goes through every module in sys.modules: it points the names that hold the
+    original at the replacement, in every module but the one skipped, and leaves every other
+    name as it was.  While it runs, sys.modules holds only this test's modules, so that whatever
+    else it changed shows here (and nothing else of this process is touched)."""
+    def f():
+        return 1
+
+    def g():
+        return 2
+
+    def shimmed():
+        return 3
+
+    owner, holder = types.ModuleType(A), types.ModuleType("npu_shim_test_holder")
+    owner.f, owner.g = f, g
+    holder.f = holder.alias = f
+    holder.g, holder.LIMIT = g, 5
+    modules = sys.modules
+    sys.modules = {owner.__name__: owner, holder.__name__: holder}
+    try:
+        targets.rebind(f, shimmed, skip=owner)
+    finally:
+        sys.modules = modules
+    assert (owner.f, owner.g) == (f, g)
+    assert (holder.f, holder.alias, holder.g, holder.LIMIT) == (shimmed, shimmed, g, 5)
+    assert holder.__name__ == "npu_shim_test_holder"
+
+
 def test_revert_leaves_a_name_someone_else_changed_since(holder):
     """Only what the change put there is put back -- even when its replacement is None."""
     owner, _ = holder

@@ -190,6 +190,32 @@ def test_a_resize_that_fails_puts_the_weight_back_whole(guard, said, monkeypatch
     assert tensor_release.free_weight(tensor, "w", guard, said[1]) == values.untyped_storage().nbytes()
 
 
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(8, 8).to(torch.bfloat16),
+    lambda: torch.arange(64, dtype=torch.int8).reshape(8, 8),
+    lambda: torch.nn.Parameter(torch.randn(8, 8)),
+    lambda: torch.empty(8, 8, dtype=torch.float16, device="meta"),
+], ids=["bfloat16", "int8", "requires-grad", "meta-device"])
+def test_a_weight_put_back_keeps_its_dtype_device_and_requires_grad(guard, said, monkeypatch, make):
+    """The resize fails after the swap: the weight comes back as the model had it -- a bf16 or int8
+    weight not read as float32, a weight on a device (meta here) not moved to the CPU, a trainable
+    parameter still requiring grad -- its values unchanged."""
+    tensor = make()
+    before = (type(tensor), tensor.dtype, tensor.device, tensor.requires_grad, tensor.size(), tensor.stride())
+    values = None if tensor.is_meta else tensor.detach().clone()
+
+    def refuse(self, size):
+        raise RuntimeError("Trying to resize storage that is not resizable")
+
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", refuse)
+    assert tensor_release.free_weight(tensor, "w", guard, said[1]) == 0
+    monkeypatch.undo()
+    after = (type(tensor), tensor.dtype, tensor.device, tensor.requires_grad, tensor.size(), tensor.stride())
+    assert after == before and not tensor_release.is_released(tensor)
+    assert values is None or torch.equal(tensor.detach(), values)
+    assert [key for key, level, message in said[0]] == ["resize"]
+
+
 @pytest.mark.parametrize("held, count", [(1, "1 holder"), (2, "2 holders")])
 def test_memory_still_held_after_the_swap_is_guarded_but_not_freed(guard, said, monkeypatch, held, count):
     """Should the holder check miss bases held elsewhere (a chain of ``held`` of them), the weight

@@ -206,11 +206,9 @@ def test_a_replaced_value_in_another_owner_is_put_back_while_that_owner_lives(or
     replaced[0].revert()  # nothing left: nothing done
 
 
-def test_the_copies_of_a_replaced_wrapper_are_put_back_once_its_module_object_is_gone(monkeypatch):
-    """A purge left the old module object, whose wrapper a third module copied: the old module
-    gone, the copy still gets the original back."""
-    import gc
-
+def _a_purge_left_a_wrapped_module_whose_wrapper_a_third_module_copied(monkeypatch):
+    """(f, the old module object, its wrapper, the module holding a copy of the wrapper, what
+    take_over returned) after a purge and a new import of ``sglang.fake_old``."""
     def f():
         return 1
 
@@ -222,8 +220,17 @@ def test_the_copies_of_a_replaced_wrapper_are_put_back_once_its_module_object_is
     monkeypatch.setitem(sys.modules, holder.__name__, holder)
     new_module = _module("sglang.fake_old", f=lambda: 1)
     new = targets.Change(new_module, "f", new_module.f, object(), what="m:f")
-    staying, replaced = decisions.take_over([old], [], [new])
-    del old, old_module, wrapper
+    return f, old_module, wrapper, holder, decisions.take_over([old], [], [new])
+
+
+def test_the_copies_of_a_replaced_wrapper_are_put_back_once_its_module_object_is_gone(monkeypatch):
+    """A purge left the old module object, whose wrapper a third module copied: the old module
+    gone, the copy still gets the original back."""
+    import gc
+
+    f, old_module, wrapper, holder, (staying, replaced) = (
+        _a_purge_left_a_wrapped_module_whose_wrapper_a_third_module_copied(monkeypatch))
+    del old_module, wrapper
     gc.collect()
     assert decisions.pruned(replaced) == replaced and holder.f() == 2
     replaced[0].revert()
@@ -238,19 +245,9 @@ def test_a_replaced_wrapper_in_a_module_object_that_lives_on_is_put_back_there_a
     wrapper: both get the original back."""
     import gc
 
-    def f():
-        return 1
-
-    old_module = _module("sglang.fake_old", f=f)
-    wrapper = targets.function_wrapper(f, lambda wrapped, instance, args, kwargs: wrapped() + 1)
-    old = targets.Change(old_module, "f", f, wrapper, what="m:f")
-    old.apply(False)
-    holder = _module("sglang.fake_holder", f=wrapper)
-    monkeypatch.setitem(sys.modules, holder.__name__, holder)
-    new_module = _module("sglang.fake_old", f=lambda: 1)
-    new = targets.Change(new_module, "f", new_module.f, object(), what="m:f")
-    staying, replaced = decisions.take_over([old], [], [new])
-    del old, wrapper
+    f, old_module, wrapper, holder, (staying, replaced) = (
+        _a_purge_left_a_wrapped_module_whose_wrapper_a_third_module_copied(monkeypatch))
+    del wrapper
     gc.collect()
     assert staying == [] and decisions.pruned(replaced) == replaced
     assert old_module.f() == holder.f() == 2

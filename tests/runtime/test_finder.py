@@ -548,27 +548,15 @@ def in_a_child_forked_while_held(lock, check):
     The child's exit status: 0 when it held, 1 when not or it raised, None when it still waited
     after 10 s (it is killed then)."""
     import os
-    import threading
     import time
 
-    held, release = threading.Event(), threading.Event()
-
-    def hold():
-        with lock:
-            held.set()
-            release.wait(30)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    assert held.wait(30)
-    pid = os.fork()
-    if pid == 0:  # the child: never back into pytest
-        try:
-            os._exit(0 if check() else 1)
-        finally:
-            os._exit(1)
-    release.set()
-    holder.join(30)
+    with held_by_another_thread(lock):
+        pid = os.fork()
+        if pid == 0:  # the child: never back into pytest
+            try:
+                os._exit(0 if check() else 1)
+            finally:
+                os._exit(1)
     for _ in range(200):
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:

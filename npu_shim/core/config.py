@@ -235,14 +235,18 @@ def read_all(variables, environ=None):
 
 
 def unknown_names(variables, environ=None):
-    """``NPU_SHIM_*`` names set in ``environ`` that no variable reads: [(name, suggestion or None)]."""
+    """``NPU_SHIM_*`` names set in ``environ`` that no variable reads: [(name, suggestion or None)].
+    A suggestion is a user's variable whose name after the prefix is close to the unknown one's
+    (the shared prefix alone would make any long name look like a typo of another)."""
     environ = os.environ if environ is None else environ
-    known = set(INTERNAL_NAMES)
+    users = set()
     for var in variables:
-        known.update((var.name,) + var.aliases)
-    unknown = sorted(n for n in environ if n.startswith(SWITCH_PREFIX) and n not in known)
+        users.update((var.name,) + var.aliases)
+    unknown = sorted(n for n in environ if n.startswith(SWITCH_PREFIX) and n not in users | set(INTERNAL_NAMES))
     if not unknown:
         return []
     import difflib  # only when there is a typo to name
 
-    return [(n, (difflib.get_close_matches(n, sorted(known)) or [None])[0]) for n in unknown]
+    stems = sorted(n[len(SWITCH_PREFIX):] for n in users)
+    return [(n, SWITCH_PREFIX + match[0] if match else None)
+            for n in unknown for match in [difflib.get_close_matches(n[len(SWITCH_PREFIX):], stems)]]

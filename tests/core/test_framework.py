@@ -212,7 +212,15 @@ def test_the_retired_source_answers_are_an_unknown_name():
     in an environment, it is named as a variable the shim does not read (ignored)."""
     assert config.INTERNAL_NAMES == ("NPU_SHIM_CACHE",)
     found = dict(config.unknown_names(loading.all_variables(), {"NPU_SHIM_SOURCE_ANSWERS": "{}"}))
-    assert list(found) == ["NPU_SHIM_SOURCE_ANSWERS"]
+    assert found == {"NPU_SHIM_SOURCE_ANSWERS": None}  # not "did you mean NPU_SHIM_CACHE?"
+
+
+def test_a_suggestion_is_a_users_variable_close_after_the_prefix():
+    """The test cache's variable is never suggested, and a name that only shares the prefix gets
+    no suggestion."""
+    environ = {"NPU_SHIM_CACH": "/x", "NPU_SHIM_SOURCE": "1", "NPU_SHIM_STICT": "1"}
+    found = dict(config.unknown_names(loading.all_variables(), environ))
+    assert found == {"NPU_SHIM_CACH": None, "NPU_SHIM_SOURCE": None, "NPU_SHIM_STICT": "NPU_SHIM_STRICT"}
 
 
 # -- states: nothing to do (inactive) vs should apply but cannot (unsupported) -----------------------

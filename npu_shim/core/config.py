@@ -242,11 +242,16 @@ def unknown_names(variables, environ=None):
     users = set()
     for var in variables:
         users.update((var.name,) + var.aliases)
-    unknown = sorted(n for n in environ if n.startswith(SWITCH_PREFIX) and n not in users | set(INTERNAL_NAMES))
+    known = users.union(INTERNAL_NAMES)
+    unknown = sorted(n for n in environ if n.startswith(SWITCH_PREFIX) and n not in known)
     if not unknown:
         return []
     import difflib  # only when there is a typo to name
 
     stems = sorted(n[len(SWITCH_PREFIX):] for n in users)
-    return [(n, SWITCH_PREFIX + match[0] if match else None)
-            for n in unknown for match in [difflib.get_close_matches(n[len(SWITCH_PREFIX):], stems)]]
+
+    def suggestion(name):
+        match = difflib.get_close_matches(name[len(SWITCH_PREFIX):], stems)
+        return SWITCH_PREFIX + match[0] if match else None
+
+    return [(n, suggestion(n)) for n in unknown]
